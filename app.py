@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""CDK entry point: reads context once, validates it, composes the cluster stack.
+
+    npx cdk synth -c nodes=3 -c ssh_cidr=203.0.113.7/32
+    npx cdk deploy  -c ssh_cidr=$(curl -s https://checkip.amazonaws.com)/32
+"""
+import os
+import sys
+
+import aws_cdk as cdk
+from cdk_nag import AwsSolutionsChecks
+
+from stacks.cluster_stack import GpuClusterStack
+from stacks.config import ClusterConfig, ConfigError
+
+app = cdk.App()
+try:
+    config = ClusterConfig.from_context(
+        {key: app.node.try_get_context(key) for key in ClusterConfig.keys()})
+except ConfigError as error:
+    sys.exit(f"error: {error}")
+
+env = cdk.Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"),
+                      region=os.environ.get("CDK_DEFAULT_REGION"))
+stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
+GpuClusterStack(app, stack_name, config=config, env=env,
+                description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}")
+cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+app.synth()

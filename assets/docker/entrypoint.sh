@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Starts sshd on 4444 trusting the cluster identity (and the EC2 key pair, if given).
+# Used by the training container and, unchanged, by each node of the emulated local cluster.
+set -euo pipefail
+
+DATA_DIR=${DATA_DIR:-/data}
+CLUSTER_SSH_DIR=${CLUSTER_SSH_DIR:-$DATA_DIR/.cluster/ssh}
+RUNTIME_DIR=${RUNTIME_DIR:-/run/gpu-cluster}
+EXTRA_AUTHORIZED_KEYS=${EXTRA_AUTHORIZED_KEYS:-/etc/gpu-cluster/authorized_keys}
+SSHD_CONFIG=${SSHD_CONFIG:-/etc/gpu-cluster/sshd_config}
+
+for ((waited = 0; ; waited++)); do
+  [[ -f $CLUSTER_SSH_DIR/config ]] && break
+  ((waited < 300)) || { echo "no cluster identity in $CLUSTER_SSH_DIR" >&2; exit 1; }
+  sleep 1
+done
+
+install -d -m 0700 "$RUNTIME_DIR"
+install -d -m 0755 /run/sshd
+install -m 0600 "$CLUSTER_SSH_DIR/ssh_host_ed25519_key" "$RUNTIME_DIR/ssh_host_ed25519_key"
+{
+  cat "$CLUSTER_SSH_DIR/authorized_keys"
+  if [[ -s $EXTRA_AUTHORIZED_KEYS ]]; then cat "$EXTRA_AUTHORIZED_KEYS"; fi
+} > "$RUNTIME_DIR/authorized_keys"
+chmod 0600 "$RUNTIME_DIR/authorized_keys"
+{
+  cat "$SSHD_CONFIG"
+  echo "HostKey $RUNTIME_DIR/ssh_host_ed25519_key"
+  echo "AuthorizedKeysFile $RUNTIME_DIR/authorized_keys"
+  echo "PidFile $RUNTIME_DIR/sshd.pid"
+  # Sessions (and mpirun's remote daemons) get the image's environment, not sshd's default PATH.
+  echo "SetEnv PATH=$PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+} > "$RUNTIME_DIR/sshd_config"
+
+if (($#)); then
+  exec "$@"
+fi
+exec /usr/sbin/sshd -D -e -f "$RUNTIME_DIR/sshd_config"

@@ -1,0 +1,31 @@
+"""User data: the real bootstrap script (assets/bootstrap/node-bootstrap.sh) behind an env header.
+
+The header values may be CDK tokens (file system id, region, ...); they resolve at deploy time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "bootstrap" / "node-bootstrap.sh"
+ENV_FILE = "/etc/gpu-cluster/bootstrap.env"
+SCRIPT_PATH = "/usr/local/sbin/gpu-cluster-bootstrap"
+
+
+def render_user_data(env: Mapping[str, str]) -> str:
+    """User-data commands (after the shebang) that install the bootstrap with its env file and run it."""
+    script = BOOTSTRAP_SCRIPT.read_text()
+    env_lines = "\n".join(f"{key}={value}" for key, value in env.items())
+    return "\n".join([
+        "set -euo pipefail",
+        "install -d -m 0755 /etc/gpu-cluster",
+        f"cat > {ENV_FILE} <<'GPU_CLUSTER_ENV'",
+        env_lines,
+        "GPU_CLUSTER_ENV",
+        f"cat > {SCRIPT_PATH} <<'GPU_CLUSTER_SCRIPT'",
+        script.rstrip("\n"),
+        "GPU_CLUSTER_SCRIPT",
+        f"chmod 0755 {SCRIPT_PATH}",
+        f"exec {SCRIPT_PATH} {ENV_FILE}",
+        "",
+    ])

@@ -1,0 +1,199 @@
+"""Cluster configuration: read once from CDK context, validated, passed down typed.
+
+Every key is top-level so `cdk synth -c nodes=3` works. `-c` values arrive as strings;
+`ClusterConfig.from_context` is the one place that coerces them.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional
+
+DEFAULT_AMI_PARAMETER = (
+    "/aws/service/deeplearning/ami/x86_64/"
+    "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+)
+DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:24.12-py3"
+MAX_NODES = 64
+
+# GPUs per instance size, per family. A size not listed needs `gpus_per_node`.
+GPUS_BY_FAMILY: dict[str, dict[str, int]] = {
+    "g4dn": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
+             "12xlarge": 4, "metal": 8},
+    "g5": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
+           "12xlarge": 4, "24xlarge": 4, "48xlarge": 8},
+    "g6": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
+           "12xlarge": 4, "24xlarge": 4, "48xlarge": 8},
+    "g6e": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
+            "12xlarge": 4, "24xlarge": 4, "48xlarge": 8},
+    "p3": {"2xlarge": 1, "8xlarge": 4, "16xlarge": 8},
+    "p3dn": {"24xlarge": 8},
+    "p4d": {"24xlarge": 8},
+    "p4de": {"24xlarge": 8},
+    "p5": {"48xlarge": 8},
+}
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
+_IMAGE_RE = re.compile(r"^[a-z0-9.\-/:]+:[A-Za-z0-9._-]+$")
+_SSM_RE = re.compile(r"^/[A-Za-z0-9_./-]+$")
+_VPC_RE = re.compile(r"^vpc-[0-9a-f]{8,17}$")
+_SUBNET_RE = re.compile(r"^subnet-[0-9a-f]{8,17}$")
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.@ -]{1,255}$")
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A bad context value. The message is one line: key, value, what is accepted."""
+
+    def __init__(self, key: str, value: Any, accepted: str):
+        super().__init__(f"invalid config {key}={value!r}: {accepted}")
+        self.key = key
+
+
+def _as_int(key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(key, value, f"expected a whole number from {low} to {high}")
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise ConfigError(key, value, f"expected a whole number from {low} to {high}") from None
+    if not low <= number <= high:
+        raise ConfigError(key, value, f"expected a whole number from {low} to {high}")
+    return number
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(key, value, "expected true or false")
+
+
+def _as_str(key: str, value: Any, pattern: re.Pattern, accepted: str) -> str:
+    text = str(value).strip()
+    if not pattern.match(text):
+        raise ConfigError(key, value, accepted)
+    return text
+
+
+def _optional(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    def wrapper(key: str, value: Any) -> Any:
+        if value is None or str(value).strip() in ("", "none", "null"):
+            return None
+        return convert(key, value)
+    return wrapper
+
+
+def gpus_for(instance_type: str) -> Optional[int]:
+    """GPUs of a known instance type, or None when the size is not in the table."""
+    family, _, size = instance_type.partition(".")
+    return GPUS_BY_FAMILY.get(family, {}).get(size)
+
+
+def _instance_type(key: str, value: Any) -> str:
+    text = str(value).strip().lower()
+    family, dot, size = text.partition(".")
+    if not dot or not size or family not in GPUS_BY_FAMILY:
+        known = ", ".join(sorted(GPUS_BY_FAMILY))
+        raise ConfigError(key, value, f"expected a GPU instance type of a known family ({known}), "
+                                      "e.g. g4dn.2xlarge")
+    if not re.match(r"^[a-z0-9]+$", size):
+        raise ConfigError(key, value, "expected FAMILY.SIZE, e.g. g5.12xlarge")
+    return text
+
+
+def _cidr(key: str, value: Any) -> str:
+    text = str(value).strip()
+    try:
+        network = ipaddress.ip_network(text, strict=True)
+    except ValueError:
+        raise ConfigError(key, value, "expected an IPv4 CIDR with host bits zero, "
+                                      "e.g. 203.0.113.7/32 (your address)") from None
+    if network.version != 4:
+        raise ConfigError(key, value, "expected an IPv4 CIDR, e.g. 203.0.113.7/32")
+    return str(network)
+
+
+_PARSERS: dict[str, Callable[[str, Any], Any]] = {
+    "cluster_name": lambda k, v: _as_str(
+        k, v, _NAME_RE, "expected 1-31 lowercase letters, digits or '-', starting with a letter"),
+    "nodes": lambda k, v: _as_int(k, v, 1, MAX_NODES),
+    "instance_type": _instance_type,
+    "gpus_per_node": _optional(lambda k, v: _as_int(k, v, 1, 16)),
+    "ssh_cidr": _optional(_cidr),
+    "allow_world_ssh": _as_bool,
+    "root_volume_gb": lambda k, v: _as_int(k, v, 100, 16384),
+    "image": lambda k, v: _as_str(
+        k, v, _IMAGE_RE, "expected a pinned image REPO:TAG, e.g. nvcr.io/nvidia/pytorch:24.12-py3"),
+    "ami_ssm_parameter": lambda k, v: _as_str(
+        k, v, _SSM_RE, "expected an SSM parameter path starting with '/'"),
+    "retain_data": _as_bool,
+    "placement_group": _as_bool,
+    "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
+    "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
+    "key_name": _optional(lambda k, v: _as_str(
+        k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
+    "idle_minutes": lambda k, v: _as_int(k, v, 0, 7 * 24 * 60),
+}
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    cluster_name: str = "gpu-cluster"
+    nodes: int = 2
+    instance_type: str = "g4dn.2xlarge"
+    gpus_per_node: Optional[int] = None
+    ssh_cidr: Optional[str] = None
+    allow_world_ssh: bool = False
+    root_volume_gb: int = 200
+    image: str = DEFAULT_IMAGE
+    ami_ssm_parameter: str = DEFAULT_AMI_PARAMETER
+    retain_data: bool = False
+    placement_group: bool = True
+    vpc_id: Optional[str] = None
+    subnet_id: Optional[str] = None
+    key_name: Optional[str] = None
+    idle_minutes: int = 60
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_context(cls, context: Mapping[str, Any]) -> "ClusterConfig":
+        """Coerce and validate raw context values (strings from `-c`, or JSON from cdk.json)."""
+        values = {}
+        for key in cls.keys():
+            if context.get(key) is not None:
+                values[key] = _PARSERS[key](key, context[key])
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Checks that span several keys; single values are checked by their parser."""
+        if self.gpus_per_node is None and gpus_for(self.instance_type) is None:
+            raise ConfigError("instance_type", self.instance_type,
+                              "size not in the GPU table: also set gpus_per_node")
+        if self.ssh_cidr is not None and ipaddress.ip_network(self.ssh_cidr).prefixlen == 0 \
+                and not self.allow_world_ssh:
+            raise ConfigError("ssh_cidr", self.ssh_cidr,
+                              "SSH open to the whole internet needs -c allow_world_ssh=true; "
+                              "prefer your own address, e.g. 203.0.113.7/32")
+        if (self.vpc_id is None) != (self.subnet_id is None):
+            raise ConfigError("subnet_id" if self.vpc_id else "vpc_id",
+                              self.subnet_id if self.vpc_id else self.vpc_id,
+                              "vpc_id and subnet_id go together (a public subnet of that VPC)")
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node or gpus_for(self.instance_type) or 1
+
+    def node_name(self, rank: int) -> str:
+        return f"{self.cluster_name}-node{rank}"

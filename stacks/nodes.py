@@ -1,0 +1,112 @@
+"""GPU nodes: N instances in one subnet and cluster placement group, each bootstrapped to run
+the sshd training container. Exposes `instances` (rank order), `key_parameter_name`, `role`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from aws_cdk import (
+    CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
+    aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets,
+)
+from constructs import Construct
+
+from .bootstrap import render_user_data
+from .config import ClusterConfig
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+CLUSTER_TAG = "gpu-cluster:name"
+RANK_TAG = "gpu-cluster:rank"
+BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
+
+
+def host_key_parameter_name(cluster_name: str) -> str:
+    return f"/gpu-cluster/{cluster_name}/ssh-host-key"
+
+
+class GpuNodes(Construct):
+
+    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig,
+                 vpc: ec2.IVpc, subnet: ec2.ISubnet, security_group: ec2.ISecurityGroup,
+                 file_system: efs.IFileSystem) -> None:
+        super().__init__(scope, construct_id)
+        stack = Stack.of(self)
+        self.host_key_parameter_name = host_key_parameter_name(config.cluster_name)
+
+        # Image build context: the Dockerfile and the training program, unpacked on each node.
+        self.image_context = s3_assets.Asset(
+            self, "ImageContext", path=str(ASSETS_DIR),
+            exclude=["bootstrap", "**/__pycache__", "**/*.pyc"])
+
+        self.role = iam.Role(
+            self, "NodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            description="GPU cluster nodes: SSM sessions, bootstrap signal, image context",
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(
+                "AmazonSSMManagedInstanceCore")])
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["cloudformation:SignalResource"], resources=[stack.stack_id]))
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["ssm:PutParameter"],
+            resources=[stack.format_arn(service="ssm", resource="parameter",
+                                        resource_name=self.host_key_parameter_name.lstrip("/"))]))
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["s3:GetObject"],
+            resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)]))
+
+        self.key_pair: ec2.IKeyPair
+        self.key_parameter_name: Optional[str] = None
+        if config.key_name:
+            self.key_pair = ec2.KeyPair.from_key_pair_name(self, "KeyPair", config.key_name)
+        else:
+            key_pair = ec2.KeyPair(self, "KeyPair", key_pair_name=f"{config.cluster_name}-{stack.stack_name}",
+                                   type=ec2.KeyPairType.ED25519)
+            self.key_pair = key_pair
+            self.key_parameter_name = key_pair.private_key.parameter_name
+
+        placement_group = None
+        if config.placement_group:
+            placement_group = ec2.PlacementGroup(
+                self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+
+        machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_ssm_parameter)
+        self.instances: list[ec2.Instance] = []
+        for rank in range(config.nodes):
+            instance = ec2.Instance(
+                self, f"Node{rank}",
+                instance_name=config.node_name(rank),
+                vpc=vpc, vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
+                security_group=security_group,
+                instance_type=ec2.InstanceType(config.instance_type),
+                machine_image=machine_image,
+                role=self.role, key_pair=self.key_pair,
+                placement_group=placement_group,
+                require_imdsv2=True, detailed_monitoring=True,
+                user_data_causes_replacement=True,
+                block_devices=[ec2.BlockDevice(
+                    device_name="/dev/sda1",
+                    volume=ec2.BlockDeviceVolume.ebs(
+                        config.root_volume_gb, volume_type=ec2.EbsDeviceVolumeType.GP3,
+                        encrypted=True, delete_on_termination=True))],
+            )
+            env = {
+                "CLUSTER_NAME": config.cluster_name,
+                "NODE_RANK": str(rank),
+                "NODES": str(config.nodes),
+                "FILE_SYSTEM_ID": file_system.file_system_id,
+                "AWS_REGION": stack.region,
+                "STACK_NAME": stack.stack_name,
+                "SIGNAL_RESOURCE": stack.get_logical_id(instance.node.default_child),
+                "BASE_IMAGE": config.image,
+                "IMAGE_CONTEXT_URL": self.image_context.s3_object_url,
+                "IMAGE_TAG": self.image_context.asset_hash[:16],
+                "HOST_KEY_PARAMETER": self.host_key_parameter_name,
+            }
+            instance.user_data.add_commands(render_user_data(env))
+            cfn_instance = instance.node.default_child
+            cfn_instance.cfn_options.creation_policy = CfnCreationPolicy(
+                resource_signal=CfnResourceSignal(
+                    count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M"))
+            # Mount targets must exist before the bootstrap mounts /data.
+            instance.node.add_dependency(file_system.mount_targets_available)
+            Tags.of(instance).add(RANK_TAG, str(rank))
+            self.instances.append(instance)
