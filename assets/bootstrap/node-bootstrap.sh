@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU cluster node bootstrap. Idempotent: a second run changes nothing.
 #   node-bootstrap.sh /etc/gpu-cluster/bootstrap.env
-# Steps: docker + NVIDIA toolkit, EFS at /data (fstab), cluster SSH identity (once, on /data),
+# Steps: docker + NVIDIA toolkit, EFS at /data (fstab), image context (S3), cluster SSH identity
+# (once, on /data),
 # training image, training container (sshd on 4444), ready marker, CloudFormation signal.
 # A failing step signals FAILURE with the step's name, so `cdk deploy` fails with it.
 set -euo pipefail
@@ -87,35 +88,9 @@ mount_efs() {
   return 1
 }
 
-create_cluster_identity() {  # once per cluster; mkdir is the lock, rename publishes atomically.
+create_cluster_identity() {
   STEP=cluster-identity
-  install -d -m 0700 "$DATA_DIR/.cluster"
-  if [[ ! -f $CLUSTER_SSH_DIR/config ]] && mkdir "$DATA_DIR/.cluster/ssh.lock" 2>/dev/null; then
-    log "creating the cluster SSH identity"
-    local tmp="$DATA_DIR/.cluster/ssh.tmp.$NODE_RANK"
-    rm -rf "$tmp" && install -d -m 0700 "$tmp"
-    ssh-keygen -q -t ed25519 -N "" -C "$CLUSTER_NAME-cluster" -f "$tmp/id_ed25519"
-    ssh-keygen -q -t ed25519 -N "" -C "$CLUSTER_NAME-host" -f "$tmp/ssh_host_ed25519_key"
-    cp "$tmp/id_ed25519.pub" "$tmp/authorized_keys"
-    echo "[*]:4444 $(cut -d' ' -f1,2 "$tmp/ssh_host_ed25519_key.pub")" > "$tmp/known_hosts"
-    cat > "$tmp/config" <<EOF
-Host *
-  Port 4444
-  User root
-  IdentityFile $CLUSTER_SSH_DIR/id_ed25519
-  UserKnownHostsFile $CLUSTER_SSH_DIR/known_hosts
-  StrictHostKeyChecking yes
-  BatchMode yes
-  ConnectTimeout 10
-  ServerAliveInterval 15
-EOF
-    mv -T "$tmp" "$CLUSTER_SSH_DIR"
-  fi
-  local waited=0
-  until [[ -f $CLUSTER_SSH_DIR/config ]]; do
-    ((waited++ < 120)) || { log "cluster identity never appeared on $DATA_DIR"; return 1; }
-    sleep 2
-  done
+  bash "$CONTEXT_DIR/docker/cluster-identity.sh" "$DATA_DIR" "$CLUSTER_NAME"
   if [[ $NODE_RANK == 0 && ! -f $STATE_DIR/host-key-published ]]; then
     aws ssm put-parameter --region "$AWS_REGION" --name "$HOST_KEY_PARAMETER" --type String \
       --overwrite --value "$(cat "$CLUSTER_SSH_DIR/ssh_host_ed25519_key.pub")" >/dev/null
@@ -128,15 +103,20 @@ EOF
   fi
 }
 
-build_image() {
-  STEP=build-image
-  if docker image inspect "$IMAGE" >/dev/null 2>&1; then
-    return 0
-  fi
-  log "building $IMAGE from $BASE_IMAGE"
+fetch_image_context() {
+  STEP=image-context
+  [[ -f $CONTEXT_DIR/.tag && $(cat "$CONTEXT_DIR/.tag") == "$IMAGE_TAG" ]] && return 0
+  log "fetching the image context $IMAGE_CONTEXT_URL"
   rm -rf "$CONTEXT_DIR" && install -d "$CONTEXT_DIR"
   aws s3 cp --region "$AWS_REGION" --only-show-errors "$IMAGE_CONTEXT_URL" "$CONTEXT_DIR.zip"
   (cd "$CONTEXT_DIR" && unzip -q -o "$CONTEXT_DIR.zip") && rm -f "$CONTEXT_DIR.zip"
+  echo "$IMAGE_TAG" > "$CONTEXT_DIR/.tag"
+}
+
+build_image() {
+  STEP=build-image
+  docker image inspect "$IMAGE" >/dev/null 2>&1 && return 0
+  log "building $IMAGE from $BASE_IMAGE"
   docker build --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" -f "$CONTEXT_DIR/docker/Dockerfile" "$CONTEXT_DIR"
 }
 
@@ -173,6 +153,7 @@ mark_ready() {
 
 ensure_docker
 mount_efs
+fetch_image_context
 create_cluster_identity
 build_image
 start_container

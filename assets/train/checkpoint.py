@@ -1,0 +1,62 @@
+"""Checkpoints in RUN_DIR/checkpoints: written by global rank 0 only, atomically (temp file, fsync,
+rename); the last K kept plus best.pt; the newest loadable one is resumed, corrupt ones skipped."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from data import atomic_write_bytes
+
+_NAME = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save(run_dir: str | os.PathLike, step: int, state: dict, keep: int, best: bool = False) -> Path:
+    directory = checkpoint_dir(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step_{step:08d}.pt"
+    atomic_write_bytes(path, lambda f: torch.save(state, f))
+    if best:
+        atomic_write_bytes(directory / "best.pt", lambda f: f.write(path.read_bytes()))
+    for old in list_steps(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    for stale in directory.glob(".*.tmp.*"):  # left by a writer that was killed mid-write
+        stale.unlink(missing_ok=True)
+    return path
+
+
+def list_steps(run_dir: str | os.PathLike) -> list[Path]:
+    directory = checkpoint_dir(run_dir)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+
+
+def load_latest(run_dir: str | os.PathLike, log=print) -> Optional[dict]:
+    """The newest checkpoint that loads; corrupt or truncated ones are reported and skipped."""
+    for path in reversed(list_steps(run_dir)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(state, dict) or "step" not in state or "model" not in state:
+                raise ValueError("not a training checkpoint")
+        except Exception as error:  # noqa: BLE001 - any unreadable file is skipped the same way
+            log(f"skipping unreadable checkpoint {path.name}: {type(error).__name__}: {error}")
+            continue
+        state["path"] = str(path)
+        return state
+    return None
+
+
+def load_file(path: str | os.PathLike) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def size_mb(path: str | os.PathLike) -> float:
+    return os.path.getsize(path) / 1e6

@@ -1,0 +1,153 @@
+"""Named recipes and their validated configs; every field can be overridden from the command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check(condition: bool, name: str, value, accepted: str) -> None:
+    if not condition:
+        raise ConfigError(f"invalid --{name.replace('_', '-')} {value!r}: {accepted}")
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 512
+    layers: int = 6
+    heads: int = 8
+    ffn: int = 2048
+    dropout: float = 0.1
+    max_len: int = 256
+    pre_norm: bool = False
+
+    def validate(self) -> None:
+        _check(self.d_model > 0 and self.d_model % max(self.heads, 1) == 0, "d_model", self.d_model,
+               "a positive multiple of --heads")
+        _check(self.heads > 0, "heads", self.heads, "a positive whole number")
+        _check(self.layers > 0, "layers", self.layers, "a positive whole number")
+        _check(self.ffn > 0, "ffn", self.ffn, "a positive whole number")
+        _check(0.0 <= self.dropout < 1.0, "dropout", self.dropout, "a number in [0, 1)")
+        _check(self.max_len >= 8, "max_len", self.max_len, "at least 8 tokens")
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = "transformer-base"
+    data: str = "/data/datasets/wmt16-en-de"
+    run_dir: str = "/data/runs/default"
+    max_steps: int = 50_000
+    batch_per_gpu: int = 128
+    grad_accum: int = 1
+    precision: str = "fp32"
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    lr_scale: float = 2.0
+    warmup_steps: int = 8000
+    adam_betas: tuple = (0.9, 0.98)
+    label_smoothing: float = 0.1
+    clip_grad: float = 0.0
+    seed: int = 1234
+    log_every: int = 100
+    eval_every: int = 2000
+    eval_sentences: int = 1000
+    eval_batch: int = 64
+    beam: int = 1
+    checkpoint_every: int = 2000
+    keep_checkpoints: int = 3
+    bucket_cap_mb: float = 25.0
+    target_bleu: Optional[float] = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def validate(self) -> None:
+        _check(self.recipe in RECIPES, "recipe", self.recipe, f"one of {', '.join(RECIPES)}")
+        _check(self.max_steps > 0, "max_steps", self.max_steps, "a positive whole number")
+        _check(self.batch_per_gpu > 0, "batch_per_gpu", self.batch_per_gpu, "a positive whole number")
+        _check(self.grad_accum > 0, "grad_accum", self.grad_accum, "a positive whole number")
+        _check(self.precision in ("fp32", "fp16", "bf16"), "precision", self.precision,
+               "fp32, fp16 or bf16")
+        _check(self.grad_compression in ("none", "fp16", "bf16", "powersgd"), "grad_compression",
+               self.grad_compression, "none, fp16, bf16 or powersgd")
+        _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
+        _check(self.lr_scale > 0, "lr_scale", self.lr_scale, "a positive number")
+        _check(self.warmup_steps > 0, "warmup_steps", self.warmup_steps, "a positive whole number")
+        _check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", self.label_smoothing, "in [0, 1)")
+        _check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "0 (off) or a positive number")
+        for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "eval_sentences", "eval_batch", "beam"):
+            _check(getattr(self, name) > 0, name, getattr(self, name), "a positive whole number")
+        _check(self.bucket_cap_mb > 0, "bucket_cap_mb", self.bucket_cap_mb, "a positive number")
+        self.model.validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        values = dict(values)
+        model = ModelConfig(**values.pop("model"))
+        values["adam_betas"] = tuple(values["adam_betas"])
+        return cls(model=model, **values)
+
+
+RECIPES = {
+    # The published transformer-base (Vaswani et al.; OpenSeq2Seq's "transformer" LR policy).
+    "transformer-base": {},
+    # The same code at toy size: CPU runs, tests and the local demo (numbers data set).
+    "transformer-tiny": dict(
+        data="/data/datasets/numbers", max_steps=600, batch_per_gpu=64, lr_scale=1.0,
+        warmup_steps=200, label_smoothing=0.1, log_every=50, eval_every=200,
+        eval_sentences=300, checkpoint_every=100, clip_grad=1.0,
+        model=dict(d_model=128, layers=2, heads=4, ffn=512, dropout=0.1, max_len=128, pre_norm=True)),
+}
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in ("model", "recipe"):
+            continue
+        flag = "--" + (prefix + f.name).replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.type in ("bool",):
+            parser.add_argument(flag, type=_parse_bool, default=None, help=f"(default {default})")
+        elif f.type == "tuple":
+            parser.add_argument(flag, type=float, nargs=2, default=None, help=f"(default {default})")
+        else:
+            kind = {"int": int, "float": float, "str": str, "Optional[float]": float}[f.type]
+            parser.add_argument(flag, type=kind, default=None, dest=prefix + f.name,
+                                help=f"(default {default})")
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="transformer-base", choices=sorted(RECIPES))
+    _add_fields(parser, TrainConfig)
+    _add_fields(parser, ModelConfig)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Recipe defaults, then every flag the user gave; validated."""
+    recipe = dict(RECIPES[args.recipe])
+    model = ModelConfig(**recipe.pop("model", {}))
+    config = TrainConfig(recipe=args.recipe, model=model, **recipe)
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "recipe"}
+    for key, value in given.items():
+        target = config.model if hasattr(config.model, key) else config
+        setattr(target, key, tuple(value) if isinstance(value, list) else value)
+    config.validate()
+    return config

@@ -1,0 +1,152 @@
+"""Data: sentencepiece tokenizer, compact binary shards of token ids, deterministic global batches.
+
+A data set directory holds `spm.model`, `train-NNNNN.pt` shards, `valid.pt`, `test.pt`, the raw
+`{split}.en`/`{split}.de` text of valid and test (references), and `meta.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from model import BOS, EOS, PAD
+
+SHARD_PAIRS = 500_000
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | os.PathLike):
+        import sentencepiece as spm
+        self.path = str(model_path)
+        self.sp = spm.SentencePieceProcessor(model_file=self.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, lines: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(lines))
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        return self.sp.decode([list(x) for x in ids])
+
+    @staticmethod
+    def train(text_files: Iterable[str], prefix: str, vocab_size: int) -> None:
+        import sentencepiece as spm
+        spm.SentencePieceTrainer.train(
+            input=",".join(text_files), model_prefix=prefix, vocab_size=vocab_size,
+            model_type="bpe", character_coverage=1.0, hard_vocab_limit=False,
+            pad_id=PAD, unk_id=1, bos_id=BOS, eos_id=EOS, input_sentence_size=2_000_000,
+            shuffle_input_sentence=True, minloglevel=2)
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """write(file) into a temp file next to path, fsync, rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _flatten(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    offsets = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    flat = torch.tensor([t for s in sequences for t in s], dtype=torch.int32)
+    return flat.to(torch.int16) if flat.numel() == 0 or flat.max() < 2**15 else flat, offsets
+
+
+def write_pairs(path: Path, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> None:
+    src, src_off = _flatten(src_ids)
+    tgt, tgt_off = _flatten(tgt_ids)
+    atomic_write_bytes(path, lambda f: torch.save(
+        {"src": src, "src_off": src_off, "tgt": tgt, "tgt_off": tgt_off}, f))
+
+
+class PairDataset:
+    """Token-id pairs held as flat tensors plus offsets (a few bytes per token)."""
+
+    def __init__(self, paths: Sequence[Path], max_len: int):
+        if not paths:
+            raise FileNotFoundError("no shards")
+        parts = [torch.load(p, weights_only=True) for p in paths]
+        self.max_len = max_len
+        self.src = [(part["src"], part["src_off"]) for part in parts]
+        self.tgt = [(part["tgt"], part["tgt_off"]) for part in parts]
+        self.sizes = [len(part["src_off"]) - 1 for part in parts]
+        self.starts = torch.tensor([0] + self.sizes).cumsum(0).tolist()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _get(self, store, index: int) -> list[int]:
+        shard = next(i for i in range(len(self.sizes)) if index < self.starts[i + 1])
+        flat, offsets = store[shard]
+        local = index - self.starts[shard]
+        return flat[offsets[local]:offsets[local + 1]].tolist()
+
+    def source(self, index: int) -> list[int]:
+        return self._get(self.src, index)[: self.max_len - 1] + [EOS]
+
+    def target(self, index: int) -> list[int]:
+        return self._get(self.tgt, index)[: self.max_len - 2]
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS."""
+        src = [self.source(i) for i in indices]
+        tgt = [self.target(i) for i in indices]
+        return (_pad(src), _pad([[BOS] + t for t in tgt]), _pad([t + [EOS] for t in tgt]))
+
+
+def _pad(rows: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(rows), max(len(r) for r in rows)), PAD, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def global_batch_indices(step: int, global_batch: int, size: int, seed: int) -> list[int]:
+    """The examples of global batch `step` (0-based): a fixed function of (seed, step), so a
+    resumed run and any world size that shares the global batch see the same data."""
+    out: list[int] = []
+    position = step * global_batch
+    while len(out) < global_batch:
+        epoch, offset = divmod(position, size)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        perm = torch.randperm(size, generator=generator)
+        take = min(global_batch - len(out), size - offset)
+        out.extend(perm[offset: offset + take].tolist())
+        position += take
+    return out
+
+
+def rank_slice(indices: list[int], rank: int, world_size: int) -> list[int]:
+    per_rank = len(indices) // world_size
+    return indices[rank * per_rank:(rank + 1) * per_rank]
+
+
+class DataSet:
+    """A prepared data set directory (see module docstring)."""
+
+    def __init__(self, root: str | os.PathLike, max_len: int):
+        self.root = Path(root)
+        meta_path = self.root / "meta.json"
+        if not meta_path.exists():
+            raise FileNotFoundError(
+                f"no prepared data set in {self.root} (meta.json missing); run "
+                f"`python prepare.py numbers --out {self.root}` or `fab data`")
+        self.meta = json.loads(meta_path.read_text())
+        self.tokenizer = Tokenizer(self.root / "spm.model")
+        self.train = PairDataset(sorted(self.root.glob("train-*.pt")), max_len)
+        self.max_len = max_len
+
+    def split(self, name: str) -> tuple[PairDataset, list[str], list[str]]:
+        pairs = PairDataset([self.root / f"{name}.pt"], self.max_len)
+        sources = (self.root / f"{name}.{self.meta['src_lang']}").read_text().splitlines()
+        references = (self.root / f"{name}.{self.meta['tgt_lang']}").read_text().splitlines()
+        return pairs, sources, references

@@ -1,0 +1,72 @@
+"""Launch-agnostic process-group setup: OpenMPI (mpirun), torchrun, or a single process."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launcher: str = "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def detect(env: dict | None = None) -> DistInfo:
+    """Rank, world size and local rank from OpenMPI's or torchrun's variables."""
+    env = os.environ if env is None else env
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return DistInfo(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+                        int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                        "torchrun")
+    return DistInfo()
+
+
+def setup(timeout_s: float = 300.0) -> tuple[DistInfo, torch.device]:
+    """Initialise the process group (NCCL on GPUs, gloo on CPU); one GPU per local rank."""
+    info = detect()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if info.world_size > 1:
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            if key not in os.environ:
+                raise SystemExit(f"error: {key} is not set; the launcher must export it "
+                                 "(fab train does; by hand: mpirun -x MASTER_ADDR=HEAD_IP -x MASTER_PORT=29500)")
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return info, device
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj):
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

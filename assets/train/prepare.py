@@ -1,0 +1,107 @@
+"""Prepare a data set for train.py.
+
+    python prepare.py numbers --out /data/datasets/numbers
+
+`numbers`: an offline English->German corpus of number phrases made with num2words
+("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers
+per sentence, with disjoint train/valid/test splits. Used by tests and the local demo.
+Re-running with the same arguments is a no-op; every file is written atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
+
+
+def number_phrase(value: int, lang: str) -> str:
+    from num2words import num2words
+    return num2words(value, lang=lang).replace(",", "")
+
+
+def numbers_corpus(count: int, seed: int, max_numbers: int, max_digits: int) -> list[tuple[str, str]]:
+    """`count` distinct (english, german) sentences, each 1..max_numbers numbers joined by ', '."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    pairs = []
+    while len(pairs) < count:
+        values = []
+        for _ in range(rng.randint(1, max_numbers)):
+            digits = rng.randint(1, max_digits)
+            values.append(rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1))
+        english = ", ".join(number_phrase(v, "en") for v in values)
+        if english in seen:
+            continue
+        seen.add(english)
+        pairs.append((english, ", ".join(number_phrase(v, "de") for v in values)))
+    return pairs
+
+
+def write_dataset(out: Path, splits: dict[str, list[tuple[str, str]]], vocab_size: int,
+                  meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, pairs in splits.items():
+        for lang, column in (("en", 0), ("de", 1)):
+            text = "".join(pair[column] + "\n" for pair in pairs)
+            atomic_write_bytes(out / f"{name}.{lang}", lambda f, t=text: f.write(t.encode()))
+    print(f"training a {vocab_size}-piece shared BPE vocabulary", flush=True)
+    Tokenizer.train([str(out / "train.en"), str(out / "train.de")], str(out / "spm"), vocab_size)
+    tokenizer = Tokenizer(out / "spm.model")
+    for name, pairs in splits.items():
+        if name == "train":
+            for shard, start in enumerate(range(0, len(pairs), SHARD_PAIRS)):
+                chunk = pairs[start:start + SHARD_PAIRS]
+                write_pairs(out / f"train-{shard:05d}.pt", tokenizer.encode([p[0] for p in chunk]),
+                            tokenizer.encode([p[1] for p in chunk]))
+        else:
+            write_pairs(out / f"{name}.pt", tokenizer.encode([p[0] for p in pairs]),
+                        tokenizer.encode([p[1] for p in pairs]))
+    meta = dict(meta, src_lang="en", tgt_lang="de", vocab_size=tokenizer.vocab_size,
+                sizes={name: len(pairs) for name, pairs in splits.items()})
+    atomic_write_bytes(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+
+
+def prepare_numbers(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    request = {"dataset": "numbers", "train": args.train, "valid": args.valid, "test": args.test,
+               "seed": args.seed, "max_numbers": args.max_numbers, "max_digits": args.max_digits,
+               "vocab": args.vocab}
+    meta_path = out / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()).get("request") == request:
+        print(f"{out}: already prepared")
+        return
+    total = args.train + args.valid + args.test
+    pairs = numbers_corpus(total, args.seed, args.max_numbers, args.max_digits)
+    splits = {"test": pairs[: args.test], "valid": pairs[args.test: args.test + args.valid],
+              "train": pairs[args.test + args.valid:]}
+    write_dataset(out, splits, args.vocab, {"request": request})
+    print(f"{out}: {args.train} train, {args.valid} valid, {args.test} test pairs")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="dataset", required=True)
+    numbers = sub.add_parser("numbers", help="offline English->German number phrases")
+    numbers.add_argument("--out", required=True)
+    numbers.add_argument("--train", type=int, default=60_000)
+    numbers.add_argument("--valid", type=int, default=500)
+    numbers.add_argument("--test", type=int, default=500)
+    numbers.add_argument("--seed", type=int, default=7)
+    numbers.add_argument("--max-numbers", type=int, default=3)
+    numbers.add_argument("--max-digits", type=int, default=4)
+    numbers.add_argument("--vocab", type=int, default=600)
+    args = parser.parse_args(argv)
+    for name in ("train", "valid", "test", "max_numbers", "max_digits", "vocab"):
+        if getattr(args, name) < 1:
+            sys.exit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_digits > 9:
+        sys.exit(f"error: --max-digits must be at most 9, got {args.max_digits}")
+    prepare_numbers(args)
+
+
+if __name__ == "__main__":
+    main()

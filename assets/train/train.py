@@ -1,0 +1,51 @@
+"""Distributed training of the Transformer en-de recipes with PyTorch DDP.
+
+One process per GPU (per CPU slot locally). The same command works under mpirun, torchrun or alone:
+
+    python prepare.py numbers --out /data/datasets/numbers
+    python train.py --recipe transformer-tiny --data /data/datasets/numbers --run-dir /data/runs/tiny
+    torchrun --standalone --nproc-per-node 2 train.py --recipe transformer-tiny \
+        --data /data/datasets/numbers --run-dir /data/runs/tiny --max-steps 500
+    mpirun -H 10.0.0.5:1,10.0.0.6:1 -np 2 -bind-to none -map-by slot \
+        -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 \
+        python train.py --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
+
+(`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
+good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import distributed  # noqa: E402
+from config import ConfigError, build_parser, config_from_args  # noqa: E402
+
+
+def main(argv=None) -> int:
+    args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    info, device = distributed.setup()
+    try:
+        from trainer import Trainer
+        trainer = Trainer(config, info, device)
+        trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; "
+                    f"recipe {config.recipe}")
+        summary = trainer.fit()
+        trainer.log("summary: " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
+            if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb")))
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Translate lines from stdin with a checkpoint:
+
+    echo "four thousand two hundred and seventy-one" | python translate.py RUN_DIR/checkpoints/best.pt
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+from config import TrainConfig  # noqa: E402
+from data import EOS, Tokenizer  # noqa: E402
+from evaluate import translate  # noqa: E402
+from model import Transformer  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Translate stdin lines with a checkpoint.")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--vocabulary", help="spm.model (default: the path saved in the checkpoint)")
+    parser.add_argument("--beam", type=int, default=1)
+    args = parser.parse_args(argv)
+    state = checkpoint.load_file(args.checkpoint)
+    config = TrainConfig.from_dict(state["config"])
+    vocabulary = args.vocabulary or state["vocabulary"]
+    if not Path(vocabulary).exists():
+        local = Path(args.checkpoint).resolve().parent.parent / "spm.model"
+        if not local.exists():
+            print(f"error: vocabulary {vocabulary} not found; pass --vocabulary PATH/spm.model",
+                  file=sys.stderr)
+            return 2
+        vocabulary = str(local)
+    tokenizer = Tokenizer(vocabulary)
+    model = Transformer(config.model, tokenizer.vocab_size)
+    model.load_state_dict(state["model"])
+    model.eval()
+    lines = [line.rstrip("\n") for line in sys.stdin]
+    tokens = [ids[: config.model.max_len - 1] + [EOS] for ids in tokenizer.encode(lines)]
+    with torch.no_grad():
+        out = translate(model, tokens, 64, args.beam, torch.device("cpu"))
+    for line in tokenizer.decode(out):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Cluster operations behind the fab tasks: inventory, launch building, remote operations, local cluster."""

@@ -1,0 +1,162 @@
+"""Inventory: the nodes in rank order and how to reach them.
+
+Written by `fab local.up` for the emulated cluster, or built from the outputs file `cdk deploy`
+writes (fallback: describe the stack with boto3). The private key and the cluster host key are
+fetched from SSM Parameter Store once; host keys are pinned, never blindly accepted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_INVENTORY = Path(".cluster/inventory.json")
+DEFAULT_OUTPUTS = Path("cdk-outputs.json")
+
+
+class InventoryError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Node:
+    rank: int
+    name: str
+    public_ip: str
+    private_ip: str
+    instance_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    user: str
+    port: int
+    key_file: str
+    known_hosts: str
+
+
+@dataclass(frozen=True)
+class Inventory:
+    cluster: str
+    source: str  # "aws" or "local"
+    nodes: list[Node]
+    gpus_per_node: int
+    ssh: SshSettings
+    python: str = "python"
+    code_dir: str = "/workspace/train"
+    data_dir: str = "/data"
+    instance_type: str = ""
+    region: Optional[str] = None
+    stack_name: Optional[str] = None
+    local_state: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def cluster_ssh_config(self) -> str:
+        return f"{self.data_dir}/.cluster/ssh/config"
+
+    def select(self, count: Optional[int]) -> list[Node]:
+        if count is None:
+            return list(self.nodes)
+        if not 1 <= count <= len(self.nodes):
+            raise InventoryError(f"invalid --nodes {count}: the cluster has {len(self.nodes)} node(s)")
+        return self.nodes[:count]
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Inventory":
+        if not path.exists():
+            raise InventoryError(f"no inventory at {path}: run `fab local.up` (emulated cluster) or "
+                                 "`npx cdk deploy` then `fab inventory` (AWS)")
+        try:
+            raw = json.loads(path.read_text())
+            raw["nodes"] = [Node(**n) for n in raw["nodes"]]
+            raw["ssh"] = SshSettings(**raw["ssh"])
+            inventory = cls(**raw)
+        except (ValueError, TypeError, KeyError) as error:
+            raise InventoryError(f"unreadable inventory {path} ({error}); rebuild it with "
+                                 "`fab inventory` or `fab local.up`") from None
+        if not inventory.nodes:
+            raise InventoryError(f"inventory {path} lists no nodes; rebuild it with `fab inventory`")
+        return inventory
+
+
+def write_known_hosts(path: Path, hosts: list[str], host_public_key: str, port: int) -> None:
+    """Exact `[ip]:port` lines (paramiko ignores wildcard patterns)."""
+    key = " ".join(host_public_key.split()[:2])
+    path.write_text("".join(f"[{host}]:{port} {key}\n" for host in hosts))
+    os.chmod(path, 0o600)
+
+
+def stack_outputs_from_file(path: Path) -> tuple[str, dict]:
+    """(stack name, outputs) of the one GPU cluster stack in a `cdk deploy --outputs-file` file."""
+    if not path.exists():
+        raise InventoryError(f"no {path}: run `npx cdk deploy` first (cdk.json makes it write "
+                             "the outputs there)")
+    data = json.loads(path.read_text())
+    stacks = {name: out for name, out in data.items() if "PrivateIps" in out}
+    if len(stacks) != 1:
+        raise InventoryError(f"{path} holds {len(stacks)} cluster stacks; pass --stack NAME")
+    return next(iter(stacks.items()))
+
+
+def stack_outputs_from_aws(stack_name: str, session) -> dict:
+    client = session.client("cloudformation")
+    try:
+        stack = client.describe_stacks(StackName=stack_name)["Stacks"][0]
+    except client.exceptions.ClientError as error:
+        raise InventoryError(f"cannot describe stack {stack_name}: {error}") from None
+    return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
+
+
+def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
+                 key_file: Optional[str] = None) -> Inventory:
+    """Build the inventory of a deployed stack; fetch the private key and pinned host key once."""
+    missing = [k for k in ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode",
+                           "HostKeyParameterName", "KeyParameterName") if k not in outputs]
+    if missing:
+        raise InventoryError(f"stack {stack_name} outputs lack {', '.join(missing)}: "
+                             "redeploy with this version (`npx cdk deploy`)")
+    private = outputs["PrivateIps"].split(",")
+    public = outputs["PublicIps"].split(",")
+    ids = outputs["InstanceIds"].split(",")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    ssm = session.client("ssm")
+    if key_file is None:
+        if outputs["KeyParameterName"] == "none":
+            raise InventoryError("the stack uses your own key pair: pass --key-file PATH")
+        key_path = state_dir / f"{stack_name}.pem"
+        if not key_path.exists():
+            value = ssm.get_parameter(Name=outputs["KeyParameterName"],
+                                      WithDecryption=True)["Parameter"]["Value"]
+            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(value if value.endswith("\n") else value + "\n")
+        key_file = str(key_path)
+    try:
+        host_key = ssm.get_parameter(Name=outputs["HostKeyParameterName"])["Parameter"]["Value"]
+    except ssm.exceptions.ParameterNotFound:
+        raise InventoryError("the nodes have not published their host key yet: wait for "
+                             "`cdk deploy` to finish, then run `fab inventory` again") from None
+    nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r] or private[r], private_ip=private[r],
+                  instance_id=ids[r]) for r in range(len(private))]
+    known_hosts = state_dir / f"{stack_name}.known_hosts"
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
+    return Inventory(
+        cluster=outputs.get("ClusterName", stack_name), source="aws", nodes=nodes,
+        gpus_per_node=int(outputs["GpusPerNode"]),
+        ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts)),
+        instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
+        stack_name=stack_name)

@@ -1,0 +1,125 @@
+"""Pure functions that build what `fab train` sends to the head node: hostfile, mpirun line, env."""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .inventory import Inventory, Node
+
+RECIPES = ("transformer-base", "transformer-tiny")
+PRECISIONS = ("fp32", "fp16", "bf16")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
+
+
+class LaunchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    recipe: str = "transformer-tiny"
+    run: Optional[str] = None
+    steps: Optional[int] = None
+    batch_per_gpu: Optional[int] = None
+    precision: Optional[str] = None
+    grad_compression: Optional[str] = None
+    nodes: Optional[int] = None
+    dataset: Optional[str] = None
+    master_port: int = 29500
+    stall_minutes: float = 10.0
+    extra_args: Sequence[str] = field(default_factory=tuple)
+
+    @property
+    def run_name(self) -> str:
+        return self.run or self.recipe
+
+    def validate(self) -> None:
+        if self.recipe not in RECIPES:
+            raise LaunchError(f"invalid --recipe {self.recipe!r}: one of {', '.join(RECIPES)}")
+        if not _RUN_NAME.match(self.run_name):
+            raise LaunchError(f"invalid --run {self.run_name!r}: letters, digits, '.', '_' or '-'")
+        for name in ("steps", "batch_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise LaunchError(f"invalid --{name.replace('_', '-')} {value}: a positive whole number")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise LaunchError(f"invalid --precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
+        if self.grad_compression is not None and self.grad_compression not in COMPRESSIONS:
+            raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: "
+                              f"one of {', '.join(COMPRESSIONS)}")
+        if not 1024 <= self.master_port <= 65535 or self.master_port == 4444:
+            raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not 4444")
+        if self.stall_minutes <= 0:
+            raise LaunchError(f"invalid --stall-minutes {self.stall_minutes}: a positive number")
+        if self.dataset is not None and not _RUN_NAME.match(self.dataset):
+            raise LaunchError(f"invalid --dataset {self.dataset!r}")
+
+
+def default_dataset(recipe: str) -> str:
+    return "numbers" if recipe == "transformer-tiny" else "wmt16-en-de"
+
+
+def hostfile(nodes: Sequence[Node], slots: int) -> str:
+    return "".join(f"{node.private_ip} slots={slots}\n" for node in nodes)
+
+
+def parse_interface(ip_addr_output: str, address: str) -> str:
+    """The interface holding `address`, from `ip -o -4 addr show` output."""
+    for line in ip_addr_output.splitlines():
+        match = _IFACE.match(line.strip())
+        if match and match.group(2) == address:
+            return match.group(1)
+    raise LaunchError(f"no interface holds {address}: is the inventory stale? "
+                      "(`fab inventory` or `fab local.up`)")
+
+
+def run_dir(inventory: Inventory, run_name: str) -> str:
+    return f"{inventory.data_dir}/runs/{run_name}"
+
+
+def active_file(inventory: Inventory) -> str:
+    return f"{inventory.data_dir}/runs/.active"
+
+
+def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
+    nodes = inventory.select(request.nodes)
+    ranks = len(nodes) * inventory.gpus_per_node
+    rdir = run_dir(inventory, request.run_name)
+    dataset = request.dataset or default_dataset(request.recipe)
+    argv = [
+        "mpirun", "--allow-run-as-root", "-np", str(ranks), "--hostfile", f"{rdir}/hostfile",
+        "-bind-to", "none", "-map-by", "slot",
+        "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
+        "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
+    ]
+    exports = {"MASTER_ADDR": nodes[0].private_ip, "MASTER_PORT": str(request.master_port),
+               "NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface,
+               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4"}
+    for key, value in exports.items():
+        argv += ["-x", f"{key}={value}"]
+    argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe,
+             "--data", f"{inventory.data_dir}/datasets/{dataset}", "--run-dir", rdir]
+    for flag, value in (("--max-steps", request.steps), ("--batch-per-gpu", request.batch_per_gpu),
+                        ("--precision", request.precision),
+                        ("--grad-compression", request.grad_compression)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + list(request.extra_args)
+
+
+def launch_env(inventory: Inventory, request: TrainRequest) -> str:
+    nodes = inventory.select(request.nodes)
+    values = {"HOSTS": " ".join(n.private_ip for n in nodes),
+              "SSH_CONFIG": inventory.cluster_ssh_config,
+              "ACTIVE_FILE": active_file(inventory),
+              "STALL_SECONDS": str(int(request.stall_minutes * 60)),
+              "POLL_SECONDS": "5"}
+    return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
+
+
+def command_script(argv: Sequence[str]) -> str:
+    return "exec " + shlex.join(argv) + "\n"

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Runs one training job on the head node, detached from the fab connection:
+#   setsid launcher.sh RUN_DIR     (fab train uploads RUN_DIR/launch.env and RUN_DIR/command.sh)
+# Logs to RUN_DIR/train.log. A watchdog ends the run when a node stops answering SSH or training
+# makes no progress (mpirun alone hangs forever on a network partition), then writes
+# RUN_DIR/run-status.json: state, exit code, reason.
+set -uo pipefail
+
+RUN_DIR=${1:?usage: launcher.sh RUN_DIR}
+# shellcheck source=/dev/null
+source "$RUN_DIR/launch.env"
+: "${HOSTS:?}" "${SSH_CONFIG:?}" "${ACTIVE_FILE:?}"
+POLL_SECONDS=${POLL_SECONDS:-5}
+STALL_SECONDS=${STALL_SECONDS:-600}
+UNREACHABLE_LIMIT=${UNREACHABLE_LIMIT:-2}
+LOG=$RUN_DIR/train.log
+
+now() { date -u +%FT%TZ; }
+status() {  # status STATE EXIT_CODE REASON
+  local tmp=$RUN_DIR/.run-status.json.tmp
+  printf '{"state": "%s", "exit_code": %s, "reason": "%s", "time": "%s", "head": "%s"}\n' \
+    "$1" "$2" "${3//\"/\'}" "$(now)" "$(hostname)" > "$tmp"
+  mv "$tmp" "$RUN_DIR/run-status.json"
+}
+
+echo $$ > "$RUN_DIR/launcher.pid"
+status running null ""
+echo "$(now) launcher: starting on $(hostname): $(cat "$RUN_DIR/command.sh")" >> "$LOG"
+bash "$RUN_DIR/command.sh" >> "$LOG" 2>&1 < /dev/null &
+mpirun_pid=$!
+echo "$mpirun_pid" > "$RUN_DIR/mpirun.pid"
+
+reason=""
+declare -A failures=()
+while kill -0 "$mpirun_pid" 2>/dev/null; do
+  sleep "$POLL_SECONDS"
+  kill -0 "$mpirun_pid" 2>/dev/null || break
+  for host in $HOSTS; do
+    if timeout 15 ssh -F "$SSH_CONFIG" -o ConnectTimeout=5 "$host" true >/dev/null 2>&1; then
+      failures[$host]=0
+    else
+      failures[$host]=$((${failures[$host]:-0} + 1))
+      if ((failures[$host] >= UNREACHABLE_LIMIT)); then
+        reason="node $host unreachable for $((UNREACHABLE_LIMIT * POLL_SECONDS))+ s"
+        break 2
+      fi
+    fi
+  done
+  if [[ -f $RUN_DIR/progress.json ]]; then
+    age=$(($(date +%s) - $(stat -c %Y "$RUN_DIR/progress.json")))
+    if ((age > STALL_SECONDS)); then
+      reason="no training progress for $age s"
+      break
+    fi
+  fi
+done
+
+if [[ -n $reason ]]; then
+  echo "$(now) watchdog: $reason; ending the run" >> "$LOG"
+  kill -TERM "$mpirun_pid" 2>/dev/null
+  for _ in 1 2 3 4 5; do kill -0 "$mpirun_pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$mpirun_pid" 2>/dev/null
+  for host in $HOSTS; do  # ranks left behind on reachable nodes
+    timeout 15 ssh -F "$SSH_CONFIG" -o ConnectTimeout=5 "$host" \
+      "pkill -KILL -f -- '--run-dir $RUN_DIR'" >/dev/null 2>&1
+  done
+fi
+wait "$mpirun_pid"
+code=$?
+if [[ -n $reason ]]; then
+  status failed "$code" "watchdog: $reason"
+elif ((code == 0)); then
+  status finished 0 "$(grep -o 'run ended at step.*' "$LOG" | tail -n 1)"
+else
+  status failed "$code" "$(grep -E 'mpirun noticed|exited on signal|Error|error:' "$LOG" | tail -n 1)"
+fi
+echo "$(now) launcher: mpirun exited with $code" >> "$LOG"
+[[ $(cat "$ACTIVE_FILE" 2>/dev/null) == "$RUN_DIR" ]] && rm -f "$ACTIVE_FILE"
+exit "$code"

@@ -1,0 +1,288 @@
+"""An emulated multi-node cluster on one machine (root only).
+
+Each node is a network namespace with its own address on a bridge, a private UTS + mount namespace
+(own hostname, /etc/hosts listing every node, /run on tmpfs, the shared directory at /data), and the
+training container's own entrypoint running sshd on 4444. Links can be capped with `tc tbf`.
+`up` writes the same inventory format as a deployed stack, so every fab task works unchanged.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .inventory import Inventory, Node, SshSettings, write_known_hosts
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRYPOINT = REPO / "assets" / "docker" / "entrypoint.sh"
+IDENTITY_SCRIPT = REPO / "assets" / "docker" / "cluster-identity.sh"
+SSHD_CONFIG = REPO / "assets" / "docker" / "sshd_config"
+REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
+_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
+STATE_ROOT = Path(os.environ.get("GPU_CLUSTER_LOCAL_STATE", "/var/tmp/gpu-cluster-local"))
+
+
+class LocalClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    name: str = "local"
+    nodes: int = 2
+    slots: int = 1
+    link: str | None = None
+    subnet: str = "10.213.0.0/24"
+    data_dir: str = "/data"
+
+    def validate(self) -> None:
+        if not re.match(r"^[a-z][a-z0-9]{0,7}$", self.name):
+            raise LocalClusterError(f"invalid --name {self.name!r}: 1-8 lowercase letters/digits, "
+                                    "starting with a letter")
+        if not 1 <= self.nodes <= 32:
+            raise LocalClusterError(f"invalid --nodes {self.nodes}: expected 1 to 32")
+        if not 1 <= self.slots <= 16:
+            raise LocalClusterError(f"invalid --slots {self.slots}: expected 1 to 16")
+        if self.link is not None and not _RATE.match(self.link):
+            raise LocalClusterError(f"invalid --link {self.link!r}: a tc rate such as 1gbit or 500mbit")
+        try:
+            network = ipaddress.ip_network(self.subnet)
+        except ValueError:
+            raise LocalClusterError(f"invalid --subnet {self.subnet!r}: an IPv4 CIDR such as "
+                                    "10.213.0.0/24") from None
+        if network.version != 4 or network.num_addresses < self.nodes + 16:
+            raise LocalClusterError(f"invalid --subnet {self.subnet!r}: IPv4 with room for "
+                                    f"{self.nodes} nodes")
+        if not self.data_dir.startswith("/") or self.data_dir == "/":
+            raise LocalClusterError(f"invalid --data-dir {self.data_dir!r}: an absolute path, not /")
+
+    @property
+    def bridge(self) -> str:
+        return f"gcbr-{self.name}"
+
+    @property
+    def bridge_ip(self) -> str:
+        return str(ipaddress.ip_network(self.subnet)[1])
+
+    @property
+    def prefix(self) -> int:
+        return ipaddress.ip_network(self.subnet).prefixlen
+
+    def node_ip(self, rank: int) -> str:
+        return str(ipaddress.ip_network(self.subnet)[10 + rank])
+
+    def netns(self, rank: int) -> str:
+        return f"gc-{self.name}-node{rank}"
+
+    def host_veth(self, rank: int) -> str:
+        return f"gcv-{self.name}-{rank}"
+
+    @property
+    def state_dir(self) -> Path:
+        return STATE_ROOT / self.name
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise LocalClusterError(f"`{shlex.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def preflight() -> None:
+    if os.geteuid() != 0:
+        raise LocalClusterError("the local cluster needs root (network and mount namespaces); "
+                                "run as root, e.g. `sudo fab local.up`")
+    missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise LocalClusterError(f"missing tools: {', '.join(missing)}; run `make setup` "
+                                "(apt: iproute2 openssh-server openmpi-bin util-linux)")
+
+
+def _cap(device: str, rate: str, netns: str | None = None) -> None:
+    prefix = ("ip", "netns", "exec", netns) if netns else ()
+    _run(*prefix, "tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
+         "burst", "256kb", "latency", "50ms")
+
+
+def _wait_for_port(ip: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((ip, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise LocalClusterError(f"sshd on {ip}:{port} did not come up in {timeout:.0f} s")
+
+
+def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
+                 shared: Path, extra_keys: Path) -> str:
+    env = {"DATA_DIR": spec.data_dir, "RUNTIME_DIR": "/run/gpu-cluster",
+           "EXTRA_AUTHORIZED_KEYS": str(extra_keys), "SSHD_CONFIG": str(SSHD_CONFIG),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    q = shlex.quote
+    return "; ".join([
+        "set -e",
+        f"hostname node{rank}",
+        f"mount --bind {q(str(hosts_file))} /etc/hosts",
+        f"mount --bind {q(str(nsswitch))} /etc/nsswitch.conf",
+        "mount -t tmpfs -o mode=0755 tmpfs /run",
+        f"mount --bind {q(str(shared))} {q(spec.data_dir)}",
+        f"exec env {exports} bash {q(str(ENTRYPOINT))}",
+    ])
+
+
+def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
+    """Bring the cluster up (replacing a previous one of the same name) and write the inventory."""
+    spec.validate()
+    preflight()
+    if spec.state_dir.exists():
+        down(spec.name, inventory_path=None)
+    state = spec.state_dir
+    shared = state / "shared"
+    controller = state / "controller"
+    for directory in (shared, controller):
+        directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(controller, 0o700)
+    created_mountpoint = not Path(spec.data_dir).exists()
+    Path(spec.data_dir).mkdir(parents=True, exist_ok=True)
+    record = {"spec": spec.__dict__, "created_mountpoint": created_mountpoint, "pids": {}}
+    _save_record(spec, record)
+
+    # Shared storage and identities, exactly as the AWS bootstrap does on EFS.
+    _run("bash", str(IDENTITY_SCRIPT), str(shared), f"{spec.name}-local")
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fab-controller",
+         "-f", str(controller / "id_ed25519"))
+    ssh_dir = shared / ".cluster" / "ssh"
+    # The script named the host-side path; inside the nodes the shared directory is data_dir.
+    config = (ssh_dir / "config").read_text().replace(str(shared), spec.data_dir)
+    (ssh_dir / "config").write_text(config)
+    hosts = "127.0.0.1 localhost\n" + "".join(
+        f"{spec.node_ip(r)} node{r}\n" for r in range(spec.nodes))
+    (state / "hosts").write_text(hosts)
+    (state / "nsswitch.conf").write_text("hosts: files\npasswd: files\ngroup: files\nshadow: files\n")
+
+    _run("ip", "link", "add", spec.bridge, "type", "bridge")
+    _run("ip", "addr", "add", f"{spec.bridge_ip}/{spec.prefix}", "dev", spec.bridge)
+    _run("ip", "link", "set", spec.bridge, "up")
+    for rank in range(spec.nodes):
+        netns, veth = spec.netns(rank), spec.host_veth(rank)
+        _run("ip", "netns", "add", netns)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _run("ip", "link", "set", veth, "master", spec.bridge, "up")
+        _run("ip", "-n", netns, "addr", "add", f"{spec.node_ip(rank)}/{spec.prefix}", "dev", "eth0")
+        _run("ip", "-n", netns, "link", "set", "eth0", "up")
+        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        if spec.link:
+            _cap(veth, spec.link)
+            _cap("eth0", spec.link, netns)
+        log = open(state / f"node{rank}.log", "ab")
+        script = _node_script(spec, rank, state / "hosts", state / "nsswitch.conf", shared,
+                              controller / "id_ed25519.pub")
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", netns, "unshare", "--uts", "--mount", "--propagation", "private",
+             "--", "bash", "-c", script],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        record["pids"][str(rank)] = process.pid
+        _save_record(spec, record)
+    for rank in range(spec.nodes):
+        _wait_for_port(spec.node_ip(rank), 4444, timeout=15)
+        ready = shared / ".cluster" / "ready"
+        ready.mkdir(parents=True, exist_ok=True)
+        (ready / f"node{rank}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ\n", time.gmtime()))
+
+    host_key = (ssh_dir / "ssh_host_ed25519_key.pub").read_text()
+    known_hosts = controller / "known_hosts"
+    nodes = [Node(rank=r, name=f"node{r}", public_ip=spec.node_ip(r), private_ip=spec.node_ip(r))
+             for r in range(spec.nodes)]
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
+    inventory = Inventory(
+        cluster=spec.name, source="local", nodes=nodes, gpus_per_node=spec.slots,
+        ssh=SshSettings(user="root", port=4444, key_file=str(controller / "id_ed25519"),
+                        known_hosts=str(known_hosts)),
+        python=sys.executable, code_dir=str(REPO / "assets" / "train"), data_dir=spec.data_dir,
+        instance_type="local", local_state=str(state))
+    inventory.save(inventory_path)
+    return inventory
+
+
+def _save_record(spec: LocalSpec, record: dict) -> None:
+    spec.state_dir.mkdir(parents=True, exist_ok=True)
+    (spec.state_dir / "cluster.json").write_text(json.dumps(record, indent=2))
+
+
+def list_clusters() -> list[str]:
+    return sorted(p.name for p in STATE_ROOT.glob("*") if (p / "cluster.json").exists())
+
+
+def down(name: str, inventory_path: Path | None) -> list[str]:
+    """Stop every process in the nodes' namespaces, remove namespaces, veths, bridge, mountpoint."""
+    preflight()
+    state = STATE_ROOT / name
+    record_path = state / "cluster.json"
+    if not record_path.exists():
+        raise LocalClusterError(f"no local cluster named {name!r} (known: "
+                                f"{', '.join(list_clusters()) or 'none'}); nothing to do")
+    record = json.loads(record_path.read_text())
+    spec = LocalSpec(**record["spec"])
+    removed = []
+    for rank in range(spec.nodes):
+        netns = spec.netns(rank)
+        if _run("ip", "netns", "pids", netns, check=False).returncode == 0:
+            _kill_namespace(netns)
+            _run("ip", "netns", "delete", netns, check=False)
+            removed.append(netns)
+        _run("ip", "link", "delete", spec.host_veth(rank), check=False)
+    for pid in record["pids"].values():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if _run("ip", "link", "show", spec.bridge, check=False).returncode == 0:
+        _run("ip", "link", "delete", spec.bridge)
+        removed.append(spec.bridge)
+    if record.get("created_mountpoint"):
+        try:
+            os.rmdir(spec.data_dir)
+        except OSError:
+            pass
+    shutil.rmtree(state, ignore_errors=True)
+    if inventory_path is not None and inventory_path.exists():
+        current = json.loads(inventory_path.read_text())
+        if current.get("source") == "local" and current.get("cluster") == name:
+            inventory_path.unlink()
+    return removed
+
+
+def _kill_namespace(netns: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = [int(p) for p in _run("ip", "netns", "pids", netns, check=False).stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and _run("ip", "netns", "pids", netns, check=False).stdout.split():
+            time.sleep(0.05)
+
+
+def set_link(name: str, rank: int, up_: bool) -> None:
+    """Cut or restore one node's link (tests of the watchdog)."""
+    record = json.loads((STATE_ROOT / name / "cluster.json").read_text())
+    spec = LocalSpec(**record["spec"])
+    _run("ip", "link", "set", spec.host_veth(rank), "up" if up_ else "down")

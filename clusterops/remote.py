@@ -1,0 +1,230 @@
+"""Remote operations: plain functions that take a connection (or an inventory) and do one thing."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional
+
+import paramiko
+from fabric import Connection
+
+from . import launch
+from .inventory import Inventory, Node
+
+LAUNCHER = Path(__file__).resolve().parent / "launcher.sh"
+q = shlex.quote
+
+
+class RemoteError(RuntimeError):
+    pass
+
+
+def connect(inventory: Inventory, node: Node) -> Connection:
+    """A connection that trusts only the pinned host key of the cluster."""
+    connection = Connection(
+        host=node.public_ip, user=inventory.ssh.user, port=inventory.ssh.port,
+        connect_timeout=10,
+        connect_kwargs={"key_filename": inventory.ssh.key_file, "look_for_keys": False,
+                        "allow_agent": False})
+    connection.client.get_host_keys().clear()
+    connection.client.load_host_keys(inventory.ssh.known_hosts)
+    connection.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    return connection
+
+
+def sh(connection: Connection, command: str, check: bool = True, timeout: Optional[float] = None) -> str:
+    result = connection.run(command, hide=True, warn=True, in_stream=False, timeout=timeout)
+    if check and result.exited != 0:
+        raise RemoteError(f"{connection.host}: `{command}` exited {result.exited}: "
+                          f"{(result.stderr or result.stdout).strip()[-500:]}")
+    return result.stdout
+
+
+def read_json(connection: Connection, path: str) -> Optional[dict]:
+    text = sh(connection, f"cat {q(path)} 2>/dev/null || true")
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        return None
+
+
+def write_file(connection: Connection, path: str, text: str, mode: int = 0o644) -> None:
+    """Upload text atomically (temp file + rename) over SFTP."""
+    sftp = connection.sftp()
+    tmp = f"{path}.tmp"
+    with sftp.open(tmp, "w") as handle:
+        handle.write(text)
+    sftp.chmod(tmp, mode)
+    sh(connection, f"mv -f {q(tmp)} {q(path)}")
+
+
+def on_all(inventory: Inventory, nodes: list[Node], action: Callable[[Connection, Node], dict]) -> list[dict]:
+    """Run action(connection, node) on every node in parallel; an unreachable node is a row too."""
+    def one(node: Node) -> dict:
+        try:
+            with connect(inventory, node) as connection:
+                return dict(node=node.name, reachable=True, **action(connection, node))
+        except Exception as error:  # noqa: BLE001 - report any failure as that node's state
+            return dict(node=node.name, reachable=False, error=f"{type(error).__name__}: {error}"[:160])
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
+        return list(pool.map(one, nodes))
+
+
+def detect_interface(connection: Connection, node: Node) -> str:
+    return launch.parse_interface(sh(connection, "ip -o -4 addr show"), node.private_ip)
+
+
+# ---------------------------------------------------------------- status
+
+NODE_PROBE = r"""
+ready=no; [ -f {data}/.cluster/ready/{name} ] && ready=yes
+mounted=no; mountpoint -q {data} && mounted=yes
+gpus=none
+if command -v nvidia-smi >/dev/null; then
+  gpus=$(nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits | paste -sd';')
+fi
+training=$(pgrep -fc -- '[t]rain\.py --recipe' || true)
+echo "$ready|$mounted|$gpus|$training"
+"""
+
+
+def node_status(connection: Connection, inventory: Inventory, node: Node) -> dict:
+    out = sh(connection, NODE_PROBE.format(data=q(inventory.data_dir), name=q(node.name))).strip()
+    ready, mounted, gpus, training = out.split("|")
+    if gpus == "none":
+        gpu_text = "none (CPU)"
+    else:
+        rows = [g.split(",") for g in gpus.split(";")]
+        gpu_text = f"{len(rows)}: " + " ".join(f"{int(u)}% {int(m)}/{int(t)}MiB" for u, m, t in rows)
+    return {"bootstrap": ready, "container": "up", "data": mounted, "gpus": gpu_text,
+            "training": f"{training} proc" if training != "0" else "no"}
+
+
+def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    """The run directory whose launcher is alive on the head node, if any."""
+    active = sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
+    if not active:
+        return None
+    alive = sh(connection, f"kill -0 \"$(cat {q(active + '/launcher.pid')} 2>/dev/null)\" "
+                           "2>/dev/null && echo yes || echo no").strip()
+    return active if alive == "yes" else None
+
+
+def run_state(connection: Connection, run_dir: str) -> dict:
+    status = read_json(connection, f"{run_dir}/run-status.json") or {}
+    progress = read_json(connection, f"{run_dir}/progress.json") or {}
+    summary = read_json(connection, f"{run_dir}/summary.json") or {}
+    return {"status": status, "progress": progress, "summary": summary}
+
+
+def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/runs/*/ 2>/dev/null | head -n 1 || true").strip()
+    return out.rstrip("/") or None
+
+
+# ---------------------------------------------------------------- training
+
+def start_training(connection: Connection, inventory: Inventory, request: launch.TrainRequest,
+                   code_dir: str) -> str:
+    """Write hostfile, env and command into the run directory and start the launcher detached."""
+    request.validate()
+    running = active_run(connection, inventory)
+    if running:
+        raise RemoteError(f"a run is already going in {running}: `fab logs --follow` to watch it, "
+                          "`fab stop` to end it")
+    nodes = inventory.select(request.nodes)
+    interface = detect_interface(connection, inventory.head)
+    dataset = request.dataset or launch.default_dataset(request.recipe)
+    data_path = f"{inventory.data_dir}/datasets/{dataset}"
+    if sh(connection, f"test -f {q(data_path + '/meta.json')} && echo ok || true").strip() != "ok":
+        raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
+    rdir = launch.run_dir(inventory, request.run_name)
+    sh(connection, f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/run-status.json')}")
+    write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
+    write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request))
+    argv = launch.mpirun_argv(inventory, request, interface, code_dir)
+    write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
+    write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)
+    write_file(connection, launch.active_file(inventory), rdir + "\n")
+    sh(connection, f"setsid nohup bash {q(rdir + '/launcher.sh')} {q(rdir)} "
+                   f"> {q(rdir + '/launcher.log')} 2>&1 < /dev/null &")
+    for _ in range(50):
+        if read_json(connection, f"{rdir}/run-status.json"):
+            return rdir
+        time.sleep(0.1)
+    raise RemoteError(f"the launcher did not start; see {rdir}/launcher.log")
+
+
+def follow_log(connection: Connection, run_dir: str, out=sys.stdout, poll: float = 1.0,
+               timeout: Optional[float] = None, follow: bool = True) -> dict:
+    """Print train.log as it grows until the run is no longer running; return the run status."""
+    offset, deadline = 0, (time.monotonic() + timeout) if timeout else None
+    log = f"{run_dir}/train.log"
+    while True:
+        status = read_json(connection, f"{run_dir}/run-status.json") or {}
+        chunk = sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
+        if chunk:
+            out.write(chunk)
+            out.flush()
+            offset += len(chunk.encode())
+        if not follow or status.get("state") not in (None, "running"):
+            return status
+        if deadline and time.monotonic() > deadline:
+            raise RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:
+    """Graceful stop: the trainer checkpoints at the next step, then exits."""
+    sh(connection, f"touch {q(run_dir + '/STOP')}")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        status = read_json(connection, f"{run_dir}/run-status.json") or {}
+        if status.get("state") not in (None, "running"):
+            return status
+        time.sleep(1.0)
+    raise RemoteError(f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
+                      "Wait, or end it hard with `fab stop --force`")
+
+
+def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
+    for pid_file in ("launcher.pid", "mpirun.pid"):
+        sh(connection, f"kill -TERM \"$(cat {q(run_dir + '/' + pid_file)} 2>/dev/null)\" "
+                       "2>/dev/null || true")
+    for node in inventory.nodes:
+        sh(connection, f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
+                       f"{q('pkill -KILL -f -- ' + q('--run-dir ' + run_dir))} || true", check=False)
+
+
+def fetch_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
+    """Best checkpoint, config, vocabulary, summary, log and the last eval texts into dest."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wanted = ["config.json", "summary.json", "train.log", "run-status.json"]
+    best = sh(connection, f"ls -1 {q(run_dir)}/checkpoints/best.pt {q(run_dir)}/checkpoints/step_*.pt "
+                          "2>/dev/null | head -n 1 || true").strip()
+    if best:
+        wanted.append(best[len(run_dir) + 1:])
+    last_eval = sh(connection, f"ls -1 {q(run_dir)}/eval/ 2>/dev/null | sort | tail -n 3 || true").split()
+    wanted += [f"eval/{name}" for name in last_eval]
+    config = read_json(connection, f"{run_dir}/config.json") or {}
+    fetched = []
+    sftp = connection.sftp()
+    for rel in wanted:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            sftp.get(f"{run_dir}/{rel}", str(target))
+            fetched.append(target)
+        except FileNotFoundError:
+            continue
+    if config.get("data"):
+        try:
+            sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))
+            fetched.append(dest / "spm.model")
+        except FileNotFoundError:
+            pass
+    return fetched

@@ -1,0 +1,328 @@
+"""Operate the GPU training cluster (AWS or the emulated local one). `fab --list`; `fab --help TASK`.
+
+Typical session:  fab local.up --nodes 2  ->  fab data  ->  fab train --follow  ->  fab fetch  ->  fab local.down
+On AWS:           npx cdk deploy  ->  fab inventory  ->  fab status  ->  fab data ...  ->  npx cdk destroy
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from fabric import task
+from invoke import Collection
+from invoke.exceptions import Exit
+
+from clusterops import launch, localcluster, remote, report
+from clusterops.inventory import (DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError,
+                                  from_outputs, stack_outputs_from_aws, stack_outputs_from_file)
+
+INVENTORY = Path(os.environ.get("GPU_CLUSTER_INVENTORY", DEFAULT_INVENTORY))
+ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
+
+
+def _fail(error: Exception) -> Exit:
+    return Exit(f"error: {error}", code=1)
+
+
+def _inventory() -> Inventory:
+    if not INVENTORY.exists() and DEFAULT_OUTPUTS.exists():
+        raise _fail(InventoryError(f"{DEFAULT_OUTPUTS} exists but no inventory: run `fab inventory`"))
+    if INVENTORY.exists() and DEFAULT_OUTPUTS.exists() \
+            and DEFAULT_OUTPUTS.stat().st_mtime > INVENTORY.stat().st_mtime \
+            and Inventory.load(INVENTORY).source == "aws":
+        raise _fail(InventoryError("the inventory is older than the last deploy: run `fab inventory`"))
+    try:
+        return Inventory.load(INVENTORY)
+    except InventoryError as error:
+        raise _fail(error) from None
+
+
+def _head(inv: Inventory):
+    return remote.connect(inv, inv.head)
+
+
+def _run_dir(connection, inv: Inventory, run: str | None) -> str:
+    if run:
+        return launch.run_dir(inv, run)
+    latest = remote.active_run(connection, inv) or remote.latest_run(connection, inv)
+    if not latest:
+        raise _fail(remote.RemoteError("no runs yet: start one with `fab train`"))
+    return latest
+
+
+@task(help={"stack": "stack name (default: the one cluster stack in the outputs file)",
+            "outputs": f"cdk outputs file (default {DEFAULT_OUTPUTS})",
+            "from_aws": "describe the stack with boto3 instead of reading the outputs file",
+            "key_file": "private key of your own key pair (when deployed with -c key_name=...)"})
+def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
+    """Build .cluster/inventory.json from the deploy outputs; fetch the SSH key and host key once."""
+    import boto3
+    try:
+        if from_aws:
+            if not stack:
+                raise InventoryError("--from-aws needs --stack NAME")
+            session = boto3.session.Session()
+            name, outs = stack, stack_outputs_from_aws(stack, session)
+        else:
+            name, outs = stack_outputs_from_file(Path(outputs))
+            if stack and stack != name:
+                raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
+            session = boto3.session.Session(region_name=outs.get("Region"))
+        inv = from_outputs(name, outs, session, INVENTORY.parent / "keys", key_file=key_file)
+    except ERRORS as error:
+        raise _fail(error) from None
+    inv.save(INVENTORY)
+    print(f"{INVENTORY}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}")
+
+
+@task
+def status(c):
+    """Per node, in parallel: reachable, bootstrap, container, /data, GPUs, training; then the run."""
+    inv = _inventory()
+    rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node))
+    print(report.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus",
+                              "training", "error"]))
+    head_row = rows[0]
+    if head_row.get("reachable"):
+        with _head(inv) as conn:
+            latest = remote.active_run(conn, inv) or remote.latest_run(conn, inv)
+            if latest:
+                print(report.run_line(latest, remote.run_state(conn, latest)))
+
+
+@task(help={"mb": "all-reduce payload in MB (default 64)"})
+def check(c, mb=64):
+    """mpirun hostname on every node, the network interface of each, and an all-reduce bandwidth test."""
+    inv = _inventory()
+    rows = remote.on_all(inv, inv.nodes, lambda conn, node: {
+        "interface": remote.detect_interface(conn, node),
+        "hostname": remote.sh(conn, "hostname").strip()})
+    print(report.table(rows, ["node", "reachable", "hostname", "interface", "error"]))
+    interfaces = {row.get("interface") for row in rows}
+    if not all(row["reachable"] for row in rows) or len(interfaces) != 1:
+        raise Exit("error: nodes unreachable or interfaces differ; NCCL/GLOO_SOCKET_IFNAME needs one name",
+                   code=1)
+    interface = interfaces.pop()
+    request = launch.TrainRequest(recipe="transformer-tiny")
+    base = launch.mpirun_argv(inv, request, interface, inv.code_dir)
+    prefix = base[: base.index(inv.python)]
+    hosts = ",".join(f"{n.private_ip}:{inv.gpus_per_node}" for n in inv.nodes)
+    prefix[prefix.index("--hostfile"):prefix.index("--hostfile") + 2] = ["-H", hosts]
+    with _head(inv) as conn:
+        for argv in (prefix + ["hostname"],
+                     prefix + [inv.python, f"{inv.code_dir}/bench_allreduce.py", "--mb", str(mb)]):
+            print(remote.sh(conn, "timeout 300 " + shlex.join(argv)).strip())
+
+
+@task(help={"dataset": "numbers (offline) ...", "extra": "more prepare.py arguments, quoted"})
+def data(c, dataset="numbers", extra=""):
+    """Prepare a data set on /data from the head node (prepare.py)."""
+    inv = _inventory()
+    if dataset != "numbers":
+        raise Exit(f"error: --dataset {dataset!r}: only 'numbers' is available in this version", code=1)
+    out = f"{inv.data_dir}/datasets/{dataset}"
+    argv = [inv.python, f"{_code_dir(c, inv)}/prepare.py", dataset, "--out", out] + shlex.split(extra)
+    with _head(inv) as conn:
+        conn.run(shlex.join(argv), in_stream=False)
+
+
+def _code_dir(c, inv: Inventory) -> str:
+    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
+    with _head(inv) as conn:
+        synced = f"{inv.data_dir}/code/train"
+        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
+            return synced
+    return inv.code_dir
+
+
+@task(help={"source": "local directory with train.py (default assets/train)"})
+def sync(c, source="assets/train"):
+    """Copy the training program (or your own directory) to /data/code/train; train then uses it."""
+    inv = _inventory()
+    src = Path(source)
+    if not (src / "train.py").is_file():
+        raise Exit(f"error: --source {source!r} has no train.py", code=1)
+    target = f"{inv.data_dir}/code/train"
+    with _head(inv) as conn:
+        remote.sh(conn, f"mkdir -p {shlex.quote(target)}")
+        files = [p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        for path in files:
+            rel = path.relative_to(src).as_posix()
+            remote.sh(conn, f"mkdir -p {shlex.quote(str(Path(target, rel).parent))}")
+            conn.put(str(path), f"{target}/{rel}")
+    print(f"synced {len(files)} file(s) to {target}")
+
+
+@task(help={"recipe": "transformer-tiny (default) or transformer-base",
+            "run": "run name (default: the recipe); the same name resumes that run",
+            "steps": "max steps", "batch_per_gpu": "batch per GPU (per slot locally)",
+            "precision": "fp32, fp16 or bf16", "grad_compression": "none, fp16, bf16 or powersgd",
+            "nodes": "use the first K nodes", "dataset": "data set under /data/datasets",
+            "follow": "stream the log until the run ends", "extra": "more train.py arguments, quoted",
+            "stall_minutes": "watchdog: end the run after this long without progress (default 10)"})
+def train(c, recipe="transformer-tiny", run=None, steps=None, batch_per_gpu=None, precision=None,
+          grad_compression=None, nodes=None, dataset=None, follow=False, extra="", stall_minutes=10.0):
+    """Start mpirun across the nodes, detached on the head node, with a watchdog."""
+    inv = _inventory()
+    request = launch.TrainRequest(
+        recipe=recipe, run=run, steps=int(steps) if steps else None,
+        batch_per_gpu=int(batch_per_gpu) if batch_per_gpu else None, precision=precision,
+        grad_compression=grad_compression, nodes=int(nodes) if nodes else None, dataset=dataset,
+        stall_minutes=float(stall_minutes), extra_args=tuple(shlex.split(extra)))
+    try:
+        request.validate()
+        code_dir = _code_dir(c, inv)
+        with _head(inv) as conn:
+            rdir = remote.start_training(conn, inv, request, code_dir)
+            print(f"started {request.run_name} in {rdir} on {len(inv.select(request.nodes))} node(s) "
+                  f"({code_dir})")
+            if follow:
+                _follow(conn, rdir)
+    except ERRORS as error:
+        raise _fail(error) from None
+
+
+def _follow(conn, rdir: str) -> None:
+    status_ = remote.follow_log(conn, rdir)
+    state = remote.run_state(conn, rdir)
+    print(report.run_line(rdir, state))
+    for line in report.summary_lines(state["summary"]):
+        print(line)
+    if status_.get("state") != "finished":
+        raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
+
+
+@task(help={"run": "run name (default: the active or latest run)", "follow": "keep streaming"})
+def logs(c, run=None, follow=False):
+    """Print a run's log (train.log on /data); --follow streams it until the run ends."""
+    inv = _inventory()
+    with _head(inv) as conn:
+        rdir = _run_dir(conn, inv, run)
+        if follow:
+            _follow(conn, rdir)
+        else:
+            remote.follow_log(conn, rdir, follow=False)
+
+
+@task(help={"run": "run name (default: the active run)", "force": "kill instead of checkpoint-and-exit"})
+def stop(c, run=None, force=False):
+    """Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
+    inv = _inventory()
+    try:
+        with _head(inv) as conn:
+            rdir = launch.run_dir(inv, run) if run else remote.active_run(conn, inv)
+            if not rdir:
+                raise remote.RemoteError("no run is going")
+            if force:
+                remote.force_stop(conn, inv, rdir)
+                print(f"killed {rdir}")
+            else:
+                result = remote.request_stop(conn, rdir)
+                print(f"stopped {rdir}: {result.get('state')} {result.get('reason', '')}")
+    except ERRORS as error:
+        raise _fail(error) from None
+
+
+@task(help={"port": "local port (default 6006)"})
+def tensorboard(c, port=6006):
+    """TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
+    inv = _inventory()
+    with _head(inv) as conn:
+        running = remote.sh(conn, "pgrep -f 'tensorboard.main --logdir' >/dev/null && echo yes || true")
+        if not running.strip():
+            logdir = shlex.quote(f"{inv.data_dir}/runs")
+            remote.sh(conn, f"setsid nohup {shlex.quote(inv.python)} -m tensorboard.main --logdir {logdir} "
+                            "--host 127.0.0.1 --port 6006 > /tmp/tensorboard.log 2>&1 < /dev/null &")
+        with conn.forward_local(int(port), remote_port=6006, remote_host="127.0.0.1"):
+            print(f"TensorBoard: http://localhost:{port} (Ctrl-C to close the tunnel)")
+            try:
+                while True:
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+
+
+MONITOR_PROBE = r"""
+read_net() { awk -v i="$1" '$1 == i":" {print $2, $10}' /proc/net/dev; }
+a=$(read_net {iface}); sleep {interval}; b=$(read_net {iface})
+gpu=none
+command -v nvidia-smi >/dev/null && gpu=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | paste -sd/)
+echo "$a $b $gpu $(cut -d' ' -f1 /proc/loadavg)"
+"""
+
+
+@task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
+def monitor(c, interval=2, count=0):
+    """GPU utilisation, network rx/tx (Mbit/s) and load per node, sampled live."""
+    inv = _inventory()
+    interval, count = float(interval), int(count)
+
+    def sample(conn, node):
+        iface = remote.detect_interface(conn, node)
+        out = remote.sh(conn, MONITOR_PROBE.format(iface=iface, interval=interval)).split()
+        rx0, tx0, rx1, tx1 = (int(v) for v in out[:4])
+        return {"rx_mbit": f"{(rx1 - rx0) * 8 / interval / 1e6:.1f}",
+                "tx_mbit": f"{(tx1 - tx0) * 8 / interval / 1e6:.1f}", "gpu_util": out[4], "load": out[5]}
+    taken = 0
+    while count == 0 or taken < count:
+        rows = remote.on_all(inv, inv.nodes, sample)
+        print(time.strftime("%H:%M:%S"))
+        print(report.table(rows, ["node", "gpu_util", "rx_mbit", "tx_mbit", "load", "error"]))
+        taken += 1
+
+
+@task(help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"})
+def fetch(c, run=None, dest="runs"):
+    """Checkpoint, config, vocabulary, summary.json and eval texts into ./runs/NAME/."""
+    inv = _inventory()
+    with _head(inv) as conn:
+        rdir = _run_dir(conn, inv, run)
+        target = Path(dest) / Path(rdir).name
+        files = remote.fetch_run(conn, rdir, target)
+    print(f"fetched {len(files)} file(s) into {target}/")
+
+
+@task(help={"node": "rank of the node (default 0, the head)"})
+def ssh(c, node=0):
+    """An interactive shell in a node's training container."""
+    inv = _inventory()
+    target = inv.nodes[int(node)] if 0 <= int(node) < len(inv.nodes) else None
+    if target is None:
+        raise Exit(f"error: --node {node}: the cluster has nodes 0-{len(inv.nodes) - 1}", code=1)
+    os.execvp("ssh", ["ssh", "-i", inv.ssh.key_file, "-p", str(inv.ssh.port),
+                      "-o", f"UserKnownHostsFile={inv.ssh.known_hosts}", "-o", "StrictHostKeyChecking=yes",
+                      "-o", "IdentitiesOnly=yes", f"{inv.ssh.user}@{target.public_ip}"])
+
+
+@task(name="up", help={"nodes": "node count (default 2)", "link": "cap each link, e.g. 1gbit",
+                       "slots": "ranks per node (default 1)", "name": "cluster name (default local)",
+                       "subnet": "node addresses (default 10.213.0.0/24)"})
+def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24"):
+    """Start an emulated cluster on this machine (root): namespaces, sshd on 4444, shared /data."""
+    spec = localcluster.LocalSpec(name=name, nodes=int(nodes), slots=int(slots), link=link, subnet=subnet)
+    started = time.perf_counter()
+    try:
+        inv = localcluster.up(spec, INVENTORY)
+    except ERRORS as error:
+        raise _fail(error) from None
+    print(f"local cluster {name}: {len(inv.nodes)} node(s) "
+          f"{', '.join(n.private_ip for n in inv.nodes)} up in {time.perf_counter() - started:.2f} s"
+          + (f", links capped at {link}" if link else ""))
+
+
+@task(name="down", help={"name": "cluster name (default local)"})
+def local_down(c, name="local"):
+    """Stop the emulated cluster: no namespace, bridge, process or mount is left behind."""
+    try:
+        removed = localcluster.down(name, INVENTORY)
+    except ERRORS as error:
+        raise _fail(error) from None
+    print(f"local cluster {name} down ({len(removed)} namespace(s)/bridge removed)")
+
+
+local = Collection("local", local_up, local_down)
+ns = Collection(inventory, status, check, data, sync, train, logs, stop, tensorboard, monitor,
+                fetch, ssh, local)
