@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 import time
 from pathlib import Path
 
@@ -176,17 +175,17 @@ def train(c, recipe="transformer-tiny", run=None, steps=None, batch_per_gpu=None
         request.validate()
         code_dir = _code_dir(c, inv)
         with _head(inv) as conn:
-            rdir = remote.start_training(conn, inv, request, code_dir)
+            rdir, log_offset = remote.start_training(conn, inv, request, code_dir)
             print(f"started {request.run_name} in {rdir} on {len(inv.select(request.nodes))} node(s) "
                   f"({code_dir})")
             if follow:
-                _follow(conn, rdir)
+                _follow(conn, rdir, log_offset)
     except ERRORS as error:
         raise _fail(error) from None
 
 
-def _follow(conn, rdir: str) -> None:
-    status_ = remote.follow_log(conn, rdir)
+def _follow(conn, rdir: str, offset: int = 0) -> None:
+    status_ = remote.follow_log(conn, rdir, offset=offset)
     state = remote.run_state(conn, rdir)
     print(report.run_line(rdir, state))
     for line in report.summary_lines(state["summary"]):

@@ -129,8 +129,9 @@ def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
 # ---------------------------------------------------------------- training
 
 def start_training(connection: Connection, inventory: Inventory, request: launch.TrainRequest,
-                   code_dir: str) -> str:
-    """Write hostfile, env and command into the run directory and start the launcher detached."""
+                   code_dir: str) -> tuple[str, int]:
+    """Write hostfile, env and command into the run directory and start the launcher detached.
+    Returns the run directory and the log's size before this launch (where its output starts)."""
     request.validate()
     running = active_run(connection, inventory)
     if running:
@@ -150,19 +151,21 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
     write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)
     write_file(connection, launch.active_file(inventory), rdir + "\n")
+    log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/train.log')} 2>/dev/null || echo 0"))
     sh(connection, f"setsid nohup bash {q(rdir + '/launcher.sh')} {q(rdir)} "
                    f"> {q(rdir + '/launcher.log')} 2>&1 < /dev/null &")
     for _ in range(50):
         if read_json(connection, f"{rdir}/run-status.json"):
-            return rdir
+            return rdir, log_offset
         time.sleep(0.1)
     raise RemoteError(f"the launcher did not start; see {rdir}/launcher.log")
 
 
 def follow_log(connection: Connection, run_dir: str, out=sys.stdout, poll: float = 1.0,
-               timeout: Optional[float] = None, follow: bool = True) -> dict:
-    """Print train.log as it grows until the run is no longer running; return the run status."""
-    offset, deadline = 0, (time.monotonic() + timeout) if timeout else None
+               timeout: Optional[float] = None, follow: bool = True, offset: int = 0) -> dict:
+    """Print train.log from byte `offset` as it grows until the run is no longer running;
+    return the run status."""
+    deadline = (time.monotonic() + timeout) if timeout else None
     log = f"{run_dir}/train.log"
     while True:
         status = read_json(connection, f"{run_dir}/run-status.json") or {}

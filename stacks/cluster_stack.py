@@ -17,7 +17,8 @@ class GpuClusterStack(Stack):
         Tags.of(self).add(CLUSTER_TAG, config.cluster_name)
 
         self.network = ClusterNetwork(self, "Network", ssh_cidr=config.ssh_cidr,
-                                      vpc_id=config.vpc_id, subnet_id=config.subnet_id)
+                                      vpc_id=config.vpc_id, subnet_id=config.subnet_id,
+                                      availability_zone=config.availability_zone)
         self.storage = SharedStorage(self, "SharedStorage", vpc=self.network.vpc,
                                      subnet=self.network.subnet,
                                      client_security_group=self.network.security_group,

@@ -39,6 +39,7 @@ _IMAGE_RE = re.compile(r"^[a-z0-9.\-/:]+:[A-Za-z0-9._-]+$")
 _SSM_RE = re.compile(r"^/[A-Za-z0-9_./-]+$")
 _VPC_RE = re.compile(r"^vpc-[0-9a-f]{8,17}$")
 _SUBNET_RE = re.compile(r"^subnet-[0-9a-f]{8,17}$")
+_AZ_RE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.@ -]{1,255}$")
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -137,6 +138,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "placement_group": _as_bool,
     "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
     "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
+    "availability_zone": _optional(lambda k, v: _as_str(
+        k, v, _AZ_RE, "expected the subnet's availability zone, e.g. us-east-1a")),
     "key_name": _optional(lambda k, v: _as_str(
         k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
     "idle_minutes": lambda k, v: _as_int(k, v, 0, 7 * 24 * 60),
@@ -158,6 +161,7 @@ class ClusterConfig:
     placement_group: bool = True
     vpc_id: Optional[str] = None
     subnet_id: Optional[str] = None
+    availability_zone: Optional[str] = None
     key_name: Optional[str] = None
     idle_minutes: int = 60
 
@@ -186,10 +190,14 @@ class ClusterConfig:
             raise ConfigError("ssh_cidr", self.ssh_cidr,
                               "SSH open to the whole internet needs -c allow_world_ssh=true; "
                               "prefer your own address, e.g. 203.0.113.7/32")
-        if (self.vpc_id is None) != (self.subnet_id is None):
-            raise ConfigError("subnet_id" if self.vpc_id else "vpc_id",
-                              self.subnet_id if self.vpc_id else self.vpc_id,
-                              "vpc_id and subnet_id go together (a public subnet of that VPC)")
+        existing = {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id,
+                    "availability_zone": self.availability_zone}
+        given = [key for key, value in existing.items() if value is not None]
+        if given and len(given) < len(existing):
+            missing = [key for key in existing if key not in given]
+            raise ConfigError(given[0], existing[given[0]],
+                              f"an existing VPC needs vpc_id, subnet_id (a public subnet) and "
+                              f"availability_zone together; missing {', '.join(missing)}")
 
     @property
     def gpus(self) -> int:

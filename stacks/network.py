@@ -14,12 +14,14 @@ class ClusterNetwork(Construct):
     """Exposes `vpc`, `subnet` (where every node and the EFS mount target go) and `security_group`."""
 
     def __init__(self, scope: Construct, construct_id: str, *, ssh_cidr: Optional[str],
-                 vpc_id: Optional[str] = None, subnet_id: Optional[str] = None) -> None:
+                 vpc_id: Optional[str] = None, subnet_id: Optional[str] = None,
+                 availability_zone: Optional[str] = None) -> None:
         super().__init__(scope, construct_id)
-        if vpc_id and subnet_id:
-            self.subnet: ec2.ISubnet = ec2.Subnet.from_subnet_id(self, "Subnet", subnet_id)
+        if vpc_id and subnet_id and availability_zone:
+            self.subnet: ec2.ISubnet = ec2.Subnet.from_subnet_attributes(
+                self, "Subnet", subnet_id=subnet_id, availability_zone=availability_zone)
             self.vpc: ec2.IVpc = ec2.Vpc.from_vpc_attributes(
-                self, "Vpc", vpc_id=vpc_id, availability_zones=["unused"],
+                self, "Vpc", vpc_id=vpc_id, availability_zones=[availability_zone],
                 public_subnet_ids=[subnet_id])
         else:
             vpc = ec2.Vpc(

@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` (the main job, locally) and `make test` (all tests).
+# Both run the set-up first; it is idempotent and quick once done.
+SHELL := /bin/bash
+export CDK_DISABLE_VERSION_CHECK := 1
+export CDK_DISABLE_CLI_TELEMETRY := true
+export AWS_EC2_METADATA_DISABLED := true
+export PATH := $(CURDIR)/.venv/bin:$(CURDIR)/node_modules/.bin:$(PATH)
+
+.PHONY: setup demo test synth lint clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh 2
+
+test: setup
+	python -m pytest
+
+synth: setup
+	cdk synth --no-notices -q
+
+lint: setup
+	shellcheck $$(git ls-files '*.sh')
+	cdk synth --no-notices -q && cfn-lint cdk.out/*.template.json
+
+clean:
+	rm -rf cdk.out .pytest_cache runs

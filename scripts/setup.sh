@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs everything the project needs on a fresh Debian machine (idempotent, offline-friendly):
+# system tools (apt), the Python venv (.venv, pinned), and the pinned CDK CLI (npm ci).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(openssh-server openssh-client openmpi-bin iproute2 util-linux procps psmisc shellcheck unzip)
+missing=()
+for package in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+done
+if ((${#missing[@]})); then
+  echo "setup: apt-get install ${missing[*]}"
+  SUDO=""; [[ $(id -u) == 0 ]] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+stamp=.venv/.requirements.sha
+want=$(cat requirements*.txt assets/train/requirements.txt | sha256sum | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  echo "setup: python venv (.venv)"
+  [[ -x .venv/bin/python ]] || python3 -m venv .venv
+  .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+  echo "$want" > "$stamp"
+fi
+
+if [[ ! -x node_modules/.bin/cdk || package-lock.json -nt node_modules/.package-lock.json ]]; then
+  echo "setup: CDK CLI (npm ci)"
+  npm ci --no-audit --no-fund --loglevel=error >/dev/null
+fi
+echo "setup: done ($(.venv/bin/python --version), cdk $(node_modules/.bin/cdk --version 2>/dev/null | cut -d' ' -f1))"

@@ -1,0 +1,80 @@
+"""The app through the pinned CDK CLI, offline: template facts, cfn-lint, cdk-nag, bad input."""
+import json
+import subprocess
+
+import pytest
+
+from conftest import REPO, tool_env
+
+CASES = {
+    "three-nodes": ["-c", "nodes=3", "-c", "ssh_cidr=203.0.113.0/24"],
+    "eight-nodes-retained-existing-vpc": [
+        "-c", "nodes=8", "-c", "ssh_cidr=198.51.100.7/32", "-c", "retain_data=true",
+        "-c", "vpc_id=vpc-0123456789abcdef0", "-c", "subnet_id=subnet-0123456789abcdef0",
+        "-c", "availability_zone=us-east-1a",
+        "-c", "instance_type=p4d.24xlarge"],
+}
+
+
+def cdk(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(["npx", "--no-install", "cdk", *args, "--no-notices"], cwd=cwd,
+                          capture_output=True, text=True, env=tool_env(), timeout=300)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def synth(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    result = cdk("synth", "-q", "-o", str(out), *CASES[request.param])
+    assert result.returncode == 0, result.stderr[-3000:]
+    template_path = next(out.glob("*.template.json"))
+    return request.param, out, template_path, json.loads(template_path.read_text())
+
+
+def test_template_facts(synth):
+    case, _, _, template = synth
+    resources = template["Resources"].values()
+    instances = [r for r in resources if r["Type"] == "AWS::EC2::Instance"]
+    assert len(instances) == (3 if case == "three-nodes" else 8)
+    groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
+    assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
+    efs = [r for r in resources if r["Type"] == "AWS::EFS::FileSystem"][0]
+    assert efs["Properties"]["Encrypted"] is True
+    assert efs["DeletionPolicy"] == ("Delete" if case == "three-nodes" else "Retain")
+    ingress = [rule for r in resources if r["Type"] == "AWS::EC2::SecurityGroup"
+               for rule in r["Properties"].get("SecurityGroupIngress", [])]
+    ingress += [r["Properties"] for r in resources if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
+    assert ingress and all(rule.get("CidrIp") not in ("0.0.0.0/0",) and "CidrIpv6" not in rule
+                           for rule in ingress)
+    text = json.dumps(template)
+    assert any(r["Type"] == "AWS::EC2::SecurityGroupIngress" and r["Properties"]["IpProtocol"] == "-1"
+               and r["Properties"]["SourceSecurityGroupId"] == r["Properties"]["GroupId"] for r in resources)
+    assert '"HttpTokens": "required"' in text
+    assert "/etc/fstab" in text and "4444" in text
+
+
+def test_cfn_lint_is_clean(synth):
+    _, _, template_path, _ = synth
+    result = subprocess.run(["cfn-lint", str(template_path)], capture_output=True, text=True,
+                            env=tool_env(), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_reason(synth):
+    _, out, _, _ = synth
+    report = json.loads((out / "validation-report.json").read_text())
+    nag = [p for p in report["pluginReports"] if p["pluginName"] == "AwsSolutions"]
+    assert nag and nag[0]["conclusion"] == "success"
+    assert nag[0]["violations"] == []
+    for suppressed in nag[0].get("suppressedViolations", []):
+        assert len(suppressed["reason"]) > 30, suppressed["ruleName"]
+
+
+@pytest.mark.parametrize("args, key", [
+    (["-c", "nodes=0"], "nodes"), (["-c", "ssh_cidr=0.0.0.0/0"], "ssh_cidr"),
+    (["-c", "instance_type=m5.large"], "instance_type"), (["-c", "retain_data=perhaps"], "retain_data")])
+def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
+    result = cdk("synth", "-q", "-o", str(tmp_path), *args)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: invalid config")]
+    assert len(errors) == 1 and f" {key}=" in errors[0], result.stderr[-2000:]
+    assert not list(tmp_path.glob("*.template.json"))
