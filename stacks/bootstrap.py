@@ -19,13 +19,17 @@ def render_user_data(env: Mapping[str, str]) -> str:
     return "\n".join([
         "set -euo pipefail",
         "install -d -m 0755 /etc/gpu-cluster",
-        f"cat > {ENV_FILE} <<'GPU_CLUSTER_ENV'",
+        f"cat > {ENV_FILE}.new <<'GPU_CLUSTER_ENV'",
         env_lines,
         "GPU_CLUSTER_ENV",
-        f"cat > {SCRIPT_PATH} <<'GPU_CLUSTER_SCRIPT'",
+        f"cat > {SCRIPT_PATH}.new <<'GPU_CLUSTER_SCRIPT'",
         script.rstrip("\n"),
         "GPU_CLUSTER_SCRIPT",
-        f"chmod 0755 {SCRIPT_PATH}",
+        f"chmod 0755 {SCRIPT_PATH}.new",
+        # Replace only what changed, so a re-run leaves the machine as it was.
+        f"for f in {ENV_FILE} {SCRIPT_PATH}; do",
+        '  if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi',
+        "done",
         f"exec {SCRIPT_PATH} {ENV_FILE}",
         "",
     ])
