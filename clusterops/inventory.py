@@ -150,7 +150,9 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     except ssm.exceptions.ParameterNotFound:
         raise InventoryError("the nodes have not published their host key yet: wait for "
                              "`cdk deploy` to finish, then run `fab inventory` again") from None
-    nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r] or private[r], private_ip=private[r],
+    # No public address (private subnet, or an emulator): reach the node on its private one.
+    public = [ip if ip and ip != "None" else private[r] for r, ip in enumerate(public)]
+    nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r],
                   instance_id=ids[r]) for r in range(len(private))]
     known_hosts = state_dir / f"{stack_name}.known_hosts"
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)

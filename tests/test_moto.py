@@ -1,0 +1,163 @@
+"""`cdk deploy` of the app into a moto server (a real HTTP AWS emulator), then boto3 and the fab
+inventory find the stack's nodes and outputs. moto lacks placement groups and AWS::EC2::KeyPair in
+CloudFormation, so this deploy uses placement_group=false and an existing key pair; the template
+tests cover both."""
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+
+from clusterops.inventory import Inventory, InventoryError, from_outputs, stack_outputs_from_aws, \
+    stack_outputs_from_file
+from conftest import REPO, tool_env
+
+ACCOUNT, REGION, STACK = "123456789012", "us-east-1", "GpuCluster-gpu-cluster"
+AMI_PARAMETER = "/test/dlami/ami-id"
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-cluster-host"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    port = _free_port()
+    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    # `localhost`, not 127.0.0.1: the CDK CLI's S3 client needs it for the template upload.
+    yield f"http://localhost:{port}"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def aws_env(moto_endpoint):
+    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def deployed(aws_env, tmp_path_factory):
+    work = tmp_path_factory.mktemp("deploy")
+    boto3.client("ssm").put_parameter(Name=AMI_PARAMETER, Value="ami-03cf127a", Type="String", Overwrite=True)
+    key = boto3.client("ec2").create_key_pair(KeyName="test-key")
+    key_file = work / "test-key.pem"
+    key_file.write_text(key["KeyMaterial"])
+    env = tool_env(**aws_env)
+    for args in (["bootstrap", f"aws://{ACCOUNT}/{REGION}"],
+                 ["deploy", "--method=direct", "--require-approval", "never", "-o", str(work / "cdk.out"),
+                  "-c", "nodes=2", "-c", "ssh_cidr=203.0.113.0/24", "-c", "placement_group=false",
+                  "-c", "key_name=test-key", "-c", f"ami_ssm_parameter={AMI_PARAMETER}",
+                  "--outputs-file", str(work / "cdk-outputs.json")]):
+        result = subprocess.run(["npx", "--no-install", "cdk", *args, "--no-notices"], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return work, key_file
+
+
+def test_the_outputs_file_names_every_node_and_the_file_system(deployed):
+    work, _ = deployed
+    name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
+    assert name == STACK
+    ids = outputs["InstanceIds"].split(",")
+    assert len(ids) == len(outputs["PrivateIps"].split(",")) == 2
+    reservations = boto3.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+    instances = {i["InstanceId"]: i for r in reservations for i in r["Instances"]}
+    for rank, instance_id in enumerate(ids):
+        instance = instances[instance_id]
+        tags = {t["Key"]: t["Value"] for t in instance["Tags"]}
+        assert tags["gpu-cluster:rank"] == str(rank) and tags["gpu-cluster:name"] == "gpu-cluster"
+        assert instance["InstanceType"] == "g4dn.2xlarge" and instance["KeyName"] == "test-key"
+        assert instance["PrivateIpAddress"] == outputs["PrivateIps"].split(",")[rank]
+    assert len({i["SubnetId"] for i in instances.values()}) == 1
+    file_system = boto3.client("efs").describe_file_systems(FileSystemId=outputs["FileSystemId"])["FileSystems"][0]
+    assert file_system["Encrypted"] is True
+
+
+def test_security_group_in_the_emulator_has_no_world_ingress(deployed):
+    groups = boto3.client("ec2").describe_security_groups(
+        Filters=[{"Name": "tag:gpu-cluster:name", "Values": ["gpu-cluster"]}])["SecurityGroups"]
+    node_groups = [g for g in groups if "GPU cluster nodes" in g["Description"]]
+    assert len(node_groups) == 1
+    permissions = node_groups[0]["IpPermissions"]
+    cidrs = {r["CidrIp"] for p in permissions for r in p.get("IpRanges", [])}
+    assert cidrs == {"203.0.113.0/24"}
+    assert any(p["IpProtocol"] == "-1" and p.get("UserIdGroupPairs") for p in permissions)
+
+
+def test_inventory_from_the_outputs_file_and_from_describe_stacks_agree(deployed, tmp_path):
+    work, key_file = deployed
+    ssm = boto3.client("ssm")
+    with pytest.raises(InventoryError, match="not published their host key yet"):
+        name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
+        from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys", key_file=str(key_file))
+    # What rank 0's bootstrap does once the cluster identity exists:
+    ssm.put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True)
+    name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
+    from_file = from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys", key_file=str(key_file))
+    from_api = from_outputs(STACK, stack_outputs_from_aws(STACK, boto3.session.Session()),
+                            boto3.session.Session(), tmp_path / "keys2", key_file=str(key_file))
+    assert [n.private_ip for n in from_file.nodes] == outputs["PrivateIps"].split(",")
+    assert from_file.nodes == from_api.nodes and from_file.gpus_per_node == 1
+    known_hosts = Path(from_file.ssh.known_hosts).read_text().splitlines()
+    assert known_hosts == [f"[{ip}]:4444 {' '.join(HOST_KEY.split()[:2])}" for ip in outputs["PrivateIps"].split(",")]
+    assert oct(Path(from_file.ssh.known_hosts).stat().st_mode & 0o777) == "0o600"
+
+
+def test_generated_private_key_is_fetched_from_ssm_once_with_0600(deployed, tmp_path):
+    work, _ = deployed
+    name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
+    ssm = boto3.client("ssm")
+    ssm.put_parameter(Name="/ec2/keypair/key-0abc", Value="-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n"
+                      "-----END OPENSSH PRIVATE KEY-----", Type="SecureString", Overwrite=True)
+    ssm.put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True)
+    generated = dict(outputs, KeyParameterName="/ec2/keypair/key-0abc")
+    inventory = from_outputs(name, generated, boto3.session.Session(), tmp_path / "keys")
+    key = Path(inventory.ssh.key_file)
+    assert key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----") and key.read_text().endswith("\n")
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    ssm.delete_parameter(Name="/ec2/keypair/key-0abc")
+    again = from_outputs(name, generated, boto3.session.Session(), tmp_path / "keys")  # no second fetch
+    assert again.ssh.key_file == str(key)
+    with pytest.raises(InventoryError, match="--key-file"):
+        from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys3")
+
+
+def test_fab_inventory_task_writes_the_inventory(deployed, tmp_path, aws_env):
+    work, key_file = deployed
+    boto3.client("ssm").put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY,
+                                      Type="String", Overwrite=True)
+    target = tmp_path / "inventory.json"
+    result = subprocess.run(["fab", "inventory", "--outputs", str(work / "cdk-outputs.json"),
+                             "--key-file", str(key_file)], cwd=REPO, capture_output=True, text=True,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(target), **aws_env), timeout=60)
+    assert result.returncode == 0, result.stderr
+    inventory = Inventory.load(target)
+    assert inventory.source == "aws" and len(inventory.nodes) == 2 and inventory.stack_name == STACK
+    missing = subprocess.run(["fab", "inventory", "--outputs", str(tmp_path / "nope.json")], cwd=REPO,
+                             capture_output=True, text=True, env=tool_env(**aws_env), timeout=60)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines()[-1].startswith("error: no ") and "cdk deploy" in missing.stderr
