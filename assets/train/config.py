@@ -50,6 +50,7 @@ class TrainConfig:
     lr_scale: float = 2.0
     warmup_steps: int = 8000
     adam_betas: tuple = (0.9, 0.98)
+    adam_eps: float = 1e-9
     label_smoothing: float = 0.1
     clip_grad: float = 0.0
     seed: int = 1234
@@ -75,6 +76,7 @@ class TrainConfig:
                self.grad_compression, "none, fp16, bf16 or powersgd")
         _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
         _check(self.lr_scale > 0, "lr_scale", self.lr_scale, "a positive number")
+        _check(0 < self.adam_eps < 1, "adam_eps", self.adam_eps, "a small positive number")
         _check(self.warmup_steps > 0, "warmup_steps", self.warmup_steps, "a positive whole number")
         _check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", self.label_smoothing, "in [0, 1)")
         _check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "0 (off) or a positive number")

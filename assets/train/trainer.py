@@ -24,12 +24,28 @@ def transformer_lr(step: int, d_model: int, warmup: int, scale: float) -> float:
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
+def compress_hook(dtype: torch.dtype):
+    """A DDP comm hook that all-reduces gradients in `dtype` (fp16/bf16), on NCCL and on gloo
+    (PyTorch's own bf16 hook insists on NCCL)."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size())
+        future = dist.all_reduce(compressed, async_op=True).get_future()
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+        return future.then(decompress)
+    return hook
+
+
 def _register_compression(ddp: DDP, config: TrainConfig) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    if config.grad_compression == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif config.grad_compression == "bf16":
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    if config.grad_compression in ("fp16", "bf16"):
+        dtype = torch.float16 if config.grad_compression == "fp16" else torch.bfloat16
+        ddp.register_comm_hook(None, compress_hook(dtype))
     elif config.grad_compression == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=config.powersgd_rank,
@@ -43,9 +59,10 @@ class Trainer:
         self.config, self.info, self.device = config, info, device
         self.run_dir = Path(config.run_dir)
         self.data = DataSet(config.data, config.model.max_len)
+        torch.manual_seed(config.seed)  # the same initial weights for any world size
         self.model = Transformer(config.model, self.data.tokenizer.vocab_size).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0,
-                                          betas=tuple(config.adam_betas), eps=1e-9)
+                                          betas=tuple(config.adam_betas), eps=config.adam_eps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: transformer_lr(s + 1, config.model.d_model,
                                                      config.warmup_steps, config.lr_scale))

@@ -1,0 +1,154 @@
+"""The training program on CPU with gloo, real processes (torchrun), real data (prepare.py numbers)."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint
+from conftest import TRAIN_DIR, tool_env
+from trainer import transformer_lr
+
+SMALL = ["--recipe", "transformer-tiny", "--dropout", "0", "--d-model", "64", "--ffn", "128",
+         "--eval-sentences", "16", "--log-every", "1", "--checkpoint-every", "1000", "--warmup-steps", "50"]
+
+
+def train(data, run_dir, *args, procs=1, check=True):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+                if procs > 1 else [sys.executable])
+    result = subprocess.run([*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir),
+                             *SMALL, *args], capture_output=True, text=True, timeout=300,
+                            env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+    if check:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def losses(output: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", output)}
+
+
+def final_params(run_dir) -> dict:
+    return checkpoint.load_latest(run_dir)["model"]
+
+
+def initial_params(run_dir) -> dict:
+    """The weights before step 1: the trainer seeds with config.seed before building the model."""
+    from config import ModelConfig
+    from model import Transformer
+    state = checkpoint.load_latest(run_dir)
+    torch.manual_seed(state["config"]["seed"])
+    vocab = state["model"]["embed.weight"].shape[0]
+    return Transformer(ModelConfig(**state["config"]["model"]), vocab).state_dict()
+
+
+def relative_diff(a: dict, b: dict, init: dict) -> float:
+    """|a - b| over how far training moved the weights (|b - init|), across all parameters."""
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in a).sqrt()
+    moved = sum(((b[k] - init[k]) ** 2).sum() for k in a).sqrt()
+    return (diff / moved).item()
+
+
+# Adam's first steps move a parameter by ~lr * g/(|g|+eps) whatever |g| is; with the published eps
+# (1e-9) the float noise on exactly-zero gradients (attention key biases) becomes lr-sized steps.
+EQUIVALENCE = ["--max-steps", "4", "--adam-eps", "1e-6"]
+
+
+@pytest.fixture(scope="module")
+def single_reference(numbers_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("single")
+    train(numbers_data, run, *EQUIVALENCE, "--batch-per-gpu", "16")
+    return final_params(run), initial_params(run)
+
+
+@pytest.mark.parametrize("compression, bound", [("none", 2e-5), ("fp16", 1e-2), ("bf16", 5e-2), ("powersgd", 0.5)])
+def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(numbers_data, tmp_path, single_reference,
+                                                                compression, bound):
+    result = train(numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8",
+                   "--grad-compression", compression, procs=2)
+    assert "2 process(es) via torchrun" in result.stdout
+    reference, init = single_reference
+    diff = relative_diff(final_params(tmp_path), reference, init)
+    print(f"{compression}: parameter difference / parameter change = {diff:.2e}")
+    assert diff < bound, f"{compression}: relative parameter difference {diff:.2e} >= {bound}"
+    if compression != "none":
+        assert diff > 1e-5, "a lossy compression that changes nothing was not applied"
+
+
+def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_data, tmp_path):
+    whole = train(numbers_data, tmp_path / "whole", "--max-steps", "12", "--batch-per-gpu", "8", "--dropout", "0.1")
+    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", "--batch-per-gpu", "8", "--dropout", "0.1")
+    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", "--batch-per-gpu", "8", "--dropout", "0.1")
+    assert "resuming from" in second.stdout and "at step 6" in second.stdout
+    split = {**losses(first.stdout), **losses(second.stdout)}
+    assert split == losses(whole.stdout) and len(split) == 12
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "split")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, tmp_path):
+    train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2")
+    steps = checkpoint.list_steps(tmp_path)
+    assert [p.name for p in steps][-2:] == ["step_00000002.pt", "step_00000004.pt"]
+    steps[-1].write_bytes(steps[-1].read_bytes()[:1000])  # a crash mid-copy
+    result = train(numbers_data, tmp_path, "--max-steps", "5", "--batch-per-gpu", "4", "--checkpoint-every", "2")
+    assert "skipping unreadable checkpoint step_00000004.pt" in result.stdout
+    assert "resuming from" in result.stdout and "at step 2" in result.stdout
+
+
+def test_checkpoints_are_atomic_keep_the_last_k_and_hold_what_resume_needs(tmp_path):
+    for step in range(1, 6):
+        checkpoint.save(tmp_path, step, {"step": step, "model": {}}, keep=3, best=(step == 2))
+    (checkpoint.checkpoint_dir(tmp_path) / ".step_00000009.pt.tmp.123").write_bytes(b"partial")
+    checkpoint.save(tmp_path, 6, {"step": 6, "model": {}}, keep=3)
+    names = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path).iterdir())
+    assert names == ["best.pt", "step_00000004.pt", "step_00000005.pt", "step_00000006.pt"]
+    assert checkpoint.load_file(checkpoint.checkpoint_dir(tmp_path) / "best.pt")["step"] == 2
+
+
+def test_checkpoint_content(numbers_data, tmp_path):
+    train(numbers_data, tmp_path, "--max-steps", "2", "--batch-per-gpu", "4", "--precision", "bf16")
+    state = checkpoint.load_latest(tmp_path)
+    assert {"model", "optimizer", "scheduler", "scaler", "step", "config", "vocabulary", "rng"} <= set(state)
+    assert state["config"]["precision"] == "bf16" and state["vocabulary"].endswith("spm.model")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("steps", "world_size", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb"):
+        assert summary[key] is not None, key
+    assert (tmp_path / "eval" / "step_00000002.hypotheses.txt").exists()
+    assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_lr_schedule_equals_the_formula():
+    d_model, warmup, scale = 512, 8000, 2.0
+    for step in (1, 100, 4000, 8000, 8001, 50_000):
+        expected = scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        assert transformer_lr(step, d_model, warmup, scale) == pytest.approx(expected, rel=1e-12)
+    peak = max(range(1, 20_000, 7), key=lambda s: transformer_lr(s, d_model, warmup, scale))
+    assert abs(peak - warmup) <= 7
+
+
+def test_the_scheduler_in_the_trainer_follows_the_formula(numbers_data, tmp_path):
+    result = train(numbers_data, tmp_path, "--max-steps", "3", "--batch-per-gpu", "2", "--lr-scale", "1.5")
+    for step, lr in re.findall(r"step (\d+)/3 \| loss \S+ \| lr (\S+)", result.stdout):
+        # after step N the scheduler holds the rate for step N+1
+        assert float(lr) == pytest.approx(transformer_lr(int(step) + 1, 64, 50, 1.5), rel=1e-2)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--precision", "fp8"], "--precision"), (["--grad-compression", "zip"], "--grad-compression"),
+    (["--max-steps", "0"], "--max-steps"), (["--d-model", "100", "--heads", "8"], "--d-model"),
+    (["--dropout", "1.5"], "--dropout"), (["--batch-per-gpu", "-1"], "--batch-per-gpu"),
+    (["--label-smoothing", "1"], "--label-smoothing"), (["--eval-every", "0"], "--eval-every")])
+def test_bad_configs_are_rejected_in_one_line(numbers_data, tmp_path, args, flag):
+    result = train(numbers_data, tmp_path, *args, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: invalid {flag} ")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_missing_data_says_how_to_prepare_it(tmp_path):
+    result = train(tmp_path / "nothing", tmp_path / "run", check=False)
+    assert result.returncode == 2 and "prepare.py numbers --out" in result.stderr
