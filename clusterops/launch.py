@@ -95,6 +95,10 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
         "-bind-to", "none", "-map-by", "slot",
         "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
         "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
+        # Daemons notice a lost mpirun in ~25 s (default 480 s) and end their ranks, even when
+        # a partition means no one can reach them to clean up.
+        "--mca", "oob_tcp_keepalive_time", "10", "--mca", "oob_tcp_keepalive_intvl", "5",
+        "--mca", "oob_tcp_keepalive_probes", "3",
     ]
     exports = {"MASTER_ADDR": nodes[0].private_ip, "MASTER_PORT": str(request.master_port),
                "NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface,

@@ -62,6 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 2000
     keep_checkpoints: int = 3
     bucket_cap_mb: float = 25.0
+    dist_timeout_s: float = 300.0
     target_bleu: Optional[float] = None
     model: ModelConfig = field(default_factory=ModelConfig)
 
@@ -83,6 +84,7 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                      "eval_sentences", "eval_batch", "beam"):
             _check(getattr(self, name) > 0, name, getattr(self, name), "a positive whole number")
+        _check(self.dist_timeout_s >= 10, "dist_timeout_s", self.dist_timeout_s, "at least 10 seconds")
         _check(self.bucket_cap_mb > 0, "bucket_cap_mb", self.bucket_cap_mb, "a positive number")
         self.model.validate()
 

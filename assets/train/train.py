@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    info, device = distributed.setup()
+    info, device = distributed.setup(timeout_s=config.dist_timeout_s)
     try:
         from trainer import Trainer
         trainer = Trainer(config, info, device)

@@ -1,0 +1,237 @@
+"""End to end on the emulated cluster: the real `fab` CLI, network namespaces, sshd on 4444, OpenMPI,
+torch.distributed (gloo) and the training program. The tests watch shared state through the host
+side of the shared directory and the namespaces' process lists."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from clusterops import localcluster
+from conftest import REPO, TRAIN_DIR, tool_env
+
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+QUICK = "--eval-every 100 --eval-sentences 100 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
+
+
+class Cluster:
+    def __init__(self, name: str, nodes: int, subnet: str, workdir: Path):
+        self.name, self.nodes, self.subnet = name, nodes, subnet
+        self.inventory = workdir / "inventory.json"
+        self.env = tool_env(GPU_CLUSTER_INVENTORY=str(self.inventory))
+        self.shared = localcluster.STATE_ROOT / name / "shared"
+
+    def fab(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        result = subprocess.run(["fab", *args], cwd=REPO, env=self.env, capture_output=True, text=True,
+                                timeout=timeout)
+        if check:
+            assert result.returncode == 0, f"fab {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        return result
+
+    def run_dir(self, run: str) -> Path:
+        return self.shared / "runs" / run
+
+    def progress(self, run: str) -> dict:
+        path = self.run_dir(run) / "progress.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def run_status(self, run: str) -> dict:
+        path = self.run_dir(run) / "run-status.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def wait_for_step(self, run: str, step: int, timeout: float = 180) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            current = self.progress(run).get("step", 0)
+            if current >= step:
+                return current
+            assert self.run_status(run).get("state") in (None, "running"), self.run_status(run)
+            time.sleep(0.5)
+        raise AssertionError(f"{run} did not reach step {step} in {timeout} s")
+
+    def wait_for_end(self, run: str, timeout: float) -> tuple[dict, float]:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            status = self.run_status(run)
+            if status.get("state") not in (None, "running"):
+                return status, time.monotonic() - started
+            time.sleep(0.5)
+        raise AssertionError(f"{run} still running after {timeout} s")
+
+    def processes(self, rank: int, pattern: str) -> list[int]:
+        netns = localcluster.LocalSpec(name=self.name, nodes=self.nodes).netns(rank)
+        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+        found = []
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if re.search(pattern, cmdline):
+                found.append(int(pid))
+        return found
+
+
+def _start(name: str, nodes: int, subnet: str, workdir: Path):
+    cluster = Cluster(name, nodes, subnet, workdir)
+    up = cluster.fab("local.up", "--nodes", str(nodes), "--name", name, "--subnet", subnet)
+    assert f"{nodes} node(s)" in up.stdout
+    cluster.fab("data", "--extra", "--train 20000 --valid 200 --test 100")
+    return cluster
+
+
+def _stop(cluster: Cluster):
+    cluster.fab("local.down", "--name", cluster.name, check=False)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}-nodes")
+def cluster(request, tmp_path_factory):
+    nodes = request.param
+    cluster = _start(f"t{nodes}", nodes, f"10.213.{100 + nodes}.0/24", tmp_path_factory.mktemp(f"c{nodes}"))
+    yield cluster
+    _stop(cluster)
+
+
+def test_status_shows_every_node_ready(cluster):
+    out = cluster.fab("status").stdout
+    rows = [line.split() for line in out.splitlines() if re.match(r"node\d", line)]
+    assert [r[0] for r in rows] == [f"node{i}" for i in range(cluster.nodes)]
+    assert all(r[1:5] == ["True", "yes", "up", "yes"] for r in rows), out
+
+
+def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
+    out = cluster.fab("check", "--mb", "8").stdout
+    assert sorted(re.findall(r"^node\d$", out, re.M)) == [f"node{i}" for i in range(cluster.nodes)]
+    assert out.count(" eth0") >= cluster.nodes
+    assert re.search(rf"all_reduce 8 MB over {cluster.nodes} ranks: \d+ ms, algbw [\d.]+ Gbit/s", out)
+
+
+def test_train_learns_then_logs_status_and_fetch(cluster, tmp_path):
+    started = time.monotonic()
+    out = cluster.fab("train", "--steps", "200", "--follow", "--extra", QUICK.replace("--eval-every 100", "--eval-every 200")).stdout
+    seconds = time.monotonic() - started
+    bleu = float(re.search(r"bleu: ([\d.]+)", out).group(1))
+    print(f"{cluster.nodes} nodes: 200 steps, BLEU {bleu:.1f}, {seconds:.0f} s")
+    assert f"world_size: {cluster.nodes}" in out and "objects_per_s" in out and "eval_loss" in out
+    assert bleu >= 50
+    assert "run ended at step 200" in cluster.fab("logs").stdout
+    status = cluster.fab("status").stdout
+    assert "finished | step 200/200" in status
+    fetched = cluster.fab("fetch", "--dest", str(tmp_path)).stdout
+    run = tmp_path / "transformer-tiny"
+    for name in ("config.json", "summary.json", "spm.model", "train.log", "checkpoints/best.pt"):
+        assert (run / name).exists(), (name, fetched)
+    assert list((run / "eval").glob("*.hypotheses.txt")) and list((run / "eval").glob("*.references.txt"))
+    assert json.loads((run / "summary.json").read_text())["steps"] == 200
+    translated = subprocess.run(
+        ["python", str(TRAIN_DIR / "translate.py"), str(run / "checkpoints" / "best.pt"), "--vocabulary",
+         str(run / "spm.model")], input="twelve\n", capture_output=True, text=True, env=tool_env(), timeout=60)
+    assert translated.returncode == 0 and translated.stdout.strip() == "zwölf", translated.stderr
+
+
+def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster):
+    cluster.fab("train", "--run", "stoptest", "--steps", "5000", "--extra", QUICK)
+    cluster.wait_for_step("stoptest", 20)
+    refused = cluster.fab("train", "--run", "other", check=False)
+    assert refused.returncode == 1 and "already going" in refused.stderr
+    stopped = cluster.fab("stop").stdout
+    assert "stop requested" in stopped
+    step = cluster.progress("stoptest")["step"]
+    assert (cluster.run_dir("stoptest") / "checkpoints" / f"step_{step:08d}.pt").exists()
+    assert not cluster.processes(0, r"[t]rain\.py") and not cluster.processes(cluster.nodes - 1, r"[t]rain\.py")
+    out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 10), "--follow", "--extra", QUICK).stdout
+    assert f"at step {step}" in out and f"run ended at step {step + 10}" in out
+    assert "starting a new run" not in out  # the log shown starts at this launch
+
+
+def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
+    for args, text in ((["train", "--recipe", "nope"], "invalid --recipe"),
+                       (["train", "--precision", "fp8"], "invalid --precision"),
+                       (["train", "--nodes", "9"], "invalid --nodes 9"),
+                       (["train", "--dataset", "missing"], "no prepared data set"),
+                       (["ssh", "--node", "7"], "--node 7"),
+                       (["data", "--dataset", "imagenet"], "only 'numbers'"),
+                       (["sync", "--source", "/nonexistent"], "no train.py")):
+        result = cluster.fab(*args, check=False)
+        assert result.returncode == 1, args
+        assert result.stderr.strip().splitlines()[-1].startswith("error: ") and text in result.stderr, result.stderr
+    assert not (cluster.shared / "runs" / "nope").exists()
+
+
+# ---------------------------------------------------------------- failures (2 nodes)
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    cluster = _start("tf", 2, "10.213.120.0/24", tmp_path_factory.mktemp("tf"))
+    yield cluster
+    _stop(cluster)
+
+
+def test_a_killed_rank_ends_the_run_within_60s_and_train_resumes_from_the_checkpoint(pair):
+    pair.fab("train", "--run", "killtest", "--steps", "5000", "--extra", QUICK)
+    pair.wait_for_step("killtest", 25)
+    victims = pair.processes(1, r"[t]rain\.py --recipe")
+    assert len(victims) == 1
+    os.kill(victims[0], 9)
+    status, seconds = pair.wait_for_end("killtest", timeout=60)
+    print(f"killed rank: run ended after {seconds:.1f} s: {status['reason']}")
+    assert status["state"] == "failed" and ("exited on signal 9" in status["reason"] or "Killed" in status["reason"])
+    assert "killtest: failed" in pair.fab("status").stdout
+    last = max(int(p.name[5:13]) for p in (pair.run_dir("killtest") / "checkpoints").glob("step_*.pt"))
+    out = pair.fab("train", "--run", "killtest", "--steps", str(last + 5), "--follow", "--extra", QUICK).stdout
+    assert f"resuming from /data/runs/killtest/checkpoints/step_{last:08d}.pt at step {last}" in out
+
+
+def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
+    pair.fab("train", "--run", "cuttest", "--steps", "5000", "--extra", QUICK)
+    pair.wait_for_step("cuttest", 15)
+    localcluster.set_link("tf", 1, up_=False)
+    try:
+        status, seconds = pair.wait_for_end("cuttest", timeout=90)
+        print(f"cut link: watchdog ended the run after {seconds:.1f} s: {status['reason']}")
+        assert status["state"] == "failed" and "unreachable" in status["reason"]
+        assert not pair.processes(0, r"[t]rain\.py|mpirun|launcher\.sh")
+        # Cut off, node1 cleans up by itself: its rank on the collective timeout (30 s here), its
+        # MPI daemon when sshd drops the dead session (ClientAlive 10 s x 3).
+        deadline = time.monotonic() + 90
+        while pair.processes(1, r"[t]rain\.py|orted|prted") and time.monotonic() < deadline:
+            time.sleep(1)
+        leftovers = pair.processes(1, r"[t]rain\.py|orted|prted")
+        print(f"cut link: node1 clean {time.monotonic() - deadline + 90:.0f} s after the run ended")
+        assert not leftovers, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in leftovers]
+    finally:
+        localcluster.set_link("tf", 1, up_=True)
+
+
+def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
+    cluster = Cluster("td", 2, "10.213.130.0/24", tmp_path)
+    cluster.fab("local.up", "--nodes", "2", "--name", "td", "--subnet", "10.213.130.0/24", "--link", "1gbit")
+    qdisc = subprocess.run(["tc", "qdisc", "show", "dev", "gcv-td-0"], capture_output=True, text=True).stdout
+    assert "tbf" in qdisc and "rate 1Gbit" in qdisc
+    pids = [p for r in range(2) for p in cluster.processes(r, r".")]
+    assert pids
+    cluster.fab("local.down", "--name", "td")
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if n.startswith("gc-td-")]
+    assert subprocess.run(["ip", "link", "show", "gcbr-td"], capture_output=True).returncode != 0
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert not (localcluster.STATE_ROOT / "td").exists() and not cluster.inventory.exists()
+    assert "td" not in Path("/proc/self/mountinfo").read_text()
+    again = cluster.fab("local.down", "--name", "td", check=False)
+    assert again.returncode == 1 and "no local cluster named 'td'" in again.stderr
+
+
+def test_up_refuses_bad_input_in_one_line(tmp_path):
+    cluster = Cluster("tb", 1, "10.213.140.0/24", tmp_path)
+    for args, text in ((["--nodes", "0"], "invalid --nodes 0"), (["--link", "fast"], "invalid --link"),
+                       (["--subnet", "10.0.0.0/30"], "invalid --subnet"), (["--name", "Bad Name"], "invalid --name")):
+        result = cluster.fab("local.up", "--name", "tb", *args, check=False) if "--name" not in args \
+            else cluster.fab("local.up", *args, check=False)
+        assert result.returncode == 1 and text in result.stderr, result.stderr
+    assert not (localcluster.STATE_ROOT / "tb").exists()
