@@ -209,6 +209,14 @@ def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
         localcluster.set_link("tf", 1, up_=True)
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (where PID 1 does not reap orphans, killed nodes stay as zombies)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
     cluster = Cluster("td", 2, "10.213.130.0/24", tmp_path)
     cluster.fab("local.up", "--nodes", "2", "--name", "td", "--subnet", "10.213.130.0/24", "--link", "1gbit")
@@ -220,7 +228,7 @@ def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
     assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if n.startswith("gc-td-")]
     assert subprocess.run(["ip", "link", "show", "gcbr-td"], capture_output=True).returncode != 0
-    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+    assert not [p for p in pids if _running(p)]
     assert not (localcluster.STATE_ROOT / "td").exists() and not cluster.inventory.exists()
     assert "td" not in Path("/proc/self/mountinfo").read_text()
     again = cluster.fab("local.down", "--name", "td", check=False)
