@@ -18,7 +18,6 @@ from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import (DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError,
                                   from_outputs, stack_outputs_from_aws, stack_outputs_from_file)
 
-INVENTORY = Path(os.environ.get("GPU_CLUSTER_INVENTORY", DEFAULT_INVENTORY))
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
 
 
@@ -26,15 +25,27 @@ def _fail(error: Exception) -> Exit:
     return Exit(f"error: {error}", code=1)
 
 
-def _inventory() -> Inventory:
-    if not INVENTORY.exists() and DEFAULT_OUTPUTS.exists():
+def _settings(c) -> dict:
+    """fabric.yaml's gpu_cluster section, with the built-in defaults under it."""
+    defaults = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
+                "stall_minutes": 10}
+    return {**defaults, **dict(c.config.get("gpu_cluster", {}))}
+
+
+def _inventory_path(c) -> Path:
+    return Path(os.environ.get("GPU_CLUSTER_INVENTORY") or _settings(c)["inventory"])
+
+
+def _inventory(c) -> Inventory:
+    path = _inventory_path(c)
+    if not path.exists() and DEFAULT_OUTPUTS.exists():
         raise _fail(InventoryError(f"{DEFAULT_OUTPUTS} exists but no inventory: run `fab inventory`"))
-    if INVENTORY.exists() and DEFAULT_OUTPUTS.exists() \
-            and DEFAULT_OUTPUTS.stat().st_mtime > INVENTORY.stat().st_mtime \
-            and Inventory.load(INVENTORY).source == "aws":
+    if path.exists() and DEFAULT_OUTPUTS.exists() \
+            and DEFAULT_OUTPUTS.stat().st_mtime > path.stat().st_mtime \
+            and Inventory.load(path).source == "aws":
         raise _fail(InventoryError("the inventory is older than the last deploy: run `fab inventory`"))
     try:
-        return Inventory.load(INVENTORY)
+        return Inventory.load(path)
     except InventoryError as error:
         raise _fail(error) from None
 
@@ -70,17 +81,18 @@ def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_f
             if stack and stack != name:
                 raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
             session = boto3.session.Session(region_name=outs.get("Region"))
-        inv = from_outputs(name, outs, session, INVENTORY.parent / "keys", key_file=key_file)
+        target = _inventory_path(c)
+        inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
     except ERRORS as error:
         raise _fail(error) from None
-    inv.save(INVENTORY)
-    print(f"{INVENTORY}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}")
+    inv.save(target)
+    print(f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}")
 
 
 @task
 def status(c):
     """Per node, in parallel: reachable, bootstrap, container, /data, GPUs, training; then the run."""
-    inv = _inventory()
+    inv = _inventory(c)
     rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node))
     print(report.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus",
                               "training", "error"]))
@@ -95,7 +107,7 @@ def status(c):
 @task(help={"mb": "all-reduce payload in MB (default 64)"})
 def check(c, mb=64):
     """mpirun hostname on every node, the network interface of each, and an all-reduce bandwidth test."""
-    inv = _inventory()
+    inv = _inventory(c)
     rows = remote.on_all(inv, inv.nodes, lambda conn, node: {
         "interface": remote.detect_interface(conn, node),
         "hostname": remote.sh(conn, "hostname").strip()})
@@ -119,7 +131,7 @@ def check(c, mb=64):
 @task(help={"dataset": "numbers (offline) ...", "extra": "more prepare.py arguments, quoted"})
 def data(c, dataset="numbers", extra=""):
     """Prepare a data set on /data from the head node (prepare.py)."""
-    inv = _inventory()
+    inv = _inventory(c)
     if dataset != "numbers":
         raise Exit(f"error: --dataset {dataset!r}: only 'numbers' is available in this version", code=1)
     out = f"{inv.data_dir}/datasets/{dataset}"
@@ -140,7 +152,7 @@ def _code_dir(c, inv: Inventory) -> str:
 @task(help={"source": "local directory with train.py (default assets/train)"})
 def sync(c, source="assets/train"):
     """Copy the training program (or your own directory) to /data/code/train; train then uses it."""
-    inv = _inventory()
+    inv = _inventory(c)
     src = Path(source)
     if not (src / "train.py").is_file():
         raise Exit(f"error: --source {source!r} has no train.py", code=1)
@@ -155,22 +167,26 @@ def sync(c, source="assets/train"):
     print(f"synced {len(files)} file(s) to {target}")
 
 
-@task(help={"recipe": "transformer-tiny (default) or transformer-base",
+@task(help={"recipe": "transformer-tiny (fabric.yaml default) or transformer-base",
             "run": "run name (default: the recipe); the same name resumes that run",
             "steps": "max steps", "batch_per_gpu": "batch per GPU (per slot locally)",
             "precision": "fp32, fp16 or bf16", "grad_compression": "none, fp16, bf16 or powersgd",
             "nodes": "use the first K nodes", "dataset": "data set under /data/datasets",
             "follow": "stream the log until the run ends", "extra": "more train.py arguments, quoted",
-            "stall_minutes": "watchdog: end the run after this long without progress (default 10)"})
-def train(c, recipe="transformer-tiny", run=None, steps=None, batch_per_gpu=None, precision=None,
-          grad_compression=None, nodes=None, dataset=None, follow=False, extra="", stall_minutes=10.0):
+            "stall_minutes": "watchdog: end the run after this long without progress (fabric.yaml: 10)",
+            "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)"})
+def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=None,
+          grad_compression=None, nodes=None, dataset=None, follow=False, extra="", stall_minutes=None,
+          master_port=None):
     """Start mpirun across the nodes, detached on the head node, with a watchdog."""
-    inv = _inventory()
+    inv = _inventory(c)
+    settings = _settings(c)
     request = launch.TrainRequest(
-        recipe=recipe, run=run, steps=int(steps) if steps else None,
+        recipe=recipe or settings["recipe"], run=run, steps=int(steps) if steps else None,
         batch_per_gpu=int(batch_per_gpu) if batch_per_gpu else None, precision=precision,
         grad_compression=grad_compression, nodes=int(nodes) if nodes else None, dataset=dataset,
-        stall_minutes=float(stall_minutes), extra_args=tuple(shlex.split(extra)))
+        stall_minutes=float(stall_minutes or settings["stall_minutes"]),
+        master_port=int(master_port or settings["master_port"]), extra_args=tuple(shlex.split(extra)))
     try:
         request.validate()
         code_dir = _code_dir(c, inv)
@@ -197,7 +213,7 @@ def _follow(conn, rdir: str, offset: int = 0) -> None:
 @task(help={"run": "run name (default: the active or latest run)", "follow": "keep streaming"})
 def logs(c, run=None, follow=False):
     """Print a run's log (train.log on /data); --follow streams it until the run ends."""
-    inv = _inventory()
+    inv = _inventory(c)
     with _head(inv) as conn:
         rdir = _run_dir(conn, inv, run)
         if follow:
@@ -209,7 +225,7 @@ def logs(c, run=None, follow=False):
 @task(help={"run": "run name (default: the active run)", "force": "kill instead of checkpoint-and-exit"})
 def stop(c, run=None, force=False):
     """Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
-    inv = _inventory()
+    inv = _inventory(c)
     try:
         with _head(inv) as conn:
             rdir = launch.run_dir(inv, run) if run else remote.active_run(conn, inv)
@@ -228,13 +244,12 @@ def stop(c, run=None, force=False):
 @task(help={"port": "local port (default 6006)"})
 def tensorboard(c, port=6006):
     """TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
-    inv = _inventory()
+    inv = _inventory(c)
     with _head(inv) as conn:
-        running = remote.sh(conn, "pgrep -f 'tensorboard.main --logdir' >/dev/null && echo yes || true")
-        if not running.strip():
-            logdir = shlex.quote(f"{inv.data_dir}/runs")
-            remote.sh(conn, f"setsid nohup {shlex.quote(inv.python)} -m tensorboard.main --logdir {logdir} "
-                            "--host 127.0.0.1 --port 6006 > /tmp/tensorboard.log 2>&1 < /dev/null &")
+        try:
+            remote.ensure_tensorboard(conn, inv)
+        except ERRORS as error:
+            raise _fail(error) from None
         with conn.forward_local(int(port), remote_port=6006, remote_host="127.0.0.1"):
             print(f"TensorBoard: http://localhost:{port} (Ctrl-C to close the tunnel)")
             try:
@@ -244,30 +259,15 @@ def tensorboard(c, port=6006):
                 pass
 
 
-MONITOR_PROBE = r"""
-read_net() { awk -v i="$1" '$1 == i":" {print $2, $10}' /proc/net/dev; }
-a=$(read_net {iface}); sleep {interval}; b=$(read_net {iface})
-gpu=none
-command -v nvidia-smi >/dev/null && gpu=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | paste -sd/)
-echo "$a $b $gpu $(cut -d' ' -f1 /proc/loadavg)"
-"""
-
-
 @task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
-def monitor(c, interval=2, count=0):
+def monitor(c, interval=2.0, count=0):
     """GPU utilisation, network rx/tx (Mbit/s) and load per node, sampled live."""
-    inv = _inventory()
+    inv = _inventory(c)
     interval, count = float(interval), int(count)
 
-    def sample(conn, node):
-        iface = remote.detect_interface(conn, node)
-        out = remote.sh(conn, MONITOR_PROBE.format(iface=iface, interval=interval)).split()
-        rx0, tx0, rx1, tx1 = (int(v) for v in out[:4])
-        return {"rx_mbit": f"{(rx1 - rx0) * 8 / interval / 1e6:.1f}",
-                "tx_mbit": f"{(tx1 - tx0) * 8 / interval / 1e6:.1f}", "gpu_util": out[4], "load": out[5]}
     taken = 0
     while count == 0 or taken < count:
-        rows = remote.on_all(inv, inv.nodes, sample)
+        rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.sample_node(conn, node, interval))
         print(time.strftime("%H:%M:%S"))
         print(report.table(rows, ["node", "gpu_util", "rx_mbit", "tx_mbit", "load", "error"]))
         taken += 1
@@ -276,7 +276,7 @@ def monitor(c, interval=2, count=0):
 @task(help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"})
 def fetch(c, run=None, dest="runs"):
     """Checkpoint, config, vocabulary, summary.json and eval texts into ./runs/NAME/."""
-    inv = _inventory()
+    inv = _inventory(c)
     with _head(inv) as conn:
         rdir = _run_dir(conn, inv, run)
         target = Path(dest) / Path(rdir).name
@@ -287,7 +287,7 @@ def fetch(c, run=None, dest="runs"):
 @task(help={"node": "rank of the node (default 0, the head)"})
 def ssh(c, node=0):
     """An interactive shell in a node's training container."""
-    inv = _inventory()
+    inv = _inventory(c)
     target = inv.nodes[int(node)] if 0 <= int(node) < len(inv.nodes) else None
     if target is None:
         raise Exit(f"error: --node {node}: the cluster has nodes 0-{len(inv.nodes) - 1}", code=1)
@@ -304,7 +304,7 @@ def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24
     spec = localcluster.LocalSpec(name=name, nodes=int(nodes), slots=int(slots), link=link, subnet=subnet)
     started = time.perf_counter()
     try:
-        inv = localcluster.up(spec, INVENTORY)
+        inv = localcluster.up(spec, _inventory_path(c))
     except ERRORS as error:
         raise _fail(error) from None
     print(f"local cluster {name}: {len(inv.nodes)} node(s) "
@@ -316,7 +316,7 @@ def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24
 def local_down(c, name="local"):
     """Stop the emulated cluster: no namespace, bridge, process or mount is left behind."""
     try:
-        removed = localcluster.down(name, INVENTORY)
+        removed = localcluster.down(name, _inventory_path(c))
     except ERRORS as error:
         raise _fail(error) from None
     print(f"local cluster {name} down ({len(removed)} namespace(s)/bridge removed)")

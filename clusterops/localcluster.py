@@ -156,7 +156,9 @@ def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
     for directory in (shared, controller):
         directory.mkdir(parents=True, exist_ok=True)
     os.chmod(controller, 0o700)
-    created_mountpoint = not Path(spec.data_dir).exists()
+    created_mountpoint = not Path(spec.data_dir).exists() or any(
+        json.loads((STATE_ROOT / other / "cluster.json").read_text()).get("created_mountpoint")
+        for other in list_clusters())
     Path(spec.data_dir).mkdir(parents=True, exist_ok=True)
     record = {"spec": spec.__dict__, "created_mountpoint": created_mountpoint, "pids": {}}
     _save_record(spec, record)
@@ -253,12 +255,13 @@ def down(name: str, inventory_path: Path | None) -> list[str]:
     if _run("ip", "link", "show", spec.bridge, check=False).returncode == 0:
         _run("ip", "link", "delete", spec.bridge)
         removed.append(spec.bridge)
-    if record.get("created_mountpoint"):
+    shutil.rmtree(state, ignore_errors=True)
+    # rmdir would detach the directory from other clusters' namespaces: only once none is left.
+    if record.get("created_mountpoint") and not list_clusters():
         try:
             os.rmdir(spec.data_dir)
         except OSError:
             pass
-    shutil.rmtree(state, ignore_errors=True)
     if inventory_path is not None and inventory_path.exists():
         current = json.loads(inventory_path.read_text())
         if current.get("source") == "local" and current.get("cluster") == name:

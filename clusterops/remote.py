@@ -104,6 +104,26 @@ def node_status(connection: Connection, inventory: Inventory, node: Node) -> dic
             "training": f"{training} proc" if training != "0" else "no"}
 
 
+MONITOR_PROBE = r"""
+read_net() {{ awk -v i="$1" '$1 == i":" {{print $2, $10}}' /proc/net/dev; }}
+a=$(read_net {iface}); sleep {interval}; b=$(read_net {iface})
+gpu=none
+if command -v nvidia-smi >/dev/null; then
+  gpu=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | paste -sd/)
+fi
+echo "$a $b $gpu $(cut -d' ' -f1 /proc/loadavg)"
+"""
+
+
+def sample_node(connection: Connection, node: Node, interval: float) -> dict:
+    """Network rx/tx on the cluster interface over `interval` seconds, GPU utilisation, load."""
+    iface = detect_interface(connection, node)
+    out = sh(connection, MONITOR_PROBE.format(iface=q(iface), interval=float(interval))).split()
+    rx0, tx0, rx1, tx1 = (int(v) for v in out[:4])
+    return {"rx_mbit": f"{(rx1 - rx0) * 8 / interval / 1e6:.1f}",
+            "tx_mbit": f"{(tx1 - tx0) * 8 / interval / 1e6:.1f}", "gpu_util": out[4], "load": out[5]}
+
+
 def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     """The run directory whose launcher is alive on the head node, if any."""
     active = sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
@@ -124,6 +144,24 @@ def run_state(connection: Connection, run_dir: str) -> dict:
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/runs/*/ 2>/dev/null | head -n 1 || true").strip()
     return out.rstrip("/") or None
+
+
+def ensure_tensorboard(connection: Connection, inventory: Inventory, port: int = 6006,
+                       wait: float = 120.0) -> None:
+    """TensorBoard over /data/runs on the head node's loopback only, started if needed; returns
+    once it accepts connections (a tunnel opened earlier would forward into nothing)."""
+    probe = f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo up || true"
+    if sh(connection, f"bash -c {q(probe)}").strip() == "up":
+        return
+    logdir = q(f"{inventory.data_dir}/runs")
+    sh(connection, f"setsid nohup {q(inventory.python)} -m tensorboard.main --logdir {logdir} "
+                   f"--host 127.0.0.1 --port {port} > /tmp/tensorboard.log 2>&1 < /dev/null &")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if sh(connection, f"bash -c {q(probe)}").strip() == "up":
+            return
+        time.sleep(1.0)
+    raise RemoteError(f"TensorBoard did not start within {wait:.0f} s; see /tmp/tensorboard.log on the head node")
 
 
 # ---------------------------------------------------------------- training

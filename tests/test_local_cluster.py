@@ -164,6 +164,42 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
     assert not (cluster.shared / "runs" / "nope").exists()
 
 
+def test_monitor_samples_network_and_load_per_node(cluster):
+    out = cluster.fab("monitor", "--interval", "0.5", "--count", "2").stdout
+    rows = [line.split() for line in out.splitlines() if re.match(r"node\d", line)]
+    assert len(rows) == 2 * cluster.nodes
+    assert all(r[1] == "none" and float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows), out
+
+
+def test_tensorboard_is_reached_through_an_ssh_tunnel_only(cluster):
+    import urllib.request
+    port = 16006 + cluster.nodes
+    tunnel = subprocess.Popen(["fab", "tensorboard", "--port", str(port)], cwd=REPO, env=cluster.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, page = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and not page:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).read().decode()
+            except OSError:
+                time.sleep(0.5)
+        assert "TensorBoard" in page or "tensorboard" in page
+        listening = subprocess.run(["ip", "netns", "exec", localcluster.LocalSpec(name=cluster.name).netns(0),
+                                    "ss", "-ltn"], capture_output=True, text=True).stdout
+        assert "127.0.0.1:6006" in listening and "0.0.0.0:6006" not in listening
+    finally:
+        tunnel.terminate()
+        tunnel.wait(timeout=10)
+
+
+def test_fabric_yaml_settings_are_read(cluster, tmp_path):
+    config = tmp_path / "override.yaml"
+    config.write_text("gpu_cluster:\n  recipe: from-config\n")
+    result = subprocess.run(["fab", "-f", str(config), "train"], cwd=REPO, env=cluster.env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "invalid --recipe 'from-config'" in result.stderr
+
+
 # ---------------------------------------------------------------- failures (2 nodes)
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,102 @@
+"""Unit tests: hostfile and mpirun command building, interface detection, train request validation."""
+import shlex
+
+import pytest
+
+from clusterops import launch
+from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
+
+
+def inventory(nodes=3, gpus=4, source="aws") -> Inventory:
+    return Inventory(cluster="c", source=source, gpus_per_node=gpus,
+                     nodes=[Node(rank=r, name=f"node{r}", public_ip=f"198.51.100.{r + 1}",
+                                 private_ip=f"10.42.0.{r + 5}") for r in range(nodes)],
+                     ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"))
+
+
+def test_hostfile_has_one_line_per_node_with_gpu_slots_in_rank_order():
+    assert launch.hostfile(inventory().nodes, 4) == "10.42.0.5 slots=4\n10.42.0.6 slots=4\n10.42.0.7 slots=4\n"
+
+
+def test_mpirun_line_for_the_whole_cluster():
+    argv = launch.mpirun_argv(inventory(), launch.TrainRequest(recipe="transformer-base"), "ens5", "/workspace/train")
+    line = shlex.join(argv)
+    assert argv[:4] == ["mpirun", "--allow-run-as-root", "-np", "12"]
+    assert "--hostfile /data/runs/transformer-base/hostfile -bind-to none -map-by slot" in line
+    assert "--mca plm_rsh_args '-F /data/.cluster/ssh/config'" in line
+    for export in ("MASTER_ADDR=10.42.0.5", "MASTER_PORT=29500", "NCCL_SOCKET_IFNAME=ens5", "GLOO_SOCKET_IFNAME=ens5"):
+        assert f"-x {export}" in line
+    assert "--mca oob_tcp_if_include ens5" in line
+    assert line.endswith("python /workspace/train/train.py --recipe transformer-base --data "
+                         "/data/datasets/wmt16-en-de --run-dir /data/runs/transformer-base")
+
+
+def test_mpirun_line_with_options_and_a_subset_of_nodes():
+    request = launch.TrainRequest(recipe="transformer-tiny", run="exp1", steps=100, batch_per_gpu=32,
+                                  precision="bf16", grad_compression="powersgd", nodes=2,
+                                  extra_args=("--label-smoothing", "0.2"))
+    argv = launch.mpirun_argv(inventory(), request, "eth0", "/code")
+    assert argv[argv.index("-np") + 1] == "8"
+    tail = argv[argv.index("/code/train.py"):]
+    assert tail == ["/code/train.py", "--recipe", "transformer-tiny", "--data", "/data/datasets/numbers",
+                    "--run-dir", "/data/runs/exp1", "--max-steps", "100", "--batch-per-gpu", "32",
+                    "--precision", "bf16", "--grad-compression", "powersgd", "--label-smoothing", "0.2"]
+    env = launch.launch_env(inventory(), request)
+    assert "HOSTS='10.42.0.5 10.42.0.6'\n" in env and "STALL_SECONDS=600\n" in env
+
+
+def test_values_are_quoted_in_the_command_script():
+    request = launch.TrainRequest(extra_args=("--run-note", "it's; rm -rf /"))
+    script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir"))
+    assert script.startswith("exec mpirun ")
+    assert shlex.split(script)[-1] == "it's; rm -rf /" and "'/code dir/train.py'" in script
+
+
+IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
+2: ens5    inet 10.42.0.5/20 metric 100 brd 10.42.15.255 scope global dynamic ens5\\       valid_lft 3000sec
+3: docker0    inet 172.17.0.1/16 brd 172.17.255.255 scope global docker0\\       valid_lft forever"""
+
+
+def test_interface_is_the_one_holding_the_node_address():
+    assert launch.parse_interface(IP_ADDR, "10.42.0.5") == "ens5"
+    assert launch.parse_interface(IP_ADDR, "127.0.0.1") == "lo"
+    with pytest.raises(launch.LaunchError, match="no interface holds 10.42.0.9"):
+        launch.parse_interface(IP_ADDR, "10.42.0.9")
+
+
+@pytest.mark.parametrize("fields, text", [
+    ({"recipe": "gpt"}, "invalid --recipe"), ({"run": "../etc"}, "invalid --run"), ({"run": ""}, None),
+    ({"steps": 0}, "invalid --steps"), ({"batch_per_gpu": -4}, "invalid --batch-per-gpu"),
+    ({"precision": "fp64"}, "invalid --precision"), ({"grad_compression": "int8"}, "invalid --grad-compression"),
+    ({"master_port": 80}, "invalid --master-port"), ({"master_port": 4444}, "invalid --master-port"),
+    ({"stall_minutes": 0}, "invalid --stall-minutes"), ({"dataset": "a b"}, "invalid --dataset")])
+def test_bad_train_requests_are_rejected(fields, text):
+    request = launch.TrainRequest(**fields)
+    if text is None:  # empty run name falls back to the recipe
+        request.validate()
+        assert request.run_name == "transformer-tiny"
+        return
+    with pytest.raises(launch.LaunchError, match=text):
+        request.validate()
+
+
+def test_selecting_more_nodes_than_exist_is_an_error():
+    with pytest.raises(InventoryError, match="invalid --nodes 4: the cluster has 3"):
+        inventory().select(4)
+
+
+def test_inventory_round_trip_and_clear_errors(tmp_path):
+    path = tmp_path / "inventory.json"
+    inventory().save(path)
+    assert Inventory.load(path) == inventory()
+    with pytest.raises(InventoryError, match="fab local.up"):
+        Inventory.load(tmp_path / "missing.json")
+    path.write_text("{not json")
+    with pytest.raises(InventoryError, match="unreadable inventory"):
+        Inventory.load(path)
+
+
+def test_known_hosts_pins_each_node_exactly(tmp_path):
+    path = tmp_path / "known_hosts"
+    write_known_hosts(path, ["10.0.0.1", "10.0.0.2"], "ssh-ed25519 AAAAkey comment\n", 4444)
+    assert path.read_text() == "[10.0.0.1]:4444 ssh-ed25519 AAAAkey\n[10.0.0.2]:4444 ssh-ed25519 AAAAkey\n"
