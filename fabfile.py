@@ -128,16 +128,21 @@ def check(c, mb=64):
             print(remote.sh(conn, "timeout 300 " + shlex.join(argv)).strip())
 
 
-@task(help={"dataset": "numbers (offline) ...", "extra": "more prepare.py arguments, quoted"})
-def data(c, dataset="numbers", extra=""):
-    """Prepare a data set on /data from the head node (prepare.py)."""
+@task(help={"dataset": "numbers (offline, default), wmt16-en-de (downloads ~1.5 GB) or imagenet (check/stage)",
+            "extra": "more prepare.py arguments, quoted, e.g. \"--stage-to /opt/dlami/nvme/imagenet\"",
+            "all_nodes": "run on every node (imagenet --stage-to: each node's own disk)"})
+def data(c, dataset="numbers", extra="", all_nodes=False):
+    """Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = _inventory(c)
-    if dataset != "numbers":
-        raise Exit(f"error: --dataset {dataset!r}: only 'numbers' is available in this version", code=1)
-    out = f"{inv.data_dir}/datasets/{dataset}"
-    argv = [inv.python, f"{_code_dir(c, inv)}/prepare.py", dataset, "--out", out] + shlex.split(extra)
-    with _head(inv) as conn:
-        conn.run(shlex.join(argv), in_stream=False)
+    try:
+        argv = launch.prepare_argv(inv, dataset, _code_dir(c, inv), shlex.split(extra))
+    except ERRORS as error:
+        raise _fail(error) from None
+    for node in (inv.nodes if all_nodes else [inv.head]):
+        with remote.connect(inv, node) as conn:
+            result = conn.run(shlex.join(argv), in_stream=False, warn=True)
+        if result.exited != 0:
+            raise Exit(f"error: prepare.py {dataset} failed on {node.name} (exit {result.exited})", code=1)
 
 
 def _code_dir(c, inv: Inventory) -> str:
@@ -284,7 +289,7 @@ def fetch(c, run=None, dest="runs"):
     print(f"fetched {len(files)} file(s) into {target}/")
 
 
-@task(help={"node": "rank of the node (default 0, the head)"})
+@task(positional=["node"], help={"node": "rank of the node (default 0, the head)"})
 def ssh(c, node=0):
     """An interactive shell in a node's training container."""
     inv = _inventory(c)

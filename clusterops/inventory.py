@@ -121,8 +121,9 @@ def stack_outputs_from_aws(stack_name: str, session) -> dict:
 
 
 def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
-                 key_file: Optional[str] = None) -> Inventory:
-    """Build the inventory of a deployed stack; fetch the private key and pinned host key once."""
+                 key_file: Optional[str] = None, key_dir: Path = Path.home() / ".ssh") -> Inventory:
+    """Build the inventory of a deployed stack: the private key is fetched from SSM once into
+    key_dir (0600), the host key is pinned in state_dir/STACK.known_hosts."""
     missing = [k for k in ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode",
                            "HostKeyParameterName", "KeyParameterName") if k not in outputs]
     if missing:
@@ -137,7 +138,8 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     if key_file is None:
         if outputs["KeyParameterName"] == "none":
             raise InventoryError("the stack uses your own key pair: pass --key-file PATH")
-        key_path = state_dir / f"{stack_name}.pem"
+        key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        key_path = key_dir / f"{stack_name}.pem"
         if not key_path.exists():
             value = ssm.get_parameter(Name=outputs["KeyParameterName"],
                                       WithDecryption=True)["Parameter"]["Value"]

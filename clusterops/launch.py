@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from .inventory import Inventory, Node
 
 RECIPES = ("transformer-base", "transformer-tiny")
+DATASETS = ("numbers", "wmt16-en-de", "imagenet")
 PRECISIONS = ("fp32", "fp16", "bf16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -127,3 +128,16 @@ def launch_env(inventory: Inventory, request: TrainRequest) -> str:
 
 def command_script(argv: Sequence[str]) -> str:
     return "exec " + shlex.join(argv) + "\n"
+
+
+def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:
+    """The prepare.py command for `fab data`."""
+    if dataset not in DATASETS:
+        raise LaunchError(f"invalid --dataset {dataset!r}: one of {', '.join(DATASETS)}")
+    argv = [inventory.python, f"{code_dir}/prepare.py", dataset]
+    if dataset == "imagenet":
+        if "--source" not in extra_args:
+            argv += ["--source", f"{inventory.data_dir}/imagenet"]
+    else:
+        argv += ["--out", f"{inventory.data_dir}/datasets/{dataset}"]
+    return argv + list(extra_args)

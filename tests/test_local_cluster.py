@@ -156,7 +156,8 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
                        (["train", "--nodes", "9"], "invalid --nodes 9"),
                        (["train", "--dataset", "missing"], "no prepared data set"),
                        (["ssh", "--node", "7"], "--node 7"),
-                       (["data", "--dataset", "imagenet"], "only 'numbers'"),
+                       (["data", "--dataset", "mnist"], "invalid --dataset 'mnist'"),
+                       (["data", "--dataset", "imagenet"], "prepare.py imagenet failed on node0"),
                        (["sync", "--source", "/nonexistent"], "no train.py")):
         result = cluster.fab(*args, check=False)
         assert result.returncode == 1, args

@@ -135,12 +135,14 @@ def test_generated_private_key_is_fetched_from_ssm_once_with_0600(deployed, tmp_
                       "-----END OPENSSH PRIVATE KEY-----", Type="SecureString", Overwrite=True)
     ssm.put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True)
     generated = dict(outputs, KeyParameterName="/ec2/keypair/key-0abc")
-    inventory = from_outputs(name, generated, boto3.session.Session(), tmp_path / "keys")
+    inventory = from_outputs(name, generated, boto3.session.Session(), tmp_path / "state", key_dir=tmp_path / "ssh")
     key = Path(inventory.ssh.key_file)
+    assert key.parent == tmp_path / "ssh"
     assert key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----") and key.read_text().endswith("\n")
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     ssm.delete_parameter(Name="/ec2/keypair/key-0abc")
-    again = from_outputs(name, generated, boto3.session.Session(), tmp_path / "keys")  # no second fetch
+    again = from_outputs(name, generated, boto3.session.Session(), tmp_path / "state",
+                         key_dir=tmp_path / "ssh")  # no second fetch
     assert again.ssh.key_file == str(key)
     with pytest.raises(InventoryError, match="--key-file"):
         from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys3")

@@ -1,10 +1,15 @@
 """Prepare a data set for train.py.
 
     python prepare.py numbers --out /data/datasets/numbers
+    python prepare.py wmt16-en-de --out /data/datasets/wmt16-en-de
+    python prepare.py imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
 ("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers
 per sentence, with disjoint train/valid/test splits. Used by tests and the local demo.
+`wmt16-en-de`: the WMT16 corpora and test sets as the original recipe downloads them (see wmt16.py),
+a 32k shared BPE vocabulary and binary shards; resumable. `imagenet`: checks the train/val folder
+layout and optionally stages it onto local disk (see imagenet.py).
 Re-running with the same arguments is a no-op; every file is written atomically.
 """
 from __future__ import annotations
@@ -82,6 +87,35 @@ def prepare_numbers(args: argparse.Namespace) -> None:
     print(f"{out}: {args.train} train, {args.valid} valid, {args.test} test pairs")
 
 
+def prepare_wmt16(args: argparse.Namespace) -> None:
+    import wmt16
+    out = Path(args.out)
+    request = {"dataset": "wmt16-en-de", "vocab": args.vocab}
+    meta_path = out / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()).get("request") == request:
+        print(f"{out}: already prepared")
+        return
+    sizes = wmt16.prepare(out, args.vocab, args.mirror)
+    vocab = Tokenizer(out / "spm.model").vocab_size
+    meta = {"request": request, "src_lang": "en", "tgt_lang": "de", "vocab_size": vocab, "sizes": sizes}
+    atomic_write_bytes(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    print(f"{out}: {sizes['train']} train, {sizes['valid']} valid, {sizes['test']} test pairs")
+
+
+def prepare_imagenet(args: argparse.Namespace) -> None:
+    import imagenet
+    source = Path(args.source)
+    try:
+        found = imagenet.scan(source)
+    except imagenet.LayoutError as error:
+        sys.exit(f"error: {error}")
+    print(f"{source}: {found['train']['classes']} classes, {found['train']['images']} train and "
+          f"{found['val']['images']} val images")
+    if args.stage_to:
+        copied, skipped = imagenet.stage(source, Path(args.stage_to))
+        print(f"staged into {args.stage_to}: {copied} copied, {skipped} already there")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="dataset", required=True)
@@ -94,7 +128,18 @@ def main(argv: list[str] | None = None) -> None:
     numbers.add_argument("--max-numbers", type=int, default=3)
     numbers.add_argument("--max-digits", type=int, default=4)
     numbers.add_argument("--vocab", type=int, default=600)
+    wmt = sub.add_parser("wmt16-en-de", help="WMT16 English->German (downloads ~1.5 GB)")
+    wmt.add_argument("--out", required=True)
+    wmt.add_argument("--vocab", type=int, default=32_000)
+    wmt.add_argument("--mirror", help="base URL holding the same archive names (offline mirror)")
+    images = sub.add_parser("imagenet", help="check an ImageNet folder, optionally stage it locally")
+    images.add_argument("--source", required=True, help="folder with train/ and val/")
+    images.add_argument("--stage-to", help="copy onto this local directory (e.g. NVMe)")
     args = parser.parse_args(argv)
+    if args.dataset == "wmt16-en-de":
+        return prepare_wmt16(args)
+    if args.dataset == "imagenet":
+        return prepare_imagenet(args)
     for name in ("train", "valid", "test", "max_numbers", "max_digits", "vocab"):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
