@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from .inventory import Inventory, Node
 
-RECIPES = ("transformer-base", "transformer-tiny")
+RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
 DATASETS = ("numbers", "wmt16-en-de", "imagenet")
 PRECISIONS = ("fp32", "fp16", "bf16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -61,7 +61,12 @@ class TrainRequest:
 
 
 def default_dataset(recipe: str) -> str:
-    return "numbers" if recipe == "transformer-tiny" else "wmt16-en-de"
+    return {"transformer-tiny": "numbers", "transformer-base": "wmt16-en-de",
+            "resnet50": "imagenet", "resnet-small": "imagenet-small"}[recipe]
+
+
+def data_path(inventory: Inventory, dataset: str) -> str:
+    return f"{inventory.data_dir}/datasets/{dataset}"
 
 
 def hostfile(nodes: Sequence[Node], slots: int) -> str:
@@ -107,7 +112,7 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
     argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe,
-             "--data", f"{inventory.data_dir}/datasets/{dataset}", "--run-dir", rdir]
+             "--data", data_path(inventory, dataset), "--run-dir", rdir]
     for flag, value in (("--max-steps", request.steps), ("--batch-per-gpu", request.batch_per_gpu),
                         ("--precision", request.precision),
                         ("--grad-compression", request.grad_compression)):
@@ -137,7 +142,7 @@ def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: 
     argv = [inventory.python, f"{code_dir}/prepare.py", dataset]
     if dataset == "imagenet":
         if "--source" not in extra_args:
-            argv += ["--source", f"{inventory.data_dir}/imagenet"]
+            argv += ["--source", data_path(inventory, dataset)]
     else:
-        argv += ["--out", f"{inventory.data_dir}/datasets/{dataset}"]
+        argv += ["--out", data_path(inventory, dataset)]
     return argv + list(extra_args)

@@ -178,8 +178,9 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     nodes = inventory.select(request.nodes)
     interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)
-    data_path = f"{inventory.data_dir}/datasets/{dataset}"
-    if sh(connection, f"test -f {q(data_path + '/meta.json')} && echo ok || true").strip() != "ok":
+    data_path = launch.data_path(inventory, dataset)
+    ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
+    if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
     rdir = launch.run_dir(inventory, request.run_name)
     sh(connection, f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/run-status.json')}")

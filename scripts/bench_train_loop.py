@@ -25,7 +25,8 @@ from config import ModelConfig, RECIPES, TrainConfig  # noqa: E402
 from data import PAD, DataSet, global_batch_indices  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from model import Transformer  # noqa: E402
-from trainer import Trainer, transformer_lr  # noqa: E402
+from tasks import transformer_lr  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 
 def tiny_config(data: str, run_dir: str, steps: int) -> TrainConfig:
@@ -33,7 +34,7 @@ def tiny_config(data: str, run_dir: str, steps: int) -> TrainConfig:
     model = ModelConfig(**recipe.pop("model"))
     return TrainConfig(recipe="transformer-tiny", model=model, **dict(
         recipe, data=data, run_dir=run_dir, max_steps=steps, eval_every=10**9,
-        checkpoint_every=10**9, eval_sentences=1))
+        checkpoint_every=10**9, eval_samples=1))
 
 
 def time_trainer(config: TrainConfig) -> float:

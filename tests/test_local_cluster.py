@@ -17,7 +17,7 @@ from conftest import REPO, TRAIN_DIR, tool_env
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
-QUICK = "--eval-every 100 --eval-sentences 100 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
+QUICK = "--eval-every 100 --eval-samples 100 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
 
 
 class Cluster:

@@ -9,10 +9,10 @@ import torch
 
 import checkpoint
 from conftest import TRAIN_DIR, tool_env
-from trainer import transformer_lr
+from tasks import transformer_lr
 
 SMALL = ["--recipe", "transformer-tiny", "--dropout", "0", "--d-model", "64", "--ffn", "128",
-         "--eval-sentences", "16", "--log-every", "1", "--checkpoint-every", "1000", "--warmup-steps", "50"]
+         "--eval-samples", "16", "--log-every", "1", "--checkpoint-every", "1000", "--warmup-steps", "50"]
 
 
 def train(data, run_dir, *args, procs=1, check=True):

@@ -37,6 +37,30 @@ class ModelConfig:
 
 
 @dataclass
+class VisionConfig:
+    arch: str = "resnet50"
+    width: int = 64
+    image_size: int = 224
+    num_classes: int = 1000
+    synthetic: bool = False
+    base_lr: float = 0.256
+    momentum: float = 0.875
+    weight_decay: float = 3.0517578125e-05
+    workers: int = 8
+
+    def validate(self) -> None:
+        from vision import ARCHS
+        _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
+        _check(self.width >= 8, "width", self.width, "at least 8")
+        _check(self.image_size >= 16, "image_size", self.image_size, "at least 16 pixels")
+        _check(self.num_classes >= 2, "num_classes", self.num_classes, "at least 2")
+        _check(self.base_lr > 0, "base_lr", self.base_lr, "a positive number (per 256 images)")
+        _check(0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
+        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "0 or a positive number")
+        _check(self.workers >= 1, "workers", self.workers, "a positive whole number")
+
+
+@dataclass
 class TrainConfig:
     recipe: str = "transformer-base"
     data: str = "/data/datasets/wmt16-en-de"
@@ -56,15 +80,20 @@ class TrainConfig:
     seed: int = 1234
     log_every: int = 100
     eval_every: int = 2000
-    eval_sentences: int = 1000
+    eval_samples: int = 1000
     eval_batch: int = 64
     beam: int = 1
     checkpoint_every: int = 2000
     keep_checkpoints: int = 3
     bucket_cap_mb: float = 25.0
     dist_timeout_s: float = 300.0
-    target_bleu: Optional[float] = None
+    target_metric: Optional[float] = None  # end early once eval BLEU (or top1) reaches it
     model: ModelConfig = field(default_factory=ModelConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+
+    @property
+    def task(self) -> str:
+        return "image" if self.recipe.startswith("resnet") else "translation"
 
     def validate(self) -> None:
         _check(self.recipe in RECIPES, "recipe", self.recipe, f"one of {', '.join(RECIPES)}")
@@ -82,11 +111,14 @@ class TrainConfig:
         _check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", self.label_smoothing, "in [0, 1)")
         _check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "0 (off) or a positive number")
         for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_sentences", "eval_batch", "beam"):
+                     "eval_samples", "eval_batch", "beam"):
             _check(getattr(self, name) > 0, name, getattr(self, name), "a positive whole number")
         _check(self.dist_timeout_s >= 10, "dist_timeout_s", self.dist_timeout_s, "at least 10 seconds")
         _check(self.bucket_cap_mb > 0, "bucket_cap_mb", self.bucket_cap_mb, "a positive number")
-        self.model.validate()
+        if self.task == "image":
+            self.vision.validate()
+        else:
+            self.model.validate()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -95,8 +127,9 @@ class TrainConfig:
     def from_dict(cls, values: dict) -> "TrainConfig":
         values = dict(values)
         model = ModelConfig(**values.pop("model"))
+        vision = VisionConfig(**values.pop("vision", {}))
         values["adam_betas"] = tuple(values["adam_betas"])
-        return cls(model=model, **values)
+        return cls(model=model, vision=vision, **values)
 
 
 RECIPES = {
@@ -106,8 +139,20 @@ RECIPES = {
     "transformer-tiny": dict(
         data="/data/datasets/numbers", max_steps=600, batch_per_gpu=64, lr_scale=1.0,
         warmup_steps=200, label_smoothing=0.1, log_every=50, eval_every=200,
-        eval_sentences=300, checkpoint_every=100, clip_grad=1.0,
+        eval_samples=300, checkpoint_every=100, clip_grad=1.0,
         model=dict(d_model=128, layers=2, heads=4, ffn=512, dropout=0.1, max_len=128, pre_norm=True)),
+    # ResNet-50 on ImageNet (NVIDIA DeepLearningExamples' recipe: SGD with momentum, LR 0.256 per 256
+    # images scaled with the global batch, warm-up then cosine, label smoothing, channels-last, AMP).
+    "resnet50": dict(
+        data="/data/imagenet", max_steps=56_300, batch_per_gpu=256, warmup_steps=5_000,
+        label_smoothing=0.1, log_every=100, eval_every=5_000, eval_samples=50_000, eval_batch=256,
+        checkpoint_every=2_500, precision="fp16", vision=dict(arch="resnet50")),
+    # A small ResNet at 32 px for CPU runs and tests (an image folder or --synthetic).
+    "resnet-small": dict(
+        data="/data/imagenet-small", max_steps=300, batch_per_gpu=32, warmup_steps=30,
+        label_smoothing=0.1, log_every=20, eval_every=100, eval_samples=500, eval_batch=64,
+        checkpoint_every=100, vision=dict(arch="resnet18", width=16, image_size=32, num_classes=10,
+                                          base_lr=0.4, momentum=0.9, weight_decay=5e-4, workers=2)),
 }
 
 
@@ -121,12 +166,13 @@ def _parse_bool(text: str) -> bool:
 
 def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
     for f in dataclasses.fields(cls):
-        if f.name in ("model", "recipe"):
+        if f.name in ("model", "vision", "recipe"):
             continue
         flag = "--" + (prefix + f.name).replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.type in ("bool",):
-            parser.add_argument(flag, type=_parse_bool, default=None, help=f"(default {default})")
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None,
+                                help=f"(default {default})")
         elif f.type == "tuple":
             parser.add_argument(flag, type=float, nargs=2, default=None, help=f"(default {default})")
         else:
@@ -141,6 +187,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default="transformer-base", choices=sorted(RECIPES))
     _add_fields(parser, TrainConfig)
     _add_fields(parser, ModelConfig)
+    _add_fields(parser, VisionConfig)
     return parser
 
 
@@ -148,10 +195,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Recipe defaults, then every flag the user gave; validated."""
     recipe = dict(RECIPES[args.recipe])
     model = ModelConfig(**recipe.pop("model", {}))
-    config = TrainConfig(recipe=args.recipe, model=model, **recipe)
+    vision = VisionConfig(**recipe.pop("vision", {}))
+    config = TrainConfig(recipe=args.recipe, model=model, vision=vision, **recipe)
     given = {k: v for k, v in vars(args).items() if v is not None and k != "recipe"}
     for key, value in given.items():
-        target = config.model if hasattr(config.model, key) else config
+        target = next(part for part in (config.model, config.vision, config) if hasattr(part, key))
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
     config.validate()
     return config

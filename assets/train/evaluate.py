@@ -23,7 +23,7 @@ def translate(model, tokens: list[list[int]], batch: int, beam: int, device) -> 
 def evaluate(model, data: DataSet, config: TrainConfig, info, device) -> dict:
     import sacrebleu
     pairs, sources, references = data.split("valid")
-    count = min(config.eval_sentences, len(pairs))
+    count = min(config.eval_samples, len(pairs))
     mine = list(range(info.rank, count, info.world_size))
     model.eval()
     loss_sum, tokens = 0.0, 0

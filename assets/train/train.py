@@ -1,4 +1,4 @@
-"""Distributed training of the Transformer en-de recipes with PyTorch DDP.
+"""Distributed training with PyTorch DDP: Transformer en-de and ResNet ImageNet recipes.
 
 One process per GPU (per CPU slot locally). The same command works under mpirun, torchrun or alone:
 
@@ -9,6 +9,9 @@ One process per GPU (per CPU slot locally). The same command works under mpirun,
     mpirun -H 10.0.0.5:1,10.0.0.6:1 -np 2 -bind-to none -map-by slot \
         -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 \
         python train.py --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
+
+    python train.py --recipe resnet50 --data /data/imagenet --run-dir /data/runs/r50   # or --synthetic
+    python train.py --recipe resnet-small --data /data/imagenet-small --run-dir /tmp/rs
 
 (`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
 good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.

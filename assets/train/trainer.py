@@ -3,25 +3,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import resource
 import signal
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import distributed
 from config import TrainConfig
-from data import DataSet, PAD, atomic_write_bytes, global_batch_indices, rank_slice
-from evaluate import evaluate
-from model import Transformer
-
-
-def transformer_lr(step: int, d_model: int, warmup: int, scale: float) -> float:
-    """scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1."""
-    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+from data import atomic_write_bytes
+from tasks import make_task
 
 
 def compress_hook(dtype: torch.dtype):
@@ -58,18 +53,14 @@ class Trainer:
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
         self.config, self.info, self.device = config, info, device
         self.run_dir = Path(config.run_dir)
-        self.data = DataSet(config.data, config.model.max_len)
-        torch.manual_seed(config.seed)  # the same initial weights for any world size
-        self.model = Transformer(config.model, self.data.tokenizer.vocab_size).to(device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1.0,
-                                          betas=tuple(config.adam_betas), eps=config.adam_eps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: transformer_lr(s + 1, config.model.d_model,
-                                                     config.warmup_steps, config.lr_scale))
+        self.task = make_task(config, info, device)
+        self.model = self.task.model
+        self.optimizer = self.task.optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self.task.lr_factor(s + 1))
         self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         self.step = 0
-        self.best_bleu = -1.0
+        self.best = float("-inf")
         self.resumed_from = None
         self.stop_requested = False
         self._resume()
@@ -82,19 +73,40 @@ class Trainer:
             self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None,
                            bucket_cap_mb=bucket_mb)
             _register_compression(self.ddp, config)
-        self.writer = None
+        self.writer = self.wandb = None
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.run_dir / "config.json",
                                lambda f: f.write(json.dumps(config.to_dict(), indent=2).encode()))
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.wandb = self._start_wandb()
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
     def log(self, message: str) -> None:
         if self.info.is_main:
             print(message, flush=True)
+
+    def _start_wandb(self):
+        if not os.environ.get("WANDB_API_KEY"):
+            return None
+        try:
+            import wandb
+        except ImportError:
+            self.log("WANDB_API_KEY is set but wandb is not installed (pip install wandb); TensorBoard only")
+            return None
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "gpu-cluster"), name=self.run_dir.name,
+                          id=self.run_dir.name, resume="allow", dir=str(self.run_dir),
+                          config=self.config.to_dict())
+
+    def scalars(self, values: dict) -> None:
+        """Rank 0: to TensorBoard, and to W&B when configured."""
+        for key, value in values.items():
+            if value is not None and self.writer:
+                self.writer.add_scalar(key, value, self.step)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=self.step)
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_requested = True
@@ -109,16 +121,16 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
-        self.best_bleu = state.get("best_bleu", -1.0)
+        self.best = state.get("best", float("-inf"))
         self.resumed_from = state["path"]
         self.log(f"resuming from {state['path']} at step {self.step}")
 
     def _state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "best_bleu": self.best_bleu, "config": self.config.to_dict(),
-                "vocabulary": str(Path(self.data.tokenizer.path).resolve()),
-                "rng": {"torch": torch.get_rng_state(), "world_size": self.info.world_size}}
+                "step": self.step, "best": self.best, "config": self.config.to_dict(),
+                "rng": {"torch": torch.get_rng_state(), "world_size": self.info.world_size},
+                **self.task.checkpoint_extras()}
 
     def save(self, best: bool = False) -> None:
         if self.info.is_main:
@@ -126,39 +138,26 @@ class Trainer:
                                    self.config.keep_checkpoints, best=best)
             self.log(f"checkpoint {path}")
 
-    def _micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
-        c, world = self.config, self.info.world_size
-        batches = []
-        for micro in range(c.grad_accum):
-            indices = global_batch_indices(self.step * c.grad_accum + micro, c.batch_per_gpu * world,
-                                           len(self.data.train), c.seed)
-            mine = rank_slice(indices, self.info.rank, world)
-            batches.append(tuple(t.to(self.device) for t in self.data.train.batch(mine)))
-        return batches
-
     def train_step(self) -> tuple[float, bool]:
-        """One optimizer step. Returns (loss per target token, stop agreed by all ranks)."""
+        """One optimizer step. Returns (loss per unit, stop agreed by all ranks)."""
         c = self.config
         torch.manual_seed(c.seed * 7919 + self.step * self.info.world_size + self.info.rank)
-        batches = self._micro_batches()
+        batches = self.task.batches(self.step)
         stop = self.stop_requested or (self.info.is_main and (self.run_dir / "STOP").exists())
-        counts = torch.tensor([sum(int(b[2].ne(PAD).sum()) for b in batches), float(stop)])
+        counts = torch.tensor([float(sum(self.task.units(b) for b in batches)), float(stop)])
         distributed.all_reduce_sum(counts)
-        tokens, stop = counts[0].item(), counts[1].item() > 0
+        units, stop = counts[0].item(), counts[1].item() > 0
         module = self.ddp or self.model
         self.model.train()
         total = 0.0
-        for i, (src, tgt_in, tgt_out) in enumerate(batches):
+        for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             context = module.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             with context, torch.autocast(self.device.type, dtype=self.amp_dtype,
                                          enabled=self.amp_dtype is not None):
-                logits = module(src, tgt_in)
-                loss_sum = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(),
-                                           ignore_index=PAD, label_smoothing=c.label_smoothing,
-                                           reduction="sum")
-                # DDP averages over ranks; scaling by world/tokens makes it the global token mean.
-                loss = loss_sum * self.info.world_size / tokens
+                loss_sum = self.task.loss_sum(module, batch)
+                # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
+                loss = loss_sum * self.info.world_size / units
             self.scaler.scale(loss).backward()
             total += loss_sum.item()
         self.scaler.unscale_(self.optimizer)
@@ -170,7 +169,7 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         loss_total = distributed.all_reduce_sum(torch.tensor([total]))[0].item()
-        return loss_total / tokens, stop
+        return loss_total / units, stop
 
     def _write_progress(self, **values) -> None:
         if self.info.is_main:
@@ -179,8 +178,13 @@ class Trainer:
             atomic_write_bytes(self.run_dir / "progress.json",
                                lambda f: f.write(json.dumps(record).encode()))
 
+    def _memory_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def fit(self) -> dict:
-        c = self.config
+        c, metric = self.config, self.task.metric
         global_batch = c.batch_per_gpu * self.info.world_size * c.grad_accum
         step_times: list[float] = []
         last_eval: dict = {}
@@ -194,12 +198,11 @@ class Trainer:
             step_times.append(time.perf_counter() - tick)
             recent = step_times[-c.log_every:]
             step_time = sum(recent) / len(recent)
-            if self.writer:
-                self.writer.add_scalar("train/loss", loss, self.step)
-                self.writer.add_scalar("train/lr", self.scheduler.get_last_lr()[0], self.step)
-                self.writer.add_scalar("perf/step_time_s", step_times[-1], self.step)
-                self.writer.add_scalar("perf/objects_per_s", global_batch / step_times[-1], self.step)
+            self.scalars({"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0],
+                          "perf/step_time_s": step_times[-1],
+                          "perf/objects_per_s": global_batch / step_times[-1]})
             if self.step % c.log_every == 0 or self.step == 1:
+                self.scalars({"perf/memory_mb": self._memory_mb()})
                 self.log(f"step {self.step}/{c.max_steps} | loss {loss:.3f} | lr "
                          f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
                          f"{global_batch / step_time:.0f} objects/s")
@@ -207,9 +210,10 @@ class Trainer:
             reached = False
             if self.step % c.eval_every == 0 or self.step == c.max_steps or stop:
                 last_eval = self.run_eval()
-                improved = last_eval["bleu"] > self.best_bleu
-                self.best_bleu = max(self.best_bleu, last_eval["bleu"])
-                reached = c.target_bleu is not None and last_eval["bleu"] >= c.target_bleu
+                score = last_eval.get(metric)
+                improved = score is not None and score > self.best
+                self.best = max(self.best, score) if score is not None else self.best
+                reached = c.target_metric is not None and score is not None and score >= c.target_metric
                 self.save(best=improved)
             elif self.step % c.checkpoint_every == 0:
                 self.save()
@@ -219,25 +223,24 @@ class Trainer:
                     (self.run_dir / "STOP").unlink(missing_ok=True)
                 break
             if reached:
-                ended = f"target BLEU {c.target_bleu} reached"
+                ended = f"target {metric} {c.target_metric} reached"
                 break
         self.log(f"run ended at step {self.step}: {ended}")
         return self._summary(step_times, global_batch, last_eval, ended, time.time() - started)
 
     def run_eval(self) -> dict:
-        result = evaluate(self.model, self.data, self.config, self.info, self.device)
+        result = self.task.evaluate()
+        texts = {k: result.pop(k) for k in list(result) if isinstance(result[k], list)}
         if self.info.is_main:
             eval_dir = self.run_dir / "eval"
             eval_dir.mkdir(exist_ok=True)
-            for kind in ("hypotheses", "references", "sources"):
-                text = "".join(line + "\n" for line in result.pop(kind))
+            for kind, lines in texts.items():  # translation: hypotheses, references, sources
+                text = "".join(line + "\n" for line in lines)
                 atomic_write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt",
                                    lambda f, t=text: f.write(t.encode()))
-            self.log(f"eval step {self.step} | loss {result['eval_loss']:.3f} | "
-                     f"BLEU {result['bleu']:.1f} | exact {result['exact_match']:.1%}")
-            if self.writer:
-                for key in ("eval_loss", "bleu", "exact_match"):
-                    self.writer.add_scalar(f"eval/{key}", result[key], self.step)
+            self.log(f"eval step {self.step} | " + " | ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+            self.scalars({f"eval/{k}": v for k, v in result.items()})
         return result
 
     def _summary(self, step_times, global_batch, last_eval, ended, wall) -> dict:
@@ -246,10 +249,9 @@ class Trainer:
         steps = checkpoint.list_steps(self.run_dir)
         summary = {
             "recipe": self.config.recipe, "steps": self.step, "world_size": self.info.world_size,
-            "global_batch": global_batch, "avg_step_time_s": avg,
-            "objects_per_s": global_batch / avg if avg else 0.0,
-            "eval_loss": last_eval.get("eval_loss"), "bleu": last_eval.get("bleu"),
-            "exact_match": last_eval.get("exact_match"), "best_bleu": self.best_bleu,
+            "global_batch": global_batch, "objects": self.task.objects, "avg_step_time_s": avg,
+            "objects_per_s": global_batch / avg if avg else 0.0, **last_eval,
+            f"best_{self.task.metric}": self.best if self.best > float("-inf") else None,
             "checkpoint_mb": checkpoint.size_mb(steps[-1]) if steps else None,
             "precision": self.config.precision, "grad_compression": self.config.grad_compression,
             "resumed_from": self.resumed_from, "ended": ended, "wall_time_s": wall,
@@ -260,4 +262,6 @@ class Trainer:
             self._write_progress(loss=None, avg_step_time_s=avg, ended=ended)
             if self.writer:
                 self.writer.close()
+            if self.wandb:
+                self.wandb.finish()
         return summary

@@ -1,0 +1,87 @@
+"""The ResNet recipes: torchvision-identical architectures, the image pipeline, LR scaling and
+warm-up, top-1/top-5 across ranks, synthetic mode, learning a small generated image folder."""
+import json
+import random
+
+import pytest
+import torch
+
+from tasks import warmup_cosine_lr
+from test_training import train
+from vision import ResNet, _random_resized_crop, load_image
+
+COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 220, 40)]
+
+
+@pytest.mark.parametrize("arch, classes, params", [("resnet50", 1000, 25_557_032), ("resnet18", 1000, 11_689_512)])
+def test_resnets_have_torchvisions_parameter_counts(arch, classes, params):
+    assert sum(p.numel() for p in ResNet(arch, classes).parameters()) == params
+
+
+def test_random_resized_crop_boxes_stay_inside_and_are_deterministic():
+    for seed in range(200):
+        box = _random_resized_crop(500, 375, random.Random(seed))
+        assert 0 <= box[0] < box[2] <= 500 and 0 <= box[1] < box[3] <= 375
+        assert box == _random_resized_crop(500, 375, random.Random(seed))
+
+
+def test_warmup_then_cosine():
+    assert warmup_cosine_lr(1, 10, 100, 1.0) == pytest.approx(0.1)
+    assert warmup_cosine_lr(10, 10, 100, 1.0) == pytest.approx(1.0)
+    assert warmup_cosine_lr(55, 10, 100, 1.0) == pytest.approx(0.5)
+    assert warmup_cosine_lr(100, 10, 100, 1.0) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory):
+    """Four colour classes with noise, as JPEGs in the ImageNet folder layout."""
+    from PIL import Image
+    root = tmp_path_factory.mktemp("images")
+    rng = random.Random(0)
+    for split, count in (("train", 48), ("val", 12)):
+        for index, color in enumerate(COLORS):
+            directory = root / split / f"n0000000{index}"
+            directory.mkdir(parents=True)
+            for i in range(count):
+                size = (rng.randint(40, 64), rng.randint(40, 64))
+                pixels = bytes(max(0, min(255, c + rng.randint(-30, 30))) for _ in range(size[0] * size[1]) for c in color)
+                Image.frombytes("RGB", size, pixels).save(directory / f"img{i}.JPEG", quality=90)
+    return root
+
+
+def test_eval_images_are_centre_cropped_and_normalised(image_folder):
+    image = load_image(str(next((image_folder / "val" / "n00000000").iterdir())), 32, train=False, seed=0)
+    assert image.shape == (3, 32, 32)
+    assert image[0].mean() > 1.0 > image[2].mean()  # red class: high red channel after normalisation
+
+
+def test_small_resnet_learns_the_folder_on_two_ranks(image_folder, tmp_path):
+    result = train(image_folder, tmp_path, "--recipe", "resnet-small", "--max-steps", "40", "--batch-per-gpu", "16",
+                   "--warmup-steps", "5", "--eval-every", "40", "--eval-samples", "48", "--log-every", "10",
+                   procs=2)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    print(f"resnet-small, 2 ranks, 40 steps: top1 {summary['top1']:.1f}, top5 {summary['top5']:.1f}")
+    assert summary["world_size"] == 2 and summary["objects"] == "images"
+    assert summary["top1"] >= 75 and summary["top5"] == 100.0
+    state = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=False)
+    assert state["classes"] == [f"n0000000{i}" for i in range(4)]
+
+
+def test_lr_is_scaled_with_the_global_batch(image_folder, tmp_path):
+    result = train(image_folder, tmp_path, "--recipe", "resnet-small", "--max-steps", "3", "--batch-per-gpu", "8",
+                   "--warmup-steps", "1", "--base-lr", "0.4", "--eval-samples", "8", "--log-every", "1", procs=2)
+    lrs = {int(s): float(lr) for s, lr in __import__("re").findall(r"step (\d+)/3 \| loss \S+ \| lr (\S+)", result.stdout)}
+    peak = 0.4 * 16 / 256  # 2 ranks x 8 images
+    assert lrs[1] == pytest.approx(warmup_cosine_lr(2, 1, 3, peak), rel=1e-2)
+
+
+def test_synthetic_mode_needs_no_data(tmp_path):
+    train(tmp_path / "no-data", tmp_path / "run", "--recipe", "resnet-small", "--synthetic", "--max-steps", "3",
+          "--batch-per-gpu", "4")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["top1"] is None and summary["objects_per_s"] > 0
+
+
+def test_missing_image_folder_is_one_clear_error(tmp_path):
+    result = train(tmp_path / "none", tmp_path / "run", "--recipe", "resnet-small", check=False)
+    assert result.returncode == 2 and "prepare.py imagenet --source" in result.stderr
