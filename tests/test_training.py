@@ -152,3 +152,46 @@ def test_bad_configs_are_rejected_in_one_line(numbers_data, tmp_path, args, flag
 def test_missing_data_says_how_to_prepare_it(tmp_path):
     result = train(tmp_path / "nothing", tmp_path / "run", check=False)
     assert result.returncode == 2 and "prepare.py numbers --out" in result.stderr
+
+
+def test_gradient_accumulation_equals_the_larger_batch(numbers_data, tmp_path, single_reference):
+    train(numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8", "--grad-accum", "2")
+    reference, init = single_reference
+    assert relative_diff(final_params(tmp_path), reference, init) < 2e-5
+
+
+def test_fp16_autocast_with_grad_scaler_trains(numbers_data, tmp_path):
+    train(numbers_data, tmp_path, "--max-steps", "3", "--batch-per-gpu", "4", "--precision", "fp16")
+    state = checkpoint.load_latest(tmp_path)
+    assert state["config"]["precision"] == "fp16" and state["scaler"]["scale"] > 0
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data):
+    from config import ModelConfig
+    from data import DataSet
+    from model import Transformer
+    data = DataSet(numbers_data, 64)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(d_model=32, layers=1, heads=2, ffn=64, dropout=0.0, max_len=64),
+                        data.tokenizer.vocab_size).eval()
+    pairs, _, _ = data.split("valid")
+    src = pairs.batch(range(4))[0]
+    assert model.beam_search(src, 20, beam=1) == model.greedy(src, 20)
+    wide = model.beam_search(src, 20, beam=4)
+    assert len(wide) == 4 and all(isinstance(t, int) for row in wide for t in row)
+    assert all(3 not in row for row in wide)  # EOS ends a hypothesis and is stripped
+
+
+def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path):
+    result = subprocess.run([sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir",
+                             str(tmp_path), *SMALL, "--max-steps", "2", "--batch-per-gpu", "4"],
+                            capture_output=True, text=True, timeout=300,
+                            env=tool_env(WANDB_API_KEY="x" * 40, WANDB_MODE="offline", WANDB_SILENT="true"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    without = subprocess.run([sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir",
+                              str(tmp_path / "plain"), *SMALL, "--max-steps", "1", "--batch-per-gpu", "4"],
+                             capture_output=True, text=True, timeout=300, env=tool_env(WANDB_API_KEY=""))
+    assert without.returncode == 0 and not (tmp_path / "plain" / "wandb").exists()
