@@ -55,19 +55,26 @@ while kill -0 "$mpirun_pid" 2>/dev/null; do
   fi
 done
 
+cleanup() {  # cleanup HOST: this run's ranks and the MPI daemons (one run at a time per cluster)
+  timeout 15 ssh -F "$SSH_CONFIG" -o ConnectTimeout=5 "$1" \
+    "pkill -KILL -f -- '[-]-run-dir $RUN_DIR'; pkill -KILL -x orted; pkill -KILL -x prted; true" >/dev/null 2>&1
+}
+
+unreached=""
 if [[ -n $reason ]]; then
   echo "$(now) watchdog: $reason; ending the run" >> "$LOG"
   kill -TERM "$mpirun_pid" 2>/dev/null
   for _ in 1 2 3 4 5; do kill -0 "$mpirun_pid" 2>/dev/null || break; sleep 1; done
   kill -KILL "$mpirun_pid" 2>/dev/null
-  for host in $HOSTS; do  # ranks left behind on reachable nodes
-    timeout 15 ssh -F "$SSH_CONFIG" -o ConnectTimeout=5 "$host" \
-      "pkill -KILL -f -- '--run-dir $RUN_DIR'" >/dev/null 2>&1
+  for host in $HOSTS; do
+    cleanup "$host" || unreached+=" $host"
   done
 fi
 wait "$mpirun_pid"
 code=$?
-if [[ -n $reason ]]; then
+if [[ -f $RUN_DIR/FORCED ]]; then
+  status failed "$code" "stopped by fab stop --force"
+elif [[ -n $reason ]]; then
   status failed "$code" "watchdog: $reason"
 elif ((code == 0)); then
   status finished 0 "$(grep -o 'run ended at step.*' "$LOG" | tail -n 1)"
@@ -76,4 +83,20 @@ else
 fi
 echo "$(now) launcher: mpirun exited with $code" >> "$LOG"
 [[ $(cat "$ACTIVE_FILE" 2>/dev/null) == "$RUN_DIR" ]] && rm -f "$ACTIVE_FILE"
+
+# A partitioned node keeps its MPI daemon until someone reaches it: retry for a while, unless a
+# new run has started (its daemons must not be touched).
+deadline=$(($(date +%s) + ${CLEANUP_SECONDS:-600}))
+while [[ -n ${unreached// /} ]] && (($(date +%s) < deadline)) && [[ ! -s $ACTIVE_FILE ]]; do
+  sleep 10
+  pending=""
+  for host in $unreached; do
+    if cleanup "$host"; then
+      echo "$(now) launcher: cleaned up $host after it came back" >> "$LOG"
+    else
+      pending+=" $host"
+    fi
+  done
+  unreached=$pending
+done
 exit "$code"

@@ -183,7 +183,8 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
     rdir = launch.run_dir(inventory, request.run_name)
-    sh(connection, f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/run-status.json')}")
+    sh(connection, f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/FORCED')} "
+                   f"{q(rdir + '/run-status.json')}")
     write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
     write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request))
     argv = launch.mpirun_argv(inventory, request, interface, code_dir)
@@ -234,12 +235,13 @@ def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> d
 
 
 def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
-    for pid_file in ("launcher.pid", "mpirun.pid"):
-        sh(connection, f"kill -TERM \"$(cat {q(run_dir + '/' + pid_file)} 2>/dev/null)\" "
-                       "2>/dev/null || true")
+    """Kill mpirun and the ranks; the launcher survives to record the end (reason: FORCED)."""
+    sh(connection, f"touch {q(run_dir + '/FORCED')}")
+    sh(connection, f"kill -TERM \"$(cat {q(run_dir + '/mpirun.pid')} 2>/dev/null)\" 2>/dev/null || true")
     for node in inventory.nodes:
         sh(connection, f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
-                       f"{q('pkill -KILL -f -- ' + q('--run-dir ' + run_dir))} || true", check=False)
+                       # [-]: the pattern must not match the remote shell that runs pkill
+                       f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true", check=False)
 
 
 def fetch_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
