@@ -17,7 +17,7 @@ if ((${#missing[@]})); then
 fi
 
 stamp=.venv/.requirements.sha
-want=$(cat requirements*.txt assets/train/requirements.txt | sha256sum | cut -d' ' -f1)
+want=$(cat requirements*.txt assets/*/requirements.txt | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   echo "setup: python venv (.venv)"
   [[ -x .venv/bin/python ]] || python3 -m venv .venv

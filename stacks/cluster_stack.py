@@ -57,4 +57,13 @@ class GpuClusterStack(Stack):
                 id="AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/"
                    "AmazonSSMManagedInstanceCore]",
                 reason="AWS's minimal, maintained policy for Session Manager access to the nodes."),
+            Acknowledgment(
+                id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+                reason="ec2:DescribeInstances has no resource-level permissions; the autostop "
+                       "watchdog uses it to find this cluster's instances by tag."),
+            Acknowledgment(
+                id="AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:"
+                   "<AWS::AccountId>:instance/*]",
+                reason="ec2:StopInstances is limited by a condition to instances tagged with this "
+                       "cluster's name (aws:ResourceTag/gpu-cluster:name)."),
         )

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from aws_cdk import (
-    CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
+    Aws, CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
+    aws_cloudwatch as cloudwatch, aws_cloudwatch_actions as cloudwatch_actions,
     aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets,
 )
 from constructs import Construct
@@ -18,6 +19,8 @@ ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 CLUSTER_TAG = "gpu-cluster:name"
 RANK_TAG = "gpu-cluster:rank"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
+ALARM_GRACE_MINUTES = 30  # the alarm backs up the head-node watchdog, so it fires later
+IDLE_CPU_PERCENT = 5
 
 
 def host_key_parameter_name(cluster_name: str) -> str:
@@ -52,6 +55,16 @@ class GpuNodes(Construct):
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["s3:GetObject"],
             resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)]))
+
+        if config.idle_minutes:
+            # Autostop: the watchdog may find and stop this cluster's instances, and no others.
+            self.role.add_to_policy(iam.PolicyStatement(
+                actions=["ec2:DescribeInstances"], resources=["*"]))
+            self.role.add_to_policy(iam.PolicyStatement(
+                actions=["ec2:StopInstances"],
+                # Pseudo-parameters, not format_arn: the same ARN text in every environment.
+                resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
+                conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}}))
 
         self.key_pair: ec2.IKeyPair
         self.key_parameter_name: Optional[str] = None
@@ -100,6 +113,7 @@ class GpuNodes(Construct):
                 "IMAGE_CONTEXT_URL": self.image_context.s3_object_url,
                 "IMAGE_TAG": self.image_context.asset_hash[:16],
                 "HOST_KEY_PARAMETER": self.host_key_parameter_name,
+                "IDLE_MINUTES": str(config.idle_minutes),
             }
             instance.user_data.add_commands(render_user_data(env))
             cfn_instance = instance.node.default_child
@@ -110,3 +124,20 @@ class GpuNodes(Construct):
             instance.node.add_dependency(file_system.mount_targets_available)
             Tags.of(instance).add(RANK_TAG, str(rank))
             self.instances.append(instance)
+
+        self.idle_alarms: list[cloudwatch.Alarm] = []
+        if config.idle_minutes:
+            minutes = config.idle_minutes + ALARM_GRACE_MINUTES
+            for rank, instance in enumerate(self.instances):
+                alarm = cloudwatch.Alarm(
+                    self, f"IdleAlarm{rank}",
+                    alarm_description=f"{config.node_name(rank)}: CPU below {IDLE_CPU_PERCENT}% for "
+                                      f"{minutes} min; stops the node if the autostop watchdog did not",
+                    metric=cloudwatch.Metric(
+                        namespace="AWS/EC2", metric_name="CPUUtilization", statistic="Maximum",
+                        period=Duration.minutes(5), dimensions_map={"InstanceId": instance.instance_id}),
+                    threshold=IDLE_CPU_PERCENT, evaluation_periods=max(1, minutes // 5),
+                    comparison_operator=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
+                    treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING)
+                alarm.add_alarm_action(cloudwatch_actions.Ec2Action(cloudwatch_actions.Ec2InstanceAction.STOP))
+                self.idle_alarms.append(alarm)

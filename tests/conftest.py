@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DIR = REPO / "assets" / "train"
-for path in (REPO, TRAIN_DIR):
+AUTOSTOP_DIR = REPO / "assets" / "autostop"
+for path in (REPO, TRAIN_DIR, AUTOSTOP_DIR):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -34,3 +38,46 @@ def numbers_data(tmp_path_factory) -> Path:
     prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100",
                   "--vocab", "400"])
     return out
+
+
+# ---------------------------------------------------------------- a moto server (AWS emulator)
+
+ACCOUNT, REGION = "123456789012", "us-east-1"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    port = _free_port()
+    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    # `localhost`, not 127.0.0.1: the CDK CLI's S3 client needs it for the template upload.
+    yield f"http://localhost:{port}"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def aws_env(moto_endpoint):
+    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

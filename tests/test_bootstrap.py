@@ -24,7 +24,7 @@ ENV = {"CLUSTER_NAME": "testcluster", "NODE_RANK": "0", "NODES": "2", "FILE_SYST
        "AWS_REGION": "eu-west-1", "STACK_NAME": "GpuCluster-test", "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
        "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
        "IMAGE_CONTEXT_URL": "s3://cdk-assets/abc.zip", "IMAGE_TAG": "abc123",
-       "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key"}
+       "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key", "IDLE_MINUTES": "45"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,8 +44,9 @@ class Sandbox:
             (root / name).mkdir()
         (root / "fstab").write_text("# original fstab\nUUID=abc / ext4 defaults 0 1\n")
         with zipfile.ZipFile(root / "context.zip", "w") as archive:
-            for path in (REPO / "assets" / "docker").iterdir():
-                archive.write(path, f"docker/{path.name}")
+            for part in ("docker", "autostop"):
+                for path in (REPO / "assets" / part).iterdir():
+                    archive.write(path, f"{part}/{path.name}")
         # The user-data exactly as the stack renders it, with plain values for the tokens.
         (root / "user-data.sh").write_text("#!/bin/bash\n" + render_user_data(ENV))
         self.bin = REPO / "tests" / "standins"
@@ -93,7 +94,7 @@ def test_first_run_mounts_efs_via_fstab_builds_and_starts_the_container_and_sign
     run = [c for c in calls if c.startswith("docker run")]
     assert len(run) == 1
     for flag in ("--gpus all", "--net=host", "--ipc=host", "--restart unless-stopped", "--ulimit memlock=-1",
-                 "--shm-size=16g", "-v /data:/data"):
+                 "--shm-size=16g", "-v /data:/data", "-e IDLE_MINUTES=45", "-e AWS_REGION=eu-west-1"):
         assert flag in run[0]
     signals = [c for c in calls if "signal-resource" in c]
     assert len(signals) == 1 and "--status SUCCESS" in signals[0] and "--logical-resource-id GpuNodesNode0ABC" in signals[0]

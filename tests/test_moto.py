@@ -2,11 +2,7 @@
 inventory find the stack's nodes and outputs. moto lacks placement groups and AWS::EC2::KeyPair in
 CloudFormation, so this deploy uses placement_group=false and an existing key pair; the template
 tests cover both."""
-import json
-import os
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import boto3
@@ -14,49 +10,11 @@ import pytest
 
 from clusterops.inventory import Inventory, InventoryError, from_outputs, stack_outputs_from_aws, \
     stack_outputs_from_file
-from conftest import REPO, tool_env
+from conftest import ACCOUNT, REGION, REPO, tool_env
 
-ACCOUNT, REGION, STACK = "123456789012", "us-east-1", "GpuCluster-gpu-cluster"
+STACK = "GpuCluster-gpu-cluster"
 AMI_PARAMETER = "/test/dlami/ami-id"
 HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-cluster-host"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    port = _free_port()
-    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    # `localhost`, not 127.0.0.1: the CDK CLI's S3 client needs it for the template upload.
-    yield f"http://localhost:{port}"
-    process.terminate()
-    process.wait(timeout=10)
-
-
-@pytest.fixture(scope="session")
-def aws_env(moto_endpoint):
-    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

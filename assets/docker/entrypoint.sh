@@ -32,6 +32,11 @@ chmod 0600 "$RUNTIME_DIR/authorized_keys"
   echo "SetEnv PATH=$PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
 } > "$RUNTIME_DIR/sshd_config"
 
+# The autostop watchdog runs on the head node only (see assets/autostop/autostop.py).
+if [[ ${NODE_RANK:-} == 0 && ${IDLE_MINUTES:-0} != 0 && -f /workspace/autostop/autostop.py ]]; then
+  python /workspace/autostop/autostop.py --data "$DATA_DIR" >> "$DATA_DIR/.cluster/autostop.log" 2>&1 &
+fi
+
 if (($#)); then
   exec "$@"
 fi

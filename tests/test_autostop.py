@@ -1,0 +1,96 @@
+"""The autostop watchdog: its decision on recorded samples, its stop action against a moto server,
+and the template's safety net (CloudWatch alarm) and tag-scoped stop permission."""
+import json
+
+import aws_cdk as cdk
+import boto3
+import pytest
+from aws_cdk.assertions import Match, Template
+
+import autostop
+from autostop import Sample, decide
+from stacks.cluster_stack import GpuClusterStack
+from stacks.config import ClusterConfig
+
+MIN = 60.0
+
+
+def samples(steps, gpus=None, every=MIN):
+    """One sample a minute ending at t = len * every."""
+    gpus = gpus or [None] * len(steps)
+    return [Sample((i + 1) * every, step, gpu) for i, (step, gpu) in enumerate(zip(steps, gpus))]
+
+
+@pytest.mark.parametrize("name, history, idle, stop", [
+    ("steps advancing", samples(list(range(100, 161))), 60, False),
+    ("stuck for the whole window, GPUs idle", samples([500] * 61, [0.0] * 61), 60, True),
+    ("stuck but not for long enough", samples([500] * 30, [0.0] * 30), 60, False),
+    ("stuck step but GPUs busy (a long eval)", samples([500] * 61, [0.0] * 50 + [95.0] + [0.0] * 10), 60, False),
+    ("no run at all on a CPU-only node", samples([None] * 61), 60, True),
+    ("advanced once inside the window", samples([500] * 40 + [501] * 21, [0.0] * 61), 60, False),
+    ("disabled", samples([500] * 200, [0.0] * 200), 0, False),
+])
+def test_decision_on_recorded_samples(name, history, idle, stop):
+    decision = decide(history, idle, now=history[-1].time)
+    assert decision.stop is stop, (name, decision.reason)
+    if stop:
+        assert f"idle for {idle:g} min" in decision.reason
+
+
+def test_latest_step_reads_the_newest_progress_file(tmp_path):
+    assert autostop.latest_step(tmp_path) is None
+    for run, step in (("a", 10), ("b", 20)):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "progress.json").write_text(json.dumps({"step": step}))
+    assert autostop.latest_step(tmp_path) == 20
+
+
+def test_stop_action_stops_only_this_clusters_running_instances(aws_env):
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+
+    def launch(cluster, count):
+        tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}]}]
+        return [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count,
+                                                          InstanceType="g4dn.xlarge", TagSpecifications=tags)["Instances"]]
+    mine, other = launch("autostop-a", 2), launch("autostop-b", 1)
+    assert autostop.stop_cluster(ec2, "autostop-a") == sorted(mine)
+    states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=mine + other)["Reservations"]
+              for i in r["Instances"]}
+    assert {states[i] for i in mine} <= {"stopping", "stopped"} and states[other[0]] == "running"
+    assert autostop.stop_cluster(ec2, "autostop-a") == []  # nothing left running: no second stop call
+
+
+def _template(**context) -> Template:
+    config = ClusterConfig.from_context({"ssh_cidr": "203.0.113.0/24", **context})
+    return Template.from_stack(GpuClusterStack(cdk.App(), "Cluster", config=config))
+
+
+def test_each_node_has_an_idle_alarm_that_stops_it_after_the_watchdog_would_have():
+    template = _template(nodes="3", idle_minutes="45")
+    template.resource_count_is("AWS::CloudWatch::Alarm", 3)
+    template.has_resource_properties("AWS::CloudWatch::Alarm", {
+        "MetricName": "CPUUtilization", "Namespace": "AWS/EC2", "ComparisonOperator": "LessThanThreshold",
+        "Period": 300, "EvaluationPeriods": (45 + 30) // 5,
+        "AlarmActions": [{"Fn::Join": ["", Match.array_with([":ec2:stop"])]}]})
+
+
+def test_the_role_may_stop_only_instances_tagged_with_this_cluster():
+    template = _template(cluster_name="team-a")
+    template.has_resource_properties("AWS::IAM::Policy", {"PolicyDocument": {"Statement": Match.array_with([
+        Match.object_like({"Action": "ec2:StopInstances", "Effect": "Allow",
+                           "Condition": {"StringEquals": {"aws:ResourceTag/gpu-cluster:name": "team-a"}}})])}})
+
+
+def test_idle_minutes_zero_turns_autostop_off():
+    template = _template(idle_minutes="0")
+    template.resource_count_is("AWS::CloudWatch::Alarm", 0)
+    assert "ec2:StopInstances" not in json.dumps(template.to_json())
+
+
+def test_nothing_is_retained_by_default():
+    resources = _template().to_json()["Resources"].values()
+    assert not [r for r in resources if r.get("DeletionPolicy") == "Retain"]
+    retained = [r["Type"] for r in _template(retain_data="true").to_json()["Resources"].values()
+                if r.get("DeletionPolicy") == "Retain"]
+    assert retained == ["AWS::EFS::FileSystem"]
