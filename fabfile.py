@@ -14,7 +14,8 @@ from fabric import task
 from invoke import Collection
 from invoke.exceptions import Exit
 
-from clusterops import launch, localcluster, remote, report
+from clusterops import cost as costs
+from clusterops import launch, localcluster, preflight as checks, remote, report
 from clusterops.inventory import (DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError,
                                   from_outputs, stack_outputs_from_aws, stack_outputs_from_file)
 
@@ -61,6 +62,74 @@ def _run_dir(connection, inv: Inventory, run: str | None) -> str:
     if not latest:
         raise _fail(remote.RemoteError("no runs yet: start one with `fab train`"))
     return latest
+
+
+def _cluster_config(**overrides):
+    """cdk.json's context with the task's overrides, validated like `cdk synth` does."""
+    import json
+    from stacks.config import ClusterConfig, ConfigError
+    context = json.loads(Path("cdk.json").read_text()).get("context", {})
+    try:
+        return ClusterConfig.from_context({**context, **{k: v for k, v in overrides.items() if v is not None}})
+    except ConfigError as error:
+        raise _fail(error) from None
+
+
+@task(help={"nodes": "node count (default: cdk.json)", "instance_type": "instance type (default: cdk.json)",
+            "request_quota": "file the vCPU quota increase through Service Quotas when short",
+            "spot": "check the Spot quota bucket instead of On-Demand"})
+def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False):
+    """Before `cdk deploy`: credentials, region, offering, vCPU quota, a RunInstances dry run, the AMI."""
+    import boto3
+    config = _cluster_config(nodes=nodes, instance_type=instance_type)
+    session = boto3.session.Session()
+    clients = {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")} \
+        if session.region_name else {"sts": session.client("sts", region_name="us-east-1")}
+    found, notes = checks.run_preflight(clients, session.region_name, config.instance_type, config.nodes,
+                                        config.ami_ssm_parameter, request_quota=request_quota, spot=spot)
+    for check in found:
+        print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+    for note in notes:
+        print(note)
+    if not all(check.ok for check in found):
+        raise Exit("error: preflight failed; fix the FAIL lines before `cdk deploy`", code=1)
+
+
+@task(help={"nodes": "node count (default: the inventory, else cdk.json)",
+            "instance_type": "instance type (default: the inventory, else cdk.json)"})
+def cost(c, nodes=None, instance_type=None):
+    """$/hour of the cluster, storage per month, the running job's projection and what was spent."""
+    import boto3
+    inv = Inventory.load(_inventory_path(c)) if _inventory_path(c).exists() else None
+    aws = inv is not None and inv.source == "aws"
+    config = _cluster_config(nodes=nodes or (len(inv.nodes) if aws else None),
+                             instance_type=instance_type or (inv.instance_type if aws else None))
+    session = boto3.session.Session(region_name=(inv.region if aws else None))
+    region = session.region_name or "us-east-1"
+    try:
+        from botocore.config import Config
+        pricing = session.client("pricing", region_name="us-east-1",
+                                 config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}))
+        price = costs.instance_price(pricing, config.instance_type, region)
+    except KeyError as error:
+        raise Exit(f"error: {error.args[0]}", code=1) from None
+    efs_gb = 0.0
+    if aws and DEFAULT_OUTPUTS.exists():
+        _, outputs = stack_outputs_from_file(DEFAULT_OUTPUTS)
+        fs = session.client("efs").describe_file_systems(FileSystemId=outputs["FileSystemId"])["FileSystems"][0]
+        efs_gb = fs["SizeInBytes"]["Value"] / 1e9
+    estimate = costs.Estimate(config.nodes, price, config.root_volume_gb, efs_gb)
+    print("\n".join(estimate.lines()))
+    if aws:
+        ids = [n.instance_id for n in inv.nodes if n.instance_id]
+        reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+        launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
+        print(f"spent since the running nodes started: ${costs.spent(launched, price.usd_per_hour):.2f}")
+    if inv is not None:
+        with _head(inv) as conn:
+            run = remote.active_run(conn, inv)
+            line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour)
+        print(line or "no run going")
 
 
 @task(help={"stack": "stack name (default: the one cluster stack in the outputs file)",
@@ -328,5 +397,5 @@ def local_down(c, name="local"):
 
 
 local = Collection("local", local_up, local_down)
-ns = Collection(inventory, status, check, data, sync, train, logs, stop, tensorboard, monitor,
-                fetch, ssh, local)
+ns = Collection(preflight, cost, inventory, status, check, data, sync, train, logs, stop, tensorboard,
+                monitor, fetch, ssh, local)
