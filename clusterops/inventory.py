@@ -150,8 +150,10 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     try:
         host_key = ssm.get_parameter(Name=outputs["HostKeyParameterName"])["Parameter"]["Value"]
     except ssm.exceptions.ParameterNotFound:
+        host_key = ""
+    if not host_key.startswith("ssh-"):  # the stack's placeholder until node 0 has booted
         raise InventoryError("the nodes have not published their host key yet: wait for "
-                             "`cdk deploy` to finish, then run `fab inventory` again") from None
+                             "`cdk deploy` to finish, then run `fab inventory` again")
     # No public address (private subnet, or an emulator): reach the node on its private one.
     public = [ip if ip and ip != "None" else private[r] for r, ip in enumerate(public)]
     nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r],

@@ -8,7 +8,7 @@ from typing import Optional
 from aws_cdk import (
     Aws, CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
     aws_cloudwatch as cloudwatch, aws_cloudwatch_actions as cloudwatch_actions,
-    aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets,
+    aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets, aws_ssm as ssm,
 )
 from constructs import Construct
 
@@ -21,6 +21,9 @@ RANK_TAG = "gpu-cluster:rank"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
 ALARM_GRACE_MINUTES = 30  # the alarm backs up the head-node watchdog, so it fires later
 IDLE_CPU_PERCENT = 5
+
+
+HOST_KEY_PENDING = "pending: written by node 0 at boot"
 
 
 def host_key_parameter_name(cluster_name: str) -> str:
@@ -48,10 +51,14 @@ class GpuNodes(Construct):
                 "AmazonSSMManagedInstanceCore")])
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["cloudformation:SignalResource"], resources=[stack.stack_id]))
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["ssm:PutParameter"],
-            resources=[stack.format_arn(service="ssm", resource="parameter",
-                                        resource_name=self.host_key_parameter_name.lstrip("/"))]))
+        # Owned by the stack (so `cdk destroy` deletes it); node 0 overwrites the placeholder.
+        self.host_key_parameter = ssm.StringParameter(
+            self, "HostKey", parameter_name=self.host_key_parameter_name, string_value=HOST_KEY_PENDING,
+            description="The cluster's SSH host public key, pinned by the fab tasks")
+        self.host_key_parameter.grant_write(self.role)
+        # Found by its /gpu-cluster/NAME/ path, so untagged: moto 5.2 crashes on SSM parameter tags
+        # in CloudFormation, and the deploy-into-moto test needs this stack.
+        Tags.of(self.host_key_parameter).remove(CLUSTER_TAG, priority=200)
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["s3:GetObject"],
             resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)]))
@@ -94,7 +101,7 @@ class GpuNodes(Construct):
                 role=self.role, key_pair=self.key_pair,
                 placement_group=placement_group,
                 require_imdsv2=True, detailed_monitoring=True,
-                user_data_causes_replacement=True,
+                user_data_causes_replacement=True, propagate_tags_to_volume_on_creation=True,
                 block_devices=[ec2.BlockDevice(
                     device_name="/dev/sda1",
                     volume=ec2.BlockDeviceVolume.ebs(
@@ -121,7 +128,7 @@ class GpuNodes(Construct):
                 resource_signal=CfnResourceSignal(
                     count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M"))
             # Mount targets must exist before the bootstrap mounts /data.
-            instance.node.add_dependency(file_system.mount_targets_available)
+            instance.node.add_dependency(file_system.mount_targets_available, self.host_key_parameter)
             Tags.of(instance).add(RANK_TAG, str(rank))
             self.instances.append(instance)
 
