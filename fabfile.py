@@ -14,6 +14,7 @@ from fabric import task
 from invoke import Collection
 from invoke.exceptions import Exit
 
+from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import launch, localcluster, preflight as checks, remote, report
 from clusterops.inventory import (DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError,
@@ -130,6 +131,34 @@ def cost(c, nodes=None, instance_type=None):
             run = remote.active_run(conn, inv)
             line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour)
         print(line or "no run going")
+
+
+@task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)",
+            "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)"})
+def audit(c, cluster=None, delete=False, yes=False):
+    """Anything still tagged with the cluster, with its monthly cost; --delete removes it."""
+    import boto3
+    inv = Inventory.load(_inventory_path(c)) if _inventory_path(c).exists() else None
+    name = cluster or (inv.cluster if inv and inv.source == "aws" else _cluster_config().cluster_name)
+    session = boto3.session.Session(region_name=inv.region if inv and inv.region else None)
+    if not session.region_name:
+        raise Exit("error: no AWS region: set AWS_REGION or `aws configure`", code=1)
+    clients = {k: session.client(k) for k in ("ec2", "efs", "ssm", "logs", "cloudwatch")}
+    leftovers = audits.find(clients, name)
+    if not leftovers:
+        print(f"nothing tagged gpu-cluster:name={name} in {session.region_name}")
+        return
+    rows = [{"kind": x.kind, "id": x.id, "detail": x.detail, "usd_per_month": f"{x.usd_per_month:.2f}"}
+            for x in leftovers]
+    print(report.table(rows, ["kind", "id", "detail", "usd_per_month"]))
+    print(f"total: ${sum(x.usd_per_month for x in leftovers):.2f}/month in {session.region_name}")
+    if not delete:
+        return
+    if not yes and input(f"delete these {len(leftovers)} resources? type {name} to confirm: ").strip() != name:
+        raise Exit("nothing deleted", code=1)
+    failed = audits.delete(clients, leftovers)
+    if failed:
+        raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
 
 
 @task(help={"stack": "stack name (default: the one cluster stack in the outputs file)",
@@ -397,5 +426,5 @@ def local_down(c, name="local"):
 
 
 local = Collection("local", local_up, local_down)
-ns = Collection(preflight, cost, inventory, status, check, data, sync, train, logs, stop, tensorboard,
+ns = Collection(preflight, cost, audit, inventory, status, check, data, sync, train, logs, stop, tensorboard,
                 monitor, fetch, ssh, local)
