@@ -18,7 +18,8 @@ from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import launch, localcluster, preflight as checks, remote, report
 from clusterops.inventory import (DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError,
-                                  from_outputs, stack_outputs_from_aws, stack_outputs_from_file)
+                                  from_outputs, stack_outputs_from_aws, stack_outputs_from_file,
+                                  start_and_refresh)
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
 
@@ -131,6 +132,19 @@ def cost(c, nodes=None, instance_type=None):
             run = remote.active_run(conn, inv)
             line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour)
         print(line or "no run going")
+
+
+@task
+def start(c):
+    """Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
+    import boto3
+    inv = _inventory(c)
+    try:
+        fresh = start_and_refresh(inv, boto3.session.Session(region_name=inv.region).client("ec2"))
+    except ERRORS as error:
+        raise _fail(error) from None
+    fresh.save(_inventory_path(c))
+    print(f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready")
 
 
 @task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)",
@@ -277,10 +291,11 @@ def sync(c, source="assets/train"):
             "nodes": "use the first K nodes", "dataset": "data set under /data/datasets",
             "follow": "stream the log until the run ends", "extra": "more train.py arguments, quoted",
             "stall_minutes": "watchdog: end the run after this long without progress (fabric.yaml: 10)",
-            "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)"})
+            "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)",
+            "then_stop": "stop the cluster's instances as soon as the run ends (fab start brings them back)"})
 def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=None,
           grad_compression=None, nodes=None, dataset=None, follow=False, extra="", stall_minutes=None,
-          master_port=None):
+          master_port=None, then_stop=False):
     """Start mpirun across the nodes, detached on the head node, with a watchdog."""
     inv = _inventory(c)
     settings = _settings(c)
@@ -289,7 +304,8 @@ def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=No
         batch_per_gpu=int(batch_per_gpu) if batch_per_gpu else None, precision=precision,
         grad_compression=grad_compression, nodes=int(nodes) if nodes else None, dataset=dataset,
         stall_minutes=float(stall_minutes or settings["stall_minutes"]),
-        master_port=int(master_port or settings["master_port"]), extra_args=tuple(shlex.split(extra)))
+        master_port=int(master_port or settings["master_port"]), then_stop=then_stop,
+        extra_args=tuple(shlex.split(extra)))
     try:
         request.validate()
         code_dir = _code_dir(c, inv)
@@ -426,5 +442,5 @@ def local_down(c, name="local"):
 
 
 local = Collection("local", local_up, local_down)
-ns = Collection(preflight, cost, audit, inventory, status, check, data, sync, train, logs, stop, tensorboard,
+ns = Collection(preflight, cost, audit, start, inventory, status, check, data, sync, train, logs, stop, tensorboard,
                 monitor, fetch, ssh, local)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -166,3 +166,28 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
         ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts)),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
         stack_name=stack_name)
+
+
+def start_and_refresh(inventory: Inventory, ec2, wait: bool = True) -> Inventory:
+    """Start the inventory's stopped instances, wait until they run, and return the inventory with
+    their new addresses (a stopped instance gets a new public IP), the host key re-pinned."""
+    if inventory.source != "aws":
+        raise InventoryError("fab start is for AWS clusters; the emulated one restarts with `fab local.up`")
+    ids = [n.instance_id for n in inventory.nodes if n.instance_id]
+    stopped = [i["InstanceId"] for r in ec2.describe_instances(InstanceIds=ids)["Reservations"]
+               for i in r["Instances"] if i["State"]["Name"] in ("stopped", "stopping")]
+    if stopped:
+        ec2.start_instances(InstanceIds=stopped)
+    if wait:
+        ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": 5, "MaxAttempts": 120})
+    described = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"]
+                 for i in r["Instances"]}
+    nodes = []
+    for node in inventory.nodes:
+        instance = described[node.instance_id]
+        private = instance.get("PrivateIpAddress", node.private_ip)
+        nodes.append(replace(node, private_ip=private, public_ip=instance.get("PublicIpAddress") or private))
+    known_hosts = Path(inventory.ssh.known_hosts)
+    host_key = known_hosts.read_text().split("\n", 1)[0].split(" ", 1)[1]
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=inventory.ssh.port)
+    return replace(inventory, nodes=nodes)

@@ -1,8 +1,10 @@
 """Pure functions that build what `fab train` sends to the head node: hostfile, mpirun line, env."""
 from __future__ import annotations
 
+import posixpath
 import re
 import shlex
+from urllib.parse import urlsplit, urlunsplit
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -32,6 +34,7 @@ class TrainRequest:
     dataset: Optional[str] = None
     master_port: int = 29500
     stall_minutes: float = 10.0
+    then_stop: bool = False
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     @property
@@ -121,13 +124,34 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
     return argv + list(request.extra_args)
 
 
-def launch_env(inventory: Inventory, request: TrainRequest) -> str:
+EMULATOR_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+
+
+def emulator_env(inventory: Inventory, environ: dict) -> dict:
+    """For an emulated cluster driven against an AWS emulator (AWS_ENDPOINT_URL set): the same
+    endpoint, seen from inside the nodes (localhost there is the node itself). Empty otherwise:
+    real nodes use their instance role, and no credential is ever written to /data."""
+    endpoint = environ.get("AWS_ENDPOINT_URL")
+    if inventory.source != "local" or not endpoint:
+        return {}
+    parts = urlsplit(endpoint)
+    if parts.hostname in ("localhost", "127.0.0.1") and inventory.extra.get("controller_ip"):
+        port = f":{parts.port}" if parts.port else ""
+        endpoint = urlunsplit(parts._replace(netloc=f"{inventory.extra['controller_ip']}{port}"))
+    return {k: (endpoint if k == "AWS_ENDPOINT_URL" else environ[k]) for k in EMULATOR_VARIABLES if k in environ}
+
+
+def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[dict] = None) -> str:
     nodes = inventory.select(request.nodes)
     values = {"HOSTS": " ".join(n.private_ip for n in nodes),
               "SSH_CONFIG": inventory.cluster_ssh_config,
               "ACTIVE_FILE": active_file(inventory),
               "STALL_SECONDS": str(int(request.stall_minutes * 60)),
               "POLL_SECONDS": "5"}
+    if request.then_stop:
+        values.update(THEN_STOP="1", CLUSTER_NAME=inventory.cluster, PYTHON=inventory.python,
+                      AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
+                      **emulator_env(inventory, environ or {}))
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
 
 

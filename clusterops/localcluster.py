@@ -215,7 +215,7 @@ def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
         ssh=SshSettings(user="root", port=4444, key_file=str(controller / "id_ed25519"),
                         known_hosts=str(known_hosts)),
         python=sys.executable, code_dir=str(REPO / "assets" / "train"), data_dir=spec.data_dir,
-        instance_type="local", local_state=str(state))
+        instance_type="local", local_state=str(state), extra={"controller_ip": spec.bridge_ip})
     inventory.save(inventory_path)
     return inventory
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -186,7 +187,7 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     sh(connection, f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/FORCED')} "
                    f"{q(rdir + '/run-status.json')}")
     write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
-    write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request))
+    write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ)))
     argv = launch.mpirun_argv(inventory, request, interface, code_dir)
     write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
     write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)

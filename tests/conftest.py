@@ -54,7 +54,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def moto_endpoint():
     port = _free_port()
-    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+    # All addresses of this machine: the emulated cluster's nodes reach it through their bridge.
+    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

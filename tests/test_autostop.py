@@ -94,3 +94,27 @@ def test_nothing_is_retained_by_default():
     retained = [r["Type"] for r in _template(retain_data="true").to_json()["Resources"].values()
                 if r.get("DeletionPolicy") == "Retain"]
     assert retained == ["AWS::EFS::FileSystem"]
+
+
+def test_fab_start_brings_stopped_nodes_back_and_refreshes_the_inventory(aws_env, tmp_path):
+    import subprocess
+    from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
+    from conftest import REPO, tool_env
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2,
+                                                      InstanceType="g4dn.xlarge")["Instances"]]
+    ec2.stop_instances(InstanceIds=ids)
+    known = tmp_path / "known_hosts"
+    write_known_hosts(known, ["198.51.100.1", "198.51.100.2"], "ssh-ed25519 AAAAHOSTKEY", 4444)
+    Inventory(cluster="c", source="aws", gpus_per_node=1, region="us-east-1",
+              nodes=[Node(r, f"node{r}", f"198.51.100.{r + 1}", "10.0.0.9", ids[r]) for r in range(2)],
+              ssh=SshSettings("root", 4444, str(tmp_path / "k"), str(known))).save(tmp_path / "inventory.json")
+    result = subprocess.run(["fab", "start"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), **aws_env))
+    assert result.returncode == 0, result.stderr
+    states = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+    assert {i["State"]["Name"] for i in states.values()} == {"running"}
+    fresh = Inventory.load(tmp_path / "inventory.json")
+    assert [n.private_ip for n in fresh.nodes] == [states[i]["PrivateIpAddress"] for i in ids]
+    assert known.read_text().splitlines() == [f"[{n.public_ip}]:4444 ssh-ed25519 AAAAHOSTKEY" for n in fresh.nodes]

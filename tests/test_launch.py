@@ -100,3 +100,21 @@ def test_known_hosts_pins_each_node_exactly(tmp_path):
     path = tmp_path / "known_hosts"
     write_known_hosts(path, ["10.0.0.1", "10.0.0.2"], "ssh-ed25519 AAAAkey comment\n", 4444)
     assert path.read_text() == "[10.0.0.1]:4444 ssh-ed25519 AAAAkey\n[10.0.0.2]:4444 ssh-ed25519 AAAAkey\n"
+
+
+def test_then_stop_env_names_the_cluster_and_the_watchdog_next_to_the_program():
+    env = launch.launch_env(inventory(), launch.TrainRequest(then_stop=True), {"AWS_SECRET_ACCESS_KEY": "real"})
+    assert "THEN_STOP=1\n" in env and "CLUSTER_NAME=c\n" in env
+    assert "AUTOSTOP=/workspace/autostop/autostop.py\n" in env
+    assert "AWS_" not in env  # real nodes use their instance role; nothing secret goes to /data
+    assert "THEN_STOP" not in launch.launch_env(inventory(), launch.TrainRequest())
+
+
+def test_an_emulated_cluster_reaches_an_emulator_endpoint_through_its_bridge():
+    local = Inventory(cluster="l", source="local", gpus_per_node=1, nodes=inventory().nodes, ssh=inventory().ssh,
+                      extra={"controller_ip": "10.213.0.1"})
+    environ = {"AWS_ENDPOINT_URL": "http://localhost:5000", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    assert launch.emulator_env(local, environ)["AWS_ENDPOINT_URL"] == "http://10.213.0.1:5000"
+    assert launch.emulator_env(local, {"AWS_SECRET_ACCESS_KEY": "real"}) == {}  # no emulator: nothing
+    assert launch.emulator_env(inventory(), environ) == {}

@@ -27,9 +27,9 @@ class Cluster:
         self.env = tool_env(GPU_CLUSTER_INVENTORY=str(self.inventory))
         self.shared = localcluster.STATE_ROOT / name / "shared"
 
-    def fab(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-        result = subprocess.run(["fab", *args], cwd=REPO, env=self.env, capture_output=True, text=True,
-                                timeout=timeout)
+    def fab(self, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+        result = subprocess.run(["fab", *args], cwd=REPO, env={**self.env, **(env or {})}, capture_output=True,
+                                text=True, timeout=timeout)
         if check:
             assert result.returncode == 0, f"fab {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         return result
@@ -299,3 +299,19 @@ def test_force_stop_kills_the_run_on_every_node(pair):
     while any(pair.processes(r, r"[t]rain\.py|orted|mpirun") for r in range(2)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(pair.processes(r, r"[t]rain\.py|orted|mpirun") for r in range(2))
+
+
+def test_then_stop_sends_the_stop_request_when_the_run_ends(pair, aws_env):
+    import boto3
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": "tf"}]}]
+    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2, InstanceType="g4dn.xlarge",
+                                                      TagSpecifications=tags)["Instances"]]
+    out = pair.fab("train", "--run", "thenstop", "--steps", "10", "--then-stop", "--follow", "--extra", QUICK,
+                   env=aws_env).stdout
+    assert "run ended at step 10" in out
+    log = (pair.run_dir("thenstop") / "train.log").read_text()
+    assert f"autostop: run ended; stopping {sorted(ids)}" in log
+    states = {i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+    assert states <= {"stopping", "stopped"}

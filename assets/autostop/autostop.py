@@ -92,8 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="/data")
     parser.add_argument("--interval", type=float, default=60.0)
+    parser.add_argument("--stop-now", action="store_true", help="stop the cluster now (fab train --then-stop)")
     args = parser.parse_args(argv)
     cluster, idle = os.environ.get("CLUSTER_NAME"), float(os.environ.get("IDLE_MINUTES", "0"))
+    if args.stop_now:
+        if not cluster:
+            print("autostop: CLUSTER_NAME is not set; nothing stopped", file=sys.stderr)
+            return 2
+        import boto3
+        print(f"autostop: run ended; stopping {stop_cluster(boto3.client('ec2'), cluster)}", flush=True)
+        return 0
     if not cluster or idle <= 0:
         print("autostop: off (CLUSTER_NAME unset or IDLE_MINUTES=0)", flush=True)
         return 0
