@@ -28,6 +28,18 @@ def _fail(error: Exception) -> Exit:
     return Exit(f"error: {error}", code=1)
 
 
+def _aws_session(region=None):
+    """A boto3 session, or one actionable line when the AWS configuration is broken."""
+    import boto3
+    from botocore.exceptions import BotoCoreError
+    try:
+        session = boto3.session.Session(region_name=region)
+        session.get_credentials()
+        return session
+    except BotoCoreError as error:
+        raise Exit(f"error: AWS configuration: {error} (check AWS_PROFILE / `aws configure`)", code=1) from None
+
+
 def _settings(c) -> dict:
     """fabric.yaml's gpu_cluster section, with the built-in defaults under it."""
     defaults = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
@@ -82,9 +94,8 @@ def _cluster_config(**overrides):
             "spot": "check the Spot quota bucket instead of On-Demand"})
 def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False):
     """Before `cdk deploy`: credentials, region, offering, vCPU quota, a RunInstances dry run, the AMI."""
-    import boto3
     config = _cluster_config(nodes=nodes, instance_type=instance_type)
-    session = boto3.session.Session()
+    session = _aws_session()
     clients = {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")} \
         if session.region_name else {"sts": session.client("sts", region_name="us-east-1")}
     found, notes = checks.run_preflight(clients, session.region_name, config.instance_type, config.nodes,
@@ -101,12 +112,11 @@ def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False
             "instance_type": "instance type (default: the inventory, else cdk.json)"})
 def cost(c, nodes=None, instance_type=None):
     """$/hour of the cluster, storage per month, the running job's projection and what was spent."""
-    import boto3
     inv = Inventory.load(_inventory_path(c)) if _inventory_path(c).exists() else None
     aws = inv is not None and inv.source == "aws"
     config = _cluster_config(nodes=nodes or (len(inv.nodes) if aws else None),
                              instance_type=instance_type or (inv.instance_type if aws else None))
-    session = boto3.session.Session(region_name=(inv.region if aws else None))
+    session = _aws_session(inv.region if aws else None)
     region = session.region_name or "us-east-1"
     try:
         from botocore.config import Config
@@ -137,10 +147,9 @@ def cost(c, nodes=None, instance_type=None):
 @task
 def start(c):
     """Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
-    import boto3
     inv = _inventory(c)
     try:
-        fresh = start_and_refresh(inv, boto3.session.Session(region_name=inv.region).client("ec2"))
+        fresh = start_and_refresh(inv, _aws_session(inv.region).client("ec2"))
     except ERRORS as error:
         raise _fail(error) from None
     fresh.save(_inventory_path(c))
@@ -151,10 +160,9 @@ def start(c):
             "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)"})
 def audit(c, cluster=None, delete=False, yes=False):
     """Anything still tagged with the cluster, with its monthly cost; --delete removes it."""
-    import boto3
     inv = Inventory.load(_inventory_path(c)) if _inventory_path(c).exists() else None
     name = cluster or (inv.cluster if inv and inv.source == "aws" else _cluster_config().cluster_name)
-    session = boto3.session.Session(region_name=inv.region if inv and inv.region else None)
+    session = _aws_session(inv.region if inv and inv.region else None)
     if not session.region_name:
         raise Exit("error: no AWS region: set AWS_REGION or `aws configure`", code=1)
     clients = {k: session.client(k) for k in ("ec2", "efs", "ssm", "logs", "cloudwatch")}
@@ -181,18 +189,17 @@ def audit(c, cluster=None, delete=False, yes=False):
             "key_file": "private key of your own key pair (when deployed with -c key_name=...)"})
 def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
     """Build .cluster/inventory.json from the deploy outputs; fetch the SSH key and host key once."""
-    import boto3
     try:
         if from_aws:
             if not stack:
                 raise InventoryError("--from-aws needs --stack NAME")
-            session = boto3.session.Session()
+            session = _aws_session()
             name, outs = stack, stack_outputs_from_aws(stack, session)
         else:
             name, outs = stack_outputs_from_file(Path(outputs))
             if stack and stack != name:
                 raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
-            session = boto3.session.Session(region_name=outs.get("Region"))
+            session = _aws_session(outs.get("Region"))
         target = _inventory_path(c)
         inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
     except ERRORS as error:
@@ -314,13 +321,28 @@ def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=No
             print(f"started {request.run_name} in {rdir} on {len(inv.select(request.nodes))} node(s) "
                   f"({code_dir})")
             if follow:
-                _follow(conn, rdir, log_offset)
+                _follow(conn, rdir, log_offset, _projector(inv))
     except ERRORS as error:
         raise _fail(error) from None
 
 
-def _follow(conn, rdir: str, offset: int = 0) -> None:
-    status_ = remote.follow_log(conn, rdir, offset=offset)
+def _projector(inv: Inventory):
+    """On AWS: print once what the run will cost, as soon as its step time is known."""
+    if inv.source != "aws":
+        return None
+    price = costs.instance_price(None, inv.instance_type, inv.region or "us-east-1").usd_per_hour * len(inv.nodes)
+    printed = []
+
+    def on_progress(progress: dict) -> None:
+        line = not printed and costs.projection(progress, price)
+        if line:
+            print(f"cost: {line}", flush=True)
+            printed.append(line)
+    return on_progress
+
+
+def _follow(conn, rdir: str, offset: int = 0, on_progress=None) -> None:
+    status_ = remote.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
     state = remote.run_state(conn, rdir)
     print(report.run_line(rdir, state))
     for line in report.summary_lines(state["summary"]):

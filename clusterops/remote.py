@@ -203,13 +203,16 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
 
 
 def follow_log(connection: Connection, run_dir: str, out=sys.stdout, poll: float = 1.0,
-               timeout: Optional[float] = None, follow: bool = True, offset: int = 0) -> dict:
+               timeout: Optional[float] = None, follow: bool = True, offset: int = 0,
+               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
     """Print train.log from byte `offset` as it grows until the run is no longer running;
-    return the run status."""
+    return the run status. on_progress(progress.json) is called on each poll while following."""
     deadline = (time.monotonic() + timeout) if timeout else None
     log = f"{run_dir}/train.log"
     while True:
         status = read_json(connection, f"{run_dir}/run-status.json") or {}
+        if on_progress and follow:
+            on_progress(read_json(connection, f"{run_dir}/progress.json") or {})
         chunk = sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
         if chunk:
             out.write(chunk)

@@ -138,3 +138,30 @@ def test_estimate_projection_and_spend():
     assert cost.projection({"step": 5, "max_steps": 10}, 3.0) is None
     now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
     assert cost.spent([now - timedelta(hours=2), now - timedelta(hours=1)], 0.752, now) == pytest.approx(3 * 0.752)
+
+
+def test_fab_cost_without_the_pricing_api_uses_the_marked_offline_table(tmp_path):
+    import subprocess
+    from conftest import REPO, tool_env
+    result = subprocess.run(["fab", "cost", "--nodes", "4", "--instance-type", "g5.xlarge"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"), AWS_ACCESS_KEY_ID="",
+                                         AWS_SECRET_ACCESS_KEY="", AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+                                         AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials")))
+    assert result.returncode == 0, result.stderr
+    assert "cluster: 4 x $1.006/h = $4.02/hour" in result.stdout and "[offline table of " in result.stdout
+    assert "EBS root volumes: 4 x 200 GB gp3 = $64.00/month" in result.stdout
+    bad = subprocess.run(["fab", "cost", "--instance-type", "m5.large"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")))
+    assert bad.returncode == 1 and "invalid config instance_type='m5.large'" in bad.stderr
+
+
+def test_a_broken_aws_profile_is_one_line(tmp_path):
+    import subprocess
+    from conftest import REPO, tool_env
+    result = subprocess.run(["fab", "preflight"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=tool_env(AWS_PROFILE="no-such-profile", AWS_CONFIG_FILE=str(tmp_path / "none")))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: AWS configuration: The config profile (no-such-profile) could not be found "
+        "(check AWS_PROFILE / `aws configure`)"]
