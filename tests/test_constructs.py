@@ -9,7 +9,6 @@ from aws_cdk.assertions import Match, Template
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig
 from stacks.network import ClusterNetwork
-from stacks.nodes import GpuNodes
 from stacks.storage import SharedStorage
 
 SSH_CIDR = "203.0.113.0/24"

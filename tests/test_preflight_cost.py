@@ -5,7 +5,6 @@ from datetime import datetime, timedelta, timezone
 
 import boto3
 import pytest
-from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 
 from clusterops import cost, preflight

@@ -56,7 +56,7 @@ def test_eval_images_are_centre_cropped_and_normalised(image_folder):
 
 
 def test_small_resnet_learns_the_folder_on_two_ranks(image_folder, tmp_path):
-    result = train(image_folder, tmp_path, "--recipe", "resnet-small", "--max-steps", "40", "--batch-per-gpu", "16",
+    train(image_folder, tmp_path, "--recipe", "resnet-small", "--max-steps", "40", "--batch-per-gpu", "16",
                    "--warmup-steps", "5", "--eval-every", "40", "--eval-samples", "48", "--log-every", "10",
                    procs=2)
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -1,0 +1,1 @@
+"""The fab tasks beyond fabfile.py's own: see fabfile.py for the collection."""

@@ -1,0 +1,77 @@
+"""Helpers shared by the fab tasks: settings, inventory, connections, one-line errors."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from invoke.exceptions import Exit
+
+from clusterops import launch, localcluster, remote
+from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
+
+ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
+
+
+def fail(error: Exception) -> Exit:
+    return Exit(f"error: {error}", code=1)
+
+
+def aws_session(region=None):
+    """A boto3 session, or one actionable line when the AWS configuration is broken."""
+    import boto3
+    from botocore.exceptions import BotoCoreError
+    try:
+        session = boto3.session.Session(region_name=region)
+        session.get_credentials()
+        return session
+    except BotoCoreError as error:
+        raise Exit(f"error: AWS configuration: {error} (check AWS_PROFILE / `aws configure`)", code=1) from None
+
+
+def settings(c) -> dict:
+    """fabric.yaml's gpu_cluster section, with the built-in defaults under it."""
+    defaults = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
+                "stall_minutes": 10}
+    return {**defaults, **dict(c.config.get("gpu_cluster", {}))}
+
+
+def inventory_path(c) -> Path:
+    return Path(os.environ.get("GPU_CLUSTER_INVENTORY") or settings(c)["inventory"])
+
+
+def load_inventory(c) -> Inventory:
+    path = inventory_path(c)
+    if not path.exists() and DEFAULT_OUTPUTS.exists():
+        raise fail(InventoryError(f"{DEFAULT_OUTPUTS} exists but no inventory: run `fab inventory`"))
+    if path.exists() and DEFAULT_OUTPUTS.exists() \
+            and DEFAULT_OUTPUTS.stat().st_mtime > path.stat().st_mtime \
+            and Inventory.load(path).source == "aws":
+        raise fail(InventoryError("the inventory is older than the last deploy: run `fab inventory`"))
+    try:
+        return Inventory.load(path)
+    except InventoryError as error:
+        raise fail(error) from None
+
+
+def head(inv: Inventory):
+    return remote.connect(inv, inv.head)
+
+
+def run_dir(connection, inv: Inventory, run: str | None) -> str:
+    if run:
+        return launch.run_dir(inv, run)
+    latest = remote.active_run(connection, inv) or remote.latest_run(connection, inv)
+    if not latest:
+        raise fail(remote.RemoteError("no runs yet: start one with `fab train`"))
+    return latest
+
+
+def cluster_config(**overrides):
+    """cdk.json's context with the task's overrides, validated like `cdk synth` does."""
+    import json
+    from stacks.config import ClusterConfig, ConfigError
+    context = json.loads(Path("cdk.json").read_text()).get("context", {})
+    try:
+        return ClusterConfig.from_context({**context, **{k: v for k, v in overrides.items() if v is not None}})
+    except ConfigError as error:
+        raise fail(error) from None
