@@ -238,7 +238,7 @@ def fetch(c, run=None, dest="runs"):
     print(f"fetched {len(files)} file(s) into {target}/")
 
 
-@task(positional=["node"], help={"node": "rank of the node (default 0, the head)"})
+@task(help={"node": "rank of the node (default 0, the head)"})
 def ssh(c, node=0):
     """An interactive shell in a node's training container."""
     inv = load_inventory(c)

@@ -112,11 +112,15 @@ def audit(c, cluster=None, delete=False, yes=False):
 
 @task(help={"stack": "stack name (default: the one cluster stack in the outputs file)",
             "outputs": f"cdk outputs file (default {DEFAULT_OUTPUTS})",
-            "from_aws": "describe the stack with boto3 instead of reading the outputs file",
+            "from_aws": "describe the stack with boto3 instead of reading the outputs file "
+                        "(also the fallback when the outputs file is missing and --stack is given)",
             "key_file": "private key of your own key pair (when deployed with -c key_name=...)"})
 def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
     """Build .cluster/inventory.json from the deploy outputs; fetch the SSH key and host key once."""
     try:
+        if not from_aws and not Path(outputs).exists() and stack:
+            print(f"no {outputs}: describing stack {stack} instead")
+            from_aws = True
         if from_aws:
             if not stack:
                 raise InventoryError("--from-aws needs --stack NAME")

@@ -118,3 +118,24 @@ def test_fab_start_brings_stopped_nodes_back_and_refreshes_the_inventory(aws_env
     fresh = Inventory.load(tmp_path / "inventory.json")
     assert [n.private_ip for n in fresh.nodes] == [states[i]["PrivateIpAddress"] for i in ids]
     assert known.read_text().splitlines() == [f"[{n.public_ip}]:4444 ssh-ed25519 AAAAHOSTKEY" for n in fresh.nodes]
+
+
+def test_the_watchdog_loop_stops_an_idle_cluster_by_itself(aws_env, tmp_path):
+    import subprocess
+    import sys
+    from conftest import AUTOSTOP_DIR, tool_env
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": "idle-loop"}]}]
+    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2, InstanceType="g4dn.xlarge",
+                                                      TagSpecifications=tags)["Instances"]]
+    (tmp_path / ".cluster").mkdir()
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "progress.json").write_text(json.dumps({"step": 120}))
+    result = subprocess.run([sys.executable, str(AUTOSTOP_DIR / "autostop.py"), "--data", str(tmp_path),
+                             "--interval", "0.2"], capture_output=True, text=True, timeout=60,
+                            env=tool_env(CLUSTER_NAME="idle-loop", IDLE_MINUTES="0.02", **aws_env))
+    assert result.returncode == 0, result.stderr
+    assert "idle for 0.02 min: step stuck at 120" in (tmp_path / ".cluster" / "autostop.log").read_text()
+    states = {i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+    assert states <= {"stopping", "stopped"}

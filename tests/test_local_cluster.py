@@ -165,6 +165,25 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
     assert not (cluster.shared / "runs" / "nope").exists()
 
 
+def test_sync_ships_an_edited_program_that_train_then_uses(cluster, tmp_path):
+    import shutil
+    program = tmp_path / "train"
+    shutil.copytree(TRAIN_DIR, program, ignore=shutil.ignore_patterns("__pycache__"))
+    trainer = program / "trainer.py"
+    trainer.write_text(trainer.read_text().replace('"starting a new run in', '"edited program: starting a new run in'))
+    assert "synced" in cluster.fab("sync", "--source", str(program)).stdout
+    out = cluster.fab("train", "--run", "synced", "--steps", "3", "--follow", "--extra", QUICK).stdout
+    assert "(/data/code/train)" in out and "edited program: starting a new run" in out
+    shutil.rmtree(cluster.shared / "code")  # the other tests use the checkout's program
+
+
+def test_ssh_opens_a_shell_in_the_chosen_node(cluster):
+    last = cluster.nodes - 1
+    result = subprocess.run(["fab", "ssh", "--node", str(last)], cwd=REPO, env=cluster.env, input="hostname\n",
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == f"node{last}", result.stderr
+
+
 def test_monitor_samples_network_and_load_per_node(cluster):
     out = cluster.fab("monitor", "--interval", "0.5", "--count", "2").stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"node\d", line)]

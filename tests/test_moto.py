@@ -119,6 +119,11 @@ def test_fab_inventory_task_writes_the_inventory(deployed, tmp_path, aws_env):
     assert result.returncode == 0, result.stderr
     inventory = Inventory.load(target)
     assert inventory.source == "aws" and len(inventory.nodes) == 2 and inventory.stack_name == STACK
+    fallback = subprocess.run(["fab", "inventory", "--stack", STACK, "--outputs", str(tmp_path / "nope.json"),
+                               "--key-file", str(key_file)], cwd=REPO, capture_output=True, text=True,
+                              env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "fallback.json"), **aws_env), timeout=60)
+    assert fallback.returncode == 0 and "describing stack" in fallback.stdout, fallback.stderr
+    assert Inventory.load(tmp_path / "fallback.json").nodes == inventory.nodes
     missing = subprocess.run(["fab", "inventory", "--outputs", str(tmp_path / "nope.json")], cwd=REPO,
                              capture_output=True, text=True, env=tool_env(**aws_env), timeout=60)
     assert missing.returncode == 1
