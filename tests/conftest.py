@@ -82,3 +82,14 @@ def aws_env(moto_endpoint):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def moto_instances(count: int, cluster: str | None = None, instance_type: str = "g4dn.xlarge") -> list[str]:
+    """Launch instances in the moto server (optionally tagged as a cluster's); returns their ids."""
+    import boto3
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}]}] if cluster else []
+    launched = ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type,
+                                 TagSpecifications=tags)["Instances"]
+    return [i["InstanceId"] for i in launched]

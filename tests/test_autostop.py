@@ -10,6 +10,7 @@ from aws_cdk.assertions import Match, Template
 import autostop
 from autostop import Sample, decide
 from stacks.cluster_stack import GpuClusterStack
+from conftest import moto_instances
 from stacks.config import ClusterConfig
 
 MIN = 60.0
@@ -47,13 +48,7 @@ def test_latest_step_reads_the_newest_progress_file(tmp_path):
 
 def test_stop_action_stops_only_this_clusters_running_instances(aws_env):
     ec2 = boto3.client("ec2")
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-
-    def launch(cluster, count):
-        tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}]}]
-        return [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count,
-                                                          InstanceType="g4dn.xlarge", TagSpecifications=tags)["Instances"]]
-    mine, other = launch("autostop-a", 2), launch("autostop-b", 1)
+    mine, other = moto_instances(2, "autostop-a"), moto_instances(1, "autostop-b")
     assert autostop.stop_cluster(ec2, "autostop-a") == sorted(mine)
     states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=mine + other)["Reservations"]
               for i in r["Instances"]}
@@ -101,9 +96,7 @@ def test_fab_start_brings_stopped_nodes_back_and_refreshes_the_inventory(aws_env
     from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
     from conftest import REPO, tool_env
     ec2 = boto3.client("ec2")
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2,
-                                                      InstanceType="g4dn.xlarge")["Instances"]]
+    ids = moto_instances(2)
     ec2.stop_instances(InstanceIds=ids)
     known = tmp_path / "known_hosts"
     write_known_hosts(known, ["198.51.100.1", "198.51.100.2"], "ssh-ed25519 AAAAHOSTKEY", 4444)
@@ -125,10 +118,7 @@ def test_the_watchdog_loop_stops_an_idle_cluster_by_itself(aws_env, tmp_path):
     import sys
     from conftest import AUTOSTOP_DIR, tool_env
     ec2 = boto3.client("ec2")
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": "idle-loop"}]}]
-    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2, InstanceType="g4dn.xlarge",
-                                                      TagSpecifications=tags)["Instances"]]
+    ids = moto_instances(2, "idle-loop")
     (tmp_path / ".cluster").mkdir()
     (tmp_path / "runs" / "r").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "progress.json").write_text(json.dumps({"step": 120}))

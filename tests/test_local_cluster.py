@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from clusterops import localcluster
-from conftest import REPO, TRAIN_DIR, tool_env
+from conftest import REPO, TRAIN_DIR, moto_instances, tool_env
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
@@ -323,10 +323,7 @@ def test_force_stop_kills_the_run_on_every_node(pair):
 def test_then_stop_sends_the_stop_request_when_the_run_ends(pair, aws_env):
     import boto3
     ec2 = boto3.client("ec2")
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": "tf"}]}]
-    ids = [i["InstanceId"] for i in ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2, InstanceType="g4dn.xlarge",
-                                                      TagSpecifications=tags)["Instances"]]
+    ids = moto_instances(2, "tf")
     out = pair.fab("train", "--run", "thenstop", "--steps", "10", "--then-stop", "--follow", "--extra", QUICK,
                    env=aws_env).stdout
     assert "run ended at step 10" in out

@@ -58,11 +58,11 @@ def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instan
 
 
 def test_running_instances_of_the_same_bucket_count_and_others_do_not(aws_env):
+    from conftest import moto_instances
     ec2 = boto3.client("ec2")
-    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     before = preflight.running_vcpus(ec2, "g4dn.2xlarge")
-    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="g5.xlarge")   # 4 vCPUs, G bucket
-    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="m5.large")    # standard bucket
+    moto_instances(1, instance_type="g5.xlarge")  # 4 vCPUs, G bucket
+    moto_instances(1, instance_type="m5.large")   # standard bucket
     assert preflight.running_vcpus(ec2, "g4dn.2xlarge") == before + 4
 
 
