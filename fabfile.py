@@ -182,7 +182,7 @@ def stop(c, run=None, force=False):
     inv = load_inventory(c)
     try:
         with head(inv) as conn:
-            rdir = launch.run_dir(inv, run) if run else remote.active_run(conn, inv)
+            rdir = run_dir(conn, inv, run) if run else remote.active_run(conn, inv)
             if not rdir:
                 raise remote.RemoteError("no run is going")
             if force:

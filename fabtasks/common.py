@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from invoke.exceptions import Exit
@@ -58,8 +59,13 @@ def head(inv: Inventory):
 
 
 def run_dir(connection, inv: Inventory, run: str | None) -> str:
+    """The named run's directory (which must exist), else the active or latest run's."""
     if run:
-        return launch.run_dir(inv, run)
+        path = launch.run_dir(inv, run)
+        if remote.sh(connection, f"test -d {shlex.quote(path)} && echo yes || true").strip() != "yes":
+            runs = remote.sh(connection, f"ls -1 {shlex.quote(inv.data_dir + '/runs')} 2>/dev/null || true").split()
+            raise fail(remote.RemoteError(f"no run named {run!r} (runs: {', '.join(runs) or 'none'})"))
+        return path
     latest = remote.active_run(connection, inv) or remote.latest_run(connection, inv)
     if not latest:
         raise fail(remote.RemoteError("no runs yet: start one with `fab train`"))

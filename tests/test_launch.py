@@ -118,3 +118,16 @@ def test_an_emulated_cluster_reaches_an_emulator_endpoint_through_its_bridge():
     assert launch.emulator_env(local, environ)["AWS_ENDPOINT_URL"] == "http://10.213.0.1:5000"
     assert launch.emulator_env(local, {"AWS_SECRET_ACCESS_KEY": "real"}) == {}  # no emulator: nothing
     assert launch.emulator_env(inventory(), environ) == {}
+
+
+@pytest.mark.parametrize("task", ["status", "check", "data", "sync", "train", "logs", "stop", "tensorboard",
+                                  "monitor", "fetch", "ssh", "start"])
+def test_every_cluster_task_without_an_inventory_says_what_to_run(task, tmp_path):
+    import subprocess
+    from conftest import REPO, tool_env
+    result = subprocess.run(["fab", task], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json")))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: no inventory at {tmp_path / 'inventory.json'}: run `fab local.up` (emulated cluster) or "
+        "`npx cdk deploy` then `fab inventory` (AWS)"]

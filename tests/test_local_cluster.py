@@ -158,7 +158,9 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
                        (["ssh", "--node", "7"], "--node 7"),
                        (["data", "--dataset", "mnist"], "invalid --dataset 'mnist'"),
                        (["data", "--dataset", "imagenet"], "prepare.py imagenet failed on node0"),
-                       (["sync", "--source", "/nonexistent"], "no train.py")):
+                       (["sync", "--source", "/nonexistent"], "no train.py"),
+                       (["stop"], "no run is going"), (["logs", "--run", "never-ran"], "no run named 'never-ran' (runs: "),
+                       (["fetch", "--run", "never-ran"], "no run named 'never-ran'")):
         result = cluster.fab(*args, check=False)
         assert result.returncode == 1, args
         assert result.stderr.strip().splitlines()[-1].startswith("error: ") and text in result.stderr, result.stderr
