@@ -107,6 +107,7 @@ fetch_image_context() {
   STEP=image-context
   [[ -f $CONTEXT_DIR/.tag && $(cat "$CONTEXT_DIR/.tag") == "$IMAGE_TAG" ]] && return 0
   log "fetching the image context $IMAGE_CONTEXT_URL"
+  command -v unzip >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -yq unzip
   rm -rf "$CONTEXT_DIR" && install -d "$CONTEXT_DIR"
   aws s3 cp --region "$AWS_REGION" --only-show-errors "$IMAGE_CONTEXT_URL" "$CONTEXT_DIR.zip"
   (cd "$CONTEXT_DIR" && unzip -q -o "$CONTEXT_DIR.zip") && rm -f "$CONTEXT_DIR.zip"
