@@ -15,8 +15,8 @@ from stacks.config import ClusterConfig, ConfigError
 
 app = cdk.App()
 try:
-    config = ClusterConfig.from_context(
-        {key: app.node.try_get_context(key) for key in ClusterConfig.keys()})
+    config = ClusterConfig.from_context(app.node.try_get_context,
+                                        region=os.environ.get("CDK_DEFAULT_REGION"))
 except ConfigError as error:
     sys.exit(f"error: {error}")
 

@@ -26,7 +26,7 @@ def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False
     clients = {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")} \
         if session.region_name else {"sts": session.client("sts", region_name="us-east-1")}
     found, notes = checks.run_preflight(clients, session.region_name, config.instance_type, config.nodes,
-                                        config.ami_ssm_parameter, request_quota=request_quota, spot=spot)
+                                        config.ami_parameter, request_quota=request_quota, spot=spot)
     for check in found:
         print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
     for note in notes:

@@ -7,32 +7,29 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-DEFAULT_AMI_PARAMETER = (
-    "/aws/service/deeplearning/ami/x86_64/"
-    "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
-)
+from .instance_types import AMI_PARAMETERS, INSTANCE_TYPES, InstanceType
+
 DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:24.12-py3"
 MAX_NODES = 64
+# CloudWatch: period x evaluation periods may not exceed one day; the idle alarm adds a grace.
+ALARM_GRACE_MINUTES = 30
+MAX_IDLE_MINUTES = 24 * 60 - ALARM_GRACE_MINUTES
 
-# GPUs per instance size, per family. A size not listed needs `gpus_per_node`.
-GPUS_BY_FAMILY: dict[str, dict[str, int]] = {
-    "g4dn": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
-             "12xlarge": 4, "metal": 8},
-    "g5": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
-           "12xlarge": 4, "24xlarge": 4, "48xlarge": 8},
-    "g6": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
-           "12xlarge": 4, "24xlarge": 4, "48xlarge": 8},
-    "g6e": {"xlarge": 1, "2xlarge": 1, "4xlarge": 1, "8xlarge": 1, "16xlarge": 1,
-            "12xlarge": 4, "24xlarge": 4, "48xlarge": 8},
-    "p3": {"2xlarge": 1, "8xlarge": 4, "16xlarge": 8},
-    "p3dn": {"24xlarge": 8},
-    "p4d": {"24xlarge": 8},
-    "p4de": {"24xlarge": 8},
-    "p5": {"48xlarge": 8},
-}
+
+def offerings_context_key(region: str, instance_type: str) -> str:
+    """The cdk.context.json key under which `fab preflight` caches the AZs offering a type."""
+    return f"instance-type-offerings:region={region}:instance-type={instance_type}"
+
+
+def choose_availability_zone(explicit: Optional[str], offered: Optional[Sequence[str]]) -> Optional[str]:
+    """An explicit AZ wins; else the first AZ (by name) that offers the type; else None (unknown)."""
+    if explicit:
+        return explicit
+    return sorted(offered)[0] if offered else None
+
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _IMAGE_RE = re.compile(r"^[a-z0-9.\-/:]+:[A-Za-z0-9._-]+$")
@@ -91,21 +88,15 @@ def _optional(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     return wrapper
 
 
-def gpus_for(instance_type: str) -> Optional[int]:
-    """GPUs of a known instance type, or None when the size is not in the table."""
-    family, _, size = instance_type.partition(".")
-    return GPUS_BY_FAMILY.get(family, {}).get(size)
-
-
 def _instance_type(key: str, value: Any) -> str:
     text = str(value).strip().lower()
-    family, dot, size = text.partition(".")
-    if not dot or not size or family not in GPUS_BY_FAMILY:
-        known = ", ".join(sorted(GPUS_BY_FAMILY))
-        raise ConfigError(key, value, f"expected a GPU instance type of a known family ({known}), "
-                                      "e.g. g4dn.2xlarge")
-    if not re.match(r"^[a-z0-9]+$", size):
-        raise ConfigError(key, value, "expected FAMILY.SIZE, e.g. g5.12xlarge")
+    if text not in INSTANCE_TYPES:
+        family = text.partition(".")[0]
+        sizes = sorted(t for t in INSTANCE_TYPES if t.startswith(family + "."))
+        accepted = (f"expected one of {', '.join(sizes)}" if sizes else
+                    f"expected a GPU instance type of a supported family "
+                    f"({', '.join(sorted({t.split('.')[0] for t in INSTANCE_TYPES}))}), e.g. g4dn.2xlarge")
+        raise ConfigError(key, value, accepted)
     return text
 
 
@@ -132,17 +123,17 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "root_volume_gb": lambda k, v: _as_int(k, v, 100, 16384),
     "image": lambda k, v: _as_str(
         k, v, _IMAGE_RE, "expected a pinned image REPO:TAG, e.g. nvcr.io/nvidia/pytorch:24.12-py3"),
-    "ami_ssm_parameter": lambda k, v: _as_str(
-        k, v, _SSM_RE, "expected an SSM parameter path starting with '/'"),
+    "ami_ssm_parameter": _optional(lambda k, v: _as_str(
+        k, v, _SSM_RE, "expected an SSM parameter path starting with '/'")),
     "retain_data": _as_bool,
     "placement_group": _as_bool,
     "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
     "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
     "availability_zone": _optional(lambda k, v: _as_str(
-        k, v, _AZ_RE, "expected the subnet's availability zone, e.g. us-east-1a")),
+        k, v, _AZ_RE, "expected an availability zone name, e.g. us-east-1a")),
     "key_name": _optional(lambda k, v: _as_str(
         k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
-    "idle_minutes": lambda k, v: _as_int(k, v, 0, 7 * 24 * 60),
+    "idle_minutes": lambda k, v: _as_int(k, v, 0, MAX_IDLE_MINUTES),
 }
 
 
@@ -156,7 +147,7 @@ class ClusterConfig:
     allow_world_ssh: bool = False
     root_volume_gb: int = 200
     image: str = DEFAULT_IMAGE
-    ami_ssm_parameter: str = DEFAULT_AMI_PARAMETER
+    ami_ssm_parameter: Optional[str] = None  # None: the DLAMI that supports the family
     retain_data: bool = False
     placement_group: bool = True
     vpc_id: Optional[str] = None
@@ -170,21 +161,28 @@ class ClusterConfig:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def from_context(cls, context: Mapping[str, Any]) -> "ClusterConfig":
-        """Coerce and validate raw context values (strings from `-c`, or JSON from cdk.json)."""
+    def from_context(cls, context: Mapping[str, Any] | Callable[[str], Any],
+                     region: Optional[str] = None) -> "ClusterConfig":
+        """Coerce and validate raw context values (strings from `-c`, or JSON from cdk.json);
+        `context` is a mapping or a lookup such as `app.node.try_get_context`. Without an explicit
+        AZ, the subnet goes to an AZ that offers the type, as `fab preflight` cached it for
+        `region` in cdk.context.json."""
+        get = context if callable(context) else context.get
         values = {}
         for key in cls.keys():
-            if context.get(key) is not None:
-                values[key] = _PARSERS[key](key, context[key])
+            if get(key) is not None:
+                values[key] = _PARSERS[key](key, get(key))
         config = cls(**values)
         config.validate()
+        if region and not config.vpc_id:
+            offered = get(offerings_context_key(region, config.instance_type))
+            config = replace(config, availability_zone=choose_availability_zone(
+                config.availability_zone, offered))
         return config
 
     def validate(self) -> None:
         """Checks that span several keys; single values are checked by their parser."""
-        if self.gpus_per_node is None and gpus_for(self.instance_type) is None:
-            raise ConfigError("instance_type", self.instance_type,
-                              "size not in the GPU table: also set gpus_per_node")
+        self._validate_ami()
         if self.ssh_cidr is not None and ipaddress.ip_network(self.ssh_cidr).prefixlen == 0 \
                 and not self.allow_world_ssh:
             raise ConfigError("ssh_cidr", self.ssh_cidr,
@@ -193,15 +191,33 @@ class ClusterConfig:
         existing = {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id,
                     "availability_zone": self.availability_zone}
         given = [key for key, value in existing.items() if value is not None]
-        if given and len(given) < len(existing):
+        if (self.vpc_id or self.subnet_id) and len(given) < len(existing):
             missing = [key for key in existing if key not in given]
             raise ConfigError(given[0], existing[given[0]],
                               f"an existing VPC needs vpc_id, subnet_id (a public subnet) and "
                               f"availability_zone together; missing {', '.join(missing)}")
 
+    def _validate_ami(self) -> None:
+        """A known DLAMI must support the family (the OSS-driver one cannot drive V100s)."""
+        known = {path: flavour for flavour, path in AMI_PARAMETERS.items()}
+        flavour = known.get(self.ami_ssm_parameter or "")
+        if flavour and flavour != self.type_info.ami:
+            raise ConfigError("ami_ssm_parameter", self.ami_ssm_parameter,
+                              f"this Deep Learning AMI's driver does not support {self.type_info.family} "
+                              f"({self.type_info.gpu}); leave it unset to get "
+                              f"{self.type_info.ami_parameter}")
+
+    @property
+    def type_info(self) -> InstanceType:
+        return INSTANCE_TYPES[self.instance_type]
+
+    @property
+    def ami_parameter(self) -> str:
+        return self.ami_ssm_parameter or self.type_info.ami_parameter
+
     @property
     def gpus(self) -> int:
-        return self.gpus_per_node or gpus_for(self.instance_type) or 1
+        return self.gpus_per_node or self.type_info.gpus
 
     def node_name(self, rank: int) -> str:
         return f"{self.cluster_name}-node{rank}"

@@ -24,8 +24,10 @@ class ClusterNetwork(Construct):
                 self, "Vpc", vpc_id=vpc_id, availability_zones=[availability_zone],
                 public_subnet_ids=[subnet_id])
         else:
+            # One AZ: the one that offers the instance type (chosen by config), else the first.
+            zones = {"availability_zones": [availability_zone]} if availability_zone else {"max_azs": 1}
             vpc = ec2.Vpc(
-                self, "Vpc", max_azs=1, nat_gateways=0,
+                self, "Vpc", nat_gateways=0, **zones,
                 ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"),
                 subnet_configuration=[ec2.SubnetConfiguration(
                     name="nodes", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=20)],

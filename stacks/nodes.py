@@ -13,13 +13,12 @@ from aws_cdk import (
 from constructs import Construct
 
 from .bootstrap import render_user_data
-from .config import ClusterConfig
+from .config import ALARM_GRACE_MINUTES, ClusterConfig
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 CLUSTER_TAG = "gpu-cluster:name"
 RANK_TAG = "gpu-cluster:rank"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
-ALARM_GRACE_MINUTES = 30  # the alarm backs up the head-node watchdog, so it fires later
 IDLE_CPU_PERCENT = 5
 
 
@@ -88,7 +87,7 @@ class GpuNodes(Construct):
             placement_group = ec2.PlacementGroup(
                 self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
 
-        machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_ssm_parameter)
+        machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_parameter)
         self.instances: list[ec2.Instance] = []
         for rank in range(config.nodes):
             instance = ec2.Instance(

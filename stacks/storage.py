@@ -1,8 +1,19 @@
-"""Shared storage: an encrypted EFS file system mounted at /data on every node."""
+"""Shared storage: an encrypted EFS file system mounted at /data on every node.
+
+Access: the nodes mount it as plain NFS clients (no IAM identity: amazon-efs-utils, which IAM
+authorisation needs, is not packaged for the Ubuntu DLAMI). With the CDK flag
+`@aws-cdk/aws-efs:denyAnonymousAccess` the default policy grants such clients write and root but not
+`ClientMount`, and EFS refuses the mount (aws-cdk #33669). So the policy grants all three, to clients
+that come through a mount target; the mount target's security group admits NFS from cluster nodes
+only, and that is the access control. Data is encrypted at rest."""
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_efs as efs
+from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_efs as efs, aws_iam as iam
 from constructs import Construct
+
+
+# What the bootstrap's root NFS client needs: mount, write, and act as root (no root squash).
+NFS_CLIENT_ACTIONS = ("ClientMount", "ClientWrite", "ClientRootAccess")
 
 
 class SharedStorage(Construct):
@@ -21,8 +32,14 @@ class SharedStorage(Construct):
             vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
             security_group=security_group,
             encrypted=True,
+            allow_anonymous_access=True,  # the flag's partial grant is replaced by the policy below
             throughput_mode=efs.ThroughputMode.ELASTIC,
             performance_mode=efs.PerformanceMode.GENERAL_PURPOSE,
             enable_automatic_backups=False,
             removal_policy=RemovalPolicy.RETAIN if retain_data else RemovalPolicy.DESTROY,
         )
+        self.file_system.add_to_resource_policy(iam.PolicyStatement(
+            sid="NodesMountThroughTheMountTarget",
+            actions=[f"elasticfilesystem:{action}" for action in NFS_CLIENT_ACTIONS],
+            principals=[iam.AnyPrincipal()],
+            conditions={"Bool": {"elasticfilesystem:AccessedViaMountTarget": "true"}}))

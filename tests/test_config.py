@@ -1,14 +1,51 @@
 """ClusterConfig: coercion of `-c` strings, defaults, and one-line errors for bad input."""
 import pytest
 
-from stacks.config import ClusterConfig, ConfigError, DEFAULT_AMI_PARAMETER
+from stacks.config import (ClusterConfig, ConfigError, MAX_IDLE_MINUTES, choose_availability_zone,
+                           offerings_context_key)
+from stacks.instance_types import AMI_PARAMETERS, INSTANCE_TYPES
 
 
 def test_defaults():
     config = ClusterConfig.from_context({})
     assert (config.nodes, config.instance_type, config.gpus) == (2, "g4dn.2xlarge", 1)
     assert config.ssh_cidr is None and config.retain_data is False and config.placement_group is True
-    assert config.ami_ssm_parameter == DEFAULT_AMI_PARAMETER
+    assert config.ami_parameter == AMI_PARAMETERS["oss"]
+
+
+@pytest.mark.parametrize("name", sorted(INSTANCE_TYPES))
+def test_every_accepted_type_has_its_facts_and_a_supported_ami(name):
+    facts = INSTANCE_TYPES[name]
+    config = ClusterConfig.from_context({"instance_type": name})
+    assert config.gpus == facts.gpus >= 1 and facts.vcpus >= 4 * facts.gpus
+    assert facts.gpu_memory_gib >= 16 and 0 <= facts.efa <= 32
+    # The Base OSS-driver DLAMI lists no V100 type; the proprietary-driver one drives them.
+    expected = "proprietary" if facts.gpu == "V100" else "oss"
+    assert config.ami_parameter == AMI_PARAMETERS[expected]
+
+
+@pytest.mark.parametrize("instance_type", ["p3.2xlarge", "p3dn.24xlarge"])
+def test_a_v100_type_with_the_oss_driver_ami_is_refused_in_one_line(instance_type):
+    with pytest.raises(ConfigError, match="does not support p3") as caught:
+        ClusterConfig.from_context({"instance_type": instance_type,
+                                    "ami_ssm_parameter": AMI_PARAMETERS["oss"]})
+    assert caught.value.key == "ami_ssm_parameter" and "\n" not in str(caught.value)
+
+
+def test_the_az_is_one_that_offers_the_type_unless_one_is_given():
+    key = offerings_context_key("us-east-1", "p4d.24xlarge")
+    context = {"instance_type": "p4d.24xlarge", key: ["us-east-1f", "us-east-1c"]}
+    assert ClusterConfig.from_context(context, region="us-east-1").availability_zone == "us-east-1c"
+    explicit = ClusterConfig.from_context({**context, "availability_zone": "us-east-1a"}, region="us-east-1")
+    assert explicit.availability_zone == "us-east-1a"
+    assert ClusterConfig.from_context(context, region="eu-west-1").availability_zone is None
+    assert choose_availability_zone(None, []) is None
+
+
+def test_idle_minutes_stop_at_what_a_cloudwatch_alarm_accepts():
+    assert ClusterConfig.from_context({"idle_minutes": str(MAX_IDLE_MINUTES)}).idle_minutes == MAX_IDLE_MINUTES
+    with pytest.raises(ConfigError, match="idle_minutes"):
+        ClusterConfig.from_context({"idle_minutes": str(MAX_IDLE_MINUTES + 1)})
 
 
 def test_strings_from_the_command_line_are_coerced():
@@ -27,9 +64,9 @@ def test_gpus_per_node_known_for_common_types(instance_type, gpus):
     assert ClusterConfig.from_context({"instance_type": instance_type}).gpus == gpus
 
 
-def test_gpus_per_node_override_for_an_unlisted_size():
-    config = ClusterConfig.from_context({"instance_type": "g5.96xlarge", "gpus_per_node": "8"})
-    assert config.gpus == 8
+def test_gpus_per_node_override_uses_fewer_ranks():
+    config = ClusterConfig.from_context({"instance_type": "g5.48xlarge", "gpus_per_node": "4"})
+    assert config.gpus == 4
 
 
 def test_a_bare_address_means_that_one_host():
@@ -55,9 +92,10 @@ BAD = [
     ("image", "nvcr.io/nvidia/pytorch"), ("image", "UPPER:case"), ("image", ""),
     ("ami_ssm_parameter", "aws/service/x"), ("ami_ssm_parameter", "ami-12345678"),
     ("vpc_id", "vpc-xyz"), ("subnet_id", "subnet-1"), ("vpc_id", "vpc-0123456789abcdef0"),
-    ("availability_zone", "east"), ("availability_zone", "us-east-1a"),
+    ("availability_zone", "east"), ("subnet_id", "subnet-0123456789abcdef0"),
     ("key_name", "bad/name"), ("cluster_name", "My Cluster"), ("cluster_name", "1cluster"),
     ("cluster_name", "a" * 40), ("idle_minutes", "-1"), ("idle_minutes", "soon"),
+    ("idle_minutes", "1411"), ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
 ]
 
 
