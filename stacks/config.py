@@ -176,6 +176,8 @@ class ClusterConfig:
         config.validate()
         if region and not config.vpc_id:
             offered = get(offerings_context_key(region, config.instance_type))
+            if isinstance(offered, str):  # from `-c KEY=a,b`
+                offered = [zone for zone in offered.split(",") if zone]
             config = replace(config, availability_zone=choose_availability_zone(
                 config.availability_zone, offered))
         return config

@@ -23,6 +23,15 @@ OFFLINE_ENV = {"CDK_DISABLE_VERSION_CHECK": "1", "CDK_DISABLE_CLI_TELEMETRY": "t
 os.environ.update(OFFLINE_ENV)
 
 
+def cdk_app(**context) -> "aws_cdk.App":
+    """An app with cdk.json's context (its feature flags change what constructs synthesize: the
+    EFS file-system policy, for one), as `cdk synth` builds it."""
+    import json
+
+    import aws_cdk
+    return aws_cdk.App(context={**json.loads((REPO / "cdk.json").read_text())["context"], **context})
+
+
 def tool_env(**extra: str) -> dict:
     """Environment for subprocesses: the venv and node_modules first on PATH."""
     env = dict(os.environ, **OFFLINE_ENV, **extra)

@@ -1,13 +1,15 @@
 """Each construct built alone (and the stack composed) for 1, 2 and 8 nodes, asserted with Template + Match."""
 import json
+import re
 
 import aws_cdk as cdk
 import pytest
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk.assertions import Match, Template
 
+from conftest import REPO, cdk_app
 from stacks.cluster_stack import GpuClusterStack
-from stacks.config import ClusterConfig
+from stacks.config import ClusterConfig, offerings_context_key
 from stacks.network import ClusterNetwork
 from stacks.storage import SharedStorage
 
@@ -15,12 +17,12 @@ SSH_CIDR = "203.0.113.0/24"
 
 
 def _stack() -> cdk.Stack:
-    return cdk.Stack(cdk.App(), "Test")
+    return cdk.Stack(cdk_app(), "Test")
 
 
-def _cluster(**context) -> Template:
-    config = ClusterConfig.from_context({"ssh_cidr": SSH_CIDR, **context})
-    return Template.from_stack(GpuClusterStack(cdk.App(), "Cluster", config=config))
+def _cluster(region=None, **context) -> Template:
+    config = ClusterConfig.from_context({"ssh_cidr": SSH_CIDR, **context}, region=region)
+    return Template.from_stack(GpuClusterStack(cdk_app(), "Cluster", config=config))
 
 
 @pytest.fixture(scope="module", params=[1, 2, 8], ids=lambda n: f"{n}-nodes")
@@ -95,6 +97,80 @@ def test_storage_is_encrypted_elastic_efs_with_one_mount_target_and_nfs_from_cli
     efs_sg = [r for r in template.find_resources("AWS::EC2::SecurityGroup").values()
               if "EFS" in r["Properties"]["GroupDescription"]]
     assert efs_sg and "SecurityGroupIngress" not in efs_sg[0]["Properties"]
+
+
+def _bootstrap_mount() -> dict:
+    """How node-bootstrap.sh mounts /data: the file system type and options of its fstab line."""
+    script = (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_text()
+    options = re.search(r"local options=(\S+)", script).group(1).split(",")
+    fs_type = re.search(r'\$DATA_DIR (\w+) \$options', script).group(1)
+    return {"type": fs_type, "iam": "iam" in options, "tls": "tls" in options}
+
+
+def efs_client_allowed(policy: dict | None, action: str, *, iam: bool, tls: bool) -> bool:
+    """EFS's decision for an NFS client reaching the file system through a mount target.
+    No policy: the default policy grants every client full access. With a policy, an anonymous
+    client (no `iam` mount option) matches only principal "*"; a Deny wins over an Allow."""
+    if policy is None:
+        return True
+    context = {"elasticfilesystem:AccessedViaMountTarget": "true", "aws:SecureTransport": str(tls).lower()}
+
+    def matches(statement: dict) -> bool:
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        principal = statement.get("Principal", {})
+        principal = principal.get("AWS", principal) if isinstance(principal, dict) else principal
+        anyone = principal == "*" or principal == ["*"]
+        conditions = all(context.get(key) == str(value).lower()
+                         for op, pairs in statement.get("Condition", {}).items() if op == "Bool"
+                         for key, value in pairs.items())
+        return (f"elasticfilesystem:{action}" in actions or "elasticfilesystem:*" in actions) \
+            and (anyone or iam) and conditions
+    statements = policy["Statement"]
+    if any(s["Effect"] == "Deny" and matches(s) for s in statements):
+        return False
+    return any(s["Effect"] == "Allow" and matches(s) for s in statements)
+
+
+@pytest.mark.parametrize("action", ["ClientMount", "ClientWrite", "ClientRootAccess"])
+def test_the_nodes_nfs_mount_is_allowed_by_the_file_system_policy(action):
+    """With cdk.json's denyAnonymousAccess flag, CDK's policy omits ClientMount and EFS refuses
+    the bootstrap's plain NFS mount (aws-cdk #33669): the policy must allow what the mount is."""
+    mount = _bootstrap_mount()
+    assert mount["type"] == "nfs4"  # no efs-utils: an anonymous client
+    fs = next(iter(_cluster().find_resources("AWS::EFS::FileSystem").values()))
+    policy = fs["Properties"].get("FileSystemPolicy")
+    assert efs_client_allowed(policy, action, iam=mount["iam"], tls=mount["tls"]), \
+        f"EFS would refuse {action} to the bootstrap's NFS client: {json.dumps(policy)}"
+
+
+def test_the_policy_evaluator_refuses_what_efs_refuses():
+    flag_policy = {"Statement": [{"Effect": "Allow", "Principal": {"AWS": "*"},
+                                  "Action": ["elasticfilesystem:ClientRootAccess", "elasticfilesystem:ClientWrite"],
+                                  "Condition": {"Bool": {"elasticfilesystem:AccessedViaMountTarget": "true"}}}]}
+    assert not efs_client_allowed(flag_policy, "ClientMount", iam=False, tls=False)
+    assert efs_client_allowed(flag_policy, "ClientWrite", iam=False, tls=False)
+    tls_only = {"Statement": [{"Effect": "Deny", "Principal": {"AWS": "*"}, "Action": "elasticfilesystem:*",
+                               "Condition": {"Bool": {"aws:SecureTransport": "false"}}}] + flag_policy["Statement"]}
+    assert not efs_client_allowed(tls_only, "ClientWrite", iam=False, tls=False)
+    assert efs_client_allowed(None, "ClientMount", iam=False, tls=False)
+
+
+def test_the_subnet_is_in_an_az_that_offers_the_type():
+    offered = {offerings_context_key("us-east-1", "p4d.24xlarge"): ["us-east-1f", "us-east-1c"]}
+    template = _cluster(region="us-east-1", instance_type="p4d.24xlarge", **offered)
+    template.resource_count_is("AWS::EC2::Subnet", 1)
+    template.has_resource_properties("AWS::EC2::Subnet", {"AvailabilityZone": "us-east-1c"})
+    pinned = _cluster(region="us-east-1", instance_type="p4d.24xlarge", availability_zone="us-east-1f", **offered)
+    pinned.has_resource_properties("AWS::EC2::Subnet", {"AvailabilityZone": "us-east-1f"})
+
+
+@pytest.mark.parametrize("instance_type, flavour", [("g5.12xlarge", "oss"), ("p3.8xlarge", "proprietary")])
+def test_the_ami_is_the_dlami_whose_driver_supports_the_family(instance_type, flavour):
+    from stacks.instance_types import AMI_PARAMETERS
+    template = _cluster(instance_type=instance_type).to_json()
+    defaults = [p.get("Default") for p in template["Parameters"].values()]
+    assert AMI_PARAMETERS[flavour] in defaults
+    assert not [d for d in defaults if d in AMI_PARAMETERS.values() and d != AMI_PARAMETERS[flavour]]
 
 
 @pytest.mark.parametrize("retain, policy", [(False, "Delete"), (True, "Retain")])
