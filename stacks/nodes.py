@@ -29,18 +29,22 @@ def host_key_parameter_name(cluster_name: str) -> str:
     return f"/gpu-cluster/{cluster_name}/ssh-host-key"
 
 
+def image_context_parameter_name(cluster_name: str) -> str:
+    return f"/gpu-cluster/{cluster_name}/image-context"
+
+
 class GpuNodes(Construct):
 
     def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig,
                  vpc: ec2.IVpc, subnet: ec2.ISubnet, security_group: ec2.ISecurityGroup,
-                 file_system: efs.IFileSystem) -> None:
+                 file_system: efs.IFileSystem, assets_dir: Path = ASSETS_DIR) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
         self.host_key_parameter_name = host_key_parameter_name(config.cluster_name)
 
         # Image build context: the Dockerfile and the training program, unpacked on each node.
         self.image_context = s3_assets.Asset(
-            self, "ImageContext", path=str(ASSETS_DIR),
+            self, "ImageContextAsset", path=str(assets_dir),
             exclude=["bootstrap", "**/__pycache__", "**/*.pyc"])
 
         self.role = iam.Role(
@@ -61,6 +65,14 @@ class GpuNodes(Construct):
         self.role.add_to_policy(iam.PolicyStatement(
             actions=["s3:GetObject"],
             resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)]))
+        # Where the image context is, outside user data: a code edit updates this parameter and
+        # replaces no node (running nodes get code with `fab sync`; new ones build from it).
+        self.image_context_parameter = ssm.StringParameter(
+            self, "ImageContext", parameter_name=image_context_parameter_name(config.cluster_name),
+            string_value=f"{self.image_context.s3_object_url} {self.image_context.asset_hash[:16]}",
+            description="The training image's build context (S3 URL and tag) for the node bootstrap")
+        self.image_context_parameter.grant_read(self.role)
+        Tags.of(self.image_context_parameter).remove(CLUSTER_TAG, priority=200)
 
         if config.idle_minutes:
             # Autostop: the watchdog may find and stop this cluster's instances, and no others.
@@ -116,8 +128,7 @@ class GpuNodes(Construct):
                 "STACK_NAME": stack.stack_name,
                 "SIGNAL_RESOURCE": stack.get_logical_id(instance.node.default_child),
                 "BASE_IMAGE": config.image,
-                "IMAGE_CONTEXT_URL": self.image_context.s3_object_url,
-                "IMAGE_TAG": self.image_context.asset_hash[:16],
+                "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
                 "HOST_KEY_PARAMETER": self.host_key_parameter_name,
                 "IDLE_MINUTES": str(config.idle_minutes),
             }
@@ -127,7 +138,8 @@ class GpuNodes(Construct):
                 resource_signal=CfnResourceSignal(
                     count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M"))
             # Mount targets must exist before the bootstrap mounts /data.
-            instance.node.add_dependency(file_system.mount_targets_available, self.host_key_parameter)
+            instance.node.add_dependency(file_system.mount_targets_available, self.host_key_parameter,
+                                         self.image_context_parameter)
             Tags.of(instance).add(RANK_TAG, str(rank))
             self.instances.append(instance)
 

@@ -23,7 +23,7 @@ FSTAB_LINE = ("fs-0123abcd.efs.eu-west-1.amazonaws.com:/ /data nfs4 nfsvers=4.1,
 ENV = {"CLUSTER_NAME": "testcluster", "NODE_RANK": "0", "NODES": "2", "FILE_SYSTEM_ID": "fs-0123abcd",
        "AWS_REGION": "eu-west-1", "STACK_NAME": "GpuCluster-test", "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
        "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
-       "IMAGE_CONTEXT_URL": "s3://cdk-assets/abc.zip", "IMAGE_TAG": "abc123",
+       "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
        "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key", "IDLE_MINUTES": "45"}
 
 
@@ -42,6 +42,7 @@ class Sandbox:
         self.root = root
         for name in ("efs", "etc-gpu-cluster", "state", "opt", "work"):
             (root / name).mkdir()
+        (root / "image-context").write_text("s3://cdk-assets/abc.zip abc123\n")
         (root / "fstab").write_text("# original fstab\nUUID=abc / ext4 defaults 0 1\n")
         with zipfile.ZipFile(root / "context.zip", "w") as archive:
             for part in ("docker", "autostop"):

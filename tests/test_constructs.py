@@ -280,3 +280,37 @@ def test_outputs_for_the_fab_tasks(cluster):
 def test_placement_group_can_be_turned_off():
     template = _cluster(placement_group="false")
     template.resource_count_is("AWS::EC2::PlacementGroup", 0)
+
+
+# ---------------------------------------------------------------- GPU nodes built alone
+
+def _nodes_alone(assets_dir, **context) -> Template:
+    from stacks.nodes import GpuNodes
+    stack = _stack()
+    vpc = ec2.Vpc(stack, "Vpc", max_azs=1, nat_gateways=0, subnet_configuration=[
+        ec2.SubnetConfiguration(name="p", subnet_type=ec2.SubnetType.PUBLIC)])
+    group = ec2.SecurityGroup(stack, "NodeGroup", vpc=vpc)
+    storage = SharedStorage(stack, "Storage", vpc=vpc, subnet=vpc.public_subnets[0],
+                            client_security_group=group, retain_data=False)
+    GpuNodes(stack, "Nodes", config=ClusterConfig.from_context({"nodes": "2", **context}), vpc=vpc,
+             subnet=vpc.public_subnets[0], security_group=group, file_system=storage.file_system,
+             assets_dir=assets_dir)
+    return Template.from_stack(stack)
+
+
+def test_editing_the_training_code_replaces_no_node(tmp_path):
+    """The code's asset hash lives in an SSM parameter, not in user data (which replaces nodes)."""
+    import shutil
+    assets = tmp_path / "assets"
+    shutil.copytree(REPO / "assets", assets, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _nodes_alone(assets)
+    with open(assets / "train" / "trainer.py", "a") as handle:
+        handle.write("# an edit\n")
+    after = _nodes_alone(assets)
+    instances = [t.find_resources("AWS::EC2::Instance") for t in (before, after)]
+    assert instances[0].keys() == instances[1].keys()
+    for logical_id in instances[0]:
+        assert instances[0][logical_id]["Properties"]["UserData"] == instances[1][logical_id]["Properties"]["UserData"]
+    values = [json.dumps(next(r["Properties"]["Value"] for r in t.find_resources("AWS::SSM::Parameter").values()
+                              if "image-context" in json.dumps(r["Properties"]["Name"]))) for t in (before, after)]
+    assert values[0] != values[1], "the new code must still reach new nodes through the parameter"

@@ -11,7 +11,7 @@ ENV_FILE=${1:-/etc/gpu-cluster/bootstrap.env}
 # shellcheck source=/dev/null
 source "$ENV_FILE"
 : "${CLUSTER_NAME:?}" "${NODE_RANK:?}" "${FILE_SYSTEM_ID:?}" "${AWS_REGION:?}" "${STACK_NAME:?}"
-: "${SIGNAL_RESOURCE:?}" "${BASE_IMAGE:?}" "${IMAGE_CONTEXT_URL:?}" "${IMAGE_TAG:?}"
+: "${SIGNAL_RESOURCE:?}" "${BASE_IMAGE:?}" "${IMAGE_CONTEXT_PARAMETER:?}"
 : "${HOST_KEY_PARAMETER:?}"
 
 DATA_DIR=/data
@@ -19,7 +19,6 @@ STATE_DIR=/var/lib/gpu-cluster
 CONTEXT_DIR=/opt/gpu-cluster/image-context
 CLUSTER_SSH_DIR=$DATA_DIR/.cluster/ssh
 CONTAINER=gpu-cluster-train
-IMAGE=gpu-cluster-train:$IMAGE_TAG
 MOUNT_ATTEMPTS=${MOUNT_ATTEMPTS:-60}
 MOUNT_RETRY_SECONDS=${MOUNT_RETRY_SECONDS:-10}
 IMDS=http://169.254.169.254/latest
@@ -103,8 +102,13 @@ create_cluster_identity() {
   fi
 }
 
-fetch_image_context() {
+fetch_image_context() {  # the parameter holds "S3_URL TAG"; not in user data, so code edits replace no node
   STEP=image-context
+  local value
+  value=$(aws ssm get-parameter --region "$AWS_REGION" --name "$IMAGE_CONTEXT_PARAMETER" \
+    --query Parameter.Value --output text)
+  read -r IMAGE_CONTEXT_URL IMAGE_TAG <<< "$value"
+  IMAGE=gpu-cluster-train:$IMAGE_TAG
   [[ -f $CONTEXT_DIR/.tag && $(cat "$CONTEXT_DIR/.tag") == "$IMAGE_TAG" ]] && return 0
   log "fetching the image context $IMAGE_CONTEXT_URL"
   command -v unzip >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -yq unzip
