@@ -139,7 +139,10 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
         if outputs["KeyParameterName"] == "none":
             raise InventoryError("the stack uses your own key pair: pass --key-file PATH")
         key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        key_path = key_dir / f"{stack_name}.pem"
+        # Named after the key pair's parameter (/ec2/keypair/key-ID): a new deploy of the same stack
+        # has a new key pair, so a key file left by an earlier deploy is never reused.
+        key_id = outputs["KeyParameterName"].rstrip("/").rsplit("/", 1)[-1]
+        key_path = key_dir / f"{stack_name}-{key_id}.pem"
         if not key_path.exists():
             value = ssm.get_parameter(Name=outputs["KeyParameterName"],
                                       WithDecryption=True)["Parameter"]["Value"]

@@ -87,7 +87,7 @@ def test_inventory_from_the_outputs_file_and_from_describe_stacks_agree(deployed
     assert oct(Path(from_file.ssh.known_hosts).stat().st_mode & 0o777) == "0o600"
 
 
-def test_generated_private_key_is_fetched_from_ssm_once_with_0600(deployed, tmp_path):
+def test_generated_private_key_is_fetched_from_ssm_once_per_deploy_with_0600(deployed, tmp_path):
     work, _ = deployed
     name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
     ssm = boto3.client("ssm")
@@ -104,6 +104,12 @@ def test_generated_private_key_is_fetched_from_ssm_once_with_0600(deployed, tmp_
     again = from_outputs(name, generated, boto3.session.Session(), tmp_path / "state",
                          key_dir=tmp_path / "ssh")  # no second fetch
     assert again.ssh.key_file == str(key)
+    # `cdk destroy` then a new deploy: the same stack name, a new key pair and parameter.
+    ssm.put_parameter(Name="/ec2/keypair/key-0def", Value="-----BEGIN OPENSSH PRIVATE KEY-----\nnew\n"
+                      "-----END OPENSSH PRIVATE KEY-----", Type="SecureString", Overwrite=True)
+    redeployed = from_outputs(name, dict(outputs, KeyParameterName="/ec2/keypair/key-0def"),
+                              boto3.session.Session(), tmp_path / "state", key_dir=tmp_path / "ssh")
+    assert "\nnew\n" in Path(redeployed.ssh.key_file).read_text(), "the old deploy's key was reused"
     with pytest.raises(InventoryError, match="--key-file"):
         from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys3")
 
