@@ -11,19 +11,17 @@ import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks
 
 from stacks.cluster_stack import GpuClusterStack
-from stacks.config import ClusterConfig, ConfigError
+from stacks.config import ClusterConfig
 
 app = cdk.App()
+region = os.environ.get("CDK_DEFAULT_REGION")
 try:
-    config = ClusterConfig.from_context(app.node.try_get_context,
-                                        region=os.environ.get("CDK_DEFAULT_REGION"))
-except ConfigError as error:
+    config = ClusterConfig.from_context(app.node.try_get_context, region=region)
+    stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
+    GpuClusterStack(app, stack_name, config=config,
+                    env=cdk.Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"), region=region),
+                    description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}")
+except ValueError as error:  # ConfigError, or a service limit a value would exceed
     sys.exit(f"error: {error}")
-
-env = cdk.Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"),
-                      region=os.environ.get("CDK_DEFAULT_REGION"))
-stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
-GpuClusterStack(app, stack_name, config=config, env=env,
-                description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}")
 cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
 app.synth()

@@ -9,6 +9,8 @@ from typing import Mapping
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "bootstrap" / "node-bootstrap.sh"
 ENV_FILE = "/etc/gpu-cluster/bootstrap.env"
+USER_DATA_LIMIT = 16 * 1024  # EC2: user data is at most 16 KB before base64
+TOKEN_ALLOWANCE = 256  # bytes counted for each value CloudFormation fills in at deploy time
 SCRIPT_PATH = "/usr/local/sbin/gpu-cluster-bootstrap"
 
 
@@ -33,3 +35,22 @@ def render_user_data(env: Mapping[str, str]) -> str:
         f"exec {SCRIPT_PATH} {ENV_FILE}",
         "",
     ])
+
+
+def user_data_bytes(resolved) -> int:
+    """Size of user data as CloudFormation will render it, from its resolved template value
+    (a string, or Fn::Join of strings and tokens; each token counted at TOKEN_ALLOWANCE bytes)."""
+    if isinstance(resolved, dict) and "Fn::Base64" in resolved:
+        resolved = resolved["Fn::Base64"]
+    if isinstance(resolved, str):
+        return len(resolved.encode())
+    parts = resolved["Fn::Join"][1]
+    return sum(len(part.encode()) if isinstance(part, str) else TOKEN_ALLOWANCE for part in parts)
+
+
+def check_user_data_size(resolved, what: str) -> int:
+    size = user_data_bytes(resolved)
+    if size > USER_DATA_LIMIT:
+        raise ValueError(f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; "
+                         "shorten the bootstrap script or the values it carries")
+    return size

@@ -32,7 +32,7 @@ def choose_availability_zone(explicit: Optional[str], offered: Optional[Sequence
 
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
-_IMAGE_RE = re.compile(r"^[a-z0-9.\-/:]+:[A-Za-z0-9._-]+$")
+_IMAGE_RE = re.compile(r"^(?=.{1,255}$)[a-z0-9.\-/:]+:[A-Za-z0-9._-]{1,128}$")  # Docker's limits
 _SSM_RE = re.compile(r"^/[A-Za-z0-9_./-]+$")
 _VPC_RE = re.compile(r"^vpc-[0-9a-f]{8,17}$")
 _SUBNET_RE = re.compile(r"^subnet-[0-9a-f]{8,17}$")
@@ -122,7 +122,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "allow_world_ssh": _as_bool,
     "root_volume_gb": lambda k, v: _as_int(k, v, 100, 16384),
     "image": lambda k, v: _as_str(
-        k, v, _IMAGE_RE, "expected a pinned image REPO:TAG, e.g. nvcr.io/nvidia/pytorch:24.12-py3"),
+        k, v, _IMAGE_RE, "expected a pinned image REPO:TAG (at most 255 characters), "
+                  "e.g. nvcr.io/nvidia/pytorch:24.12-py3"),
     "ami_ssm_parameter": _optional(lambda k, v: _as_str(
         k, v, _SSM_RE, "expected an SSM parameter path starting with '/'")),
     "retain_data": _as_bool,

@@ -12,7 +12,7 @@ from aws_cdk import (
 )
 from constructs import Construct
 
-from .bootstrap import render_user_data
+from .bootstrap import check_user_data_size, render_user_data
 from .config import ALARM_GRACE_MINUTES, ClusterConfig
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -133,6 +133,7 @@ class GpuNodes(Construct):
                 "IDLE_MINUTES": str(config.idle_minutes),
             }
             instance.user_data.add_commands(render_user_data(env))
+            check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
             cfn_instance = instance.node.default_child
             cfn_instance.cfn_options.creation_policy = CfnCreationPolicy(
                 resource_signal=CfnResourceSignal(

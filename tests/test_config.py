@@ -90,6 +90,7 @@ BAD = [
     ("allow_world_ssh", "maybe"), ("retain_data", "yes please"), ("placement_group", "2"),
     ("root_volume_gb", "20"), ("root_volume_gb", "lots"), ("root_volume_gb", "20000"),
     ("image", "nvcr.io/nvidia/pytorch"), ("image", "UPPER:case"), ("image", ""),
+    ("image", "nvcr.io/" + "n" * 250 + ":tag"),
     ("ami_ssm_parameter", "aws/service/x"), ("ami_ssm_parameter", "ami-12345678"),
     ("vpc_id", "vpc-xyz"), ("subnet_id", "subnet-1"), ("vpc_id", "vpc-0123456789abcdef0"),
     ("availability_zone", "east"), ("subnet_id", "subnet-0123456789abcdef0"),

@@ -314,3 +314,18 @@ def test_editing_the_training_code_replaces_no_node(tmp_path):
     values = [json.dumps(next(r["Properties"]["Value"] for r in t.find_resources("AWS::SSM::Parameter").values()
                               if "image-context" in json.dumps(r["Properties"]["Name"]))) for t in (before, after)]
     assert values[0] != values[1], "the new code must still reach new nodes through the parameter"
+
+
+def test_user_data_stays_under_ec2s_16_kb_with_the_longest_values_and_over_it_is_one_line():
+    from stacks.bootstrap import USER_DATA_LIMIT, check_user_data_size
+    longest = {"cluster_name": "c" * 31, "image": "nvcr.io/" + "n" * 200 + ":" + "t" * 40, "nodes": "64",
+               "idle_minutes": "1410"}
+    template = _cluster(**longest)
+    sizes = [check_user_data_size(i["Properties"]["UserData"], "node")
+             for i in template.find_resources("AWS::EC2::Instance").values()]
+    print(f"user data: {max(sizes)} of {USER_DATA_LIMIT} bytes")
+    assert max(sizes) < USER_DATA_LIMIT
+    oversized = {"Fn::Base64": {"Fn::Join": ["", ["#!/bin/bash\n" + "x" * USER_DATA_LIMIT, {"Ref": "AWS::Region"}]]}}
+    with pytest.raises(ValueError, match=r"node0: user data would be \d+ bytes, over EC2's 16384") as caught:
+        check_user_data_size(oversized, "node0")
+    assert "\n" not in str(caught.value)
