@@ -21,6 +21,8 @@ OFFLINE_ENV = {"CDK_DISABLE_VERSION_CHECK": "1", "CDK_DISABLE_CLI_TELEMETRY": "t
                "AWS_EC2_METADATA_DISABLED": "true", "JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION": "1",
                "JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION": "1"}
 os.environ.update(OFFLINE_ENV)
+# jsii (in-process CDK) and the CDK CLI run on the pinned Node in node_modules, not the machine's.
+os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
 
 
 def cdk_app(**context) -> "aws_cdk.App":

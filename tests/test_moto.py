@@ -30,7 +30,7 @@ def deployed(aws_env, tmp_path_factory):
                   "-c", "nodes=2", "-c", "ssh_cidr=203.0.113.0/24", "-c", "placement_group=false",
                   "-c", "key_name=test-key", "-c", f"ami_ssm_parameter={AMI_PARAMETER}",
                   "--outputs-file", str(work / "cdk-outputs.json")]):
-        result = subprocess.run(["npx", "--no-install", "cdk", *args, "--no-notices"], cwd=REPO, env=env,
+        result = subprocess.run([str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     return work, key_file
