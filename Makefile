@@ -6,7 +6,7 @@ export CDK_DISABLE_CLI_TELEMETRY := true
 export AWS_EC2_METADATA_DISABLED := true
 export PATH := $(CURDIR)/.venv/bin:$(CURDIR)/node_modules/.bin:$(PATH)
 
-.PHONY: setup demo test synth lint clean
+.PHONY: setup demo test synth lint lock clean
 
 setup:
 	@bash scripts/setup.sh
@@ -23,6 +23,10 @@ synth: setup
 lint: setup
 	shellcheck $$(git ls-files '*.sh')
 	cdk synth --no-notices -q && cfn-lint cdk.out/*.template.json
+
+lock:  # after editing a requirements file: pin every package, transitive ones included, with hashes
+	.venv/bin/uv pip compile requirements-dev.txt --generate-hashes --find-links /opt/wheels \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header -o requirements.lock
 
 clean:
 	rm -rf cdk.out .pytest_cache runs

@@ -16,12 +16,18 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# Python: exactly the lock (every transitive package pinned with hashes), installed by uv.
+# `make lock` regenerates it from the requirements files. torch is the CPU wheel on this disk.
+UV_VERSION=0.13.9
 stamp=.venv/.requirements.sha
-want=$(cat requirements*.txt assets/*/requirements.txt | sha256sum | cut -d' ' -f1)
+want=$(sha256sum requirements.lock | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  echo "setup: python venv (.venv)"
+  echo "setup: python venv (.venv) from requirements.lock"
   [[ -x .venv/bin/python ]] || python3 -m venv .venv
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
+  [[ $(.venv/bin/uv --version 2>/dev/null) == "uv $UV_VERSION"* ]] \
+    || .venv/bin/pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  find_links=(); [[ -d /opt/wheels ]] && find_links=(--find-links /opt/wheels)
+  .venv/bin/uv pip sync -q --python .venv/bin/python "${find_links[@]}" requirements.lock
   echo "$want" > "$stamp"
 fi
 
