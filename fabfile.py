@@ -18,7 +18,8 @@ from clusterops import cost as costs
 from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import Inventory
 from fabtasks.aws import audit, cost, inventory, preflight, start
-from fabtasks.common import ERRORS, fail, head, inventory_path, load_inventory, run_dir, settings
+from fabtasks.common import ERRORS, fail, head, inventory_path, load_inventory, number, run_dir, settings, \
+    whole_number
 
 
 @task
@@ -120,11 +121,11 @@ def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=No
     inv = load_inventory(c)
     defaults = settings(c)
     request = launch.TrainRequest(
-        recipe=recipe or defaults["recipe"], run=run, steps=int(steps) if steps else None,
-        batch_per_gpu=int(batch_per_gpu) if batch_per_gpu else None, precision=precision,
-        grad_compression=grad_compression, nodes=int(nodes) if nodes else None, dataset=dataset,
-        stall_minutes=float(stall_minutes or defaults["stall_minutes"]),
-        master_port=int(master_port or defaults["master_port"]), then_stop=then_stop,
+        recipe=recipe or defaults["recipe"], run=run, steps=whole_number(steps, "--steps"),
+        batch_per_gpu=whole_number(batch_per_gpu, "--batch-per-gpu"), precision=precision,
+        grad_compression=grad_compression, nodes=whole_number(nodes, "--nodes"), dataset=dataset,
+        stall_minutes=number(stall_minutes or defaults["stall_minutes"], "--stall-minutes"),
+        master_port=whole_number(master_port or defaults["master_port"], "--master-port"), then_stop=then_stop,
         extra_args=tuple(shlex.split(extra)))
     try:
         request.validate()
@@ -195,17 +196,24 @@ def stop(c, run=None, force=False):
         raise fail(error) from None
 
 
-@task(help={"port": "local port (default 6006)"})
-def tensorboard(c, port=6006):
+@task(help={"port": "local port (default 6006)", "stop": "stop the head node's TensorBoard instead"})
+def tensorboard(c, port=6006, stop=False):
     """TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
     inv = load_inventory(c)
+    local_port = whole_number(port, "--port")
     with head(inv) as conn:
+        if stop:
+            print("TensorBoard stopped" if remote.stop_tensorboard(conn) else "no TensorBoard was running")
+            return
+        if not _port_free(local_port):
+            raise Exit(f"error: local port {local_port} is in use (another `fab tensorboard`?): "
+                       "close it or pass --port N", code=1)
         try:
             remote.ensure_tensorboard(conn, inv)
         except ERRORS as error:
             raise fail(error) from None
-        with conn.forward_local(int(port), remote_port=6006, remote_host="127.0.0.1"):
-            print(f"TensorBoard: http://localhost:{port} (Ctrl-C to close the tunnel)")
+        with conn.forward_local(local_port, remote_port=remote.TENSORBOARD_PORT, remote_host="127.0.0.1"):
+            print(f"TensorBoard: http://localhost:{local_port} (Ctrl-C to close the tunnel)")
             try:
                 while True:
                     time.sleep(1)
@@ -213,11 +221,21 @@ def tensorboard(c, port=6006):
                 pass
 
 
+def _port_free(port: int) -> bool:
+    import socket
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
 def monitor(c, interval=2.0, count=0):
     """GPU utilisation, network rx/tx (Mbit/s) and load per node, sampled live."""
     inv = load_inventory(c)
-    interval, count = float(interval), int(count)
+    interval, count = number(interval, "--interval"), whole_number(count, "--count")
 
     taken = 0
     while count == 0 or taken < count:
@@ -234,15 +252,17 @@ def fetch(c, run=None, dest="runs"):
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)
         target = Path(dest) / Path(rdir).name
-        files = remote.fetch_run(conn, rdir, target)
-    print(f"fetched {len(files)} file(s) into {target}/")
+        files, previous = remote.fetch_run(conn, rdir, target)
+    print(f"fetched {len(files)} file(s) into {target}/"
+          + (f" (the earlier copy is now {previous}/)" if previous else ""))
 
 
 @task(help={"node": "rank of the node (default 0, the head)"})
 def ssh(c, node=0):
     """An interactive shell in a node's training container."""
     inv = load_inventory(c)
-    target = inv.nodes[int(node)] if 0 <= int(node) < len(inv.nodes) else None
+    rank = whole_number(node, "--node")
+    target = inv.nodes[rank] if 0 <= rank < len(inv.nodes) else None
     if target is None:
         raise Exit(f"error: --node {node}: the cluster has nodes 0-{len(inv.nodes) - 1}", code=1)
     os.execvp("ssh", ["ssh", "-i", inv.ssh.key_file, "-p", str(inv.ssh.port),
@@ -252,13 +272,15 @@ def ssh(c, node=0):
 
 @task(name="up", help={"nodes": "node count (default 2)", "link": "cap each link, e.g. 1gbit",
                        "slots": "ranks per node (default 1)", "name": "cluster name (default local)",
-                       "subnet": "node addresses (default 10.213.0.0/24)"})
-def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24"):
+                       "subnet": "node addresses (default 10.213.0.0/24)",
+                       "replace": "replace a running cluster of that name, deleting its /data"})
+def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24", replace=False):
     """Start an emulated cluster on this machine (root): namespaces, sshd on 4444, shared /data."""
-    spec = localcluster.LocalSpec(name=name, nodes=int(nodes), slots=int(slots), link=link, subnet=subnet)
+    spec = localcluster.LocalSpec(name=name, nodes=whole_number(nodes, "--nodes"),
+                                  slots=whole_number(slots, "--slots"), link=link, subnet=subnet)
     started = time.perf_counter()
     try:
-        inv = localcluster.up(spec, inventory_path(c))
+        inv = localcluster.up(spec, inventory_path(c), replace=replace)
     except ERRORS as error:
         raise fail(error) from None
     print(f"local cluster {name}: {len(inv.nodes)} node(s) "
@@ -269,10 +291,17 @@ def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24
 @task(name="down", help={"name": "cluster name (default local)"})
 def local_down(c, name="local"):
     """Stop the emulated cluster: no namespace, bridge, process or mount is left behind."""
+    unfetched = localcluster.unfetched_runs(localcluster.STATE_ROOT / name / "shared")
     try:
         removed = localcluster.down(name, inventory_path(c))
+    except localcluster.NothingToDo as nothing:
+        print(nothing)
+        return
     except ERRORS as error:
         raise fail(error) from None
+    if unfetched:
+        print(f"deleted with /data, never fetched: runs {', '.join(unfetched)} "
+              "(next time: `fab fetch --run NAME` before `fab local.down`)")
     print(f"local cluster {name} down ({len(removed)} namespace(s)/bridge removed)")
 
 

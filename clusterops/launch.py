@@ -34,6 +34,7 @@ class TrainRequest:
     dataset: Optional[str] = None
     master_port: int = 29500
     stall_minutes: float = 10.0
+    start_minutes: float = 15.0
     then_stop: bool = False
     extra_args: Sequence[str] = field(default_factory=tuple)
 
@@ -57,8 +58,9 @@ class TrainRequest:
                               f"one of {', '.join(COMPRESSIONS)}")
         if not 1024 <= self.master_port <= 65535 or self.master_port == 4444:
             raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not 4444")
-        if self.stall_minutes <= 0:
-            raise LaunchError(f"invalid --stall-minutes {self.stall_minutes}: a positive number")
+        for name in ("stall_minutes", "start_minutes"):
+            if getattr(self, name) <= 0:
+                raise LaunchError(f"invalid --{name.replace('_', '-')} {getattr(self, name)}: a positive number")
         if self.dataset is not None and not _RUN_NAME.match(self.dataset):
             raise LaunchError(f"invalid --dataset {self.dataset!r}")
 
@@ -147,16 +149,23 @@ def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[di
               "SSH_CONFIG": inventory.cluster_ssh_config,
               "ACTIVE_FILE": active_file(inventory),
               "STALL_SECONDS": str(int(request.stall_minutes * 60)),
-              "POLL_SECONDS": "5"}
+              "START_SECONDS": str(int(request.start_minutes * 60)),
+              "POLL_SECONDS": "5", "PYTHON": inventory.python}
     if request.then_stop:
-        values.update(THEN_STOP="1", CLUSTER_NAME=inventory.cluster, PYTHON=inventory.python,
+        values.update(THEN_STOP="1", CLUSTER_NAME=inventory.cluster,
                       AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
                       **emulator_env(inventory, environ or {}))
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
 
 
+# Open MPI's hwloc probes X displays at start-up: display :N is TCP port 6000+N, so a TensorBoard on
+# 6006 made `orte_init` block in XOpenDisplay. Its GL component is what probes; leave it out.
+LAUNCH_ENVIRONMENT = {"HWLOC_COMPONENTS": "-gl"}
+
+
 def command_script(argv: Sequence[str]) -> str:
-    return "exec " + shlex.join(argv) + "\n"
+    exports = "".join(f"export {key}={shlex.quote(value)}\n" for key, value in LAUNCH_ENVIRONMENT.items())
+    return exports + "exec " + shlex.join(argv) + "\n"
 
 
 def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:

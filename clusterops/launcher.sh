@@ -12,15 +12,22 @@ source "$RUN_DIR/launch.env"
 : "${HOSTS:?}" "${SSH_CONFIG:?}" "${ACTIVE_FILE:?}"
 POLL_SECONDS=${POLL_SECONDS:-5}
 STALL_SECONDS=${STALL_SECONDS:-600}
+START_SECONDS=${START_SECONDS:-900}  # the first step must come within this (mpirun start-up, data load)
+PYTHON=${PYTHON:-python3}
 UNREACHABLE_LIMIT=${UNREACHABLE_LIMIT:-2}
 LOG=$RUN_DIR/train.log
 
 now() { date -u +%FT%TZ; }
-status() {  # status STATE EXIT_CODE REASON
-  local tmp=$RUN_DIR/.run-status.json.tmp
-  printf '{"state": "%s", "exit_code": %s, "reason": "%s", "time": "%s", "head": "%s"}\n' \
-    "$1" "$2" "${3//\"/\'}" "$(now)" "$(hostname)" > "$tmp"
-  mv "$tmp" "$RUN_DIR/run-status.json"
+status() {  # status STATE EXIT_CODE REASON: written by a JSON library, whatever the reason holds
+  "$PYTHON" - "$RUN_DIR/run-status.json" "$1" "$2" "$3" "$(now)" "$(hostname)" <<'PY'
+import json, os, sys
+path, state, code, reason, time, head = sys.argv[1:]
+record = {"state": state, "exit_code": None if code == "null" else int(code), "reason": reason,
+          "time": time, "head": head}
+with open(path + ".tmp", "w") as handle:
+    json.dump(record, handle)
+os.replace(path + ".tmp", path)
+PY
 }
 
 echo $$ > "$RUN_DIR/launcher.pid"
@@ -31,6 +38,7 @@ mpirun_pid=$!
 echo "$mpirun_pid" > "$RUN_DIR/mpirun.pid"
 
 reason=""
+started=$(date +%s)
 declare -A failures=()
 while kill -0 "$mpirun_pid" 2>/dev/null; do
   sleep "$POLL_SECONDS"
@@ -46,12 +54,15 @@ while kill -0 "$mpirun_pid" 2>/dev/null; do
       fi
     fi
   done
-  if [[ -f $RUN_DIR/progress.json ]]; then
+  if [[ -f $RUN_DIR/progress.json && $(stat -c %Y "$RUN_DIR/progress.json") -ge $started ]]; then
     age=$(($(date +%s) - $(stat -c %Y "$RUN_DIR/progress.json")))
     if ((age > STALL_SECONDS)); then
       reason="no training progress for $age s"
       break
     fi
+  elif (($(date +%s) - started > START_SECONDS)); then
+    reason="no training step within $START_SECONDS s of the start (mpirun or the data load is stuck: see train.log)"
+    break
   fi
 done
 

@@ -144,26 +144,50 @@ def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
     ])
 
 
-def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
-    """Bring the cluster up (replacing a previous one of the same name) and write the inventory."""
+class NothingToDo(LocalClusterError):
+    """`local.down` of a cluster that is not there: said, not an error."""
+
+
+def up(spec: LocalSpec, inventory_path: Path, replace: bool = False) -> Inventory:
+    """Bring the cluster up and write the inventory. A running cluster of the same name (and its
+    shared /data) is replaced only when asked to."""
     spec.validate()
     preflight()
     if spec.state_dir.exists():
+        if not replace:
+            raise LocalClusterError(
+                f"a local cluster {spec.name!r} is already up; its /data ({spec.state_dir / 'shared'}) "
+                f"holds {describe_data(spec.state_dir / 'shared')}: `fab local.up --replace` deletes "
+                "it and starts anew, `fab local.down` stops it")
         down(spec.name, inventory_path=None)
-    state = spec.state_dir
-    shared = state / "shared"
-    controller = state / "controller"
-    for directory in (shared, controller):
+    record = _prepare_state(spec)
+    shared = spec.state_dir / "shared"
+    controller = spec.state_dir / "controller"
+    ssh_dir = _make_identities(spec, shared, controller)
+    _make_network(spec)
+    for rank in range(spec.nodes):
+        record["pids"][str(rank)] = _start_node(spec, rank, shared, controller)
+        _save_record(spec, record)
+    _wait_ready(spec, shared)
+    return _write_inventory(spec, ssh_dir, controller, inventory_path)
+
+
+def _prepare_state(spec: LocalSpec) -> dict:
+    for directory in (spec.state_dir / "shared", spec.state_dir / "controller"):
         directory.mkdir(parents=True, exist_ok=True)
-    os.chmod(controller, 0o700)
+    os.chmod(spec.state_dir / "controller", 0o700)
     created_mountpoint = not Path(spec.data_dir).exists() or any(
         json.loads((STATE_ROOT / other / "cluster.json").read_text()).get("created_mountpoint")
         for other in list_clusters())
     Path(spec.data_dir).mkdir(parents=True, exist_ok=True)
     record = {"spec": spec.__dict__, "created_mountpoint": created_mountpoint, "pids": {}}
     _save_record(spec, record)
+    return record
 
-    # Shared storage and identities, exactly as the AWS bootstrap does on EFS.
+
+def _make_identities(spec: LocalSpec, shared: Path, controller: Path) -> Path:
+    """The cluster's SSH identity on shared storage, exactly as the AWS bootstrap makes it on EFS,
+    the controller's (fab's) key, and the nodes' /etc/hosts and nsswitch.conf."""
     _run("bash", str(IDENTITY_SCRIPT), str(shared), f"{spec.name}-local")
     _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fab-controller",
          "-f", str(controller / "id_ed25519"))
@@ -171,11 +195,14 @@ def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
     # The script named the host-side path; inside the nodes the shared directory is data_dir.
     config = (ssh_dir / "config").read_text().replace(str(shared), spec.data_dir)
     (ssh_dir / "config").write_text(config)
-    hosts = "127.0.0.1 localhost\n" + "".join(
-        f"{spec.node_ip(r)} node{r}\n" for r in range(spec.nodes))
-    (state / "hosts").write_text(hosts)
-    (state / "nsswitch.conf").write_text("hosts: files\npasswd: files\ngroup: files\nshadow: files\n")
+    hosts = "127.0.0.1 localhost\n" + "".join(f"{spec.node_ip(r)} node{r}\n" for r in range(spec.nodes))
+    (spec.state_dir / "hosts").write_text(hosts)
+    (spec.state_dir / "nsswitch.conf").write_text("hosts: files\npasswd: files\ngroup: files\nshadow: files\n")
+    return ssh_dir
 
+
+def _make_network(spec: LocalSpec) -> None:
+    """A bridge with an address (fab reaches the nodes through it); per node a namespace and veth."""
     _run("ip", "link", "add", spec.bridge, "type", "bridge")
     _run("ip", "addr", "add", f"{spec.bridge_ip}/{spec.prefix}", "dev", spec.bridge)
     _run("ip", "link", "set", spec.bridge, "up")
@@ -190,21 +217,29 @@ def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
         if spec.link:
             _cap(veth, spec.link)
             _cap("eth0", spec.link, netns)
-        log = open(state / f"node{rank}.log", "ab")
-        script = _node_script(spec, rank, state / "hosts", state / "nsswitch.conf", shared,
-                              controller / "id_ed25519.pub")
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", netns, "unshare", "--uts", "--mount", "--propagation", "private",
-             "--", "bash", "-c", script],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        record["pids"][str(rank)] = process.pid
-        _save_record(spec, record)
+
+
+def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path) -> int:
+    """The node's own UTS and mount namespaces, then the container's entrypoint (sshd on 4444)."""
+    log = open(spec.state_dir / f"node{rank}.log", "ab")
+    script = _node_script(spec, rank, spec.state_dir / "hosts", spec.state_dir / "nsswitch.conf", shared,
+                          controller / "id_ed25519.pub")
+    process = subprocess.Popen(
+        ["ip", "netns", "exec", spec.netns(rank), "unshare", "--uts", "--mount", "--propagation", "private",
+         "--", "bash", "-c", script],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    return process.pid
+
+
+def _wait_ready(spec: LocalSpec, shared: Path) -> None:
     for rank in range(spec.nodes):
         _wait_for_port(spec.node_ip(rank), 4444, timeout=15)
         ready = shared / ".cluster" / "ready"
         ready.mkdir(parents=True, exist_ok=True)
         (ready / f"node{rank}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ\n", time.gmtime()))
 
+
+def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory_path: Path) -> Inventory:
     host_key = (ssh_dir / "ssh_host_ed25519_key.pub").read_text()
     known_hosts = controller / "known_hosts"
     nodes = [Node(rank=r, name=f"node{r}", public_ip=spec.node_ip(r), private_ip=spec.node_ip(r))
@@ -215,9 +250,33 @@ def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
         ssh=SshSettings(user="root", port=4444, key_file=str(controller / "id_ed25519"),
                         known_hosts=str(known_hosts)),
         python=sys.executable, code_dir=str(REPO / "assets" / "train"), data_dir=spec.data_dir,
-        instance_type="local", local_state=str(state), extra={"controller_ip": spec.bridge_ip})
+        instance_type="local", local_state=str(spec.state_dir), extra={"controller_ip": spec.bridge_ip})
     inventory.save(inventory_path)
     return inventory
+
+
+def describe_data(shared: Path) -> str:
+    """What the shared /data holds, in a few words: data sets and runs (unfetched ones marked)."""
+    datasets = sorted(p.name for p in (shared / "datasets").glob("*") if p.is_dir())
+    runs = sorted(p.name for p in (shared / "runs").glob("*") if p.is_dir())
+    unfetched = set(unfetched_runs(shared))
+    parts = []
+    if datasets:
+        parts.append(f"data sets {', '.join(datasets)}")
+    if runs:
+        parts.append("runs " + ", ".join(r + (" (not fetched)" if r in unfetched else "") for r in runs))
+    return "; ".join(parts) or "no data sets or runs"
+
+
+def unfetched_runs(shared: Path) -> list[str]:
+    """Runs whose newest files were never brought home by `fab fetch` (it leaves .fetched)."""
+    found = []
+    for run in sorted(p for p in (shared / "runs").glob("*") if p.is_dir()):
+        marker = run / ".fetched"
+        newest = max((f.stat().st_mtime for f in run.rglob("*") if f.is_file() and f != marker), default=0)
+        if not marker.exists() or marker.stat().st_mtime < newest:
+            found.append(run.name)
+    return found
 
 
 def _save_record(spec: LocalSpec, record: dict) -> None:
@@ -235,8 +294,8 @@ def down(name: str, inventory_path: Path | None) -> list[str]:
     state = STATE_ROOT / name
     record_path = state / "cluster.json"
     if not record_path.exists():
-        raise LocalClusterError(f"no local cluster named {name!r} (known: "
-                                f"{', '.join(list_clusters()) or 'none'}); nothing to do")
+        raise NothingToDo(f"no local cluster named {name!r} is up (known: "
+                          f"{', '.join(list_clusters()) or 'none'}); nothing to do")
     record = json.loads(record_path.read_text())
     spec = LocalSpec(**record["spec"])
     removed = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,11 +46,15 @@ def sh(connection: Connection, command: str, check: bool = True, timeout: Option
     return result.stdout
 
 
-def read_json(connection: Connection, path: str) -> Optional[dict]:
+def read_json(connection: Connection, path: str, strict: bool = False) -> Optional[dict]:
+    """The file's JSON, None when it is missing; unreadable JSON is None too, or with `strict` an
+    error naming the file (a status that never parses must not make a follower wait forever)."""
     text = sh(connection, f"cat {q(path)} 2>/dev/null || true")
     try:
         return json.loads(text) if text.strip() else None
-    except ValueError:
+    except ValueError as error:
+        if strict:
+            raise RemoteError(f"{path} is not valid JSON ({error}): {text.strip()[:200]!r}") from None
         return None
 
 
@@ -147,7 +152,17 @@ def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     return out.rstrip("/") or None
 
 
-def ensure_tensorboard(connection: Connection, inventory: Inventory, port: int = 6006,
+# On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc
+# probes at start-up (a listener there made every mpirun hang).
+TENSORBOARD_PORT = 16006
+
+
+def stop_tensorboard(connection: Connection) -> bool:
+    """End the head node's TensorBoard; True when one was running."""
+    return sh(connection, "pkill -f -- '[t]ensorboard.main --logdir' && echo stopped || true").strip() == "stopped"
+
+
+def ensure_tensorboard(connection: Connection, inventory: Inventory, port: int = TENSORBOARD_PORT,
                        wait: float = 120.0) -> None:
     """TensorBoard over /data/runs on the head node's loopback only, started if needed; returns
     once it accepts connections (a tunnel opened earlier would forward into nothing)."""
@@ -210,7 +225,7 @@ def follow_log(connection: Connection, run_dir: str, out=sys.stdout, poll: float
     deadline = (time.monotonic() + timeout) if timeout else None
     log = f"{run_dir}/train.log"
     while True:
-        status = read_json(connection, f"{run_dir}/run-status.json") or {}
+        status = read_json(connection, f"{run_dir}/run-status.json", strict=True) or {}
         if on_progress and follow:
             on_progress(read_json(connection, f"{run_dir}/progress.json") or {})
         chunk = sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
@@ -248,14 +263,31 @@ def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> No
                        f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true", check=False)
 
 
-def fetch_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
-    """Best checkpoint, config, vocabulary, summary, log and the last eval texts into dest."""
-    dest.mkdir(parents=True, exist_ok=True)
+def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Path], Optional[Path]]:
+    """Best (else newest) checkpoint, config, vocabulary, summary, log and the last eval texts into
+    a fresh dest: an earlier copy is moved to DEST.previous, never merged with. Marks the run as
+    fetched on the cluster. Returns the files and where the earlier copy went, if there was one."""
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    fetched = _download_run(connection, run_dir, staging)
+    previous = None
+    if dest.exists():
+        previous = dest.with_name(dest.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        dest.rename(previous)
+    staging.rename(dest)
+    sh(connection, f"touch {q(run_dir + '/.fetched')}")
+    return [dest / p.relative_to(staging) for p in fetched], previous
+
+
+def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
     wanted = ["config.json", "summary.json", "train.log", "run-status.json"]
-    best = sh(connection, f"ls -1 {q(run_dir)}/checkpoints/best.pt {q(run_dir)}/checkpoints/step_*.pt "
-                          "2>/dev/null | head -n 1 || true").strip()
-    if best:
-        wanted.append(best[len(run_dir) + 1:])
+    checkpoints = f"{q(run_dir)}/checkpoints"
+    chosen = sh(connection, f"ls -1 {checkpoints}/best.pt 2>/dev/null || "
+                            f"ls -1 {checkpoints}/step_*.pt 2>/dev/null | sort | tail -n 1 || true").strip()
+    if chosen:
+        wanted.append(chosen[len(run_dir) + 1:])
     last_eval = sh(connection, f"ls -1 {q(run_dir)}/eval/ 2>/dev/null | sort | tail -n 3 || true").split()
     wanted += [f"eval/{name}" for name in last_eval]
     config = read_json(connection, f"{run_dir}/config.json") or {}

@@ -1,7 +1,11 @@
 """Plain-text tables and run summaries for the terminal."""
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from datetime import datetime
+from typing import Optional, Sequence
+
+QUIET_AFTER_S = 120  # a running run whose progress is older than this says so
 
 
 def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
@@ -11,9 +15,23 @@ def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def run_line(run_dir: str, state: dict) -> str:
+def _quiet_seconds(status: dict, progress: dict, now: float) -> Optional[float]:
+    """How long a running run has shown no progress (since its start when it has no step yet)."""
+    if status.get("state") != "running":
+        return None
+    last = progress.get("time")
+    if last is None and status.get("time"):
+        last = datetime.fromisoformat(status["time"].replace("Z", "+00:00")).timestamp()
+    return now - last if last is not None else None
+
+
+def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
     status, progress, summary = state["status"], state["progress"], state["summary"]
     parts = [f"run {run_dir}: {status.get('state', 'unknown')}"]
+    quiet = _quiet_seconds(status, progress, time.time() if now is None else now)
+    if quiet is not None and quiet > QUIET_AFTER_S:
+        parts.append(f"no progress for {quiet / 60:.0f} min" if progress.get("step") is not None
+                     else f"no step yet after {quiet / 60:.0f} min")
     if progress.get("step") is not None:
         parts.append(f"step {progress['step']}/{progress.get('max_steps', '?')}")
     if progress.get("avg_step_time_s"):

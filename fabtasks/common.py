@@ -17,6 +17,21 @@ def fail(error: Exception) -> Exit:
     return Exit(f"error: {error}", code=1)
 
 
+def number(value, flag: str, kind=float):
+    """A task option as a number, or one line naming the option (`--steps abc`)."""
+    if value is None or value == "":
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        what = "a whole number" if kind is int else "a number"
+        raise Exit(f"error: invalid {flag} {value!r}: {what}", code=1) from None
+
+
+def whole_number(value, flag: str):
+    return number(value, flag, kind=int)
+
+
 def aws_session(region=None):
     """A boto3 session, or one actionable line when the AWS configuration is broken."""
     import boto3

@@ -48,7 +48,7 @@ def test_mpirun_line_with_options_and_a_subset_of_nodes():
 def test_values_are_quoted_in_the_command_script():
     request = launch.TrainRequest(extra_args=("--run-note", "it's; rm -rf /"))
     script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir"))
-    assert script.startswith("exec mpirun ")
+    assert script.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun ")
     assert shlex.split(script)[-1] == "it's; rm -rf /" and "'/code dir/train.py'" in script
 
 
@@ -131,3 +131,16 @@ def test_every_cluster_task_without_an_inventory_says_what_to_run(task, tmp_path
     assert result.stderr.strip().splitlines() == [
         f"error: no inventory at {tmp_path / 'inventory.json'}: run `fab local.up` (emulated cluster) or "
         "`npx cdk deploy` then `fab inventory` (AWS)"]
+
+
+def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
+    from clusterops import report
+    running = {"state": "running", "time": "2026-01-01T00:00:00Z"}
+    start = 1767225600.0  # 2026-01-01T00:00:00Z
+    quiet = {"status": running, "progress": {"step": 40, "max_steps": 100, "time": start}, "summary": {}}
+    assert "no progress for 10 min" in report.run_line("/data/runs/r", quiet, now=start + 600)
+    assert "no progress" not in report.run_line("/data/runs/r", quiet, now=start + 30)
+    never = {"status": running, "progress": {}, "summary": {}}
+    assert "no step yet after 16 min" in report.run_line("/data/runs/r", never, now=start + 960)
+    ended = {"status": {"state": "finished"}, "progress": quiet["progress"], "summary": {}}
+    assert "no progress" not in report.run_line("/data/runs/r", ended, now=start + 6000)

@@ -129,13 +129,17 @@ def test_train_learns_then_logs_status_and_fetch(cluster, tmp_path):
         assert (run / name).exists(), (name, fetched)
     assert list((run / "eval").glob("*.hypotheses.txt")) and list((run / "eval").glob("*.references.txt"))
     assert json.loads((run / "summary.json").read_text())["steps"] == 200
+    (run / "eval" / "stale.txt").write_text("from an earlier fetch")
+    again = cluster.fab("fetch", "--dest", str(tmp_path)).stdout
+    assert "earlier copy is now" in again and not (run / "eval" / "stale.txt").exists()
+    assert (tmp_path / "transformer-tiny.previous" / "eval" / "stale.txt").exists()
     translated = subprocess.run(
         ["python", str(TRAIN_DIR / "translate.py"), str(run / "checkpoints" / "best.pt"), "--vocabulary",
          str(run / "spm.model")], input="twelve\n", capture_output=True, text=True, env=tool_env(), timeout=60)
     assert translated.returncode == 0 and translated.stdout.strip() == "zwölf", translated.stderr
 
 
-def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster):
+def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster, tmp_path):
     cluster.fab("train", "--run", "stoptest", "--steps", "5000", "--extra", QUICK)
     cluster.wait_for_step("stoptest", 20)
     refused = cluster.fab("train", "--run", "other", check=False)
@@ -148,12 +152,18 @@ def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster):
     out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 10), "--follow", "--extra", QUICK).stdout
     assert f"at step {step}" in out and f"run ended at step {step + 10}" in out
     assert "starting a new run" not in out  # the log shown starts at this launch
+    # No eval ran, so no best.pt: fetch takes the newest checkpoint, not the oldest.
+    assert not (cluster.run_dir("stoptest") / "checkpoints" / "best.pt").exists()
+    fetched = cluster.fab("fetch", "--run", "stoptest", "--dest", str(tmp_path)).stdout
+    assert [p.name for p in (tmp_path / "stoptest" / "checkpoints").iterdir()] == [f"step_{step + 10:08d}.pt"], fetched
 
 
 def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
     for args, text in ((["train", "--recipe", "nope"], "invalid --recipe"),
                        (["train", "--precision", "fp8"], "invalid --precision"),
                        (["train", "--nodes", "9"], "invalid --nodes 9"),
+                       (["train", "--steps", "abc"], "invalid --steps 'abc': a whole number"),
+                       (["monitor", "--interval", "soon"], "invalid --interval 'soon': a number"),
                        (["train", "--dataset", "missing"], "no prepared data set"),
                        (["ssh", "--node", "7"], "--node 7"),
                        (["data", "--dataset", "mnist"], "invalid --dataset 'mnist'"),
@@ -193,9 +203,13 @@ def test_monitor_samples_network_and_load_per_node(cluster):
     assert all(r[1] == "none" and float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows), out
 
 
-def test_tensorboard_is_reached_through_an_ssh_tunnel_only(cluster):
+def test_tensorboard_through_a_tunnel_leaves_mpirun_working_and_stops(cluster):
+    """TensorBoard on the head node used to sit on X display :6's port, where Open MPI's hwloc
+    probes: every later mpirun hung. Now it listens on loopback only, off 6000-6063, and a run
+    still reaches its first step."""
     import urllib.request
-    port = 16006 + cluster.nodes
+    from clusterops.remote import TENSORBOARD_PORT
+    port = 16010 + cluster.nodes
     tunnel = subprocess.Popen(["fab", "tensorboard", "--port", str(port)], cwd=REPO, env=cluster.env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -208,10 +222,18 @@ def test_tensorboard_is_reached_through_an_ssh_tunnel_only(cluster):
         assert "TensorBoard" in page or "tensorboard" in page
         listening = subprocess.run(["ip", "netns", "exec", localcluster.LocalSpec(name=cluster.name).netns(0),
                                     "ss", "-ltn"], capture_output=True, text=True).stdout
-        assert "127.0.0.1:6006" in listening and "0.0.0.0:6006" not in listening
+        assert f"127.0.0.1:{TENSORBOARD_PORT}" in listening and f"0.0.0.0:{TENSORBOARD_PORT}" not in listening
+        assert not re.search(r":60[0-6]\d\b", listening), listening
+        busy = cluster.fab("tensorboard", "--port", str(port), check=False, timeout=60)
+        assert busy.returncode == 1 and f"local port {port} is in use" in busy.stderr
+        cluster.fab("train", "--run", "with-tensorboard", "--steps", "2", "--extra", QUICK)
+        cluster.wait_for_step("with-tensorboard", 1, timeout=120)
+        cluster.wait_for_end("with-tensorboard", timeout=120)
     finally:
         tunnel.terminate()
         tunnel.wait(timeout=10)
+    assert "TensorBoard stopped" in cluster.fab("tensorboard", "--stop").stdout
+    assert "no TensorBoard was running" in cluster.fab("tensorboard", "--stop").stdout
 
 
 def test_fabric_yaml_settings_are_read(cluster, tmp_path):
@@ -289,21 +311,32 @@ def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
     assert "tbf" in qdisc and "rate 1Gbit" in qdisc
     pids = [p for r in range(2) for p in cluster.processes(r, r".")]
     assert pids
-    cluster.fab("local.down", "--name", "td")
+    (cluster.shared / "datasets" / "numbers").mkdir(parents=True)
+    (cluster.shared / "runs" / "unsaved").mkdir(parents=True)
+    (cluster.shared / "runs" / "unsaved" / "summary.json").write_text("{}")
+    refused = cluster.fab("local.up", "--nodes", "2", "--name", "td", "--subnet", "10.213.130.0/24", check=False)
+    assert refused.returncode == 1 and "already up" in refused.stderr and "--replace" in refused.stderr
+    assert "data sets numbers; runs unsaved (not fetched)" in refused.stderr
+    assert (cluster.shared / "runs" / "unsaved" / "summary.json").exists()  # nothing was deleted
+    assert "rate 1Gbit" in subprocess.run(["tc", "qdisc", "show", "dev", "gcv-td-0"],
+                                          capture_output=True, text=True).stdout  # nor the cap dropped
+    down = cluster.fab("local.down", "--name", "td").stdout
+    assert "never fetched: runs unsaved" in down
     assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if n.startswith("gc-td-")]
     assert subprocess.run(["ip", "link", "show", "gcbr-td"], capture_output=True).returncode != 0
     assert not [p for p in pids if _running(p)]
     assert not (localcluster.STATE_ROOT / "td").exists() and not cluster.inventory.exists()
     assert "td" not in Path("/proc/self/mountinfo").read_text()
-    again = cluster.fab("local.down", "--name", "td", check=False)
-    assert again.returncode == 1 and "no local cluster named 'td'" in again.stderr
+    again = cluster.fab("local.down", "--name", "td")  # nothing to do is not an error
+    assert "no local cluster named 'td' is up" in again.stdout
 
 
 def test_up_refuses_bad_input_in_one_line(tmp_path):
     cluster = Cluster("tb", 1, "10.213.140.0/24", tmp_path)
     for args, text in ((["--nodes", "0"], "invalid --nodes 0"), (["--link", "fast"], "invalid --link"),
-                       (["--subnet", "10.0.0.0/30"], "invalid --subnet"), (["--name", "Bad Name"], "invalid --name")):
+                       (["--subnet", "10.0.0.0/30"], "invalid --subnet"), (["--name", "Bad Name"], "invalid --name"),
+                       (["--nodes", "abc"], "invalid --nodes 'abc': a whole number")):
         result = cluster.fab("local.up", "--name", "tb", *args, check=False) if "--name" not in args \
             else cluster.fab("local.up", *args, check=False)
         assert result.returncode == 1 and text in result.stderr, result.stderr
