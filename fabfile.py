@@ -105,18 +105,20 @@ def sync(c, source="assets/train"):
     print(f"synced {len(files)} file(s) to {target}")
 
 
-@task(help={"recipe": "transformer-tiny (fabric.yaml default) or transformer-base",
+@task(auto_shortflags=False,  # no -h: help must stay help
+      help={"recipe": f"one of {', '.join(launch.RECIPES)} (fabric.yaml default: transformer-tiny)",
             "run": "run name (default: the recipe); the same name resumes that run",
             "steps": "max steps", "batch_per_gpu": "batch per GPU (per slot locally)",
             "precision": "fp32, fp16 or bf16", "grad_compression": "none, fp16, bf16 or powersgd",
             "nodes": "use the first K nodes", "dataset": "data set under /data/datasets",
             "follow": "stream the log until the run ends", "extra": "more train.py arguments, quoted",
             "stall_minutes": "watchdog: end the run after this long without progress (fabric.yaml: 10)",
+            "start_minutes": "watchdog: end the run if no step comes this long after the start (default 15)",
             "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)",
             "then_stop": "stop the cluster's instances as soon as the run ends (fab start brings them back)"})
 def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=None,
           grad_compression=None, nodes=None, dataset=None, follow=False, extra="", stall_minutes=None,
-          master_port=None, then_stop=False):
+          start_minutes=None, master_port=None, then_stop=False):
     """Start mpirun across the nodes, detached on the head node, with a watchdog."""
     inv = load_inventory(c)
     defaults = settings(c)
@@ -125,6 +127,7 @@ def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=No
         batch_per_gpu=whole_number(batch_per_gpu, "--batch-per-gpu"), precision=precision,
         grad_compression=grad_compression, nodes=whole_number(nodes, "--nodes"), dataset=dataset,
         stall_minutes=number(stall_minutes or defaults["stall_minutes"], "--stall-minutes"),
+        start_minutes=number(start_minutes or defaults["start_minutes"], "--start-minutes"),
         master_port=whole_number(master_port or defaults["master_port"], "--master-port"), then_stop=then_stop,
         extra_args=tuple(shlex.split(extra)))
     try:

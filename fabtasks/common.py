@@ -47,7 +47,7 @@ def aws_session(region=None):
 def settings(c) -> dict:
     """fabric.yaml's gpu_cluster section, with the built-in defaults under it."""
     defaults = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
-                "stall_minutes": 10}
+                "stall_minutes": 10, "start_minutes": 15}
     return {**defaults, **dict(c.config.get("gpu_cluster", {}))}
 
 

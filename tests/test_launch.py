@@ -144,3 +144,12 @@ def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
     assert "no step yet after 16 min" in report.run_line("/data/runs/r", never, now=start + 960)
     ended = {"status": {"state": "finished"}, "progress": quiet["progress"], "summary": {}}
     assert "no progress" not in report.run_line("/data/runs/r", ended, now=start + 6000)
+
+
+def test_train_help_is_help_and_lists_every_recipe():
+    import subprocess
+    from conftest import REPO, tool_env
+    out = subprocess.run(["fab", "--help", "train"], cwd=REPO, capture_output=True, text=True, env=tool_env()).stdout
+    assert "-h, --then-stop" not in out and "--then-stop" in out
+    for recipe in launch.RECIPES:
+        assert recipe in out
