@@ -1,0 +1,65 @@
+"""The bottleneck model: verdicts on constructed breakdowns, what-ifs that follow their formulas,
+and PowerSGD's wire bytes against what PyTorch's hook really all-reduces."""
+import pytest
+import torch
+
+from clusterops.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
+
+MB = 1e6
+
+
+def breakdown(**overrides) -> Breakdown:
+    values = dict(data=0.01, compute=0.50, exposed=0.05, optimizer=0.02, other=0.02,
+                  wire_bytes=ring_wire_bytes(100 * MB, 2), grad_bytes=100 * MB, world_size=2,
+                  objects_per_step=256)
+    return Breakdown(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("overrides, kind", [
+    ({}, "compute-bound"),
+    ({"exposed": 1.5}, "communication-bound"),
+    ({"data": 0.4}, "input-bound"),
+    ({"exposed": 0.2}, "mixed"),
+])
+def test_verdict_follows_the_shares_of_the_step(overrides, kind):
+    assert verdict(breakdown(**overrides), link_gbit=1.0).kind == kind
+
+
+def test_a_faster_link_shrinks_only_the_exposed_part():
+    slow = breakdown(exposed=0.75)  # 0.8 s of wire time at 1 Gbit/s, 0.05 s hidden
+    predictions = {p.name: p for p in what_ifs(slow, link_gbit=1.0)}
+    assert predictions["none"].step_s == pytest.approx(slow.step)
+    ten = predictions["10 Gbit/s link"]
+    # 0.08 s of wire time; backward hid 0.05 s of it before (all it could), so 0.03 s stay exposed.
+    assert ten.step_s == pytest.approx(slow.step - 0.75 + 0.03)
+    assert "communication x 0.100" in ten.model
+
+
+def test_fp16_halves_the_wire_time_and_keeps_the_overlap():
+    slow = breakdown(exposed=0.75)
+    fp16 = {p.name: p for p in what_ifs(slow, link_gbit=1.0)}["fp16 gradients"]
+    assert fp16.step_s == pytest.approx(slow.step - 0.75 + (0.4 - 0.05))
+
+
+def test_powersgd_in_one_bucket_hides_nothing_and_pays_its_overhead():
+    slow = breakdown(exposed=0.75)
+    p = {x.name: x for x in what_ifs(slow, 1.0, powersgd_wire_bytes=0.04 * slow.wire_bytes,
+                                      powersgd_overhead_s=0.03)}["powersgd"]
+    assert p.step_s == pytest.approx(slow.step - 0.75 + 0.04 * 0.8 + 0.03)
+
+
+def test_a_larger_batch_amortises_communication():
+    slow = breakdown(exposed=0.75)
+    double = {p.name: p for p in what_ifs(slow, 1.0)}["batch x2 per GPU"]
+    assert double.objects_per_s > slow.objects_per_step / slow.step
+    assert double.step_s == pytest.approx(2 * 0.01 + 2 * 0.50 + (0.8 - 0.10) + 0.04)
+
+
+def test_powersgd_wire_bytes_follow_the_hooks_compression_rule():
+    """torch's powerSGD_hook compresses a matrix only when (n + m) * rank * 2 < n * m; it all-reduces
+    P (n x rank) and Q (m x rank) for those, everything else whole."""
+    shapes = [(32, 64), (32,), (10, 32), (10,)]
+    # (32, 64): 96 * 4 * 2 = 768 < 2048, compressed to 4 * 96 * 4 bytes; (10, 32): 336 >= 320, whole.
+    payload = 4 * 96 * 4 + 4 * 32 + 4 * 320 + 4 * 10
+    assert powersgd_wire_bytes(shapes, rank=4, world_size=2) == pytest.approx(ring_wire_bytes(payload, 2))
+    assert powersgd_wire_bytes(shapes, rank=4, world_size=1) == 0
