@@ -1,0 +1,146 @@
+"""Node health for `fab check`: one probe per node, then a verdict per node (ok, degraded, bad) with
+its reasons. `bad` means the node must not train; `degraded` trains, with a warning."""
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+# Xid codes that mean the GPU or its memory cannot be trusted (NVIDIA's Xid catalogue): 48 double-bit
+# ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92-95 ECC (corrected storm, contained,
+# uncontained), 119/120 GSP.
+FATAL_XIDS = {48, 63, 64, 74, 79, 92, 94, 95, 119, 120}
+MIN_FREE_GB = {"bad": 1.0, "degraded": 10.0}
+MAX_CLOCK_SKEW_S = 1.0
+SLOW_LINK_SHARE = 0.7  # a pair below 70% of the median link is slow
+
+# Runs on the node (bash + the node's python): one JSON line of facts. See probe_script().
+PROBE = r"""
+data=__DATA__
+gpus=$(nvidia-smi --query-gpu=name,driver_version,ecc.errors.uncorrected.volatile.total \
+       --format=csv,noheader 2>/dev/null | paste -sd';' || true)
+xids=$( (dmesg 2>/dev/null || journalctl -k -q --no-pager 2>/dev/null) | grep -oE 'NVRM: Xid \([^)]*\): [0-9]+' \
+       | grep -oE '[0-9]+$' | sort -u | paste -sd, || true)
+mounted=no; mountpoint -q "$data" && mounted=yes
+writable=no; probe="$data/.cluster/health.$(hostname).$$"
+mkdir -p "$data/.cluster" 2>/dev/null && echo ok > "$probe" 2>/dev/null && rm -f "$probe" && writable=yes
+free_kb=$(df -Pk "$data" 2>/dev/null | awk 'NR == 2 {print $4}')
+__PYTHON__ - "$gpus" "$xids" "$mounted" "$writable" "${free_kb:-0}" <<'PY'
+import json, sys, time
+gpus, xids, mounted, writable, free_kb = sys.argv[1:]
+facts = {"time": time.time(), "mounted": mounted == "yes", "writable": writable == "yes",
+         "free_gb": int(free_kb) / 1e6, "xids": [int(x) for x in xids.split(",") if x],
+         "gpus": [], "xid_source": "dmesg"}
+for row in filter(None, gpus.split(";")):
+    name, driver, ecc = (part.strip() for part in row.split(","))
+    facts["gpus"].append({"name": name, "driver": driver, "ecc_uncorrected": int(ecc) if ecc.isdigit() else None})
+try:
+    import torch
+    facts["torch"] = torch.__version__
+    facts["cuda"] = torch.version.cuda
+    facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+except Exception as error:  # a broken torch is a finding, not a crash
+    facts["torch"] = f"unusable: {error}"
+print(json.dumps(facts))
+PY
+"""
+
+
+def probe_script(python: str, data_dir: str) -> str:
+    import shlex
+    return PROBE.replace("__DATA__", shlex.quote(data_dir)).replace("__PYTHON__", shlex.quote(python))
+
+
+@dataclass
+class NodeHealth:
+    node: str
+    verdict: str = "ok"
+    reasons: list[str] = field(default_factory=list)
+
+    def mark(self, verdict: str, reason: str) -> None:
+        order = ("ok", "degraded", "bad")
+        if order.index(verdict) > order.index(self.verdict):
+            self.verdict = verdict
+        self.reasons.append(reason)
+
+
+def parse_probe(output: str) -> dict:
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def _majority(values: Sequence) -> object:
+    return Counter(values).most_common(1)[0][0] if values else None
+
+
+def assess(facts: dict[str, Optional[dict]], expected_gpus: int, expected_gpu: Optional[str],
+           controller_time: Optional[float] = None, links: Optional[dict[tuple[str, str], float]] = None,
+           transport: Optional[dict[str, str]] = None, expect_efa: bool = False) -> list[NodeHealth]:
+    """A verdict per node from its probe facts (None: unreachable), the pairwise link rates (Gbit/s)
+    and the NCCL transport each node reported."""
+    reachable = {name: f for name, f in facts.items() if f is not None}
+    versions = {key: _majority([f.get(key) for f in reachable.values()]) for key in ("torch", "cuda", "nccl")}
+    drivers = _majority([g["driver"] for f in reachable.values() for g in f["gpus"][:1]])
+    median_link = statistics.median(links.values()) if links else None
+    out = []
+    for name, f in facts.items():
+        health = NodeHealth(name)
+        if f is None:
+            health.mark("bad", "unreachable")
+            out.append(health)
+            continue
+        _assess_gpus(health, f, expected_gpus, expected_gpu, drivers)
+        _assess_storage(health, f)
+        for key, majority in versions.items():
+            if f.get(key) != majority:
+                health.mark("degraded", f"{key} {f.get(key)} differs from the other nodes' {majority}")
+        if controller_time is not None and abs(f["time"] - controller_time) > MAX_CLOCK_SKEW_S:
+            health.mark("degraded", f"clock off by {f['time'] - controller_time:+.1f} s")
+        for (a, b), rate in (links or {}).items():
+            if name in (a, b) and median_link and rate < SLOW_LINK_SHARE * median_link:
+                health.mark("degraded", f"slow link {a}->{b}: {rate:.2f} Gbit/s, median {median_link:.2f}")
+        chosen = (transport or {}).get(name)
+        if expect_efa and chosen and "efa" not in chosen.lower():
+            health.mark("degraded", f"NCCL uses {chosen}, not EFA")
+        out.append(health)
+    return out
+
+
+def _assess_gpus(health: NodeHealth, f: dict, expected: int, model: Optional[str], driver: object) -> None:
+    gpus = f["gpus"]
+    if not gpus:
+        health.reasons.append("GPU checks not available (no nvidia-smi: CPU node)")
+        return
+    if len(gpus) < expected:
+        health.mark("bad", f"{len(gpus)} GPU(s), expected {expected}")
+    if model and not all(model.lower() in g["name"].lower() for g in gpus):
+        health.mark("bad", f"GPU model {gpus[0]['name']}, expected {model}")
+    ecc = sum(g["ecc_uncorrected"] or 0 for g in gpus)
+    if ecc:
+        health.mark("bad", f"{ecc} uncorrectable ECC error(s)")
+    fatal = sorted(set(f.get("xids", [])) & FATAL_XIDS)
+    if fatal:
+        health.mark("bad", f"Xid {', '.join(map(str, fatal))} in the kernel log")
+    if driver and gpus[0]["driver"] != driver:
+        health.mark("degraded", f"driver {gpus[0]['driver']} differs from the other nodes' {driver}")
+
+
+def _assess_storage(health: NodeHealth, f: dict) -> None:
+    if not f["mounted"]:
+        health.mark("bad", "/data is not mounted")
+    elif not f["writable"]:
+        health.mark("bad", "/data is not writable")
+    if f["free_gb"] < MIN_FREE_GB["bad"]:
+        health.mark("bad", f"{f['free_gb']:.1f} GB free on /data")
+    elif f["free_gb"] < MIN_FREE_GB["degraded"]:
+        health.mark("degraded", f"{f['free_gb']:.1f} GB free on /data")
+
+
+def fit_to_train(health: Sequence[NodeHealth]) -> bool:
+    return all(h.verdict != "bad" for h in health)
+
+
+def as_json(health: Sequence[NodeHealth], **extra) -> str:
+    return json.dumps({"fit_to_train": fit_to_train(health), "nodes": [asdict(h) for h in health], **extra},
+                      indent=2)
