@@ -8,7 +8,7 @@ import os
 import sys
 
 import aws_cdk as cdk
-from cdk_nag import AwsSolutionsChecks
+from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig
@@ -23,5 +23,5 @@ try:
                     description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}")
 except ValueError as error:  # ConfigError, or a service limit a value would exceed
     sys.exit(f"error: {error}")
-cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), NIST80053R5Checks(app))
 app.synth()

@@ -18,7 +18,8 @@ class GpuClusterStack(Stack):
 
         self.network = ClusterNetwork(self, "Network", ssh_cidr=config.ssh_cidr,
                                       vpc_id=config.vpc_id, subnet_id=config.subnet_id,
-                                      availability_zone=config.availability_zone)
+                                      availability_zone=config.availability_zone,
+                                      flow_logs=config.flow_logs)
         self.storage = SharedStorage(self, "SharedStorage", vpc=self.network.vpc,
                                      subnet=self.network.subnet,
                                      client_security_group=self.network.security_group,
@@ -28,6 +29,12 @@ class GpuClusterStack(Stack):
                               security_group=self.network.security_group,
                               file_system=self.storage.file_system)
         self._acknowledge_findings()
+        self._acknowledge_nist_findings()
+        if not config.flow_logs and not config.vpc_id:
+            reason = "Flow logs were turned off with -c flow_logs=false (the default logs rejected flows)."
+            Validations.of(self.network).acknowledge(
+                Acknowledgment(id="AwsSolutions::AwsSolutions-VPC7", reason=reason),
+                Acknowledgment(id="NIST.800.53.R5::NIST.800.53.R5-VPCFlowLogsEnabled", reason=reason))
 
         instances = self.nodes.instances
         outputs = {
@@ -67,3 +74,28 @@ class GpuClusterStack(Stack):
                 reason="ec2:StopInstances is limited by a condition to instances tagged with this "
                        "cluster's name (aws:ResourceTag/gpu-cluster:name)."),
         )
+
+    def _acknowledge_nist_findings(self) -> None:
+        """cdk-nag NIST 800-53 rev 5 findings this design accepts, each on the construct it is about."""
+        nist = "NIST.800.53.R5::NIST.800.53.R5-"
+        Validations.of(self.network).acknowledge(
+            Acknowledgment(id=nist + "VPCDefaultSecurityGroupClosed", reason=(
+                "Nothing is attached to the VPC's default security group: nodes and the EFS mount target "
+                "use their own groups. Closing it takes a Lambda-backed custom resource in every stack.")),
+            Acknowledgment(id=nist + "VPCSubnetAutoAssignPublicIpDisabled", reason=(
+                "The nodes' subnet is public by design when SSH access from ssh_cidr is the access mode; "
+                "the security group admits only ssh_cidr on 22/4444 and the cluster itself.")),
+            Acknowledgment(id=nist + "VPCNoUnrestrictedRouteToIGW", reason=(
+                "Nodes pull the NGC image and packages from the internet at boot (no NAT gateway, to keep "
+                "the bill at zero when idle); inbound is limited by the security group.")),
+            Acknowledgment(id=nist + "EC2RestrictedCommonPorts", reason=(
+                "The flagged rule is the self-referencing all-traffic rule: its source is this security "
+                "group (cluster members only), which MPI and NCCL need; nothing is open to a CIDR.")))
+        Validations.of(self.storage).acknowledge(
+            Acknowledgment(id=nist + "EFSInBackupPlan", reason=(
+                "/data is scratch for data sets and checkpoints that are re-creatable or fetched with "
+                "`fab fetch`; backups would bill after `cdk destroy`. retain_data=true keeps the file system.")))
+        Validations.of(self).acknowledge(
+            Acknowledgment(id=nist + "IAMNoInlinePolicy", reason=(
+                "CDK's per-role default policies: each is scoped to one role of this stack (the node role, "
+                "the flow-log role) and deleted with it; a managed policy would narrow nothing.")))

@@ -128,6 +128,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
         k, v, _SSM_RE, "expected an SSM parameter path starting with '/'")),
     "retain_data": _as_bool,
     "placement_group": _as_bool,
+    "flow_logs": _as_bool,
     "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
     "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
     "availability_zone": _optional(lambda k, v: _as_str(
@@ -151,6 +152,7 @@ class ClusterConfig:
     ami_ssm_parameter: Optional[str] = None  # None: the DLAMI that supports the family
     retain_data: bool = False
     placement_group: bool = True
+    flow_logs: bool = True  # rejected flows to a KMS-encrypted log group (new VPC only)
     vpc_id: Optional[str] = None
     subnet_id: Optional[str] = None
     availability_zone: Optional[str] = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_logs as logs
+from aws_cdk import Duration, RemovalPolicy, Stack, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms, aws_logs as logs
 from constructs import Construct
 
 # The container's sshd (assets/docker/sshd_config); fab and mpirun use it.
@@ -15,7 +15,7 @@ class ClusterNetwork(Construct):
 
     def __init__(self, scope: Construct, construct_id: str, *, ssh_cidr: Optional[str],
                  vpc_id: Optional[str] = None, subnet_id: Optional[str] = None,
-                 availability_zone: Optional[str] = None) -> None:
+                 availability_zone: Optional[str] = None, flow_logs: bool = True) -> None:
         super().__init__(scope, construct_id)
         if vpc_id and subnet_id and availability_zone:
             self.subnet: ec2.ISubnet = ec2.Subnet.from_subnet_attributes(
@@ -32,13 +32,8 @@ class ClusterNetwork(Construct):
                 subnet_configuration=[ec2.SubnetConfiguration(
                     name="nodes", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=20)],
             )
-            # Rejected flows only: a security record at negligible cost (accepted MPI traffic is huge).
-            flow_log_group = logs.LogGroup(
-                self, "RejectedFlows", retention=logs.RetentionDays.TWO_WEEKS,
-                removal_policy=RemovalPolicy.DESTROY)
-            vpc.add_flow_log("RejectedFlowLog",
-                             destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
-                             traffic_type=ec2.FlowLogTrafficType.REJECT)
+            if flow_logs:
+                self._log_rejected_flows(vpc)
             self.vpc = vpc
             self.subnet = vpc.public_subnets[0]
 
@@ -52,3 +47,19 @@ class ClusterNetwork(Construct):
             for port, what in ((22, "host SSH"), (CONTAINER_SSH_PORT, "training container SSH")):
                 self.security_group.add_ingress_rule(
                     ec2.Peer.ipv4(ssh_cidr), ec2.Port.tcp(port), f"{what} from ssh_cidr")
+
+    def _log_rejected_flows(self, vpc: ec2.Vpc) -> None:
+        """Rejected flows only: a security record at negligible cost (accepted MPI traffic is huge),
+        encrypted with the stack's own key ($1/month; scheduled for deletion by `cdk destroy`)."""
+        self.log_key = kms.Key(
+            self, "FlowLogKey", enable_key_rotation=True, pending_window=Duration.days(7),
+            removal_policy=RemovalPolicy.DESTROY, description="Encrypts the cluster's VPC flow log")
+        self.log_key.add_to_resource_policy(iam.PolicyStatement(
+            actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
+            principals=[iam.ServicePrincipal(f"logs.{Stack.of(self).region}.amazonaws.com")],
+            resources=["*"]))
+        flow_log_group = logs.LogGroup(
+            self, "RejectedFlows", retention=logs.RetentionDays.TWO_WEEKS, encryption_key=self.log_key,
+            removal_policy=RemovalPolicy.DESTROY)
+        vpc.add_flow_log("RejectedFlowLog", destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
+                         traffic_type=ec2.FlowLogTrafficType.REJECT)

@@ -62,6 +62,9 @@ def test_network_is_public_subnets_without_nat_and_logs_rejected_flows():
     template.has_resource_properties("AWS::EC2::Subnet", {"MapPublicIpOnLaunch": True})
     template.has_resource_properties("AWS::EC2::FlowLog", {"TrafficType": "REJECT"})
     template.has_resource("AWS::Logs::LogGroup", {"DeletionPolicy": "Delete"})
+    template.has_resource_properties("AWS::Logs::LogGroup", {"RetentionInDays": 14,
+                                                             "KmsKeyId": {"Fn::GetAtt": [Match.any_value(), "Arn"]}})
+    template.has_resource_properties("AWS::KMS::Key", {"EnableKeyRotation": True, "PendingWindowInDays": 7})
 
 
 def test_network_can_use_an_existing_vpc_and_subnet():

@@ -59,12 +59,14 @@ def test_cfn_lint_is_clean(synth):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_reason(synth):
+@pytest.mark.parametrize("pack", ["AwsSolutions", "NIST.800.53.R5"])
+def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_reason(synth, pack):
     _, out, _, _ = synth
     report = json.loads((out / "validation-report.json").read_text())
-    nag = [p for p in report["pluginReports"] if p["pluginName"] == "AwsSolutions"]
-    assert nag and nag[0]["conclusion"] == "success"
-    assert nag[0]["violations"] == []
+    nag = [p for p in report["pluginReports"] if p["pluginName"] == pack]
+    assert nag, f"the {pack} pack did not run"
+    assert nag[0]["violations"] == [] and nag[0]["conclusion"] == "success", \
+        [v["ruleName"] for v in nag[0]["violations"]]
     for suppressed in nag[0].get("suppressedViolations", []):
         assert len(suppressed["reason"]) > 30, suppressed["ruleName"]
 
