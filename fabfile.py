@@ -35,6 +35,8 @@ def status(c):
             latest = remote.active_run(conn, inv) or remote.latest_run(conn, inv)
             if latest:
                 print(report.run_line(latest, remote.run_state(conn, latest)))
+    if inv.extra.get("dashboard_url"):
+        print(f"dashboard: {inv.extra['dashboard_url']}")
 
 
 @task(help={"mb": "all-reduce payload in MB (default 64)"})

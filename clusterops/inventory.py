@@ -168,7 +168,7 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
         gpus_per_node=int(outputs["GpusPerNode"]),
         ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts)),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
-        stack_name=stack_name)
+        stack_name=stack_name, extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
 
 
 def start_and_refresh(inventory: Inventory, ec2, wait: bool = True) -> Inventory:

@@ -5,6 +5,7 @@ from aws_cdk import Acknowledgment, CfnOutput, Fn, Stack, Tags, Validations
 from constructs import Construct
 
 from .config import ClusterConfig
+from .dashboard import ClusterDashboard
 from .network import ClusterNetwork
 from .nodes import CLUSTER_TAG, GpuNodes
 from .storage import SharedStorage
@@ -28,6 +29,8 @@ class GpuClusterStack(Stack):
                               subnet=self.network.subnet,
                               security_group=self.network.security_group,
                               file_system=self.storage.file_system)
+        self.dashboard = ClusterDashboard(self, "Dashboard", name=config.cluster_name,
+                                          instances=self.nodes.instances, file_system=self.storage.file_system)
         self._acknowledge_findings()
         self._acknowledge_nist_findings()
         if not config.flow_logs and not config.vpc_id:
@@ -50,6 +53,7 @@ class GpuClusterStack(Stack):
             "Region": self.region,
             "GpusPerNode": str(config.gpus),
             "InstanceType": config.instance_type,
+            "DashboardUrl": self.dashboard.url,
         }
         for name, value in outputs.items():
             CfnOutput(self, name, value=value)

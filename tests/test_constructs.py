@@ -332,3 +332,16 @@ def test_user_data_stays_under_ec2s_16_kb_with_the_longest_values_and_over_it_is
     with pytest.raises(ValueError, match=r"node0: user data would be \d+ bytes, over EC2's 16384") as caught:
         check_user_data_size(oversized, "node0")
     assert "\n" not in str(caught.value)
+
+
+def test_the_dashboard_shows_every_node_and_the_file_system_and_its_url_is_an_output(cluster):
+    nodes, template = cluster
+    dashboards = template.find_resources("AWS::CloudWatch::Dashboard")
+    assert len(dashboards) == 1
+    body = json.dumps(next(iter(dashboards.values()))["Properties"]["DashboardBody"])
+    for metric in ("GPUUtilization", "GPUMemoryUsedPercent", "CPUUtilization", "NetworkIn", "NetworkOut",
+                   "Busy", "DataReadIOBytes", "DataWriteIOBytes", "BurstCreditBalance"):
+        assert metric in body, metric
+    assert body.count('\\"label\\":\\"node') == 6 * nodes  # six per-node graphs, a line per node
+    url = json.dumps(template.find_outputs("DashboardUrl"))
+    assert "#dashboards:name=gpu-cluster" in url

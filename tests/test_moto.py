@@ -80,6 +80,8 @@ def test_inventory_from_the_outputs_file_and_from_describe_stacks_agree(deployed
     from_file = from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys", key_file=str(key_file))
     from_api = from_outputs(STACK, stack_outputs_from_aws(STACK, boto3.session.Session()),
                             boto3.session.Session(), tmp_path / "keys2", key_file=str(key_file))
+    assert from_file.extra["dashboard_url"] == from_api.extra["dashboard_url"]
+    assert "cloudwatch/home?region=us-east-1#dashboards:name=gpu-cluster" in from_file.extra["dashboard_url"]
     assert [n.private_ip for n in from_file.nodes] == outputs["PrivateIps"].split(",")
     assert from_file.nodes == from_api.nodes and from_file.gpus_per_node == 1
     known_hosts = Path(from_file.ssh.known_hosts).read_text().splitlines()
