@@ -270,7 +270,8 @@ def ssh(c, node=0):
     target = inv.nodes[rank] if 0 <= rank < len(inv.nodes) else None
     if target is None:
         raise Exit(f"error: --node {node}: the cluster has nodes 0-{len(inv.nodes) - 1}", code=1)
-    os.execvp("ssh", ["ssh", "-i", inv.ssh.key_file, "-p", str(inv.ssh.port),
+    proxy = ["-o", f"ProxyCommand={inv.ssh.proxy_command}"] if inv.ssh.proxy_command else []
+    os.execvp("ssh", ["ssh", "-i", inv.ssh.key_file, "-p", str(inv.ssh.port), *proxy,
                       "-o", f"UserKnownHostsFile={inv.ssh.known_hosts}", "-o", "StrictHostKeyChecking=yes",
                       "-o", "IdentitiesOnly=yes", f"{inv.ssh.user}@{target.public_ip}"])
 

@@ -24,9 +24,14 @@ class InventoryError(RuntimeError):
 class Node:
     rank: int
     name: str
-    public_ip: str
+    public_ip: str  # the address fab reaches: public IP, or the instance id through a proxy command
     private_ip: str
     instance_id: Optional[str] = None
+
+
+# access=ssm: fab reaches each node's container sshd (host network, 4444) through Session Manager.
+SSM_PROXY_COMMAND = ("aws ssm start-session --region {region} --target %h "
+                     "--document-name AWS-StartSSHSession --parameters portNumber=%p")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,12 @@ class SshSettings:
     port: int
     key_file: str
     known_hosts: str
+    proxy_command: Optional[str] = None  # ssh's ProxyCommand, %h the node's address, %p the port
+
+    def proxy_for(self, host: str) -> Optional[str]:
+        if not self.proxy_command:
+            return None
+        return self.proxy_command.replace("%h", host).replace("%p", str(self.port))
 
 
 @dataclass(frozen=True)
@@ -157,8 +168,13 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     if not host_key.startswith("ssh-"):  # the stack's placeholder until node 0 has booted
         raise InventoryError("the nodes have not published their host key yet: wait for "
                              "`cdk deploy` to finish, then run `fab inventory` again")
-    # No public address (private subnet, or an emulator): reach the node on its private one.
-    public = [ip if ip and ip != "None" else private[r] for r, ip in enumerate(public)]
+    proxy = None
+    if outputs.get("Access") == "ssm":  # no inbound rule: every node through Session Manager
+        proxy = SSM_PROXY_COMMAND.format(region=outputs.get("Region") or "us-east-1")
+        public = list(ids)
+    else:  # no public address (an emulator): reach the node on its private one
+        public = [ip if ip and ip not in ("None", "none") else private[r]
+                  for r, ip in enumerate(public + [""] * (len(private) - len(public)))]
     nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r],
                   instance_id=ids[r]) for r in range(len(private))]
     known_hosts = state_dir / f"{stack_name}.known_hosts"
@@ -166,7 +182,8 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     return Inventory(
         cluster=outputs.get("ClusterName", stack_name), source="aws", nodes=nodes,
         gpus_per_node=int(outputs["GpusPerNode"]),
-        ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts)),
+        ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts),
+                        proxy_command=proxy),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
         stack_name=stack_name, extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
 

@@ -29,7 +29,7 @@ def connect(inventory: Inventory, node: Node) -> Connection:
     """A connection that trusts only the pinned host key of the cluster."""
     connection = Connection(
         host=node.public_ip, user=inventory.ssh.user, port=inventory.ssh.port,
-        connect_timeout=10,
+        connect_timeout=10, gateway=inventory.ssh.proxy_for(node.public_ip),
         connect_kwargs={"key_filename": inventory.ssh.key_file, "look_for_keys": False,
                         "allow_agent": False})
     connection.client.get_host_keys().clear()

@@ -20,7 +20,7 @@ class GpuClusterStack(Stack):
         self.network = ClusterNetwork(self, "Network", ssh_cidr=config.ssh_cidr,
                                       vpc_id=config.vpc_id, subnet_id=config.subnet_id,
                                       availability_zone=config.availability_zone,
-                                      flow_logs=config.flow_logs)
+                                      flow_logs=config.flow_logs, private_subnet=config.private_subnet)
         self.storage = SharedStorage(self, "SharedStorage", vpc=self.network.vpc,
                                      subnet=self.network.subnet,
                                      client_security_group=self.network.security_group,
@@ -40,11 +40,13 @@ class GpuClusterStack(Stack):
                 Acknowledgment(id="NIST.800.53.R5::NIST.800.53.R5-VPCFlowLogsEnabled", reason=reason))
 
         instances = self.nodes.instances
+        public = not config.private_subnet
         outputs = {
             "ClusterName": config.cluster_name,
-            "HeadPublicIp": instances[0].instance_public_ip,
+            "Access": config.access,
+            "HeadPublicIp": instances[0].instance_public_ip if public else "none",
             "PrivateIps": Fn.join(",", [i.instance_private_ip for i in instances]),
-            "PublicIps": Fn.join(",", [i.instance_public_ip for i in instances]),
+            "PublicIps": Fn.join(",", [i.instance_public_ip for i in instances]) if public else "none",
             "InstanceIds": Fn.join(",", [i.instance_id for i in instances]),
             "FileSystemId": self.storage.file_system.file_system_id,
             "KeyParameterName": self.nodes.key_parameter_name or "none",
@@ -87,8 +89,9 @@ class GpuClusterStack(Stack):
                 "Nothing is attached to the VPC's default security group: nodes and the EFS mount target "
                 "use their own groups. Closing it takes a Lambda-backed custom resource in every stack.")),
             Acknowledgment(id=nist + "VPCSubnetAutoAssignPublicIpDisabled", reason=(
-                "The nodes' subnet is public by design when SSH access from ssh_cidr is the access mode; "
-                "the security group admits only ssh_cidr on 22/4444 and the cluster itself.")),
+                "A public subnet is the default (no NAT gateway to pay for); the security group admits only "
+                "ssh_cidr on 22/4444 (none with access=ssm) and the cluster itself. With private_subnet "
+                "it holds only the NAT gateway.")),
             Acknowledgment(id=nist + "VPCNoUnrestrictedRouteToIGW", reason=(
                 "Nodes pull the NGC image and packages from the internet at boot (no NAT gateway, to keep "
                 "the bill at zero when idle); inbound is limited by the security group.")),

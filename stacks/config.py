@@ -80,6 +80,16 @@ def _as_str(key: str, value: Any, pattern: re.Pattern, accepted: str) -> str:
     return text
 
 
+ACCESS_MODES = ("ssh", "ssm")
+
+
+def _as_choice(key: str, value: Any, choices: Sequence[str]) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise ConfigError(key, value, f"expected one of {', '.join(choices)}")
+    return text
+
+
 def _optional(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     def wrapper(key: str, value: Any) -> Any:
         if value is None or str(value).strip() in ("", "none", "null"):
@@ -129,6 +139,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "retain_data": _as_bool,
     "placement_group": _as_bool,
     "flow_logs": _as_bool,
+    "access": lambda k, v: _as_choice(k, v, ACCESS_MODES),
+    "private_subnet": _as_bool,
     "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
     "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
     "availability_zone": _optional(lambda k, v: _as_str(
@@ -153,6 +165,8 @@ class ClusterConfig:
     retain_data: bool = False
     placement_group: bool = True
     flow_logs: bool = True  # rejected flows to a KMS-encrypted log group (new VPC only)
+    access: str = "ssh"  # ssh: from ssh_cidr; ssm: Session Manager only, no inbound rule at all
+    private_subnet: bool = False  # access=ssm: nodes without public IPs (NAT gateway + VPC endpoints)
     vpc_id: Optional[str] = None
     subnet_id: Optional[str] = None
     availability_zone: Optional[str] = None
@@ -188,6 +202,14 @@ class ClusterConfig:
     def validate(self) -> None:
         """Checks that span several keys; single values are checked by their parser."""
         self._validate_ami()
+        if self.access == "ssm" and self.ssh_cidr:
+            raise ConfigError("ssh_cidr", self.ssh_cidr, "access=ssm opens no inbound port: leave ssh_cidr unset")
+        if self.private_subnet and self.access != "ssm":
+            raise ConfigError("private_subnet", self.private_subnet,
+                              "needs -c access=ssm: nodes without public IPs are reached through Session Manager")
+        if self.private_subnet and self.vpc_id:
+            raise ConfigError("private_subnet", self.private_subnet,
+                              "applies to the VPC this stack creates; with vpc_id, pass a private subnet_id")
         if self.ssh_cidr is not None and ipaddress.ip_network(self.ssh_cidr).prefixlen == 0 \
                 and not self.allow_world_ssh:
             raise ConfigError("ssh_cidr", self.ssh_cidr,

@@ -1,4 +1,10 @@
-"""Network: a VPC with one public subnet and no NAT (or an existing subnet), and the node security group."""
+"""Network: a VPC with one subnet for the nodes (or an existing subnet), and the node security group.
+
+Public (default): the nodes' subnet is public, no NAT; access=ssh admits ssh_cidr on 22 and 4444,
+access=ssm admits nothing from outside the group. Private (access=ssm only): the nodes have no public
+IP; a NAT gateway in a small public subnet lets them pull the image, Session Manager is reached
+through interface endpoints, S3 through a (free) gateway endpoint.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,6 +14,10 @@ from constructs import Construct
 
 # The container's sshd (assets/docker/sshd_config); fab and mpirun use it.
 CONTAINER_SSH_PORT = 4444
+# Session Manager's endpoints (the SSH proxy of access=ssm goes through ssm and ssmmessages).
+SSM_ENDPOINTS = (("Ssm", ec2.InterfaceVpcEndpointAwsService.SSM),
+                 ("SsmMessages", ec2.InterfaceVpcEndpointAwsService.SSM_MESSAGES),
+                 ("Ec2Messages", ec2.InterfaceVpcEndpointAwsService.EC2_MESSAGES))
 
 
 class ClusterNetwork(Construct):
@@ -15,8 +25,10 @@ class ClusterNetwork(Construct):
 
     def __init__(self, scope: Construct, construct_id: str, *, ssh_cidr: Optional[str],
                  vpc_id: Optional[str] = None, subnet_id: Optional[str] = None,
-                 availability_zone: Optional[str] = None, flow_logs: bool = True) -> None:
+                 availability_zone: Optional[str] = None, flow_logs: bool = True,
+                 private_subnet: bool = False) -> None:
         super().__init__(scope, construct_id)
+        self.endpoints: list[ec2.InterfaceVpcEndpoint] = []
         if vpc_id and subnet_id and availability_zone:
             self.subnet: ec2.ISubnet = ec2.Subnet.from_subnet_attributes(
                 self, "Subnet", subnet_id=subnet_id, availability_zone=availability_zone)
@@ -24,18 +36,11 @@ class ClusterNetwork(Construct):
                 self, "Vpc", vpc_id=vpc_id, availability_zones=[availability_zone],
                 public_subnet_ids=[subnet_id])
         else:
-            # One AZ: the one that offers the instance type (chosen by config), else the first.
-            zones = {"availability_zones": [availability_zone]} if availability_zone else {"max_azs": 1}
-            vpc = ec2.Vpc(
-                self, "Vpc", nat_gateways=0, **zones,
-                ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"),
-                subnet_configuration=[ec2.SubnetConfiguration(
-                    name="nodes", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=20)],
-            )
+            vpc = self._create_vpc(availability_zone, private_subnet)
             if flow_logs:
                 self._log_rejected_flows(vpc)
             self.vpc = vpc
-            self.subnet = vpc.public_subnets[0]
+            self.subnet = (vpc.private_subnets if private_subnet else vpc.public_subnets)[0]
 
         self.security_group = ec2.SecurityGroup(
             self, "NodeSecurityGroup", vpc=self.vpc, allow_all_outbound=True,
@@ -47,6 +52,32 @@ class ClusterNetwork(Construct):
             for port, what in ((22, "host SSH"), (CONTAINER_SSH_PORT, "training container SSH")):
                 self.security_group.add_ingress_rule(
                     ec2.Peer.ipv4(ssh_cidr), ec2.Port.tcp(port), f"{what} from ssh_cidr")
+        if private_subnet:
+            self._add_endpoints()
+
+    def _create_vpc(self, availability_zone: Optional[str], private_subnet: bool) -> ec2.Vpc:
+        # One AZ: the one that offers the instance type (chosen by config), else the first.
+        zones = {"availability_zones": [availability_zone]} if availability_zone else {"max_azs": 1}
+        if not private_subnet:
+            return ec2.Vpc(self, "Vpc", nat_gateways=0, **zones, ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"),
+                           subnet_configuration=[ec2.SubnetConfiguration(
+                               name="nodes", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=20)])
+        return ec2.Vpc(
+            self, "Vpc", nat_gateways=1, **zones, ip_addresses=ec2.IpAddresses.cidr("10.42.0.0/16"),
+            subnet_configuration=[
+                ec2.SubnetConfiguration(name="nat", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=28),
+                ec2.SubnetConfiguration(name="nodes", subnet_type=ec2.SubnetType.PRIVATE_WITH_EGRESS, cidr_mask=20)],
+            gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)})
+
+    def _add_endpoints(self) -> None:
+        """Interface endpoints for Session Manager in the nodes' subnet, HTTPS from the nodes only."""
+        endpoint_group = ec2.SecurityGroup(self, "EndpointSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
+                                           description="Session Manager endpoints: HTTPS from cluster nodes")
+        endpoint_group.add_ingress_rule(self.security_group, ec2.Port.tcp(443), "HTTPS from cluster nodes")
+        for name, service in SSM_ENDPOINTS:
+            self.endpoints.append(self.vpc.add_interface_endpoint(
+                name, service=service, subnets=ec2.SubnetSelection(subnets=[self.subnet]),
+                security_groups=[endpoint_group], private_dns_enabled=True, open=False))
 
     def _log_rejected_flows(self, vpc: ec2.Vpc) -> None:
         """Rejected flows only: a security record at negligible cost (accepted MPI traffic is huge),

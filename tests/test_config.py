@@ -96,7 +96,7 @@ BAD = [
     ("availability_zone", "east"), ("subnet_id", "subnet-0123456789abcdef0"),
     ("key_name", "bad/name"), ("cluster_name", "My Cluster"), ("cluster_name", "1cluster"),
     ("cluster_name", "a" * 40), ("idle_minutes", "-1"), ("idle_minutes", "soon"),
-    ("idle_minutes", "1411"), ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
+    ("idle_minutes", "1411"), ("access", "vpn"), ("private_subnet", "true"), ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
 ]
 
 
@@ -109,3 +109,10 @@ def test_bad_values_are_rejected_with_one_line_naming_key_and_value(key, value):
     assert message.startswith(f"invalid config {caught.value.key}=")
     assert caught.value.key == key
     assert "expected" in message or "needs" in message or "go together" in message or "set" in message
+
+
+def test_access_ssm_refuses_an_ssh_cidr_and_private_subnets_need_it():
+    with pytest.raises(ConfigError, match="access=ssm opens no inbound port"):
+        ClusterConfig.from_context({"access": "ssm", "ssh_cidr": "203.0.113.7/32"})
+    config = ClusterConfig.from_context({"access": "SSM", "private_subnet": "true"})
+    assert (config.access, config.private_subnet) == ("ssm", True)

@@ -345,3 +345,34 @@ def test_the_dashboard_shows_every_node_and_the_file_system_and_its_url_is_an_ou
     assert body.count('\\"label\\":\\"node') == 6 * nodes  # six per-node graphs, a line per node
     url = json.dumps(template.find_outputs("DashboardUrl"))
     assert "#dashboards:name=gpu-cluster" in url
+
+
+# ---------------------------------------------------------------- access=ssm
+
+def _ingress(template: Template) -> list[dict]:
+    rules = [r for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
+             for r in sg["Properties"].get("SecurityGroupIngress", [])]
+    return rules + [r["Properties"] for r in template.find_resources("AWS::EC2::SecurityGroupIngress").values()]
+
+
+@pytest.mark.parametrize("private", ["false", "true"])
+def test_access_ssm_has_no_ingress_from_outside_the_cluster(private):
+    template = _cluster(ssh_cidr=None, access="ssm", private_subnet=private)
+    for rule in _ingress(template):
+        assert "CidrIp" not in rule and "CidrIpv6" not in rule, rule
+        assert "SourceSecurityGroupId" in rule
+    template.has_output("Access", {"Value": "ssm"})
+
+
+def test_a_private_subnet_has_no_public_ips_a_nat_and_session_manager_endpoints():
+    template = _cluster(ssh_cidr=None, access="ssm", private_subnet="true")
+    template.resource_count_is("AWS::EC2::NatGateway", 1)
+    services = json.dumps([e["Properties"]["ServiceName"] for e in
+                           template.find_resources("AWS::EC2::VPCEndpoint").values()])
+    for service in (".ssm", ".ssmmessages", ".ec2messages", ".s3"):
+        assert service in services, service
+    node_subnets = {json.dumps(i["Properties"]["SubnetId"]) for i in template.find_resources("AWS::EC2::Instance").values()}
+    private = [logical for logical, subnet in template.find_resources("AWS::EC2::Subnet").items()
+               if not subnet["Properties"].get("MapPublicIpOnLaunch")]
+    assert node_subnets == {json.dumps({"Ref": private[0]})}
+    template.has_output("PublicIps", {"Value": "none"})

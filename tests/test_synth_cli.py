@@ -13,6 +13,7 @@ CASES = {
         "-c", "vpc_id=vpc-0123456789abcdef0", "-c", "subnet_id=subnet-0123456789abcdef0",
         "-c", "availability_zone=us-east-1a",
         "-c", "instance_type=p4d.24xlarge"],
+    "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge"],
 }
 
 
@@ -34,12 +35,12 @@ def test_template_facts(synth):
     case, _, _, template = synth
     resources = template["Resources"].values()
     instances = [r for r in resources if r["Type"] == "AWS::EC2::Instance"]
-    assert len(instances) == (3 if case == "three-nodes" else 8)
+    assert len(instances) == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2}[case]
     groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
     assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
     efs = [r for r in resources if r["Type"] == "AWS::EFS::FileSystem"][0]
     assert efs["Properties"]["Encrypted"] is True
-    assert efs["DeletionPolicy"] == ("Delete" if case == "three-nodes" else "Retain")
+    assert efs["DeletionPolicy"] == ("Retain" if "retained" in case else "Delete")
     ingress = [rule for r in resources if r["Type"] == "AWS::EC2::SecurityGroup"
                for rule in r["Properties"].get("SecurityGroupIngress", [])]
     ingress += [r["Properties"] for r in resources if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
