@@ -1,6 +1,7 @@
 """Helpers shared by the fab tasks: settings, inventory, connections, one-line errors."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from pathlib import Path
@@ -15,6 +16,19 @@ ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.L
 
 def fail(error: Exception) -> Exit:
     return Exit(f"error: {error}", code=1)
+
+
+@contextlib.contextmanager
+def aws_errors(what: str = "AWS"):
+    """botocore's errors as one actionable line (the service's own message names the cause)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    try:
+        yield
+    except ClientError as error:
+        detail = error.response.get("Error", {})
+        raise Exit(f"error: {what}: {detail.get('Code', 'error')}: {detail.get('Message', error)}", code=1) from None
+    except BotoCoreError as error:
+        raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 
 
 def aws_session(region=None):
