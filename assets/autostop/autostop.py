@@ -237,19 +237,33 @@ def log(message: str, data_dir: Optional[Path] = None) -> None:
             handle.write(line + "\n")
 
 
+class Watchdog:
+    """The decision, one observation at a time: tick() returns this minute's reasons (the
+    heartbeat is busy when there are any) and whether to stop the cluster now."""
+
+    def __init__(self, idle_minutes: float, interval: float):
+        self.idle, self.interval = idle_minutes, interval
+        self.samples: list[Sample] = []
+        self.before: Optional[Observation] = None
+
+    def tick(self, seen: Observation, peers: Sequence[str] = ()) -> tuple[list[str], Decision]:
+        reasons = local_reasons(seen, self.before) + list(peers)
+        if len(self.samples) < STARTUP_BUSY_SAMPLES:
+            reasons.append("watchdog starting")
+        self.samples.append(Sample(seen.time, tuple(reasons), seen.step))
+        self.samples = [s for s in self.samples if s.time >= seen.time - self.idle * 60 - 2 * self.interval]
+        self.before = seen
+        return reasons, decide(self.samples, self.idle, seen.time)
+
+
 def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwatch,
           instance_id: Optional[str]) -> int:
-    samples: list[Sample] = []
-    before: Optional[Observation] = None
-    state = None
+    dog, state = Watchdog(idle, interval), None
     while True:
         now = time.time()
         seen = observe(data_dir, now)
-        own = local_reasons(seen, before)
-        share(data_dir, rank, now, own)
-        reasons = own + peer_reasons(data_dir, rank, now, fresh_s=3 * interval)
-        if len(samples) < STARTUP_BUSY_SAMPLES:
-            reasons.append("watchdog starting")
+        share(data_dir, rank, now, local_reasons(seen, dog.before))
+        reasons, decision = dog.tick(seen, peer_reasons(data_dir, rank, now, fresh_s=3 * interval))
         if instance_id:
             try:
                 publish(cloudwatch, instance_id, bool(reasons))
@@ -258,22 +272,22 @@ def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwat
         if bool(reasons) != state:
             state = bool(reasons)
             log("busy: " + "; ".join(reasons) if reasons else "idle")
-        samples.append(Sample(now, tuple(reasons), seen.step))
-        samples = [s for s in samples if s.time >= now - idle * 60 - 2 * interval]
-        decision = decide(samples, idle, now)
         if decision.stop:
             log(f"{decision.reason}; stopping {stop_cluster(ec2, os.environ['CLUSTER_NAME'])}", data_dir)
             return 0
-        before = seen
         time.sleep(max(0.0, interval - (time.time() - now)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="/data")
     parser.add_argument("--interval", type=float, default=60.0, help="seconds between heartbeats (alarm period: 60)")
     parser.add_argument("--stop-now", action="store_true", help="stop the cluster now (fab train --then-stop)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     cluster, idle = os.environ.get("CLUSTER_NAME"), float(os.environ.get("IDLE_MINUTES", "0"))
     if not cluster or (idle <= 0 and not args.stop_now):
         print("autostop: off (CLUSTER_NAME unset or IDLE_MINUTES=0); nothing stopped", flush=True)
