@@ -26,7 +26,8 @@ def aws_errors(what: str = "AWS"):
         yield
     except ClientError as error:
         detail = error.response.get("Error", {})
-        raise Exit(f"error: {what}: {detail.get('Code', 'error')}: {detail.get('Message', error)}", code=1) from None
+        message = " ".join(str(detail.get("Message", error)).split())[:300]  # one line, even for an HTML page
+        raise Exit(f"error: {what}: {detail.get('Code', 'error')}: {message}", code=1) from None
     except BotoCoreError as error:
         raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 

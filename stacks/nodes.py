@@ -157,6 +157,6 @@ class GpuNodes(Construct):
             comparison_operator=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
             treat_missing_data=cloudwatch.TreatMissingData.BREACHING)
         alarm.add_alarm_action(cloudwatch_actions.Ec2Action(cloudwatch_actions.Ec2InstanceAction.STOP))
-        # Created once the node has signalled (its watchdog runs): no missing heartbeat during bootstrap.
-        alarm.node.add_dependency(instance)
+        # Its Ref to the instance means CloudFormation creates it only once the node has signalled
+        # (creation policy), i.e. its watchdog runs: no missing heartbeat during the bootstrap.
         return alarm

@@ -212,9 +212,11 @@ def test_one_minute_heartbeat_alarms_and_no_paid_detailed_monitoring():
     assert "--interval" not in (REPO / "assets" / "docker" / "entrypoint.sh").read_text()
     instances = template.find_resources("AWS::EC2::Instance")
     assert not [i for i in instances.values() if i["Properties"].get("Monitoring")]
-    # Created after the node signalled, so a bootstrap (no heartbeat yet) cannot trip it.
-    for alarm in template.find_resources("AWS::CloudWatch::Alarm").values():
-        assert set(alarm["DependsOn"]) & set(instances)
+    # It refers to its instance, so CloudFormation creates it only after the node signalled (the
+    # creation policy): a bootstrap, with no heartbeat yet, cannot trip it.
+    refs = {a["Properties"]["Dimensions"][0]["Value"]["Ref"]
+            for a in template.find_resources("AWS::CloudWatch::Alarm").values()}
+    assert refs == set(instances) and all(i.get("CreationPolicy") for i in instances.values())
 
 
 def test_nothing_is_retained_by_default_and_retained_data_is_tagged():
