@@ -156,8 +156,9 @@ def test_volumes_are_deleted_only_after_the_instances_are_terminated():
                          {"VolumeIds": ["vol-1"]})  # waiter: volume_available
     stubber.add_response("delete_volume", {}, {"VolumeId": "vol-1"})
     with stubber:
-        failed = audit.delete({"ec2": ec2}, [audit.Leftover("volume", "vol-1", "200 GB in-use", 16.0),
+        others = {name: None for name in ("efs", "ssm", "logs", "cloudwatch")}  # not called
+        failed = audit.delete({"ec2": ec2, **others}, [audit.Leftover("volume", "vol-1", "200 GB in-use", 16.0),
                                              audit.Leftover("instance", "i-1", "g5.xlarge running", 734.0)],
-                              log=lambda m: None, pace=audit.Pace(delay=0))
+                              log=lambda m: None)  # each waiter's first poll succeeds: no wait
         stubber.assert_no_pending_responses()
     assert failed == []

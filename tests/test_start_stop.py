@@ -55,7 +55,7 @@ def test_start_right_after_an_autostop_waits_for_stopped_first(tmp_path):
     stubber.add_response("describe_instances", described((ids[0], "running", "203.0.113.10"),
                                                          (ids[1], "running", "203.0.113.11")), {"Filters": ANY})
     with stubber:
-        fresh = start_and_refresh(inventory(tmp_path, ids), ec2, delay=0)
+        fresh = start_and_refresh(inventory(tmp_path, ids), ec2)
         stubber.assert_no_pending_responses()
     assert [n.public_ip for n in fresh.nodes] == ["203.0.113.10", "203.0.113.11"]
     assert (tmp_path / "known_hosts").read_text().splitlines() == [
@@ -72,7 +72,7 @@ def test_a_capacity_failure_stops_what_did_start_and_says_so_in_one_line(tmp_pat
     stubber.add_response("describe_instances", described((ids[0], "pending"), (ids[1], "stopped")))
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": [ids[0]]})
     with stubber, pytest.raises(InventoryError) as raised:
-        start_and_refresh(inventory(tmp_path, ids), ec2, delay=0)
+        start_and_refresh(inventory(tmp_path, ids), ec2)
     stubber.assert_no_pending_responses()
     message = str(raised.value)
     assert "\n" not in message and "InsufficientInstanceCapacity" in message
@@ -91,7 +91,7 @@ def test_a_node_that_fails_to_start_later_is_reported_and_the_others_stopped(tmp
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": [ids[0]]})
     with stubber, pytest.raises(InventoryError, match=r"i-0aaaaaaaaaaaaaaa2 stopped: Server.InsufficientInstanceCapacity"
                                                       r".*stopped the 1 that did"):
-        start_and_refresh(inventory(tmp_path, ids), ec2, delay=0)
+        start_and_refresh(inventory(tmp_path, ids), ec2)
     stubber.assert_no_pending_responses()
 
 
