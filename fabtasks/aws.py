@@ -131,15 +131,20 @@ def _spent(session, inv: Inventory, price: costs.Price) -> None:
               f"${costs.efs_io_usd(read, written):.2f}")
 
 
+def _on_instances(c, what: str, action):
+    """action(inventory, ec2) with the inventory's region; AWS and inventory errors as one line."""
+    inv = load_inventory(c)
+    with aws_errors(f"fab {what}"):
+        try:
+            return action(inv, aws_session(inv.region).client("ec2"))
+        except ERRORS as error:
+            raise fail(error) from None
+
+
 @task
 def start(c):
     """Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
-    inv = load_inventory(c)
-    with aws_errors("fab start"):
-        try:
-            fresh = start_and_refresh(inv, aws_session(inv.region).client("ec2"))
-        except ERRORS as error:
-            raise fail(error) from None
+    fresh = _on_instances(c, "start", start_and_refresh)
     fresh.save(inventory_path(c))
     print(f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready "
           "(data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)")
@@ -148,12 +153,7 @@ def start(c):
 @task
 def stop_cluster(c):
     """Stop every node now (EBS and EFS keep billing, instance-store NVMe is erased); `fab start` restarts."""
-    inv = load_inventory(c)
-    with aws_errors("fab stop-cluster"):
-        try:
-            stopped = stop_nodes(inv, aws_session(inv.region).client("ec2"))
-        except ERRORS as error:
-            raise fail(error) from None
+    stopped = _on_instances(c, "stop-cluster", stop_nodes)
     print(f"stopping {', '.join(stopped) or 'nothing (no node was running)'}; `fab start` brings them back")
 
 

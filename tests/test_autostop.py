@@ -108,7 +108,9 @@ def test_an_idle_node_is_stopped_by_the_watchdog_first_then_by_its_alarm():
 
 
 @pytest.mark.parametrize("name, observation, busy", [
-    ("GPU busy during a long eval", Observation(MIN, step=500, progress_age_s=40 * MIN, gpu_util=95.0), True),
+    ("GPU busy with no run going: your own work", Observation(MIN, gpu_util=95.0), True),
+    ("a hung collective: GPUs at 100%, no step for 40 min", Observation(MIN, step=500, progress_age_s=40 * MIN,
+                                                                       gpu_util=100.0), False),
     ("data being prepared", Observation(MIN, preparing=("prepare.py wmt16-en-de on node0",)), True),
     ("someone working in a shell", Observation(MIN, sessions=1), True),
     ("step stuck for 40 min, GPUs idle", Observation(MIN, step=500, progress_age_s=40 * MIN, gpu_util=1.0), False),

@@ -310,3 +310,17 @@ def test_an_aws_error_inside_a_task_is_one_line(tmp_path, aws_env):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: preflight: "), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
+    from fabtasks.aws import _spent
+    ids = moto_instances(2, "spend")
+    fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
+    inv = Inventory(cluster="spend", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
+                    nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
+                    ssh=SshSettings("root", 4444, "/k", "/kh"), file_system_id=fs)
+    _spent(boto3.session.Session(), inv, cost.offline_price("g4dn.xlarge", "us-east-1"))
+    _spent(boto3.session.Session(), inv, cost.Price(None, "unknown"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("spent since the running nodes started: $") and out[2].endswith(": unknown")
+    assert out[1] == "EFS I/O in the last 24 h: 0.0 GB read, 0.0 GB written = $0.00"

@@ -1,9 +1,10 @@
 """Autostop watchdog, one per node (the container's entrypoint starts it and restarts it if it dies).
 
 Every minute it decides whether the cluster is busy -- a training step advanced in the last 15
-minutes, a GPU is busy (nvidia-smi), a data set is being prepared or staged (prepare.py keeps a
-marker fresh under /data/.cluster/busy/), or someone has an interactive SSH session in a container
--- on this node or on any other (nodes share what they see in /data/.cluster/heartbeat/). It then
+minutes, a GPU is busy while no run is going (nvidia-smi), a data set is being prepared or staged
+(prepare.py keeps a marker fresh under /data/.cluster/busy/), or someone has an interactive SSH
+session in a container -- on this node or on any other (nodes share what they see in
+/data/.cluster/heartbeat/). It then
   * publishes this node's heartbeat, Busy = 1 or 0, to CloudWatch (namespace GpuCluster/Autostop,
     dimension InstanceId); a CloudWatch alarm per node stops the node when the heartbeat has said
     idle, or nothing at all, for IDLE_MINUTES + 30 minutes: the net for a watchdog that died;
@@ -67,12 +68,13 @@ class Decision:
 
 def local_reasons(now: Observation, before: Optional[Observation]) -> list[str]:
     """Why this node is busy; empty when it is idle. CPU load is not a signal: a GPU rank keeps
-    about one core busy, 2-4% of a large instance."""
+    about one core busy, 2-4% of a large instance. GPU load counts only when no run is going: a
+    hung NCCL collective keeps GPUs at 100% without a step (the launcher ends such a run)."""
     reasons = []
     moved = before is not None and now.step is not None and now.step != before.step
     if moved or (now.progress_age_s is not None and now.progress_age_s <= STEP_WINDOW_S):
         reasons.append(f"training step {now.step} advancing")
-    if now.gpu_util is not None and now.gpu_util > GPU_BUSY_PERCENT:
+    if now.step is None and now.gpu_util is not None and now.gpu_util > GPU_BUSY_PERCENT:
         reasons.append(f"GPU {now.gpu_util:.0f}% busy")
     reasons += [f"preparing data ({what})" for what in now.preparing]
     if now.sessions:
