@@ -46,13 +46,18 @@ def leftovers(aws_env):
         AlarmName=f"{CLUSTER}-idle", MetricName="Busy", Namespace="GpuCluster/Autostop", Statistic="Maximum",
         Period=60, EvaluationPeriods=1, Threshold=1, ComparisonOperator="LessThanThreshold", Tags=TAGS)
     s3 = boto3.client("s3")
-    if BUCKET not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:  # `cdk bootstrap` may have made it
+    made = BUCKET not in {b["Name"] for b in s3.list_buckets()["Buckets"]}  # `cdk bootstrap` may have made it
+    if made:
         s3.create_bucket(Bucket=BUCKET)
-    for name in ("a.zip", "b.json"):
+    for name in ("audit-a.zip", "audit-b.json"):
         s3.put_object(Bucket=BUCKET, Key=name, Body=b"x" * 1000)
     yield {"other": other, "eni": eni, "kept": kept}
     audit.delete(clients(), audit.find(clients(), CLUSTER), log=lambda m: None, include_retained=True,
                  pace=audit.Pace(delay=0))  # whatever a test left
+    for name in ("audit-a.zip", "audit-b.json"):
+        s3.delete_object(Bucket=BUCKET, Key=name)
+    if made:  # leave the session's moto server as it was: `cdk bootstrap` (test_moto) creates this bucket
+        s3.delete_bucket(Bucket=BUCKET)
 
 
 def clients():
