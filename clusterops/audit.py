@@ -98,7 +98,8 @@ def _tagged_elsewhere(ssm, logs, cloudwatch, cluster: str) -> list[Leftover]:
                 found.append(Leftover("log-group", group["logGroupName"], f"{stored:.2f} GB", stored * 0.03))
     for page in cloudwatch.get_paginator("describe_alarms").paginate():
         for alarm in page["MetricAlarms"]:
-            if _tags(cloudwatch.list_tags_for_resource(ResourceARN=alarm["AlarmArn"])["Tags"]).get(CLUSTER_TAG) == cluster:
+            tags = _tags(cloudwatch.list_tags_for_resource(ResourceARN=alarm["AlarmArn"])["Tags"])
+            if tags.get(CLUSTER_TAG) == cluster:
                 found.append(Leftover("alarm", alarm["AlarmName"], alarm["StateValue"], TABLE["alarm_usd_per_month"]))
     return found
 
@@ -180,11 +181,12 @@ def _delete_network_interfaces(clients, ids, pace, log) -> set[str]:
     """Attached ENIs go with their instance or mount target; only detached ones are deleted.
     Returns the ones left attached."""
     ec2, left = clients["ec2"], set()
-    for eni in ec2.describe_network_interfaces(Filters=[{"Name": "network-interface-id", "Values": ids}])["NetworkInterfaces"]:
+    enis = ec2.describe_network_interfaces(Filters=[{"Name": "network-interface-id", "Values": ids}])
+    for eni in enis["NetworkInterfaces"]:
         if eni["Status"] == "available":
             ec2.delete_network_interface(NetworkInterfaceId=eni["NetworkInterfaceId"])
         else:
-            log(f"left network-interface {eni['NetworkInterfaceId']}: {eni['Status']} (goes with what it is attached to)")
+            log(f"left network-interface {eni['NetworkInterfaceId']}: {eni['Status']} (goes with its attachment)")
             left.add(eni["NetworkInterfaceId"])
     return left
 
