@@ -283,5 +283,5 @@ def local_down(c, name="local"):
 
 
 local = Collection("local", local_up, local_down)
-ns = Collection(preflight, cost, audit, start, stop_cluster, inventory, status, check, data, sync, train, logs, stop, tensorboard,
-                monitor, fetch, ssh, local)
+ns = Collection(preflight, cost, audit, start, stop_cluster, inventory, status, check, data, sync, train, logs, stop,
+                tensorboard, monitor, fetch, ssh, local)
