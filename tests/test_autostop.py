@@ -346,3 +346,15 @@ def test_without_any_region_nothing_is_stopped_and_it_says_why_in_one_line(aws_e
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "autostop: no AWS region (AWS_REGION unset and no instance metadata); nothing stopped"]
+
+
+def test_the_newest_unfinished_run_is_the_one_that_counts(tmp_path):
+    assert autostop.latest_progress(tmp_path, 1000.0) == (None, None)
+    for run, values, age in (("old", {"step": 10}, 900), ("new", {"step": 20}, 100)):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        path = tmp_path / "runs" / run / "progress.json"
+        path.write_text(json.dumps(values))
+        os.utime(path, (1000.0 - age, 1000.0 - age))
+    assert autostop.latest_progress(tmp_path, 1000.0) == (20, 100.0)
+    (tmp_path / "runs" / "new" / "progress.json").write_text(json.dumps({"step": 30, "ended": "finished"}))
+    assert autostop.latest_progress(tmp_path, time.time()) == (None, None)  # a finished run is no run

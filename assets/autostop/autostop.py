@@ -94,29 +94,31 @@ def decide(samples: Sequence[Sample], idle_minutes: float, now: float) -> Decisi
     if busy:
         return Decision(False, "busy: " + "; ".join(busy[-1].busy))
     last = window[-1].step
-    run = "no run" if last is None else f"step stuck at {last}"
-    return Decision(True, f"idle for {idle_minutes:g} min: {run}, GPUs below {GPU_BUSY_PERCENT:g}%, "
-                          "no data preparation, no interactive session")
+    run = f"no run, GPUs below {GPU_BUSY_PERCENT:g}%" if last is None else f"step stuck at {last}"
+    return Decision(True, f"idle for {idle_minutes:g} min: {run}, no data preparation, no interactive session")
 
 
 # ---------------------------------------------------------------- what a node sees
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
+
+
 def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional[float]]:
     """(step, age in seconds) of the newest run's progress.json; (None, None) without a run going."""
-    progress = sorted((data_dir / "runs").glob("*/progress.json"), key=lambda p: p.stat().st_mtime)
-    if not progress:
+    progress = max((data_dir / "runs").glob("*/progress.json"), key=_mtime, default=None)
+    if progress is None:
         return None, None
     try:
-        values = json.loads(progress[-1].read_text())
+        values = json.loads(progress.read_text())
         if values.get("ended"):
             return None, None
-        return int(values["step"]), max(0.0, now - progress[-1].stat().st_mtime)
+        return int(values["step"]), max(0.0, now - _mtime(progress))
     except (ValueError, KeyError, TypeError, OSError):
         return None, None
-
-
-def latest_step(data_dir: Path) -> Optional[int]:
-    return latest_progress(data_dir, time.time())[0]
 
 
 def gpu_utilisation() -> Optional[float]:
@@ -134,7 +136,7 @@ def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
     found = []
     for marker in sorted((data_dir / ".cluster" / "busy").glob("*.json")):
         try:
-            if now - marker.stat().st_mtime <= MARKER_FRESH_S:
+            if now - _mtime(marker) <= MARKER_FRESH_S:
                 found.append(json.loads(marker.read_text()).get("what", marker.stem))
         except (OSError, ValueError):
             continue
