@@ -237,14 +237,20 @@ def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, c
         cache_offerings(context_file, region, config.instance_type, zones)
     where, az = placement(config, zones)
     checks.append(where)
-    quota = check_quota(ec2, clients["service-quotas"], config.instance_type, config.nodes, spot)
-    checks.append(Check(f"vCPU quota ({'Spot' if spot else 'On-Demand'})", quota.ok, quota.line()))
+    quota_name = f"vCPU quota ({'Spot' if spot else 'On-Demand'})"
+    try:
+        quota = check_quota(ec2, clients["service-quotas"], config.instance_type, config.nodes, spot)
+        checks.append(Check(quota_name, quota.ok, quota.line()))
+    except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
+        quota = None
+        checks.append(Check(quota_name, False, f"could not read it: {error.response['Error'].get('Code')}: "
+                                               f"{' '.join(str(error.response['Error'].get('Message', '')).split())[:200]}"))
     ami_check, image_id = ami(clients["ssm"], config.ami_parameter)
     checks.append(ami_check)
     if image_id and az:
         checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az))
     notes = [cloudformation_role_note(account, region)]
-    if not quota.ok:
+    if quota is not None and not quota.ok:
         notes.append(request_increase(clients["service-quotas"], quota) if request_quota else
                      f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs")
     return checks, notes

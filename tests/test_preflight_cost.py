@@ -302,14 +302,16 @@ def test_a_broken_aws_profile_is_one_line(tmp_path):
         "(check AWS_PROFILE / `aws configure`)"]
 
 
-def test_an_aws_error_inside_a_task_is_one_line(tmp_path, aws_env):
-    """Service Quotas is not emulated: the preflight's quota call fails the way an unreachable service does."""
+def test_an_unreadable_quota_is_a_fail_line_and_the_other_checks_still_run(tmp_path, aws_env):
+    """Service Quotas is not emulated: the quota call fails the way a denied or unreachable one does."""
     result = subprocess.run(["fab", "preflight"], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=tool_env(GPU_CLUSTER_CDK_CONTEXT=str(tmp_path / "cdk.context.json"), **aws_env))
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: preflight: "), result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    quota = [line for line in result.stdout.splitlines() if "vCPU quota" in line]
+    assert len(quota) == 1 and quota[0].startswith("FAIL  vCPU quota (On-Demand): could not read it: ")
+    assert "AZ and subnet: a new VPC with one public subnet in us-east-1" in result.stdout
+    assert json.loads((tmp_path / "cdk.context.json").read_text())[offerings_context_key("us-east-1", "g4dn.2xlarge")]
+    assert result.stderr.strip() == "error: preflight failed; fix the FAIL lines before `cdk deploy`"
 
 
 def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
@@ -324,3 +326,15 @@ def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("spent since the running nodes started: $") and out[2].endswith(": unknown")
     assert out[1] == "EFS I/O in the last 24 h: 0.0 GB read, 0.0 GB written = $0.00"
+
+
+def test_an_aws_error_inside_a_task_is_one_line(tmp_path, aws_env):
+    inv = Inventory(cluster="gone", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
+                    nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-0123456789abcdef0")],
+                    ssh=SshSettings("root", 4444, "/k", "/kh"), file_system_id="fs-0123456789abcdef0")
+    inv.save(tmp_path / "inventory.json")
+    result = subprocess.run(["fab", "cost"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), **aws_env))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: fab cost: FileSystemNotFound: File system 'fs-0123456789abcdef0' does not exist."], result.stderr
