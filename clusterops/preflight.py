@@ -12,6 +12,7 @@ from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from .report import aws_error
 from stacks.config import ClusterConfig, choose_availability_zone, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
 
@@ -243,8 +244,7 @@ def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, c
         checks.append(Check(quota_name, quota.ok, quota.line()))
     except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
         quota = None
-        checks.append(Check(quota_name, False, f"could not read it: {error.response['Error'].get('Code')}: "
-                                               f"{' '.join(str(error.response['Error'].get('Message', '')).split())[:200]}"))
+        checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
     ami_check, image_id = ami(clients["ssm"], config.ami_parameter)
     checks.append(ami_check)
     if image_id and az:

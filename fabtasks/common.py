@@ -8,7 +8,7 @@ from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from clusterops import launch, localcluster, remote
+from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
@@ -25,9 +25,7 @@ def aws_errors(what: str = "AWS"):
     try:
         yield
     except ClientError as error:
-        detail = error.response.get("Error", {})
-        message = " ".join(str(detail.get("Message", error)).split())[:300]  # one line, even for an HTML page
-        raise Exit(f"error: {what}: {detail.get('Code', 'error')}: {message}", code=1) from None
+        raise Exit(f"error: {what}: {report.aws_error(error)}", code=1) from None
     except BotoCoreError as error:
         raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 
