@@ -1,7 +1,7 @@
 """Operate the GPU training cluster (AWS or the emulated local one). `fab --list`; `fab --help TASK`.
 
 Typical session:  fab local.up --nodes 2  ->  fab data  ->  fab train --follow  ->  fab fetch  ->  fab local.down
-On AWS:           npx cdk deploy  ->  fab inventory  ->  fab status  ->  fab data ...  ->  npx cdk destroy
+On AWS:           fab preflight -> npx cdk deploy -> fab inventory -> fab status -> fab data ... -> npx cdk destroy
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from invoke.exceptions import Exit
 from clusterops import cost as costs
 from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import Inventory
-from fabtasks.aws import audit, cost, inventory, preflight, start
+from fabtasks.aws import audit, cost, efs_io_rate, inventory, kept_price, preflight, start, stop_cluster
 from fabtasks.common import ERRORS, fail, head, inventory_path, load_inventory, number, run_dir, settings, \
     whole_number
 
@@ -78,6 +78,9 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
             result = conn.run(shlex.join(argv), in_stream=False, warn=True)
         if result.exited != 0:
             raise Exit(f"error: prepare.py {dataset} failed on {node.name} (exit {result.exited})", code=1)
+    if "--stage-to" in extra:
+        print("note: instance-store NVMe (e.g. /opt/dlami/nvme) is erased when a node stops (autostop, "
+              "--then-stop, fab stop-cluster): run this `fab data` again after `fab start`")
 
 
 def _code_dir(c, inv: Inventory) -> str:
@@ -146,17 +149,20 @@ def train(c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=No
 
 
 def _projector(inv: Inventory):
-    """On AWS: print once what the run will cost, as soon as its step time is known."""
+    """On AWS: print once what the run will cost (nodes and EFS I/O), as soon as its step time is
+    known; "unknown" where no price is known, never an exception after the run has started."""
     if inv.source != "aws":
         return None
-    price = costs.instance_price(None, inv.instance_type, inv.region or "us-east-1").usd_per_hour * len(inv.nodes)
+    price = kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
+    hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
     printed = []
 
     def on_progress(progress: dict) -> None:
-        line = not printed and costs.projection(progress, price)
-        if line:
-            print(f"cost: {line}", flush=True)
-            printed.append(line)
+        if printed or not costs.projection(progress, hourly):
+            return
+        line = costs.projection(progress, hourly, efs_io_rate(inv))
+        print(f"cost: {line} [{price.source}]", flush=True)
+        printed.append(line)
     return on_progress
 
 
@@ -312,5 +318,5 @@ def local_down(c, name="local"):
 
 
 local = Collection("local", local_up, local_down)
-ns = Collection(preflight, cost, audit, start, inventory, status, check, data, sync, train, logs, stop, tensorboard,
-                monitor, fetch, ssh, local)
+ns = Collection(preflight, cost, audit, start, stop_cluster, inventory, status, check, data, sync, train, logs, stop,
+                tensorboard, monitor, fetch, ssh, local)

@@ -1,49 +1,104 @@
-"""What the cluster costs: on-demand $/hour (Pricing API, else the dated offline table), storage per
-month, a run's projection from its measured step time, and what has been spent since launch."""
+"""What the cluster costs: on-demand $/hour (Pricing API by regionCode, else the dated offline table,
+labelled), storage per month, EFS Elastic-throughput I/O, a run's projection from its measured step
+time, and what has been spent since launch. A price nobody knows is "unknown", never $0."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Optional
 
+from botocore.exceptions import BotoCoreError, ClientError
+
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
-# The Pricing API names regions by location.
-LOCATIONS = {"us-east-1": "US East (N. Virginia)", "us-east-2": "US East (Ohio)", "us-west-2": "US West (Oregon)",
-             "eu-west-1": "EU (Ireland)", "eu-central-1": "EU (Frankfurt)", "ap-northeast-1": "Asia Pacific (Tokyo)"}
+# The product the cluster runs: Linux, shared tenancy, no pre-installed software, on-demand capacity.
+PRODUCT_FILTERS = (("operatingSystem", "Linux"), ("tenancy", "Shared"), ("preInstalledSw", "NA"),
+                   ("capacitystatus", "Used"))
 
 
 @dataclass(frozen=True)
 class Price:
-    usd_per_hour: float
+    usd_per_hour: Optional[float]  # None: unknown
     source: str
 
+    @property
+    def from_api(self) -> bool:
+        return self.source.startswith("Pricing API")
 
-def instance_price(pricing, instance_type: str, region: str) -> Price:
-    """On-demand Linux price from the Pricing API; the offline table when the API is unavailable."""
-    if pricing is not None and region in LOCATIONS:
+
+def usd(value: Optional[float]) -> str:
+    return "unknown" if value is None else f"${value:,.2f}"
+
+
+def table_line() -> str:
+    return (f"offline price table: prices of {TABLE['date']} in {TABLE['region']}, checked {TABLE['checked']}; "
+            f"source: {TABLE['source']}")
+
+
+def api_price(pricing, instance_type: str, region: str) -> Optional[float]:
+    """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1)."""
+    filters = [("instanceType", instance_type), ("regionCode", region), *PRODUCT_FILTERS]
+    response = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=10, Filters=[
+        {"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters])
+    for item in response["PriceList"]:
+        product = json.loads(item) if isinstance(item, str) else item
+        for term in product["terms"].get("OnDemand", {}).values():
+            for dimension in term["priceDimensions"].values():
+                value = float(dimension["pricePerUnit"].get("USD", 0))
+                if value > 0:
+                    return value
+    return None
+
+
+def offline_price(instance_type: str, region: str) -> Price:
+    value = TABLE["instances_usd_per_hour"].get(instance_type)
+    if value is None:
+        return Price(None, f"unknown: no Pricing API answer and {instance_type} is not in the offline table")
+    where = (f"offline table of {TABLE['date']}" if region == TABLE["region"] else
+             f"offline table of {TABLE['date']}: {TABLE['region']} prices, {region} may differ")
+    return Price(value, where)
+
+
+def instance_price(pricing, instance_type: str, region: str, kept: Optional[Price] = None) -> Price:
+    """The Pricing API's price for this region; else a price kept from it earlier (the inventory's);
+    else the offline table, labelled with its date and region."""
+    if pricing is not None:
         try:
-            response = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=10, Filters=[
-                {"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in (
-                    ("instanceType", instance_type), ("location", LOCATIONS[region]),
-                    ("operatingSystem", "Linux"), ("tenancy", "Shared"), ("preInstalledSw", "NA"),
-                    ("capacitystatus", "Used"))])
-            for item in response["PriceList"]:
-                product = json.loads(item) if isinstance(item, str) else item
-                for term in product["terms"]["OnDemand"].values():
-                    for dimension in term["priceDimensions"].values():
-                        usd = float(dimension["pricePerUnit"]["USD"])
-                        if usd > 0:
-                            return Price(usd, "Pricing API")
-        except Exception:  # noqa: BLE001 - no access, no network: fall back to the table
+            value = api_price(pricing, instance_type, region)
+            if value:
+                return Price(value, f"Pricing API, {region}")
+        except (ClientError, BotoCoreError):  # no access, no network: fall back
             pass
-    table = TABLE["instances_usd_per_hour"]
-    if instance_type not in table:
-        raise KeyError(f"no price for {instance_type}: the Pricing API was unavailable and the offline "
-                       f"table ({TABLE['date']}) does not list it")
-    return Price(table[instance_type], f"offline table of {TABLE['date']} ({TABLE['region']})")
+    if kept is not None and kept.usd_per_hour is not None:
+        return kept
+    return offline_price(instance_type, region)
+
+
+def efs_io_usd(read_gb: float, write_gb: float) -> float:
+    return read_gb * TABLE["efs_elastic_read_usd_per_gb"] + write_gb * TABLE["efs_elastic_write_usd_per_gb"]
+
+
+def efs_io_gb(cloudwatch, file_system_id: str, start: datetime, end: datetime) -> tuple[float, float]:
+    """GB read and written through EFS between start and end (AWS/EFS DataReadIOBytes and
+    DataWriteIOBytes, Sum): what Elastic throughput bills."""
+    seconds = max(60.0, (end - start).total_seconds())
+    period = max(60, math.ceil(seconds / 1440 / 60) * 60)  # at most 1440 datapoints per call
+    totals = []
+    for metric in ("DataReadIOBytes", "DataWriteIOBytes"):
+        points = cloudwatch.get_metric_statistics(
+            Namespace="AWS/EFS", MetricName=metric, StartTime=start, EndTime=end, Period=period,
+            Dimensions=[{"Name": "FileSystemId", "Value": file_system_id}], Statistics=["Sum"])["Datapoints"]
+        totals.append(sum(point["Sum"] for point in points) / 1e9)
+    return totals[0], totals[1]
+
+
+def efs_io_usd_per_hour(cloudwatch, file_system_id: str, now: Optional[datetime] = None) -> float:
+    """EFS I/O dollars per hour at the last hour's rate."""
+    now = now or datetime.now(timezone.utc)
+    return efs_io_usd(*efs_io_gb(cloudwatch, file_system_id, now - timedelta(hours=1), now))
 
 
 @dataclass(frozen=True)
@@ -52,10 +107,13 @@ class Estimate:
     node_price: Price
     root_gb: int
     efs_gb: float
+    dataset_gb: Optional[float] = None
+    epochs: Optional[float] = None
 
     @property
-    def usd_per_hour(self) -> float:
-        return self.nodes * self.node_price.usd_per_hour
+    def usd_per_hour(self) -> Optional[float]:
+        price = self.node_price.usd_per_hour
+        return None if price is None else self.nodes * price
 
     @property
     def ebs_usd_per_month(self) -> float:
@@ -66,23 +124,40 @@ class Estimate:
         return self.efs_gb * TABLE["efs_standard_usd_per_gb_month"]
 
     def lines(self) -> list[str]:
-        return [f"cluster: {self.nodes} x ${self.node_price.usd_per_hour:.3f}/h = ${self.usd_per_hour:.2f}/hour "
-                f"(${self.usd_per_hour * 24:.2f}/day) [{self.node_price.source}]",
-                f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
-                "while the stack exists",
-                f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted"]
+        hourly = self.usd_per_hour
+        node = usd(self.node_price.usd_per_hour) if hourly is None else f"${self.node_price.usd_per_hour:.3f}"
+        lines = [f"cluster: {self.nodes} x {node}/h = {usd(hourly)}/hour "
+                 f"({usd(None if hourly is None else hourly * 24)}/day) [{self.node_price.source}]",
+                 f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
+                 "while the stack exists",
+                 f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted"]
+        if self.dataset_gb and self.epochs:
+            read_gb = self.dataset_gb * self.epochs
+            lines.append(f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "
+                         f"{self.epochs:g} epochs) = ${efs_io_usd(read_gb, 0):,.2f} "
+                         f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
+                         f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)")
+        return lines
 
 
-def projection(progress: dict, usd_per_hour: float) -> Optional[str]:
-    """Time and dollars to reach max steps from the measured step time, or None before it is known."""
+def projection(progress: dict, usd_per_hour: Optional[float],
+               io_usd_per_hour: Optional[float] = None) -> Optional[str]:
+    """Time and dollars to reach max steps from the measured step time, or None before it is known.
+    EFS I/O is projected at its last hour's rate when given."""
     step, total, step_time = progress.get("step"), progress.get("max_steps"), progress.get("avg_step_time_s")
     if not step or not total or not step_time:
         return None
     hours = max(0, total - step) * step_time / 3600
-    return (f"run: step {step}/{total} at {step_time:.2f} s/step -> {hours:.1f} h and "
-            f"${hours * usd_per_hour:.2f} more to reach {total} steps")
+    line = (f"run: step {step}/{total} at {step_time:.2f} s/step -> {hours:.1f} h and "
+            f"{usd(None if usd_per_hour is None else hours * usd_per_hour)} more for the nodes")
+    if io_usd_per_hour is not None:
+        line += f" + ${hours * io_usd_per_hour:.2f} EFS I/O at the last hour's rate"
+    return line + f" to reach {total} steps"
 
 
-def spent(launch_times: list[datetime], usd_per_hour_per_node: float, now: Optional[datetime] = None) -> float:
+def spent(launch_times: list[datetime], usd_per_hour_per_node: Optional[float],
+          now: Optional[datetime] = None) -> Optional[float]:
+    if usd_per_hour_per_node is None:
+        return None
     now = now or datetime.now(timezone.utc)
     return sum(max(0.0, (now - t).total_seconds()) / 3600 for t in launch_times) * usd_per_hour_per_node

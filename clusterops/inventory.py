@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+from botocore.exceptions import ClientError, WaiterError
+
 DEFAULT_INVENTORY = Path(".cluster/inventory.json")
 DEFAULT_OUTPUTS = Path("cdk-outputs.json")
 
@@ -63,6 +65,9 @@ class Inventory:
     stack_name: Optional[str] = None
     local_state: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    file_system_id: Optional[str] = None
+    usd_per_hour: Optional[float] = None  # per node, kept from `fab inventory` (None: unknown)
+    price_source: str = ""
 
     @property
     def head(self) -> Node:
@@ -177,6 +182,7 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
                   for r, ip in enumerate(public + [""] * (len(private) - len(public)))]
     nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r],
                   instance_id=ids[r]) for r in range(len(private))]
+    nodes = refresh_addresses(nodes, session.client("ec2"))  # a stop/start changes public IPs
     known_hosts = state_dir / f"{stack_name}.known_hosts"
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
     return Inventory(
@@ -185,29 +191,92 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
         ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts),
                         proxy_command=proxy),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
-        stack_name=stack_name, extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
+        stack_name=stack_name, file_system_id=outputs.get("FileSystemId"),
+        extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
 
 
-def start_and_refresh(inventory: Inventory, ec2, wait: bool = True) -> Inventory:
-    """Start the inventory's stopped instances, wait until they run, and return the inventory with
-    their new addresses (a stopped instance gets a new public IP), the host key re-pinned."""
+def describe(ec2, ids: list[str]) -> dict[str, dict]:
+    """Instance id -> its description, for the ids that still exist (a filter, not InstanceIds:
+    an id that is gone is left out instead of failing the call)."""
+    if not ids:
+        return {}
+    pages = ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": "instance-id", "Values": ids}])
+    return {i["InstanceId"]: i for page in pages for r in page["Reservations"] for i in r["Instances"]}
+
+
+def refresh_addresses(nodes: list[Node], ec2) -> list[Node]:
+    """The nodes with the addresses EC2 reports now; a node without a public address (private
+    subnet, an emulator) is reached on its private one."""
+    described = describe(ec2, [n.instance_id for n in nodes if n.instance_id])
+    fresh = []
+    for node in nodes:
+        instance = described.get(node.instance_id or "", {})
+        private = instance.get("PrivateIpAddress") or node.private_ip
+        public = instance.get("PublicIpAddress") or (node.public_ip if node.public_ip not in ("", "None") else "")
+        fresh.append(replace(node, private_ip=private, public_ip=public or private))
+    return fresh
+
+
+def _aws_ids(inventory: Inventory, what: str) -> list[str]:
     if inventory.source != "aws":
-        raise InventoryError("fab start is for AWS clusters; the emulated one restarts with `fab local.up`")
-    ids = [n.instance_id for n in inventory.nodes if n.instance_id]
-    stopped = [i["InstanceId"] for r in ec2.describe_instances(InstanceIds=ids)["Reservations"]
-               for i in r["Instances"] if i["State"]["Name"] in ("stopped", "stopping")]
-    if stopped:
-        ec2.start_instances(InstanceIds=stopped)
+        raise InventoryError(f"fab {what} is for AWS clusters; the emulated one is `fab local.up` / `fab local.down`")
+    return [n.instance_id for n in inventory.nodes if n.instance_id]
+
+
+def start_and_refresh(inventory: Inventory, ec2, wait: bool = True, delay: float = 5) -> Inventory:
+    """Start the inventory's stopped instances (after those still stopping have stopped: EC2 refuses
+    to start them), wait until all run, and return the inventory with their new addresses (a stop
+    changes the public IP), the host key re-pinned. A capacity failure stops what did start."""
+    ids = _aws_ids(inventory, "start")
+    states = {i: d["State"]["Name"] for i, d in describe(ec2, ids).items()}
+    gone = [i for i in ids if states.get(i, "terminated") in ("terminated", "shutting-down")]
+    if gone:
+        raise InventoryError(f"{', '.join(gone)} no longer exist(s) (terminated): redeploy with "
+                             "`npx cdk deploy`, then `fab inventory`")
+    stopping = [i for i in ids if states[i] == "stopping"]
+    if stopping:
+        ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping,
+                                                WaiterConfig={"Delay": delay, "MaxAttempts": 120})
+    to_start = [i for i in ids if states[i] in ("stopped", "stopping")]
+    if to_start:
+        try:
+            ec2.start_instances(InstanceIds=to_start)
+        except ClientError as error:
+            if error.response["Error"]["Code"] != "InsufficientInstanceCapacity":
+                raise
+            raise InventoryError(_undo_partial_start(ec2, to_start, error.response["Error"]["Code"])) from None
     if wait:
-        ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": 5, "MaxAttempts": 120})
-    described = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"]
-                 for i in r["Instances"]}
-    nodes = []
-    for node in inventory.nodes:
-        instance = described[node.instance_id]
-        private = instance.get("PrivateIpAddress", node.private_ip)
-        nodes.append(replace(node, private_ip=private, public_ip=instance.get("PublicIpAddress") or private))
+        try:
+            ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
+        except WaiterError:
+            raise InventoryError(_undo_partial_start(ec2, to_start, _not_running_reason(ec2, ids))) from None
+    nodes = refresh_addresses(inventory.nodes, ec2)
     known_hosts = Path(inventory.ssh.known_hosts)
     host_key = known_hosts.read_text().split("\n", 1)[0].split(" ", 1)[1]
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=inventory.ssh.port)
     return replace(inventory, nodes=nodes)
+
+
+def _not_running_reason(ec2, ids: list[str]) -> str:
+    reasons = {f"{i} {d['State']['Name']}: {d.get('StateReason', {}).get('Message', 'no reason given')}"
+               for i, d in describe(ec2, ids).items() if d["State"]["Name"] != "running"}
+    return "; ".join(sorted(reasons)) or "the instances did not reach running in time"
+
+
+def _undo_partial_start(ec2, started: list[str], reason: str) -> str:
+    """Stop the instances this start did bring up (a cluster placement group needs all nodes at once,
+    and a half-started cluster bills for nothing); returns the one-line explanation."""
+    up = sorted(i for i, d in describe(ec2, started).items() if d["State"]["Name"] in ("pending", "running"))
+    if up:
+        ec2.stop_instances(InstanceIds=up)
+    return (f"the nodes could not all start ({reason}); stopped the {len(up)} that did, so nothing "
+            "runs; AWS may lack capacity for the whole placement group now: try `fab start` later")
+
+
+def stop_nodes(inventory: Inventory, ec2) -> list[str]:
+    """Stop the inventory's pending or running instances (`fab stop-cluster`); returns their ids."""
+    ids = _aws_ids(inventory, "stop-cluster")
+    up = sorted(i for i, d in describe(ec2, ids).items() if d["State"]["Name"] in ("pending", "running"))
+    if up:
+        ec2.stop_instances(InstanceIds=up)
+    return up

@@ -152,8 +152,10 @@ def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[di
               "START_SECONDS": str(int(request.start_minutes * 60)),
               "POLL_SECONDS": "5", "PYTHON": inventory.python}
     if request.then_stop:
+        # The launcher runs in an SSH session: no AWS variables there, so the region travels here.
         values.update(THEN_STOP="1", CLUSTER_NAME=inventory.cluster,
                       AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
+                      **({"AWS_REGION": inventory.region} if inventory.region else {}),
                       **emulator_env(inventory, environ or {}))
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
 
@@ -172,7 +174,8 @@ def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: 
     """The prepare.py command for `fab data`."""
     if dataset not in DATASETS:
         raise LaunchError(f"invalid --dataset {dataset!r}: one of {', '.join(DATASETS)}")
-    argv = [inventory.python, f"{code_dir}/prepare.py", dataset]
+    # The marker keeps the autostop watchdog from stopping the cluster during a long preparation.
+    argv = [inventory.python, f"{code_dir}/prepare.py", "--busy-dir", f"{inventory.data_dir}/.cluster/busy", dataset]
     if dataset == "imagenet":
         if "--source" not in extra_args:
             argv += ["--source", data_path(inventory, dataset)]

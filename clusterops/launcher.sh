@@ -96,7 +96,7 @@ echo "$(now) launcher: mpirun exited with $code" >> "$LOG"
 [[ $(cat "$ACTIVE_FILE" 2>/dev/null) == "$RUN_DIR" ]] && rm -f "$ACTIVE_FILE"
 
 if [[ ${THEN_STOP:-0} == 1 ]]; then  # fab train --then-stop: stop the cluster's instances now
-  export CLUSTER_NAME AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION
+  export CLUSTER_NAME AWS_REGION AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION
   "$PYTHON" "$AUTOSTOP" --stop-now >> "$LOG" 2>&1 || echo "$(now) launcher: --then-stop failed" >> "$LOG"
 fi
 

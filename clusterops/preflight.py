@@ -1,19 +1,29 @@
-"""Before `cdk deploy`: credentials, region, instance offering, the vCPU quota bucket, a RunInstances
-dry run, the AMI parameter; and a quota increase request when asked. Functions take boto3 clients."""
+"""Before `cdk deploy`: credentials, region, the AZs offering the type (cached in cdk.context.json,
+where the app reads them to place its subnet), the AZ and subnet the stack will use, the vCPU quota
+bucket of the family and purchase option, a RunInstances dry run (a permission check, no more), the
+AMI; and a quota increase request when asked. Functions take boto3 clients."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
-from botocore.exceptions import ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
-# EC2 vCPU quota buckets by instance family (Service Quotas codes, service "ec2").
-ON_DEMAND_QUOTAS = {"g": ("L-DB2E81BA", "Running On-Demand G and VT instances"),
-                    "vt": ("L-DB2E81BA", "Running On-Demand G and VT instances"),
-                    "p": ("L-417A185B", "Running On-Demand P instances")}
-SPOT_QUOTAS = {"g": ("L-3819A6DF", "All G and VT Spot Instance Requests"),
-               "vt": ("L-3819A6DF", "All G and VT Spot Instance Requests"),
-               "p": ("L-7212CCBC", "All P Spot Instance Requests")}
+from .report import aws_error
+from stacks.config import ClusterConfig, choose_availability_zone, offerings_context_key
+from stacks.instance_types import INSTANCE_TYPES
+
+# EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
+# EC2 docs): On-Demand P is one bucket; Spot P5 has its own, apart from P4, P3 and P2.
+G_ON_DEMAND = ("L-DB2E81BA", "Running On-Demand G and VT instances")
+P_ON_DEMAND = ("L-417A185B", "Running On-Demand P instances")
+G_SPOT = ("L-3819A6DF", "All G and VT Spot Instance Requests")
+P432_SPOT = ("L-7212CCBC", "All P4, P3 and P2 Spot Instance Requests")
+P5_SPOT = ("L-C4BD4855", "All P5 Spot Instance Requests")
+NO_DEFAULT_VPC = ("VPCIdNotSpecified", "DefaultVpcDoesNotExist")
 DRY_RUN_ERRORS = {
     "UnauthorizedOperation": "your credentials may not launch instances (ec2:RunInstances)",
     "InsufficientInstanceCapacity": "AWS has no capacity for this type here now: try another AZ or later",
@@ -22,7 +32,9 @@ DRY_RUN_ERRORS = {
     "Unsupported": "this instance type is not supported in this AZ",
     "InvalidAMIID.NotFound": "the AMI does not exist in this region",
     "OptInRequired": "the account must opt in to this region or product",
+    "MissingInput": "the default VPC has no subnet in this AZ",
 }
+DRY_RUN = "launch permission (RunInstances dry run)"
 
 
 @dataclass(frozen=True)
@@ -30,39 +42,57 @@ class Check:
     name: str
     ok: bool
     detail: str
+    skipped: bool = False  # not checked (and not a failure)
+
+    @property
+    def label(self) -> str:
+        return "--  " if self.skipped else ("ok  " if self.ok else "FAIL")
 
 
 def quota_bucket(instance_type: str, spot: bool = False) -> tuple[str, str]:
     family = instance_type.split(".")[0]
-    key = "vt" if family.startswith("vt") else family[0]
-    table = SPOT_QUOTAS if spot else ON_DEMAND_QUOTAS
-    if key not in table:
-        raise ValueError(f"no GPU vCPU quota bucket for {instance_type}")
-    return table[key]
+    if family.startswith(("g", "vt")):
+        return G_SPOT if spot else G_ON_DEMAND
+    if family.startswith("p") and not spot:
+        return P_ON_DEMAND
+    if family.startswith("p5"):
+        return P5_SPOT
+    if family.startswith(("p2", "p3", "p4")):
+        return P432_SPOT
+    raise ValueError(f"no GPU vCPU quota bucket known for {instance_type} ({'Spot' if spot else 'On-Demand'})")
 
 
-def same_bucket(a: str, b: str) -> bool:
+def _same_bucket(instance_type: str, bucket: tuple[str, str], spot: bool) -> bool:
     try:
-        return quota_bucket(a) == quota_bucket(b)
+        return quota_bucket(instance_type, spot) == bucket
     except ValueError:
         return False
 
 
+def _lifecycle_matches(instance: dict, spot: bool) -> bool:
+    return instance.get("InstanceLifecycle") == "spot" if spot else "InstanceLifecycle" not in instance
+
+
 def vcpus(ec2, instance_types: set[str]) -> dict[str, int]:
-    if not instance_types:
-        return {}
-    found = ec2.describe_instance_types(InstanceTypes=sorted(instance_types))["InstanceTypes"]
-    return {t["InstanceType"]: t["VCpuInfo"]["DefaultVCpus"] for t in found}
+    """vCPUs per type: the instance-type table, describe_instance_types for the others."""
+    known = {t: INSTANCE_TYPES[t].vcpus for t in instance_types if t in INSTANCE_TYPES}
+    others = sorted(instance_types - set(known))
+    if others:
+        found = ec2.describe_instance_types(InstanceTypes=others)["InstanceTypes"]
+        known.update({t["InstanceType"]: t["VCpuInfo"]["DefaultVCpus"] for t in found})
+    return known
 
 
-def running_vcpus(ec2, instance_type: str) -> int:
-    """vCPUs already running in the same quota bucket (they count against it)."""
+def running_vcpus(ec2, instance_type: str, spot: bool = False) -> int:
+    """vCPUs already running in the same bucket and purchase option (Spot: InstanceLifecycle
+    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota."""
+    bucket = quota_bucket(instance_type, spot)
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
     types = [i["InstanceType"] for page in pages for r in page["Reservations"] for i in r["Instances"]
-             if same_bucket(i["InstanceType"], instance_type)]
+             if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)]
     sizes = vcpus(ec2, set(types))
-    return sum(sizes[t] for t in types)
+    return sum(sizes.get(t, 0) for t in types)
 
 
 @dataclass(frozen=True)
@@ -96,47 +126,86 @@ def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False)
         if error.response["Error"]["Code"] != "NoSuchResourceException":
             raise
         quota = quotas.get_aws_default_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
-    return QuotaCheck(code, name, quota, running_vcpus(ec2, instance_type), nodes * per_node)
+    return QuotaCheck(code, name, quota, running_vcpus(ec2, instance_type, spot), nodes * per_node)
 
 
 def request_increase(quotas, check: QuotaCheck) -> str:
-    response = quotas.request_service_quota_increase(ServiceCode="ec2", QuotaCode=check.code,
-                                                     DesiredValue=float(check.needed))
+    try:
+        response = quotas.request_service_quota_increase(ServiceCode="ec2", QuotaCode=check.code,
+                                                         DesiredValue=float(check.needed))
+    except ClientError as error:
+        if error.response["Error"]["Code"] != "ResourceAlreadyExistsException":
+            raise
+        return (f"a request to raise {check.name} ({check.code}) is already open; see the Service Quotas "
+                "console (Quota request history) and wait for it, or change it there")
     request = response["RequestedQuota"]
     return (f"requested {check.name} = {check.needed} vCPUs (request {request['Id']}, "
             f"status {request['Status']}); approval can take a few days")
 
 
-def dry_run(ec2, image_id: str, instance_type: str, nodes: int, subnet_id: Optional[str] = None) -> Check:
+def offered_zones(ec2, instance_type: str) -> list[str]:
+    offers = ec2.get_paginator("describe_instance_type_offerings").paginate(
+        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+    return sorted({o["Location"] for page in offers for o in page["InstanceTypeOfferings"]})
+
+
+def cache_offerings(context_file: Path, region: str, instance_type: str, zones: list[str]) -> None:
+    """Merge the zones into cdk.context.json (atomically), where `cdk synth` reads them."""
+    context = json.loads(context_file.read_text()) if context_file.exists() else {}
+    context[offerings_context_key(region, instance_type)] = sorted(zones)
+    tmp = context_file.with_name(f".{context_file.name}.tmp")
+    tmp.write_text(json.dumps(context, indent=2) + "\n")
+    os.replace(tmp, context_file)
+
+
+def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[str]]:
+    """Where the stack will put the nodes, and whether the type is offered there; returns the AZ."""
+    if not zones:
+        return Check("AZ and subnet", False, f"{config.instance_type} is not offered in any AZ of this region"), None
+    if config.subnet_id:
+        az = config.availability_zone
+        where = f"existing subnet {config.subnet_id} in {az} (vpc {config.vpc_id})"
+        if az not in zones:
+            return Check("AZ and subnet", False, f"{where}: {config.instance_type} is not offered there "
+                                                 f"(offered in {', '.join(zones)})"), az
+        return Check("AZ and subnet", True, where), az
+    az = choose_availability_zone(config.availability_zone, zones)
+    if az not in zones:
+        return Check("AZ and subnet", False, f"availability_zone={az} does not offer {config.instance_type} "
+                                             f"(offered in {', '.join(zones)})"), az
+    return Check("AZ and subnet", True, f"a new VPC with one public subnet in {az} "
+                                        f"({config.instance_type} offered in {', '.join(zones)})"), az
+
+
+def dry_run(ec2, image_id: str, instance_type: str, nodes: int, subnet_id: Optional[str] = None,
+            availability_zone: Optional[str] = None) -> Check:
+    """RunInstances with DryRun: it checks YOUR permission to launch there, not capacity or quota."""
     params = dict(ImageId=image_id, InstanceType=instance_type, MinCount=nodes, MaxCount=nodes, DryRun=True)
     if subnet_id:
         params["SubnetId"] = subnet_id
+    elif availability_zone:
+        params["Placement"] = {"AvailabilityZone": availability_zone}
     try:
         ec2.run_instances(**params)
     except ClientError as error:
         code = error.response["Error"]["Code"]
         if code == "DryRunOperation":
-            return Check("RunInstances dry run", True, f"{nodes} x {instance_type} would launch")
-        return Check("RunInstances dry run", False,
+            return Check(DRY_RUN, True, f"you may launch {nodes} x {instance_type} there "
+                                        "(a permission check: capacity and quota are not tested)")
+        if code in NO_DEFAULT_VPC and not subnet_id:
+            return Check(DRY_RUN, True, "not checked: no default VPC; the stack creates its own subnet",
+                         skipped=True)
+        return Check(DRY_RUN, False,
                      f"{code}: {DRY_RUN_ERRORS.get(code, error.response['Error'].get('Message', ''))}")
-    return Check("RunInstances dry run", False, "the dry run launched nothing and raised nothing")
+    return Check(DRY_RUN, False, "the dry run launched nothing and raised nothing")
 
 
-def offered(ec2, instance_type: str) -> Check:
-    zones = sorted(o["Location"] for o in ec2.describe_instance_type_offerings(
-        LocationType="availability-zone",
-        Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"])
-    if zones:
-        return Check("offered", True, f"{instance_type} in {', '.join(zones)}")
-    return Check("offered", False, f"{instance_type} is not offered in any AZ of this region")
-
-
-def identity(sts) -> Check:
+def identity(sts) -> tuple[Check, Optional[str]]:
     try:
         who = sts.get_caller_identity()
-    except (ClientError, NoCredentialsError) as error:
-        return Check("credentials", False, f"{error}; configure AWS credentials (aws configure / SSO)")
-    return Check("credentials", True, f"account {who['Account']} as {who['Arn']}")
+    except (ClientError, BotoCoreError) as error:
+        return Check("credentials", False, f"{error}; configure AWS credentials (aws configure / SSO)"), None
+    return Check("credentials", True, f"account {who['Account']} as {who['Arn']}"), who["Account"]
 
 
 def ami(ssm, parameter: str) -> tuple[Check, Optional[str]]:
@@ -147,25 +216,41 @@ def ami(ssm, parameter: str) -> tuple[Check, Optional[str]]:
     return Check("AMI parameter", True, f"{parameter} -> {value}"), value
 
 
-def run_preflight(clients: dict, region: Optional[str], instance_type: str, nodes: int,
-                  ami_parameter: str, request_quota: bool = False, spot: bool = False) -> tuple[list[Check], list[str]]:
+def cloudformation_role_note(account: str, region: str) -> str:
+    return (f"note: `cdk deploy` launches the nodes through CloudFormation, which uses the CDK bootstrap's "
+            f"execution role (cdk-hnb659fds-cfn-exec-role-{account}-{region}) when it exists; the dry run "
+            "above checks YOUR permissions, not that role's")
+
+
+def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, context_file: Optional[Path] = None,
+                  request_quota: bool = False, spot: bool = False) -> tuple[list[Check], list[str]]:
     """All checks in order; stops early without credentials or region. Returns (checks, notes)."""
-    checks = [identity(clients["sts"])]
-    if not checks[0].ok:
+    who, account = identity(clients["sts"])
+    checks = [who]
+    if not who.ok:
         return checks, []
     checks.append(Check("region", bool(region), region or "none: set AWS_REGION or `aws configure`"))
     if not region:
         return checks, []
     ec2 = clients["ec2"]
-    checks.append(offered(ec2, instance_type))
-    quota = check_quota(ec2, clients["service-quotas"], instance_type, nodes, spot)
-    checks.append(Check("vCPU quota", quota.ok, quota.line()))
-    ami_check, image_id = ami(clients["ssm"], ami_parameter)
+    zones = offered_zones(ec2, config.instance_type)
+    if context_file is not None and zones:
+        cache_offerings(context_file, region, config.instance_type, zones)
+    where, az = placement(config, zones)
+    checks.append(where)
+    quota_name = f"vCPU quota ({'Spot' if spot else 'On-Demand'})"
+    try:
+        quota = check_quota(ec2, clients["service-quotas"], config.instance_type, config.nodes, spot)
+        checks.append(Check(quota_name, quota.ok, quota.line()))
+    except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
+        quota = None
+        checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
+    ami_check, image_id = ami(clients["ssm"], config.ami_parameter)
     checks.append(ami_check)
-    if image_id:
-        checks.append(dry_run(ec2, image_id, instance_type, nodes))
-    notes = []
-    if not quota.ok:
+    if image_id and az:
+        checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az))
+    notes = [cloudformation_role_note(account, region)]
+    if quota is not None and not quota.ok:
         notes.append(request_increase(clients["service-quotas"], quota) if request_quota else
                      f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs")
     return checks, notes

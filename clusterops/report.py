@@ -48,3 +48,9 @@ def summary_lines(summary: dict) -> list[str]:
             "exact_match", "checkpoint_mb", "ended")
     return [f"  {key:>16}: {summary[key]:.4g}" if isinstance(summary.get(key), float)
             else f"  {key:>16}: {summary.get(key)}" for key in keys if key in summary]
+
+
+def aws_error(error) -> str:
+    """A botocore ClientError as "Code: message" on one line (some endpoints answer with a page of HTML)."""
+    detail = error.response.get("Error", {})
+    return f"{detail.get('Code', 'error')}: {' '.join(str(detail.get('Message', error)).split())[:300]}"

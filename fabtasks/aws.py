@@ -1,7 +1,11 @@
-"""Tasks that talk to the AWS account: before deploying, what it costs, what is left, restarting."""
+"""Tasks that talk to the AWS account: before deploying, what it costs, what is left, stopping and
+restarting. AWS errors are one line (aws_errors)."""
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from fabric import task
 from invoke.exceptions import Exit
@@ -11,101 +15,179 @@ from clusterops import cost as costs
 from clusterops import preflight as checks
 from clusterops import remote, report
 from clusterops.inventory import (DEFAULT_OUTPUTS, Inventory, InventoryError, from_outputs,
-                                  stack_outputs_from_aws, stack_outputs_from_file, start_and_refresh)
+                                  stack_outputs_from_aws, stack_outputs_from_file, start_and_refresh,
+                                  stop_nodes)
 
-from .common import ERRORS, aws_session, cluster_config, fail, head, inventory_path, load_inventory
+from .common import ERRORS, aws_errors, aws_session, cluster_config, fail, head, inventory_path, load_inventory
+
+AUDIT_CLIENTS = ("ec2", "efs", "ssm", "logs", "cloudwatch", "sts", "s3")
+
+
+def context_file() -> Path:
+    """cdk.context.json, where `fab preflight` caches the AZs offering the type for `cdk synth`."""
+    return Path(os.environ.get("GPU_CLUSTER_CDK_CONTEXT", "cdk.context.json"))
+
+
+def pricing_client(session):
+    from botocore.config import Config
+    return session.client("pricing", region_name="us-east-1",
+                          config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}))
+
+
+def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.Price]:
+    """The price `fab inventory` kept, if it is for this type."""
+    if inv is None or inv.usd_per_hour is None or inv.instance_type != instance_type:
+        return None
+    return costs.Price(inv.usd_per_hour, inv.price_source)
+
+
+def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
+    """EFS Elastic-throughput dollars per hour at the last hour's rate; None when unknown."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    if inv.source != "aws" or not inv.file_system_id:
+        return None
+    try:
+        cloudwatch = (session or aws_session(inv.region)).client("cloudwatch")
+        return costs.efs_io_usd_per_hour(cloudwatch, inv.file_system_id)
+    except (BotoCoreError, ClientError):
+        return None
 
 
 @task(help={"nodes": "node count (default: cdk.json)", "instance_type": "instance type (default: cdk.json)",
             "request_quota": "file the vCPU quota increase through Service Quotas when short",
             "spot": "check the Spot quota bucket instead of On-Demand"})
 def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False):
-    """Before `cdk deploy`: credentials, region, offering, vCPU quota, a RunInstances dry run, the AMI."""
+    """Before `cdk deploy`: credentials, region, AZ and subnet, vCPU quota, launch permission, AMI."""
     config = cluster_config(nodes=nodes, instance_type=instance_type)
     session = aws_session()
     clients = {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")} \
         if session.region_name else {"sts": session.client("sts", region_name="us-east-1")}
-    found, notes = checks.run_preflight(clients, session.region_name, config.instance_type, config.nodes,
-                                        config.ami_parameter, request_quota=request_quota, spot=spot)
+    with aws_errors("preflight"):
+        found, notes = checks.run_preflight(clients, session.region_name, config, context_file(),
+                                            request_quota=request_quota, spot=spot)
     for check in found:
-        print(f"{'ok  ' if check.ok else 'FAIL'}  {check.name}: {check.detail}")
+        print(f"{check.label}  {check.name}: {check.detail}")
     for note in notes:
         print(note)
     if not all(check.ok for check in found):
         raise Exit("error: preflight failed; fix the FAIL lines before `cdk deploy`", code=1)
 
 
+def _positive(name: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if number <= 0:
+        raise Exit(f"error: invalid --{name.replace('_', '-')} {value!r}: a positive number", code=1)
+    return number
+
+
 @task(help={"nodes": "node count (default: the inventory, else cdk.json)",
-            "instance_type": "instance type (default: the inventory, else cdk.json)"})
-def cost(c, nodes=None, instance_type=None):
-    """$/hour of the cluster, storage per month, the running job's projection and what was spent."""
+            "instance_type": "instance type (default: the inventory, else cdk.json)",
+            "dataset_gb": "GB read from EFS per epoch: adds the EFS Elastic I/O estimate",
+            "epochs": "epochs over that data set (with --dataset-gb)"})
+def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None):
+    """$/hour of the cluster, storage and EFS I/O, the running job's projection, what was spent."""
+    size, passes = _positive("dataset_gb", dataset_gb), _positive("epochs", epochs)
     inv = Inventory.load(inventory_path(c)) if inventory_path(c).exists() else None
     aws = inv is not None and inv.source == "aws"
     config = cluster_config(nodes=nodes or (len(inv.nodes) if aws else None),
-                             instance_type=instance_type or (inv.instance_type if aws else None))
+                            instance_type=instance_type or (inv.instance_type if aws else None))
     session = aws_session(inv.region if aws else None)
     region = session.region_name or "us-east-1"
-    try:
-        from botocore.config import Config
-        pricing = session.client("pricing", region_name="us-east-1",
-                                 config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}))
-        price = costs.instance_price(pricing, config.instance_type, region)
-    except KeyError as error:
-        raise Exit(f"error: {error.args[0]}", code=1) from None
-    efs_gb = 0.0
-    if aws and DEFAULT_OUTPUTS.exists():
-        _, outputs = stack_outputs_from_file(DEFAULT_OUTPUTS)
-        fs = session.client("efs").describe_file_systems(FileSystemId=outputs["FileSystemId"])["FileSystems"][0]
-        efs_gb = fs["SizeInBytes"]["Value"] / 1e9
-    estimate = costs.Estimate(config.nodes, price, config.root_volume_gb, efs_gb)
-    print("\n".join(estimate.lines()))
-    if aws:
-        ids = [n.instance_id for n in inv.nodes if n.instance_id]
-        reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
-        launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
-        print(f"spent since the running nodes started: ${costs.spent(launched, price.usd_per_hour):.2f}")
+    with aws_errors("fab cost"):
+        price = costs.instance_price(pricing_client(session), config.instance_type, region,
+                                     kept=kept_price(inv if aws else None, config.instance_type))
+        efs_gb = 0.0
+        if aws and inv.file_system_id:
+            fs = session.client("efs").describe_file_systems(FileSystemId=inv.file_system_id)["FileSystems"][0]
+            efs_gb = fs["SizeInBytes"]["Value"] / 1e9
+        estimate = costs.Estimate(config.nodes, price, config.root_volume_gb, efs_gb, size, passes)
+        print("\n".join(estimate.lines()))
+        if aws:
+            _spent(session, inv, price)
+    print(costs.table_line())
     if inv is not None:
         with head(inv) as conn:
             run = remote.active_run(conn, inv)
-            line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour)
+            line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour,
+                                            efs_io_rate(inv, session))
         print(line or "no run going")
+
+
+def _spent(session, inv: Inventory, price: costs.Price) -> None:
+    from datetime import datetime, timedelta, timezone
+    ids = [n.instance_id for n in inv.nodes if n.instance_id]
+    reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+    launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
+    print(f"spent since the running nodes started: {costs.usd(costs.spent(launched, price.usd_per_hour))}")
+    if inv.file_system_id:
+        now = datetime.now(timezone.utc)
+        read, written = costs.efs_io_gb(session.client("cloudwatch"), inv.file_system_id, now - timedelta(days=1), now)
+        print(f"EFS I/O in the last 24 h: {read:.1f} GB read, {written:.1f} GB written = "
+              f"${costs.efs_io_usd(read, written):.2f}")
+
+
+def _on_instances(c, what: str, action):
+    """action(inventory, ec2) with the inventory's region; AWS and inventory errors as one line."""
+    inv = load_inventory(c)
+    with aws_errors(f"fab {what}"):
+        try:
+            return action(inv, aws_session(inv.region).client("ec2"))
+        except ERRORS as error:
+            raise fail(error) from None
 
 
 @task
 def start(c):
     """Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
-    inv = load_inventory(c)
-    try:
-        fresh = start_and_refresh(inv, aws_session(inv.region).client("ec2"))
-    except ERRORS as error:
-        raise fail(error) from None
+    fresh = _on_instances(c, "start", start_and_refresh)
     fresh.save(inventory_path(c))
-    print(f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready")
+    print(f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready "
+          "(data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)")
+
+
+@task
+def stop_cluster(c):
+    """Stop every node now (EBS and EFS keep billing, instance-store NVMe is erased); `fab start` restarts."""
+    stopped = _on_instances(c, "stop-cluster", stop_nodes)
+    print(f"stopping {', '.join(stopped) or 'nothing (no node was running)'}; `fab start` brings them back")
 
 
 @task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)",
-            "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)"})
-def audit(c, cluster=None, delete=False, yes=False):
-    """Anything still tagged with the cluster, with its monthly cost; --delete removes it."""
+            "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)",
+            "include_retained": "also delete a file system kept with retain_data=true (its data is lost)"})
+def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
+    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order."""
     inv = Inventory.load(inventory_path(c)) if inventory_path(c).exists() else None
     name = cluster or (inv.cluster if inv and inv.source == "aws" else cluster_config().cluster_name)
     session = aws_session(inv.region if inv and inv.region else None)
     if not session.region_name:
         raise Exit("error: no AWS region: set AWS_REGION or `aws configure`", code=1)
-    clients = {k: session.client(k) for k in ("ec2", "efs", "ssm", "logs", "cloudwatch")}
-    leftovers = audits.find(clients, name)
+    clients = {k: session.client(k) for k in AUDIT_CLIENTS}
+    with aws_errors("fab audit"):
+        found = audits.find(clients, name)
+    shared = [x for x in found if x.kind == "cdk-assets"]
+    leftovers = [x for x in found if x.kind != "cdk-assets"]
+    for x in shared:
+        print(f"CDK bootstrap bucket {x.id}: {x.detail}, {costs.usd(x.usd_per_month)}/month "
+              f"({audits.KEPT['cdk-assets']})")
     if not leftovers:
         print(f"nothing tagged gpu-cluster:name={name} in {session.region_name}")
         return
-    rows = [{"kind": x.kind, "id": x.id, "detail": x.detail, "usd_per_month": f"{x.usd_per_month:.2f}"}
-            for x in leftovers]
+    rows = [{"kind": x.kind, "id": x.id, "detail": x.detail,
+             "usd_per_month": "unknown" if x.usd_per_month is None else f"{x.usd_per_month:.2f}"} for x in leftovers]
     print(report.table(rows, ["kind", "id", "detail", "usd_per_month"]))
-    print(f"total: ${sum(x.usd_per_month for x in leftovers):.2f}/month in {session.region_name}")
+    print(f"total: {audits.monthly_total(leftovers)} in {session.region_name} "
+          f"(instance prices: {costs.TABLE['region']} offline table of {costs.TABLE['date']})")
     if not delete:
         return
     if not yes and input(f"delete these {len(leftovers)} resources? type {name} to confirm: ").strip() != name:
         raise Exit("nothing deleted", code=1)
-    failed = audits.delete(clients, leftovers)
+    failed = audits.delete(clients, leftovers, include_retained=include_retained)
     if failed:
         raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
 
@@ -116,7 +198,7 @@ def audit(c, cluster=None, delete=False, yes=False):
                         "(also the fallback when the outputs file is missing and --stack is given)",
             "key_file": "private key of your own key pair (when deployed with -c key_name=...)"})
 def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
-    """Build .cluster/inventory.json from the deploy outputs; fetch the SSH key and host key once."""
+    """Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
     try:
         if not from_aws and not Path(outputs).exists() and stack:
             print(f"no {outputs}: describing stack {stack} instead")
@@ -132,8 +214,13 @@ def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_f
                 raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
             session = aws_session(outs.get("Region"))
         target = inventory_path(c)
-        inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
+        with aws_errors("fab inventory"):
+            inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
+            price = costs.instance_price(pricing_client(session), inv.instance_type,
+                                         inv.region or session.region_name or "us-east-1")
     except ERRORS as error:
         raise fail(error) from None
+    inv = replace(inv, usd_per_hour=price.usd_per_hour, price_source=price.source)
     inv.save(target)
-    print(f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}")
+    print(f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
+          f"{costs.usd(price.usd_per_hour)}/node-hour [{price.source}]")

@@ -1,13 +1,14 @@
 """Helpers shared by the fab tasks: settings, inventory, connections, one-line errors."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from clusterops import launch, localcluster, remote
+from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
@@ -30,6 +31,18 @@ def number(value, flag: str, kind=float):
 
 def whole_number(value, flag: str):
     return number(value, flag, kind=int)
+
+
+@contextlib.contextmanager
+def aws_errors(what: str = "AWS"):
+    """botocore's errors as one actionable line (the service's own message names the cause)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    try:
+        yield
+    except ClientError as error:
+        raise Exit(f"error: {what}: {report.aws_error(error)}", code=1) from None
+    except BotoCoreError as error:
+        raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 
 
 def aws_session(region=None):

@@ -72,8 +72,12 @@ class GpuClusterStack(Stack):
                 reason="AWS's minimal, maintained policy for Session Manager access to the nodes."),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                reason="ec2:DescribeInstances has no resource-level permissions; the autostop "
-                       "watchdog uses it to find this cluster's instances by tag."),
+                reason="ec2:DescribeInstances and cloudwatch:PutMetricData have no resource-level "
+                       "permissions: the autostop watchdog finds this cluster's instances by tag, and "
+                       "may publish its heartbeat only to its own namespace (cloudwatch:namespace)."),
+            Acknowledgment(id="AwsSolutions::AwsSolutions-EC28", reason=(
+                "The idle alarm uses the autostop watchdog's own 1-minute heartbeat, not EC2 metrics; "
+                "detailed monitoring would add about $2.10 per node-month for nothing.")),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:"
                    "<AWS::AccountId>:instance/*]",

@@ -14,9 +14,15 @@ from .instance_types import AMI_PARAMETERS, INSTANCE_TYPES, InstanceType
 
 DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:24.12-py3"
 MAX_NODES = 64
-# CloudWatch: period x evaluation periods may not exceed one day; the idle alarm adds a grace.
+# The idle alarm evaluates 1-minute heartbeats over idle_minutes + a grace (the watchdog stops the
+# cluster first); CloudWatch: period x evaluation periods may not exceed one day.
 ALARM_GRACE_MINUTES = 30
 MAX_IDLE_MINUTES = 24 * 60 - ALARM_GRACE_MINUTES
+
+
+def alarm_minutes(idle_minutes: int) -> int:
+    """How long a node's heartbeat may say idle, or nothing, before its alarm stops it."""
+    return idle_minutes + ALARM_GRACE_MINUTES
 
 
 def offerings_context_key(region: str, instance_type: str) -> str:

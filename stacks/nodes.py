@@ -13,13 +13,16 @@ from aws_cdk import (
 from constructs import Construct
 
 from .bootstrap import check_user_data_size, render_user_data
-from .config import ALARM_GRACE_MINUTES, ClusterConfig
+from .config import ClusterConfig, alarm_minutes
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 CLUSTER_TAG = "gpu-cluster:name"
 RANK_TAG = "gpu-cluster:rank"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
-IDLE_CPU_PERCENT = 5
+# The autostop watchdog's heartbeat (assets/autostop/autostop.py publishes it once a minute).
+HEARTBEAT_NAMESPACE = "GpuCluster/Autostop"
+HEARTBEAT_METRIC = "Busy"
+HEARTBEAT_PERIOD = Duration.minutes(1)
 
 
 HOST_KEY_PENDING = "pending: written by node 0 at boot"
@@ -74,15 +77,7 @@ class GpuNodes(Construct):
         self.image_context_parameter.grant_read(self.role)
         Tags.of(self.image_context_parameter).remove(CLUSTER_TAG, priority=200)
 
-        if config.idle_minutes:
-            # Autostop: the watchdog may find and stop this cluster's instances, and no others.
-            self.role.add_to_policy(iam.PolicyStatement(
-                actions=["ec2:DescribeInstances"], resources=["*"]))
-            self.role.add_to_policy(iam.PolicyStatement(
-                actions=["ec2:StopInstances"],
-                # Pseudo-parameters, not format_arn: the same ARN text in every environment.
-                resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
-                conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}}))
+        self._grant_stop_and_heartbeat(config)
 
         self.key_pair: ec2.IKeyPair
         self.key_parameter_name: Optional[str] = None
@@ -111,7 +106,7 @@ class GpuNodes(Construct):
                 machine_image=machine_image,
                 role=self.role, key_pair=self.key_pair,
                 placement_group=placement_group,
-                require_imdsv2=True, detailed_monitoring=True,
+                require_imdsv2=True,  # no detailed monitoring: the idle alarm uses the heartbeat
                 user_data_causes_replacement=True, propagate_tags_to_volume_on_creation=True,
                 block_devices=[ec2.BlockDevice(
                     device_name="/dev/sda1",
@@ -144,19 +139,37 @@ class GpuNodes(Construct):
             Tags.of(instance).add(RANK_TAG, str(rank))
             self.instances.append(instance)
 
-        self.idle_alarms: list[cloudwatch.Alarm] = []
-        if config.idle_minutes:
-            minutes = config.idle_minutes + ALARM_GRACE_MINUTES
-            for rank, instance in enumerate(self.instances):
-                alarm = cloudwatch.Alarm(
-                    self, f"IdleAlarm{rank}",
-                    alarm_description=f"{config.node_name(rank)}: CPU below {IDLE_CPU_PERCENT}% for "
-                                      f"{minutes} min; stops the node if the autostop watchdog did not",
-                    metric=cloudwatch.Metric(
-                        namespace="AWS/EC2", metric_name="CPUUtilization", statistic="Maximum",
-                        period=Duration.minutes(5), dimensions_map={"InstanceId": instance.instance_id}),
-                    threshold=IDLE_CPU_PERCENT, evaluation_periods=max(1, minutes // 5),
-                    comparison_operator=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
-                    treat_missing_data=cloudwatch.TreatMissingData.NOT_BREACHING)
-                alarm.add_alarm_action(cloudwatch_actions.Ec2Action(cloudwatch_actions.Ec2InstanceAction.STOP))
-                self.idle_alarms.append(alarm)
+        self.idle_alarms = [self._idle_alarm(config, rank, instance) for rank, instance in enumerate(self.instances)
+                            if config.idle_minutes]
+
+    def _grant_stop_and_heartbeat(self, config: ClusterConfig) -> None:
+        """Always, even with idle_minutes=0 (`fab train --then-stop` stops the cluster from a node):
+        find and stop this cluster's instances and no others; publish the autostop heartbeat."""
+        self.role.add_to_policy(iam.PolicyStatement(actions=["ec2:DescribeInstances"], resources=["*"]))
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["ec2:StopInstances"],
+            # Pseudo-parameters, not format_arn: the same ARN text in every environment.
+            resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
+            conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}}))
+        self.role.add_to_policy(iam.PolicyStatement(
+            actions=["cloudwatch:PutMetricData"], resources=["*"],
+            conditions={"StringEquals": {"cloudwatch:namespace": HEARTBEAT_NAMESPACE}}))
+
+    def _idle_alarm(self, config: ClusterConfig, rank: int, instance: ec2.Instance) -> cloudwatch.Alarm:
+        """Stops the node when its heartbeat has said idle, or nothing (a dead watchdog, a dead
+        container), for idle_minutes + the grace: after the watchdog itself would have stopped it."""
+        minutes = alarm_minutes(config.idle_minutes)
+        alarm = cloudwatch.Alarm(
+            self, f"IdleAlarm{rank}",
+            alarm_description=f"{config.node_name(rank)}: no busy autostop heartbeat for {minutes} min "
+                              f"(idle, or the watchdog is dead); stops the node",
+            metric=cloudwatch.Metric(
+                namespace=HEARTBEAT_NAMESPACE, metric_name=HEARTBEAT_METRIC, statistic="Maximum",
+                period=HEARTBEAT_PERIOD, dimensions_map={"InstanceId": instance.instance_id}),
+            threshold=1, evaluation_periods=minutes, datapoints_to_alarm=minutes,
+            comparison_operator=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
+            treat_missing_data=cloudwatch.TreatMissingData.BREACHING)
+        alarm.add_alarm_action(cloudwatch_actions.Ec2Action(cloudwatch_actions.Ec2InstanceAction.STOP))
+        # Its Ref to the instance means CloudFormation creates it only once the node has signalled
+        # (creation policy), i.e. its watchdog runs: no missing heartbeat during the bootstrap.
+        return alarm

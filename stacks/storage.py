@@ -8,12 +8,14 @@ that come through a mount target; the mount target's security group admits NFS f
 only, and that is the access control. Data is encrypted at rest."""
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy, aws_ec2 as ec2, aws_efs as efs, aws_iam as iam
+from aws_cdk import RemovalPolicy, Tags, aws_ec2 as ec2, aws_efs as efs, aws_iam as iam
 from constructs import Construct
 
 
 # What the bootstrap's root NFS client needs: mount, write, and act as root (no root squash).
 NFS_CLIENT_ACTIONS = ("ClientMount", "ClientWrite", "ClientRootAccess")
+# Set on a file system kept with retain_data=true: `fab audit --delete` leaves it alone unless told.
+RETAIN_TAG = "gpu-cluster:retain"
 
 
 class SharedStorage(Construct):
@@ -38,6 +40,8 @@ class SharedStorage(Construct):
             enable_automatic_backups=False,
             removal_policy=RemovalPolicy.RETAIN if retain_data else RemovalPolicy.DESTROY,
         )
+        if retain_data:
+            Tags.of(self.file_system).add(RETAIN_TAG, "true")
         self.file_system.add_to_resource_policy(iam.PolicyStatement(
             sid="NodesMountThroughTheMountTarget",
             actions=[f"elasticfilesystem:{action}" for action in NFS_CLIENT_ACTIONS],

@@ -132,3 +132,19 @@ def test_a_failing_step_signals_failure_naming_the_step_and_stops(sandbox):
     assert not [c for c in calls if c.startswith(("docker build", "docker run"))]
     log = (sandbox.root / "state" / "bootstrap.log").read_text()
     assert "EFS fs-0123abcd did not mount at /data" in log and "FAILED" in log
+
+
+def test_the_instance_store_is_mounted_into_the_container_when_the_node_has_one(sandbox):
+    """`fab data --extra "--stage-to /opt/dlami/nvme/..."` writes inside the container: without this
+    mount the data would land on the root EBS volume."""
+    store = sandbox.root / "nvme"
+    store.mkdir()
+    result = sandbox.run(INSTANCE_STORE=str(store))
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = [c for c in sandbox.calls() if c.startswith("docker run")]
+    assert len(run) == 1 and f"-v {store}:{store}" in run[0]
+    missing = sandbox.root / "no-nvme"  # a type without instance store: no mount, no failure
+    (sandbox.root / "docker-running").unlink()
+    assert sandbox.run(INSTANCE_STORE=str(missing)).returncode == 0
+    rerun = [c for c in sandbox.calls() if c.startswith("docker run")]
+    assert len(rerun) == 2 and str(missing) not in rerun[1] and f"-v {store}" not in rerun[1]

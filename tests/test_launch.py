@@ -121,7 +121,7 @@ def test_an_emulated_cluster_reaches_an_emulator_endpoint_through_its_bridge():
 
 
 @pytest.mark.parametrize("task", ["status", "check", "data", "sync", "train", "logs", "stop", "tensorboard",
-                                  "monitor", "fetch", "ssh", "start"])
+                                  "monitor", "fetch", "ssh", "start", "stop-cluster"])
 def test_every_cluster_task_without_an_inventory_says_what_to_run(task, tmp_path):
     import subprocess
     from conftest import REPO, tool_env

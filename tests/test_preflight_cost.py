@@ -1,20 +1,29 @@
-"""Preflight and cost: EC2, STS and SSM from a moto server; Service Quotas and Pricing (which moto
-lacks) through botocore's Stubber with real response shapes."""
+"""Preflight and cost: EC2, STS and SSM from a moto server; Service Quotas, Pricing and CloudWatch
+statistics (which moto lacks or fakes) through botocore's Stubber with real response shapes."""
 import json
+import subprocess
 from datetime import datetime, timedelta, timezone
 
 import boto3
 import pytest
-from botocore.stub import Stubber
+from botocore.stub import ANY, Stubber
 
 from clusterops import cost, preflight
+from clusterops.inventory import Inventory, Node, SshSettings
+from conftest import REPO, moto_instances, tool_env
+from stacks.config import ClusterConfig, offerings_context_key
+from stacks.instance_types import INSTANCE_TYPES
 
 QUOTA_NAME = "Running On-Demand G and VT instances"
 
 
+def offline(service: str):
+    return boto3.client(service, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x",
+                        endpoint_url=f"https://{service}.invalid")
+
+
 def quotas_client(value: float, code="L-DB2E81BA", request=None):
-    client = boto3.client("service-quotas", region_name="us-east-1", aws_access_key_id="x",
-                          aws_secret_access_key="x", endpoint_url="https://service-quotas.invalid")
+    client = offline("service-quotas")
     stubber = Stubber(client)
     stubber.add_response("get_service_quota", {"Quota": {
         "ServiceCode": "ec2", "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
@@ -33,134 +42,299 @@ def quotas_client(value: float, code="L-DB2E81BA", request=None):
     return client, stubber
 
 
-@pytest.mark.parametrize("instance_type, code", [
-    ("g4dn.2xlarge", "L-DB2E81BA"), ("g5.48xlarge", "L-DB2E81BA"), ("p3.8xlarge", "L-417A185B"),
-    ("p4d.24xlarge", "L-417A185B"), ("p5.48xlarge", "L-417A185B")])
-def test_each_family_maps_to_its_vcpu_quota_bucket(instance_type, code):
-    assert preflight.quota_bucket(instance_type)[0] == code
-    assert preflight.quota_bucket(instance_type, spot=True)[0] in ("L-3819A6DF", "L-7212CCBC")
+# ---------------------------------------------------------------- issue item 5: the preflight
+
+@pytest.mark.parametrize("instance_type, on_demand, spot", [
+    ("g4dn.2xlarge", "L-DB2E81BA", "L-3819A6DF"), ("g6e.48xlarge", "L-DB2E81BA", "L-3819A6DF"),
+    ("p3.8xlarge", "L-417A185B", "L-7212CCBC"), ("p3dn.24xlarge", "L-417A185B", "L-7212CCBC"),
+    ("p4d.24xlarge", "L-417A185B", "L-7212CCBC"), ("p4de.24xlarge", "L-417A185B", "L-7212CCBC"),
+    ("p5.48xlarge", "L-417A185B", "L-C4BD4855")])
+def test_each_family_and_purchase_option_maps_to_its_vcpu_quota_bucket(instance_type, on_demand, spot):
+    assert preflight.quota_bucket(instance_type)[0] == on_demand
+    assert preflight.quota_bucket(instance_type, spot=True)[0] == spot
+
+
+def test_every_accepted_type_has_a_bucket_for_both_purchase_options():
+    for name in INSTANCE_TYPES:
+        assert preflight.quota_bucket(name) and preflight.quota_bucket(name, spot=True)
 
 
 # (moto's instance-type catalogue has no p3 sizes; p4d and p5 stand for the P bucket)
-@pytest.mark.parametrize("instance_type, nodes, quota, ok, needed", [
-    ("g4dn.2xlarge", 4, 16, False, 32), ("g4dn.2xlarge", 2, 16, True, 16), ("g5.12xlarge", 2, 64, False, 96),
-    ("p4d.24xlarge", 2, 192, True, 192), ("p5.48xlarge", 1, 96, False, 192)])
-def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instance_type, nodes, quota, ok, needed):
+@pytest.mark.parametrize("instance_type, nodes, quota, needed", [
+    ("g4dn.2xlarge", 4, 16, 32), ("g4dn.2xlarge", 2, 16, 16), ("g5.12xlarge", 2, 64, 96),
+    ("p4d.24xlarge", 2, 192, 192), ("p5.48xlarge", 1, 96, 192)])
+def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instance_type, nodes, quota, needed):
     ec2 = boto3.client("ec2")
-    code = preflight.quota_bucket(instance_type)[0]
-    client, stubber = quotas_client(quota, code)
+    client, stubber = quotas_client(quota, preflight.quota_bucket(instance_type)[0])
     check = preflight.check_quota(ec2, client, instance_type, nodes)
-    running = check.running
-    assert check.requested == needed and check.needed == needed + running
-    assert check.ok is (needed + running <= quota) and (running > 0 or check.ok is ok)
-    assert f"quota {quota:g} vCPUs" in check.line()
+    assert check.requested == needed and check.needed == needed + check.running
+    assert check.ok is (check.needed <= quota) and f"quota {quota:g} vCPUs" in check.line()
     stubber.assert_no_pending_responses()
 
 
-def test_running_instances_of_the_same_bucket_count_and_others_do_not(aws_env):
-    from conftest import moto_instances
+def test_running_vcpus_count_only_the_same_bucket_and_purchase_option(aws_env):
     ec2 = boto3.client("ec2")
-    before = preflight.running_vcpus(ec2, "g4dn.2xlarge")
-    moto_instances(1, instance_type="g5.xlarge")  # 4 vCPUs, G bucket
+    on_demand, spot = preflight.running_vcpus(ec2, "g4dn.2xlarge"), preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True)
+    moto_instances(1, instance_type="g5.xlarge")  # 4 vCPUs, G On-Demand
     moto_instances(1, instance_type="m5.large")   # standard bucket
-    assert preflight.running_vcpus(ec2, "g4dn.2xlarge") == before + 4
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="g5.2xlarge",  # 8 vCPUs, G Spot
+                      InstanceMarketOptions={"MarketType": "spot"})
+    assert preflight.running_vcpus(ec2, "g4dn.2xlarge") == on_demand + 4
+    assert preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == spot + 8
 
 
 def test_a_short_quota_is_requested_with_the_exact_number(aws_env):
     ec2 = boto3.client("ec2")
     running = preflight.running_vcpus(ec2, "g4dn.2xlarge")
     client, stubber = quotas_client(8, request=32 + running)
-    check = preflight.check_quota(ec2, client, "g4dn.2xlarge", 4)
-    text = preflight.request_increase(client, check)
+    text = preflight.request_increase(client, preflight.check_quota(ec2, client, "g4dn.2xlarge", 4))
     assert text.startswith(f"requested {QUOTA_NAME} = {32 + running} vCPUs (request req-0123456789, status PENDING)")
     stubber.assert_no_pending_responses()
+
+
+def test_a_request_already_pending_is_one_line_not_a_traceback():
+    client = offline("service-quotas")
+    with Stubber(client) as stubber:
+        stubber.add_client_error("request_service_quota_increase", service_error_code="ResourceAlreadyExistsException",
+                                 service_message="A request for this quota is already pending")
+        text = preflight.request_increase(client, preflight.QuotaCheck("L-C4BD4855", "All P5 Spot Instance Requests",
+                                                                       0, 0, 192))
+    assert "already open" in text and "L-C4BD4855" in text and "\n" not in text
 
 
 @pytest.mark.parametrize("code, words", [
     ("UnauthorizedOperation", "ec2:RunInstances"), ("InsufficientInstanceCapacity", "no capacity"),
     ("VcpuLimitExceeded", "vCPU quota"), ("SomethingNew", "the message from AWS")])
 def test_dry_run_errors_are_explained(code, words):
-    ec2 = boto3.client("ec2", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
-    stubber = Stubber(ec2)
-    stubber.add_client_error("run_instances", service_error_code=code, service_message="the message from AWS")
-    with stubber:
-        check = preflight.dry_run(ec2, "ami-12345678", "g4dn.2xlarge", 2)
+    ec2 = offline("ec2")
+    with Stubber(ec2) as stubber:
+        stubber.add_client_error("run_instances", service_error_code=code, service_message="the message from AWS")
+        check = preflight.dry_run(ec2, "ami-12345678", "g4dn.2xlarge", 2, availability_zone="us-east-1b")
     assert not check.ok and check.detail.startswith(f"{code}: ") and words in check.detail
 
 
-def test_full_preflight_against_the_emulator(aws_env):
+def test_the_dry_run_is_a_permission_check_in_the_chosen_az_or_subnet():
+    ec2 = offline("ec2")
+    base = {"ImageId": "ami-1", "InstanceType": "p5.48xlarge", "MinCount": 2, "MaxCount": 2, "DryRun": True}
+    with Stubber(ec2) as stubber:
+        stubber.add_client_error("run_instances", "DryRunOperation", expected_params=dict(
+            base, Placement={"AvailabilityZone": "us-east-1b"}))
+        stubber.add_client_error("run_instances", "DryRunOperation", expected_params=dict(base, SubnetId="subnet-0abc1234"))
+        stubber.add_client_error("run_instances", "VPCIdNotSpecified", "No default VPC for this user",
+                                 expected_params=dict(base, Placement={"AvailabilityZone": "us-east-1b"}))
+        in_az = preflight.dry_run(ec2, "ami-1", "p5.48xlarge", 2, availability_zone="us-east-1b")
+        in_subnet = preflight.dry_run(ec2, "ami-1", "p5.48xlarge", 2, subnet_id="subnet-0abc1234", availability_zone="x")
+        no_default_vpc = preflight.dry_run(ec2, "ami-1", "p5.48xlarge", 2, availability_zone="us-east-1b")
+    for check in (in_az, in_subnet):
+        assert check.ok and "permission check" in check.detail and "would launch" not in check.detail
+    assert check.name == "launch permission (RunInstances dry run)"
+    assert no_default_vpc.ok and no_default_vpc.skipped and no_default_vpc.label == "--  "
+    assert no_default_vpc.detail == "not checked: no default VPC; the stack creates its own subnet"
+
+
+def test_offerings_are_cached_where_synth_reads_them(tmp_path):
+    context = tmp_path / "cdk.context.json"
+    context.write_text(json.dumps({"availability-zones:account=1:region=us-east-1": ["us-east-1a"]}))
+    preflight.cache_offerings(context, "us-east-1", "p5.48xlarge", ["us-east-1f", "us-east-1c"])
+    saved = json.loads(context.read_text())
+    key = offerings_context_key("us-east-1", "p5.48xlarge")
+    assert saved[key] == ["us-east-1c", "us-east-1f"] and "availability-zones:account=1:region=us-east-1" in saved
+    assert [p.name for p in tmp_path.iterdir()] == ["cdk.context.json"]  # no temp file left
+    config = ClusterConfig.from_context({**saved, "instance_type": "p5.48xlarge"}, region="us-east-1")
+    assert config.availability_zone == "us-east-1c"
+
+
+def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm")}
     clients["ssm"].put_parameter(Name="/test/preflight/ami", Value="ami-03cf127a", Type="String", Overwrite=True)
     running = preflight.running_vcpus(clients["ec2"], "g4dn.2xlarge")
     clients["service-quotas"], stubber = quotas_client(16 + running)
-    found, notes = preflight.run_preflight(clients, "us-east-1", "g4dn.2xlarge", 2, "/test/preflight/ami")
-    assert [c.name for c in found] == ["credentials", "region", "offered", "vCPU quota", "AMI parameter",
-                                       "RunInstances dry run"]
-    assert all(c.ok for c in found), found and notes == []
+    config = ClusterConfig.from_context({"ami_ssm_parameter": "/test/preflight/ami"})
+    context = tmp_path / "cdk.context.json"
+    found, notes = preflight.run_preflight(clients, "us-east-1", config, context)
+    assert [c.name for c in found] == ["credentials", "region", "AZ and subnet", "vCPU quota (On-Demand)",
+                                       "AMI parameter", "launch permission (RunInstances dry run)"]
+    assert all(c.ok for c in found), found
+    zones = json.loads(context.read_text())[offerings_context_key("us-east-1", "g4dn.2xlarge")]
+    assert found[2].detail.startswith(f"a new VPC with one public subnet in {zones[0]}")
+    assert "cfn-exec-role-123456789012-us-east-1" in notes[0] and "YOUR permissions" in notes[0]
+    subnet = clients["ec2"].describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zones[0]]}])["Subnets"][0]
+    existing = ClusterConfig.from_context({"ami_ssm_parameter": "/test/preflight/ami", "vpc_id": subnet["VpcId"],
+                                           "subnet_id": subnet["SubnetId"], "availability_zone": zones[0]})
     clients["service-quotas"], _ = quotas_client(8)
-    found, notes = preflight.run_preflight(clients, "us-east-1", "g4dn.2xlarge", 2, "/missing/parameter")
-    failed = {c.name for c in found if not c.ok}
-    assert failed == {"vCPU quota", "AMI parameter"} and "--request-quota" in notes[0]
+    found, notes = preflight.run_preflight(clients, "us-east-1", existing)
+    assert found[2].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
+    assert {c.name for c in found if not c.ok} == {"vCPU quota (On-Demand)"} and "--request-quota" in notes[1]
 
 
-PRICE_ITEM = {"product": {"productFamily": "Compute Instance", "attributes": {"instanceType": "g4dn.2xlarge"}},
+# ---------------------------------------------------------------- issue item 4: prices
+
+def test_every_accepted_type_has_a_dated_offline_price():
+    for name in INSTANCE_TYPES:
+        price = cost.offline_price(name, "us-east-1")
+        assert price.usd_per_hour and price.usd_per_hour > 0, name
+        assert price.source == f"offline table of {cost.TABLE['date']}"
+
+
+def test_the_table_has_the_mid_2025_p4_p5_cuts():
+    prices = cost.TABLE["instances_usd_per_hour"]
+    assert prices["p5.48xlarge"] == 55.04 and prices["p4d.24xlarge"] == 21.957642 and prices["p4de.24xlarge"] == 27.44705
+    assert "2025-06-05" in cost.TABLE["note"] and cost.TABLE["source"] and cost.TABLE["date"] >= "2025-06"
+
+
+PRICE_ITEM = {"product": {"productFamily": "Compute Instance", "attributes": {"instanceType": "g6e.xlarge",
+                                                                            "regionCode": "ap-south-1"}},
               "serviceCode": "AmazonEC2", "terms": {"OnDemand": {"ABC.JRTCKXETXF": {"priceDimensions": {
-                  "ABC.JRTCKXETXF.6YS6EN2CT7": {"unit": "Hrs", "pricePerUnit": {"USD": "0.7520000000"},
-                  "description": "$0.752 per On Demand Linux g4dn.2xlarge Instance Hour"}}}}}}
+                  "ABC.JRTCKXETXF.6YS6EN2CT7": {"unit": "Hrs", "pricePerUnit": {"USD": "2.1234000000"},
+                                                "description": "$2.1234 per On Demand Linux g6e.xlarge Instance Hour"}}}}}}
 
 
-def test_price_from_the_pricing_api_and_the_offline_fallback():
-    pricing = boto3.client("pricing", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
-    stubber = Stubber(pricing)
-    stubber.add_response("get_products", {"PriceList": [json.dumps(PRICE_ITEM)], "FormatVersion": "aws_v1"})
-    with stubber:
-        assert cost.instance_price(pricing, "g4dn.2xlarge", "eu-west-1") == cost.Price(0.752, "Pricing API")
-    failing = boto3.client("pricing", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
-    broken = Stubber(failing)
-    broken.add_client_error("get_products", service_error_code="AccessDeniedException")
-    with broken:
-        offline = cost.instance_price(failing, "p4d.24xlarge", "us-east-1")
-    assert offline.usd_per_hour == cost.TABLE["instances_usd_per_hour"]["p4d.24xlarge"]
-    assert offline.source.startswith("offline table of ")
-    with pytest.raises(KeyError, match="offline table"):
-        cost.instance_price(None, "g9.huge", "us-east-1")
+def test_the_pricing_api_price_is_used_for_any_region():
+    pricing = offline("pricing")
+    with Stubber(pricing) as stubber:
+        stubber.add_response("get_products", {"PriceList": [json.dumps(PRICE_ITEM)], "FormatVersion": "aws_v1"},
+                             {"ServiceCode": "AmazonEC2", "MaxResults": 10, "Filters": ANY})
+        price = cost.instance_price(pricing, "g6e.xlarge", "ap-south-1")
+        stubber.assert_no_pending_responses()
+    assert price == cost.Price(2.1234, "Pricing API, ap-south-1") and price.from_api
 
 
-def test_estimate_projection_and_spend():
-    estimate = cost.Estimate(4, cost.Price(0.752, "Pricing API"), 200, 13.0)
+def test_the_region_filter_is_regioncode():
+    pricing = offline("pricing")
+    seen = {}
+    pricing.meta.events.register("provide-client-params.pricing.GetProducts",
+                                 lambda params, **kwargs: seen.update({f["Field"]: f["Value"] for f in params["Filters"]}))
+    with Stubber(pricing) as stubber:
+        stubber.add_response("get_products", {"PriceList": [], "FormatVersion": "aws_v1"})
+        cost.instance_price(pricing, "g6e.xlarge", "ap-south-1")
+    assert seen["regionCode"] == "ap-south-1" and seen["instanceType"] == "g6e.xlarge" and "location" not in seen
+
+
+def test_without_the_api_another_region_is_priced_from_the_table_and_says_so():
+    failing = offline("pricing")
+    with Stubber(failing) as broken:
+        broken.add_client_error("get_products", service_error_code="AccessDeniedException")
+        price = cost.instance_price(failing, "p4de.24xlarge", "eu-west-1")
+    assert price.usd_per_hour == 27.44705
+    assert price.source == f"offline table of {cost.TABLE['date']}: us-east-1 prices, eu-west-1 may differ"
+    kept = cost.Price(28.0, "Pricing API, eu-west-1")
+    assert cost.instance_price(None, "p4de.24xlarge", "eu-west-1", kept=kept) == kept
+
+
+def test_a_missing_price_is_unknown_everywhere_never_zero_or_an_exception():
+    price = cost.instance_price(None, "g9.huge", "us-east-1")
+    assert price.usd_per_hour is None and price.source.startswith("unknown")
+    estimate = cost.Estimate(2, price, 200, 1.0)
+    assert estimate.usd_per_hour is None and "= unknown/hour (unknown/day)" in estimate.lines()[0]
+    line = cost.projection({"step": 10, "max_steps": 110, "avg_step_time_s": 36.0}, None)
+    assert "1.0 h and unknown more for the nodes" in line
+    assert cost.spent([datetime.now(timezone.utc)], None) is None
+
+
+def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
+    import fabfile
+    for instance_type in ("g6.xlarge", "p4de.24xlarge", "x9.unknown"):
+        inv = Inventory(cluster="c", source="aws", gpus_per_node=1, instance_type=instance_type, region="us-east-1",
+                        nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-1")], ssh=SshSettings("root", 4444, "/k", "/kh"))
+        on_progress = fabfile._projector(inv)
+        on_progress({"step": 5})  # step time not known yet: nothing
+        on_progress({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0})
+        on_progress({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0})  # printed once
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("cost: run: step 10/3610 at 1.00 s/step -> 1.0 h and $0.80 more for the nodes")
+    assert "$27.45 more" in lines[1] and "unknown more for the nodes" in lines[2]
+
+
+def test_estimate_with_efs_io_projection_and_spend():
+    estimate = cost.Estimate(4, cost.Price(0.752, "Pricing API, us-east-1"), 200, 13.0, dataset_gb=150, epochs=90)
     assert estimate.usd_per_hour == pytest.approx(3.008)
     assert estimate.ebs_usd_per_month == pytest.approx(4 * 200 * 0.08)
     assert estimate.efs_usd_per_month == pytest.approx(13.0 * 0.30)
-    line = cost.projection({"step": 1000, "max_steps": 50_000, "avg_step_time_s": 1.71}, estimate.usd_per_hour)
+    assert "EFS Elastic I/O: up to 13,500 GB read (150 GB x 90 epochs) = $405.00" in estimate.lines()[3]
+    line = cost.projection({"step": 1000, "max_steps": 50_000, "avg_step_time_s": 1.71}, estimate.usd_per_hour, 0.5)
     hours = 49_000 * 1.71 / 3600
-    assert f"{hours:.1f} h" in line and f"${hours * 3.008:.2f}" in line
+    assert f"{hours:.1f} h" in line and f"${hours * 3.008:.2f}" in line and f"${hours * 0.5:.2f} EFS I/O" in line
     assert cost.projection({"step": 5, "max_steps": 10}, 3.0) is None
     now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
     assert cost.spent([now - timedelta(hours=2), now - timedelta(hours=1)], 0.752, now) == pytest.approx(3 * 0.752)
 
 
-def test_fab_cost_without_the_pricing_api_uses_the_marked_offline_table(tmp_path):
-    import subprocess
-    from conftest import REPO, tool_env
-    result = subprocess.run(["fab", "cost", "--nodes", "4", "--instance-type", "g5.xlarge"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120,
+def test_efs_io_comes_from_the_efs_cloudwatch_metrics():
+    cloudwatch = offline("cloudwatch")
+    now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
+    with Stubber(cloudwatch) as stubber:
+        for metric, gigabytes in (("DataReadIOBytes", [30, 20]), ("DataWriteIOBytes", [5])):
+            stubber.add_response("get_metric_statistics", {"Label": metric, "Datapoints": [
+                {"Timestamp": now, "Sum": g * 1e9, "Unit": "Bytes"} for g in gigabytes]}, {
+                "Namespace": "AWS/EFS", "MetricName": metric, "StartTime": now - timedelta(hours=1), "EndTime": now,
+                "Period": 60, "Dimensions": [{"Name": "FileSystemId", "Value": "fs-0abc"}], "Statistics": ["Sum"]})
+        assert cost.efs_io_usd_per_hour(cloudwatch, "fs-0abc", now) == pytest.approx(50 * 0.03 + 5 * 0.06)
+
+
+def test_fab_cost_shows_the_offline_tables_date_and_source(tmp_path):
+    result = subprocess.run(["fab", "cost", "--nodes", "4", "--instance-type", "g6.xlarge", "--dataset-gb", "150",
+                             "--epochs", "90"], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"), AWS_ACCESS_KEY_ID="",
                                          AWS_SECRET_ACCESS_KEY="", AWS_CONFIG_FILE=str(tmp_path / "no-config"),
                                          AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials")))
     assert result.returncode == 0, result.stderr
-    assert "cluster: 4 x $1.006/h = $4.02/hour" in result.stdout and "[offline table of " in result.stdout
+    assert "cluster: 4 x $0.805/h = $3.22/hour" in result.stdout and "[offline table of 2026-06]" in result.stdout
     assert "EBS root volumes: 4 x 200 GB gp3 = $64.00/month" in result.stdout
+    assert "EFS Elastic I/O: up to 13,500 GB read" in result.stdout
+    assert (f"offline price table: prices of {cost.TABLE['date']} in us-east-1, checked {cost.TABLE['checked']}; "
+            f"source: {cost.TABLE['source']}") in result.stdout
     bad = subprocess.run(["fab", "cost", "--instance-type", "m5.large"], cwd=REPO, capture_output=True, text=True,
                          timeout=120, env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")))
     assert bad.returncode == 1 and "invalid config instance_type='m5.large'" in bad.stderr
+    epochs = subprocess.run(["fab", "cost", "--dataset-gb", "10", "--epochs", "-3"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")))
+    assert epochs.returncode == 1 and epochs.stderr.strip() == "error: invalid --epochs '-3': a positive number"
 
 
 def test_a_broken_aws_profile_is_one_line(tmp_path):
-    import subprocess
-    from conftest import REPO, tool_env
     result = subprocess.run(["fab", "preflight"], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=tool_env(AWS_PROFILE="no-such-profile", AWS_CONFIG_FILE=str(tmp_path / "none")))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "error: AWS configuration: The config profile (no-such-profile) could not be found "
         "(check AWS_PROFILE / `aws configure`)"]
+
+
+def test_an_unreadable_quota_is_a_fail_line_and_the_other_checks_still_run(tmp_path, aws_env):
+    """Service Quotas is not emulated: the quota call fails the way a denied or unreachable one does."""
+    result = subprocess.run(["fab", "preflight"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=tool_env(GPU_CLUSTER_CDK_CONTEXT=str(tmp_path / "cdk.context.json"), **aws_env))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    quota = [line for line in result.stdout.splitlines() if "vCPU quota" in line]
+    assert len(quota) == 1 and quota[0].startswith("FAIL  vCPU quota (On-Demand): could not read it: ")
+    assert "AZ and subnet: a new VPC with one public subnet in us-east-1" in result.stdout
+    assert json.loads((tmp_path / "cdk.context.json").read_text())[offerings_context_key("us-east-1", "g4dn.2xlarge")]
+    assert result.stderr.strip() == "error: preflight failed; fix the FAIL lines before `cdk deploy`"
+
+
+def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
+    from fabtasks.aws import _spent
+    ids = moto_instances(2, "spend")
+    fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
+    inv = Inventory(cluster="spend", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
+                    nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
+                    ssh=SshSettings("root", 4444, "/k", "/kh"), file_system_id=fs)
+    _spent(boto3.session.Session(), inv, cost.offline_price("g4dn.xlarge", "us-east-1"))
+    _spent(boto3.session.Session(), inv, cost.Price(None, "unknown"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("spent since the running nodes started: $") and out[2].endswith(": unknown")
+    assert out[1] == "EFS I/O in the last 24 h: 0.0 GB read, 0.0 GB written = $0.00"
+
+
+def test_an_aws_error_inside_a_task_is_one_line(tmp_path, aws_env):
+    inv = Inventory(cluster="gone", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
+                    nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-0123456789abcdef0")],
+                    ssh=SshSettings("root", 4444, "/k", "/kh"), file_system_id="fs-0123456789abcdef0")
+    inv.save(tmp_path / "inventory.json")
+    result = subprocess.run(["fab", "cost"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), **aws_env))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: fab cost: FileSystemNotFound: File system 'fs-0123456789abcdef0' does not exist."], result.stderr

@@ -1,30 +1,63 @@
-"""Autostop watchdog (head node): stops every instance of this cluster when no training step has
-advanced and the GPUs have been idle for IDLE_MINUTES. The instance role may stop only instances
-tagged gpu-cluster:name=CLUSTER_NAME. A CloudWatch alarm per node is the safety net if this dies.
+"""Autostop watchdog, one per node (the container's entrypoint starts it and restarts it if it dies).
 
-    CLUSTER_NAME=c IDLE_MINUTES=60 AWS_REGION=us-east-1 python autostop.py [--data /data]
+Every minute it decides whether the cluster is busy -- a training step advanced in the last 15
+minutes, a GPU is busy while no run is going (nvidia-smi), a data set is being prepared or staged
+(prepare.py keeps a marker fresh under /data/.cluster/busy/), or someone has an interactive SSH
+session in a container -- on this node or on any other (nodes share what they see in
+/data/.cluster/heartbeat/). It then
+  * publishes this node's heartbeat, Busy = 1 or 0, to CloudWatch (namespace GpuCluster/Autostop,
+    dimension InstanceId); a CloudWatch alarm per node stops the node when the heartbeat has said
+    idle, or nothing at all, for IDLE_MINUTES + 30 minutes: the net for a watchdog that died;
+  * stops every instance of the cluster itself once the cluster has been idle for IDLE_MINUTES.
+The node role may stop only instances tagged gpu-cluster:name=CLUSTER_NAME.
+
+    CLUSTER_NAME=c IDLE_MINUTES=60 NODE_RANK=0 python autostop.py [--data /data]
+    CLUSTER_NAME=c python autostop.py --stop-now     # fab train --then-stop
+
+The region comes from AWS_REGION / AWS_DEFAULT_REGION, else from the instance identity document
+(IMDSv2): an SSH session in the container has no AWS variables, and botocore does not ask IMDS.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 CLUSTER_TAG = "gpu-cluster:name"
-GPU_IDLE_PERCENT = 5.0
+NAMESPACE = "GpuCluster/Autostop"  # stacks/nodes.py alarms on it, the role may publish only to it
+METRIC = "Busy"
+GPU_BUSY_PERCENT = 5.0
+STEP_WINDOW_S = 15 * 60        # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
+MARKER_FRESH_S = 5 * 60        # prepare.py refreshes its marker every minute
+STARTUP_BUSY_SAMPLES = 2       # after a (re)start report busy briefly: the alarm leaves ALARM and re-arms
+IMDS_URL = os.environ.get("AUTOSTOP_IMDS_URL", "http://169.254.169.254")
+_SESSION = re.compile(rb"^sshd(-session)?: \S+@pts/")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one node sees at one moment."""
+    time: float
+    step: Optional[int] = None               # the newest unfinished run's step
+    progress_age_s: Optional[float] = None   # seconds since that run's progress.json changed
+    gpu_util: Optional[float] = None         # max over GPUs, None without GPUs
+    preparing: tuple[str, ...] = ()          # fresh data-preparation markers
+    sessions: int = 0                        # interactive SSH sessions in this container
 
 
 @dataclass(frozen=True)
 class Sample:
     time: float
-    step: Optional[int]          # the newest run's step, None when there is no run
-    gpu_util: Optional[float]    # max over GPUs, None without GPUs
+    busy: tuple[str, ...]  # reasons the cluster is busy; empty: idle
+    step: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -33,34 +66,59 @@ class Decision:
     reason: str
 
 
+def local_reasons(now: Observation, before: Optional[Observation]) -> list[str]:
+    """Why this node is busy; empty when it is idle. CPU load is not a signal: a GPU rank keeps
+    about one core busy, 2-4% of a large instance. GPU load counts only when no run is going: a
+    hung NCCL collective keeps GPUs at 100% without a step (the launcher ends such a run)."""
+    reasons = []
+    moved = before is not None and now.step is not None and now.step != before.step
+    if moved or (now.progress_age_s is not None and now.progress_age_s <= STEP_WINDOW_S):
+        reasons.append(f"training step {now.step} advancing")
+    if now.step is None and now.gpu_util is not None and now.gpu_util > GPU_BUSY_PERCENT:
+        reasons.append(f"GPU {now.gpu_util:.0f}% busy")
+    reasons += [f"preparing data ({what})" for what in now.preparing]
+    if now.sessions:
+        reasons.append(f"{now.sessions} interactive SSH session(s)")
+    return reasons
+
+
 def decide(samples: Sequence[Sample], idle_minutes: float, now: float) -> Decision:
-    """Stop when the samples cover the last idle_minutes, the step did not advance in them, and
-    no GPU was busy in them."""
+    """Stop when the samples cover the last idle_minutes and the cluster was busy in none of them."""
     if idle_minutes <= 0:
         return Decision(False, "autostop disabled")
     window_start = now - idle_minutes * 60
     window = [s for s in samples if s.time >= window_start]
     if not samples or samples[0].time > window_start or not window:
         return Decision(False, "not enough history yet")
-    steps = {s.step for s in window}
-    if len(steps) > 1:
-        return Decision(False, "training steps are advancing")
-    busy = [s.gpu_util for s in window if s.gpu_util is not None and s.gpu_util > GPU_IDLE_PERCENT]
+    busy = [s for s in window if s.busy]
     if busy:
-        return Decision(False, f"GPUs busy (up to {max(busy):.0f}%)")
-    step = steps.pop()
-    what = "no run" if step is None else f"step stuck at {step}"
-    return Decision(True, f"idle for {idle_minutes:g} min: {what}, GPUs below {GPU_IDLE_PERCENT:g}%")
+        return Decision(False, "busy: " + "; ".join(busy[-1].busy))
+    last = window[-1].step
+    run = f"no run, GPUs below {GPU_BUSY_PERCENT:g}%" if last is None else f"step stuck at {last}"
+    return Decision(True, f"idle for {idle_minutes:g} min: {run}, no data preparation, no interactive session")
 
 
-def latest_step(data_dir: Path) -> Optional[int]:
-    progress = sorted((data_dir / "runs").glob("*/progress.json"), key=lambda p: p.stat().st_mtime)
-    if not progress:
-        return None
+# ---------------------------------------------------------------- what a node sees
+
+def _mtime(path: Path) -> float:
     try:
-        return int(json.loads(progress[-1].read_text())["step"])
-    except (ValueError, KeyError, OSError):
-        return None
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
+
+
+def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional[float]]:
+    """(step, age in seconds) of the newest run's progress.json; (None, None) without a run going."""
+    progress = max((data_dir / "runs").glob("*/progress.json"), key=_mtime, default=None)
+    if progress is None:
+        return None, None
+    try:
+        values = json.loads(progress.read_text())
+        if values.get("ended"):
+            return None, None
+        return int(values["step"]), max(0.0, now - _mtime(progress))
+    except (ValueError, KeyError, TypeError, OSError):
+        return None, None
 
 
 def gpu_utilisation() -> Optional[float]:
@@ -69,8 +127,87 @@ def gpu_utilisation() -> Optional[float]:
                              capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    values = [float(v) for v in out.split()]
+    values = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
     return max(values) if values else None
+
+
+def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
+    """Data-preparation markers refreshed in the last MARKER_FRESH_S (a killed prepare.py's goes stale)."""
+    found = []
+    for marker in sorted((data_dir / ".cluster" / "busy").glob("*.json")):
+        try:
+            if now - _mtime(marker) <= MARKER_FRESH_S:
+                found.append(json.loads(marker.read_text()).get("what", marker.stem))
+        except (OSError, ValueError):
+            continue
+    return tuple(found)
+
+
+def interactive_sessions(proc: Path = Path("/proc")) -> int:
+    """sshd processes serving a terminal ("sshd: root@pts/0"); fab's own commands have no pty."""
+    count = 0
+    for cmdline in proc.glob("[0-9]*/cmdline"):
+        try:
+            count += bool(_SESSION.match(cmdline.read_bytes()))
+        except OSError:
+            continue
+    return count
+
+
+def observe(data_dir: Path, now: float) -> Observation:
+    step, age = latest_progress(data_dir, now)
+    return Observation(now, step, age, gpu_utilisation(), preparing(data_dir, now), interactive_sessions())
+
+
+def share(data_dir: Path, rank: str, now: float, reasons: list[str]) -> None:
+    """Write this node's own reasons where the other nodes read them (atomically)."""
+    folder = data_dir / ".cluster" / "heartbeat"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".node{rank}.json.tmp"
+    tmp.write_text(json.dumps({"time": now, "busy": reasons}))
+    os.replace(tmp, folder / f"node{rank}.json")
+
+
+def peer_reasons(data_dir: Path, rank: str, now: float, fresh_s: float) -> list[str]:
+    """The other nodes' own reasons, from heartbeats written in the last fresh_s seconds."""
+    reasons = []
+    for path in sorted((data_dir / ".cluster" / "heartbeat").glob("node*.json")):
+        if path.stem == f"node{rank}":
+            continue
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if now - float(beat.get("time", 0)) <= fresh_s:
+            reasons += [f"{path.stem}: {reason}" for reason in beat.get("busy", [])]
+    return reasons
+
+
+# ---------------------------------------------------------------- AWS
+
+def instance_identity(base: str = IMDS_URL, timeout: float = 2.0) -> dict:
+    """The instance identity document through IMDSv2 (region, instanceId), {} off EC2."""
+    try:
+        token_request = urllib.request.Request(f"{base}/latest/api/token", method="PUT",
+                                               headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+        with urllib.request.urlopen(token_request, timeout=timeout) as response:
+            token = response.read().decode()
+        document = urllib.request.Request(f"{base}/latest/dynamic/instance-identity/document",
+                                          headers={"X-aws-ec2-metadata-token": token})
+        with urllib.request.urlopen(document, timeout=timeout) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def where_am_i(environ: dict, identity: Callable[[], dict] = instance_identity) -> tuple[Optional[str], Optional[str]]:
+    """(region, instance id): the environment first, then the instance metadata."""
+    region = environ.get("AWS_REGION") or environ.get("AWS_DEFAULT_REGION")
+    instance = environ.get("INSTANCE_ID")
+    if not region or not instance:
+        document = identity()
+        region, instance = region or document.get("region"), instance or document.get("instanceId")
+    return region, instance
 
 
 def cluster_instances(ec2, cluster: str, states: Sequence[str] = ("pending", "running")) -> list[str]:
@@ -88,40 +225,91 @@ def stop_cluster(ec2, cluster: str) -> list[str]:
     return ids
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default="/data")
-    parser.add_argument("--interval", type=float, default=60.0)
-    parser.add_argument("--stop-now", action="store_true", help="stop the cluster now (fab train --then-stop)")
-    args = parser.parse_args(argv)
-    cluster, idle = os.environ.get("CLUSTER_NAME"), float(os.environ.get("IDLE_MINUTES", "0"))
-    if args.stop_now:
-        if not cluster:
-            print("autostop: CLUSTER_NAME is not set; nothing stopped", file=sys.stderr)
-            return 2
-        import boto3
-        print(f"autostop: run ended; stopping {stop_cluster(boto3.client('ec2'), cluster)}", flush=True)
-        return 0
-    if not cluster or idle <= 0:
-        print("autostop: off (CLUSTER_NAME unset or IDLE_MINUTES=0)", flush=True)
-        return 0
-    import boto3
-    ec2 = boto3.client("ec2")
-    samples: list[Sample] = []
-    log = Path(args.data) / ".cluster" / "autostop.log"
+def publish(cloudwatch, instance_id: str, busy: bool) -> None:
+    cloudwatch.put_metric_data(Namespace=NAMESPACE, MetricData=[{
+        "MetricName": METRIC, "Dimensions": [{"Name": "InstanceId", "Value": instance_id}],
+        "Value": 1.0 if busy else 0.0, "Unit": "Count"}])
+
+
+# ---------------------------------------------------------------- the loop
+
+def log(message: str, data_dir: Optional[Path] = None) -> None:
+    line = f"{time.strftime('%FT%TZ', time.gmtime())} autostop: {message}"
+    print(line, flush=True)
+    if data_dir is not None:
+        with open(data_dir / ".cluster" / "autostop.log", "a") as handle:
+            handle.write(line + "\n")
+
+
+class Watchdog:
+    """The decision, one observation at a time: tick() returns this minute's reasons (the
+    heartbeat is busy when there are any) and whether to stop the cluster now."""
+
+    def __init__(self, idle_minutes: float, interval: float):
+        self.idle, self.interval = idle_minutes, interval
+        self.samples: list[Sample] = []
+        self.before: Optional[Observation] = None
+
+    def tick(self, seen: Observation, peers: Sequence[str] = ()) -> tuple[list[str], Decision]:
+        reasons = local_reasons(seen, self.before) + list(peers)
+        if len(self.samples) < STARTUP_BUSY_SAMPLES:
+            reasons.append("watchdog starting")
+        self.samples.append(Sample(seen.time, tuple(reasons), seen.step))
+        self.samples = [s for s in self.samples if s.time >= seen.time - self.idle * 60 - 2 * self.interval]
+        self.before = seen
+        return reasons, decide(self.samples, self.idle, seen.time)
+
+
+def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwatch,
+          instance_id: Optional[str]) -> int:
+    dog, state = Watchdog(idle, interval), None
     while True:
         now = time.time()
-        samples.append(Sample(now, latest_step(Path(args.data)), gpu_utilisation()))
-        samples = [s for s in samples if s.time >= now - idle * 60 - 2 * args.interval]
-        decision = decide(samples, idle, now)
+        seen = observe(data_dir, now)
+        share(data_dir, rank, now, local_reasons(seen, dog.before))
+        reasons, decision = dog.tick(seen, peer_reasons(data_dir, rank, now, fresh_s=3 * interval))
+        if instance_id:
+            try:
+                publish(cloudwatch, instance_id, bool(reasons))
+            except Exception as error:  # noqa: BLE001 - a missed beat counts as idle; keep watching
+                log(f"heartbeat not published: {error}")
+        if bool(reasons) != state:
+            state = bool(reasons)
+            log("busy: " + "; ".join(reasons) if reasons else "idle")
         if decision.stop:
-            ids = stop_cluster(ec2, cluster)
-            message = f"{time.strftime('%FT%TZ', time.gmtime())} autostop: {decision.reason}; stopping {ids}"
-            print(message, flush=True)
-            with open(log, "a") as handle:
-                handle.write(message + "\n")
+            log(f"{decision.reason}; stopping {stop_cluster(ec2, os.environ['CLUSTER_NAME'])}", data_dir)
             return 0
-        time.sleep(args.interval)
+        time.sleep(max(0.0, interval - (time.time() - now)))
+
+
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default="/data")
+    parser.add_argument("--interval", type=float, default=60.0, help="seconds between heartbeats (alarm period: 60)")
+    parser.add_argument("--stop-now", action="store_true", help="stop the cluster now (fab train --then-stop)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
+    cluster, idle = os.environ.get("CLUSTER_NAME"), float(os.environ.get("IDLE_MINUTES", "0"))
+    if not cluster or (idle <= 0 and not args.stop_now):
+        print("autostop: off (CLUSTER_NAME unset or IDLE_MINUTES=0); nothing stopped", flush=True)
+        return 2 if args.stop_now else 0
+    region, instance_id = where_am_i(dict(os.environ))
+    if not region:
+        print("autostop: no AWS region (AWS_REGION unset and no instance metadata); nothing stopped",
+              file=sys.stderr, flush=True)
+        return 2
+    import boto3
+    ec2 = boto3.client("ec2", region_name=region)
+    if args.stop_now:
+        print(f"autostop: run ended; stopping {stop_cluster(ec2, cluster)}", flush=True)
+        return 0
+    if not instance_id:
+        log("no instance id (INSTANCE_ID unset, no instance metadata): heartbeat not published")
+    return watch(Path(args.data), os.environ.get("NODE_RANK", "0"), idle, args.interval, ec2,
+                 boto3.client("cloudwatch", region_name=region), instance_id)
 
 
 if __name__ == "__main__":

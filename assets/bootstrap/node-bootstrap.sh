@@ -132,13 +132,16 @@ start_container() {
   fi
   log "starting $CONTAINER"
   docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
+  # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop.
+  local store=${INSTANCE_STORE:-/opt/dlami/nvme} instance_store=()
+  if [[ -d $store ]]; then instance_store=(-v "$store:$store"); fi
   docker run -d --name "$CONTAINER" --restart unless-stopped \
     --gpus all --net=host --ipc=host --shm-size=16g \
     --ulimit memlock=-1 --ulimit stack=67108864 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
     -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
-    "$IMAGE" >/dev/null
+    "${instance_store[@]}" "$IMAGE" >/dev/null
   local waited=0
   until docker exec "$CONTAINER" pgrep -x sshd >/dev/null; do
     ((waited++ < 30)) || { log "sshd did not start in $CONTAINER"; return 1; }

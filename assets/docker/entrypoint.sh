@@ -32,9 +32,13 @@ chmod 0600 "$RUNTIME_DIR/authorized_keys"
   echo "SetEnv PATH=$PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
 } > "$RUNTIME_DIR/sshd_config"
 
-# The autostop watchdog runs on the head node only (see assets/autostop/autostop.py).
-if [[ ${NODE_RANK:-} == 0 && ${IDLE_MINUTES:-0} != 0 && -f /workspace/autostop/autostop.py ]]; then
-  python /workspace/autostop/autostop.py --data "$DATA_DIR" >> "$DATA_DIR/.cluster/autostop.log" 2>&1 &
+# The autostop watchdog runs on every node (see assets/autostop/autostop.py): each publishes its
+# own heartbeat, so a dead head node cannot leave the others running. Restarted if it dies; exit 0
+# means it stopped the cluster (or autostop is off).
+if [[ ${IDLE_MINUTES:-0} != 0 && -f /workspace/autostop/autostop.py ]]; then
+  (
+    until python /workspace/autostop/autostop.py --data "$DATA_DIR"; do sleep 60; done
+  ) >> "$DATA_DIR/.cluster/autostop-node${NODE_RANK:-0}.log" 2>&1 &
 fi
 
 if (($#)); then

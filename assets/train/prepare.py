@@ -10,15 +10,23 @@ per sentence, with disjoint train/valid/test splits. Used by tests and the local
 `wmt16-en-de`: the WMT16 corpora and test sets as the original recipe downloads them (see wmt16.py),
 a 32k shared BPE vocabulary and binary shards; resumable. `imagenet`: checks the train/val folder
 layout and optionally stages it onto local disk (see imagenet.py).
-Re-running with the same arguments is a no-op; every file is written atomically.
+Re-running with the same arguments is a no-op; every file is written atomically. With --busy-dir
+(fab data passes /data/.cluster/busy) a marker there stays fresh while it runs: the autostop
+watchdog counts it as busy, so a long download or staging does not stop the cluster.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Iterator, Optional
 
 from data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
@@ -116,8 +124,39 @@ def prepare_imagenet(args: argparse.Namespace) -> None:
         print(f"staged into {args.stage_to}: {copied} copied, {skipped} already there")
 
 
+@contextlib.contextmanager
+def busy_marker(directory: Optional[str], what: str, every: float = 60.0) -> Iterator[None]:
+    """While the body runs, keep DIRECTORY/HOST-PID.json refreshed every `every` seconds; removed
+    at the end. A killed process leaves a marker that goes stale, so it stops counting."""
+    if not directory:
+        yield
+        return
+    path = Path(directory) / f"{socket.gethostname()}-{os.getpid()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = threading.Event()
+
+    def write() -> None:
+        atomic_write_bytes(path, lambda f: f.write(json.dumps({"what": what, "time": time.time()}).encode()))
+
+    def refresh() -> None:
+        while not done.wait(every):
+            with contextlib.suppress(OSError):
+                write()
+
+    write()
+    thread = threading.Thread(target=refresh, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--busy-dir", help="keep a fresh marker here while running (autostop counts it as busy)")
     sub = parser.add_subparsers(dest="dataset", required=True)
     numbers = sub.add_parser("numbers", help="offline English->German number phrases")
     numbers.add_argument("--out", required=True)
@@ -136,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     images.add_argument("--source", required=True, help="folder with train/ and val/")
     images.add_argument("--stage-to", help="copy onto this local directory (e.g. NVMe)")
     args = parser.parse_args(argv)
+    with busy_marker(args.busy_dir, f"prepare.py {args.dataset} on {socket.gethostname()}"):
+        _prepare(args)
+
+
+def _prepare(args: argparse.Namespace) -> None:
     if args.dataset == "wmt16-en-de":
         return prepare_wmt16(args)
     if args.dataset == "imagenet":
