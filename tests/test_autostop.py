@@ -358,3 +358,20 @@ def test_the_newest_unfinished_run_is_the_one_that_counts(tmp_path):
     assert autostop.latest_progress(tmp_path, 1000.0) == (20, 100.0)
     (tmp_path / "runs" / "new" / "progress.json").write_text(json.dumps({"step": 30, "ended": "finished"}))
     assert autostop.latest_progress(tmp_path, time.time()) == (None, None)  # a finished run is no run
+
+
+def test_the_heartbeat_carries_gpu_utilisation_and_memory_for_the_dashboard(aws_env, tmp_path, monkeypatch):
+    """nvidia-smi's CSV (a stand-in prints what a 2-GPU node prints) -> the metrics the dashboard plots."""
+    from stacks.dashboard import GPU_METRICS, NODE_NAMESPACE
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '87, 6000, 15360'\necho '12, 1536, 15360'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    util, memory = autostop.gpu_readings()
+    assert util == 87.0 and memory == pytest.approx(100 * 6000 / 15360)
+    cloudwatch = boto3.client("cloudwatch")
+    autostop.publish(cloudwatch, "i-0dashboard", True, autostop.Observation(0.0, gpu_util=util, gpu_memory=memory))
+    metrics = cloudwatch.list_metrics(Namespace=NODE_NAMESPACE,
+                                      Dimensions=[{"Name": "InstanceId", "Value": "i-0dashboard"}])["Metrics"]
+    assert {m["MetricName"] for m in metrics} == {autostop.METRIC, *(name for name, _ in GPU_METRICS)}
+    assert autostop.NAMESPACE == NODE_NAMESPACE

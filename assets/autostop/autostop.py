@@ -49,6 +49,7 @@ class Observation:
     step: Optional[int] = None               # the newest unfinished run's step
     progress_age_s: Optional[float] = None   # seconds since that run's progress.json changed
     gpu_util: Optional[float] = None         # max over GPUs, None without GPUs
+    gpu_memory: Optional[float] = None       # % used, max over GPUs (for the dashboard)
     preparing: tuple[str, ...] = ()          # fresh data-preparation markers
     sessions: int = 0                        # interactive SSH sessions in this container
 
@@ -121,14 +122,19 @@ def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional
         return None, None
 
 
-def gpu_utilisation() -> Optional[float]:
+def gpu_readings() -> tuple[Optional[float], Optional[float]]:
+    """(utilisation %, memory used %), each the maximum over the GPUs; (None, None) without GPUs."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,memory.total",
+                              "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
-    values = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
-    return max(values) if values else None
+        return None, None
+    rows = [[float(v) for v in line.split(",")] for line in out.splitlines()
+            if line.count(",") == 2 and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))]
+    if not rows:
+        return None, None
+    return max(r[0] for r in rows), max(100 * r[1] / r[2] for r in rows if r[2] > 0)
 
 
 def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
@@ -156,7 +162,9 @@ def interactive_sessions(proc: Path = Path("/proc")) -> int:
 
 def observe(data_dir: Path, now: float) -> Observation:
     step, age = latest_progress(data_dir, now)
-    return Observation(now, step, age, gpu_utilisation(), preparing(data_dir, now), interactive_sessions())
+    util, memory = gpu_readings()
+    return Observation(now, step, age, gpu_util=util, gpu_memory=memory, preparing=preparing(data_dir, now),
+                       sessions=interactive_sessions())
 
 
 def share(data_dir: Path, rank: str, now: float, reasons: list[str]) -> None:
@@ -225,10 +233,14 @@ def stop_cluster(ec2, cluster: str) -> list[str]:
     return ids
 
 
-def publish(cloudwatch, instance_id: str, busy: bool) -> None:
-    cloudwatch.put_metric_data(Namespace=NAMESPACE, MetricData=[{
-        "MetricName": METRIC, "Dimensions": [{"Name": "InstanceId", "Value": instance_id}],
-        "Value": 1.0 if busy else 0.0, "Unit": "Count"}])
+def publish(cloudwatch, instance_id: str, busy: bool, seen: Optional[Observation] = None) -> None:
+    """The heartbeat (the alarm's metric) and, on GPU nodes, GPU utilisation and memory for the dashboard."""
+    dimensions = [{"Name": "InstanceId", "Value": instance_id}]
+    data = [{"MetricName": METRIC, "Dimensions": dimensions, "Value": 1.0 if busy else 0.0, "Unit": "Count"}]
+    for name, value in (("GPUUtilization", seen and seen.gpu_util), ("GPUMemoryUsedPercent", seen and seen.gpu_memory)):
+        if value is not None:
+            data.append({"MetricName": name, "Dimensions": dimensions, "Value": float(value), "Unit": "Percent"})
+    cloudwatch.put_metric_data(Namespace=NAMESPACE, MetricData=data)
 
 
 # ---------------------------------------------------------------- the loop
@@ -270,7 +282,7 @@ def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwat
         reasons, decision = dog.tick(seen, peer_reasons(data_dir, rank, now, fresh_s=3 * interval))
         if instance_id:
             try:
-                publish(cloudwatch, instance_id, bool(reasons))
+                publish(cloudwatch, instance_id, bool(reasons), seen)
             except Exception as error:  # noqa: BLE001 - a missed beat counts as idle; keep watching
                 log(f"heartbeat not published: {error}")
         if bool(reasons) != state:
