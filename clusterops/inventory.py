@@ -68,6 +68,7 @@ class Inventory:
     file_system_id: Optional[str] = None
     usd_per_hour: Optional[float] = None  # per node, kept from `fab inventory` (None: unknown)
     price_source: str = ""
+    spot: bool = False  # Spot nodes (stack output Spot): `fab cost` prices them at the Spot price
 
     @property
     def head(self) -> Node:
@@ -192,6 +193,7 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
                         proxy_command=proxy),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
         stack_name=stack_name, file_system_id=outputs.get("FileSystemId"),
+        spot=outputs.get("Spot") == "true",
         extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
 
 

@@ -55,6 +55,7 @@ class GpuClusterStack(Stack):
             "Region": self.region,
             "GpusPerNode": str(config.gpus),
             "InstanceType": config.instance_type,
+            "Spot": "true" if config.spot else "false",
             "DashboardUrl": self.dashboard.url,
         }
         for name, value in outputs.items():

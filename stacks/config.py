@@ -116,6 +116,23 @@ def _instance_type(key: str, value: Any) -> str:
     return text
 
 
+# EC2 refuses a Spot maximum price at or below USD 0.001 (SpotMarketOptions, MaxPrice).
+MIN_SPOT_MAX_PRICE = 0.001
+
+
+def _spot_price(key: str, value: Any) -> float:
+    accepted = f"expected a price in USD per node-hour above {MIN_SPOT_MAX_PRICE}, e.g. 0.45"
+    if isinstance(value, bool):
+        raise ConfigError(key, value, accepted)
+    try:
+        price = float(str(value).strip().lstrip("$"))
+    except ValueError:
+        raise ConfigError(key, value, accepted) from None
+    if not MIN_SPOT_MAX_PRICE < price < 1000:  # also refuses nan and inf
+        raise ConfigError(key, value, accepted)
+    return price
+
+
 def _cidr(key: str, value: Any) -> str:
     text = str(value).strip()
     try:
@@ -154,6 +171,8 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "key_name": _optional(lambda k, v: _as_str(
         k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
     "idle_minutes": lambda k, v: _as_int(k, v, 0, MAX_IDLE_MINUTES),
+    "spot": _as_bool,
+    "spot_max_price": _optional(_spot_price),
 }
 
 
@@ -178,6 +197,8 @@ class ClusterConfig:
     availability_zone: Optional[str] = None
     key_name: Optional[str] = None
     idle_minutes: int = 60
+    spot: bool = False  # Spot nodes: persistent requests, stopped (not terminated) when interrupted
+    spot_max_price: Optional[float] = None  # USD per node-hour; None: pay the Spot price, capped at On-Demand
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -221,6 +242,8 @@ class ClusterConfig:
             raise ConfigError("ssh_cidr", self.ssh_cidr,
                               "SSH open to the whole internet needs -c allow_world_ssh=true; "
                               "prefer your own address, e.g. 203.0.113.7/32")
+        if self.spot_max_price is not None and not self.spot:
+            raise ConfigError("spot_max_price", self.spot_max_price, "needs -c spot=true")
         existing = {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id,
                     "availability_zone": self.availability_zone}
         given = [key for key, value in existing.items() if value is not None]

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from aws_cdk import (
-    Aws, CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
+    Aspects, Aws, CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
     aws_cloudwatch as cloudwatch, aws_cloudwatch_actions as cloudwatch_actions,
     aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets, aws_ssm as ssm,
 )
@@ -14,6 +14,7 @@ from constructs import Construct
 
 from .bootstrap import check_user_data_size, render_user_data
 from .config import ClusterConfig, alarm_minutes
+from .spot import SpotLaunchTemplate
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 CLUSTER_TAG = "gpu-cluster:name"
@@ -127,6 +128,10 @@ class GpuNodes(Construct):
                 "HOST_KEY_PARAMETER": self.host_key_parameter_name,
                 "IDLE_MINUTES": str(config.idle_minutes),
             }
+            if config.spot:  # only then: a new key in user data would replace On-Demand nodes
+                env["SPOT"] = "true"
+                Aspects.of(instance).add(SpotLaunchTemplate(
+                    config.spot_max_price, {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}))
             instance.user_data.add_commands(render_user_data(env))
             check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
             cfn_instance = instance.node.default_child

@@ -96,7 +96,9 @@ BAD = [
     ("availability_zone", "east"), ("subnet_id", "subnet-0123456789abcdef0"),
     ("key_name", "bad/name"), ("cluster_name", "My Cluster"), ("cluster_name", "1cluster"),
     ("cluster_name", "a" * 40), ("idle_minutes", "-1"), ("idle_minutes", "soon"),
-    ("idle_minutes", "1411"), ("access", "vpn"), ("private_subnet", "true"), ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
+    ("idle_minutes", "1411"), ("spot", "cheap"), ("spot_max_price", "0"), ("spot_max_price", "-1"),
+    ("spot_max_price", "0.001"), ("spot_max_price", "lots"), ("spot_max_price", "nan"), ("spot_max_price", "inf"),
+    ("spot_max_price", True), ("access", "vpn"), ("private_subnet", "true"), ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
 ]
 
 
@@ -116,3 +118,16 @@ def test_access_ssm_refuses_an_ssh_cidr_and_private_subnets_need_it():
         ClusterConfig.from_context({"access": "ssm", "ssh_cidr": "203.0.113.7/32"})
     config = ClusterConfig.from_context({"access": "SSM", "private_subnet": "true"})
     assert (config.access, config.private_subnet) == ("ssm", True)
+
+
+def test_spot_is_off_by_default_and_its_price_is_coerced():
+    assert ClusterConfig.from_context({}).spot is False
+    config = ClusterConfig.from_context({"spot": "true", "spot_max_price": " $0.45 "})
+    assert config.spot is True and config.spot_max_price == 0.45
+    assert ClusterConfig.from_context({"spot": "yes", "spot_max_price": ""}).spot_max_price is None
+
+
+def test_a_spot_price_for_on_demand_nodes_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as caught:
+        ClusterConfig.from_context({"spot_max_price": "0.45"})
+    assert str(caught.value) == "invalid config spot_max_price=0.45: needs -c spot=true"

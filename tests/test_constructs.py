@@ -376,3 +376,40 @@ def test_a_private_subnet_has_no_public_ips_a_nat_and_session_manager_endpoints(
                if not subnet["Properties"].get("MapPublicIpOnLaunch")]
     assert node_subnets == {json.dumps({"Ref": private[0]})}
     template.has_output("PublicIps", {"Value": "none"})
+
+
+# ---------------------------------------------------------------- Spot nodes
+
+def _launch_templates(template: Template) -> list[dict]:
+    return [r["Properties"]["LaunchTemplateData"]
+            for r in template.find_resources("AWS::EC2::LaunchTemplate").values()]
+
+
+@pytest.mark.parametrize("max_price, expected", [(None, None), ("0.45", "0.45"), ("12.5", "12.5")])
+def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, expected):
+    template = _cluster(nodes="3", spot="true", **({"spot_max_price": max_price} if max_price else {}))
+    datas = _launch_templates(template)
+    assert len(datas) == 3
+    for data in datas:
+        assert data["MetadataOptions"] == {"HttpTokens": "required"}
+        options = data["InstanceMarketOptions"]
+        assert options["MarketType"] == "spot"
+        spot = options["SpotOptions"]
+        assert (spot["SpotInstanceType"], spot["InstanceInterruptionBehavior"]) == ("persistent", "stop")
+        assert spot["ValidUntil"] > "2090" and spot.get("MaxPrice") == expected
+    ranks = sorted(tag["Value"] for data in datas for spec in data["TagSpecifications"] for tag in spec["Tags"]
+                   if spec["ResourceType"] == "spot-instances-request" and tag["Key"] == "gpu-cluster:rank")
+    assert ranks == ["0", "1", "2"]
+    # Each instance uses its own template's latest version, so the market options apply at launch.
+    for instance in template.find_resources("AWS::EC2::Instance").values():
+        assert instance["Properties"]["LaunchTemplate"]["Version"]["Fn::GetAtt"][1] == "LatestVersionNumber"
+    template.has_output("Spot", {"Value": "true"})
+    assert "\nSPOT=true\n" in _user_data(template, 2)
+
+
+def test_on_demand_nodes_have_no_market_options_and_unchanged_user_data(cluster):
+    _, template = cluster
+    assert all("InstanceMarketOptions" not in data and "TagSpecifications" not in data
+               for data in _launch_templates(template))
+    template.has_output("Spot", {"Value": "false"})
+    assert "\nSPOT=" not in _user_data(template, 0)  # the env header; the script says ${SPOT:-false}

@@ -14,6 +14,8 @@ CASES = {
         "-c", "availability_zone=us-east-1a",
         "-c", "instance_type=p4d.24xlarge"],
     "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge"],
+    "spot": ["-c", "spot=true", "-c", "spot_max_price=4.5", "-c", "instance_type=g6e.12xlarge",
+             "-c", "ssh_cidr=203.0.113.0/24"],
 }
 
 
@@ -35,7 +37,7 @@ def test_template_facts(synth):
     case, _, _, template = synth
     resources = template["Resources"].values()
     instances = [r for r in resources if r["Type"] == "AWS::EC2::Instance"]
-    assert len(instances) == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2}[case]
+    assert len(instances) == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2, "spot": 2}[case]
     groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
     assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
     efs = [r for r in resources if r["Type"] == "AWS::EFS::FileSystem"][0]
@@ -51,6 +53,12 @@ def test_template_facts(synth):
                and r["Properties"]["SourceSecurityGroupId"] == r["Properties"]["GroupId"] for r in resources)
     assert '"HttpTokens": "required"' in text
     assert "/etc/fstab" in text and "4444" in text
+    markets = [r["Properties"]["LaunchTemplateData"].get("InstanceMarketOptions") for r in resources
+               if r["Type"] == "AWS::EC2::LaunchTemplate"]
+    assert len(markets) == len(instances)
+    assert all(m == ({"MarketType": "spot", "SpotOptions": {
+        "SpotInstanceType": "persistent", "InstanceInterruptionBehavior": "stop",
+        "ValidUntil": "2099-12-31T23:59:59Z", "MaxPrice": "4.5"}} if case == "spot" else None) for m in markets)
 
 
 def test_cfn_lint_is_clean(synth):
@@ -74,7 +82,8 @@ def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_
 
 @pytest.mark.parametrize("args, key", [
     (["-c", "nodes=0"], "nodes"), (["-c", "ssh_cidr=0.0.0.0/0"], "ssh_cidr"),
-    (["-c", "instance_type=m5.large"], "instance_type"), (["-c", "retain_data=perhaps"], "retain_data")])
+    (["-c", "instance_type=m5.large"], "instance_type"), (["-c", "retain_data=perhaps"], "retain_data"),
+    (["-c", "spot=true", "-c", "spot_max_price=0"], "spot_max_price")])
 def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
     result = cdk("synth", "-q", "-o", str(tmp_path), *args)
     assert result.returncode != 0

@@ -139,7 +139,7 @@ start_container() {
     --gpus all --net=host --ipc=host --shm-size=16g \
     --ulimit memlock=-1 --ulimit stack=67108864 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
-    -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
+    -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
     "${instance_store[@]}" "$IMAGE" >/dev/null
   local waited=0
