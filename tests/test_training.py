@@ -88,6 +88,19 @@ def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_d
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("stop_text, evaluated", [("", True), ("now: spot notice for node1", False)],
+                         ids=["fab-stop", "spot-notice"])
+def test_stop_checkpoints_at_the_next_step_and_a_now_stop_skips_the_eval(numbers_data, tmp_path, stop_text,
+                                                                         evaluated):
+    """Two ranks: only rank 0 reads STOP, so "skip the eval" must reach rank 1 too (eval is collective)."""
+    (tmp_path / "STOP").write_text(stop_text)
+    result = train(numbers_data, tmp_path, "--max-steps", "50", "--batch-per-gpu", "4", procs=2)
+    assert "run ended at step 1: stop requested" in result.stdout
+    assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_00000001.pt"]
+    assert ("eval step 1" in result.stdout) is evaluated and not (tmp_path / "STOP").exists()
+    assert ("(checkpoint now, no eval)" in result.stdout) is not evaluated
+
+
 def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, tmp_path):
     train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2")
     steps = checkpoint.list_steps(tmp_path)

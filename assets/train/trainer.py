@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import time
@@ -48,6 +49,18 @@ def _register_compression(ddp: DDP, config: TrainConfig) -> None:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
+# RUN_DIR/STOP (`fab stop`) ends the run after an eval and a checkpoint; a STOP whose first word is
+# "now" (the Spot interruption watcher's) checkpoints at once and skips the eval: the notice is 2 min.
+URGENT_STOP = "now"
+
+
+def _urgent(stop_file: Path) -> bool:
+    try:
+        return re.match(rf"\s*{URGENT_STOP}\b", stop_file.read_text()) is not None
+    except OSError:  # removed meanwhile
+        return False
+
+
 class Trainer:
 
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
@@ -63,6 +76,7 @@ class Trainer:
         self.best = float("-inf")
         self.resumed_from = None
         self.stop_requested = False
+        self.urgent_stop = False
         self._resume()
         self.ddp = None
         if info.world_size > 1:
@@ -143,10 +157,12 @@ class Trainer:
         c = self.config
         torch.manual_seed(c.seed * 7919 + self.step * self.info.world_size + self.info.rank)
         batches = self.task.batches(self.step)
-        stop = self.stop_requested or (self.info.is_main and (self.run_dir / "STOP").exists())
-        counts = torch.tensor([float(sum(self.task.units(b) for b in batches)), float(stop)])
+        stop, urgent = self.stop_requested, False
+        if self.info.is_main and (self.run_dir / "STOP").exists():
+            stop, urgent = True, _urgent(self.run_dir / "STOP")
+        counts = torch.tensor([float(sum(self.task.units(b) for b in batches)), float(stop), float(urgent)])
         distributed.all_reduce_sum(counts)
-        units, stop = counts[0].item(), counts[1].item() > 0
+        units, stop, self.urgent_stop = counts[0].item(), counts[1].item() > 0, counts[2].item() > 0
         module = self.ddp or self.model
         self.model.train()
         total = 0.0
@@ -208,7 +224,9 @@ class Trainer:
                          f"{global_batch / step_time:.0f} objects/s")
                 self._write_progress(loss=loss, avg_step_time_s=step_time)
             reached = False
-            if self.step % c.eval_every == 0 or self.step == c.max_steps or stop:
+            if stop and self.urgent_stop:  # a Spot interruption notice: checkpoint first, no eval
+                self.save()
+            elif self.step % c.eval_every == 0 or self.step == c.max_steps or stop:
                 last_eval = self.run_eval()
                 score = last_eval.get(metric)
                 improved = score is not None and score > self.best
@@ -218,7 +236,7 @@ class Trainer:
             elif self.step % c.checkpoint_every == 0:
                 self.save()
             if stop:
-                ended = "stop requested"
+                ended = "stop requested" + (" (checkpoint now, no eval)" if self.urgent_stop else "")
                 if self.info.is_main:
                     (self.run_dir / "STOP").unlink(missing_ok=True)
                 break
