@@ -1,11 +1,15 @@
 """Shared fixtures. Everything runs offline with the real tools (CDK CLI, sshd, mpirun, moto server)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -104,3 +108,55 @@ def moto_instances(count: int, cluster: str | None = None, instance_type: str = 
     launched = ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type,
                                  TagSpecifications=tags)["Instances"]
     return [i["InstanceId"] for i in launched]
+
+
+class FakeImds(BaseHTTPRequestHandler):
+    """IMDSv2 as EC2 serves it: a PUT for a token, then GETs with that token (401 without): the
+    identity document, and spot/instance-action (404 until a test sets server.instance_action)."""
+    TOKEN = "TOKEN123"
+
+    def do_PUT(self):
+        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        self._answer(200 if ok else 400, self.TOKEN.encode())
+
+    def do_GET(self):
+        token = self.headers.get("X-aws-ec2-metadata-token")
+        self.server.gets.append((self.path, token))
+        if token != self.TOKEN:
+            return self._answer(401, b"")
+        document = {"region": "us-east-1", "instanceId": "i-0123456789abcdef0", "accountId": "123456789012"}
+        if self.path == "/latest/dynamic/instance-identity/document":
+            return self._answer(200, json.dumps(document).encode())
+        action = self.server.instance_action
+        if self.path == "/latest/meta-data/spot/instance-action" and action is not None:
+            return self._answer(200, json.dumps(action).encode())
+        self._answer(404, b"<html>404 - Not Found</html>")
+
+    def _answer(self, code, body):
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextmanager
+def serve_imds(host: str = "127.0.0.1"):
+    """A FakeImds on host (any free port); .url, .instance_action (None: no notice), .gets."""
+    server = ThreadingHTTPServer((host, 0), FakeImds)
+    server.instance_action, server.gets = None, []
+    server.url = f"http://{host}:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def fake_imds():
+    with serve_imds() as server:
+        yield server

@@ -6,9 +6,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 import aws_cdk as cdk
@@ -265,36 +263,9 @@ def test_the_watchdog_loop_publishes_its_heartbeat_and_stops_an_idle_cluster(aws
     assert json.loads((tmp_path / ".cluster" / "heartbeat" / "node1.json").read_text())["busy"] == []
 
 
-class FakeImds(BaseHTTPRequestHandler):
-    """IMDSv2 as EC2 serves it: a PUT for a token, then the identity document with that token."""
-
-    def do_PUT(self):
-        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-        self._answer(200 if ok else 400, b"TOKEN123")
-
-    def do_GET(self):
-        if self.headers.get("X-aws-ec2-metadata-token") != "TOKEN123":
-            return self._answer(401, b"")
-        document = {"region": "us-east-1", "instanceId": "i-0123456789abcdef0", "accountId": "123456789012"}
-        self._answer(200 if self.path == "/latest/dynamic/instance-identity/document" else 404,
-                     json.dumps(document).encode())
-
-    def _answer(self, code, body):
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
-def imds():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeImds)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def imds(fake_imds):
+    return fake_imds.url
 
 
 def test_region_and_instance_from_the_environment_else_from_imdsv2(imds):

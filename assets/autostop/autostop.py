@@ -193,17 +193,22 @@ def peer_reasons(data_dir: Path, rank: str, now: float, fresh_s: float) -> list[
 
 # ---------------------------------------------------------------- AWS
 
+def imds_get(path: str, base: str = IMDS_URL, timeout: float = 2.0) -> bytes:
+    """GET an instance-metadata path through IMDSv2 (a session token first, then the path with it).
+    Raises OSError (urllib.error.HTTPError for a status such as 404) when there is no answer."""
+    token_request = urllib.request.Request(f"{base}/latest/api/token", method="PUT",
+                                           headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+    with urllib.request.urlopen(token_request, timeout=timeout) as response:
+        token = response.read().decode()
+    request = urllib.request.Request(f"{base}{path}", headers={"X-aws-ec2-metadata-token": token})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read()
+
+
 def instance_identity(base: str = IMDS_URL, timeout: float = 2.0) -> dict:
     """The instance identity document through IMDSv2 (region, instanceId), {} off EC2."""
     try:
-        token_request = urllib.request.Request(f"{base}/latest/api/token", method="PUT",
-                                               headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
-        with urllib.request.urlopen(token_request, timeout=timeout) as response:
-            token = response.read().decode()
-        document = urllib.request.Request(f"{base}/latest/dynamic/instance-identity/document",
-                                          headers={"X-aws-ec2-metadata-token": token})
-        with urllib.request.urlopen(document, timeout=timeout) as response:
-            return json.loads(response.read())
+        return json.loads(imds_get("/latest/dynamic/instance-identity/document", base, timeout))
     except (OSError, ValueError):
         return {}
 

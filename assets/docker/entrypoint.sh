@@ -41,6 +41,14 @@ if [[ ${IDLE_MINUTES:-0} != 0 && -f /workspace/autostop/autostop.py ]]; then
   ) >> "$DATA_DIR/.cluster/autostop-node${NODE_RANK:-0}.log" 2>&1 &
 fi
 
+# Spot nodes: the interruption watcher (assets/autostop/spotwatch.py) polls the instance metadata
+# and, on EC2's two-minute notice, makes the active run checkpoint at once. Restarted if it dies.
+if [[ ${SPOT:-false} == true && -f /workspace/autostop/spotwatch.py ]]; then
+  (
+    until python /workspace/autostop/spotwatch.py --data "$DATA_DIR"; do sleep 5; done
+  ) >> "$DATA_DIR/.cluster/spot-node${NODE_RANK:-0}.log" 2>&1 &
+fi
+
 if (($#)); then
   exec "$@"
 fi
