@@ -95,7 +95,7 @@ def test_first_run_mounts_efs_via_fstab_builds_and_starts_the_container_and_sign
     run = [c for c in calls if c.startswith("docker run")]
     assert len(run) == 1
     for flag in ("--gpus all", "--net=host", "--ipc=host", "--restart unless-stopped", "--ulimit memlock=-1",
-                 "--shm-size=16g", "-v /data:/data", "-e IDLE_MINUTES=45", "-e AWS_REGION=eu-west-1"):
+                 "--shm-size=16g", "-v /data:/data", "-e IDLE_MINUTES=45", "-e SPOT=false", "-e AWS_REGION=eu-west-1"):
         assert flag in run[0]
     signals = [c for c in calls if "signal-resource" in c]
     assert len(signals) == 1 and "--status SUCCESS" in signals[0] and "--logical-resource-id GpuNodesNode0ABC" in signals[0]
