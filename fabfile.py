@@ -17,7 +17,8 @@ from invoke.exceptions import Exit
 from clusterops import cost as costs
 from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import Inventory
-from fabtasks.aws import audit, cost, efs_io_rate, inventory, kept_price, preflight, start, stop_cluster
+from fabtasks.aws import (audit, cost, efs_io_rate, inventory, kept_price, preflight, release_spot, start,
+                          stop_cluster)
 from fabtasks.common import ERRORS, fail, head, inventory_path, load_inventory, number, run_dir, settings, \
     whole_number
 
@@ -318,5 +319,5 @@ def local_down(c, name="local"):
 
 
 local = Collection("local", local_up, local_down)
-ns = Collection(preflight, cost, audit, start, stop_cluster, inventory, status, check, data, sync, train, logs, stop,
+ns = Collection(preflight, cost, audit, release_spot, start, stop_cluster, inventory, status, check, data, sync, train, logs, stop,
                 tensorboard, monitor, fetch, ssh, local)

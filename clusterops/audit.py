@@ -40,20 +40,37 @@ def _tags(items: list[dict]) -> dict:
     return {t["Key"]: t["Value"] for t in items or []}
 
 
-def _instances(ec2, cluster: str) -> list[Leftover]:
+def _instances(ec2, filters: list[dict]) -> list[Leftover]:
     found = []
-    for page in ec2.get_paginator("describe_instances").paginate(Filters=_tag_filter(cluster)):
-        for i in (i for r in page["Reservations"] for i in r["Instances"]):
-            state = i["State"]["Name"]
-            if state in ("terminated", "shutting-down"):
-                continue
-            price = offline_price(i["InstanceType"], ec2.meta.region_name).usd_per_hour
-            running = state in ("running", "pending")
-            monthly = (None if price is None else price * HOURS_PER_MONTH) if running else 0.0
-            found.append(Leftover("instance", i["InstanceId"], f"{i['InstanceType']} {state}", monthly))
-            if running and i.get("PublicIpAddress"):
-                found.append(Leftover("public-ipv4", i["PublicIpAddress"], f"on {i['InstanceId']}",
-                                      TABLE["public_ipv4_usd_per_hour"] * HOURS_PER_MONTH))
+    pages = ec2.get_paginator("describe_instances").paginate(Filters=filters)
+    for i in (i for page in pages for r in page["Reservations"] for i in r["Instances"]):
+        state = i["State"]["Name"]
+        if state in ("terminated", "shutting-down"):
+            continue
+        price = offline_price(i["InstanceType"], ec2.meta.region_name).usd_per_hour
+        running = state in ("running", "pending")
+        monthly = (None if price is None else price * HOURS_PER_MONTH) if running else 0.0
+        found.append(Leftover("instance", i["InstanceId"], f"{i['InstanceType']} {state}", monthly))
+        if running and i.get("PublicIpAddress"):
+            found.append(Leftover("public-ipv4", i["PublicIpAddress"], f"on {i['InstanceId']}",
+                                  TABLE["public_ipv4_usd_per_hour"] * HOURS_PER_MONTH))
+    return found
+
+
+def spot_requests(ec2, cluster: str, known: set[str]) -> list[Leftover]:
+    """Spot nodes' persistent requests (tagged by their launch templates), and an instance one of
+    them launched that is not tagged: terminating a node of a persistent request reopens it and
+    EC2 launches another, so `cdk destroy` alone can leave nodes running. Cancel them first."""
+    found = []
+    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(Filters=_tag_filter(cluster) + [
+        {"Name": "state", "Values": ["open", "active", "disabled"]}])
+    for request in (r for page in pages for r in page["SpotInstanceRequests"]):
+        instance = request.get("InstanceId")
+        found.append(Leftover("spot-request", request["SpotInstanceRequestId"],
+                              f"{request['Type']} {request['State']}, instance {instance or 'none yet'}: "
+                              "launches a node whenever its instance is gone", 0.0))
+        if instance and instance not in known:
+            found += _instances(ec2, [{"Name": "instance-id", "Values": [instance]}])
     return found
 
 
@@ -120,7 +137,8 @@ def cdk_assets(sts, s3, region: str) -> list[Leftover]:
 
 def find(clients: dict, cluster: str) -> list[Leftover]:
     ec2 = clients["ec2"]
-    found = _instances(ec2, cluster)
+    found = _instances(ec2, _tag_filter(cluster))
+    found += spot_requests(ec2, cluster, {x.id for x in found if x.kind == "instance"})
     found += [Leftover("volume", v["VolumeId"], f"{v['Size']} GB {v['State']}",
                        v["Size"] * TABLE["gp3_usd_per_gb_month"])
               for v in ec2.describe_volumes(Filters=_tag_filter(cluster))["Volumes"]]
@@ -209,9 +227,11 @@ def _each(call: Callable[[dict, str], object]):
     return step
 
 
-# Alarms first (they would act on the instances), instances before what they hold.
+# Alarms first (they would act on the instances), Spot requests before their instances (else they
+# launch new ones), instances before what they hold.
 STEPS = {
     "alarm": _each(lambda c, i: c["cloudwatch"].delete_alarms(AlarmNames=[i])),
+    "spot-request": lambda c, ids, pace, log: c["ec2"].cancel_spot_instance_requests(SpotInstanceRequestIds=ids),
     "instance": _delete_instances,
     "file-system": _delete_file_systems,
     "network-interface": _delete_network_interfaces,

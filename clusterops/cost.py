@@ -1,6 +1,7 @@
 """What the cluster costs: on-demand $/hour (Pricing API by regionCode, else the dated offline table,
-labelled), storage per month, EFS Elastic-throughput I/O, a run's projection from its measured step
-time, and what has been spent since launch. A price nobody knows is "unknown", never $0."""
+labelled) or the Spot price in effect, storage per month, EFS Elastic-throughput I/O, a run's
+projection from its measured step time, and what has been spent since launch. A price nobody knows
+is "unknown", never $0."""
 from __future__ import annotations
 
 import json
@@ -75,6 +76,60 @@ def instance_price(pricing, instance_type: str, region: str, kept: Optional[Pric
     if kept is not None and kept.usd_per_hour is not None:
         return kept
     return offline_price(instance_type, region)
+
+
+# What a Linux node's Spot price is listed under (accounts from the EC2-Classic era also see the VPC one).
+SPOT_PRODUCTS = ("Linux/UNIX", "Linux/UNIX (Amazon VPC)")
+
+
+def spot_price(ec2, instance_type: str, zone: Optional[str] = None, now: Optional[datetime] = None) -> Price:
+    """The Spot price in effect now for the type in the AZ, or in the cheapest AZ when none is given.
+    With StartTime = EndTime = now, describe_spot_price_history returns the last change before now,
+    the price in effect (EC2 API reference, DescribeSpotPriceHistory)."""
+    now = now or datetime.now(timezone.utc)
+    params = dict(InstanceTypes=[instance_type], ProductDescriptions=list(SPOT_PRODUCTS), StartTime=now, EndTime=now)
+    if zone:
+        params["AvailabilityZone"] = zone
+    latest: dict[str, dict] = {}
+    for page in ec2.get_paginator("describe_spot_price_history").paginate(**params):
+        for item in page["SpotPriceHistory"]:
+            where = item["AvailabilityZone"]
+            if item["InstanceType"] != instance_type or (zone and where != zone):
+                continue
+            if where not in latest or item["Timestamp"] > latest[where]["Timestamp"]:
+                latest[where] = item
+    if not latest:
+        return Price(None, f"unknown: no Spot price for {instance_type} in {zone or 'any AZ of this region'}")
+    best = min(latest.values(), key=lambda item: float(item["SpotPrice"]))
+    where = best["AvailabilityZone"] + ("" if zone else ", the cheapest AZ")
+    return Price(float(best["SpotPrice"]), f"Spot price, {where}, since {best['Timestamp']:%Y-%m-%d %H:%M} UTC")
+
+
+def spot_saving(spot: Price, on_demand: Price) -> str:
+    """One line: the Spot price against the On-Demand one, and the saving per node-hour."""
+    if spot.usd_per_hour is None or on_demand.usd_per_hour is None:
+        return f"Spot {usd(spot.usd_per_hour)}/h [{spot.source}] vs On-Demand {usd(on_demand.usd_per_hour)}/h: saving unknown"
+    saving = 1 - spot.usd_per_hour / on_demand.usd_per_hour
+    return (f"Spot ${spot.usd_per_hour:.4f}/h [{spot.source}] vs On-Demand ${on_demand.usd_per_hour:.4f}/h "
+            f"[{on_demand.source}]: {saving:.0%} less per node-hour (Spot prices move; EC2 may interrupt)")
+
+
+def node_price(ec2, pricing, instance_type: str, region: str, spot: bool = False, zone: Optional[str] = None,
+               kept: Optional[Price] = None) -> tuple[Price, Optional[str]]:
+    """What a node-hour is projected at, and with Spot the saving line. On-Demand: instance_price.
+    Spot: the price in effect in `zone` (else the cheapest AZ); when it cannot be read, the On-Demand
+    price, the most a Spot node costs without spot_max_price, labelled so."""
+    on_demand = instance_price(pricing, instance_type, region, kept=None if spot else kept)
+    if not spot:
+        return on_demand, None
+    try:
+        price = spot_price(ec2, instance_type, zone) if ec2 else Price(None, "unknown: no AWS region")
+    except (ClientError, BotoCoreError) as error:
+        price = Price(None, f"unknown: {str(error).splitlines()[0]}")
+    line = spot_saving(price, on_demand)
+    if price.usd_per_hour is None:
+        price = Price(on_demand.usd_per_hour, f"Spot price unknown, priced at On-Demand: {on_demand.source}")
+    return price, line
 
 
 def efs_io_usd(read_gb: float, write_gb: float) -> float:

@@ -1,7 +1,8 @@
 """Before `cdk deploy`: credentials, region, the AZs offering the type (cached in cdk.context.json,
 where the app reads them to place its subnet), the AZ and subnet the stack will use, the vCPU quota
-bucket of the family and purchase option, a RunInstances dry run (a permission check, no more), the
-AMI; and a quota increase request when asked. Functions take boto3 clients."""
+bucket of the family and purchase option, with Spot the Spot price and the saving, a RunInstances dry
+run (a permission check, no more), the AMI; and a quota increase request when asked. Functions take
+boto3 clients."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from . import cost as costs
 from .report import aws_error
-from stacks.config import ClusterConfig, choose_availability_zone, offerings_context_key
+from stacks.config import (SPOT_INTERRUPTION, SPOT_REQUEST, ClusterConfig, choose_availability_zone,
+                           offerings_context_key)
 from stacks.instance_types import INSTANCE_TYPES
 
 # EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
@@ -178,9 +181,13 @@ def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[
 
 
 def dry_run(ec2, image_id: str, instance_type: str, nodes: int, subnet_id: Optional[str] = None,
-            availability_zone: Optional[str] = None) -> Check:
-    """RunInstances with DryRun: it checks YOUR permission to launch there, not capacity or quota."""
+            availability_zone: Optional[str] = None, spot: bool = False) -> Check:
+    """RunInstances with DryRun: it checks YOUR permission to launch there (as Spot: with the nodes'
+    market options), not capacity or quota."""
     params = dict(ImageId=image_id, InstanceType=instance_type, MinCount=nodes, MaxCount=nodes, DryRun=True)
+    if spot:
+        params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+            "SpotInstanceType": SPOT_REQUEST, "InstanceInterruptionBehavior": SPOT_INTERRUPTION}}
     if subnet_id:
         params["SubnetId"] = subnet_id
     elif availability_zone:
@@ -198,6 +205,20 @@ def dry_run(ec2, image_id: str, instance_type: str, nodes: int, subnet_id: Optio
         return Check(DRY_RUN, False,
                      f"{code}: {DRY_RUN_ERRORS.get(code, error.response['Error'].get('Message', ''))}")
     return Check(DRY_RUN, False, "the dry run launched nothing and raised nothing")
+
+
+def spot_check(ec2, pricing, config: ClusterConfig, region: str, zone: Optional[str]) -> Check:
+    """The Spot price in the AZ the stack will use, the saving against On-Demand, and whether
+    spot_max_price is below it (EC2 would not launch the nodes at that price)."""
+    try:
+        spot = costs.spot_price(ec2, config.instance_type, zone)
+    except ClientError as error:
+        return Check("Spot price", True, f"not checked: {aws_error(error)}", skipped=True)
+    line = costs.spot_saving(spot, costs.instance_price(pricing, config.instance_type, region))
+    cap = config.spot_max_price
+    if cap is not None and spot.usd_per_hour is not None and spot.usd_per_hour > cap:
+        return Check("Spot price", False, f"{line}; spot_max_price {cap:g} is below it: no node would launch")
+    return Check("Spot price", True, line, skipped=spot.usd_per_hour is None)
 
 
 def identity(sts) -> tuple[Check, Optional[str]]:
@@ -245,10 +266,12 @@ def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, c
     except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
         quota = None
         checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
+    if spot:
+        checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
     ami_check, image_id = ami(clients["ssm"], config.ami_parameter)
     checks.append(ami_check)
     if image_id and az:
-        checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az))
+        checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az, spot))
     notes = [cloudformation_role_note(account, region)]
     if quota is not None and not quota.ok:
         notes.append(request_increase(clients["service-quotas"], quota) if request_quota else

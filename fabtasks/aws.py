@@ -41,6 +41,16 @@ def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.P
     return costs.Price(inv.usd_per_hour, inv.price_source)
 
 
+def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
+    """The AZ the inventory's nodes run in (Spot prices are per AZ); None without AWS nodes."""
+    from clusterops.inventory import describe
+    ids = [n.instance_id for n in inv.nodes if n.instance_id] if inv and inv.source == "aws" else []
+    if not ids:
+        return None
+    zones = [i["Placement"]["AvailabilityZone"] for i in describe(session.client("ec2"), ids).values()]
+    return zones[0] if zones else None
+
+
 def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
     """EFS Elastic-throughput dollars per hour at the last hour's rate; None when unknown."""
     from botocore.exceptions import BotoCoreError, ClientError
@@ -55,16 +65,17 @@ def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
 
 @task(help={"nodes": "node count (default: cdk.json)", "instance_type": "instance type (default: cdk.json)",
             "request_quota": "file the vCPU quota increase through Service Quotas when short",
-            "spot": "check the Spot quota bucket instead of On-Demand"})
+            "spot": "Spot nodes (default: cdk.json's spot): the Spot quota bucket, the Spot price and the saving"})
 def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False):
     """Before `cdk deploy`: credentials, region, AZ and subnet, vCPU quota, launch permission, AMI."""
     config = cluster_config(nodes=nodes, instance_type=instance_type)
     session = aws_session()
     clients = {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")} \
         if session.region_name else {"sts": session.client("sts", region_name="us-east-1")}
+    clients["pricing"] = pricing_client(session)
     with aws_errors("preflight"):
         found, notes = checks.run_preflight(clients, session.region_name, config, context_file(),
-                                            request_quota=request_quota, spot=spot)
+                                            request_quota=request_quota, spot=spot or config.spot)
     for check in found:
         print(f"{check.label}  {check.name}: {check.detail}")
     for note in notes:
@@ -88,19 +99,25 @@ def _positive(name: str, value) -> Optional[float]:
 @task(help={"nodes": "node count (default: the inventory, else cdk.json)",
             "instance_type": "instance type (default: the inventory, else cdk.json)",
             "dataset_gb": "GB read from EFS per epoch: adds the EFS Elastic I/O estimate",
-            "epochs": "epochs over that data set (with --dataset-gb)"})
-def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None):
+            "epochs": "epochs over that data set (with --dataset-gb)",
+            "spot": "price Spot nodes (default: what the inventory says, else cdk.json's spot)"})
+def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=False):
     """$/hour of the cluster, storage and EFS I/O, the running job's projection, what was spent."""
     size, passes = _positive("dataset_gb", dataset_gb), _positive("epochs", epochs)
     inv = Inventory.load(inventory_path(c)) if inventory_path(c).exists() else None
     aws = inv is not None and inv.source == "aws"
     config = cluster_config(nodes=nodes or (len(inv.nodes) if aws else None),
                             instance_type=instance_type or (inv.instance_type if aws else None))
+    spot = spot or (inv.spot if aws else config.spot)
     session = aws_session(inv.region if aws else None)
     region = session.region_name or "us-east-1"
     with aws_errors("fab cost"):
-        price = costs.instance_price(pricing_client(session), config.instance_type, region,
-                                     kept=kept_price(inv if aws else None, config.instance_type))
+        price, saving = costs.node_price(
+            session.client("ec2") if session.region_name else None, pricing_client(session), config.instance_type,
+            region, spot, (nodes_zone(session, inv) if spot else None) or config.availability_zone,
+            kept=kept_price(inv if aws else None, config.instance_type))
+        if saving:
+            print(saving)
         efs_gb = 0.0
         if aws and inv.file_system_id:
             fs = session.client("efs").describe_file_systems(FileSystemId=inv.file_system_id)["FileSystems"][0]
@@ -157,16 +174,36 @@ def stop_cluster(c):
     print(f"stopping {', '.join(stopped) or 'nothing (no node was running)'}; `fab start` brings them back")
 
 
-@task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)",
-            "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)",
-            "include_retained": "also delete a file system kept with retain_data=true (its data is lost)"})
-def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
-    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order."""
+def _cluster_and_session(c, cluster: Optional[str]):
+    """The cluster's name (given, else the inventory's, else cdk.json's) and a session in its region."""
     inv = Inventory.load(inventory_path(c)) if inventory_path(c).exists() else None
     name = cluster or (inv.cluster if inv and inv.source == "aws" else cluster_config().cluster_name)
     session = aws_session(inv.region if inv and inv.region else None)
     if not session.region_name:
         raise Exit("error: no AWS region: set AWS_REGION or `aws configure`", code=1)
+    return name, session
+
+
+@task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)"})
+def release_spot(c, cluster=None):
+    """Before `cdk destroy` of a Spot cluster: cancel its persistent Spot requests (else EC2 launches a
+    new node for each one CloudFormation terminates). Running nodes run on until destroyed."""
+    name, session = _cluster_and_session(c, cluster)
+    ec2 = session.client("ec2")
+    with aws_errors("fab release-spot"):
+        ids = [x.id for x in audits.spot_requests(ec2, name, set()) if x.kind == "spot-request"]
+        if ids:
+            ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=ids)
+    print(f"cancelled {', '.join(ids)}: `npx cdk destroy` may go ahead" if ids else
+          f"no open Spot request tagged gpu-cluster:name={name}")
+
+
+@task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)",
+            "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)",
+            "include_retained": "also delete a file system kept with retain_data=true (its data is lost)"})
+def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
+    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order."""
+    name, session = _cluster_and_session(c, cluster)
     clients = {k: session.client(k) for k in AUDIT_CLIENTS}
     with aws_errors("fab audit"):
         found = audits.find(clients, name)
@@ -216,8 +253,9 @@ def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_f
         target = inventory_path(c)
         with aws_errors("fab inventory"):
             inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
-            price = costs.instance_price(pricing_client(session), inv.instance_type,
-                                         inv.region or session.region_name or "us-east-1")
+            price, _ = costs.node_price(session.client("ec2"), pricing_client(session), inv.instance_type,
+                                        inv.region or session.region_name or "us-east-1", inv.spot,
+                                        nodes_zone(session, inv) if inv.spot else None)
     except ERRORS as error:
         raise fail(error) from None
     inv = replace(inv, usd_per_hour=price.usd_per_hour, price_source=price.source)

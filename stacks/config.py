@@ -118,6 +118,9 @@ def _instance_type(key: str, value: Any) -> str:
 
 # EC2 refuses a Spot maximum price at or below USD 0.001 (SpotMarketOptions, MaxPrice).
 MIN_SPOT_MAX_PRICE = 0.001
+# Spot nodes are stopped when interrupted, which needs persistent requests (see stacks/spot.py).
+SPOT_INTERRUPTION = "stop"
+SPOT_REQUEST = "persistent"
 
 
 def _spot_price(key: str, value: Any) -> float:

@@ -21,8 +21,8 @@ import jsii
 from aws_cdk import IAspect, aws_ec2 as ec2
 from constructs import IConstruct
 
-INTERRUPTION_BEHAVIOUR = "stop"
-REQUEST_TYPE = "persistent"
+from .config import SPOT_INTERRUPTION, SPOT_REQUEST
+
 VALID_UNTIL = "2099-12-31T23:59:59Z"
 
 
@@ -33,7 +33,7 @@ def price_text(usd: float) -> str:
 
 def market_options(max_price: Optional[float]) -> dict:
     """LaunchTemplateData.InstanceMarketOptions for a node."""
-    spot = {"SpotInstanceType": REQUEST_TYPE, "InstanceInterruptionBehavior": INTERRUPTION_BEHAVIOUR,
+    spot = {"SpotInstanceType": SPOT_REQUEST, "InstanceInterruptionBehavior": SPOT_INTERRUPTION,
             "ValidUntil": VALID_UNTIL}
     if max_price is not None:
         spot["MaxPrice"] = price_text(max_price)

@@ -167,3 +167,59 @@ def test_volumes_are_deleted_only_after_the_instances_are_terminated():
                               log=lambda m: None)  # each waiter's first poll succeeds: no wait
         stubber.assert_no_pending_responses()
     assert failed == []
+
+
+# ---------------------------------------------------------------- Spot nodes' persistent requests
+
+def persistent_spot_request(cluster: str) -> dict:
+    """What a Spot node's launch template leaves: a persistent request tagged with the cluster
+    (its instance untagged: moto, like EC2 for a relaunched node, does not copy the tag)."""
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    return ec2.request_spot_instances(
+        InstanceCount=1, Type="persistent", InstanceInterruptionBehavior="stop",
+        LaunchSpecification={"ImageId": image, "InstanceType": "g4dn.xlarge"},
+        TagSpecifications=[{"ResourceType": "spot-instances-request", "Tags": [
+            {"Key": "gpu-cluster:name", "Value": cluster}]}])["SpotInstanceRequests"][0]
+
+
+def test_spot_requests_and_the_untagged_nodes_they_launched_are_found_and_cancelled(aws_env):
+    """A persistent request reopens when its node is terminated (by `cdk destroy` too) and launches
+    another, which carries no cluster tag: found through the request, cancelled before it goes."""
+    ec2 = boto3.client("ec2")
+    request = persistent_spot_request("spotleft")
+    request_id, orphan = request["SpotInstanceRequestId"], request["InstanceId"]
+    found = audit.find(clients(), "spotleft")
+    assert [(x.kind, x.id) for x in found if x.kind in ("spot-request", "instance")] == [
+        ("spot-request", request_id), ("instance", orphan)]
+    assert "launches a node whenever its instance is gone" in found[0].detail
+    assert audit.delete(clients(), found, log=lambda m: None, pace=audit.Pace(delay=0)) == []
+    left = ec2.describe_spot_instance_requests(SpotInstanceRequestIds=[request_id])["SpotInstanceRequests"]
+    assert [r["State"] for r in left] in ([], ["cancelled"])  # moto forgets a cancelled request
+    assert [x.kind for x in audit.find(clients(), "spotleft") if x.kind != "cdk-assets"] == []
+
+
+def test_spot_requests_are_cancelled_before_their_nodes_are_terminated():
+    ec2, stubber = stubbed("ec2")
+    stubber.add_response("cancel_spot_instance_requests", {"CancelledSpotInstanceRequests": [
+        {"SpotInstanceRequestId": "sir-1", "State": "cancelled"}]}, {"SpotInstanceRequestIds": ["sir-1"]})
+    stubber.add_response("terminate_instances", {"TerminatingInstances": []}, {"InstanceIds": ["i-1"]})
+    stubber.add_response("describe_instances", {"Reservations": [{"Instances": [
+        {"InstanceId": "i-1", "State": {"Name": "terminated", "Code": 48}}]}]}, {"InstanceIds": ["i-1"]})
+    with stubber:
+        failed = audit.delete({"ec2": ec2}, [audit.Leftover("instance", "i-1", "g5.xlarge running", 734.0),
+                                             audit.Leftover("spot-request", "sir-1", "persistent active", 0.0)],
+                              log=lambda m: None)
+        stubber.assert_no_pending_responses()
+    assert failed == []
+
+
+def test_fab_release_spot_cancels_the_clusters_requests_before_a_destroy(aws_env):
+    request = persistent_spot_request("spotgo")
+    request_id = request["SpotInstanceRequestId"]
+    run = lambda: subprocess.run(["fab", "release-spot", "--cluster", "spotgo"], cwd=REPO,  # noqa: E731
+                                 env=tool_env(**aws_env), capture_output=True, text=True, timeout=120)
+    first = run()
+    assert first.returncode == 0 and first.stdout.strip() == f"cancelled {request_id}: `npx cdk destroy` may go ahead"
+    assert run().stdout.strip() == "no open Spot request tagged gpu-cluster:name=spotgo"
+    boto3.client("ec2").terminate_instances(InstanceIds=[request["InstanceId"]])  # what `cdk destroy` does next
