@@ -7,13 +7,14 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from clusterops import localcluster
-from conftest import REPO, TRAIN_DIR, moto_instances, tool_env
+from conftest import AUTOSTOP_DIR, REPO, TRAIN_DIR, moto_instances, serve_imds, tool_env
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
@@ -266,6 +267,43 @@ def test_a_killed_rank_ends_the_run_within_60s_and_train_resumes_from_the_checkp
     last = max(int(p.name[5:13]) for p in (pair.run_dir("killtest") / "checkpoints").glob("step_*.pt"))
     out = pair.fab("train", "--run", "killtest", "--steps", str(last + 5), "--follow", "--extra", QUICK).stdout
     assert f"resuming from /data/runs/killtest/checkpoints/step_{last:08d}.pt at step {last}" in out
+
+
+def test_a_spot_notice_mid_run_checkpoints_within_the_notice_window_and_train_resumes_there(pair):
+    """The Spot watcher runs in node1's network namespace against a fake IMDSv2 served on the
+    controller's bridge address (as a node reaches the metadata service), on the shared /data.
+    Mid-run the endpoint starts answering a `stop` notice: the run must checkpoint (no eval) and end
+    within EC2's two-minute notice, record the interruption, and `fab train --run SAME` resume at
+    the checkpoint's step. (Written by a helper not allowed to run the emulated cluster: not yet run.)"""
+    controller = json.loads(pair.inventory.read_text())["extra"]["controller_ip"]
+    netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(1)
+    with serve_imds(controller) as imds:
+        watcher = subprocess.Popen(
+            ["ip", "netns", "exec", netns, sys.executable, str(AUTOSTOP_DIR / "spotwatch.py"),
+             "--data", str(pair.shared), "--interval", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=tool_env(AUTOSTOP_IMDS_URL=imds.url, NODE_RANK="1", INSTANCE_ID="i-0node1"))
+        try:
+            pair.fab("train", "--run", "spottest", "--steps", "5000", "--extra", QUICK)
+            pair.wait_for_step("spottest", 10)
+            noticed = time.time()
+            imds.instance_action = {"action": "stop",
+                                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(noticed + 120))}
+            status, seconds = pair.wait_for_end("spottest", timeout=120)
+        finally:
+            watcher.kill()
+            watched = watcher.communicate()[0]
+    run = pair.run_dir("spottest")
+    newest = max((run / "checkpoints").glob("step_*.pt"), key=lambda p: p.stat().st_mtime)
+    last = int(newest.name[5:13])
+    print(f"spot notice: run ended {seconds:.1f} s after it, checkpoint at step {last}; watcher: {watched.strip()}")
+    assert status["state"] == "finished" and "stop requested (checkpoint now, no eval)" in status["reason"], status
+    assert seconds < 120 and newest.stat().st_mtime >= noticed
+    interruption = json.loads((run / "interruptions.json").read_text())
+    assert [(i["node"], i["instance_id"], i["action"]) for i in interruption] == [(1, "i-0node1", "stop")]
+    assert interruption[0]["step"] <= last and "spot: node1 (i-0node1) will stop at" in (run / "train.log").read_text()
+    out = pair.fab("train", "--run", "spottest", "--steps", str(last + 5), "--follow", "--extra", QUICK).stdout
+    assert f"resuming from /data/runs/spottest/checkpoints/step_{last:08d}.pt at step {last}" in out
+    assert f"run ended at step {last + 5}" in out
 
 
 def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
