@@ -109,6 +109,16 @@ class Estimate:
     efs_gb: float
     dataset_gb: Optional[float] = None
     epochs: Optional[float] = None
+    private_subnet: bool = False
+    interface_endpoints: int = 3
+
+    @property
+    def network_usd_per_month(self) -> float:
+        """A private subnet's NAT gateway and Session Manager endpoints (one AZ), before data."""
+        if not self.private_subnet:
+            return 0.0
+        hourly = TABLE["nat_gateway_usd_per_hour"] + self.interface_endpoints * TABLE["interface_endpoint_usd_per_hour"]
+        return hourly * HOURS_PER_MONTH
 
     @property
     def usd_per_hour(self) -> Optional[float]:
@@ -131,6 +141,10 @@ class Estimate:
                  f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
                  "while the stack exists",
                  f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted"]
+        if self.private_subnet:
+            lines.append(f"private subnet: NAT gateway + {self.interface_endpoints} Session Manager endpoints = "
+                         f"${self.network_usd_per_month:.2f}/month while the stack exists, plus "
+                         f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)")
         if self.dataset_gb and self.epochs:
             read_gb = self.dataset_gb * self.epochs
             lines.append(f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "

@@ -105,12 +105,17 @@ def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None):
         if aws and inv.file_system_id:
             fs = session.client("efs").describe_file_systems(FileSystemId=inv.file_system_id)["FileSystems"][0]
             efs_gb = fs["SizeInBytes"]["Value"] / 1e9
-        estimate = costs.Estimate(config.nodes, price, config.root_volume_gb, efs_gb, size, passes)
+        estimate = costs.Estimate(config.nodes, price, config.root_volume_gb, efs_gb, size, passes,
+                                  private_subnet=config.private_subnet)
         print("\n".join(estimate.lines()))
         if aws:
             _spent(session, inv, price)
     print(costs.table_line())
-    if inv is not None:
+    if inv is not None and inv.source == "local":
+        print(f"the emulated cluster {inv.cluster!r} costs nothing: the estimate above is for "
+              f"{config.nodes} x {config.instance_type} on AWS (cdk.json, or --nodes/--instance-type); "
+              "a CPU step time says nothing about a GPU's, so no run projection")
+    elif inv is not None:
         with head(inv) as conn:
             run = remote.active_run(conn, inv)
             line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour,

@@ -338,3 +338,27 @@ def test_an_aws_error_inside_a_task_is_one_line(tmp_path, aws_env):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "error: fab cost: FileSystemNotFound: File system 'fs-0123456789abcdef0' does not exist."], result.stderr
+
+
+def test_a_private_subnet_shows_its_nat_and_endpoints_monthly_cost():
+    price = cost.Price(0.752, "Pricing API, us-east-1")
+    public = cost.Estimate(2, price, 200, 1.0)
+    private = cost.Estimate(2, price, 200, 1.0, private_subnet=True)
+    hourly = cost.TABLE["nat_gateway_usd_per_hour"] + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
+    assert public.network_usd_per_month == 0 and not [l for l in public.lines() if "NAT" in l]
+    assert private.network_usd_per_month == pytest.approx(hourly * 730)
+    assert any(f"${hourly * 730:.2f}/month" in line for line in private.lines())
+
+
+def test_fab_cost_on_the_emulated_cluster_says_it_costs_nothing(tmp_path):
+    from clusterops.inventory import Inventory, Node, SshSettings
+    local = Inventory(cluster="local", source="local", nodes=[Node(0, "node0", "10.213.0.10", "10.213.0.10")],
+                      gpus_per_node=1, ssh=SshSettings("root", 4444, "key", "known_hosts"), instance_type="local")
+    local.save(tmp_path / "inventory.json")
+    result = subprocess.run(["fab", "cost"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), AWS_ACCESS_KEY_ID="",
+                                         AWS_SECRET_ACCESS_KEY="", AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+                                         AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials")))
+    assert result.returncode == 0, result.stderr
+    assert "the emulated cluster 'local' costs nothing" in result.stdout
+    assert "no run going" not in result.stdout  # it did not try to project a CPU run as GPU dollars
