@@ -1,6 +1,7 @@
 """Shared fixtures. Everything runs offline with the real tools (CDK CLI, sshd, mpirun, moto server)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -39,6 +40,16 @@ def tool_env(**extra: str) -> dict:
     env = dict(os.environ, **OFFLINE_ENV, **extra)
     env["PATH"] = f"{REPO / '.venv' / 'bin'}:{REPO / 'node_modules' / '.bin'}:{env.get('PATH', '')}"
     return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkout_stays_clean():
+    """No test writes CDK context (AZ lookups, offerings) into the checkout's cdk.context.json."""
+    context = REPO / "cdk.context.json"
+    before = context.read_bytes() if context.exists() else None
+    yield
+    after = context.read_bytes() if context.exists() else None
+    assert after == before, "a test wrote cdk.context.json into the checkout"
 
 
 @pytest.fixture(scope="session")
@@ -82,17 +93,32 @@ def moto_endpoint():
 
 
 @pytest.fixture(scope="session")
-def aws_env(moto_endpoint):
-    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+def moto_env(moto_endpoint) -> dict:
+    """The variables that point boto3 and the CDK CLI at the moto server (not set anywhere)."""
+    return {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    """os.environ with `values` for the duration, then exactly as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield values
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def aws_env(moto_env):
+    """The moto server's variables in os.environ for this test only."""
+    with environment(moto_env):
+        yield moto_env
 
 
 def moto_instances(count: int, cluster: str | None = None, instance_type: str = "g4dn.xlarge") -> list[str]:

@@ -153,3 +153,9 @@ def test_train_help_is_help_and_lists_every_recipe():
     assert "-h, --then-stop" not in out and "--then-stop" in out
     for recipe in launch.RECIPES:
         assert recipe in out
+
+
+def test_no_aws_variable_leaks_into_tests_that_did_not_ask_for_the_emulator():
+    """The moto server's variables are set per test (fixture aws_env), never for the whole session."""
+    import os
+    assert "AWS_ENDPOINT_URL" not in os.environ and os.environ.get("AWS_ACCESS_KEY_ID") != "testing"

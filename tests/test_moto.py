@@ -10,7 +10,7 @@ import pytest
 
 from clusterops.inventory import Inventory, InventoryError, from_outputs, stack_outputs_from_aws, \
     stack_outputs_from_file
-from conftest import ACCOUNT, REGION, REPO, tool_env
+from conftest import ACCOUNT, REGION, REPO, environment, tool_env
 
 STACK = "GpuCluster-gpu-cluster"
 AMI_PARAMETER = "/test/dlami/ami-id"
@@ -18,19 +18,30 @@ HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-
 
 
 @pytest.fixture(scope="module")
-def deployed(aws_env, tmp_path_factory):
+def deployed(moto_env, tmp_path_factory):
+    """The stack deployed once for the module; the moto variables are set while it lasts."""
+    with environment(moto_env):
+        yield _deploy(moto_env, tmp_path_factory)
+
+
+def _deploy(aws_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("deploy")
     boto3.client("ssm").put_parameter(Name=AMI_PARAMETER, Value="ami-03cf127a", Type="String", Overwrite=True)
     key = boto3.client("ec2").create_key_pair(KeyName="test-key")
     key_file = work / "test-key.pem"
     key_file.write_text(key["KeyMaterial"])
     env = tool_env(**aws_env)
+    # The CLI caches its AZ lookup in the app directory's cdk.context.json: use a copy of the app.
+    app = work / "app"
+    app.mkdir()
+    for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
+        (app / name).symlink_to(REPO / name)
     for args in (["bootstrap", f"aws://{ACCOUNT}/{REGION}"],
                  ["deploy", "--method=direct", "--require-approval", "never", "-o", str(work / "cdk.out"),
                   "-c", "nodes=2", "-c", "ssh_cidr=203.0.113.0/24", "-c", "placement_group=false", "-c", "flow_logs=false",
                   "-c", "key_name=test-key", "-c", f"ami_ssm_parameter={AMI_PARAMETER}",
                   "--outputs-file", str(work / "cdk-outputs.json")]):
-        result = subprocess.run([str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"], cwd=REPO, env=env,
+        result = subprocess.run([str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"], cwd=app, env=env,
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     return work, key_file
