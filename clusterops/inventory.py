@@ -192,7 +192,8 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
                         proxy_command=proxy),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
         stack_name=stack_name, file_system_id=outputs.get("FileSystemId"),
-        extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
+        extra={key: value for key, value in (("dashboard_url", outputs.get("DashboardUrl")),
+                                             ("efa_cards", int(outputs.get("EfaCards") or 0))) if value})
 
 
 def describe(ec2, ids: list[str]) -> dict[str, dict]:

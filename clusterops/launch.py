@@ -18,6 +18,11 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
 
+# aws-ofi-nccl over libfabric's EFA provider (the AWS "Get started with EFA and NCCL" guide): older
+# plugins need FI_PROVIDER; RDMA on the p4d/p5 GPUs' NICs. Harmless where current plugins default to them.
+EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+
+
 class LaunchError(ValueError):
     pass
 
@@ -112,8 +117,11 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
         "--mca", "oob_tcp_keepalive_probes", "3",
     ]
     exports = {"MASTER_ADDR": nodes[0].private_ip, "MASTER_PORT": str(request.master_port),
+               # NCCL's bootstrap and socket transport; with EFA, data goes through the OFI plugin.
                "NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface,
                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4"}
+    if inventory.extra.get("efa_cards"):
+        exports.update(EFA_ENVIRONMENT)
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
     argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe,

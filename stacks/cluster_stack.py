@@ -1,7 +1,7 @@
 """The cluster stack: composes network, shared storage and GPU nodes; declares the outputs fab reads."""
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, CfnOutput, Fn, Stack, Tags, Validations
+from aws_cdk import Acknowledgment, Annotations, CfnOutput, Fn, Stack, Tags, Validations
 from constructs import Construct
 
 from .config import ClusterConfig
@@ -33,6 +33,8 @@ class GpuClusterStack(Stack):
                                           instances=self.nodes.instances, file_system=self.storage.file_system)
         self._acknowledge_findings()
         self._acknowledge_nist_findings()
+        if config.efa_note:
+            Annotations.of(self).add_warning_v2("gpu-cluster:efa", config.efa_note)
         if not config.flow_logs and not config.vpc_id:
             reason = "Flow logs were turned off with -c flow_logs=false (the default logs rejected flows)."
             Validations.of(self.network).acknowledge(
@@ -56,6 +58,7 @@ class GpuClusterStack(Stack):
             "GpusPerNode": str(config.gpus),
             "InstanceType": config.instance_type,
             "DashboardUrl": self.dashboard.url,
+            "EfaCards": str(config.efa_cards),
         }
         for name, value in outputs.items():
             CfnOutput(self, name, value=value)

@@ -87,6 +87,7 @@ def _as_str(key: str, value: Any, pattern: re.Pattern, accepted: str) -> str:
 
 
 ACCESS_MODES = ("ssh", "ssm")
+EFA_MODES = ("auto", "on", "off")
 
 
 def _as_choice(key: str, value: Any, choices: Sequence[str]) -> str:
@@ -146,6 +147,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "placement_group": _as_bool,
     "flow_logs": _as_bool,
     "access": lambda k, v: _as_choice(k, v, ACCESS_MODES),
+    "efa": lambda k, v: _as_choice(k, v, EFA_MODES),
     "private_subnet": _as_bool,
     "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
     "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
@@ -173,6 +175,7 @@ class ClusterConfig:
     flow_logs: bool = True  # rejected flows to a KMS-encrypted log group (new VPC only)
     access: str = "ssh"  # ssh: from ssh_cidr; ssm: Session Manager only, no inbound rule at all
     private_subnet: bool = False  # access=ssm: nodes without public IPs (NAT gateway + VPC endpoints)
+    efa: str = "auto"  # auto: on where the type has EFA and the network allows it
     vpc_id: Optional[str] = None
     subnet_id: Optional[str] = None
     availability_zone: Optional[str] = None
@@ -213,6 +216,7 @@ class ClusterConfig:
         if self.private_subnet and self.access != "ssm":
             raise ConfigError("private_subnet", self.private_subnet,
                               "needs -c access=ssm: nodes without public IPs are reached through Session Manager")
+        self._validate_efa()
         if self.private_subnet and self.vpc_id:
             raise ConfigError("private_subnet", self.private_subnet,
                               "applies to the VPC this stack creates; with vpc_id, pass a private subnet_id")
@@ -239,6 +243,46 @@ class ClusterConfig:
                               f"this Deep Learning AMI's driver does not support {self.type_info.family} "
                               f"({self.type_info.gpu}); leave it unset to get "
                               f"{self.type_info.ami_parameter}")
+
+    def _validate_efa(self) -> None:
+        if self.efa != "on":
+            return
+        cards = self.type_info.efa
+        if not cards:
+            raise ConfigError("efa", self.efa, f"{self.instance_type} has no EFA; use efa=off or a type with "
+                                               "EFA (e.g. g5.12xlarge, p4d.24xlarge)")
+        if not self.placement_group:
+            raise ConfigError("efa", self.efa, "EFA needs the nodes in one cluster placement group: "
+                                               "drop placement_group=false")
+        if cards > 1 and not self.nodes_without_public_ips:
+            raise ConfigError("efa", self.efa, f"{self.instance_type} has {cards} EFA cards, so several network "
+                                               "interfaces, and AWS gives such instances no public IP: add "
+                                               "-c access=ssm -c private_subnet=true")
+
+    @property
+    def efa_cards(self) -> int:
+        """EFA network cards the nodes get: auto turns EFA on where the type has it and the network
+        allows it (several cards mean several interfaces, which get no public IP)."""
+        cards = self.type_info.efa
+        if self.efa == "off" or not cards:
+            return 0
+        if self.efa == "auto" and (not self.placement_group or (cards > 1 and not self.nodes_without_public_ips)):
+            return 0
+        return cards
+
+    @property
+    def nodes_without_public_ips(self) -> bool:
+        """Reached through Session Manager in a private subnet (this stack's, or a given one)."""
+        return self.access == "ssm" and (self.private_subnet or self.vpc_id is not None)
+
+    @property
+    def efa_note(self) -> Optional[str]:
+        """Why auto left EFA off on a type that has it (a synth-time warning), else None."""
+        if self.efa != "auto" or not self.type_info.efa or self.efa_cards:
+            return None
+        return (f"EFA off: {self.instance_type} has {self.type_info.efa} EFA card(s), but "
+                + ("placement_group=false" if not self.placement_group else
+                   "several interfaces get no public IP; -c access=ssm -c private_subnet=true turns it on"))
 
     @property
     def type_info(self) -> InstanceType:

@@ -45,9 +45,15 @@ class ClusterNetwork(Construct):
         self.security_group = ec2.SecurityGroup(
             self, "NodeSecurityGroup", vpc=self.vpc, allow_all_outbound=True,
             description="GPU cluster nodes: all traffic between members, SSH from ssh_cidr only")
-        # MPI, NCCL, the container sshd and TensorBoard stay inside the cluster.
+        # MPI, NCCL, the container sshd and TensorBoard stay inside the cluster. EFA needs the group
+        # to admit all traffic from AND to itself (its traffic is not IP: 0.0.0.0/0 does not cover it).
         self.security_group.add_ingress_rule(
             self.security_group, ec2.Port.all_traffic(), "all traffic between cluster members")
+        # (allow_all_outbound makes CDK drop egress rules added its way: this one goes in as L1)
+        ec2.CfnSecurityGroupEgress(
+            self, "EgressToMembers", group_id=self.security_group.security_group_id, ip_protocol="-1",
+            destination_security_group_id=self.security_group.security_group_id,
+            description="all traffic between cluster members (EFA)")
         if ssh_cidr:
             for port, what in ((22, "host SSH"), (CONTAINER_SSH_PORT, "training container SSH")):
                 self.security_group.add_ingress_rule(

@@ -28,6 +28,20 @@ HEARTBEAT_PERIOD = Duration.minutes(1)
 HOST_KEY_PENDING = "pending: written by node 0 at boot"
 
 
+def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:
+    """Launch-template network interfaces for `cards` EFA cards (AWS's layout for multi-card types:
+    an ENA primary at card 0 device 0, EFA-only at card 0 device 1 and at device 0 of every other
+    card; one card: a single EFA-with-ENA interface, which may keep a public IP)."""
+    common = {"SubnetId": subnet_id, "Groups": [group_id], "DeleteOnTermination": True}
+    if cards == 1:
+        return [{**common, "NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "efa",
+                 "AssociatePublicIpAddress": public}]
+    return ([{**common, "NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface"},
+             {**common, "NetworkCardIndex": 0, "DeviceIndex": 1, "InterfaceType": "efa-only"}]
+            + [{**common, "NetworkCardIndex": card, "DeviceIndex": 0, "InterfaceType": "efa-only"}
+               for card in range(1, cards)])
+
+
 def host_key_parameter_name(cluster_name: str) -> str:
     return f"/gpu-cluster/{cluster_name}/ssh-host-key"
 
@@ -106,7 +120,8 @@ class GpuNodes(Construct):
                 machine_image=machine_image,
                 role=self.role, key_pair=self.key_pair,
                 placement_group=placement_group,
-                require_imdsv2=True,  # no detailed monitoring: the idle alarm uses the heartbeat
+                require_imdsv2=not config.efa_cards,  # with EFA, its own launch template requires it
+                # no detailed monitoring: the idle alarm uses the heartbeat
                 user_data_causes_replacement=True, propagate_tags_to_volume_on_creation=True,
                 block_devices=[ec2.BlockDevice(
                     device_name="/dev/sda1",
@@ -126,10 +141,14 @@ class GpuNodes(Construct):
                 "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
                 "HOST_KEY_PARAMETER": self.host_key_parameter_name,
                 "IDLE_MINUTES": str(config.idle_minutes),
+                "EFA_CARDS": str(config.efa_cards),
             }
             instance.user_data.add_commands(render_user_data(env))
             check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
             cfn_instance = instance.node.default_child
+            if config.efa_cards:
+                self._attach_efa(instance, rank, config.efa_cards, subnet, security_group,
+                                 public=not config.private_subnet)
             cfn_instance.cfn_options.creation_policy = CfnCreationPolicy(
                 resource_signal=CfnResourceSignal(
                     count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M"))
@@ -173,3 +192,22 @@ class GpuNodes(Construct):
         # Its Ref to the instance means CloudFormation creates it only once the node has signalled
         # (creation policy), i.e. its watchdog runs: no missing heartbeat during the bootstrap.
         return alarm
+
+    def _attach_efa(self, instance: ec2.Instance, rank: int, cards: int, subnet: ec2.ISubnet,
+                    security_group: ec2.ISecurityGroup, public: bool) -> None:
+        """EFA interfaces exist only in launch templates (AWS::EC2::Instance has no InterfaceType):
+        one per node, with IMDSv2 required; subnet and group move into the interfaces."""
+        interfaces = [ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
+            subnet_id=i["SubnetId"], groups=i["Groups"], delete_on_termination=i["DeleteOnTermination"],
+            network_card_index=i["NetworkCardIndex"], device_index=i["DeviceIndex"], interface_type=i["InterfaceType"],
+            associate_public_ip_address=i.get("AssociatePublicIpAddress"))
+            for i in efa_interfaces(cards, subnet.subnet_id, security_group.security_group_id, public)]
+        template = ec2.CfnLaunchTemplate(
+            self, f"Node{rank}EfaTemplate", launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
+                metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(http_tokens="required"),
+                network_interfaces=interfaces))
+        cfn_instance = instance.node.default_child
+        cfn_instance.launch_template = ec2.CfnInstance.LaunchTemplateSpecificationProperty(
+            launch_template_id=template.ref, version=template.attr_latest_version_number)
+        cfn_instance.add_property_deletion_override("SubnetId")
+        cfn_instance.add_property_deletion_override("SecurityGroupIds")

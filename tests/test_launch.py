@@ -159,3 +159,12 @@ def test_no_aws_variable_leaks_into_tests_that_did_not_ask_for_the_emulator():
     """The moto server's variables are set per test (fixture aws_env), never for the whole session."""
     import os
     assert "AWS_ENDPOINT_URL" not in os.environ and os.environ.get("AWS_ACCESS_KEY_ID") != "testing"
+
+
+def test_an_efa_cluster_exports_what_nccls_ofi_plugin_needs():
+    from dataclasses import replace
+    plain = launch.mpirun_argv(inventory(), launch.TrainRequest(), "ens5", "/workspace/train")
+    assert "FI_PROVIDER=efa" not in plain
+    efa = launch.mpirun_argv(replace(inventory(), extra={"efa_cards": 4}), launch.TrainRequest(), "ens5",
+                             "/workspace/train")
+    assert "FI_PROVIDER=efa" in efa and "FI_EFA_USE_DEVICE_RDMA=1" in efa and "NCCL_SOCKET_IFNAME=ens5" in efa

@@ -14,6 +14,7 @@ CASES = {
         "-c", "availability_zone=us-east-1a",
         "-c", "instance_type=p4d.24xlarge"],
     "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge"],
+    "p5-efa": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=p5.48xlarge", "-c", "efa=on"],
 }
 
 
@@ -35,7 +36,12 @@ def test_template_facts(synth):
     case, _, _, template = synth
     resources = template["Resources"].values()
     instances = [r for r in resources if r["Type"] == "AWS::EC2::Instance"]
-    assert len(instances) == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2}[case]
+    assert len(instances) == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2,
+                              "p5-efa": 2}[case]
+    efa = [i for r in resources if r["Type"] == "AWS::EC2::LaunchTemplate"
+           for i in r["Properties"]["LaunchTemplateData"].get("NetworkInterfaces", [])
+           if i["InterfaceType"] in ("efa", "efa-only")]
+    assert len(efa) == len(instances) * {"ssm-private": 1, "p5-efa": 32}.get(case, 0)
     groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
     assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
     efs = [r for r in resources if r["Type"] == "AWS::EFS::FileSystem"][0]

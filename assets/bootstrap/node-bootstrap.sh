@@ -135,13 +135,19 @@ start_container() {
   # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop.
   local store=${INSTANCE_STORE:-/opt/dlami/nvme} instance_store=()
   if [[ -d $store ]]; then instance_store=(-v "$store:$store"); fi
+  # EFA: the devices, and the host's libfabric and aws-ofi-nccl (the DLAMI's EFA installer) for NCCL.
+  local efa=() device
+  if ((${EFA_CARDS:-0} > 0)); then
+    for device in /dev/infiniband/uverbs*; do [[ -e $device ]] && efa+=(--device "$device"); done
+    efa+=(-v /opt/amazon/efa:/opt/amazon/efa:ro -v /opt/amazon/ofi-nccl:/opt/amazon/ofi-nccl:ro)
+  fi
   docker run -d --name "$CONTAINER" --restart unless-stopped \
     --gpus all --net=host --ipc=host --shm-size=16g \
     --ulimit memlock=-1 --ulimit stack=67108864 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
     -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
-    "${instance_store[@]}" "$IMAGE" >/dev/null
+    "${instance_store[@]}" "${efa[@]}" "$IMAGE" >/dev/null
   local waited=0
   until docker exec "$CONTAINER" pgrep -x sshd >/dev/null; do
     ((waited++ < 30)) || { log "sshd did not start in $CONTAINER"; return 1; }
