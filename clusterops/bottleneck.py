@@ -63,6 +63,7 @@ class Prediction:
     step_s: float
     objects_per_s: float
     model: str       # the one-line formula behind it
+    parts: tuple[tuple[str, float], ...] = ()  # (part, seconds), for the stacked bars
 
     def speedup_over(self, base: Breakdown) -> float:
         return (self.objects_per_s / (base.objects_per_step / base.step)) if base.step else 0.0
@@ -104,7 +105,9 @@ def _predict(name: str, b: Breakdown, model: str, *, data: float, compute: float
              hidden: float, objects: float, extra: float = 0.0) -> Prediction:
     exposed = max(0.0, comm - hidden)
     step = data + compute + exposed + b.optimizer + b.other + extra
-    return Prediction(name, step, objects / step if step else 0.0, model)
+    parts = (("data", data), ("compute", compute + extra), ("exposed", exposed), ("optimizer", b.optimizer),
+             ("other", b.other))
+    return Prediction(name, step, objects / step if step else 0.0, model, parts)
 
 
 def what_ifs(b: Breakdown, link_gbit: float, powersgd_wire_bytes: Optional[float] = None,
@@ -153,3 +156,46 @@ def powersgd_wire_bytes(shapes: list[tuple[int, ...]], rank: int, world_size: in
         r = min(rank, n, m)
         payload += 4 * (n + m) * r if (n + m) * r * min_compression_rate < n * m else 4 * n * m
     return ring_wire_bytes(payload, world_size)
+
+
+def link_rate(link: Optional[dict]) -> Optional[float]:
+    """The measured link (Gbit/s) from `fab check`'s link.json: the median pair's TCP rate, else the
+    all-reduce bus bandwidth."""
+    if not link:
+        return None
+    return link.get("median_gbit") or link.get("allreduce_busbw_gbit")
+
+
+def report_lines(name: str, b: Breakdown, link_gbit: Optional[float], predictions: list[Prediction]) -> list[str]:
+    """The screen `fab report` prints, and the body of report.md (markdown that reads as text)."""
+    v = verdict(b, link_gbit)
+    lines = [f"# Run {name}: {v.kind}", "", v.evidence, "",
+             "| what if | step | objects/s | vs now | model |", "|---|---|---|---|---|"]
+    for p in predictions:
+        lines.append(f"| {p.name} | {p.step_s * 1000:.0f} ms | {p.objects_per_s:.0f} | "
+                     f"{p.speedup_over(b):.2f}x | {p.model} |")
+    if link_gbit is None:
+        lines += ["", "No link measurement: run `fab check` for the link and the what-ifs."]
+    return lines
+
+
+def write_report(name: str, summary: dict, link: Optional[dict], out_dir, shapes=None) -> list:
+    """report.md and breakdown.png into out_dir; returns the paths written."""
+    from pathlib import Path
+
+    from . import plots
+    out_dir = Path(out_dir)
+    b = Breakdown.from_summary(summary)
+    rate = link_rate(link)
+    predictions = []
+    if rate:
+        psgd = powersgd_wire_bytes(shapes, summary.get("powersgd_rank", 4), b.world_size) if shapes else None
+        predictions = what_ifs(b, rate, powersgd_wire_bytes=psgd)
+    lines = report_lines(name, b, rate, predictions)
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines + ["", "![step time](breakdown.png)", ""]))
+    rows = [("measured", {"data": b.data, "compute": b.compute, "exposed": b.exposed,
+                          "optimizer": b.optimizer, "other": b.other})]
+    rows += [(p.name, dict(p.parts)) for p in predictions[1:] if "batch" not in p.name]  # same batch only
+    chart = plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")
+    return [report, chart]

@@ -26,6 +26,7 @@ def breakdown_bars(rows: Sequence[tuple[str, dict]], path: Path, title: str) -> 
         axes.bar(labels, heights, bottom=bottoms, label=name)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     axes.set_ylabel("ms per step")
+    axes.tick_params(axis="x", labelrotation=20)
     axes.set_title(title)
     axes.legend(fontsize="small")
     figure.tight_layout()

@@ -63,3 +63,16 @@ def test_powersgd_wire_bytes_follow_the_hooks_compression_rule():
     payload = 4 * 96 * 4 + 4 * 32 + 4 * 320 + 4 * 10
     assert powersgd_wire_bytes(shapes, rank=4, world_size=2) == pytest.approx(ring_wire_bytes(payload, 2))
     assert powersgd_wire_bytes(shapes, rank=4, world_size=1) == 0
+
+
+def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
+    from clusterops.bottleneck import write_report
+    summary = {"world_size": 2, "global_batch": 256, "grad_compression": "none",
+               "breakdown": {"data_s": 0.01, "compute_s": 0.5, "comm_exposed_s": 1.5, "optimizer_s": 0.02,
+                             "other_s": 0.02, "wire_bytes": ring_wire_bytes(244e6, 2), "grad_bytes": 244e6}}
+    written = write_report("base", summary, {"median_gbit": 0.96}, tmp_path, shapes=[(512, 2048), (2048,)])
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# Run base: communication-bound")
+    for what_if in ("fp16 gradients", "powersgd", "batch x2 per GPU", "10 Gbit/s link", "100 Gbit/s link (EFA)"):
+        assert f"| {what_if} |" in text, what_if
+    assert (tmp_path / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(written) == 2
