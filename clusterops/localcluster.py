@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
 
@@ -127,10 +128,12 @@ def _wait_for_port(ip: str, port: int, timeout: float) -> None:
 
 
 def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
-                 shared: Path, extra_keys: Path) -> str:
-    env = {"DATA_DIR": spec.data_dir, "RUNTIME_DIR": "/run/gpu-cluster",
-           "EXTRA_AUTHORIZED_KEYS": str(extra_keys), "SSHD_CONFIG": str(SSHD_CONFIG),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+                 shared: Path, extra_keys: Path, image_env: Mapping[str, str]) -> str:
+    # Like a container's, the entrypoint's environment is the image's only (env -i), not the host's.
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+           "HOME": "/root", **image_env,
+           "DATA_DIR": spec.data_dir, "RUNTIME_DIR": "/run/gpu-cluster",
+           "EXTRA_AUTHORIZED_KEYS": str(extra_keys), "SSHD_CONFIG": str(SSHD_CONFIG)}
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     q = shlex.quote
     return "; ".join([
@@ -140,12 +143,13 @@ def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
         f"mount --bind {q(str(nsswitch))} /etc/nsswitch.conf",
         "mount -t tmpfs -o mode=0755 tmpfs /run",
         f"mount --bind {q(str(shared))} {q(spec.data_dir)}",
-        f"exec env {exports} bash {q(str(ENTRYPOINT))}",
+        f"exec env -i {exports} bash {q(str(ENTRYPOINT))}",
     ])
 
 
-def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
-    """Bring the cluster up (replacing a previous one of the same name) and write the inventory."""
+def up(spec: LocalSpec, inventory_path: Path, image_env: Mapping[str, str] | None = None) -> Inventory:
+    """Bring the cluster up (replacing a previous one of the same name) and write the inventory.
+    image_env: variables the training image would set (ENV), given to each node's entrypoint."""
     spec.validate()
     preflight()
     if spec.state_dir.exists():
@@ -192,7 +196,7 @@ def up(spec: LocalSpec, inventory_path: Path) -> Inventory:
             _cap("eth0", spec.link, netns)
         log = open(state / f"node{rank}.log", "ab")
         script = _node_script(spec, rank, state / "hosts", state / "nsswitch.conf", shared,
-                              controller / "id_ed25519.pub")
+                              controller / "id_ed25519.pub", image_env or {})
         process = subprocess.Popen(
             ["ip", "netns", "exec", netns, "unshare", "--uts", "--mount", "--propagation", "private",
              "--", "bash", "-c", script],
