@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
 
@@ -127,10 +128,12 @@ def _wait_for_port(ip: str, port: int, timeout: float) -> None:
 
 
 def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
-                 shared: Path, extra_keys: Path) -> str:
-    env = {"DATA_DIR": spec.data_dir, "RUNTIME_DIR": "/run/gpu-cluster",
-           "EXTRA_AUTHORIZED_KEYS": str(extra_keys), "SSHD_CONFIG": str(SSHD_CONFIG),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+                 shared: Path, extra_keys: Path, image_env: Mapping[str, str]) -> str:
+    # Like a container's, the entrypoint's environment is the image's only (env -i), not the host's.
+    env = {"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+           "HOME": "/root", **image_env,
+           "DATA_DIR": spec.data_dir, "RUNTIME_DIR": "/run/gpu-cluster",
+           "EXTRA_AUTHORIZED_KEYS": str(extra_keys), "SSHD_CONFIG": str(SSHD_CONFIG)}
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     q = shlex.quote
     return "; ".join([
@@ -140,7 +143,7 @@ def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
         f"mount --bind {q(str(nsswitch))} /etc/nsswitch.conf",
         "mount -t tmpfs -o mode=0755 tmpfs /run",
         f"mount --bind {q(str(shared))} {q(spec.data_dir)}",
-        f"exec env {exports} bash {q(str(ENTRYPOINT))}",
+        f"exec env -i {exports} bash {q(str(ENTRYPOINT))}",
     ])
 
 
@@ -148,9 +151,11 @@ class NothingToDo(LocalClusterError):
     """`local.down` of a cluster that is not there: said, not an error."""
 
 
-def up(spec: LocalSpec, inventory_path: Path, replace: bool = False) -> Inventory:
+def up(spec: LocalSpec, inventory_path: Path, replace: bool = False,
+       image_env: Mapping[str, str] | None = None) -> Inventory:
     """Bring the cluster up and write the inventory. A running cluster of the same name (and its
-    shared /data) is replaced only when asked to."""
+    shared /data) is replaced only when asked to. image_env: variables the training image would set
+    (ENV), given to each node's entrypoint."""
     spec.validate()
     preflight()
     if spec.state_dir.exists():
@@ -166,7 +171,7 @@ def up(spec: LocalSpec, inventory_path: Path, replace: bool = False) -> Inventor
     ssh_dir = _make_identities(spec, shared, controller)
     _make_network(spec)
     for rank in range(spec.nodes):
-        record["pids"][str(rank)] = _start_node(spec, rank, shared, controller)
+        record["pids"][str(rank)] = _start_node(spec, rank, shared, controller, image_env or {})
         _save_record(spec, record)
     _wait_ready(spec, shared)
     return _write_inventory(spec, ssh_dir, controller, inventory_path)
@@ -219,11 +224,12 @@ def _make_network(spec: LocalSpec) -> None:
             _cap("eth0", spec.link, netns)
 
 
-def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path) -> int:
+def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path,
+                image_env: Mapping[str, str]) -> int:
     """The node's own UTS and mount namespaces, then the container's entrypoint (sshd on 4444)."""
     log = open(spec.state_dir / f"node{rank}.log", "ab")
     script = _node_script(spec, rank, spec.state_dir / "hosts", spec.state_dir / "nsswitch.conf", shared,
-                          controller / "id_ed25519.pub")
+                          controller / "id_ed25519.pub", image_env)
     process = subprocess.Popen(
         ["ip", "netns", "exec", spec.netns(rank), "unshare", "--uts", "--mount", "--propagation", "private",
          "--", "bash", "-c", script],

@@ -246,6 +246,22 @@ def test_user_data_carries_the_bootstrap_with_its_config(cluster):
         assert secret_marker not in text
 
 
+# The longest value a token in the user data can resolve to (a stack name is at most 128
+# characters, an S3 URL of a CDK asset about 130, a region 14, a file-system id 21).
+TOKEN_BYTES_BOUND = 256
+USER_DATA_LIMIT = 16 * 1024  # bytes, before base64 (EC2 user guide: "Work with instance user data")
+
+
+def test_user_data_fits_the_ec2_limit_with_every_token_at_its_longest(cluster):
+    nodes, template = cluster
+    instance = next(iter(template.find_resources("AWS::EC2::Instance").values()))
+    parts = instance["Properties"]["UserData"]["Fn::Base64"]
+    parts = [parts] if isinstance(parts, str) else parts["Fn::Join"][1]
+    size = sum(len(p.encode()) if isinstance(p, str) else TOKEN_BYTES_BOUND for p in parts)
+    print(f"user data: {size} bytes at most ({USER_DATA_LIMIT - size} to spare)")
+    assert size <= USER_DATA_LIMIT
+
+
 def test_node_role_is_least_privilege():
     template = _cluster()
     policies = template.find_resources("AWS::IAM::Policy")

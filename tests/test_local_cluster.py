@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -366,3 +367,39 @@ def test_then_stop_sends_the_stop_request_when_the_run_ends(pair, aws_env):
     assert f"autostop: run ended; stopping {sorted(ids)}" in log
     states = {i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
     assert states <= {"stopping", "stopped"}
+
+
+# ---------------------------------------------------------------- the image's environment
+
+IMAGE_ENV = {"NGC_IMAGE_ONLY": "set by the image, with spaces", "IMAGE_SYMBOLS": "it's # $HOME %h\tend",
+             "IMAGE_EMPTY": "", "IMAGE_LONG": "x" * 6000}
+IMAGE_ENV_PROBE = ("import json, os, socket; print(json.dumps({'host': socket.gethostname(), "
+                   "'env': {k: v for k, v in os.environ.items() if k.startswith(('IMAGE_', 'NGC_', 'OPAL_'))}}))")
+
+
+def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_environment(tmp_path):
+    """The NGC image's ENV (OPAL_PREFIX for its relocated HPC-X Open MPI, its own variables) must
+    reach every SSH session and, through mpirun's daemons, the ranks on the other nodes. The host's
+    Open MPI is not relocated: OPAL_PREFIX names its real prefix, so mpirun also runs with it set."""
+    from clusterops import launch, remote
+    prefix = subprocess.run(["ompi_info", "--path", "prefix", "--parsable"], capture_output=True,
+                            text=True, check=True).stdout.strip().split(":", 2)[2]
+    image_env = {**IMAGE_ENV, "OPAL_PREFIX": prefix, "IMAGE_QUOTED": 'say "hi"'}
+    wanted = {**IMAGE_ENV, "OPAL_PREFIX": prefix}  # a double quote: left out, and logged
+    spec = localcluster.LocalSpec(name="te", nodes=2, subnet="10.213.150.0/24")
+    inventory = localcluster.up(spec, tmp_path / "inventory.json", image_env=image_env)
+    try:
+        with remote.connect(inventory, inventory.nodes[1]) as conn:
+            session = json.loads(remote.sh(conn, f"{inventory.python} -c {shlex.quote(IMAGE_ENV_PROBE)}"))
+        assert session == {"host": "node1", "env": wanted}
+        argv = launch.mpirun_argv(inventory, launch.TrainRequest(recipe="transformer-tiny"), "eth0", inventory.code_dir)
+        argv = argv[:argv.index(inventory.python)] + [inventory.python, "-c", IMAGE_ENV_PROBE]
+        argv[argv.index("--hostfile"):argv.index("--hostfile") + 2] = ["-H", "node0:1,node1:1"]
+        with remote.connect(inventory, inventory.head) as conn:
+            out = remote.sh(conn, "timeout 120 " + shlex.join(argv))
+        ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["host"])
+        assert ranks == [{"host": "node0", "env": wanted}, {"host": "node1", "env": wanted}], out
+        log = (localcluster.STATE_ROOT / "te" / "node1.log").read_text()
+        assert "IMAGE_QUOTED is not carried into SSH sessions" in log
+    finally:
+        localcluster.down("te", tmp_path / "inventory.json")
