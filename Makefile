@@ -15,7 +15,7 @@ demo: setup
 	bash scripts/demo.sh 2
 
 test: setup
-	python -m pytest
+	python -m pytest -n 2 --dist loadgroup
 
 synth: setup
 	cdk synth --no-notices -q
