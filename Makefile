@@ -14,8 +14,9 @@ setup:
 demo: setup
 	bash scripts/demo.sh 2
 
-test: setup
-	python -m pytest -n 2 --dist loadgroup
+test: setup  # everything else on two workers, then the emulated cluster alone (it needs the CPU)
+	python -m pytest -n 2 -m "not cluster"
+	python -m pytest -m cluster
 
 synth: setup
 	cdk synth --no-notices -q

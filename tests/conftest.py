@@ -26,14 +26,6 @@ os.environ.update(OFFLINE_ENV)
 os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under xdist (`make test` runs two workers), every emulated-cluster test goes to one worker, in
-    order: one cluster at a time on this machine, while the other worker runs everything else."""
-    for item in items:
-        if item.get_closest_marker("cluster"):
-            item.add_marker(pytest.mark.xdist_group("emulated-cluster"))
-
-
 def cdk_app(**context) -> "aws_cdk.App":
     """An app with cdk.json's context (its feature flags change what constructs synthesize: the
     EFS file-system policy, for one), as `cdk synth` builds it."""
