@@ -18,8 +18,7 @@ from clusterops import cost as costs
 from clusterops import launch, localcluster, remote, report
 from clusterops.inventory import Inventory
 from fabtasks.aws import audit, cost, efs_io_rate, inventory, kept_price, preflight, start, stop_cluster
-from fabtasks.common import ERRORS, fail, head, inventory_path, load_inventory, number, run_dir, settings, \
-    whole_number
+from fabtasks.common import ERRORS, fail, head, inventory_path, load_inventory, number, run_dir, settings, whole_number
 
 
 @task
@@ -157,12 +156,12 @@ def _projector(inv: Inventory):
         return None
     price = kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
     hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
-    printed = []
+    printed: list[str] = []
 
     def on_progress(progress: dict) -> None:
         if printed or not costs.projection(progress, hourly):
             return
-        line = costs.projection(progress, hourly, efs_io_rate(inv))
+        line = costs.projection(progress, hourly, efs_io_rate(inv)) or ""
         print(f"cost: {line} [{price.source}]", flush=True)
         printed.append(line)
     return on_progress

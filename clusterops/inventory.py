@@ -137,7 +137,7 @@ def stack_outputs_from_aws(stack_name: str, session) -> dict:
 
 
 def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
-                 key_file: Optional[str] = None, key_dir: Path = Path.home() / ".ssh") -> Inventory:
+                 key_file: Optional[str] = None, key_dir: Optional[Path] = None) -> Inventory:
     """Build the inventory of a deployed stack: the private key is fetched from SSM once into
     key_dir (0600), the host key is pinned in state_dir/STACK.known_hosts."""
     missing = [k for k in ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode",
@@ -151,6 +151,7 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o700)
     ssm = session.client("ssm")
+    key_dir = key_dir or Path.home() / ".ssh"
     if key_file is None:
         if outputs["KeyParameterName"] == "none":
             raise InventoryError("the stack uses your own key pair: pass --key-file PATH")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
-from urllib.parse import urlsplit, urlunsplit
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from .inventory import Inventory, Node
 
@@ -126,11 +126,12 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
         argv += ["-x", f"{key}={value}"]
     argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe,
              "--data", data_path(inventory, dataset), "--run-dir", rdir]
-    for flag, value in (("--max-steps", request.steps), ("--batch-per-gpu", request.batch_per_gpu),
-                        ("--precision", request.precision),
-                        ("--grad-compression", request.grad_compression)):
-        if value is not None:
-            argv += [flag, str(value)]
+    options: tuple[tuple[str, object], ...] = (
+        ("--max-steps", request.steps), ("--batch-per-gpu", request.batch_per_gpu),
+        ("--precision", request.precision), ("--grad-compression", request.grad_compression))
+    for flag, given in options:
+        if given is not None:
+            argv += [flag, str(given)]
     return argv + list(request.extra_args)
 
 

@@ -12,9 +12,10 @@ from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from .report import aws_error
 from stacks.config import ClusterConfig, choose_availability_zone, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
+
+from .report import aws_error
 
 # EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
 # EC2 docs): On-Demand P is one bucket; Spot P5 has its own, apart from P4, P3 and P2.
@@ -249,7 +250,7 @@ def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, c
     checks.append(ami_check)
     if image_id and az:
         checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az))
-    notes = [cloudformation_role_note(account, region)]
+    notes = [cloudformation_role_note(account or "ACCOUNT", region)]
     if quota is not None and not quota.ok:
         notes.append(request_increase(clients["service-quotas"], quota) if request_quota else
                      f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs")

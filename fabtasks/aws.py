@@ -14,9 +14,16 @@ from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import preflight as checks
 from clusterops import remote, report
-from clusterops.inventory import (DEFAULT_OUTPUTS, Inventory, InventoryError, from_outputs,
-                                  stack_outputs_from_aws, stack_outputs_from_file, start_and_refresh,
-                                  stop_nodes)
+from clusterops.inventory import (
+    DEFAULT_OUTPUTS,
+    Inventory,
+    InventoryError,
+    from_outputs,
+    stack_outputs_from_aws,
+    stack_outputs_from_file,
+    start_and_refresh,
+    stop_nodes,
+)
 
 from .common import ERRORS, aws_errors, aws_session, cluster_config, fail, head, inventory_path, load_inventory
 

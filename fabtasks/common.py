@@ -103,6 +103,7 @@ def run_dir(connection, inv: Inventory, run: str | None) -> str:
 def cluster_config(**overrides):
     """cdk.json's context with the task's overrides, validated like `cdk synth` does."""
     import json
+
     from stacks.config import ClusterConfig, ConfigError
     context = json.loads(Path("cdk.json").read_text()).get("context", {})
     try:

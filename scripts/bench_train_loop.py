@@ -17,11 +17,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "assets" / "train"))
 
+import prepare  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import prepare  # noqa: E402
-from config import ModelConfig, RECIPES, TrainConfig  # noqa: E402
+from config import RECIPES, ModelConfig, TrainConfig  # noqa: E402
 from data import PAD, DataSet, global_batch_indices  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from model import Transformer  # noqa: E402

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from aws_cdk import Aws, Duration, aws_cloudwatch as cw, aws_ec2 as ec2, aws_efs as efs
+from aws_cdk import Aws, Duration
+from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_efs as efs
 from constructs import Construct
 
 # What the watchdog (assets/autostop/autostop.py) publishes per node, dimension InstanceId.

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from aws_cdk import Duration, RemovalPolicy, Stack, aws_ec2 as ec2, aws_iam as iam, aws_kms as kms, aws_logs as logs
+from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
 from constructs import Construct
 
 # The container's sshd (assets/docker/sshd_config); fab and mpirun use it.

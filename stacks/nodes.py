@@ -6,9 +6,33 @@ from pathlib import Path
 from typing import Optional
 
 from aws_cdk import (
-    Aws, CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
-    aws_cloudwatch as cloudwatch, aws_cloudwatch_actions as cloudwatch_actions,
-    aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets, aws_ssm as ssm,
+    Aws,
+    CfnCreationPolicy,
+    CfnResourceSignal,
+    Duration,
+    Stack,
+    Tags,
+)
+from aws_cdk import (
+    aws_cloudwatch as cloudwatch,
+)
+from aws_cdk import (
+    aws_cloudwatch_actions as cloudwatch_actions,
+)
+from aws_cdk import (
+    aws_ec2 as ec2,
+)
+from aws_cdk import (
+    aws_efs as efs,
+)
+from aws_cdk import (
+    aws_iam as iam,
+)
+from aws_cdk import (
+    aws_s3_assets as s3_assets,
+)
+from aws_cdk import (
+    aws_ssm as ssm,
 )
 from constructs import Construct
 
@@ -26,6 +50,13 @@ HEARTBEAT_PERIOD = Duration.minutes(1)
 
 
 HOST_KEY_PENDING = "pending: written by node 0 at boot"
+
+
+def _cfn(instance: ec2.Instance) -> ec2.CfnInstance:
+    """The instance's CloudFormation resource (CDK's escape hatch)."""
+    resource = instance.node.default_child
+    assert isinstance(resource, ec2.CfnInstance)
+    return resource
 
 
 def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:
@@ -136,7 +167,7 @@ class GpuNodes(Construct):
                 "FILE_SYSTEM_ID": file_system.file_system_id,
                 "AWS_REGION": stack.region,
                 "STACK_NAME": stack.stack_name,
-                "SIGNAL_RESOURCE": stack.get_logical_id(instance.node.default_child),
+                "SIGNAL_RESOURCE": stack.get_logical_id(_cfn(instance)),
                 "BASE_IMAGE": config.image,
                 "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
                 "HOST_KEY_PARAMETER": self.host_key_parameter_name,
@@ -145,7 +176,7 @@ class GpuNodes(Construct):
             }
             instance.user_data.add_commands(render_user_data(env))
             check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
-            cfn_instance = instance.node.default_child
+            cfn_instance = _cfn(instance)
             if config.efa_cards:
                 self._attach_efa(instance, rank, config.efa_cards, subnet, security_group,
                                  public=not config.private_subnet)
@@ -206,7 +237,7 @@ class GpuNodes(Construct):
             self, f"Node{rank}EfaTemplate", launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
                 metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(http_tokens="required"),
                 network_interfaces=interfaces))
-        cfn_instance = instance.node.default_child
+        cfn_instance = _cfn(instance)
         cfn_instance.launch_template = ec2.CfnInstance.LaunchTemplateSpecificationProperty(
             launch_template_id=template.ref, version=template.attr_latest_version_number)
         cfn_instance.add_property_deletion_override("SubnetId")

@@ -8,9 +8,11 @@ that come through a mount target; the mount target's security group admits NFS f
 only, and that is the access control. Data is encrypted at rest."""
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy, Tags, aws_ec2 as ec2, aws_efs as efs, aws_iam as iam
+from aws_cdk import RemovalPolicy, Tags
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_efs as efs
+from aws_cdk import aws_iam as iam
 from constructs import Construct
-
 
 # What the bootstrap's root NFS client needs: mount, write, and act as root (no root squash).
 NFS_CLIENT_ACTIONS = ("ClientMount", "ClientWrite", "ClientRootAccess")

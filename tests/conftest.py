@@ -26,7 +26,7 @@ os.environ.update(OFFLINE_ENV)
 os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
 
 
-def cdk_app(**context) -> "aws_cdk.App":
+def cdk_app(**context):
     """An app with cdk.json's context (its feature flags change what constructs synthesize: the
     EFS file-system policy, for one), as `cdk synth` builds it."""
     import json

@@ -9,9 +9,9 @@ import uuid
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
+from conftest import ACCOUNT, REGION, REPO, tool_env
 
 from clusterops import audit
-from conftest import ACCOUNT, REGION, REPO, tool_env
 
 CLUSTER = "auditme"
 TAGS = [{"Key": "gpu-cluster:name", "Value": CLUSTER}]

@@ -11,17 +11,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
+import autostop
 import aws_cdk as cdk
 import boto3
-import pytest
-from aws_cdk.assertions import Match, Template
-
-import autostop
 import prepare
+import pytest
 from autostop import Observation, Sample, Watchdog, decide
+from aws_cdk.assertions import Match, Template
+from conftest import AUTOSTOP_DIR, REPO, moto_instances, tool_env
+
 from clusterops import launch
 from clusterops.inventory import Inventory, Node, SshSettings
-from conftest import AUTOSTOP_DIR, REPO, moto_instances, tool_env
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ALARM_GRACE_MINUTES, MAX_IDLE_MINUTES, ClusterConfig, alarm_minutes
 

@@ -12,8 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
+
 from stacks.bootstrap import render_user_data
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace")

@@ -1,7 +1,6 @@
 """The bottleneck model: verdicts on constructed breakdowns, what-ifs that follow their formulas,
 and PowerSGD's wire bytes against what PyTorch's hook really all-reduces."""
 import pytest
-import torch
 
 from clusterops.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
 

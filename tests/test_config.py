@@ -1,8 +1,7 @@
 """ClusterConfig: coercion of `-c` strings, defaults, and one-line errors for bad input."""
 import pytest
 
-from stacks.config import (ClusterConfig, ConfigError, MAX_IDLE_MINUTES, choose_availability_zone,
-                           offerings_context_key)
+from stacks.config import MAX_IDLE_MINUTES, ClusterConfig, ConfigError, choose_availability_zone, offerings_context_key
 from stacks.instance_types import AMI_PARAMETERS, INSTANCE_TYPES
 
 

@@ -6,8 +6,8 @@ import aws_cdk as cdk
 import pytest
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk.assertions import Match, Template
-
 from conftest import REPO, cdk_app
+
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.network import ClusterNetwork

@@ -6,10 +6,9 @@ import json
 import tarfile
 import threading
 
-import pytest
-
 import imagenet
 import prepare
+import pytest
 import wmt16
 from data import DataSet
 

@@ -7,9 +7,10 @@ import re
 import shlex
 from pathlib import Path
 
-from clusterops import launch
 from conftest import REPO
 from test_launch import inventory
+
+from clusterops import launch
 
 DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
 SCRIPTS = [REPO / "clusterops" / "launcher.sh", REPO / "assets" / "docker" / "entrypoint.sh"]

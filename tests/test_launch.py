@@ -124,6 +124,7 @@ def test_an_emulated_cluster_reaches_an_emulator_endpoint_through_its_bridge():
                                   "monitor", "fetch", "ssh", "start", "stop-cluster"])
 def test_every_cluster_task_without_an_inventory_says_what_to_run(task, tmp_path):
     import subprocess
+
     from conftest import REPO, tool_env
     result = subprocess.run(["fab", task], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json")))
@@ -148,6 +149,7 @@ def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
 
 def test_train_help_is_help_and_lists_every_recipe():
     import subprocess
+
     from conftest import REPO, tool_env
     out = subprocess.run(["fab", "--help", "train"], cwd=REPO, capture_output=True, text=True, env=tool_env()).stdout
     assert "-h, --then-stop" not in out and "--then-stop" in out

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from clusterops import remote
-from conftest import REPO
 
 HOSTILE = 'error: bad "quote" \\back\\slash\ttab {"json": 1}'
 

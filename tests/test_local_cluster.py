@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TRAIN_DIR, moto_instances, tool_env
 
 from clusterops import localcluster
-from conftest import REPO, TRAIN_DIR, moto_instances, tool_env
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
@@ -212,6 +212,7 @@ def test_tensorboard_through_a_tunnel_leaves_mpirun_working_and_stops(cluster):
     probes: every later mpirun hung. Now it listens on loopback only, off 6000-6063, and a run
     still reaches its first step."""
     import urllib.request
+
     from clusterops.remote import TENSORBOARD_PORT
     port = 16010 + cluster.nodes
     tunnel = subprocess.Popen(["fab", "tensorboard", "--port", str(port)], cwd=REPO, env=cluster.env,

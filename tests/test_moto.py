@@ -7,10 +7,15 @@ from pathlib import Path
 
 import boto3
 import pytest
-
-from clusterops.inventory import Inventory, InventoryError, from_outputs, stack_outputs_from_aws, \
-    stack_outputs_from_file
 from conftest import ACCOUNT, REGION, REPO, environment, tool_env
+
+from clusterops.inventory import (
+    Inventory,
+    InventoryError,
+    from_outputs,
+    stack_outputs_from_aws,
+    stack_outputs_from_file,
+)
 
 STACK = "GpuCluster-gpu-cluster"
 AMI_PARAMETER = "/test/dlami/ami-id"

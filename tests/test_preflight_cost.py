@@ -7,10 +7,10 @@ from datetime import datetime, timedelta, timezone
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
+from conftest import REPO, moto_instances, tool_env
 
 from clusterops import cost, preflight
 from clusterops.inventory import Inventory, Node, SshSettings
-from conftest import REPO, moto_instances, tool_env
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
 
@@ -345,7 +345,7 @@ def test_a_private_subnet_shows_its_nat_and_endpoints_monthly_cost():
     public = cost.Estimate(2, price, 200, 1.0)
     private = cost.Estimate(2, price, 200, 1.0, private_subnet=True)
     hourly = cost.TABLE["nat_gateway_usd_per_hour"] + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
-    assert public.network_usd_per_month == 0 and not [l for l in public.lines() if "NAT" in l]
+    assert public.network_usd_per_month == 0 and not [line for line in public.lines() if "NAT" in line]
     assert private.network_usd_per_month == pytest.approx(hourly * 730)
     assert any(f"${hourly * 730:.2f}/month" in line for line in private.lines())
 

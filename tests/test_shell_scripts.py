@@ -2,6 +2,7 @@
 import subprocess
 
 from conftest import REPO
+
 from stacks.bootstrap import render_user_data
 
 

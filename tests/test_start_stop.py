@@ -9,10 +9,17 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
-
-from clusterops.inventory import (Inventory, InventoryError, Node, SshSettings, from_outputs, start_and_refresh,
-                                  write_known_hosts)
 from conftest import REPO, moto_instances, tool_env
+
+from clusterops.inventory import (
+    Inventory,
+    InventoryError,
+    Node,
+    SshSettings,
+    from_outputs,
+    start_and_refresh,
+    write_known_hosts,
+)
 
 HOST_KEY = "ssh-ed25519 AAAAHOSTKEY"
 

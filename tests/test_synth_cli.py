@@ -3,7 +3,6 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import REPO, tool_env
 
 CASES = {

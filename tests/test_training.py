@@ -4,10 +4,9 @@ import re
 import subprocess
 import sys
 
+import checkpoint
 import pytest
 import torch
-
-import checkpoint
 from conftest import TRAIN_DIR, tool_env
 from tasks import transformer_lr
 

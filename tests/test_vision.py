@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-
 from tasks import warmup_cosine_lr
 from test_training import train
 from vision import ResNet, _random_resized_crop, load_image
