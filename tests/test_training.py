@@ -194,3 +194,18 @@ def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path
                               str(tmp_path / "plain"), *SMALL, "--max-steps", "1", "--batch-per-gpu", "4"],
                              capture_output=True, text=True, timeout=300, env=tool_env(WANDB_API_KEY=""))
     assert without.returncode == 0 and not (tmp_path / "plain" / "wandb").exists()
+
+
+def test_a_resumed_run_keeps_its_saved_settings_and_refuses_a_different_one(numbers_data, tmp_path):
+    first = train(numbers_data, tmp_path, "--max-steps", "3", "--grad-compression", "fp16", "--lr-scale", "0.5")
+    assert "gradient compression fp16, lr scale 0.5" in first.stdout
+    # Resumed with fewer flags: the run's own settings, not the recipe's defaults.
+    resumed = train(numbers_data, tmp_path, "--max-steps", "5")
+    assert "resuming with the run's saved settings" in resumed.stdout
+    assert "gradient compression fp16, lr scale 0.5" in resumed.stdout and "changed --max-steps 3 -> 5" in resumed.stdout
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["grad_compression"], saved["lr_scale"], saved["max_steps"]) == ("fp16", 0.5, 5)
+    refused = train(numbers_data, tmp_path, "--grad-compression", "powersgd", check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == ("error: --grad-compression 'powersgd' differs from the run's 'fp16': a resumed "
+                                      "run keeps its settings; start a new --run to change them")

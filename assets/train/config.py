@@ -203,3 +203,47 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
     config.validate()
     return config
+
+
+# What a resumed run may change: how long it runs and how it reports, never what it trains.
+RESUMABLE_CHANGES = {"max_steps", "log_every", "eval_every", "eval_samples", "eval_batch", "checkpoint_every",
+                     "keep_checkpoints", "dist_timeout_s", "target_metric", "beam"}
+
+
+def _field_value(config: TrainConfig, key: str):
+    part = next(p for p in (config.model, config.vision, config) if hasattr(p, key))
+    return getattr(part, key)
+
+
+def resume_config(saved: dict, args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
+    """A resumed run's configuration: the one saved in its run directory. A flag given now that
+    differs is refused in one line, unless it only changes the length or the reporting of the run
+    (RESUMABLE_CHANGES). Returns the configuration and a line per change applied."""
+    config = TrainConfig.from_dict(saved)
+    if args.recipe != config.recipe:
+        raise ConfigError(f"--recipe {args.recipe} differs from the run's {config.recipe}: a resumed run keeps "
+                          "its settings; start a new --run to change them")
+    changes = []
+    for key, value in vars(args).items():
+        if value is None or key == "recipe":
+            continue
+        value = tuple(value) if isinstance(value, list) else value
+        current = _field_value(config, key)
+        if value == current:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key not in RESUMABLE_CHANGES:
+            raise ConfigError(f"{flag} {value!r} differs from the run's {current!r}: a resumed run keeps its "
+                              "settings; start a new --run to change them")
+        part = next(p for p in (config.model, config.vision, config) if hasattr(p, key))
+        setattr(part, key, value)
+        changes.append(f"{flag} {current!r} -> {value!r}")
+    config.validate()
+    return config, changes
+
+
+def settings_line(config: TrainConfig) -> str:
+    """The effective settings, in one line (printed at start; kept in config.json and the summary)."""
+    return (f"settings: recipe {config.recipe}, {config.max_steps} steps, batch {config.batch_per_gpu}/GPU x "
+            f"accumulation {config.grad_accum}, precision {config.precision}, gradient compression "
+            f"{config.grad_compression}, lr scale {config.lr_scale}, warm-up {config.warmup_steps}, seed {config.seed}")
