@@ -13,9 +13,8 @@ from typing import Callable, Optional
 from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
 from .cost import HOURS_PER_MONTH, TABLE, offline_price
+from assets.contract import CLUSTER_TAG, RETAIN_TAG, parameter_prefix
 
-CLUSTER_TAG = "gpu-cluster:name"
-RETAIN_TAG = "gpu-cluster:retain"  # stacks/storage.py sets it when retain_data=true
 CDK_QUALIFIER = "hnb659fds"        # the default `cdk bootstrap` qualifier
 # Reported, never deleted here: they go with something else, or are not only this cluster's.
 KEPT = {"public-ipv4": "released when its instance stops or terminates",
@@ -88,7 +87,7 @@ def _file_systems(efs, cluster: str) -> list[Leftover]:
 def _tagged_elsewhere(ssm, logs, cloudwatch, cluster: str) -> list[Leftover]:
     found = []
     pages = ssm.get_paginator("describe_parameters").paginate(ParameterFilters=[
-        {"Key": "Name", "Option": "BeginsWith", "Values": [f"/gpu-cluster/{cluster}/"]}])
+        {"Key": "Name", "Option": "BeginsWith", "Values": [parameter_prefix(cluster)]}])
     found += [Leftover("parameter", p["Name"], p["Type"], 0.0) for page in pages for p in page["Parameters"]]
     for page in logs.get_paginator("describe_log_groups").paginate():
         for group in page["logGroups"]:

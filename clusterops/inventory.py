@@ -14,6 +14,8 @@ from typing import Optional
 
 from botocore.exceptions import ClientError, WaiterError
 
+from assets.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
+
 DEFAULT_INVENTORY = Path(".cluster/inventory.json")
 DEFAULT_OUTPUTS = Path("cdk-outputs.json")
 
@@ -140,8 +142,7 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
                  key_file: Optional[str] = None, key_dir: Optional[Path] = None) -> Inventory:
     """Build the inventory of a deployed stack: the private key is fetched from SSM once into
     key_dir (0600), the host key is pinned in state_dir/STACK.known_hosts."""
-    missing = [k for k in ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode",
-                           "HostKeyParameterName", "KeyParameterName") if k not in outputs]
+    missing = [k for k in REQUIRED_OUTPUTS if k not in outputs]
     if missing:
         raise InventoryError(f"stack {stack_name} outputs lack {', '.join(missing)}: "
                              "redeploy with this version (`npx cdk deploy`)")
@@ -185,11 +186,11 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
                   instance_id=ids[r]) for r in range(len(private))]
     nodes = refresh_addresses(nodes, session.client("ec2"))  # a stop/start changes public IPs
     known_hosts = state_dir / f"{stack_name}.known_hosts"
-    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=CONTAINER_SSH_PORT)
     return Inventory(
         cluster=outputs.get("ClusterName", stack_name), source="aws", nodes=nodes,
         gpus_per_node=int(outputs["GpusPerNode"]),
-        ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts),
+        ssh=SshSettings(user="root", port=CONTAINER_SSH_PORT, key_file=key_file, known_hosts=str(known_hosts),
                         proxy_command=proxy),
         instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
         stack_name=stack_name, file_system_id=outputs.get("FileSystemId"),

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+from assets.contract import CONTAINER_SSH_PORT
+
 from .inventory import Inventory, Node
 
 RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
@@ -61,8 +63,8 @@ class TrainRequest:
         if self.grad_compression is not None and self.grad_compression not in COMPRESSIONS:
             raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: "
                               f"one of {', '.join(COMPRESSIONS)}")
-        if not 1024 <= self.master_port <= 65535 or self.master_port == 4444:
-            raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not 4444")
+        if not 1024 <= self.master_port <= 65535 or self.master_port == CONTAINER_SSH_PORT:
+            raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not {CONTAINER_SSH_PORT}")
         for name in ("stall_minutes", "start_minutes"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"invalid --{name.replace('_', '-')} {getattr(self, name)}: a positive number")

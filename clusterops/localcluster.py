@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from assets.contract import CONTAINER_SSH_PORT
+
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,7 +241,7 @@ def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path,
 
 def _wait_ready(spec: LocalSpec, shared: Path) -> None:
     for rank in range(spec.nodes):
-        _wait_for_port(spec.node_ip(rank), 4444, timeout=15)
+        _wait_for_port(spec.node_ip(rank), CONTAINER_SSH_PORT, timeout=15)
         ready = shared / ".cluster" / "ready"
         ready.mkdir(parents=True, exist_ok=True)
         (ready / f"node{rank}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ\n", time.gmtime()))
@@ -250,10 +252,10 @@ def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory
     known_hosts = controller / "known_hosts"
     nodes = [Node(rank=r, name=f"node{r}", public_ip=spec.node_ip(r), private_ip=spec.node_ip(r))
              for r in range(spec.nodes)]
-    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=CONTAINER_SSH_PORT)
     inventory = Inventory(
         cluster=spec.name, source="local", nodes=nodes, gpus_per_node=spec.slots,
-        ssh=SshSettings(user="root", port=4444, key_file=str(controller / "id_ed25519"),
+        ssh=SshSettings(user="root", port=CONTAINER_SSH_PORT, key_file=str(controller / "id_ed25519"),
                         known_hosts=str(known_hosts)),
         python=sys.executable, code_dir=str(REPO / "assets" / "train"), data_dir=spec.data_dir,
         instance_type="local", local_state=str(spec.state_dir), extra={"controller_ip": spec.bridge_ip})

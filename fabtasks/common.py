@@ -57,11 +57,14 @@ def aws_session(region=None):
         raise Exit(f"error: AWS configuration: {error} (check AWS_PROFILE / `aws configure`)", code=1) from None
 
 
+# The tasks' defaults, in one place; fabric.yaml (or ~/.fabric.yaml) overrides them per user.
+DEFAULTS = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
+            "stall_minutes": 10, "start_minutes": 15}
+
+
 def settings(c) -> dict:
-    """fabric.yaml's gpu_cluster section, with the built-in defaults under it."""
-    defaults = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
-                "stall_minutes": 10, "start_minutes": 15}
-    return {**defaults, **dict(c.config.get("gpu_cluster", {}))}
+    """fabric.yaml's gpu_cluster section over DEFAULTS."""
+    return {**DEFAULTS, **dict(c.config.get("gpu_cluster") or {})}
 
 
 def inventory_path(c) -> Path:

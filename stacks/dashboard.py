@@ -10,9 +10,9 @@ from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from constructs import Construct
+from assets.contract import METRIC_NAMESPACE as NODE_NAMESPACE
 
 # What the watchdog (assets/autostop/autostop.py) publishes per node, dimension InstanceId.
-NODE_NAMESPACE = "GpuCluster/Autostop"
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))
 HEARTBEAT_METRIC = "Busy"
 PERIOD = Duration.minutes(1)

@@ -15,9 +15,9 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from constructs import Construct
+from assets.contract import CONTAINER_SSH_PORT
 
 # The container's sshd (assets/docker/sshd_config); fab and mpirun use it.
-CONTAINER_SSH_PORT = 4444
 # Session Manager's endpoints (the SSH proxy of access=ssm goes through ssm and ssmmessages).
 SSM_ENDPOINTS = (("Ssm", ec2.InterfaceVpcEndpointAwsService.SSM),
                  ("SsmMessages", ec2.InterfaceVpcEndpointAwsService.SSM_MESSAGES),

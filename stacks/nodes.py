@@ -36,15 +36,16 @@ from aws_cdk import (
 )
 from constructs import Construct
 
+from assets.contract import (CLUSTER_TAG, METRIC_NAMESPACE, RANK_TAG, host_key_parameter,
+                             image_context_parameter)
+
 from .bootstrap import check_user_data_size, render_user_data
 from .config import ClusterConfig, alarm_minutes
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-CLUSTER_TAG = "gpu-cluster:name"
-RANK_TAG = "gpu-cluster:rank"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
 # The autostop watchdog's heartbeat (assets/autostop/autostop.py publishes it once a minute).
-HEARTBEAT_NAMESPACE = "GpuCluster/Autostop"
+HEARTBEAT_NAMESPACE = METRIC_NAMESPACE
 HEARTBEAT_METRIC = "Busy"
 HEARTBEAT_PERIOD = Duration.minutes(1)
 
@@ -74,11 +75,11 @@ def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> l
 
 
 def host_key_parameter_name(cluster_name: str) -> str:
-    return f"/gpu-cluster/{cluster_name}/ssh-host-key"
+    return host_key_parameter(cluster_name)
 
 
 def image_context_parameter_name(cluster_name: str) -> str:
-    return f"/gpu-cluster/{cluster_name}/image-context"
+    return image_context_parameter(cluster_name)
 
 
 class GpuNodes(Construct):

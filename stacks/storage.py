@@ -13,11 +13,11 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from aws_cdk import aws_iam as iam
 from constructs import Construct
+from assets.contract import RETAIN_TAG
 
 # What the bootstrap's root NFS client needs: mount, write, and act as root (no root squash).
 NFS_CLIENT_ACTIONS = ("ClientMount", "ClientWrite", "ClientRootAccess")
 # Set on a file system kept with retain_data=true: `fab audit --delete` leaves it alone unless told.
-RETAIN_TAG = "gpu-cluster:retain"
 
 
 class SharedStorage(Construct):

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-CLUSTER_TAG = "gpu-cluster:name"
-NAMESPACE = "GpuCluster/Autostop"  # stacks/nodes.py alarms on it, the role may publish only to it
+# The names every layer shares (assets/contract.py; /workspace/contract.py in the image).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from contract import CLUSTER_TAG, METRIC_NAMESPACE  # noqa: E402
+
+NAMESPACE = METRIC_NAMESPACE  # stacks/nodes.py alarms on it, the role may publish only to it
 METRIC = "Busy"
 GPU_BUSY_PERCENT = 5.0
 STEP_WINDOW_S = 15 * 60        # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
