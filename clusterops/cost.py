@@ -1,6 +1,7 @@
 """What the cluster costs: on-demand $/hour (Pricing API by regionCode, else the dated offline table,
 labelled), storage per month, EFS Elastic-throughput I/O, a run's projection from its measured step
 time, and what has been spent since launch. A price nobody knows is "unknown", never $0."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ from botocore.exceptions import BotoCoreError, ClientError
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
 # The product the cluster runs: Linux, shared tenancy, no pre-installed software, on-demand capacity.
-PRODUCT_FILTERS = (("operatingSystem", "Linux"), ("tenancy", "Shared"), ("preInstalledSw", "NA"),
-                   ("capacitystatus", "Used"))
+PRODUCT_FILTERS = (
+    ("operatingSystem", "Linux"),
+    ("tenancy", "Shared"),
+    ("preInstalledSw", "NA"),
+    ("capacitystatus", "Used"),
+)
 
 
 @dataclass(frozen=True)
@@ -34,15 +39,20 @@ def usd(value: Optional[float]) -> str:
 
 
 def table_line() -> str:
-    return (f"offline price table: prices of {TABLE['date']} in {TABLE['region']}, checked {TABLE['checked']}; "
-            f"source: {TABLE['source']}")
+    return (
+        f"offline price table: prices of {TABLE['date']} in {TABLE['region']}, checked {TABLE['checked']}; "
+        f"source: {TABLE['source']}"
+    )
 
 
 def api_price(pricing, instance_type: str, region: str) -> Optional[float]:
     """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1)."""
     filters = [("instanceType", instance_type), ("regionCode", region), *PRODUCT_FILTERS]
-    response = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=10, Filters=[
-        {"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters])
+    response = pricing.get_products(
+        ServiceCode="AmazonEC2",
+        MaxResults=10,
+        Filters=[{"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters],
+    )
     for item in response["PriceList"]:
         product = json.loads(item) if isinstance(item, str) else item
         for term in product["terms"].get("OnDemand", {}).values():
@@ -57,8 +67,11 @@ def offline_price(instance_type: str, region: str) -> Price:
     value = TABLE["instances_usd_per_hour"].get(instance_type)
     if value is None:
         return Price(None, f"unknown: no Pricing API answer and {instance_type} is not in the offline table")
-    where = (f"offline table of {TABLE['date']}" if region == TABLE["region"] else
-             f"offline table of {TABLE['date']}: {TABLE['region']} prices, {region} may differ")
+    where = (
+        f"offline table of {TABLE['date']}"
+        if region == TABLE["region"]
+        else f"offline table of {TABLE['date']}: {TABLE['region']} prices, {region} may differ"
+    )
     return Price(value, where)
 
 
@@ -89,8 +102,14 @@ def efs_io_gb(cloudwatch, file_system_id: str, start: datetime, end: datetime) -
     totals = []
     for metric in ("DataReadIOBytes", "DataWriteIOBytes"):
         points = cloudwatch.get_metric_statistics(
-            Namespace="AWS/EFS", MetricName=metric, StartTime=start, EndTime=end, Period=period,
-            Dimensions=[{"Name": "FileSystemId", "Value": file_system_id}], Statistics=["Sum"])["Datapoints"]
+            Namespace="AWS/EFS",
+            MetricName=metric,
+            StartTime=start,
+            EndTime=end,
+            Period=period,
+            Dimensions=[{"Name": "FileSystemId", "Value": file_system_id}],
+            Statistics=["Sum"],
+        )["Datapoints"]
         totals.append(sum(point["Sum"] for point in points) / 1e9)
     return totals[0], totals[1]
 
@@ -136,41 +155,49 @@ class Estimate:
     def lines(self) -> list[str]:
         hourly = self.usd_per_hour
         node = usd(self.node_price.usd_per_hour) if hourly is None else f"${self.node_price.usd_per_hour:.3f}"
-        lines = [f"cluster: {self.nodes} x {node}/h = {usd(hourly)}/hour "
-                 f"({usd(None if hourly is None else hourly * 24)}/day) [{self.node_price.source}]",
-                 f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
-                 "while the stack exists",
-                 f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted"]
+        lines = [
+            f"cluster: {self.nodes} x {node}/h = {usd(hourly)}/hour "
+            f"({usd(None if hourly is None else hourly * 24)}/day) [{self.node_price.source}]",
+            f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
+            "while the stack exists",
+            f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted",
+        ]
         if self.private_subnet:
-            lines.append(f"private subnet: NAT gateway + {self.interface_endpoints} Session Manager endpoints = "
-                         f"${self.network_usd_per_month:.2f}/month while the stack exists, plus "
-                         f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)")
+            lines.append(
+                f"private subnet: NAT gateway + {self.interface_endpoints} Session Manager endpoints = "
+                f"${self.network_usd_per_month:.2f}/month while the stack exists, plus "
+                f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)"
+            )
         if self.dataset_gb and self.epochs:
             read_gb = self.dataset_gb * self.epochs
-            lines.append(f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "
-                         f"{self.epochs:g} epochs) = ${efs_io_usd(read_gb, 0):,.2f} "
-                         f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
-                         f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)")
+            lines.append(
+                f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "
+                f"{self.epochs:g} epochs) = ${efs_io_usd(read_gb, 0):,.2f} "
+                f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
+                f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)"
+            )
         return lines
 
 
-def projection(progress: dict, usd_per_hour: Optional[float],
-               io_usd_per_hour: Optional[float] = None) -> Optional[str]:
+def projection(progress: dict, usd_per_hour: Optional[float], io_usd_per_hour: Optional[float] = None) -> Optional[str]:
     """Time and dollars to reach max steps from the measured step time, or None before it is known.
     EFS I/O is projected at its last hour's rate when given."""
     step, total, step_time = progress.get("step"), progress.get("max_steps"), progress.get("avg_step_time_s")
     if not step or not total or not step_time:
         return None
     hours = max(0, total - step) * step_time / 3600
-    line = (f"run: step {step}/{total} at {step_time:.2f} s/step -> {hours:.1f} h and "
-            f"{usd(None if usd_per_hour is None else hours * usd_per_hour)} more for the nodes")
+    line = (
+        f"run: step {step}/{total} at {step_time:.2f} s/step -> {hours:.1f} h and "
+        f"{usd(None if usd_per_hour is None else hours * usd_per_hour)} more for the nodes"
+    )
     if io_usd_per_hour is not None:
         line += f" + ${hours * io_usd_per_hour:.2f} EFS I/O at the last hour's rate"
     return line + f" to reach {total} steps"
 
 
-def spent(launch_times: list[datetime], usd_per_hour_per_node: Optional[float],
-          now: Optional[datetime] = None) -> Optional[float]:
+def spent(
+    launch_times: list[datetime], usd_per_hour_per_node: Optional[float], now: Optional[datetime] = None
+) -> Optional[float]:
     if usd_per_hour_per_node is None:
         return None
     now = now or datetime.now(timezone.utc)

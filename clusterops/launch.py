@@ -1,4 +1,5 @@
 """Pure functions that build what `fab train` sends to the head node: hostfile, mpirun line, env."""
+
 from __future__ import annotations
 
 import posixpath
@@ -61,8 +62,7 @@ class TrainRequest:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise LaunchError(f"invalid --precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
         if self.grad_compression is not None and self.grad_compression not in COMPRESSIONS:
-            raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: "
-                              f"one of {', '.join(COMPRESSIONS)}")
+            raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: one of {', '.join(COMPRESSIONS)}")
         if not 1024 <= self.master_port <= 65535 or self.master_port == CONTAINER_SSH_PORT:
             raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not {CONTAINER_SSH_PORT}")
         for name in ("stall_minutes", "start_minutes"):
@@ -73,8 +73,12 @@ class TrainRequest:
 
 
 def default_dataset(recipe: str) -> str:
-    return {"transformer-tiny": "numbers", "transformer-base": "wmt16-en-de",
-            "resnet50": "imagenet", "resnet-small": "imagenet-small"}[recipe]
+    return {
+        "transformer-tiny": "numbers",
+        "transformer-base": "wmt16-en-de",
+        "resnet50": "imagenet",
+        "resnet-small": "imagenet-small",
+    }[recipe]
 
 
 def data_path(inventory: Inventory, dataset: str) -> str:
@@ -91,8 +95,7 @@ def parse_interface(ip_addr_output: str, address: str) -> str:
         match = _IFACE.match(line.strip())
         if match and match.group(2) == address:
             return match.group(1)
-    raise LaunchError(f"no interface holds {address}: is the inventory stale? "
-                      "(`fab inventory` or `fab local.up`)")
+    raise LaunchError(f"no interface holds {address}: is the inventory stale? (`fab inventory` or `fab local.up`)")
 
 
 def run_dir(inventory: Inventory, run_name: str) -> str:
@@ -109,28 +112,66 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
     rdir = run_dir(inventory, request.run_name)
     dataset = request.dataset or default_dataset(request.recipe)
     argv = [
-        "mpirun", "--allow-run-as-root", "-np", str(ranks), "--hostfile", f"{rdir}/hostfile",
-        "-bind-to", "none", "-map-by", "slot",
-        "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
-        "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        str(ranks),
+        "--hostfile",
+        f"{rdir}/hostfile",
+        "-bind-to",
+        "none",
+        "-map-by",
+        "slot",
+        "--mca",
+        "plm_rsh_args",
+        f"-F {inventory.cluster_ssh_config}",
+        "--mca",
+        "oob_tcp_if_include",
+        interface,
+        "--mca",
+        "btl_tcp_if_include",
+        interface,
         # Daemons notice a lost mpirun in ~25 s (default 480 s) and end their ranks, even when
         # a partition means no one can reach them to clean up.
-        "--mca", "oob_tcp_keepalive_time", "10", "--mca", "oob_tcp_keepalive_intvl", "5",
-        "--mca", "oob_tcp_keepalive_probes", "3",
+        "--mca",
+        "oob_tcp_keepalive_time",
+        "10",
+        "--mca",
+        "oob_tcp_keepalive_intvl",
+        "5",
+        "--mca",
+        "oob_tcp_keepalive_probes",
+        "3",
     ]
-    exports = {"MASTER_ADDR": nodes[0].private_ip, "MASTER_PORT": str(request.master_port),
-               # NCCL's bootstrap and socket transport; with EFA, data goes through the OFI plugin.
-               "NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface,
-               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4"}
+    exports = {
+        "MASTER_ADDR": nodes[0].private_ip,
+        "MASTER_PORT": str(request.master_port),
+        # NCCL's bootstrap and socket transport; with EFA, data goes through the OFI plugin.
+        "NCCL_SOCKET_IFNAME": interface,
+        "GLOO_SOCKET_IFNAME": interface,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4",
+    }
     if inventory.extra.get("efa_cards"):
         exports.update(EFA_ENVIRONMENT)
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
-    argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe,
-             "--data", data_path(inventory, dataset), "--run-dir", rdir]
+    argv += [
+        inventory.python,
+        f"{code_dir}/train.py",
+        "--recipe",
+        request.recipe,
+        "--data",
+        data_path(inventory, dataset),
+        "--run-dir",
+        rdir,
+    ]
     options: tuple[tuple[str, object], ...] = (
-        ("--max-steps", request.steps), ("--batch-per-gpu", request.batch_per_gpu),
-        ("--precision", request.precision), ("--grad-compression", request.grad_compression))
+        ("--max-steps", request.steps),
+        ("--batch-per-gpu", request.batch_per_gpu),
+        ("--precision", request.precision),
+        ("--grad-compression", request.grad_compression),
+    )
     for flag, given in options:
         if given is not None:
             argv += [flag, str(given)]
@@ -156,18 +197,24 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
 
 def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[dict] = None) -> str:
     nodes = inventory.select(request.nodes)
-    values = {"HOSTS": " ".join(n.private_ip for n in nodes),
-              "SSH_CONFIG": inventory.cluster_ssh_config,
-              "ACTIVE_FILE": active_file(inventory),
-              "STALL_SECONDS": str(int(request.stall_minutes * 60)),
-              "START_SECONDS": str(int(request.start_minutes * 60)),
-              "POLL_SECONDS": "5", "PYTHON": inventory.python}
+    values = {
+        "HOSTS": " ".join(n.private_ip for n in nodes),
+        "SSH_CONFIG": inventory.cluster_ssh_config,
+        "ACTIVE_FILE": active_file(inventory),
+        "STALL_SECONDS": str(int(request.stall_minutes * 60)),
+        "START_SECONDS": str(int(request.start_minutes * 60)),
+        "POLL_SECONDS": "5",
+        "PYTHON": inventory.python,
+    }
     if request.then_stop:
         # The launcher runs in an SSH session: no AWS variables there, so the region travels here.
-        values.update(THEN_STOP="1", CLUSTER_NAME=inventory.cluster,
-                      AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
-                      **({"AWS_REGION": inventory.region} if inventory.region else {}),
-                      **emulator_env(inventory, environ or {}))
+        values.update(
+            THEN_STOP="1",
+            CLUSTER_NAME=inventory.cluster,
+            AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
+            **({"AWS_REGION": inventory.region} if inventory.region else {}),
+            **emulator_env(inventory, environ or {}),
+        )
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
 
 

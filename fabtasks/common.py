@@ -1,4 +1,5 @@
 """Helpers shared by the fab tasks: settings, inventory, connections, one-line errors."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,7 @@ def whole_number(value, flag: str):
 def aws_errors(what: str = "AWS"):
     """botocore's errors as one actionable line (the service's own message names the cause)."""
     from botocore.exceptions import BotoCoreError, ClientError
+
     try:
         yield
     except ClientError as error:
@@ -49,6 +51,7 @@ def aws_session(region=None):
     """A boto3 session, or one actionable line when the AWS configuration is broken."""
     import boto3
     from botocore.exceptions import BotoCoreError
+
     try:
         session = boto3.session.Session(region_name=region)
         session.get_credentials()
@@ -58,8 +61,13 @@ def aws_session(region=None):
 
 
 # The tasks' defaults, in one place; fabric.yaml (or ~/.fabric.yaml) overrides them per user.
-DEFAULTS = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
-            "stall_minutes": 10, "start_minutes": 15}
+DEFAULTS = {
+    "inventory": str(DEFAULT_INVENTORY),
+    "recipe": "transformer-tiny",
+    "master_port": 29500,
+    "stall_minutes": 10,
+    "start_minutes": 15,
+}
 
 
 def settings(c) -> dict:
@@ -75,9 +83,12 @@ def load_inventory(c) -> Inventory:
     path = inventory_path(c)
     if not path.exists() and DEFAULT_OUTPUTS.exists():
         raise fail(InventoryError(f"{DEFAULT_OUTPUTS} exists but no inventory: run `fab inventory`"))
-    if path.exists() and DEFAULT_OUTPUTS.exists() \
-            and DEFAULT_OUTPUTS.stat().st_mtime > path.stat().st_mtime \
-            and Inventory.load(path).source == "aws":
+    if (
+        path.exists()
+        and DEFAULT_OUTPUTS.exists()
+        and DEFAULT_OUTPUTS.stat().st_mtime > path.stat().st_mtime
+        and Inventory.load(path).source == "aws"
+    ):
         raise fail(InventoryError("the inventory is older than the last deploy: run `fab inventory`"))
     try:
         return Inventory.load(path)
@@ -108,6 +119,7 @@ def cluster_config(**overrides):
     import json
 
     from stacks.config import ClusterConfig, ConfigError
+
     context = json.loads(Path("cdk.json").read_text()).get("context", {})
     try:
         return ClusterConfig.from_context({**context, **{k: v for k, v in overrides.items() if v is not None}})

@@ -1,4 +1,5 @@
 """Shared fixtures. Everything runs offline with the real tools (CDK CLI, sshd, mpirun, moto server)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +19,13 @@ for path in (REPO, TRAIN_DIR, AUTOSTOP_DIR):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-OFFLINE_ENV = {"CDK_DISABLE_VERSION_CHECK": "1", "CDK_DISABLE_CLI_TELEMETRY": "true",
-               "AWS_EC2_METADATA_DISABLED": "true", "JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION": "1",
-               "JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION": "1"}
+OFFLINE_ENV = {
+    "CDK_DISABLE_VERSION_CHECK": "1",
+    "CDK_DISABLE_CLI_TELEMETRY": "true",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION": "1",
+    "JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION": "1",
+}
 os.environ.update(OFFLINE_ENV)
 # jsii (in-process CDK) and the CDK CLI run on the pinned Node in node_modules, not the machine's.
 os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
@@ -32,6 +37,7 @@ def cdk_app(**context):
     import json
 
     import aws_cdk
+
     return aws_cdk.App(context={**json.loads((REPO / "cdk.json").read_text())["context"], **context})
 
 
@@ -56,9 +62,9 @@ def checkout_stays_clean():
 def numbers_data(tmp_path_factory) -> Path:
     """A small numbers data set, prepared once per session by the real prepare.py."""
     import prepare
+
     out = tmp_path_factory.mktemp("numbers")
-    prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100",
-                  "--vocab", "400"])
+    prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100", "--vocab", "400"])
     return out
 
 
@@ -77,8 +83,11 @@ def _free_port() -> int:
 def moto_endpoint():
     port = _free_port()
     # All addresses of this machine: the emulated cluster's nodes reach it through their bridge.
-    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -95,8 +104,14 @@ def moto_endpoint():
 @pytest.fixture(scope="session")
 def moto_env(moto_endpoint) -> dict:
     """The variables that point boto3 and the CDK CLI at the moto server (not set anywhere)."""
-    return {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
+    return {
+        "AWS_ENDPOINT_URL": moto_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "CDK_DEFAULT_ACCOUNT": ACCOUNT,
+        "CDK_DEFAULT_REGION": REGION,
+    }
 
 
 @contextlib.contextmanager
@@ -124,9 +139,11 @@ def aws_env(moto_env):
 def moto_instances(count: int, cluster: str | None = None, instance_type: str = "g4dn.xlarge") -> list[str]:
     """Launch instances in the moto server (optionally tagged as a cluster's); returns their ids."""
     import boto3
+
     ec2 = boto3.client("ec2")
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}]}] if cluster else []
-    launched = ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type,
-                                 TagSpecifications=tags)["Instances"]
+    launched = ec2.run_instances(
+        ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type, TagSpecifications=tags
+    )["Instances"]
     return [i["InstanceId"] for i in launched]

@@ -4,6 +4,7 @@ are sandbox directories, and only commands that would change the machine are rec
 (tests/standins: mount, docker, systemctl, aws, curl for IMDS, apt-get, nvidia-ctk), linked into
 the sandbox's bin directory (the PATH has no /usr/local). ssh-keygen, unzip, mountpoint, awk and
 the scripts themselves are real."""
+
 import os
 import shlex
 import shutil
@@ -24,13 +25,23 @@ STANDINS = REPO / "tests" / "standins"
 INSTALLABLE = ("docker", "nvidia-ctk", "mount.nfs4")
 DROPIN = "systemd/docker.service.d/gpu-cluster-data.conf"
 LOCK_OPTION = "-o DPkg::Lock::Timeout=300"
-FSTAB_LINE = ("fs-0123abcd.efs.eu-west-1.amazonaws.com:/ /data nfs4 nfsvers=4.1,rsize=1048576,"
-              "wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev 0 0")
-ENV = {"CLUSTER_NAME": "testcluster", "NODE_RANK": "0", "NODES": "2", "FILE_SYSTEM_ID": "fs-0123abcd",
-       "AWS_REGION": "eu-west-1", "STACK_NAME": "GpuCluster-test", "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
-       "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
-       "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
-       "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key", "IDLE_MINUTES": "45"}
+FSTAB_LINE = (
+    "fs-0123abcd.efs.eu-west-1.amazonaws.com:/ /data nfs4 nfsvers=4.1,rsize=1048576,"
+    "wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev 0 0"
+)
+ENV = {
+    "CLUSTER_NAME": "testcluster",
+    "NODE_RANK": "0",
+    "NODES": "2",
+    "FILE_SYSTEM_ID": "fs-0123abcd",
+    "AWS_REGION": "eu-west-1",
+    "STACK_NAME": "GpuCluster-test",
+    "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
+    "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
+    "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
+    "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key",
+    "IDLE_MINUTES": "45",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,28 +72,46 @@ class Sandbox:
         (root / "user-data.sh").write_text("#!/bin/bash\n" + render_user_data(ENV))
 
     def run(self, **env) -> subprocess.CompletedProcess:
-        binds = {"/etc/fstab": self.root / "fstab", "/etc/gpu-cluster": self.root / "etc-gpu-cluster",
-                 "/etc/systemd/system": self.root / "systemd",
-                 "/var/lib/gpu-cluster": self.root / "state", "/opt/gpu-cluster": self.root / "opt",
-                 "/usr/local/sbin": self.root / "work"}
+        binds = {
+            "/etc/fstab": self.root / "fstab",
+            "/etc/gpu-cluster": self.root / "etc-gpu-cluster",
+            "/etc/systemd/system": self.root / "systemd",
+            "/var/lib/gpu-cluster": self.root / "state",
+            "/opt/gpu-cluster": self.root / "opt",
+            "/usr/local/sbin": self.root / "work",
+        }
         if (self.root / "efs-mounted").exists():  # the machine keeps /data mounted between runs
             binds["/data"] = self.root / "efs"
-        script = "; ".join(["set -e"] + [f"/usr/bin/mount --bind {shlex.quote(str(src))} {target}"
-                                          for target, src in binds.items()]
-                           + [f"exec bash {shlex.quote(str(self.root / 'user-data.sh'))}"])
-        environment = dict(os.environ, SANDBOX=str(self.root), PATH=f"{self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
-                           MOUNT_RETRY_SECONDS="0", **env)
-        return subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script],
-                              capture_output=True, text=True, env=environment, timeout=120)
+        script = "; ".join(
+            ["set -e"]
+            + [f"/usr/bin/mount --bind {shlex.quote(str(src))} {target}" for target, src in binds.items()]
+            + [f"exec bash {shlex.quote(str(self.root / 'user-data.sh'))}"]
+        )
+        environment = dict(
+            os.environ,
+            SANDBOX=str(self.root),
+            PATH=f"{self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
+            MOUNT_RETRY_SECONDS="0",
+            **env,
+        )
+        return subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=120,
+        )
 
     def calls(self) -> list[str]:
         path = self.root / "calls.log"
         return path.read_text().splitlines() if path.exists() else []
 
     def snapshot(self) -> dict:
-        return {str(p.relative_to(self.root)): (p.stat().st_mtime_ns, p.read_bytes())
-                for p in sorted(self.root.rglob("*")) if p.is_file() and p.name != "calls.log"
-                and "bootstrap.log" not in p.name and "docker-" not in p.name}
+        return {
+            str(p.relative_to(self.root)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(self.root.rglob("*"))
+            if p.is_file() and p.name != "calls.log" and "bootstrap.log" not in p.name and "docker-" not in p.name
+        }
 
 
 @pytest.fixture
@@ -100,17 +129,36 @@ def test_first_run_mounts_efs_via_fstab_builds_and_starts_the_container_and_sign
     assert "systemctl enable --now docker" in calls
     assert "mount /data" in calls
     build = [c for c in calls if c.startswith("docker build")]
-    assert build and "BASE_IMAGE=nvcr.io/nvidia/pytorch:24.12-py3" in build[0] and "-t gpu-cluster-train:abc123" in build[0]
+    assert (
+        build
+        and "BASE_IMAGE=nvcr.io/nvidia/pytorch:24.12-py3" in build[0]
+        and "-t gpu-cluster-train:abc123" in build[0]
+    )
     run = [c for c in calls if c.startswith("docker run")]
     assert len(run) == 1
-    for flag in ("--gpus all", "--net=host", "--ipc=host", "--restart unless-stopped", "--ulimit memlock=-1",
-                 "--shm-size=16g", "-v /data:/data", "-e IDLE_MINUTES=45", "-e AWS_REGION=eu-west-1"):
+    for flag in (
+        "--gpus all",
+        "--net=host",
+        "--ipc=host",
+        "--restart unless-stopped",
+        "--ulimit memlock=-1",
+        "--shm-size=16g",
+        "-v /data:/data",
+        "-e IDLE_MINUTES=45",
+        "-e AWS_REGION=eu-west-1",
+    ):
         assert flag in run[0]
     signals = [c for c in calls if "signal-resource" in c]
-    assert len(signals) == 1 and "--status SUCCESS" in signals[0] and "--logical-resource-id GpuNodesNode0ABC" in signals[0]
+    assert (
+        len(signals) == 1
+        and "--status SUCCESS" in signals[0]
+        and "--logical-resource-id GpuNodesNode0ABC" in signals[0]
+    )
     assert any(c.startswith("aws ssm put-parameter") and "/gpu-cluster/testcluster/ssh-host-key" in c for c in calls)
     ssh_dir = sandbox.root / "efs" / ".cluster" / "ssh"
-    assert {"id_ed25519", "ssh_host_ed25519_key", "authorized_keys", "known_hosts", "config"} <= {p.name for p in ssh_dir.iterdir()}
+    assert {"id_ed25519", "ssh_host_ed25519_key", "authorized_keys", "known_hosts", "config"} <= {
+        p.name for p in ssh_dir.iterdir()
+    }
     assert oct(ssh_dir.stat().st_mode & 0o777) == "0o700"
     assert "Port 4444" in (ssh_dir / "config").read_text()
     assert "FakeUserKeyForTests" in (sandbox.root / "etc-gpu-cluster" / "authorized_keys").read_text()
@@ -125,8 +173,13 @@ def test_second_run_changes_nothing(sandbox):
     assert result.returncode == 0, result.stdout + result.stderr
     assert sandbox.snapshot() == before
     second = sandbox.calls()[first_calls:]
-    changing = [c for c in second if c.startswith(("mount", "docker build", "docker run", "docker rm"))
-                or "signal-resource" in c or "put-parameter" in c]
+    changing = [
+        c
+        for c in second
+        if c.startswith(("mount", "docker build", "docker run", "docker rm"))
+        or "signal-resource" in c
+        or "put-parameter" in c
+    ]
     assert changing == []
 
 
@@ -185,13 +238,17 @@ def test_a_bare_ami_gets_its_tools_from_apt_waiting_for_the_dpkg_lock(tmp_path):
     assert not [c for c in sandbox.calls()[first:] if c.startswith("apt-get")]
 
 
-@pytest.mark.parametrize("env, bare, step", [
-    ({"FAIL_DOCKER_BUILD": "1"}, False, "build-image"),       # a plain command in a step function
-    ({"FAIL_APT": "1", "APT_UPDATE_ATTEMPTS": "1"}, True, "docker"),  # in a helper the step calls
-    ({"FAIL_S3": "1"}, False, "image-context"),
-    ({"CORRUPT_CONTEXT": "1"}, False, "image-context"),       # was in an `a && b` list
-    ({"FAIL_IMDS": "public-keys"}, False, "cluster-identity"),  # inside a command substitution
-], ids=["docker-build", "apt-get", "s3-cp", "unzip", "imds-substitution"])
+@pytest.mark.parametrize(
+    "env, bare, step",
+    [
+        ({"FAIL_DOCKER_BUILD": "1"}, False, "build-image"),  # a plain command in a step function
+        ({"FAIL_APT": "1", "APT_UPDATE_ATTEMPTS": "1"}, True, "docker"),  # in a helper the step calls
+        ({"FAIL_S3": "1"}, False, "image-context"),
+        ({"CORRUPT_CONTEXT": "1"}, False, "image-context"),  # was in an `a && b` list
+        ({"FAIL_IMDS": "public-keys"}, False, "cluster-identity"),  # inside a command substitution
+    ],
+    ids=["docker-build", "apt-get", "s3-cp", "unzip", "imds-substitution"],
+)
 def test_a_failing_command_inside_a_step_signals_failure_naming_the_step_once(tmp_path, env, bare, step):
     sandbox = Sandbox(tmp_path, bare=bare)
     result = sandbox.run(**env)

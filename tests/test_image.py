@@ -2,6 +2,7 @@
 launcher.sh, entrypoint.sh and the shell commands the fab tasks send (the status and monitor probes,
 ...). A command is either in the NGC PyTorch base (Ubuntu's essential tools, python, its Open MPI),
 put there by the NVIDIA runtime, or installed by assets/docker/Dockerfile."""
+
 import ast
 import re
 import shlex
@@ -22,18 +23,80 @@ BASE = "NGC base"
 RUNTIME = "NVIDIA container runtime (--gpus)"
 # Command -> where it comes from in the container: BASE, RUNTIME or the apt package that installs it.
 PROVIDERS = {
-    **dict.fromkeys(["bash", "cat", "chmod", "cut", "date", "env", "head", "install", "ls", "mkdir", "mv",
-                     "nohup", "paste", "rm", "sleep", "sort", "stat", "tail", "tee", "timeout", "touch"], BASE),
+    **dict.fromkeys(
+        [
+            "bash",
+            "cat",
+            "chmod",
+            "cut",
+            "date",
+            "env",
+            "head",
+            "install",
+            "ls",
+            "mkdir",
+            "mv",
+            "nohup",
+            "paste",
+            "rm",
+            "sleep",
+            "sort",
+            "stat",
+            "tail",
+            "tee",
+            "timeout",
+            "touch",
+        ],
+        BASE,
+    ),
     **dict.fromkeys(["awk", "grep", "sed", "hostname", "mountpoint", "setsid"], BASE),  # essential packages
     **dict.fromkeys(["python", "python3", "pip", "mpirun"], BASE),  # the NGC PyTorch image itself
     "nvidia-smi": RUNTIME,
-    "ssh": "openssh-client", "sshd": "openssh-server",
-    "ip": "iproute2", "pgrep": "procps", "pkill": "procps",
+    "ssh": "openssh-client",
+    "sshd": "openssh-server",
+    "ip": "iproute2",
+    "pgrep": "procps",
+    "pkill": "procps",
 }
-BUILTINS = {"[", "[[", ":", "true", "false", "echo", "printf", "read", "kill", "cd", "exit", "return", "exec",
-            "source", ".", "declare", "local", "export", "set", "shopt", "trap", "wait", "break", "continue",
-            "command", "compgen", "test", "eval", "shift", "unset", "type", "for", "case", "esac", "in", "fi",
-            "done"}
+BUILTINS = {
+    "[",
+    "[[",
+    ":",
+    "true",
+    "false",
+    "echo",
+    "printf",
+    "read",
+    "kill",
+    "cd",
+    "exit",
+    "return",
+    "exec",
+    "source",
+    ".",
+    "declare",
+    "local",
+    "export",
+    "set",
+    "shopt",
+    "trap",
+    "wait",
+    "break",
+    "continue",
+    "command",
+    "compgen",
+    "test",
+    "eval",
+    "shift",
+    "unset",
+    "type",
+    "for",
+    "case",
+    "esac",
+    "in",
+    "fi",
+    "done",
+}
 KEYWORDS = {"if", "then", "else", "elif", "while", "until", "do", "!", "time"}
 WRAPPERS = {"timeout": 1, "setsid": 0, "nohup": 0, "exec": 0, "command": 0}  # word -> arguments to skip
 SEPARATORS = ";|&\n(){}"
@@ -63,7 +126,7 @@ def _segments(text: str, words: set) -> list[str]:
         c = text[i]
         if quote != "'" and (text.startswith("$(", i) or (not quote and text.startswith("((", i))):
             end = _close(text, i + (c == "$"))
-            inner = text[i + 2:end - 1]
+            inner = text[i + 2 : end - 1]
             if c == "$" and not inner.startswith("("):
                 words |= command_words(inner)
             else:  # arithmetic: only its command substitutions run commands
@@ -73,11 +136,11 @@ def _segments(text: str, words: set) -> list[str]:
             end = text.index("}", i) + 1
             current, i = current + "$v", end
         elif c == "\\" and quote != "'":
-            current, i = current + text[i:i + 2], i + 2
+            current, i = current + text[i : i + 2], i + 2
         elif quote or c in "'\"":
             quote = "" if c == quote else (quote or c)
             current, i = current + c, i + 1
-        elif c in SEPARATORS and not (c == "&" and (text[i - 1:i] in "<>" or text[i + 1:i + 2] == ">")):
+        elif c in SEPARATORS and not (c == "&" and (text[i - 1 : i] in "<>" or text[i + 1 : i + 2] == ">")):
             segments.append(current)
             current, i = "", i + 1
         else:
@@ -107,7 +170,7 @@ def _command(tokens: list[str], words: set) -> list[str]:
             return []  # only asks whether a command exists
         elif head in WRAPPERS:
             words |= {head} - BUILTINS
-            tokens = tokens[1 + WRAPPERS[head]:]
+            tokens = tokens[1 + WRAPPERS[head] :]
         else:
             return tokens
     return []
@@ -119,8 +182,11 @@ def command_words(script: str) -> set[str]:
     `bash -c` is given. Functions the script defines and case patterns are not commands."""
     script = re.sub(r"\\\n", " ", script)
     script = "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in script.splitlines())
-    script = re.sub(r"(?ms)(\bcase\b.*?\bin\b)(.*?)(\besac\b)",
-                    lambda m: m.group(1) + re.sub(r"(?m)^\s*[^()\n;]*\)", "", m.group(2)) + m.group(3), script)
+    script = re.sub(
+        r"(?ms)(\bcase\b.*?\bin\b)(.*?)(\besac\b)",
+        lambda m: m.group(1) + re.sub(r"(?m)^\s*[^()\n;]*\)", "", m.group(2)) + m.group(3),
+        script,
+    )
     functions = set(re.findall(r"(?m)^\s*([\w-]+)\s*\(\)", script))
     words: set[str] = set()
     for segment in _segments(script, words):
@@ -139,14 +205,23 @@ def _sent_commands(path) -> list[str]:
     """The literal shell text of each sh(connection, COMMAND) call, interpolations as a value."""
     commands = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "sh" \
-                and len(node.args) >= 2:
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "sh"
+            and len(node.args) >= 2
+        ):
             arg = node.args[1]
             parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
-            commands.append("".join(p.value if isinstance(p, ast.Constant) and isinstance(p.value, str)
-                                    else '"$value"' for p in parts))
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                any(getattr(t, "id", "").endswith("_PROBE") for t in node.targets):
+            commands.append(
+                "".join(
+                    p.value if isinstance(p, ast.Constant) and isinstance(p.value, str) else '"$value"' for p in parts
+                )
+            )
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and any(getattr(t, "id", "").endswith("_PROBE") for t in node.targets)
+        ):
             template = re.sub(r"(?<!\{)\{\w+\}(?!\})", '"$value"', node.value.value)
             commands.append(template.replace("{{", "{").replace("}}", "}"))
     return commands
@@ -174,10 +249,11 @@ def dockerfile_packages() -> set[str]:
 
 
 def test_the_scan_sees_the_commands_it_must_see():
-    assert command_words('a=$(ip -o addr); if pgrep -x sshd >/dev/null; then x="$(hostname)"; fi\n'
-                         'timeout 15 ssh -F c h "pkill -KILL orted; true" || true  # awk in a comment\n'
-                         'command -v nvidia-smi >/dev/null && nvidia-smi | paste -sd/') == \
-        {"ip", "pgrep", "hostname", "timeout", "ssh", "pkill", "nvidia-smi", "paste"}
+    assert command_words(
+        'a=$(ip -o addr); if pgrep -x sshd >/dev/null; then x="$(hostname)"; fi\n'
+        'timeout 15 ssh -F c h "pkill -KILL orted; true" || true  # awk in a comment\n'
+        "command -v nvidia-smi >/dev/null && nvidia-smi | paste -sd/"
+    ) == {"ip", "pgrep", "hostname", "timeout", "ssh", "pkill", "nvidia-smi", "paste"}
     found = container_commands()
     assert {"ip", "pgrep", "pkill", "sshd", "ssh", "mountpoint", "awk", "timeout", "setsid", "mpirun"} <= set(found)
     assert "node-bootstrap.sh" in found["pgrep"]
@@ -188,6 +264,9 @@ def test_every_command_run_in_the_container_is_in_the_image():
     unknown = {word: sorted(files) for word, files in found.items() if word not in PROVIDERS}
     assert not unknown, f"commands run in the container with no known provider (add them to PROVIDERS): {unknown}"
     packages = dockerfile_packages()
-    missing = {word: PROVIDERS[word] for word in found if PROVIDERS[word] not in (BASE, RUNTIME)
-               and PROVIDERS[word] not in packages}
+    missing = {
+        word: PROVIDERS[word]
+        for word in found
+        if PROVIDERS[word] not in (BASE, RUNTIME) and PROVIDERS[word] not in packages
+    }
     assert not missing, f"install these packages in {DOCKERFILE.name}: {missing}"

@@ -1,4 +1,5 @@
 """The training program on CPU with gloo, real processes (torchrun), real data (prepare.py numbers)."""
+
 import json
 import re
 import subprocess
@@ -10,16 +11,39 @@ import torch
 from conftest import TRAIN_DIR, tool_env
 from tasks import transformer_lr
 
-SMALL = ["--recipe", "transformer-tiny", "--dropout", "0", "--d-model", "64", "--ffn", "128",
-         "--eval-samples", "16", "--log-every", "1", "--checkpoint-every", "1000", "--warmup-steps", "50"]
+SMALL = [
+    "--recipe",
+    "transformer-tiny",
+    "--dropout",
+    "0",
+    "--d-model",
+    "64",
+    "--ffn",
+    "128",
+    "--eval-samples",
+    "16",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "1000",
+    "--warmup-steps",
+    "50",
+]
 
 
 def train(data, run_dir, *args, procs=1, check=True):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-                if procs > 1 else [sys.executable])
-    result = subprocess.run([*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir),
-                             *SMALL, *args], capture_output=True, text=True, timeout=300,
-                            env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+        if procs > 1
+        else [sys.executable]
+    )
+    result = subprocess.run(
+        [*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
@@ -37,6 +61,7 @@ def initial_params(run_dir) -> dict:
     """The weights before step 1: the trainer seeds with config.seed before building the model."""
     from config import ModelConfig
     from model import Transformer
+
     state = checkpoint.load_latest(run_dir)
     torch.manual_seed(state["config"]["seed"])
     vocab = state["model"]["embed.weight"].shape[0]
@@ -63,10 +88,12 @@ def single_reference(numbers_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("compression, bound", [("none", 2e-5), ("fp16", 1e-2), ("bf16", 5e-2), ("powersgd", 0.5)])
-def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(numbers_data, tmp_path, single_reference,
-                                                                compression, bound):
-    result = train(numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8",
-                   "--grad-compression", compression, procs=2)
+def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
+    numbers_data, tmp_path, single_reference, compression, bound
+):
+    result = train(
+        numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8", "--grad-compression", compression, procs=2
+    )
     assert "2 process(es) via torchrun" in result.stdout
     reference, init = single_reference
     diff = relative_diff(final_params(tmp_path), reference, init)
@@ -122,7 +149,7 @@ def test_checkpoint_content(numbers_data, tmp_path):
 def test_lr_schedule_equals_the_formula():
     d_model, warmup, scale = 512, 8000, 2.0
     for step in (1, 100, 4000, 8000, 8001, 50_000):
-        expected = scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        expected = scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
         assert transformer_lr(step, d_model, warmup, scale) == pytest.approx(expected, rel=1e-12)
     peak = max(range(1, 20_000, 7), key=lambda s: transformer_lr(s, d_model, warmup, scale))
     assert abs(peak - warmup) <= 7
@@ -135,11 +162,19 @@ def test_the_scheduler_in_the_trainer_follows_the_formula(numbers_data, tmp_path
         assert float(lr) == pytest.approx(transformer_lr(int(step) + 1, 64, 50, 1.5), rel=1e-2)
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--precision", "fp8"], "--precision"), (["--grad-compression", "zip"], "--grad-compression"),
-    (["--max-steps", "0"], "--max-steps"), (["--d-model", "100", "--heads", "8"], "--d-model"),
-    (["--dropout", "1.5"], "--dropout"), (["--batch-per-gpu", "-1"], "--batch-per-gpu"),
-    (["--label-smoothing", "1"], "--label-smoothing"), (["--eval-every", "0"], "--eval-every")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--precision", "fp8"], "--precision"),
+        (["--grad-compression", "zip"], "--grad-compression"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--d-model", "100", "--heads", "8"], "--d-model"),
+        (["--dropout", "1.5"], "--dropout"),
+        (["--batch-per-gpu", "-1"], "--batch-per-gpu"),
+        (["--label-smoothing", "1"], "--label-smoothing"),
+        (["--eval-every", "0"], "--eval-every"),
+    ],
+)
 def test_bad_configs_are_rejected_in_one_line(numbers_data, tmp_path, args, flag):
     result = train(numbers_data, tmp_path, *args, check=False)
     assert result.returncode == 2
@@ -170,10 +205,12 @@ def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data)
     from config import ModelConfig
     from data import DataSet
     from model import Transformer
+
     data = DataSet(numbers_data, 64)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(d_model=32, layers=1, heads=2, ffn=64, dropout=0.0, max_len=64),
-                        data.tokenizer.vocab_size).eval()
+    model = Transformer(
+        ModelConfig(d_model=32, layers=1, heads=2, ffn=64, dropout=0.0, max_len=64), data.tokenizer.vocab_size
+    ).eval()
     pairs, _, _ = data.split("valid")
     src = pairs.batch(range(4))[0]
     assert model.beam_search(src, 20, beam=1) == model.greedy(src, 20)
@@ -183,16 +220,47 @@ def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data)
 
 
 def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path):
-    result = subprocess.run([sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir",
-                             str(tmp_path), *SMALL, "--max-steps", "2", "--batch-per-gpu", "4"],
-                            capture_output=True, text=True, timeout=300,
-                            env=tool_env(WANDB_API_KEY="x" * 40, WANDB_MODE="offline", WANDB_SILENT="true"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN_DIR / "train.py"),
+            "--data",
+            str(numbers_data),
+            "--run-dir",
+            str(tmp_path),
+            *SMALL,
+            "--max-steps",
+            "2",
+            "--batch-per-gpu",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(WANDB_API_KEY="x" * 40, WANDB_MODE="offline", WANDB_SILENT="true"),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
-    without = subprocess.run([sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir",
-                              str(tmp_path / "plain"), *SMALL, "--max-steps", "1", "--batch-per-gpu", "4"],
-                             capture_output=True, text=True, timeout=300, env=tool_env(WANDB_API_KEY=""))
+    without = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN_DIR / "train.py"),
+            "--data",
+            str(numbers_data),
+            "--run-dir",
+            str(tmp_path / "plain"),
+            *SMALL,
+            "--max-steps",
+            "1",
+            "--batch-per-gpu",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(WANDB_API_KEY=""),
+    )
     assert without.returncode == 0 and not (tmp_path / "plain" / "wandb").exists()
 
 
@@ -202,10 +270,14 @@ def test_a_resumed_run_keeps_its_saved_settings_and_refuses_a_different_one(numb
     # Resumed with fewer flags: the run's own settings, not the recipe's defaults.
     resumed = train(numbers_data, tmp_path, "--max-steps", "5")
     assert "resuming with the run's saved settings" in resumed.stdout
-    assert "gradient compression fp16, lr scale 0.5" in resumed.stdout and "changed --max-steps 3 -> 5" in resumed.stdout
+    assert (
+        "gradient compression fp16, lr scale 0.5" in resumed.stdout and "changed --max-steps 3 -> 5" in resumed.stdout
+    )
     saved = json.loads((tmp_path / "config.json").read_text())
     assert (saved["grad_compression"], saved["lr_scale"], saved["max_steps"]) == ("fp16", 0.5, 5)
     refused = train(numbers_data, tmp_path, "--grad-compression", "powersgd", check=False)
     assert refused.returncode == 2
-    assert refused.stderr.strip() == ("error: --grad-compression 'powersgd' differs from the run's 'fp16': a resumed "
-                                      "run keeps its settings; start a new --run to change them")
+    assert refused.stderr.strip() == (
+        "error: --grad-compression 'powersgd' differs from the run's 'fp16': a resumed "
+        "run keeps its settings; start a new --run to change them"
+    )
