@@ -42,7 +42,8 @@ def status(c):
 # traceback for "abc" before the task runs; the task parses them (one line on bad input).
 @task(help={"mb": "all-reduce payload in MB (default 64)"})
 def check(c, mb="64"):
-    """mpirun hostname on every node, the network interface of each, and an all-reduce bandwidth test."""
+    """Per node: hostname, interface, torch/CUDA/NCCL/driver versions (must agree); then mpirun
+    hostname, an all-reduce bandwidth test and a few real training steps with the trainer's collectives."""
     inv = load_inventory(c)
     rows = remote.on_all(
         inv,
@@ -50,24 +51,32 @@ def check(c, mb="64"):
         lambda conn, node: {
             "interface": remote.detect_interface(conn, node),
             "hostname": remote.sh(conn, "hostname").strip(),
+            **remote.node_versions(conn, inv),
         },
     )
-    print(report.table(rows, ["node", "reachable", "hostname", "interface", "error"]))
+    print(
+        report.table(rows, ["node", "reachable", "hostname", "interface", "torch", "cuda", "nccl", "driver", "error"])
+    )
     interfaces = {row.get("interface") for row in rows}
     if not all(row["reachable"] for row in rows) or len(interfaces) != 1:
         raise Exit("error: nodes unreachable or interfaces differ; NCCL/GLOO_SOCKET_IFNAME needs one name", code=1)
-    interface = interfaces.pop()
-    request = launch.TrainRequest(recipe="transformer-tiny")
-    base = launch.mpirun_argv(inv, request, interface, inv.code_dir)
-    prefix = base[: base.index(inv.python)]
-    hosts = ",".join(f"{n.private_ip}:{inv.gpus_per_node}" for n in inv.nodes)
-    prefix[prefix.index("--hostfile") : prefix.index("--hostfile") + 2] = ["-H", hosts]
-    with head(inv) as conn:
-        for argv in (
-            prefix + ["hostname"],
-            prefix + [inv.python, f"{inv.code_dir}/bench_allreduce.py", "--mb", str(number(mb, "--mb"))],
-        ):
-            print(remote.sh(conn, "timeout 300 " + shlex.join(argv)).strip())
+    same, versions = report.versions_line(rows)
+    if not same:
+        raise Exit(f"error: {versions}", code=1)
+    print(versions)
+    prefix = launch.mpirun_prefix(inv, inv.nodes, interfaces.pop())
+    try:
+        code_dir = _code_dir(c, inv)
+        with head(inv) as conn:
+            remote.ensure_idle(conn, inv)
+            for argv in (
+                prefix + ["hostname"],
+                prefix + [inv.python, f"{code_dir}/bench_allreduce.py", "--mb", str(number(mb, "--mb"))],
+            ):
+                print(remote.sh(conn, "timeout 300 " + shlex.join(argv)).strip(), flush=True)
+            print(remote.check_training(conn, inv, prefix, code_dir))
+    except ERRORS as error:
+        raise fail(error) from None
 
 
 @task(

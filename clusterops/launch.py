@@ -106,46 +106,36 @@ def active_file(inventory: Inventory) -> str:
     return f"{inventory.data_dir}/runs/.active"
 
 
-def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
-    nodes = inventory.select(request.nodes)
+def mpirun_prefix(
+    inventory: Inventory,
+    nodes: Sequence[Node],
+    interface: str,
+    master_port: int = 29500,
+    hostfile: Optional[str] = None,
+) -> list[str]:
+    """mpirun and its options, up to the program: one rank per GPU slot of `nodes` (listed in
+    `hostfile`, else given with -H), the interface for OpenMPI, NCCL and gloo, the rendezvous."""
     ranks = len(nodes) * inventory.gpus_per_node
-    rdir = run_dir(inventory, request.run_name)
-    dataset = request.dataset or default_dataset(request.recipe)
+    placement = (
+        ["--hostfile", hostfile]
+        if hostfile
+        else ["-H", ",".join(f"{node.private_ip}:{inventory.gpus_per_node}" for node in nodes)]
+    )
+    # fmt: off
     argv = [
-        "mpirun",
-        "--allow-run-as-root",
-        "-np",
-        str(ranks),
-        "--hostfile",
-        f"{rdir}/hostfile",
-        "-bind-to",
-        "none",
-        "-map-by",
-        "slot",
-        "--mca",
-        "plm_rsh_args",
-        f"-F {inventory.cluster_ssh_config}",
-        "--mca",
-        "oob_tcp_if_include",
-        interface,
-        "--mca",
-        "btl_tcp_if_include",
-        interface,
+        "mpirun", "--allow-run-as-root", "-np", str(ranks), *placement,
+        "-bind-to", "none", "-map-by", "slot",
+        "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
+        "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
         # Daemons notice a lost mpirun in ~25 s (default 480 s) and end their ranks, even when
         # a partition means no one can reach them to clean up.
-        "--mca",
-        "oob_tcp_keepalive_time",
-        "10",
-        "--mca",
-        "oob_tcp_keepalive_intvl",
-        "5",
-        "--mca",
-        "oob_tcp_keepalive_probes",
-        "3",
+        "--mca", "oob_tcp_keepalive_time", "10", "--mca", "oob_tcp_keepalive_intvl", "5",
+        "--mca", "oob_tcp_keepalive_probes", "3",
     ]
+    # fmt: on
     exports = {
         "MASTER_ADDR": nodes[0].private_ip,
-        "MASTER_PORT": str(request.master_port),
+        "MASTER_PORT": str(master_port),
         # NCCL's bootstrap and socket transport; with EFA, data goes through the OFI plugin.
         "NCCL_SOCKET_IFNAME": interface,
         "GLOO_SOCKET_IFNAME": interface,
@@ -156,16 +146,16 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
         exports.update(EFA_ENVIRONMENT)
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
-    argv += [
-        inventory.python,
-        f"{code_dir}/train.py",
-        "--recipe",
-        request.recipe,
-        "--data",
-        data_path(inventory, dataset),
-        "--run-dir",
-        rdir,
-    ]
+    return argv
+
+
+def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
+    nodes = inventory.select(request.nodes)
+    rdir = run_dir(inventory, request.run_name)
+    dataset = request.dataset or default_dataset(request.recipe)
+    argv = mpirun_prefix(inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile")
+    argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe]
+    argv += ["--data", data_path(inventory, dataset), "--run-dir", rdir]
     options: tuple[tuple[str, object], ...] = (
         ("--max-steps", request.steps),
         ("--batch-per-gpu", request.batch_per_gpu),
@@ -176,6 +166,57 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
         if given is not None:
             argv += [flag, str(given)]
     return argv + list(request.extra_args)
+
+
+CHECK_STEPS = 3
+
+
+def check_dir(inventory: Inventory) -> str:
+    return f"{inventory.data_dir}/runs/.check"
+
+
+def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
+    """`fab check`'s training steps: prepare.py for a tiny numbers set, then train.py for CHECK_STEPS
+    steps and an eval (every collective the trainer uses), both in check_dir."""
+    scratch = check_dir(inventory)
+    prepare = [
+        inventory.python,
+        f"{code_dir}/prepare.py",
+        "numbers",
+        "--out",
+        f"{scratch}/numbers",
+        "--train",
+        "1000",
+        "--valid",
+        "16",
+        "--test",
+        "8",
+        "--vocab",
+        "200",
+    ]
+    train = [
+        inventory.python,
+        f"{code_dir}/train.py",
+        "--recipe",
+        "transformer-tiny",
+        "--data",
+        f"{scratch}/numbers",
+        "--run-dir",
+        f"{scratch}/run",
+        "--max-steps",
+        str(CHECK_STEPS),
+        "--batch-per-gpu",
+        "4",
+        "--eval-every",
+        str(CHECK_STEPS),
+        "--eval-samples",
+        "8",
+        "--log-every",
+        "1",
+        "--dist-timeout-s",
+        "120",
+    ]
+    return prepare, train
 
 
 EMULATOR_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")

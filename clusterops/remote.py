@@ -157,6 +157,12 @@ def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     return active if alive == "yes" else None
 
 
+def ensure_idle(connection: Connection, inventory: Inventory) -> None:
+    running = active_run(connection, inventory)
+    if running:
+        raise RemoteError(f"a run is already going in {running}: `fab logs --follow` to watch it, `fab stop` to end it")
+
+
 def run_state(connection: Connection, run_dir: str) -> dict:
     status = read_json(connection, f"{run_dir}/run-status.json") or {}
     progress = read_json(connection, f"{run_dir}/progress.json") or {}
@@ -201,6 +207,54 @@ def ensure_tensorboard(
     raise RemoteError(f"TensorBoard did not start within {wait:.0f} s; see /tmp/tensorboard.log on the head node")
 
 
+# ---------------------------------------------------------------- check
+
+VERSIONS_SCRIPT = """import json, torch
+cuda = torch.cuda.is_available()
+nccl = torch.cuda.nccl.version() if cuda else None
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}))"""
+
+
+def node_versions(connection: Connection, inventory: Inventory) -> dict:
+    """torch, the CUDA it was built for, NCCL (when a GPU is visible) and the GPU driver; None if absent."""
+    versions = json.loads(sh(connection, f"{q(inventory.python)} -c {q(VERSIONS_SCRIPT)}").strip().splitlines()[-1])
+    driver = sh(
+        connection, "nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true"
+    ).strip()
+    return {**versions, "driver": driver or None}
+
+
+def _failure_line(output: str) -> str:
+    """The most telling line of a failed run: the last exception or error line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or line.startswith("error:")]
+    return (errors or lines or ["no output"])[-1][:400]
+
+
+def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
+    """A few real training steps across the cluster with the trainer's own collectives (step counts,
+    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
+    scratch = launch.check_dir(inventory)
+    prepare, train = launch.check_argvs(inventory, code_dir)
+    try:
+        sh(connection, f"rm -rf {q(scratch)} && mkdir -p {q(scratch)}")
+        sh(connection, "timeout 300 " + shlex.join(prepare))
+        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
+    finally:
+        sh(connection, f"rm -rf {q(scratch)}", check=False)
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
+    if result.exited != 0 or not summary:
+        raise RemoteError(
+            f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
+        )
+    ranks = prefix[prefix.index("-np") + 1]
+    return (
+        f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
+        f"({summary[-1][len('summary: ') :]})"
+    )
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -210,9 +264,7 @@ def start_training(
     """Write hostfile, env and command into the run directory and start the launcher detached.
     Returns the run directory and the log's size before this launch (where its output starts)."""
     request.validate()
-    running = active_run(connection, inventory)
-    if running:
-        raise RemoteError(f"a run is already going in {running}: `fab logs --follow` to watch it, `fab stop` to end it")
+    ensure_idle(connection, inventory)
     nodes = inventory.select(request.nodes)
     interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)

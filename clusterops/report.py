@@ -72,3 +72,22 @@ def aws_error(error) -> str:
     """A botocore ClientError as "Code: message" on one line (some endpoints answer with a page of HTML)."""
     detail = error.response.get("Error", {})
     return f"{detail.get('Code', 'error')}: {' '.join(str(detail.get('Message', error)).split())[:300]}"
+
+
+VERSIONS = (("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"), ("driver", "driver"))
+
+
+def versions_line(rows: Sequence[dict]) -> tuple[bool, str]:
+    """(all nodes agree, one line): the versions they share, or every one that differs and where."""
+    differ = []
+    for key, label in VERSIONS:
+        where: dict[str, list[str]] = {}
+        for row in rows:
+            where.setdefault(str(row.get(key) or "none"), []).append(row["node"])
+        if len(where) > 1:
+            differ.append(f"{label} " + " vs ".join(f"{value} on {','.join(nodes)}" for value, nodes in where.items()))
+    if differ:
+        return False, "versions differ between nodes: " + "; ".join(differ)
+    return True, "versions: " + ", ".join(
+        f"{label} {rows[0].get(key) or 'none'}" for key, label in VERSIONS
+    ) + f" on all {len(rows)} nodes"

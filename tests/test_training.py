@@ -7,6 +7,7 @@ import sys
 
 import checkpoint
 import pytest
+import strict_device
 import torch
 from conftest import TRAIN_DIR, tool_env
 from tasks import transformer_lr
@@ -31,18 +32,21 @@ SMALL = [
 ]
 
 
-def train(data, run_dir, *args, procs=1, check=True):
+def train(data, run_dir, *args, procs=1, check=True, strict=True):
+    """train.py alone, or under torchrun with `procs` ranks in strict-device mode (strict_device.py):
+    a collective given a tensor made without device= fails the run, as NCCL would on GPUs."""
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
         if procs > 1
         else [sys.executable]
     )
+    strict_env = {strict_device.ENV: "1"} if procs > 1 and strict else {}
     result = subprocess.run(
         [*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
         capture_output=True,
         text=True,
         timeout=300,
-        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **strict_env),
     )
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

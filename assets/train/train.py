@@ -16,6 +16,7 @@ One process per GPU (per CPU slot locally). The same command works under mpirun,
 (`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
 good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.
 """
+
 import sys
 from pathlib import Path
 
@@ -33,6 +34,7 @@ def effective_config(args):
     if not saved.exists():
         return config, [], False
     import json
+
     config, changes = resume_config(json.loads(saved.read_text()), args)
     return config, changes, True
 
@@ -46,17 +48,26 @@ def main(argv=None) -> int:
         return 2
     info, device = distributed.setup(timeout_s=config.dist_timeout_s)
     if info.is_main:
-        print(("resuming with the run's saved " if resumed else "") + settings_line(config)
-              + "".join(f"; changed {change}" for change in changes), flush=True)
+        print(
+            ("resuming with the run's saved " if resumed else "")
+            + settings_line(config)
+            + "".join(f"; changed {change}" for change in changes),
+            flush=True,
+        )
     try:
         from trainer import Trainer
+
         trainer = Trainer(config, info, device)
-        trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; "
-                    f"recipe {config.recipe}")
+        trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
         summary = trainer.fit()
-        trainer.log("summary: " + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
-            if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb")))
+        trainer.log(
+            "summary: "
+            + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in summary.items()
+                if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb")
+            )
+        )
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
