@@ -117,6 +117,9 @@ def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     assert sorted(re.findall(r"^node\d$", out, re.M)) == [f"node{i}" for i in range(cluster.nodes)]
     assert out.count(" eth0") >= cluster.nodes
     assert re.search(rf"all_reduce 8 MB over {cluster.nodes} ranks: \d+ ms, algbw [\d.]+ Gbit/s", out)
+    # Real training steps with the trainer's own collectives, and one version of everything.
+    assert f"training: 3 steps on {cluster.nodes} ranks with the trainer's collectives: ok" in out
+    assert re.search(rf"versions: torch 2\.\S+, CUDA none, NCCL none, driver none on all {cluster.nodes} nodes", out)
 
 
 def test_train_learns_then_logs_status_and_fetch(cluster, tmp_path):
