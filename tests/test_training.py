@@ -32,14 +32,13 @@ SMALL = [
 ]
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
 def train(data, run_dir, *args, procs=1, check=True, strict=True):
     """train.py alone, or under torchrun with `procs` ranks in strict-device mode (strict_device.py):
     a collective given a tensor made without device= fails the run, as NCCL would on GPUs."""
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-        if procs > 1
-        else [sys.executable]
-    )
+    launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
     strict_env = {strict_device.ENV: "1"} if procs > 1 and strict else {}
     result = subprocess.run(
         [*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
@@ -133,11 +132,7 @@ def test_ranks_resume_from_the_checkpoint_rank_0_chose_even_when_their_listing_l
     assert [p.name for p in checkpoint.list_steps(tmp_path)][-2:] == ["step_00000002.pt", "step_00000004.pt"]
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
+            *TORCHRUN,
             "2",
             str(REPO / "tests" / "resume_worker.py"),
             "--recipe",
@@ -369,11 +364,7 @@ def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp
         f"{strict_device.ENV}=1",
         "OMP_NUM_THREADS=1",
         "GLOO_SOCKET_IFNAME=lo",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
+        *TORCHRUN,
         "2",
         "--no-python",
     ]
