@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -225,11 +226,16 @@ def node_versions(connection: Connection, inventory: Inventory) -> dict:
     return {**versions, "driver": driver or None}
 
 
+_EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): \S")
+
+
 def _failure_line(output: str) -> str:
-    """The most telling line of a failed run: the last exception or error line, else the last line."""
+    """The most telling line of a failed run: the first exception a rank raised (the launcher's own
+    come after it), else an `error:` line, else the last line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or line.startswith("error:")]
-    return (errors or lines or ["no output"])[-1][:400]
+    exceptions = [line for line in lines if _EXCEPTION.match(line)]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (exceptions[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
 
 
 def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
@@ -248,7 +254,7 @@ def check_training(connection: Connection, inventory: Inventory, prefix: list[st
         raise RemoteError(
             f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
         )
-    ranks = prefix[prefix.index("-np") + 1]
+    ranks = len(inventory.nodes) * inventory.gpus_per_node
     return (
         f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
         f"({summary[-1][len('summary: ') :]})"

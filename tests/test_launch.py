@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from clusterops import launch
+from clusterops import launch, remote, report
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
 
 
@@ -82,6 +82,61 @@ def test_values_are_quoted_in_the_command_script():
     script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir"))
     assert script.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun ")
     assert shlex.split(script)[-1] == "it's; rm -rf /" and "'/code dir/train.py'" in script
+
+
+def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program():
+    inv = inventory()
+    prefix = launch.mpirun_prefix(inv, inv.nodes, "ens5", 29600)
+    assert prefix[:4] == ["mpirun", "--allow-run-as-root", "-np", "12"]
+    assert prefix[prefix.index("-H") + 1] == "10.42.0.5:4,10.42.0.6:4,10.42.0.7:4" and "--hostfile" not in prefix
+    assert prefix[-2:] == ["-x", "OMP_NUM_THREADS=4"] and "MASTER_PORT=29600" in prefix
+    request = launch.TrainRequest(recipe="transformer-base", nodes=2)
+    train = launch.mpirun_argv(inv, request, "ens5", "/workspace/train")
+    with_hostfile = launch.mpirun_prefix(inv, inv.nodes[:2], "ens5", hostfile="/data/runs/transformer-base/hostfile")
+    assert train[: len(with_hostfile)] == with_hostfile and train[len(with_hostfile)] == inv.python
+
+
+def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
+    from config import build_parser, config_from_args
+
+    inv = inventory()
+    prepare, train = launch.check_argvs(inv, "/code")
+    assert prepare[:3] == ["python", "/code/prepare.py", "numbers"] and prepare[4] == "/data/runs/.check/numbers"
+    assert train[:2] == ["python", "/code/train.py"]
+    config = config_from_args(build_parser("").parse_args(train[2:]))
+    assert config.run_dir.startswith(launch.check_dir(inv) + "/") and config.data == prepare[4]
+    assert config.max_steps == launch.CHECK_STEPS and config.eval_every == launch.CHECK_STEPS
+
+
+def test_versions_line_names_every_version_that_differs_and_where():
+    same = [dict(node=f"node{i}", torch="2.13.0", cuda="13.0", nccl="2.27.7", driver="580.65.06") for i in range(3)]
+    assert report.versions_line(same) == (
+        True,
+        "versions: torch 2.13.0, CUDA 13.0, NCCL 2.27.7, driver 580.65.06 on all 3 nodes",
+    )
+    differ = [dict(row) for row in same]
+    differ[2].update(torch="2.6.0", driver="570.133.20")
+    ok, line = report.versions_line(differ)
+    assert not ok and "\n" not in line
+    assert line == (
+        "versions differ between nodes: torch 2.13.0 on node0,node1 vs 2.6.0 on node2; "
+        "driver 580.65.06 on node0,node1 vs 570.133.20 on node2"
+    )
+    cpu = [dict(node="node0", torch="2.13.0+cpu", cuda=None, nccl=None, driver=None)] * 2
+    assert (
+        report.versions_line(cpu)[1] == "versions: torch 2.13.0+cpu, CUDA none, NCCL none, driver none on all 2 nodes"
+    )
+
+
+def test_a_failed_check_run_is_reported_by_its_error_line():
+    output = (
+        "[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: No backend type associated "
+        "with device type cpu\nPrimary job  terminated normally, but 1 process returned\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \ntrain.py FAILED\n"
+    )
+    assert remote._failure_line(output) == "[rank1]: RuntimeError: No backend type associated with device type cpu"
+    assert remote._failure_line("starting\nerror: no prepared data set\nbye\n") == "error: no prepared data set"
+    assert remote._failure_line("") == "no output"
 
 
 IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever

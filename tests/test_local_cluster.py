@@ -120,6 +120,7 @@ def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     # Real training steps with the trainer's own collectives, and one version of everything.
     assert f"training: 3 steps on {cluster.nodes} ranks with the trainer's collectives: ok" in out
     assert re.search(rf"versions: torch 2\.\S+, CUDA none, NCCL none, driver none on all {cluster.nodes} nodes", out)
+    assert not (cluster.shared / "runs" / ".check").exists()  # the scratch run is removed
 
 
 def test_train_learns_then_logs_status_and_fetch(cluster, tmp_path):

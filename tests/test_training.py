@@ -9,7 +9,7 @@ import checkpoint
 import pytest
 import strict_device
 import torch
-from conftest import TRAIN_DIR, tool_env
+from conftest import REPO, TRAIN_DIR, tool_env
 from tasks import transformer_lr
 
 SMALL = [
@@ -32,14 +32,13 @@ SMALL = [
 ]
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
 def train(data, run_dir, *args, procs=1, check=True, strict=True):
     """train.py alone, or under torchrun with `procs` ranks in strict-device mode (strict_device.py):
     a collective given a tensor made without device= fails the run, as NCCL would on GPUs."""
-    launcher = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-        if procs > 1
-        else [sys.executable]
-    )
+    launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
     strict_env = {strict_device.ENV: "1"} if procs > 1 and strict else {}
     result = subprocess.run(
         [*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
@@ -126,6 +125,35 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, t
     result = train(numbers_data, tmp_path, "--max-steps", "5", "--batch-per-gpu", "4", "--checkpoint-every", "2")
     assert "skipping unreadable checkpoint step_00000004.pt" in result.stdout
     assert "resuming from" in result.stdout and "at step 2" in result.stdout
+
+
+def test_ranks_resume_from_the_checkpoint_rank_0_chose_even_when_their_listing_lags(numbers_data, tmp_path):
+    train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2")
+    assert [p.name for p in checkpoint.list_steps(tmp_path)][-2:] == ["step_00000002.pt", "step_00000004.pt"]
+    result = subprocess.run(
+        [
+            *TORCHRUN,
+            "2",
+            str(REPO / "tests" / "resume_worker.py"),
+            "--recipe",
+            "transformer-tiny",
+            "--data",
+            str(numbers_data),
+            "--run-dir",
+            str(tmp_path),
+            *SMALL[2:],
+            "--batch-per-gpu",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert all(r["step"] == 4 and r["path"].endswith("step_00000004.pt") for r in ranks), ranks
 
 
 def test_checkpoints_are_atomic_keep_the_last_k_and_hold_what_resume_needs(tmp_path):
@@ -285,3 +313,65 @@ def test_a_resumed_run_keeps_its_saved_settings_and_refuses_a_different_one(numb
         "error: --grad-compression 'powersgd' differs from the run's 'fp16': a resumed "
         "run keeps its settings; start a new --run to change them"
     )
+
+
+def test_strict_device_mode_rejects_a_collective_tensor_made_without_a_device():
+    cpu = torch.device("cpu")
+    with strict_device._Tracker(cpu):
+        host = torch.tensor([1.0, 2.0])
+        derived = torch.stack([host * 2, host[:1].repeat(2)])
+        placed = torch.zeros(2, device=cpu)
+        moved = host.to(cpu)
+        mixed = placed + host
+    for made_on_the_host in (host, derived):
+        with pytest.raises(RuntimeError, match=r"all_reduce got a tensor made on the host at test_training.py:\d+"):
+            strict_device.check("all_reduce", [made_on_the_host], cpu)
+    for on_the_device in (placed, moved, mixed):
+        strict_device.check("all_reduce", [[on_the_device]], cpu)
+    with pytest.raises(RuntimeError, match="tensor on cpu, not on the trainer's device meta"):
+        strict_device.check("broadcast", [placed], torch.device("meta"))
+
+
+def test_gpu_ranks_get_gloo_for_cpu_tensors_besides_nccl():
+    import distributed
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    gpu = BackendConfig(distributed.backend_for(torch.device("cuda", 0))).get_device_backend_map()
+    assert gpu == {"cpu": "gloo", "cuda": "nccl"}
+    assert distributed.backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp_path):
+    """remote.check_training as `fab check` runs it, on this machine: a local shell for the head node's
+    connection and torchrun (strict-device mode) for mpirun."""
+    from invoke import Context
+
+    from clusterops import launch, remote
+    from clusterops.inventory import Inventory, Node, SshSettings
+
+    inv = Inventory(
+        cluster="c",
+        source="local",
+        gpus_per_node=2,
+        python=sys.executable,
+        code_dir=str(TRAIN_DIR),
+        data_dir=str(tmp_path),
+        nodes=[Node(0, "node0", "127.0.0.1", "127.0.0.1")],
+        ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"),
+    )
+    prefix = [
+        "env",
+        f"{strict_device.ENV}=1",
+        "OMP_NUM_THREADS=1",
+        "GLOO_SOCKET_IFNAME=lo",
+        *TORCHRUN,
+        "2",
+        "--no-python",
+    ]
+    line = remote.check_training(Context(), inv, prefix, inv.code_dir)
+    assert re.match(
+        rf"training: {launch.CHECK_STEPS} steps on 2 ranks with the trainer's collectives: ok "
+        rf"\(steps={launch.CHECK_STEPS}, .*eval_loss=",
+        line,
+    ), line
+    assert not (tmp_path / "runs" / ".check").exists()

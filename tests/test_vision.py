@@ -129,6 +129,38 @@ def test_synthetic_mode_needs_no_data(tmp_path):
     assert summary["steps"] == 3 and summary["top1"] is None and summary["objects_per_s"] > 0
 
 
+def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
+    from config import build_parser, config_from_args
+    from distributed import DistInfo
+    from tasks import ImageTask
+
+    config = config_from_args(
+        build_parser("").parse_args(
+            [
+                "--recipe",
+                "resnet-small",
+                "--synthetic",
+                "--batch-per-gpu",
+                "4",
+                "--grad-accum",
+                "2",
+                "--data",
+                str(tmp_path),
+            ]
+        )
+    )
+    task = ImageTask(config, DistInfo(), torch.device("cpu"))
+    batches = task.batches(0) + task.batches(1)
+    assert len(batches) == 4
+    assert (
+        len({images.data_ptr() for images, _ in batches}) == 1
+        and len({labels.data_ptr() for _, labels in batches}) == 1
+    )
+    images, labels = batches[0]
+    assert images.device == labels.device == task.device and images.shape == (4, 3, 32, 32)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_missing_image_folder_is_one_clear_error(tmp_path):
     result = train(tmp_path / "none", tmp_path / "run", "--recipe", "resnet-small", check=False)
     assert result.returncode == 2 and "prepare.py imagenet --source" in result.stderr
