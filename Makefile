@@ -14,15 +14,20 @@ setup:
 demo: setup
 	bash scripts/demo.sh 2
 
-test: setup
-	python -m pytest
+test: setup  # everything else on two workers, then the emulated cluster alone (it needs the CPU)
+	python -m pytest -n 2 -m "not cluster"
+	python -m pytest -m cluster
 
 synth: setup
 	cdk synth --no-notices -q
 
-lint: setup
+LINTED := stacks clusterops fabtasks fabfile.py app.py tests scripts assets
+lint: setup  # ruff (lint and format), mypy, shellcheck, cfn-lint on the synthesized template
+	ruff check $(LINTED)
+	ruff format --check $(LINTED)
+	mypy --explicit-package-bases stacks clusterops fabtasks fabfile.py app.py assets/autostop/autostop.py assets/autostop/spotwatch.py assets/contract.py
 	shellcheck $$(git ls-files '*.sh')
-	cdk synth --no-notices -q && cfn-lint cdk.out/*.template.json
+	cdk synth --no-notices -q -o cdk.out && cfn-lint cdk.out/*.template.json
 
 lock:  # after editing a requirements file: pin every package, transitive ones included, with hashes
 	.venv/bin/uv pip compile requirements-dev.txt --generate-hashes --find-links /opt/wheels \

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """CDK entry point: reads context once, validates it, composes the cluster stack.
 
-    npx cdk synth -c nodes=3 -c ssh_cidr=203.0.113.7/32
-    npx cdk deploy  -c ssh_cidr=$(curl -s https://checkip.amazonaws.com)/32
+npx cdk synth -c nodes=3 -c ssh_cidr=203.0.113.7/32
+npx cdk deploy  -c ssh_cidr=$(curl -s https://checkip.amazonaws.com)/32
 """
+
 import os
 import sys
 
@@ -18,9 +19,13 @@ region = os.environ.get("CDK_DEFAULT_REGION")
 try:
     config = ClusterConfig.from_context(app.node.try_get_context, region=region)
     stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
-    GpuClusterStack(app, stack_name, config=config,
-                    env=cdk.Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"), region=region),
-                    description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}")
+    GpuClusterStack(
+        app,
+        stack_name,
+        config=config,
+        env=cdk.Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"), region=region),
+        description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}",
+    )
 except ValueError as error:  # ConfigError, or a service limit a value would exceed
     sys.exit(f"error: {error}")
 cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), NIST80053R5Checks(app))

@@ -4,6 +4,7 @@ its running instances, its SSM parameters, and the CDK bootstrap bucket's object
 cost ("unknown" when no price is known). Deletion goes in dependency order, waiting for each step.
 A file system kept with retain_data=true (tag gpu-cluster:retain=true) is deleted only when asked.
 Functions take boto3 clients."""
+
 from __future__ import annotations
 
 import time
@@ -12,15 +13,17 @@ from typing import Callable, Optional
 
 from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
+from assets.contract import CLUSTER_TAG, RETAIN_TAG, parameter_prefix
+
 from .cost import HOURS_PER_MONTH, TABLE, offline_price
 
-CLUSTER_TAG = "gpu-cluster:name"
-RETAIN_TAG = "gpu-cluster:retain"  # stacks/storage.py sets it when retain_data=true
-CDK_QUALIFIER = "hnb659fds"        # the default `cdk bootstrap` qualifier
+CDK_QUALIFIER = "hnb659fds"  # the default `cdk bootstrap` qualifier
 # Reported, never deleted here: they go with something else, or are not only this cluster's.
-KEPT = {"public-ipv4": "released when its instance stops or terminates",
-        "cdk-assets": "shared by every CDK app of this account and region: `npx cdk gc --unstable=gc` "
-                      "deletes the unused ones"}
+KEPT = {
+    "public-ipv4": "released when its instance stops or terminates",
+    "cdk-assets": "shared by every CDK app of this account and region: `npx cdk gc --unstable=gc` "
+    "deletes the unused ones",
+}
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,14 @@ def _instances(ec2, filters: list[dict]) -> list[Leftover]:
         monthly = (None if price is None else price * HOURS_PER_MONTH) if running else 0.0
         found.append(Leftover("instance", i["InstanceId"], f"{i['InstanceType']} {state}", monthly))
         if running and i.get("PublicIpAddress"):
-            found.append(Leftover("public-ipv4", i["PublicIpAddress"], f"on {i['InstanceId']}",
-                                  TABLE["public_ipv4_usd_per_hour"] * HOURS_PER_MONTH))
+            found.append(
+                Leftover(
+                    "public-ipv4",
+                    i["PublicIpAddress"],
+                    f"on {i['InstanceId']}",
+                    TABLE["public_ipv4_usd_per_hour"] * HOURS_PER_MONTH,
+                )
+            )
     return found
 
 
@@ -62,13 +71,20 @@ def spot_requests(ec2, cluster: str, known: set[str]) -> list[Leftover]:
     them launched that is not tagged: terminating a node of a persistent request reopens it and
     EC2 launches another, so `cdk destroy` alone can leave nodes running. Cancel them first."""
     found = []
-    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(Filters=_tag_filter(cluster) + [
-        {"Name": "state", "Values": ["open", "active", "disabled"]}])
+    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(
+        Filters=_tag_filter(cluster) + [{"Name": "state", "Values": ["open", "active", "disabled"]}]
+    )
     for request in (r for page in pages for r in page["SpotInstanceRequests"]):
         instance = request.get("InstanceId")
-        found.append(Leftover("spot-request", request["SpotInstanceRequestId"],
-                              f"{request['Type']} {request['State']}, instance {instance or 'none yet'}: "
-                              "launches a node whenever its instance is gone", 0.0))
+        found.append(
+            Leftover(
+                "spot-request",
+                request["SpotInstanceRequestId"],
+                f"{request['Type']} {request['State']}, instance {instance or 'none yet'}: "
+                "launches a node whenever its instance is gone",
+                0.0,
+            )
+        )
         if instance and instance not in known:
             found += _instances(ec2, [{"Name": "instance-id", "Values": [instance]}])
     return found
@@ -83,10 +99,15 @@ def _network_interfaces(ec2, cluster: str, instance_ids: list[str]) -> list[Left
         filters.append([{"Name": "attachment.instance-id", "Values": instance_ids}])
     if groups:
         filters.append([{"Name": "group-id", "Values": groups}])
-    enis = {e["NetworkInterfaceId"]: e for f in filters
-            for e in ec2.describe_network_interfaces(Filters=f)["NetworkInterfaces"]}
-    return [Leftover("network-interface", eni_id, f"{e['Status']} {e.get('Description', '')}".strip(), 0.0)
-            for eni_id, e in sorted(enis.items())]
+    enis = {
+        e["NetworkInterfaceId"]: e
+        for f in filters
+        for e in ec2.describe_network_interfaces(Filters=f)["NetworkInterfaces"]
+    }
+    return [
+        Leftover("network-interface", eni_id, f"{e['Status']} {e.get('Description', '')}".strip(), 0.0)
+        for eni_id, e in sorted(enis.items())
+    ]
 
 
 def _file_systems(efs, cluster: str) -> list[Leftover]:
@@ -96,16 +117,23 @@ def _file_systems(efs, cluster: str) -> list[Leftover]:
         if tags.get(CLUSTER_TAG) == cluster:
             gb = fs["SizeInBytes"]["Value"] / 1e9
             retained = tags.get(RETAIN_TAG) == "true"
-            found.append(Leftover("file-system", fs["FileSystemId"],
-                                  f"EFS {gb:.1f} GB" + (" (kept: retain_data=true)" if retained else ""),
-                                  gb * TABLE["efs_standard_usd_per_gb_month"], retained))
+            found.append(
+                Leftover(
+                    "file-system",
+                    fs["FileSystemId"],
+                    f"EFS {gb:.1f} GB" + (" (kept: retain_data=true)" if retained else ""),
+                    gb * TABLE["efs_standard_usd_per_gb_month"],
+                    retained,
+                )
+            )
     return found
 
 
 def _tagged_elsewhere(ssm, logs, cloudwatch, cluster: str) -> list[Leftover]:
     found = []
-    pages = ssm.get_paginator("describe_parameters").paginate(ParameterFilters=[
-        {"Key": "Name", "Option": "BeginsWith", "Values": [f"/gpu-cluster/{cluster}/"]}])
+    pages = ssm.get_paginator("describe_parameters").paginate(
+        ParameterFilters=[{"Key": "Name", "Option": "BeginsWith", "Values": [parameter_prefix(cluster)]}]
+    )
     found += [Leftover("parameter", p["Name"], p["Type"], 0.0) for page in pages for p in page["Parameters"]]
     for page in logs.get_paginator("describe_log_groups").paginate():
         for group in page["logGroups"]:
@@ -126,29 +154,37 @@ def cdk_assets(sts, s3, region: str) -> list[Leftover]:
     `cdk destroy` leaves behind. Which objects are this app's cannot be told from outside."""
     bucket = f"cdk-{CDK_QUALIFIER}-assets-{sts.get_caller_identity()['Account']}-{region}"
     try:
-        objects = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-                   for o in page.get("Contents", [])]
+        objects = [
+            o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])
+        ]
     except ClientError:  # no bootstrap in this region, or no access
         return []
     gb = sum(o["Size"] for o in objects) / 1e9
-    return [Leftover("cdk-assets", bucket, f"{len(objects)} objects, {gb:.2f} GB",
-                     gb * TABLE["s3_standard_usd_per_gb_month"])]
+    return [
+        Leftover(
+            "cdk-assets", bucket, f"{len(objects)} objects, {gb:.2f} GB", gb * TABLE["s3_standard_usd_per_gb_month"]
+        )
+    ]
 
 
 def find(clients: dict, cluster: str) -> list[Leftover]:
     ec2 = clients["ec2"]
     found = _instances(ec2, _tag_filter(cluster))
     found += spot_requests(ec2, cluster, {x.id for x in found if x.kind == "instance"})
-    found += [Leftover("volume", v["VolumeId"], f"{v['Size']} GB {v['State']}",
-                       v["Size"] * TABLE["gp3_usd_per_gb_month"])
-              for v in ec2.describe_volumes(Filters=_tag_filter(cluster))["Volumes"]]
+    found += [
+        Leftover("volume", v["VolumeId"], f"{v['Size']} GB {v['State']}", v["Size"] * TABLE["gp3_usd_per_gb_month"])
+        for v in ec2.describe_volumes(Filters=_tag_filter(cluster))["Volumes"]
+    ]
     found += _file_systems(clients["efs"], cluster)
     found += _network_interfaces(ec2, cluster, [x.id for x in found if x.kind == "instance"])
-    found += [Leftover("address", a["AllocationId"], a["PublicIp"],
-                       TABLE["public_ipv4_usd_per_hour"] * HOURS_PER_MONTH)
-              for a in ec2.describe_addresses(Filters=_tag_filter(cluster))["Addresses"]]
-    found += [Leftover("key-pair", k["KeyName"], k.get("KeyPairId", ""), 0.0)
-              for k in ec2.describe_key_pairs(Filters=_tag_filter(cluster))["KeyPairs"]]
+    found += [
+        Leftover("address", a["AllocationId"], a["PublicIp"], TABLE["public_ipv4_usd_per_hour"] * HOURS_PER_MONTH)
+        for a in ec2.describe_addresses(Filters=_tag_filter(cluster))["Addresses"]
+    ]
+    found += [
+        Leftover("key-pair", k["KeyName"], k.get("KeyPairId", ""), 0.0)
+        for k in ec2.describe_key_pairs(Filters=_tag_filter(cluster))["KeyPairs"]
+    ]
     found += _tagged_elsewhere(clients["ssm"], clients["logs"], clients["cloudwatch"], cluster)
     if "sts" in clients and "s3" in clients:
         found += cdk_assets(clients["sts"], clients["s3"], ec2.meta.region_name)
@@ -163,9 +199,11 @@ def monthly_total(leftovers: list[Leftover]) -> str:
 
 # ---------------------------------------------------------------- deletion, in dependency order
 
+
 @dataclass(frozen=True)
 class Pace:
     """How deletion waits: waiter delay and attempts, and the mount-target poll."""
+
     delay: float = 5.0
     attempts: int = 120
     sleep: Callable[[float], None] = time.sleep
@@ -224,6 +262,7 @@ def _each(call: Callable[[dict, str], object]):
     def step(clients, ids, pace, log) -> None:
         for one in ids:
             call(clients, one)
+
     return step
 
 
@@ -243,8 +282,13 @@ STEPS = {
 }
 
 
-def delete(clients: dict, leftovers: list[Leftover], log: Callable[[str], None] = print,
-           include_retained: bool = False, pace: Pace = Pace()) -> list[Leftover]:
+def delete(
+    clients: dict,
+    leftovers: list[Leftover],
+    log: Callable[[str], None] = print,
+    include_retained: bool = False,
+    pace: Pace = Pace(),
+) -> list[Leftover]:
     """Delete in dependency order, each step waiting for the previous one to finish. Returns what
     could not be deleted; retained data and shared things are kept (and said so)."""
     for x in leftovers:

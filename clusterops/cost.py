@@ -2,6 +2,7 @@
 labelled) or the Spot price in effect, storage per month, EFS Elastic-throughput I/O, a run's
 projection from its measured step time, and what has been spent since launch. A price nobody knows
 is "unknown", never $0."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,12 @@ from botocore.exceptions import BotoCoreError, ClientError
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
 # The product the cluster runs: Linux, shared tenancy, no pre-installed software, on-demand capacity.
-PRODUCT_FILTERS = (("operatingSystem", "Linux"), ("tenancy", "Shared"), ("preInstalledSw", "NA"),
-                   ("capacitystatus", "Used"))
+PRODUCT_FILTERS = (
+    ("operatingSystem", "Linux"),
+    ("tenancy", "Shared"),
+    ("preInstalledSw", "NA"),
+    ("capacitystatus", "Used"),
+)
 
 
 @dataclass(frozen=True)
@@ -35,15 +40,20 @@ def usd(value: Optional[float]) -> str:
 
 
 def table_line() -> str:
-    return (f"offline price table: prices of {TABLE['date']} in {TABLE['region']}, checked {TABLE['checked']}; "
-            f"source: {TABLE['source']}")
+    return (
+        f"offline price table: prices of {TABLE['date']} in {TABLE['region']}, checked {TABLE['checked']}; "
+        f"source: {TABLE['source']}"
+    )
 
 
 def api_price(pricing, instance_type: str, region: str) -> Optional[float]:
     """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1)."""
     filters = [("instanceType", instance_type), ("regionCode", region), *PRODUCT_FILTERS]
-    response = pricing.get_products(ServiceCode="AmazonEC2", MaxResults=10, Filters=[
-        {"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters])
+    response = pricing.get_products(
+        ServiceCode="AmazonEC2",
+        MaxResults=10,
+        Filters=[{"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters],
+    )
     for item in response["PriceList"]:
         product = json.loads(item) if isinstance(item, str) else item
         for term in product["terms"].get("OnDemand", {}).values():
@@ -58,8 +68,11 @@ def offline_price(instance_type: str, region: str) -> Price:
     value = TABLE["instances_usd_per_hour"].get(instance_type)
     if value is None:
         return Price(None, f"unknown: no Pricing API answer and {instance_type} is not in the offline table")
-    where = (f"offline table of {TABLE['date']}" if region == TABLE["region"] else
-             f"offline table of {TABLE['date']}: {TABLE['region']} prices, {region} may differ")
+    where = (
+        f"offline table of {TABLE['date']}"
+        if region == TABLE["region"]
+        else f"offline table of {TABLE['date']}: {TABLE['region']} prices, {region} may differ"
+    )
     return Price(value, where)
 
 
@@ -108,14 +121,26 @@ def spot_price(ec2, instance_type: str, zone: Optional[str] = None, now: Optiona
 def spot_saving(spot: Price, on_demand: Price) -> str:
     """One line: the Spot price against the On-Demand one, and the saving per node-hour."""
     if spot.usd_per_hour is None or on_demand.usd_per_hour is None:
-        return f"Spot {usd(spot.usd_per_hour)}/h [{spot.source}] vs On-Demand {usd(on_demand.usd_per_hour)}/h: saving unknown"
+        return (
+            f"Spot {usd(spot.usd_per_hour)}/h [{spot.source}] vs On-Demand {usd(on_demand.usd_per_hour)}/h: "
+            "saving unknown"
+        )
     saving = 1 - spot.usd_per_hour / on_demand.usd_per_hour
-    return (f"Spot ${spot.usd_per_hour:.4f}/h [{spot.source}] vs On-Demand ${on_demand.usd_per_hour:.4f}/h "
-            f"[{on_demand.source}]: {saving:.0%} less per node-hour (Spot prices move; EC2 may interrupt)")
+    return (
+        f"Spot ${spot.usd_per_hour:.4f}/h [{spot.source}] vs On-Demand ${on_demand.usd_per_hour:.4f}/h "
+        f"[{on_demand.source}]: {saving:.0%} less per node-hour (Spot prices move; EC2 may interrupt)"
+    )
 
 
-def node_price(ec2, pricing, instance_type: str, region: str, spot: bool = False, zone: Optional[str] = None,
-               kept: Optional[Price] = None) -> tuple[Price, Optional[str]]:
+def node_price(
+    ec2,
+    pricing,
+    instance_type: str,
+    region: str,
+    spot: bool = False,
+    zone: Optional[str] = None,
+    kept: Optional[Price] = None,
+) -> tuple[Price, Optional[str]]:
     """What a node-hour is projected at, and with Spot the saving line. On-Demand: instance_price.
     Spot: the price in effect in `zone` (else the cheapest AZ); when it cannot be read, the On-Demand
     price, the most a Spot node costs without spot_max_price, labelled so."""
@@ -144,8 +169,14 @@ def efs_io_gb(cloudwatch, file_system_id: str, start: datetime, end: datetime) -
     totals = []
     for metric in ("DataReadIOBytes", "DataWriteIOBytes"):
         points = cloudwatch.get_metric_statistics(
-            Namespace="AWS/EFS", MetricName=metric, StartTime=start, EndTime=end, Period=period,
-            Dimensions=[{"Name": "FileSystemId", "Value": file_system_id}], Statistics=["Sum"])["Datapoints"]
+            Namespace="AWS/EFS",
+            MetricName=metric,
+            StartTime=start,
+            EndTime=end,
+            Period=period,
+            Dimensions=[{"Name": "FileSystemId", "Value": file_system_id}],
+            Statistics=["Sum"],
+        )["Datapoints"]
         totals.append(sum(point["Sum"] for point in points) / 1e9)
     return totals[0], totals[1]
 
@@ -164,6 +195,16 @@ class Estimate:
     efs_gb: float
     dataset_gb: Optional[float] = None
     epochs: Optional[float] = None
+    private_subnet: bool = False
+    interface_endpoints: int = 3
+
+    @property
+    def network_usd_per_month(self) -> float:
+        """A private subnet's NAT gateway and Session Manager endpoints (one AZ), before data."""
+        if not self.private_subnet:
+            return 0.0
+        hourly = TABLE["nat_gateway_usd_per_hour"] + self.interface_endpoints * TABLE["interface_endpoint_usd_per_hour"]
+        return hourly * HOURS_PER_MONTH
 
     @property
     def usd_per_hour(self) -> Optional[float]:
@@ -181,37 +222,49 @@ class Estimate:
     def lines(self) -> list[str]:
         hourly = self.usd_per_hour
         node = usd(self.node_price.usd_per_hour) if hourly is None else f"${self.node_price.usd_per_hour:.3f}"
-        lines = [f"cluster: {self.nodes} x {node}/h = {usd(hourly)}/hour "
-                 f"({usd(None if hourly is None else hourly * 24)}/day) [{self.node_price.source}]",
-                 f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
-                 "while the stack exists",
-                 f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted"]
+        lines = [
+            f"cluster: {self.nodes} x {node}/h = {usd(hourly)}/hour "
+            f"({usd(None if hourly is None else hourly * 24)}/day) [{self.node_price.source}]",
+            f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
+            "while the stack exists",
+            f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted",
+        ]
+        if self.private_subnet:
+            lines.append(
+                f"private subnet: NAT gateway + {self.interface_endpoints} Session Manager endpoints = "
+                f"${self.network_usd_per_month:.2f}/month while the stack exists, plus "
+                f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)"
+            )
         if self.dataset_gb and self.epochs:
             read_gb = self.dataset_gb * self.epochs
-            lines.append(f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "
-                         f"{self.epochs:g} epochs) = ${efs_io_usd(read_gb, 0):,.2f} "
-                         f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
-                         f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)")
+            lines.append(
+                f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "
+                f"{self.epochs:g} epochs) = ${efs_io_usd(read_gb, 0):,.2f} "
+                f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
+                f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)"
+            )
         return lines
 
 
-def projection(progress: dict, usd_per_hour: Optional[float],
-               io_usd_per_hour: Optional[float] = None) -> Optional[str]:
+def projection(progress: dict, usd_per_hour: Optional[float], io_usd_per_hour: Optional[float] = None) -> Optional[str]:
     """Time and dollars to reach max steps from the measured step time, or None before it is known.
     EFS I/O is projected at its last hour's rate when given."""
     step, total, step_time = progress.get("step"), progress.get("max_steps"), progress.get("avg_step_time_s")
     if not step or not total or not step_time:
         return None
     hours = max(0, total - step) * step_time / 3600
-    line = (f"run: step {step}/{total} at {step_time:.2f} s/step -> {hours:.1f} h and "
-            f"{usd(None if usd_per_hour is None else hours * usd_per_hour)} more for the nodes")
+    line = (
+        f"run: step {step}/{total} at {step_time:.2f} s/step -> {hours:.1f} h and "
+        f"{usd(None if usd_per_hour is None else hours * usd_per_hour)} more for the nodes"
+    )
     if io_usd_per_hour is not None:
         line += f" + ${hours * io_usd_per_hour:.2f} EFS I/O at the last hour's rate"
     return line + f" to reach {total} steps"
 
 
-def spent(launch_times: list[datetime], usd_per_hour_per_node: Optional[float],
-          now: Optional[datetime] = None) -> Optional[float]:
+def spent(
+    launch_times: list[datetime], usd_per_hour_per_node: Optional[float], now: Optional[datetime] = None
+) -> Optional[float]:
     if usd_per_hour_per_node is None:
         return None
     now = now or datetime.now(timezone.utc)

@@ -1,5 +1,6 @@
 """Node health for `fab check`: one probe per node, then a verdict per node (ok, degraded, bad) with
 its reasons. `bad` means the node must not train; `degraded` trains, with a warning."""
+
 from __future__ import annotations
 
 import json
@@ -50,6 +51,7 @@ PY
 
 def probe_script(python: str, data_dir: str) -> str:
     import shlex
+
     return PROBE.replace("__DATA__", shlex.quote(data_dir)).replace("__PYTHON__", shlex.quote(python))
 
 
@@ -74,9 +76,15 @@ def _majority(values: Sequence) -> object:
     return Counter(values).most_common(1)[0][0] if values else None
 
 
-def assess(facts: dict[str, Optional[dict]], expected_gpus: int, expected_gpu: Optional[str],
-           controller_time: Optional[float] = None, links: Optional[dict[tuple[str, str], float]] = None,
-           transport: Optional[dict[str, str]] = None, expect_efa: bool = False) -> list[NodeHealth]:
+def assess(
+    facts: dict[str, Optional[dict]],
+    expected_gpus: int,
+    expected_gpu: Optional[str],
+    controller_time: Optional[float] = None,
+    links: Optional[dict[tuple[str, str], float]] = None,
+    transport: Optional[dict[str, str]] = None,
+    expect_efa: bool = False,
+) -> list[NodeHealth]:
     """A verdict per node from its probe facts (None: unreachable), the pairwise link rates (Gbit/s)
     and the NCCL transport each node reported."""
     reachable = {name: f for name, f in facts.items() if f is not None}
@@ -142,5 +150,4 @@ def fit_to_train(health: Sequence[NodeHealth]) -> bool:
 
 
 def as_json(health: Sequence[NodeHealth], **extra) -> str:
-    return json.dumps({"fit_to_train": fit_to_train(health), "nodes": [asdict(h) for h in health], **extra},
-                      indent=2)
+    return json.dumps({"fit_to_train": fit_to_train(health), "nodes": [asdict(h) for h in health], **extra}, indent=2)

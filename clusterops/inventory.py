@@ -4,6 +4,7 @@ Written by `fab local.up` for the emulated cluster, or built from the outputs fi
 writes (fallback: describe the stack with boto3). The private key and the cluster host key are
 fetched from SSM Parameter Store once; host keys are pinned, never blindly accepted.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from botocore.exceptions import ClientError, WaiterError
+
+from assets.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
 
 DEFAULT_INVENTORY = Path(".cluster/inventory.json")
 DEFAULT_OUTPUTS = Path("cdk-outputs.json")
@@ -32,8 +35,9 @@ class Node:
 
 
 # access=ssm: fab reaches each node's container sshd (host network, 4444) through Session Manager.
-SSM_PROXY_COMMAND = ("aws ssm start-session --region {region} --target %h "
-                     "--document-name AWS-StartSSHSession --parameters portNumber=%p")
+SSM_PROXY_COMMAND = (
+    "aws ssm start-session --region {region} --target %h --document-name AWS-StartSSHSession --parameters portNumber=%p"
+)
 
 
 @dataclass(frozen=True)
@@ -94,16 +98,19 @@ class Inventory:
     @classmethod
     def load(cls, path: Path) -> "Inventory":
         if not path.exists():
-            raise InventoryError(f"no inventory at {path}: run `fab local.up` (emulated cluster) or "
-                                 "`npx cdk deploy` then `fab inventory` (AWS)")
+            raise InventoryError(
+                f"no inventory at {path}: run `fab local.up` (emulated cluster) or "
+                "`npx cdk deploy` then `fab inventory` (AWS)"
+            )
         try:
             raw = json.loads(path.read_text())
             raw["nodes"] = [Node(**n) for n in raw["nodes"]]
             raw["ssh"] = SshSettings(**raw["ssh"])
             inventory = cls(**raw)
         except (ValueError, TypeError, KeyError) as error:
-            raise InventoryError(f"unreadable inventory {path} ({error}); rebuild it with "
-                                 "`fab inventory` or `fab local.up`") from None
+            raise InventoryError(
+                f"unreadable inventory {path} ({error}); rebuild it with `fab inventory` or `fab local.up`"
+            ) from None
         if not inventory.nodes:
             raise InventoryError(f"inventory {path} lists no nodes; rebuild it with `fab inventory`")
         return inventory
@@ -119,8 +126,7 @@ def write_known_hosts(path: Path, hosts: list[str], host_public_key: str, port: 
 def stack_outputs_from_file(path: Path) -> tuple[str, dict]:
     """(stack name, outputs) of the one GPU cluster stack in a `cdk deploy --outputs-file` file."""
     if not path.exists():
-        raise InventoryError(f"no {path}: run `npx cdk deploy` first (cdk.json makes it write "
-                             "the outputs there)")
+        raise InventoryError(f"no {path}: run `npx cdk deploy` first (cdk.json makes it write the outputs there)")
     data = json.loads(path.read_text())
     stacks = {name: out for name, out in data.items() if "PrivateIps" in out}
     if len(stacks) != 1:
@@ -137,21 +143,28 @@ def stack_outputs_from_aws(stack_name: str, session) -> dict:
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
 
 
-def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
-                 key_file: Optional[str] = None, key_dir: Path = Path.home() / ".ssh") -> Inventory:
+def from_outputs(
+    stack_name: str,
+    outputs: dict,
+    session,
+    state_dir: Path,
+    key_file: Optional[str] = None,
+    key_dir: Optional[Path] = None,
+) -> Inventory:
     """Build the inventory of a deployed stack: the private key is fetched from SSM once into
     key_dir (0600), the host key is pinned in state_dir/STACK.known_hosts."""
-    missing = [k for k in ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode",
-                           "HostKeyParameterName", "KeyParameterName") if k not in outputs]
+    missing = [k for k in REQUIRED_OUTPUTS if k not in outputs]
     if missing:
-        raise InventoryError(f"stack {stack_name} outputs lack {', '.join(missing)}: "
-                             "redeploy with this version (`npx cdk deploy`)")
+        raise InventoryError(
+            f"stack {stack_name} outputs lack {', '.join(missing)}: redeploy with this version (`npx cdk deploy`)"
+        )
     private = outputs["PrivateIps"].split(",")
     public = outputs["PublicIps"].split(",")
     ids = outputs["InstanceIds"].split(",")
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o700)
     ssm = session.client("ssm")
+    key_dir = key_dir or Path.home() / ".ssh"
     if key_file is None:
         if outputs["KeyParameterName"] == "none":
             raise InventoryError("the stack uses your own key pair: pass --key-file PATH")
@@ -161,8 +174,7 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
         key_id = outputs["KeyParameterName"].rstrip("/").rsplit("/", 1)[-1]
         key_path = key_dir / f"{stack_name}-{key_id}.pem"
         if not key_path.exists():
-            value = ssm.get_parameter(Name=outputs["KeyParameterName"],
-                                      WithDecryption=True)["Parameter"]["Value"]
+            value = ssm.get_parameter(Name=outputs["KeyParameterName"], WithDecryption=True)["Parameter"]["Value"]
             fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as handle:
                 handle.write(value if value.endswith("\n") else value + "\n")
@@ -172,29 +184,48 @@ def from_outputs(stack_name: str, outputs: dict, session, state_dir: Path,
     except ssm.exceptions.ParameterNotFound:
         host_key = ""
     if not host_key.startswith("ssh-"):  # the stack's placeholder until node 0 has booted
-        raise InventoryError("the nodes have not published their host key yet: wait for "
-                             "`cdk deploy` to finish, then run `fab inventory` again")
+        raise InventoryError(
+            "the nodes have not published their host key yet: wait for "
+            "`cdk deploy` to finish, then run `fab inventory` again"
+        )
     proxy = None
     if outputs.get("Access") == "ssm":  # no inbound rule: every node through Session Manager
         proxy = SSM_PROXY_COMMAND.format(region=outputs.get("Region") or "us-east-1")
         public = list(ids)
     else:  # no public address (an emulator): reach the node on its private one
-        public = [ip if ip and ip not in ("None", "none") else private[r]
-                  for r, ip in enumerate(public + [""] * (len(private) - len(public)))]
-    nodes = [Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r],
-                  instance_id=ids[r]) for r in range(len(private))]
+        public = [
+            ip if ip and ip not in ("None", "none") else private[r]
+            for r, ip in enumerate(public + [""] * (len(private) - len(public)))
+        ]
+    nodes = [
+        Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r], instance_id=ids[r])
+        for r in range(len(private))
+    ]
     nodes = refresh_addresses(nodes, session.client("ec2"))  # a stop/start changes public IPs
     known_hosts = state_dir / f"{stack_name}.known_hosts"
-    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=CONTAINER_SSH_PORT)
     return Inventory(
-        cluster=outputs.get("ClusterName", stack_name), source="aws", nodes=nodes,
+        cluster=outputs.get("ClusterName", stack_name),
+        source="aws",
+        nodes=nodes,
         gpus_per_node=int(outputs["GpusPerNode"]),
-        ssh=SshSettings(user="root", port=4444, key_file=key_file, known_hosts=str(known_hosts),
-                        proxy_command=proxy),
-        instance_type=outputs.get("InstanceType", ""), region=outputs.get("Region"),
-        stack_name=stack_name, file_system_id=outputs.get("FileSystemId"),
+        ssh=SshSettings(
+            user="root", port=CONTAINER_SSH_PORT, key_file=key_file, known_hosts=str(known_hosts), proxy_command=proxy
+        ),
+        instance_type=outputs.get("InstanceType", ""),
+        region=outputs.get("Region"),
+        stack_name=stack_name,
+        file_system_id=outputs.get("FileSystemId"),
         spot=outputs.get("Spot") == "true",
-        extra={"dashboard_url": outputs["DashboardUrl"]} if "DashboardUrl" in outputs else {})
+        extra={
+            key: value
+            for key, value in (
+                ("dashboard_url", outputs.get("DashboardUrl")),
+                ("efa_cards", int(outputs.get("EfaCards") or 0)),
+            )
+            if value
+        },
+    )
 
 
 def describe(ec2, ids: list[str]) -> dict[str, dict]:
@@ -233,12 +264,12 @@ def start_and_refresh(inventory: Inventory, ec2, wait: bool = True, delay: float
     states = {i: d["State"]["Name"] for i, d in describe(ec2, ids).items()}
     gone = [i for i in ids if states.get(i, "terminated") in ("terminated", "shutting-down")]
     if gone:
-        raise InventoryError(f"{', '.join(gone)} no longer exist(s) (terminated): redeploy with "
-                             "`npx cdk deploy`, then `fab inventory`")
+        raise InventoryError(
+            f"{', '.join(gone)} no longer exist(s) (terminated): redeploy with `npx cdk deploy`, then `fab inventory`"
+        )
     stopping = [i for i in ids if states[i] == "stopping"]
     if stopping:
-        ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping,
-                                                WaiterConfig={"Delay": delay, "MaxAttempts": 120})
+        ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
     to_start = [i for i in ids if states[i] in ("stopped", "stopping")]
     if to_start:
         try:
@@ -260,8 +291,11 @@ def start_and_refresh(inventory: Inventory, ec2, wait: bool = True, delay: float
 
 
 def _not_running_reason(ec2, ids: list[str]) -> str:
-    reasons = {f"{i} {d['State']['Name']}: {d.get('StateReason', {}).get('Message', 'no reason given')}"
-               for i, d in describe(ec2, ids).items() if d["State"]["Name"] != "running"}
+    reasons = {
+        f"{i} {d['State']['Name']}: {d.get('StateReason', {}).get('Message', 'no reason given')}"
+        for i, d in describe(ec2, ids).items()
+        if d["State"]["Name"] != "running"
+    }
     return "; ".join(sorted(reasons)) or "the instances did not reach running in time"
 
 
@@ -271,8 +305,10 @@ def _undo_partial_start(ec2, started: list[str], reason: str) -> str:
     up = sorted(i for i, d in describe(ec2, started).items() if d["State"]["Name"] in ("pending", "running"))
     if up:
         ec2.stop_instances(InstanceIds=up)
-    return (f"the nodes could not all start ({reason}); stopped the {len(up)} that did, so nothing "
-            "runs; AWS may lack capacity for the whole placement group now: try `fab start` later")
+    return (
+        f"the nodes could not all start ({reason}); stopped the {len(up)} that did, so nothing "
+        "runs; AWS may lack capacity for the whole placement group now: try `fab start` later"
+    )
 
 
 def stop_nodes(inventory: Inventory, ec2) -> list[str]:

@@ -1,12 +1,15 @@
 """Pure functions that build what `fab train` sends to the head node: hostfile, mpirun line, env."""
+
 from __future__ import annotations
 
 import posixpath
 import re
 import shlex
-from urllib.parse import urlsplit, urlunsplit
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from assets.contract import CONTAINER_SSH_PORT
 
 from .inventory import Inventory, Node
 
@@ -16,6 +19,11 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
+
+
+# aws-ofi-nccl over libfabric's EFA provider (the AWS "Get started with EFA and NCCL" guide): older
+# plugins need FI_PROVIDER; RDMA on the p4d/p5 GPUs' NICs. Harmless where current plugins default to them.
+EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
 
 
 class LaunchError(ValueError):
@@ -54,10 +62,9 @@ class TrainRequest:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise LaunchError(f"invalid --precision {self.precision!r}: one of {', '.join(PRECISIONS)}")
         if self.grad_compression is not None and self.grad_compression not in COMPRESSIONS:
-            raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: "
-                              f"one of {', '.join(COMPRESSIONS)}")
-        if not 1024 <= self.master_port <= 65535 or self.master_port == 4444:
-            raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not 4444")
+            raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: one of {', '.join(COMPRESSIONS)}")
+        if not 1024 <= self.master_port <= 65535 or self.master_port == CONTAINER_SSH_PORT:
+            raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not {CONTAINER_SSH_PORT}")
         for name in ("stall_minutes", "start_minutes"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"invalid --{name.replace('_', '-')} {getattr(self, name)}: a positive number")
@@ -66,8 +73,12 @@ class TrainRequest:
 
 
 def default_dataset(recipe: str) -> str:
-    return {"transformer-tiny": "numbers", "transformer-base": "wmt16-en-de",
-            "resnet50": "imagenet", "resnet-small": "imagenet-small"}[recipe]
+    return {
+        "transformer-tiny": "numbers",
+        "transformer-base": "wmt16-en-de",
+        "resnet50": "imagenet",
+        "resnet-small": "imagenet-small",
+    }[recipe]
 
 
 def data_path(inventory: Inventory, dataset: str) -> str:
@@ -84,8 +95,7 @@ def parse_interface(ip_addr_output: str, address: str) -> str:
         match = _IFACE.match(line.strip())
         if match and match.group(2) == address:
             return match.group(1)
-    raise LaunchError(f"no interface holds {address}: is the inventory stale? "
-                      "(`fab inventory` or `fab local.up`)")
+    raise LaunchError(f"no interface holds {address}: is the inventory stale? (`fab inventory` or `fab local.up`)")
 
 
 def run_dir(inventory: Inventory, run_name: str) -> str:
@@ -96,13 +106,24 @@ def active_file(inventory: Inventory) -> str:
     return f"{inventory.data_dir}/runs/.active"
 
 
-def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
-    nodes = inventory.select(request.nodes)
+def mpirun_prefix(
+    inventory: Inventory,
+    nodes: Sequence[Node],
+    interface: str,
+    master_port: int = 29500,
+    hostfile: Optional[str] = None,
+) -> list[str]:
+    """mpirun and its options, up to the program: one rank per GPU slot of `nodes` (listed in
+    `hostfile`, else given with -H), the interface for OpenMPI, NCCL and gloo, the rendezvous."""
     ranks = len(nodes) * inventory.gpus_per_node
-    rdir = run_dir(inventory, request.run_name)
-    dataset = request.dataset or default_dataset(request.recipe)
+    placement = (
+        ["--hostfile", hostfile]
+        if hostfile
+        else ["-H", ",".join(f"{node.private_ip}:{inventory.gpus_per_node}" for node in nodes)]
+    )
+    # fmt: off
     argv = [
-        "mpirun", "--allow-run-as-root", "-np", str(ranks), "--hostfile", f"{rdir}/hostfile",
+        "mpirun", "--allow-run-as-root", "-np", str(ranks), *placement,
         "-bind-to", "none", "-map-by", "slot",
         "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
         "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
@@ -111,19 +132,91 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
         "--mca", "oob_tcp_keepalive_time", "10", "--mca", "oob_tcp_keepalive_intvl", "5",
         "--mca", "oob_tcp_keepalive_probes", "3",
     ]
-    exports = {"MASTER_ADDR": nodes[0].private_ip, "MASTER_PORT": str(request.master_port),
-               "NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface,
-               "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4"}
+    # fmt: on
+    exports = {
+        "MASTER_ADDR": nodes[0].private_ip,
+        "MASTER_PORT": str(master_port),
+        # NCCL's bootstrap and socket transport; with EFA, data goes through the OFI plugin.
+        "NCCL_SOCKET_IFNAME": interface,
+        "GLOO_SOCKET_IFNAME": interface,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4",
+    }
+    if inventory.extra.get("efa_cards"):
+        exports.update(EFA_ENVIRONMENT)
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
-    argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe,
-             "--data", data_path(inventory, dataset), "--run-dir", rdir]
-    for flag, value in (("--max-steps", request.steps), ("--batch-per-gpu", request.batch_per_gpu),
-                        ("--precision", request.precision),
-                        ("--grad-compression", request.grad_compression)):
-        if value is not None:
-            argv += [flag, str(value)]
+    return argv
+
+
+def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
+    nodes = inventory.select(request.nodes)
+    rdir = run_dir(inventory, request.run_name)
+    dataset = request.dataset or default_dataset(request.recipe)
+    argv = mpirun_prefix(inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile")
+    argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe]
+    argv += ["--data", data_path(inventory, dataset), "--run-dir", rdir]
+    options: tuple[tuple[str, object], ...] = (
+        ("--max-steps", request.steps),
+        ("--batch-per-gpu", request.batch_per_gpu),
+        ("--precision", request.precision),
+        ("--grad-compression", request.grad_compression),
+    )
+    for flag, given in options:
+        if given is not None:
+            argv += [flag, str(given)]
     return argv + list(request.extra_args)
+
+
+CHECK_STEPS = 3
+
+
+def check_dir(inventory: Inventory) -> str:
+    return f"{inventory.data_dir}/runs/.check"
+
+
+def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
+    """`fab check`'s training steps: prepare.py for a tiny numbers set, then train.py for CHECK_STEPS
+    steps and an eval (every collective the trainer uses), both in check_dir."""
+    scratch = check_dir(inventory)
+    prepare = [
+        inventory.python,
+        f"{code_dir}/prepare.py",
+        "numbers",
+        "--out",
+        f"{scratch}/numbers",
+        "--train",
+        "1000",
+        "--valid",
+        "16",
+        "--test",
+        "8",
+        "--vocab",
+        "200",
+    ]
+    train = [
+        inventory.python,
+        f"{code_dir}/train.py",
+        "--recipe",
+        "transformer-tiny",
+        "--data",
+        f"{scratch}/numbers",
+        "--run-dir",
+        f"{scratch}/run",
+        "--max-steps",
+        str(CHECK_STEPS),
+        "--batch-per-gpu",
+        "4",
+        "--eval-every",
+        str(CHECK_STEPS),
+        "--eval-samples",
+        "8",
+        "--log-every",
+        "1",
+        "--dist-timeout-s",
+        "120",
+    ]
+    return prepare, train
 
 
 EMULATOR_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
@@ -145,18 +238,24 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
 
 def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[dict] = None) -> str:
     nodes = inventory.select(request.nodes)
-    values = {"HOSTS": " ".join(n.private_ip for n in nodes),
-              "SSH_CONFIG": inventory.cluster_ssh_config,
-              "ACTIVE_FILE": active_file(inventory),
-              "STALL_SECONDS": str(int(request.stall_minutes * 60)),
-              "START_SECONDS": str(int(request.start_minutes * 60)),
-              "POLL_SECONDS": "5", "PYTHON": inventory.python}
+    values = {
+        "HOSTS": " ".join(n.private_ip for n in nodes),
+        "SSH_CONFIG": inventory.cluster_ssh_config,
+        "ACTIVE_FILE": active_file(inventory),
+        "STALL_SECONDS": str(int(request.stall_minutes * 60)),
+        "START_SECONDS": str(int(request.start_minutes * 60)),
+        "POLL_SECONDS": "5",
+        "PYTHON": inventory.python,
+    }
     if request.then_stop:
         # The launcher runs in an SSH session: no AWS variables there, so the region travels here.
-        values.update(THEN_STOP="1", CLUSTER_NAME=inventory.cluster,
-                      AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
-                      **({"AWS_REGION": inventory.region} if inventory.region else {}),
-                      **emulator_env(inventory, environ or {}))
+        values.update(
+            THEN_STOP="1",
+            CLUSTER_NAME=inventory.cluster,
+            AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
+            **({"AWS_REGION": inventory.region} if inventory.region else {}),
+            **emulator_env(inventory, environ or {}),
+        )
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
 
 

@@ -19,7 +19,7 @@ LOG=$RUN_DIR/train.log
 
 now() { date -u +%FT%TZ; }
 status() {  # status STATE EXIT_CODE REASON: written by a JSON library, whatever the reason holds
-  "$PYTHON" - "$RUN_DIR/run-status.json" "$1" "$2" "$3" "$(now)" "$(hostname)" <<'PY'
+  "$PYTHON" -c '
 import json, os, sys
 path, state, code, reason, time, head = sys.argv[1:]
 record = {"state": state, "exit_code": None if code == "null" else int(code), "reason": reason,
@@ -27,7 +27,7 @@ record = {"state": state, "exit_code": None if code == "null" else int(code), "r
 with open(path + ".tmp", "w") as handle:
     json.dump(record, handle)
 os.replace(path + ".tmp", path)
-PY
+' "$RUN_DIR/run-status.json" "$1" "$2" "$3" "$(now)" "$(hostname)"
 }
 
 echo $$ > "$RUN_DIR/launcher.pid"

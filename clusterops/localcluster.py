@@ -5,6 +5,7 @@ Each node is a network namespace with its own address on a bridge, a private UTS
 training container's own entrypoint running sshd on 4444. Links can be capped with `tc tbf`.
 `up` writes the same inventory format as a deployed stack, so every fab task works unchanged.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -20,6 +21,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
+
+from assets.contract import CONTAINER_SSH_PORT
 
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
 
@@ -47,8 +51,9 @@ class LocalSpec:
 
     def validate(self) -> None:
         if not re.match(r"^[a-z][a-z0-9]{0,7}$", self.name):
-            raise LocalClusterError(f"invalid --name {self.name!r}: 1-8 lowercase letters/digits, "
-                                    "starting with a letter")
+            raise LocalClusterError(
+                f"invalid --name {self.name!r}: 1-8 lowercase letters/digits, starting with a letter"
+            )
         if not 1 <= self.nodes <= 32:
             raise LocalClusterError(f"invalid --nodes {self.nodes}: expected 1 to 32")
         if not 1 <= self.slots <= 16:
@@ -58,11 +63,9 @@ class LocalSpec:
         try:
             network = ipaddress.ip_network(self.subnet)
         except ValueError:
-            raise LocalClusterError(f"invalid --subnet {self.subnet!r}: an IPv4 CIDR such as "
-                                    "10.213.0.0/24") from None
+            raise LocalClusterError(f"invalid --subnet {self.subnet!r}: an IPv4 CIDR such as 10.213.0.0/24") from None
         if network.version != 4 or network.num_addresses < self.nodes + 16:
-            raise LocalClusterError(f"invalid --subnet {self.subnet!r}: IPv4 with room for "
-                                    f"{self.nodes} nodes")
+            raise LocalClusterError(f"invalid --subnet {self.subnet!r}: IPv4 with room for {self.nodes} nodes")
         if not self.data_dir.startswith("/") or self.data_dir == "/":
             raise LocalClusterError(f"invalid --data-dir {self.data_dir!r}: an absolute path, not /")
 
@@ -101,18 +104,35 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def preflight() -> None:
     if os.geteuid() != 0:
-        raise LocalClusterError("the local cluster needs root (network and mount namespaces); "
-                                "run as root, e.g. `sudo fab local.up`")
+        raise LocalClusterError(
+            "the local cluster needs root (network and mount namespaces); run as root, e.g. `sudo fab local.up`"
+        )
     missing = [tool for tool in REQUIRED_TOOLS if shutil.which(tool) is None]
     if missing:
-        raise LocalClusterError(f"missing tools: {', '.join(missing)}; run `make setup` "
-                                "(apt: iproute2 openssh-server openmpi-bin util-linux)")
+        raise LocalClusterError(
+            f"missing tools: {', '.join(missing)}; run `make setup` "
+            "(apt: iproute2 openssh-server openmpi-bin util-linux)"
+        )
 
 
 def _cap(device: str, rate: str, netns: str | None = None) -> None:
     prefix = ("ip", "netns", "exec", netns) if netns else ()
-    _run(*prefix, "tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
-         "burst", "256kb", "latency", "50ms")
+    _run(
+        *prefix,
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        device,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        "256kb",
+        "latency",
+        "50ms",
+    )
 
 
 def _wait_for_port(ip: str, port: int, timeout: float) -> None:
@@ -126,31 +146,50 @@ def _wait_for_port(ip: str, port: int, timeout: float) -> None:
     raise LocalClusterError(f"sshd on {ip}:{port} did not come up in {timeout:.0f} s")
 
 
-def _node_script(spec: LocalSpec, rank: int, hosts_file: Path, nsswitch: Path,
-                 shared: Path, extra_keys: Path) -> str:
-    env = {"DATA_DIR": spec.data_dir, "RUNTIME_DIR": "/run/gpu-cluster",
-           "EXTRA_AUTHORIZED_KEYS": str(extra_keys), "SSHD_CONFIG": str(SSHD_CONFIG),
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+def _node_script(
+    spec: LocalSpec,
+    rank: int,
+    hosts_file: Path,
+    nsswitch: Path,
+    shared: Path,
+    extra_keys: Path,
+    image_env: Mapping[str, str],
+) -> str:
+    # Like a container's, the entrypoint's environment is the image's only (env -i), not the host's.
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": "/root",
+        **image_env,
+        "DATA_DIR": spec.data_dir,
+        "RUNTIME_DIR": "/run/gpu-cluster",
+        "EXTRA_AUTHORIZED_KEYS": str(extra_keys),
+        "SSHD_CONFIG": str(SSHD_CONFIG),
+    }
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     q = shlex.quote
-    return "; ".join([
-        "set -e",
-        f"hostname node{rank}",
-        f"mount --bind {q(str(hosts_file))} /etc/hosts",
-        f"mount --bind {q(str(nsswitch))} /etc/nsswitch.conf",
-        "mount -t tmpfs -o mode=0755 tmpfs /run",
-        f"mount --bind {q(str(shared))} {q(spec.data_dir)}",
-        f"exec env {exports} bash {q(str(ENTRYPOINT))}",
-    ])
+    return "; ".join(
+        [
+            "set -e",
+            f"hostname node{rank}",
+            f"mount --bind {q(str(hosts_file))} /etc/hosts",
+            f"mount --bind {q(str(nsswitch))} /etc/nsswitch.conf",
+            "mount -t tmpfs -o mode=0755 tmpfs /run",
+            f"mount --bind {q(str(shared))} {q(spec.data_dir)}",
+            f"exec env -i {exports} bash {q(str(ENTRYPOINT))}",
+        ]
+    )
 
 
 class NothingToDo(LocalClusterError):
     """`local.down` of a cluster that is not there: said, not an error."""
 
 
-def up(spec: LocalSpec, inventory_path: Path, replace: bool = False) -> Inventory:
+def up(
+    spec: LocalSpec, inventory_path: Path, replace: bool = False, image_env: Mapping[str, str] | None = None
+) -> Inventory:
     """Bring the cluster up and write the inventory. A running cluster of the same name (and its
-    shared /data) is replaced only when asked to."""
+    shared /data) is replaced only when asked to. image_env: variables the training image would set
+    (ENV), given to each node's entrypoint."""
     spec.validate()
     preflight()
     if spec.state_dir.exists():
@@ -158,7 +197,8 @@ def up(spec: LocalSpec, inventory_path: Path, replace: bool = False) -> Inventor
             raise LocalClusterError(
                 f"a local cluster {spec.name!r} is already up; its /data ({spec.state_dir / 'shared'}) "
                 f"holds {describe_data(spec.state_dir / 'shared')}: `fab local.up --replace` deletes "
-                "it and starts anew, `fab local.down` stops it")
+                "it and starts anew, `fab local.down` stops it"
+            )
         down(spec.name, inventory_path=None)
     record = _prepare_state(spec)
     shared = spec.state_dir / "shared"
@@ -166,7 +206,7 @@ def up(spec: LocalSpec, inventory_path: Path, replace: bool = False) -> Inventor
     ssh_dir = _make_identities(spec, shared, controller)
     _make_network(spec)
     for rank in range(spec.nodes):
-        record["pids"][str(rank)] = _start_node(spec, rank, shared, controller)
+        record["pids"][str(rank)] = _start_node(spec, rank, shared, controller, image_env or {})
         _save_record(spec, record)
     _wait_ready(spec, shared)
     return _write_inventory(spec, ssh_dir, controller, inventory_path)
@@ -178,7 +218,8 @@ def _prepare_state(spec: LocalSpec) -> dict:
     os.chmod(spec.state_dir / "controller", 0o700)
     created_mountpoint = not Path(spec.data_dir).exists() or any(
         json.loads((STATE_ROOT / other / "cluster.json").read_text()).get("created_mountpoint")
-        for other in list_clusters())
+        for other in list_clusters()
+    )
     Path(spec.data_dir).mkdir(parents=True, exist_ok=True)
     record = {"spec": spec.__dict__, "created_mountpoint": created_mountpoint, "pids": {}}
     _save_record(spec, record)
@@ -189,8 +230,7 @@ def _make_identities(spec: LocalSpec, shared: Path, controller: Path) -> Path:
     """The cluster's SSH identity on shared storage, exactly as the AWS bootstrap makes it on EFS,
     the controller's (fab's) key, and the nodes' /etc/hosts and nsswitch.conf."""
     _run("bash", str(IDENTITY_SCRIPT), str(shared), f"{spec.name}-local")
-    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fab-controller",
-         "-f", str(controller / "id_ed25519"))
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fab-controller", "-f", str(controller / "id_ed25519"))
     ssh_dir = shared / ".cluster" / "ssh"
     # The script named the host-side path; inside the nodes the shared directory is data_dir.
     config = (ssh_dir / "config").read_text().replace(str(shared), spec.data_dir)
@@ -219,21 +259,45 @@ def _make_network(spec: LocalSpec) -> None:
             _cap("eth0", spec.link, netns)
 
 
-def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path) -> int:
+def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, image_env: Mapping[str, str]) -> int:
     """The node's own UTS and mount namespaces, then the container's entrypoint (sshd on 4444)."""
     log = open(spec.state_dir / f"node{rank}.log", "ab")
-    script = _node_script(spec, rank, spec.state_dir / "hosts", spec.state_dir / "nsswitch.conf", shared,
-                          controller / "id_ed25519.pub")
+    script = _node_script(
+        spec,
+        rank,
+        spec.state_dir / "hosts",
+        spec.state_dir / "nsswitch.conf",
+        shared,
+        controller / "id_ed25519.pub",
+        image_env,
+    )
     process = subprocess.Popen(
-        ["ip", "netns", "exec", spec.netns(rank), "unshare", "--uts", "--mount", "--propagation", "private",
-         "--", "bash", "-c", script],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        [
+            "ip",
+            "netns",
+            "exec",
+            spec.netns(rank),
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "bash",
+            "-c",
+            script,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     return process.pid
 
 
 def _wait_ready(spec: LocalSpec, shared: Path) -> None:
     for rank in range(spec.nodes):
-        _wait_for_port(spec.node_ip(rank), 4444, timeout=15)
+        _wait_for_port(spec.node_ip(rank), CONTAINER_SSH_PORT, timeout=15)
         ready = shared / ".cluster" / "ready"
         ready.mkdir(parents=True, exist_ok=True)
         (ready / f"node{rank}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ\n", time.gmtime()))
@@ -242,15 +306,25 @@ def _wait_ready(spec: LocalSpec, shared: Path) -> None:
 def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory_path: Path) -> Inventory:
     host_key = (ssh_dir / "ssh_host_ed25519_key.pub").read_text()
     known_hosts = controller / "known_hosts"
-    nodes = [Node(rank=r, name=f"node{r}", public_ip=spec.node_ip(r), private_ip=spec.node_ip(r))
-             for r in range(spec.nodes)]
-    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=4444)
+    nodes = [
+        Node(rank=r, name=f"node{r}", public_ip=spec.node_ip(r), private_ip=spec.node_ip(r)) for r in range(spec.nodes)
+    ]
+    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=CONTAINER_SSH_PORT)
     inventory = Inventory(
-        cluster=spec.name, source="local", nodes=nodes, gpus_per_node=spec.slots,
-        ssh=SshSettings(user="root", port=4444, key_file=str(controller / "id_ed25519"),
-                        known_hosts=str(known_hosts)),
-        python=sys.executable, code_dir=str(REPO / "assets" / "train"), data_dir=spec.data_dir,
-        instance_type="local", local_state=str(spec.state_dir), extra={"controller_ip": spec.bridge_ip})
+        cluster=spec.name,
+        source="local",
+        nodes=nodes,
+        gpus_per_node=spec.slots,
+        ssh=SshSettings(
+            user="root", port=CONTAINER_SSH_PORT, key_file=str(controller / "id_ed25519"), known_hosts=str(known_hosts)
+        ),
+        python=sys.executable,
+        code_dir=str(REPO / "assets" / "train"),
+        data_dir=spec.data_dir,
+        instance_type="local",
+        local_state=str(spec.state_dir),
+        extra={"controller_ip": spec.bridge_ip},
+    )
     inventory.save(inventory_path)
     return inventory
 
@@ -294,8 +368,9 @@ def down(name: str, inventory_path: Path | None) -> list[str]:
     state = STATE_ROOT / name
     record_path = state / "cluster.json"
     if not record_path.exists():
-        raise NothingToDo(f"no local cluster named {name!r} is up (known: "
-                          f"{', '.join(list_clusters()) or 'none'}); nothing to do")
+        raise NothingToDo(
+            f"no local cluster named {name!r} is up (known: {', '.join(list_clusters()) or 'none'}); nothing to do"
+        )
     record = json.loads(record_path.read_text())
     spec = LocalSpec(**record["spec"])
     removed = []

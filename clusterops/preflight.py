@@ -3,6 +3,7 @@ where the app reads them to place its subnet), the AZ and subnet the stack will 
 bucket of the family and purchase option, with Spot the Spot price and the saving, a RunInstances dry
 run (a permission check, no more), the AMI; and a quota increase request when asked. Functions take
 boto3 clients."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,17 @@ from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from stacks.config import (
+    SPOT_INTERRUPTION,
+    SPOT_REQUEST,
+    ClusterConfig,
+    choose_availability_zone,
+    offerings_context_key,
+)
+from stacks.instance_types import INSTANCE_TYPES
+
 from . import cost as costs
 from .report import aws_error
-from stacks.config import (SPOT_INTERRUPTION, SPOT_REQUEST, ClusterConfig, choose_availability_zone,
-                           offerings_context_key)
-from stacks.instance_types import INSTANCE_TYPES
 
 # EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
 # EC2 docs): On-Demand P is one bucket; Spot P5 has its own, apart from P4, P3 and P2.
@@ -91,9 +98,15 @@ def running_vcpus(ec2, instance_type: str, spot: bool = False) -> int:
     "spot"; On-Demand: no InstanceLifecycle); they count against the same quota."""
     bucket = quota_bucket(instance_type, spot)
     pages = ec2.get_paginator("describe_instances").paginate(
-        Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}])
-    types = [i["InstanceType"] for page in pages for r in page["Reservations"] for i in r["Instances"]
-             if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)]
+        Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
+    )
+    types = [
+        i["InstanceType"]
+        for page in pages
+        for r in page["Reservations"]
+        for i in r["Instances"]
+        if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)
+    ]
     sizes = vcpus(ec2, set(types))
     return sum(sizes.get(t, 0) for t in types)
 
@@ -116,8 +129,10 @@ class QuotaCheck:
 
     def line(self) -> str:
         verdict = "enough" if self.ok else f"short by {self.needed - self.quota:g}"
-        return (f"{self.name} ({self.code}): quota {self.quota:g} vCPUs; running {self.running} + "
-                f"requested {self.requested} = {self.needed}: {verdict}")
+        return (
+            f"{self.name} ({self.code}): quota {self.quota:g} vCPUs; running {self.running} + "
+            f"requested {self.requested} = {self.needed}: {verdict}"
+        )
 
 
 def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False) -> QuotaCheck:
@@ -134,21 +149,27 @@ def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False)
 
 def request_increase(quotas, check: QuotaCheck) -> str:
     try:
-        response = quotas.request_service_quota_increase(ServiceCode="ec2", QuotaCode=check.code,
-                                                         DesiredValue=float(check.needed))
+        response = quotas.request_service_quota_increase(
+            ServiceCode="ec2", QuotaCode=check.code, DesiredValue=float(check.needed)
+        )
     except ClientError as error:
         if error.response["Error"]["Code"] != "ResourceAlreadyExistsException":
             raise
-        return (f"a request to raise {check.name} ({check.code}) is already open; see the Service Quotas "
-                "console (Quota request history) and wait for it, or change it there")
+        return (
+            f"a request to raise {check.name} ({check.code}) is already open; see the Service Quotas "
+            "console (Quota request history) and wait for it, or change it there"
+        )
     request = response["RequestedQuota"]
-    return (f"requested {check.name} = {check.needed} vCPUs (request {request['Id']}, "
-            f"status {request['Status']}); approval can take a few days")
+    return (
+        f"requested {check.name} = {check.needed} vCPUs (request {request['Id']}, "
+        f"status {request['Status']}); approval can take a few days"
+    )
 
 
 def offered_zones(ec2, instance_type: str) -> list[str]:
     offers = ec2.get_paginator("describe_instance_type_offerings").paginate(
-        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}]
+    )
     return sorted({o["Location"] for page in offers for o in page["InstanceTypeOfferings"]})
 
 
@@ -169,25 +190,43 @@ def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[
         az = config.availability_zone
         where = f"existing subnet {config.subnet_id} in {az} (vpc {config.vpc_id})"
         if az not in zones:
-            return Check("AZ and subnet", False, f"{where}: {config.instance_type} is not offered there "
-                                                 f"(offered in {', '.join(zones)})"), az
+            return Check(
+                "AZ and subnet",
+                False,
+                f"{where}: {config.instance_type} is not offered there (offered in {', '.join(zones)})",
+            ), az
         return Check("AZ and subnet", True, where), az
     az = choose_availability_zone(config.availability_zone, zones)
     if az not in zones:
-        return Check("AZ and subnet", False, f"availability_zone={az} does not offer {config.instance_type} "
-                                             f"(offered in {', '.join(zones)})"), az
-    return Check("AZ and subnet", True, f"a new VPC with one public subnet in {az} "
-                                        f"({config.instance_type} offered in {', '.join(zones)})"), az
+        return Check(
+            "AZ and subnet",
+            False,
+            f"availability_zone={az} does not offer {config.instance_type} (offered in {', '.join(zones)})",
+        ), az
+    return Check(
+        "AZ and subnet",
+        True,
+        f"a new VPC with one public subnet in {az} ({config.instance_type} offered in {', '.join(zones)})",
+    ), az
 
 
-def dry_run(ec2, image_id: str, instance_type: str, nodes: int, subnet_id: Optional[str] = None,
-            availability_zone: Optional[str] = None, spot: bool = False) -> Check:
+def dry_run(
+    ec2,
+    image_id: str,
+    instance_type: str,
+    nodes: int,
+    subnet_id: Optional[str] = None,
+    availability_zone: Optional[str] = None,
+    spot: bool = False,
+) -> Check:
     """RunInstances with DryRun: it checks YOUR permission to launch there (as Spot: with the nodes'
     market options), not capacity or quota."""
     params = dict(ImageId=image_id, InstanceType=instance_type, MinCount=nodes, MaxCount=nodes, DryRun=True)
     if spot:
-        params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-            "SpotInstanceType": SPOT_REQUEST, "InstanceInterruptionBehavior": SPOT_INTERRUPTION}}
+        params["InstanceMarketOptions"] = {
+            "MarketType": "spot",
+            "SpotOptions": {"SpotInstanceType": SPOT_REQUEST, "InstanceInterruptionBehavior": SPOT_INTERRUPTION},
+        }
     if subnet_id:
         params["SubnetId"] = subnet_id
     elif availability_zone:
@@ -197,13 +236,15 @@ def dry_run(ec2, image_id: str, instance_type: str, nodes: int, subnet_id: Optio
     except ClientError as error:
         code = error.response["Error"]["Code"]
         if code == "DryRunOperation":
-            return Check(DRY_RUN, True, f"you may launch {nodes} x {instance_type} there "
-                                        "(a permission check: capacity and quota are not tested)")
+            return Check(
+                DRY_RUN,
+                True,
+                f"you may launch {nodes} x {instance_type} there "
+                "(a permission check: capacity and quota are not tested)",
+            )
         if code in NO_DEFAULT_VPC and not subnet_id:
-            return Check(DRY_RUN, True, "not checked: no default VPC; the stack creates its own subnet",
-                         skipped=True)
-        return Check(DRY_RUN, False,
-                     f"{code}: {DRY_RUN_ERRORS.get(code, error.response['Error'].get('Message', ''))}")
+            return Check(DRY_RUN, True, "not checked: no default VPC; the stack creates its own subnet", skipped=True)
+        return Check(DRY_RUN, False, f"{code}: {DRY_RUN_ERRORS.get(code, error.response['Error'].get('Message', ''))}")
     return Check(DRY_RUN, False, "the dry run launched nothing and raised nothing")
 
 
@@ -238,13 +279,21 @@ def ami(ssm, parameter: str) -> tuple[Check, Optional[str]]:
 
 
 def cloudformation_role_note(account: str, region: str) -> str:
-    return (f"note: `cdk deploy` launches the nodes through CloudFormation, which uses the CDK bootstrap's "
-            f"execution role (cdk-hnb659fds-cfn-exec-role-{account}-{region}) when it exists; the dry run "
-            "above checks YOUR permissions, not that role's")
+    return (
+        f"note: `cdk deploy` launches the nodes through CloudFormation, which uses the CDK bootstrap's "
+        f"execution role (cdk-hnb659fds-cfn-exec-role-{account}-{region}) when it exists; the dry run "
+        "above checks YOUR permissions, not that role's"
+    )
 
 
-def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, context_file: Optional[Path] = None,
-                  request_quota: bool = False, spot: bool = False) -> tuple[list[Check], list[str]]:
+def run_preflight(
+    clients: dict,
+    region: Optional[str],
+    config: ClusterConfig,
+    context_file: Optional[Path] = None,
+    request_quota: bool = False,
+    spot: bool = False,
+) -> tuple[list[Check], list[str]]:
     """All checks in order; stops early without credentials or region. Returns (checks, notes)."""
     who, account = identity(clients["sts"])
     checks = [who]
@@ -272,8 +321,11 @@ def run_preflight(clients: dict, region: Optional[str], config: ClusterConfig, c
     checks.append(ami_check)
     if image_id and az:
         checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az, spot))
-    notes = [cloudformation_role_note(account, region)]
+    notes = [cloudformation_role_note(account or "ACCOUNT", region)]
     if quota is not None and not quota.ok:
-        notes.append(request_increase(clients["service-quotas"], quota) if request_quota else
-                     f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs")
+        notes.append(
+            request_increase(clients["service-quotas"], quota)
+            if request_quota
+            else f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs"
+        )
     return checks, notes

@@ -1,8 +1,10 @@
 """Remote operations: plain functions that take a connection (or an inventory) and do one thing."""
+
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -28,10 +30,13 @@ class RemoteError(RuntimeError):
 def connect(inventory: Inventory, node: Node) -> Connection:
     """A connection that trusts only the pinned host key of the cluster."""
     connection = Connection(
-        host=node.public_ip, user=inventory.ssh.user, port=inventory.ssh.port,
-        connect_timeout=10, gateway=inventory.ssh.proxy_for(node.public_ip),
-        connect_kwargs={"key_filename": inventory.ssh.key_file, "look_for_keys": False,
-                        "allow_agent": False})
+        host=node.public_ip,
+        user=inventory.ssh.user,
+        port=inventory.ssh.port,
+        connect_timeout=10,
+        gateway=inventory.ssh.proxy_for(node.public_ip),
+        connect_kwargs={"key_filename": inventory.ssh.key_file, "look_for_keys": False, "allow_agent": False},
+    )
     connection.client.get_host_keys().clear()
     connection.client.load_host_keys(inventory.ssh.known_hosts)
     connection.client.set_missing_host_key_policy(paramiko.RejectPolicy())
@@ -41,8 +46,9 @@ def connect(inventory: Inventory, node: Node) -> Connection:
 def sh(connection: Connection, command: str, check: bool = True, timeout: Optional[float] = None) -> str:
     result = connection.run(command, hide=True, warn=True, in_stream=False, timeout=timeout)
     if check and result.exited != 0:
-        raise RemoteError(f"{connection.host}: `{command}` exited {result.exited}: "
-                          f"{(result.stderr or result.stdout).strip()[-500:]}")
+        raise RemoteError(
+            f"{connection.host}: `{command}` exited {result.exited}: {(result.stderr or result.stdout).strip()[-500:]}"
+        )
     return result.stdout
 
 
@@ -70,12 +76,14 @@ def write_file(connection: Connection, path: str, text: str, mode: int = 0o644) 
 
 def on_all(inventory: Inventory, nodes: list[Node], action: Callable[[Connection, Node], dict]) -> list[dict]:
     """Run action(connection, node) on every node in parallel; an unreachable node is a row too."""
+
     def one(node: Node) -> dict:
         try:
             with connect(inventory, node) as connection:
                 return dict(node=node.name, reachable=True, **action(connection, node))
         except Exception as error:  # noqa: BLE001 - report any failure as that node's state
             return dict(node=node.name, reachable=False, error=f"{type(error).__name__}: {error}"[:160])
+
     with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
         return list(pool.map(one, nodes))
 
@@ -106,8 +114,13 @@ def node_status(connection: Connection, inventory: Inventory, node: Node) -> dic
     else:
         rows = [g.split(",") for g in gpus.split(";")]
         gpu_text = f"{len(rows)}: " + " ".join(f"{int(u)}% {int(m)}/{int(t)}MiB" for u, m, t in rows)
-    return {"bootstrap": ready, "container": "up", "data": mounted, "gpus": gpu_text,
-            "training": f"{training} proc" if training != "0" else "no"}
+    return {
+        "bootstrap": ready,
+        "container": "up",
+        "data": mounted,
+        "gpus": gpu_text,
+        "training": f"{training} proc" if training != "0" else "no",
+    }
 
 
 MONITOR_PROBE = r"""
@@ -126,8 +139,12 @@ def sample_node(connection: Connection, node: Node, interval: float) -> dict:
     iface = detect_interface(connection, node)
     out = sh(connection, MONITOR_PROBE.format(iface=q(iface), interval=float(interval))).split()
     rx0, tx0, rx1, tx1 = (int(v) for v in out[:4])
-    return {"rx_mbit": f"{(rx1 - rx0) * 8 / interval / 1e6:.1f}",
-            "tx_mbit": f"{(tx1 - tx0) * 8 / interval / 1e6:.1f}", "gpu_util": out[4], "load": out[5]}
+    return {
+        "rx_mbit": f"{(rx1 - rx0) * 8 / interval / 1e6:.1f}",
+        "tx_mbit": f"{(tx1 - tx0) * 8 / interval / 1e6:.1f}",
+        "gpu_util": out[4],
+        "load": out[5],
+    }
 
 
 def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
@@ -135,9 +152,16 @@ def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     active = sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
     if not active:
         return None
-    alive = sh(connection, f"kill -0 \"$(cat {q(active + '/launcher.pid')} 2>/dev/null)\" "
-                           "2>/dev/null && echo yes || echo no").strip()
+    alive = sh(
+        connection, f'kill -0 "$(cat {q(active + "/launcher.pid")} 2>/dev/null)" 2>/dev/null && echo yes || echo no'
+    ).strip()
     return active if alive == "yes" else None
+
+
+def ensure_idle(connection: Connection, inventory: Inventory) -> None:
+    running = active_run(connection, inventory)
+    if running:
+        raise RemoteError(f"a run is already going in {running}: `fab logs --follow` to watch it, `fab stop` to end it")
 
 
 def run_state(connection: Connection, run_dir: str) -> dict:
@@ -162,16 +186,20 @@ def stop_tensorboard(connection: Connection) -> bool:
     return sh(connection, "pkill -f -- '[t]ensorboard.main --logdir' && echo stopped || true").strip() == "stopped"
 
 
-def ensure_tensorboard(connection: Connection, inventory: Inventory, port: int = TENSORBOARD_PORT,
-                       wait: float = 120.0) -> None:
+def ensure_tensorboard(
+    connection: Connection, inventory: Inventory, port: int = TENSORBOARD_PORT, wait: float = 120.0
+) -> None:
     """TensorBoard over /data/runs on the head node's loopback only, started if needed; returns
     once it accepts connections (a tunnel opened earlier would forward into nothing)."""
     probe = f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo up || true"
     if sh(connection, f"bash -c {q(probe)}").strip() == "up":
         return
     logdir = q(f"{inventory.data_dir}/runs")
-    sh(connection, f"setsid nohup {q(inventory.python)} -m tensorboard.main --logdir {logdir} "
-                   f"--host 127.0.0.1 --port {port} > /tmp/tensorboard.log 2>&1 < /dev/null &")
+    sh(
+        connection,
+        f"setsid nohup {q(inventory.python)} -m tensorboard.main --logdir {logdir} "
+        f"--host 127.0.0.1 --port {port} > /tmp/tensorboard.log 2>&1 < /dev/null &",
+    )
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if sh(connection, f"bash -c {q(probe)}").strip() == "up":
@@ -180,17 +208,69 @@ def ensure_tensorboard(connection: Connection, inventory: Inventory, port: int =
     raise RemoteError(f"TensorBoard did not start within {wait:.0f} s; see /tmp/tensorboard.log on the head node")
 
 
+# ---------------------------------------------------------------- check
+
+VERSIONS_SCRIPT = """import json, torch
+cuda = torch.cuda.is_available()
+nccl = torch.cuda.nccl.version() if cuda else None
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}))"""
+
+
+def node_versions(connection: Connection, inventory: Inventory) -> dict:
+    """torch, the CUDA it was built for, NCCL (when a GPU is visible) and the GPU driver; None if absent."""
+    versions = json.loads(sh(connection, f"{q(inventory.python)} -c {q(VERSIONS_SCRIPT)}").strip().splitlines()[-1])
+    driver = sh(
+        connection, "nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true"
+    ).strip()
+    return {**versions, "driver": driver or None}
+
+
+_EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): \S")
+
+
+def _failure_line(output: str) -> str:
+    """The most telling line of a failed run: the first exception a rank raised (the launcher's own
+    come after it), else an `error:` line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    exceptions = [line for line in lines if _EXCEPTION.match(line)]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (exceptions[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
+
+
+def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
+    """A few real training steps across the cluster with the trainer's own collectives (step counts,
+    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
+    scratch = launch.check_dir(inventory)
+    prepare, train = launch.check_argvs(inventory, code_dir)
+    try:
+        sh(connection, f"rm -rf {q(scratch)} && mkdir -p {q(scratch)}")
+        sh(connection, "timeout 300 " + shlex.join(prepare))
+        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
+    finally:
+        sh(connection, f"rm -rf {q(scratch)}", check=False)
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
+    if result.exited != 0 or not summary:
+        raise RemoteError(
+            f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
+        )
+    ranks = len(inventory.nodes) * inventory.gpus_per_node
+    return (
+        f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
+        f"({summary[-1][len('summary: ') :]})"
+    )
+
+
 # ---------------------------------------------------------------- training
 
-def start_training(connection: Connection, inventory: Inventory, request: launch.TrainRequest,
-                   code_dir: str) -> tuple[str, int]:
+
+def start_training(
+    connection: Connection, inventory: Inventory, request: launch.TrainRequest, code_dir: str
+) -> tuple[str, int]:
     """Write hostfile, env and command into the run directory and start the launcher detached.
     Returns the run directory and the log's size before this launch (where its output starts)."""
     request.validate()
-    running = active_run(connection, inventory)
-    if running:
-        raise RemoteError(f"a run is already going in {running}: `fab logs --follow` to watch it, "
-                          "`fab stop` to end it")
+    ensure_idle(connection, inventory)
     nodes = inventory.select(request.nodes)
     interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)
@@ -199,8 +279,10 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
     rdir = launch.run_dir(inventory, request.run_name)
-    sh(connection, f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/FORCED')} "
-                   f"{q(rdir + '/run-status.json')}")
+    sh(
+        connection,
+        f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/FORCED')} {q(rdir + '/run-status.json')}",
+    )
     write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
     write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ)))
     argv = launch.mpirun_argv(inventory, request, interface, code_dir)
@@ -208,8 +290,10 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)
     write_file(connection, launch.active_file(inventory), rdir + "\n")
     log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/train.log')} 2>/dev/null || echo 0"))
-    sh(connection, f"setsid nohup bash {q(rdir + '/launcher.sh')} {q(rdir)} "
-                   f"> {q(rdir + '/launcher.log')} 2>&1 < /dev/null &")
+    sh(
+        connection,
+        f"setsid nohup bash {q(rdir + '/launcher.sh')} {q(rdir)} > {q(rdir + '/launcher.log')} 2>&1 < /dev/null &",
+    )
     for _ in range(50):
         if read_json(connection, f"{rdir}/run-status.json"):
             return rdir, log_offset
@@ -217,9 +301,16 @@ def start_training(connection: Connection, inventory: Inventory, request: launch
     raise RemoteError(f"the launcher did not start; see {rdir}/launcher.log")
 
 
-def follow_log(connection: Connection, run_dir: str, out=sys.stdout, poll: float = 1.0,
-               timeout: Optional[float] = None, follow: bool = True, offset: int = 0,
-               on_progress: Optional[Callable[[dict], None]] = None) -> dict:
+def follow_log(
+    connection: Connection,
+    run_dir: str,
+    out=sys.stdout,
+    poll: float = 1.0,
+    timeout: Optional[float] = None,
+    follow: bool = True,
+    offset: int = 0,
+    on_progress: Optional[Callable[[dict], None]] = None,
+) -> dict:
     """Print train.log from byte `offset` as it grows until the run is no longer running;
     return the run status. on_progress(progress.json) is called on each poll while following."""
     deadline = (time.monotonic() + timeout) if timeout else None
@@ -249,18 +340,24 @@ def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> d
         if status.get("state") not in (None, "running"):
             return status
         time.sleep(1.0)
-    raise RemoteError(f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
-                      "Wait, or end it hard with `fab stop --force`")
+    raise RemoteError(
+        f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
+        "Wait, or end it hard with `fab stop --force`"
+    )
 
 
 def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
     """Kill mpirun and the ranks; the launcher survives to record the end (reason: FORCED)."""
     sh(connection, f"touch {q(run_dir + '/FORCED')}")
-    sh(connection, f"kill -TERM \"$(cat {q(run_dir + '/mpirun.pid')} 2>/dev/null)\" 2>/dev/null || true")
+    sh(connection, f'kill -TERM "$(cat {q(run_dir + "/mpirun.pid")} 2>/dev/null)" 2>/dev/null || true')
     for node in inventory.nodes:
-        sh(connection, f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
-                       # [-]: the pattern must not match the remote shell that runs pkill
-                       f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true", check=False)
+        sh(
+            connection,
+            f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
+            # [-]: the pattern must not match the remote shell that runs pkill
+            f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true",
+            check=False,
+        )
 
 
 def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Path], Optional[Path]]:
@@ -284,10 +381,13 @@ def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Pa
 def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
     wanted = ["config.json", "summary.json", "train.log", "run-status.json"]
     checkpoints = f"{q(run_dir)}/checkpoints"
-    chosen = sh(connection, f"ls -1 {checkpoints}/best.pt 2>/dev/null || "
-                            f"ls -1 {checkpoints}/step_*.pt 2>/dev/null | sort | tail -n 1 || true").strip()
+    chosen = sh(
+        connection,
+        f"ls -1 {checkpoints}/best.pt 2>/dev/null || "
+        f"ls -1 {checkpoints}/step_*.pt 2>/dev/null | sort | tail -n 1 || true",
+    ).strip()
     if chosen:
-        wanted.append(chosen[len(run_dir) + 1:])
+        wanted.append(chosen[len(run_dir) + 1 :])
     last_eval = sh(connection, f"ls -1 {q(run_dir)}/eval/ 2>/dev/null | sort | tail -n 3 || true").split()
     wanted += [f"eval/{name}" for name in last_eval]
     config = read_json(connection, f"{run_dir}/config.json") or {}

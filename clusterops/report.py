@@ -1,4 +1,5 @@
 """Plain-text tables and run summaries for the terminal."""
+
 from __future__ import annotations
 
 import time
@@ -11,7 +12,7 @@ QUIET_AFTER_S = 120  # a running run whose progress is older than this says so
 def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     cells = [[str(row.get(col, "")) for col in columns] for row in rows]
     widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
-    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
@@ -30,8 +31,11 @@ def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
     parts = [f"run {run_dir}: {status.get('state', 'unknown')}"]
     quiet = _quiet_seconds(status, progress, time.time() if now is None else now)
     if quiet is not None and quiet > QUIET_AFTER_S:
-        parts.append(f"no progress for {quiet / 60:.0f} min" if progress.get("step") is not None
-                     else f"no step yet after {quiet / 60:.0f} min")
+        parts.append(
+            f"no progress for {quiet / 60:.0f} min"
+            if progress.get("step") is not None
+            else f"no step yet after {quiet / 60:.0f} min"
+        )
     if progress.get("step") is not None:
         parts.append(f"step {progress['step']}/{progress.get('max_steps', '?')}")
     if progress.get("avg_step_time_s"):
@@ -44,13 +48,46 @@ def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
 
 
 def summary_lines(summary: dict) -> list[str]:
-    keys = ("steps", "world_size", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu",
-            "exact_match", "checkpoint_mb", "ended")
-    return [f"  {key:>16}: {summary[key]:.4g}" if isinstance(summary.get(key), float)
-            else f"  {key:>16}: {summary.get(key)}" for key in keys if key in summary]
+    keys = (
+        "steps",
+        "world_size",
+        "avg_step_time_s",
+        "objects_per_s",
+        "eval_loss",
+        "bleu",
+        "exact_match",
+        "checkpoint_mb",
+        "ended",
+    )
+    return [
+        f"  {key:>16}: {summary[key]:.4g}"
+        if isinstance(summary.get(key), float)
+        else f"  {key:>16}: {summary.get(key)}"
+        for key in keys
+        if key in summary
+    ]
 
 
 def aws_error(error) -> str:
     """A botocore ClientError as "Code: message" on one line (some endpoints answer with a page of HTML)."""
     detail = error.response.get("Error", {})
     return f"{detail.get('Code', 'error')}: {' '.join(str(detail.get('Message', error)).split())[:300]}"
+
+
+VERSIONS = (("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"), ("driver", "driver"))
+
+
+def versions_line(rows: Sequence[dict]) -> tuple[bool, str]:
+    """(all nodes agree, one line): the versions they share, or every one that differs and where."""
+    differ = []
+    for key, label in VERSIONS:
+        where: dict[str, list[str]] = {}
+        for row in rows:
+            where.setdefault(str(row.get(key) or "none"), []).append(row["node"])
+        if len(where) > 1:
+            differ.append(f"{label} " + " vs ".join(f"{value} on {','.join(nodes)}" for value, nodes in where.items()))
+    if differ:
+        return False, "versions differ between nodes: " + "; ".join(differ)
+    return True, "versions: " + ", ".join(
+        f"{label} {rows[0].get(key) or 'none'}" for key, label in VERSIONS
+    ) + f" on all {len(rows)} nodes"

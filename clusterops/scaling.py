@@ -4,6 +4,7 @@ Weak scaling: the batch per GPU stays fixed, so the global batch grows with the 
 so. Every point is repeated and shown with its spread (min-max over repeats), because one run on a
 shared machine is not a figure.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -17,9 +18,9 @@ from . import report
 class Point:
     nodes: int
     ranks: int
-    step_s: list[float]          # per repeat
-    objects_per_s: list[float]   # per repeat
-    exposed_share: list[float]   # per repeat (exposed communication / step), when measured
+    step_s: list[float]  # per repeat
+    objects_per_s: list[float]  # per repeat
+    exposed_share: list[float]  # per repeat (exposed communication / step), when measured
 
     @property
     def throughput(self) -> float:
@@ -37,8 +38,13 @@ def point_from_summaries(nodes: int, summaries: Sequence[dict]) -> Point:
         step = summary.get("avg_step_time_s") or 0.0
         if parts and step:
             shares.append(parts.get("comm_exposed_s", 0.0) / step)
-    return Point(nodes, summaries[0]["world_size"], [s["avg_step_time_s"] for s in summaries],
-                 [s["objects_per_s"] for s in summaries], shares)
+    return Point(
+        nodes,
+        summaries[0]["world_size"],
+        [s["avg_step_time_s"] for s in summaries],
+        [s["objects_per_s"] for s in summaries],
+        shares,
+    )
 
 
 def table(points: Sequence[Point]) -> str:
@@ -46,16 +52,23 @@ def table(points: Sequence[Point]) -> str:
     rows = []
     for point in points:
         speedup = point.throughput / base.throughput * base.nodes if base and base.throughput else 0.0
-        rows.append({
-            "nodes": point.nodes, "ranks": point.ranks,
-            "step_ms": f"{statistics.median(point.step_s) * 1000:.0f}",
-            "objects/s": f"{point.throughput:.0f} ± {point.spread / 2:.0f}",
-            "speedup": f"{speedup:.2f}x", "efficiency": f"{speedup / point.nodes:.0%}",
-            "exposed_comm": f"{statistics.median(point.exposed_share):.0%}" if point.exposed_share else "n/a",
-            "repeats": len(point.step_s)})
+        rows.append(
+            {
+                "nodes": point.nodes,
+                "ranks": point.ranks,
+                "step_ms": f"{statistics.median(point.step_s) * 1000:.0f}",
+                "objects/s": f"{point.throughput:.0f} ± {point.spread / 2:.0f}",
+                "speedup": f"{speedup:.2f}x",
+                "efficiency": f"{speedup / point.nodes:.0%}",
+                "exposed_comm": f"{statistics.median(point.exposed_share):.0%}" if point.exposed_share else "n/a",
+                "repeats": len(point.step_s),
+            }
+        )
     columns = ["nodes", "ranks", "step_ms", "objects/s", "speedup", "efficiency", "exposed_comm", "repeats"]
-    return ("weak scaling: fixed batch per GPU; speedup = throughput / the smallest point's x its nodes; "
-            "± is half the spread over repeats\n" + report.table(rows, columns))
+    return (
+        "weak scaling: fixed batch per GPU; speedup = throughput / the smallest point's x its nodes; "
+        "± is half the spread over repeats\n" + report.table(rows, columns)
+    )
 
 
 def speedups(points: Sequence[Point]) -> tuple[list[float], list[float]]:

@@ -1,5 +1,6 @@
 """Tasks that talk to the AWS account: before deploying, what it costs, what is left, stopping and
 restarting. AWS errors are one line (aws_errors)."""
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,16 @@ from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import preflight as checks
 from clusterops import remote, report
-from clusterops.inventory import (DEFAULT_OUTPUTS, Inventory, InventoryError, from_outputs,
-                                  stack_outputs_from_aws, stack_outputs_from_file, start_and_refresh,
-                                  stop_nodes)
+from clusterops.inventory import (
+    DEFAULT_OUTPUTS,
+    Inventory,
+    InventoryError,
+    from_outputs,
+    stack_outputs_from_aws,
+    stack_outputs_from_file,
+    start_and_refresh,
+    stop_nodes,
+)
 
 from .common import ERRORS, aws_errors, aws_session, cluster_config, fail, head, inventory_path, load_inventory
 
@@ -30,8 +38,12 @@ def context_file() -> Path:
 
 def pricing_client(session):
     from botocore.config import Config
-    return session.client("pricing", region_name="us-east-1",
-                          config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}))
+
+    return session.client(
+        "pricing",
+        region_name="us-east-1",
+        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
+    )
 
 
 def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.Price]:
@@ -44,6 +56,7 @@ def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.P
 def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
     """The AZ the inventory's nodes run in (Spot prices are per AZ); None without AWS nodes."""
     from clusterops.inventory import describe
+
     ids = [n.instance_id for n in inv.nodes if n.instance_id] if inv and inv.source == "aws" else []
     if not ids:
         return None
@@ -54,6 +67,7 @@ def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
 def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
     """EFS Elastic-throughput dollars per hour at the last hour's rate; None when unknown."""
     from botocore.exceptions import BotoCoreError, ClientError
+
     if inv.source != "aws" or not inv.file_system_id:
         return None
     try:
@@ -63,19 +77,28 @@ def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
         return None
 
 
-@task(help={"nodes": "node count (default: cdk.json)", "instance_type": "instance type (default: cdk.json)",
-            "request_quota": "file the vCPU quota increase through Service Quotas when short",
-            "spot": "Spot nodes (default: cdk.json's spot): the Spot quota bucket, the Spot price and the saving"})
+@task(
+    help={
+        "nodes": "node count (default: cdk.json)",
+        "instance_type": "instance type (default: cdk.json)",
+        "request_quota": "file the vCPU quota increase through Service Quotas when short",
+        "spot": "Spot nodes (default: cdk.json's spot): the Spot quota bucket, the Spot price and the saving",
+    }
+)
 def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False):
     """Before `cdk deploy`: credentials, region, AZ and subnet, vCPU quota, launch permission, AMI."""
     config = cluster_config(nodes=nodes, instance_type=instance_type)
     session = aws_session()
-    clients = {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")} \
-        if session.region_name else {"sts": session.client("sts", region_name="us-east-1")}
+    clients = (
+        {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")}
+        if session.region_name
+        else {"sts": session.client("sts", region_name="us-east-1")}
+    )
     clients["pricing"] = pricing_client(session)
     with aws_errors("preflight"):
-        found, notes = checks.run_preflight(clients, session.region_name, config, context_file(),
-                                            request_quota=request_quota, spot=spot or config.spot)
+        found, notes = checks.run_preflight(
+            clients, session.region_name, config, context_file(), request_quota=request_quota, spot=spot or config.spot
+        )
     for check in found:
         print(f"{check.label}  {check.name}: {check.detail}")
     for note in notes:
@@ -96,47 +119,68 @@ def _positive(name: str, value) -> Optional[float]:
     return number
 
 
-@task(help={"nodes": "node count (default: the inventory, else cdk.json)",
-            "instance_type": "instance type (default: the inventory, else cdk.json)",
-            "dataset_gb": "GB read from EFS per epoch: adds the EFS Elastic I/O estimate",
-            "epochs": "epochs over that data set (with --dataset-gb)",
-            "spot": "price Spot nodes (default: what the inventory says, else cdk.json's spot)"})
+@task(
+    help={
+        "nodes": "node count (default: the inventory, else cdk.json)",
+        "instance_type": "instance type (default: the inventory, else cdk.json)",
+        "dataset_gb": "GB read from EFS per epoch: adds the EFS Elastic I/O estimate",
+        "epochs": "epochs over that data set (with --dataset-gb)",
+        "spot": "price Spot nodes (default: what the inventory says, else cdk.json's spot)",
+    }
+)
 def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=False):
     """$/hour of the cluster, storage and EFS I/O, the running job's projection, what was spent."""
     size, passes = _positive("dataset_gb", dataset_gb), _positive("epochs", epochs)
     inv = Inventory.load(inventory_path(c)) if inventory_path(c).exists() else None
     aws = inv is not None and inv.source == "aws"
-    config = cluster_config(nodes=nodes or (len(inv.nodes) if aws else None),
-                            instance_type=instance_type or (inv.instance_type if aws else None))
+    config = cluster_config(
+        nodes=nodes or (len(inv.nodes) if aws else None),
+        instance_type=instance_type or (inv.instance_type if aws else None),
+    )
     spot = spot or (inv.spot if aws else config.spot)
     session = aws_session(inv.region if aws else None)
     region = session.region_name or "us-east-1"
     with aws_errors("fab cost"):
         price, saving = costs.node_price(
-            session.client("ec2") if session.region_name else None, pricing_client(session), config.instance_type,
-            region, spot, (nodes_zone(session, inv) if spot else None) or config.availability_zone,
-            kept=kept_price(inv if aws else None, config.instance_type))
+            session.client("ec2") if session.region_name else None,
+            pricing_client(session),
+            config.instance_type,
+            region,
+            spot,
+            (nodes_zone(session, inv) if spot else None) or config.availability_zone,
+            kept=kept_price(inv if aws else None, config.instance_type),
+        )
         if saving:
             print(saving)
         efs_gb = 0.0
         if aws and inv.file_system_id:
             fs = session.client("efs").describe_file_systems(FileSystemId=inv.file_system_id)["FileSystems"][0]
             efs_gb = fs["SizeInBytes"]["Value"] / 1e9
-        estimate = costs.Estimate(config.nodes, price, config.root_volume_gb, efs_gb, size, passes)
+        estimate = costs.Estimate(
+            config.nodes, price, config.root_volume_gb, efs_gb, size, passes, private_subnet=config.private_subnet
+        )
         print("\n".join(estimate.lines()))
         if aws:
             _spent(session, inv, price)
     print(costs.table_line())
-    if inv is not None:
+    if inv is not None and inv.source == "local":
+        print(
+            f"the emulated cluster {inv.cluster!r} costs nothing: the estimate above is for "
+            f"{config.nodes} x {config.instance_type} on AWS (cdk.json, or --nodes/--instance-type); "
+            "a CPU step time says nothing about a GPU's, so no run projection"
+        )
+    elif inv is not None:
         with head(inv) as conn:
             run = remote.active_run(conn, inv)
-            line = run and costs.projection(remote.run_state(conn, run)["progress"], estimate.usd_per_hour,
-                                            efs_io_rate(inv, session))
+            line = run and costs.projection(
+                remote.run_state(conn, run)["progress"], estimate.usd_per_hour, efs_io_rate(inv, session)
+            )
         print(line or "no run going")
 
 
 def _spent(session, inv: Inventory, price: costs.Price) -> None:
     from datetime import datetime, timedelta, timezone
+
     ids = [n.instance_id for n in inv.nodes if n.instance_id]
     reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
     launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
@@ -144,8 +188,10 @@ def _spent(session, inv: Inventory, price: costs.Price) -> None:
     if inv.file_system_id:
         now = datetime.now(timezone.utc)
         read, written = costs.efs_io_gb(session.client("cloudwatch"), inv.file_system_id, now - timedelta(days=1), now)
-        print(f"EFS I/O in the last 24 h: {read:.1f} GB read, {written:.1f} GB written = "
-              f"${costs.efs_io_usd(read, written):.2f}")
+        print(
+            f"EFS I/O in the last 24 h: {read:.1f} GB read, {written:.1f} GB written = "
+            f"${costs.efs_io_usd(read, written):.2f}"
+        )
 
 
 def _on_instances(c, what: str, action):
@@ -163,8 +209,10 @@ def start(c):
     """Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
     fresh = _on_instances(c, "start", start_and_refresh)
     fresh.save(inventory_path(c))
-    print(f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready "
-          "(data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)")
+    print(
+        f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready "
+        "(data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)"
+    )
 
 
 @task
@@ -194,13 +242,21 @@ def release_spot(c, cluster=None):
         ids = [x.id for x in audits.spot_requests(ec2, name, set()) if x.kind == "spot-request"]
         if ids:
             ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=ids)
-    print(f"cancelled {', '.join(ids)}: `npx cdk destroy` may go ahead" if ids else
-          f"no open Spot request tagged gpu-cluster:name={name}")
+    print(
+        f"cancelled {', '.join(ids)}: `npx cdk destroy` may go ahead"
+        if ids
+        else f"no open Spot request tagged gpu-cluster:name={name}"
+    )
 
 
-@task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)",
-            "delete": "delete what is found, after confirmation", "yes": "do not ask (scripts)",
-            "include_retained": "also delete a file system kept with retain_data=true (its data is lost)"})
+@task(
+    help={
+        "cluster": "cluster name (default: the inventory's, else cdk.json's)",
+        "delete": "delete what is found, after confirmation",
+        "yes": "do not ask (scripts)",
+        "include_retained": "also delete a file system kept with retain_data=true (its data is lost)",
+    }
+)
 def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
     """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order."""
     name, session = _cluster_and_session(c, cluster)
@@ -210,16 +266,26 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
     shared = [x for x in found if x.kind == "cdk-assets"]
     leftovers = [x for x in found if x.kind != "cdk-assets"]
     for x in shared:
-        print(f"CDK bootstrap bucket {x.id}: {x.detail}, {costs.usd(x.usd_per_month)}/month "
-              f"({audits.KEPT['cdk-assets']})")
+        print(
+            f"CDK bootstrap bucket {x.id}: {x.detail}, {costs.usd(x.usd_per_month)}/month ({audits.KEPT['cdk-assets']})"
+        )
     if not leftovers:
         print(f"nothing tagged gpu-cluster:name={name} in {session.region_name}")
         return
-    rows = [{"kind": x.kind, "id": x.id, "detail": x.detail,
-             "usd_per_month": "unknown" if x.usd_per_month is None else f"{x.usd_per_month:.2f}"} for x in leftovers]
+    rows = [
+        {
+            "kind": x.kind,
+            "id": x.id,
+            "detail": x.detail,
+            "usd_per_month": "unknown" if x.usd_per_month is None else f"{x.usd_per_month:.2f}",
+        }
+        for x in leftovers
+    ]
     print(report.table(rows, ["kind", "id", "detail", "usd_per_month"]))
-    print(f"total: {audits.monthly_total(leftovers)} in {session.region_name} "
-          f"(instance prices: {costs.TABLE['region']} offline table of {costs.TABLE['date']})")
+    print(
+        f"total: {audits.monthly_total(leftovers)} in {session.region_name} "
+        f"(instance prices: {costs.TABLE['region']} offline table of {costs.TABLE['date']})"
+    )
     if not delete:
         return
     if not yes and input(f"delete these {len(leftovers)} resources? type {name} to confirm: ").strip() != name:
@@ -229,11 +295,15 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
         raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
 
 
-@task(help={"stack": "stack name (default: the one cluster stack in the outputs file)",
-            "outputs": f"cdk outputs file (default {DEFAULT_OUTPUTS})",
-            "from_aws": "describe the stack with boto3 instead of reading the outputs file "
-                        "(also the fallback when the outputs file is missing and --stack is given)",
-            "key_file": "private key of your own key pair (when deployed with -c key_name=...)"})
+@task(
+    help={
+        "stack": "stack name (default: the one cluster stack in the outputs file)",
+        "outputs": f"cdk outputs file (default {DEFAULT_OUTPUTS})",
+        "from_aws": "describe the stack with boto3 instead of reading the outputs file "
+        "(also the fallback when the outputs file is missing and --stack is given)",
+        "key_file": "private key of your own key pair (when deployed with -c key_name=...)",
+    }
+)
 def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
     """Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
     try:
@@ -253,12 +323,19 @@ def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_f
         target = inventory_path(c)
         with aws_errors("fab inventory"):
             inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
-            price, _ = costs.node_price(session.client("ec2"), pricing_client(session), inv.instance_type,
-                                        inv.region or session.region_name or "us-east-1", inv.spot,
-                                        nodes_zone(session, inv) if inv.spot else None)
+            price, _ = costs.node_price(
+                session.client("ec2"),
+                pricing_client(session),
+                inv.instance_type,
+                inv.region or session.region_name or "us-east-1",
+                inv.spot,
+                nodes_zone(session, inv) if inv.spot else None,
+            )
     except ERRORS as error:
         raise fail(error) from None
     inv = replace(inv, usd_per_hour=price.usd_per_hour, price_source=price.source)
     inv.save(target)
-    print(f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
-          f"{costs.usd(price.usd_per_hour)}/node-hour [{price.source}]")
+    print(
+        f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
+        f"{costs.usd(price.usd_per_hour)}/node-hour [{price.source}]"
+    )

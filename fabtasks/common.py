@@ -1,4 +1,5 @@
 """Helpers shared by the fab tasks: settings, inventory, connections, one-line errors."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +38,7 @@ def whole_number(value, flag: str):
 def aws_errors(what: str = "AWS"):
     """botocore's errors as one actionable line (the service's own message names the cause)."""
     from botocore.exceptions import BotoCoreError, ClientError
+
     try:
         yield
     except ClientError as error:
@@ -49,6 +51,7 @@ def aws_session(region=None):
     """A boto3 session, or one actionable line when the AWS configuration is broken."""
     import boto3
     from botocore.exceptions import BotoCoreError
+
     try:
         session = boto3.session.Session(region_name=region)
         session.get_credentials()
@@ -57,11 +60,19 @@ def aws_session(region=None):
         raise Exit(f"error: AWS configuration: {error} (check AWS_PROFILE / `aws configure`)", code=1) from None
 
 
+# The tasks' defaults, in one place; fabric.yaml (or ~/.fabric.yaml) overrides them per user.
+DEFAULTS = {
+    "inventory": str(DEFAULT_INVENTORY),
+    "recipe": "transformer-tiny",
+    "master_port": 29500,
+    "stall_minutes": 10,
+    "start_minutes": 15,
+}
+
+
 def settings(c) -> dict:
-    """fabric.yaml's gpu_cluster section, with the built-in defaults under it."""
-    defaults = {"inventory": str(DEFAULT_INVENTORY), "recipe": "transformer-tiny", "master_port": 29500,
-                "stall_minutes": 10, "start_minutes": 15}
-    return {**defaults, **dict(c.config.get("gpu_cluster", {}))}
+    """fabric.yaml's gpu_cluster section over DEFAULTS."""
+    return {**DEFAULTS, **dict(c.config.get("gpu_cluster") or {})}
 
 
 def inventory_path(c) -> Path:
@@ -72,9 +83,12 @@ def load_inventory(c) -> Inventory:
     path = inventory_path(c)
     if not path.exists() and DEFAULT_OUTPUTS.exists():
         raise fail(InventoryError(f"{DEFAULT_OUTPUTS} exists but no inventory: run `fab inventory`"))
-    if path.exists() and DEFAULT_OUTPUTS.exists() \
-            and DEFAULT_OUTPUTS.stat().st_mtime > path.stat().st_mtime \
-            and Inventory.load(path).source == "aws":
+    if (
+        path.exists()
+        and DEFAULT_OUTPUTS.exists()
+        and DEFAULT_OUTPUTS.stat().st_mtime > path.stat().st_mtime
+        and Inventory.load(path).source == "aws"
+    ):
         raise fail(InventoryError("the inventory is older than the last deploy: run `fab inventory`"))
     try:
         return Inventory.load(path)
@@ -103,7 +117,9 @@ def run_dir(connection, inv: Inventory, run: str | None) -> str:
 def cluster_config(**overrides):
     """cdk.json's context with the task's overrides, validated like `cdk synth` does."""
     import json
+
     from stacks.config import ClusterConfig, ConfigError
+
     context = json.loads(Path("cdk.json").read_text()).get("context", {})
     try:
         return ClusterConfig.from_context({**context, **{k: v for k, v in overrides.items() if v is not None}})

@@ -2,6 +2,7 @@
 
 The header values may be CDK tokens (file system id, region, ...); they resolve at deploy time.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,23 +19,25 @@ def render_user_data(env: Mapping[str, str]) -> str:
     """User-data commands (after the shebang) that install the bootstrap with its env file and run it."""
     script = BOOTSTRAP_SCRIPT.read_text()
     env_lines = "\n".join(f"{key}={value}" for key, value in env.items())
-    return "\n".join([
-        "set -euo pipefail",
-        "install -d -m 0755 /etc/gpu-cluster",
-        f"cat > {ENV_FILE}.new <<'GPU_CLUSTER_ENV'",
-        env_lines,
-        "GPU_CLUSTER_ENV",
-        f"cat > {SCRIPT_PATH}.new <<'GPU_CLUSTER_SCRIPT'",
-        script.rstrip("\n"),
-        "GPU_CLUSTER_SCRIPT",
-        f"chmod 0755 {SCRIPT_PATH}.new",
-        # Replace only what changed, so a re-run leaves the machine as it was.
-        f"for f in {ENV_FILE} {SCRIPT_PATH}; do",
-        '  if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi',
-        "done",
-        f"exec {SCRIPT_PATH} {ENV_FILE}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "set -euo pipefail",
+            "install -d -m 0755 /etc/gpu-cluster",
+            f"cat > {ENV_FILE}.new <<'GPU_CLUSTER_ENV'",
+            env_lines,
+            "GPU_CLUSTER_ENV",
+            f"cat > {SCRIPT_PATH}.new <<'GPU_CLUSTER_SCRIPT'",
+            script.rstrip("\n"),
+            "GPU_CLUSTER_SCRIPT",
+            f"chmod 0755 {SCRIPT_PATH}.new",
+            # Replace only what changed, so a re-run leaves the machine as it was.
+            f"for f in {ENV_FILE} {SCRIPT_PATH}; do",
+            '  if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi',
+            "done",
+            f"exec {SCRIPT_PATH} {ENV_FILE}",
+            "",
+        ]
+    )
 
 
 def user_data_bytes(resolved) -> int:
@@ -51,6 +54,8 @@ def user_data_bytes(resolved) -> int:
 def check_user_data_size(resolved, what: str) -> int:
     size = user_data_bytes(resolved)
     if size > USER_DATA_LIMIT:
-        raise ValueError(f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; "
-                         "shorten the bootstrap script or the values it carries")
+        raise ValueError(
+            f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; "
+            "shorten the bootstrap script or the values it carries"
+        )
     return size

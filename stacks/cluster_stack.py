@@ -1,7 +1,8 @@
 """The cluster stack: composes network, shared storage and GPU nodes; declares the outputs fab reads."""
+
 from __future__ import annotations
 
-from aws_cdk import Acknowledgment, CfnOutput, Fn, Stack, Tags, Validations
+from aws_cdk import Acknowledgment, Annotations, CfnOutput, Fn, Stack, Tags, Validations
 from constructs import Construct
 
 from .config import ClusterConfig
@@ -12,32 +13,54 @@ from .storage import SharedStorage
 
 
 class GpuClusterStack(Stack):
-
     def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig, **kwargs) -> None:
         super().__init__(scope, construct_id, **kwargs)
         Tags.of(self).add(CLUSTER_TAG, config.cluster_name)
 
-        self.network = ClusterNetwork(self, "Network", ssh_cidr=config.ssh_cidr,
-                                      vpc_id=config.vpc_id, subnet_id=config.subnet_id,
-                                      availability_zone=config.availability_zone,
-                                      flow_logs=config.flow_logs, private_subnet=config.private_subnet)
-        self.storage = SharedStorage(self, "SharedStorage", vpc=self.network.vpc,
-                                     subnet=self.network.subnet,
-                                     client_security_group=self.network.security_group,
-                                     retain_data=config.retain_data)
-        self.nodes = GpuNodes(self, "GpuNodes", config=config, vpc=self.network.vpc,
-                              subnet=self.network.subnet,
-                              security_group=self.network.security_group,
-                              file_system=self.storage.file_system)
-        self.dashboard = ClusterDashboard(self, "Dashboard", name=config.cluster_name,
-                                          instances=self.nodes.instances, file_system=self.storage.file_system)
+        self.network = ClusterNetwork(
+            self,
+            "Network",
+            ssh_cidr=config.ssh_cidr,
+            vpc_id=config.vpc_id,
+            subnet_id=config.subnet_id,
+            availability_zone=config.availability_zone,
+            flow_logs=config.flow_logs,
+            private_subnet=config.private_subnet,
+        )
+        self.storage = SharedStorage(
+            self,
+            "SharedStorage",
+            vpc=self.network.vpc,
+            subnet=self.network.subnet,
+            client_security_group=self.network.security_group,
+            retain_data=config.retain_data,
+        )
+        self.nodes = GpuNodes(
+            self,
+            "GpuNodes",
+            config=config,
+            vpc=self.network.vpc,
+            subnet=self.network.subnet,
+            security_group=self.network.security_group,
+            file_system=self.storage.file_system,
+        )
+        self.dashboard = ClusterDashboard(
+            self,
+            "Dashboard",
+            name=config.cluster_name,
+            instances=self.nodes.instances,
+            file_system=self.storage.file_system,
+        )
         self._acknowledge_findings()
         self._acknowledge_nist_findings()
+        if config.efa_note:
+            Annotations.of(self).add_warning_v2("gpu-cluster:efa", config.efa_note)
         if not config.flow_logs and not config.vpc_id:
             reason = "Flow logs were turned off with -c flow_logs=false (the default logs rejected flows)."
             Validations.of(self.network).acknowledge(
                 Acknowledgment(id="AwsSolutions::AwsSolutions-VPC7", reason=reason),
-                Acknowledgment(id="NIST.800.53.R5::NIST.800.53.R5-VPCFlowLogsEnabled", reason=reason))
+                Acknowledgment(id="NIST.800.53.R5::NIST.800.53.R5-VPCFlowLogsEnabled", reason=reason),
+            )
 
         instances = self.nodes.instances
         public = not config.private_subnet
@@ -57,6 +80,7 @@ class GpuClusterStack(Stack):
             "InstanceType": config.instance_type,
             "Spot": "true" if config.spot else "false",
             "DashboardUrl": self.dashboard.url,
+            "EfaCards": str(config.efa_cards),
         }
         for name, value in outputs.items():
             CfnOutput(self, name, value=value)
@@ -64,50 +88,88 @@ class GpuClusterStack(Stack):
     def _acknowledge_findings(self) -> None:
         """cdk-nag AwsSolutions findings this design accepts, each with its reason."""
         Validations.of(self).acknowledge(
-            Acknowledgment(id="AwsSolutions::AwsSolutions-EC29", reason=(
-                "Training nodes are disposable by design: `cdk destroy` must remove them and "
-                "leave nothing billing; state lives on EFS and in checkpoints.")),
+            Acknowledgment(
+                id="AwsSolutions::AwsSolutions-EC29",
+                reason=(
+                    "Training nodes are disposable by design: `cdk destroy` must remove them and "
+                    "leave nothing billing; state lives on EFS and in checkpoints."
+                ),
+            ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/"
-                   "AmazonSSMManagedInstanceCore]",
-                reason="AWS's minimal, maintained policy for Session Manager access to the nodes."),
+                "AmazonSSMManagedInstanceCore]",
+                reason="AWS's minimal, maintained policy for Session Manager access to the nodes.",
+            ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
                 reason="ec2:DescribeInstances and cloudwatch:PutMetricData have no resource-level "
-                       "permissions: the autostop watchdog finds this cluster's instances by tag, and "
-                       "may publish its heartbeat only to its own namespace (cloudwatch:namespace)."),
-            Acknowledgment(id="AwsSolutions::AwsSolutions-EC28", reason=(
-                "The idle alarm uses the autostop watchdog's own 1-minute heartbeat, not EC2 metrics; "
-                "detailed monitoring would add about $2.10 per node-month for nothing.")),
+                "permissions: the autostop watchdog finds this cluster's instances by tag, and "
+                "may publish its heartbeat only to its own namespace (cloudwatch:namespace).",
+            ),
+            Acknowledgment(
+                id="AwsSolutions::AwsSolutions-EC28",
+                reason=(
+                    "The idle alarm uses the autostop watchdog's own 1-minute heartbeat, not EC2 metrics; "
+                    "detailed monitoring would add about $2.10 per node-month for nothing."
+                ),
+            ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:"
-                   "<AWS::AccountId>:instance/*]",
+                "<AWS::AccountId>:instance/*]",
                 reason="ec2:StopInstances is limited by a condition to instances tagged with this "
-                       "cluster's name (aws:ResourceTag/gpu-cluster:name)."),
+                "cluster's name (aws:ResourceTag/gpu-cluster:name).",
+            ),
         )
 
     def _acknowledge_nist_findings(self) -> None:
         """cdk-nag NIST 800-53 rev 5 findings this design accepts, each on the construct it is about."""
         nist = "NIST.800.53.R5::NIST.800.53.R5-"
         Validations.of(self.network).acknowledge(
-            Acknowledgment(id=nist + "VPCDefaultSecurityGroupClosed", reason=(
-                "Nothing is attached to the VPC's default security group: nodes and the EFS mount target "
-                "use their own groups. Closing it takes a Lambda-backed custom resource in every stack.")),
-            Acknowledgment(id=nist + "VPCSubnetAutoAssignPublicIpDisabled", reason=(
-                "A public subnet is the default (no NAT gateway to pay for); the security group admits only "
-                "ssh_cidr on 22/4444 (none with access=ssm) and the cluster itself. With private_subnet "
-                "it holds only the NAT gateway.")),
-            Acknowledgment(id=nist + "VPCNoUnrestrictedRouteToIGW", reason=(
-                "Nodes pull the NGC image and packages from the internet at boot (no NAT gateway, to keep "
-                "the bill at zero when idle); inbound is limited by the security group.")),
-            Acknowledgment(id=nist + "EC2RestrictedCommonPorts", reason=(
-                "The flagged rule is the self-referencing all-traffic rule: its source is this security "
-                "group (cluster members only), which MPI and NCCL need; nothing is open to a CIDR.")))
+            Acknowledgment(
+                id=nist + "VPCDefaultSecurityGroupClosed",
+                reason=(
+                    "Nothing is attached to the VPC's default security group: nodes and the EFS mount target "
+                    "use their own groups. Closing it takes a Lambda-backed custom resource in every stack."
+                ),
+            ),
+            Acknowledgment(
+                id=nist + "VPCSubnetAutoAssignPublicIpDisabled",
+                reason=(
+                    "A public subnet is the default (no NAT gateway to pay for); the security group admits only "
+                    "ssh_cidr on 22/4444 (none with access=ssm) and the cluster itself. With private_subnet "
+                    "it holds only the NAT gateway."
+                ),
+            ),
+            Acknowledgment(
+                id=nist + "VPCNoUnrestrictedRouteToIGW",
+                reason=(
+                    "Nodes pull the NGC image and packages from the internet at boot (no NAT gateway, to keep "
+                    "the bill at zero when idle); inbound is limited by the security group."
+                ),
+            ),
+            Acknowledgment(
+                id=nist + "EC2RestrictedCommonPorts",
+                reason=(
+                    "The flagged rule is the self-referencing all-traffic rule: its source is this security "
+                    "group (cluster members only), which MPI and NCCL need; nothing is open to a CIDR."
+                ),
+            ),
+        )
         Validations.of(self.storage).acknowledge(
-            Acknowledgment(id=nist + "EFSInBackupPlan", reason=(
-                "/data is scratch for data sets and checkpoints that are re-creatable or fetched with "
-                "`fab fetch`; backups would bill after `cdk destroy`. retain_data=true keeps the file system.")))
+            Acknowledgment(
+                id=nist + "EFSInBackupPlan",
+                reason=(
+                    "/data is scratch for data sets and checkpoints that are re-creatable or fetched with "
+                    "`fab fetch`; backups would bill after `cdk destroy`. retain_data=true keeps the file system."
+                ),
+            )
+        )
         Validations.of(self).acknowledge(
-            Acknowledgment(id=nist + "IAMNoInlinePolicy", reason=(
-                "CDK's per-role default policies: each is scoped to one role of this stack (the node role, "
-                "the flow-log role) and deleted with it; a managed policy would narrow nothing.")))
+            Acknowledgment(
+                id=nist + "IAMNoInlinePolicy",
+                reason=(
+                    "CDK's per-role default policies: each is scoped to one role of this stack (the node role, "
+                    "the flow-log role) and deleted with it; a managed policy would narrow nothing."
+                ),
+            )
+        )

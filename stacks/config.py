@@ -3,6 +3,7 @@
 Every key is top-level so `cdk synth -c nodes=3` works. `-c` values arrive as strings;
 `ClusterConfig.from_context` is the one place that coerces them.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -87,6 +88,7 @@ def _as_str(key: str, value: Any, pattern: re.Pattern, accepted: str) -> str:
 
 
 ACCESS_MODES = ("ssh", "ssm")
+EFA_MODES = ("auto", "on", "off")
 
 
 def _as_choice(key: str, value: Any, choices: Sequence[str]) -> str:
@@ -101,6 +103,7 @@ def _optional(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
         if value is None or str(value).strip() in ("", "none", "null"):
             return None
         return convert(key, value)
+
     return wrapper
 
 
@@ -109,9 +112,12 @@ def _instance_type(key: str, value: Any) -> str:
     if text not in INSTANCE_TYPES:
         family = text.partition(".")[0]
         sizes = sorted(t for t in INSTANCE_TYPES if t.startswith(family + "."))
-        accepted = (f"expected one of {', '.join(sizes)}" if sizes else
-                    f"expected a GPU instance type of a supported family "
-                    f"({', '.join(sorted({t.split('.')[0] for t in INSTANCE_TYPES}))}), e.g. g4dn.2xlarge")
+        accepted = (
+            f"expected one of {', '.join(sizes)}"
+            if sizes
+            else f"expected a GPU instance type of a supported family "
+            f"({', '.join(sorted({t.split('.')[0] for t in INSTANCE_TYPES}))}), e.g. g4dn.2xlarge"
+        )
         raise ConfigError(key, value, accepted)
     return text
 
@@ -141,8 +147,9 @@ def _cidr(key: str, value: Any) -> str:
     try:
         network = ipaddress.ip_network(text, strict=True)
     except ValueError:
-        raise ConfigError(key, value, "expected an IPv4 CIDR with host bits zero, "
-                                      "e.g. 203.0.113.7/32 (your address)") from None
+        raise ConfigError(
+            key, value, "expected an IPv4 CIDR with host bits zero, e.g. 203.0.113.7/32 (your address)"
+        ) from None
     if network.version != 4:
         raise ConfigError(key, value, "expected an IPv4 CIDR, e.g. 203.0.113.7/32")
     return str(network)
@@ -150,7 +157,8 @@ def _cidr(key: str, value: Any) -> str:
 
 _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "cluster_name": lambda k, v: _as_str(
-        k, v, _NAME_RE, "expected 1-31 lowercase letters, digits or '-', starting with a letter"),
+        k, v, _NAME_RE, "expected 1-31 lowercase letters, digits or '-', starting with a letter"
+    ),
     "nodes": lambda k, v: _as_int(k, v, 1, MAX_NODES),
     "instance_type": _instance_type,
     "gpus_per_node": _optional(lambda k, v: _as_int(k, v, 1, 16)),
@@ -158,21 +166,26 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "allow_world_ssh": _as_bool,
     "root_volume_gb": lambda k, v: _as_int(k, v, 100, 16384),
     "image": lambda k, v: _as_str(
-        k, v, _IMAGE_RE, "expected a pinned image REPO:TAG (at most 255 characters), "
-                  "e.g. nvcr.io/nvidia/pytorch:24.12-py3"),
-    "ami_ssm_parameter": _optional(lambda k, v: _as_str(
-        k, v, _SSM_RE, "expected an SSM parameter path starting with '/'")),
+        k,
+        v,
+        _IMAGE_RE,
+        "expected a pinned image REPO:TAG (at most 255 characters), e.g. nvcr.io/nvidia/pytorch:24.12-py3",
+    ),
+    "ami_ssm_parameter": _optional(
+        lambda k, v: _as_str(k, v, _SSM_RE, "expected an SSM parameter path starting with '/'")
+    ),
     "retain_data": _as_bool,
     "placement_group": _as_bool,
     "flow_logs": _as_bool,
     "access": lambda k, v: _as_choice(k, v, ACCESS_MODES),
+    "efa": lambda k, v: _as_choice(k, v, EFA_MODES),
     "private_subnet": _as_bool,
     "vpc_id": _optional(lambda k, v: _as_str(k, v, _VPC_RE, "expected vpc-xxxxxxxx")),
     "subnet_id": _optional(lambda k, v: _as_str(k, v, _SUBNET_RE, "expected subnet-xxxxxxxx")),
-    "availability_zone": _optional(lambda k, v: _as_str(
-        k, v, _AZ_RE, "expected an availability zone name, e.g. us-east-1a")),
-    "key_name": _optional(lambda k, v: _as_str(
-        k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
+    "availability_zone": _optional(
+        lambda k, v: _as_str(k, v, _AZ_RE, "expected an availability zone name, e.g. us-east-1a")
+    ),
+    "key_name": _optional(lambda k, v: _as_str(k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
     "idle_minutes": lambda k, v: _as_int(k, v, 0, MAX_IDLE_MINUTES),
     "spot": _as_bool,
     "spot_max_price": _optional(_spot_price),
@@ -195,6 +208,7 @@ class ClusterConfig:
     flow_logs: bool = True  # rejected flows to a KMS-encrypted log group (new VPC only)
     access: str = "ssh"  # ssh: from ssh_cidr; ssm: Session Manager only, no inbound rule at all
     private_subnet: bool = False  # access=ssm: nodes without public IPs (NAT gateway + VPC endpoints)
+    efa: str = "auto"  # auto: on where the type has EFA and the network allows it
     vpc_id: Optional[str] = None
     subnet_id: Optional[str] = None
     availability_zone: Optional[str] = None
@@ -208,8 +222,9 @@ class ClusterConfig:
         return [f.name for f in fields(cls)]
 
     @classmethod
-    def from_context(cls, context: Mapping[str, Any] | Callable[[str], Any],
-                     region: Optional[str] = None) -> "ClusterConfig":
+    def from_context(
+        cls, context: Mapping[str, Any] | Callable[[str], Any], region: Optional[str] = None
+    ) -> "ClusterConfig":
         """Coerce and validate raw context values (strings from `-c`, or JSON from cdk.json);
         `context` is a mapping or a lookup such as `app.node.try_get_context`. Without an explicit
         AZ, the subnet goes to an AZ that offers the type, as `fab preflight` cached it for
@@ -225,8 +240,7 @@ class ClusterConfig:
             offered = get(offerings_context_key(region, config.instance_type))
             if isinstance(offered, str):  # from `-c KEY=a,b`
                 offered = [zone for zone in offered.split(",") if zone]
-            config = replace(config, availability_zone=choose_availability_zone(
-                config.availability_zone, offered))
+            config = replace(config, availability_zone=choose_availability_zone(config.availability_zone, offered))
         return config
 
     def validate(self) -> None:
@@ -235,36 +249,104 @@ class ClusterConfig:
         if self.access == "ssm" and self.ssh_cidr:
             raise ConfigError("ssh_cidr", self.ssh_cidr, "access=ssm opens no inbound port: leave ssh_cidr unset")
         if self.private_subnet and self.access != "ssm":
-            raise ConfigError("private_subnet", self.private_subnet,
-                              "needs -c access=ssm: nodes without public IPs are reached through Session Manager")
+            raise ConfigError(
+                "private_subnet",
+                self.private_subnet,
+                "needs -c access=ssm: nodes without public IPs are reached through Session Manager",
+            )
+        self._validate_efa()
         if self.private_subnet and self.vpc_id:
-            raise ConfigError("private_subnet", self.private_subnet,
-                              "applies to the VPC this stack creates; with vpc_id, pass a private subnet_id")
-        if self.ssh_cidr is not None and ipaddress.ip_network(self.ssh_cidr).prefixlen == 0 \
-                and not self.allow_world_ssh:
-            raise ConfigError("ssh_cidr", self.ssh_cidr,
-                              "SSH open to the whole internet needs -c allow_world_ssh=true; "
-                              "prefer your own address, e.g. 203.0.113.7/32")
+            raise ConfigError(
+                "private_subnet",
+                self.private_subnet,
+                "applies to the VPC this stack creates; with vpc_id, pass a private subnet_id",
+            )
+        if (
+            self.ssh_cidr is not None
+            and ipaddress.ip_network(self.ssh_cidr).prefixlen == 0
+            and not self.allow_world_ssh
+        ):
+            raise ConfigError(
+                "ssh_cidr",
+                self.ssh_cidr,
+                "SSH open to the whole internet needs -c allow_world_ssh=true; "
+                "prefer your own address, e.g. 203.0.113.7/32",
+            )
         if self.spot_max_price is not None and not self.spot:
             raise ConfigError("spot_max_price", self.spot_max_price, "needs -c spot=true")
-        existing = {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id,
-                    "availability_zone": self.availability_zone}
+        existing = {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id, "availability_zone": self.availability_zone}
         given = [key for key, value in existing.items() if value is not None]
         if (self.vpc_id or self.subnet_id) and len(given) < len(existing):
             missing = [key for key in existing if key not in given]
-            raise ConfigError(given[0], existing[given[0]],
-                              f"an existing VPC needs vpc_id, subnet_id (a public subnet) and "
-                              f"availability_zone together; missing {', '.join(missing)}")
+            raise ConfigError(
+                given[0],
+                existing[given[0]],
+                f"an existing VPC needs vpc_id, subnet_id (a public subnet) and "
+                f"availability_zone together; missing {', '.join(missing)}",
+            )
 
     def _validate_ami(self) -> None:
         """A known DLAMI must support the family (the OSS-driver one cannot drive V100s)."""
         known = {path: flavour for flavour, path in AMI_PARAMETERS.items()}
         flavour = known.get(self.ami_ssm_parameter or "")
         if flavour and flavour != self.type_info.ami:
-            raise ConfigError("ami_ssm_parameter", self.ami_ssm_parameter,
-                              f"this Deep Learning AMI's driver does not support {self.type_info.family} "
-                              f"({self.type_info.gpu}); leave it unset to get "
-                              f"{self.type_info.ami_parameter}")
+            raise ConfigError(
+                "ami_ssm_parameter",
+                self.ami_ssm_parameter,
+                f"this Deep Learning AMI's driver does not support {self.type_info.family} "
+                f"({self.type_info.gpu}); leave it unset to get "
+                f"{self.type_info.ami_parameter}",
+            )
+
+    def _validate_efa(self) -> None:
+        if self.efa != "on":
+            return
+        cards = self.type_info.efa
+        if not cards:
+            raise ConfigError(
+                "efa",
+                self.efa,
+                f"{self.instance_type} has no EFA; use efa=off or a type with EFA (e.g. g5.12xlarge, p4d.24xlarge)",
+            )
+        if not self.placement_group:
+            raise ConfigError(
+                "efa", self.efa, "EFA needs the nodes in one cluster placement group: drop placement_group=false"
+            )
+        if cards > 1 and not self.nodes_without_public_ips:
+            raise ConfigError(
+                "efa",
+                self.efa,
+                f"{self.instance_type} has {cards} EFA cards, so several network "
+                "interfaces, and AWS gives such instances no public IP: add "
+                "-c access=ssm -c private_subnet=true",
+            )
+
+    @property
+    def efa_cards(self) -> int:
+        """EFA network cards the nodes get: auto turns EFA on where the type has it and the network
+        allows it (several cards mean several interfaces, which get no public IP)."""
+        cards = self.type_info.efa
+        if self.efa == "off" or not cards:
+            return 0
+        if self.efa == "auto" and (not self.placement_group or (cards > 1 and not self.nodes_without_public_ips)):
+            return 0
+        return cards
+
+    @property
+    def nodes_without_public_ips(self) -> bool:
+        """Reached through Session Manager in a private subnet (this stack's, or a given one)."""
+        return self.access == "ssm" and (self.private_subnet or self.vpc_id is not None)
+
+    @property
+    def efa_note(self) -> Optional[str]:
+        """Why auto left EFA off on a type that has it (a synth-time warning), else None."""
+        if self.efa != "auto" or not self.type_info.efa or self.efa_cards:
+            return None
+        return f"EFA off: {self.instance_type} has {self.type_info.efa} EFA card(s), but " + (
+            "placement_group=false"
+            if not self.placement_group
+            else "several interfaces get no public IP; -c access=ssm -c private_subnet=true turns it on"
+        )
 
     @property
     def type_info(self) -> InstanceType:

@@ -1,56 +1,92 @@
 """A CloudWatch dashboard of the cluster: per node CPU, network in/out, GPU utilisation and memory
 (published by each node's watchdog), the heartbeat the idle alarm watches, and EFS traffic.
 Exposes `dashboard` and `url`."""
+
 from __future__ import annotations
 
 from typing import Sequence
 
-from aws_cdk import Aws, Duration, aws_cloudwatch as cw, aws_ec2 as ec2, aws_efs as efs
+from aws_cdk import Aws, Duration
+from aws_cdk import aws_cloudwatch as cw
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_efs as efs
 from constructs import Construct
 
+from assets.contract import METRIC_NAMESPACE as NODE_NAMESPACE
+
 # What the watchdog (assets/autostop/autostop.py) publishes per node, dimension InstanceId.
-NODE_NAMESPACE = "GpuCluster/Autostop"
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))
 HEARTBEAT_METRIC = "Busy"
 PERIOD = Duration.minutes(1)
 
 
 def _graph(title: str, metrics: Sequence[cw.IMetric], unit: str = "") -> cw.GraphWidget:
-    return cw.GraphWidget(title=title, left=list(metrics), width=12, height=6,
-                          left_y_axis=cw.YAxisProps(label=unit, show_units=False))
+    return cw.GraphWidget(
+        title=title, left=list(metrics), width=12, height=6, left_y_axis=cw.YAxisProps(label=unit, show_units=False)
+    )
 
 
 class ClusterDashboard(Construct):
-
-    def __init__(self, scope: Construct, construct_id: str, *, name: str,
-                 instances: Sequence[ec2.Instance], file_system: efs.IFileSystem) -> None:
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        name: str,
+        instances: Sequence[ec2.Instance],
+        file_system: efs.IFileSystem,
+    ) -> None:
         super().__init__(scope, construct_id)
         self.instances, self.file_system = list(instances), file_system
-        self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=name,
-                                      default_interval=Duration.hours(3))
-        self.dashboard.add_widgets(*(_graph(title, self._per_node(NODE_NAMESPACE, metric), "%")
-                                     for metric, title in GPU_METRICS))
+        self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=name, default_interval=Duration.hours(3))
+        self.dashboard.add_widgets(
+            *(_graph(title, self._per_node(NODE_NAMESPACE, metric), "%") for metric, title in GPU_METRICS)
+        )
         self.dashboard.add_widgets(
             _graph("CPU utilisation (%)", self._per_node("AWS/EC2", "CPUUtilization"), "%"),
-            _graph("Busy heartbeat (1 busy, 0 idle; missing: watchdog down)",
-                   self._per_node(NODE_NAMESPACE, HEARTBEAT_METRIC, "Maximum")))
+            _graph(
+                "Busy heartbeat (1 busy, 0 idle; missing: watchdog down)",
+                self._per_node(NODE_NAMESPACE, HEARTBEAT_METRIC, "Maximum"),
+            ),
+        )
         self.dashboard.add_widgets(
             _graph("Network in (bytes / min)", self._per_node("AWS/EC2", "NetworkIn", "Sum"), "bytes"),
-            _graph("Network out (bytes / min)", self._per_node("AWS/EC2", "NetworkOut", "Sum"), "bytes"))
+            _graph("Network out (bytes / min)", self._per_node("AWS/EC2", "NetworkOut", "Sum"), "bytes"),
+        )
         self.dashboard.add_widgets(
-            _graph("EFS /data bytes read and written (billed in Elastic mode)",
-                   [self._efs("DataReadIOBytes"), self._efs("DataWriteIOBytes"), self._efs("MetadataIOBytes")],
-                   "bytes"),
-            _graph("EFS throughput used (%) and burst credits",
-                   [self._efs("PercentIOLimit", "Maximum"), self._efs("BurstCreditBalance", "Minimum")]))
-        self.url = (f"https://{Aws.REGION}.console.aws.amazon.com/cloudwatch/home?region={Aws.REGION}"
-                    f"#dashboards:name={name}")
+            _graph(
+                "EFS /data bytes read and written (billed in Elastic mode)",
+                [self._efs("DataReadIOBytes"), self._efs("DataWriteIOBytes"), self._efs("MetadataIOBytes")],
+                "bytes",
+            ),
+            _graph(
+                "EFS throughput used (%) and burst credits",
+                [self._efs("PercentIOLimit", "Maximum"), self._efs("BurstCreditBalance", "Minimum")],
+            ),
+        )
+        self.url = (
+            f"https://{Aws.REGION}.console.aws.amazon.com/cloudwatch/home?region={Aws.REGION}#dashboards:name={name}"
+        )
 
     def _per_node(self, namespace: str, metric: str, statistic: str = "Average") -> list[cw.Metric]:
-        return [cw.Metric(namespace=namespace, metric_name=metric, statistic=statistic, period=PERIOD,
-                          dimensions_map={"InstanceId": instance.instance_id}, label=f"node{rank}")
-                for rank, instance in enumerate(self.instances)]
+        return [
+            cw.Metric(
+                namespace=namespace,
+                metric_name=metric,
+                statistic=statistic,
+                period=PERIOD,
+                dimensions_map={"InstanceId": instance.instance_id},
+                label=f"node{rank}",
+            )
+            for rank, instance in enumerate(self.instances)
+        ]
 
     def _efs(self, metric: str, statistic: str = "Sum") -> cw.Metric:
-        return cw.Metric(namespace="AWS/EFS", metric_name=metric, statistic=statistic, period=PERIOD,
-                         dimensions_map={"FileSystemId": self.file_system.file_system_id}, label=metric)
+        return cw.Metric(
+            namespace="AWS/EFS",
+            metric_name=metric,
+            statistic=statistic,
+            period=PERIOD,
+            dimensions_map={"FileSystemId": self.file_system.file_system_id},
+            label=metric,
+        )

@@ -1,27 +1,53 @@
 """GPU nodes: N instances in one subnet and cluster placement group, each bootstrapped to run
 the sshd training container. Exposes `instances` (rank order), `key_parameter_name`, `role`."""
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
 from aws_cdk import (
-    Aspects, Aws, CfnCreationPolicy, CfnResourceSignal, Duration, Stack, Tags,
-    aws_cloudwatch as cloudwatch, aws_cloudwatch_actions as cloudwatch_actions,
-    aws_ec2 as ec2, aws_efs as efs, aws_iam as iam, aws_s3_assets as s3_assets, aws_ssm as ssm,
+    Aspects,
+    Aws,
+    CfnCreationPolicy,
+    CfnResourceSignal,
+    Duration,
+    Stack,
+    Tags,
+)
+from aws_cdk import (
+    aws_cloudwatch as cloudwatch,
+)
+from aws_cdk import (
+    aws_cloudwatch_actions as cloudwatch_actions,
+)
+from aws_cdk import (
+    aws_ec2 as ec2,
+)
+from aws_cdk import (
+    aws_efs as efs,
+)
+from aws_cdk import (
+    aws_iam as iam,
+)
+from aws_cdk import (
+    aws_s3_assets as s3_assets,
+)
+from aws_cdk import (
+    aws_ssm as ssm,
 )
 from constructs import Construct
 
+from assets.contract import CLUSTER_TAG, METRIC_NAMESPACE, RANK_TAG, host_key_parameter, image_context_parameter
+
 from .bootstrap import check_user_data_size, render_user_data
 from .config import ClusterConfig, alarm_minutes
-from .spot import SpotLaunchTemplate
+from .spot import SpotLaunchTemplate, make_spot
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-CLUSTER_TAG = "gpu-cluster:name"
-RANK_TAG = "gpu-cluster:rank"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
 # The autostop watchdog's heartbeat (assets/autostop/autostop.py publishes it once a minute).
-HEARTBEAT_NAMESPACE = "GpuCluster/Autostop"
+HEARTBEAT_NAMESPACE = METRIC_NAMESPACE
 HEARTBEAT_METRIC = "Busy"
 HEARTBEAT_PERIOD = Duration.minutes(1)
 
@@ -29,52 +55,103 @@ HEARTBEAT_PERIOD = Duration.minutes(1)
 HOST_KEY_PENDING = "pending: written by node 0 at boot"
 
 
+def _cfn(instance: ec2.Instance) -> ec2.CfnInstance:
+    """The instance's CloudFormation resource (CDK's escape hatch)."""
+    resource = instance.node.default_child
+    assert isinstance(resource, ec2.CfnInstance)
+    return resource
+
+
+def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:
+    """Launch-template network interfaces for `cards` EFA cards (AWS's layout for multi-card types:
+    an ENA primary at card 0 device 0, EFA-only at card 0 device 1 and at device 0 of every other
+    card; one card: a single EFA-with-ENA interface, which may keep a public IP)."""
+    common = {"SubnetId": subnet_id, "Groups": [group_id], "DeleteOnTermination": True}
+    if cards == 1:
+        return [
+            {
+                **common,
+                "NetworkCardIndex": 0,
+                "DeviceIndex": 0,
+                "InterfaceType": "efa",
+                "AssociatePublicIpAddress": public,
+            }
+        ]
+    return [
+        {**common, "NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface"},
+        {**common, "NetworkCardIndex": 0, "DeviceIndex": 1, "InterfaceType": "efa-only"},
+    ] + [
+        {**common, "NetworkCardIndex": card, "DeviceIndex": 0, "InterfaceType": "efa-only"} for card in range(1, cards)
+    ]
+
+
 def host_key_parameter_name(cluster_name: str) -> str:
-    return f"/gpu-cluster/{cluster_name}/ssh-host-key"
+    return host_key_parameter(cluster_name)
 
 
 def image_context_parameter_name(cluster_name: str) -> str:
-    return f"/gpu-cluster/{cluster_name}/image-context"
+    return image_context_parameter(cluster_name)
 
 
 class GpuNodes(Construct):
-
-    def __init__(self, scope: Construct, construct_id: str, *, config: ClusterConfig,
-                 vpc: ec2.IVpc, subnet: ec2.ISubnet, security_group: ec2.ISecurityGroup,
-                 file_system: efs.IFileSystem, assets_dir: Path = ASSETS_DIR) -> None:
+    def __init__(
+        self,
+        scope: Construct,
+        construct_id: str,
+        *,
+        config: ClusterConfig,
+        vpc: ec2.IVpc,
+        subnet: ec2.ISubnet,
+        security_group: ec2.ISecurityGroup,
+        file_system: efs.IFileSystem,
+        assets_dir: Path = ASSETS_DIR,
+    ) -> None:
         super().__init__(scope, construct_id)
         stack = Stack.of(self)
         self.host_key_parameter_name = host_key_parameter_name(config.cluster_name)
 
         # Image build context: the Dockerfile and the training program, unpacked on each node.
         self.image_context = s3_assets.Asset(
-            self, "ImageContextAsset", path=str(assets_dir),
-            exclude=["bootstrap", "**/__pycache__", "**/*.pyc"])
+            self, "ImageContextAsset", path=str(assets_dir), exclude=["bootstrap", "**/__pycache__", "**/*.pyc"]
+        )
 
         self.role = iam.Role(
-            self, "NodeRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+            self,
+            "NodeRole",
+            assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             description="GPU cluster nodes: SSM sessions, bootstrap signal, image context",
-            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name(
-                "AmazonSSMManagedInstanceCore")])
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["cloudformation:SignalResource"], resources=[stack.stack_id]))
+            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[stack.stack_id])
+        )
         # Owned by the stack (so `cdk destroy` deletes it); node 0 overwrites the placeholder.
         self.host_key_parameter = ssm.StringParameter(
-            self, "HostKey", parameter_name=self.host_key_parameter_name, string_value=HOST_KEY_PENDING,
-            description="The cluster's SSH host public key, pinned by the fab tasks")
+            self,
+            "HostKey",
+            parameter_name=self.host_key_parameter_name,
+            string_value=HOST_KEY_PENDING,
+            description="The cluster's SSH host public key, pinned by the fab tasks",
+        )
         self.host_key_parameter.grant_write(self.role)
         # Found by its /gpu-cluster/NAME/ path, so untagged: moto 5.2 crashes on SSM parameter tags
         # in CloudFormation, and the deploy-into-moto test needs this stack.
         Tags.of(self.host_key_parameter).remove(CLUSTER_TAG, priority=200)
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["s3:GetObject"],
-            resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)]))
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["s3:GetObject"],
+                resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)],
+            )
+        )
         # Where the image context is, outside user data: a code edit updates this parameter and
         # replaces no node (running nodes get code with `fab sync`; new ones build from it).
         self.image_context_parameter = ssm.StringParameter(
-            self, "ImageContext", parameter_name=image_context_parameter_name(config.cluster_name),
+            self,
+            "ImageContext",
+            parameter_name=image_context_parameter_name(config.cluster_name),
             string_value=f"{self.image_context.s3_object_url} {self.image_context.asset_hash[:16]}",
-            description="The training image's build context (S3 URL and tag) for the node bootstrap")
+            description="The training image's build context (S3 URL and tag) for the node bootstrap",
+        )
         self.image_context_parameter.grant_read(self.role)
         Tags.of(self.image_context_parameter).remove(CLUSTER_TAG, priority=200)
 
@@ -85,35 +162,46 @@ class GpuNodes(Construct):
         if config.key_name:
             self.key_pair = ec2.KeyPair.from_key_pair_name(self, "KeyPair", config.key_name)
         else:
-            key_pair = ec2.KeyPair(self, "KeyPair", key_pair_name=f"{config.cluster_name}-{stack.stack_name}",
-                                   type=ec2.KeyPairType.ED25519)
+            key_pair = ec2.KeyPair(
+                self, "KeyPair", key_pair_name=f"{config.cluster_name}-{stack.stack_name}", type=ec2.KeyPairType.ED25519
+            )
             self.key_pair = key_pair
             self.key_parameter_name = key_pair.private_key.parameter_name
 
         placement_group = None
         if config.placement_group:
-            placement_group = ec2.PlacementGroup(
-                self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+            placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
 
         machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_parameter)
         self.instances: list[ec2.Instance] = []
         for rank in range(config.nodes):
             instance = ec2.Instance(
-                self, f"Node{rank}",
+                self,
+                f"Node{rank}",
                 instance_name=config.node_name(rank),
-                vpc=vpc, vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
+                vpc=vpc,
+                vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
                 security_group=security_group,
                 instance_type=ec2.InstanceType(config.instance_type),
                 machine_image=machine_image,
-                role=self.role, key_pair=self.key_pair,
+                role=self.role,
+                key_pair=self.key_pair,
                 placement_group=placement_group,
-                require_imdsv2=True,  # no detailed monitoring: the idle alarm uses the heartbeat
-                user_data_causes_replacement=True, propagate_tags_to_volume_on_creation=True,
-                block_devices=[ec2.BlockDevice(
-                    device_name="/dev/sda1",
-                    volume=ec2.BlockDeviceVolume.ebs(
-                        config.root_volume_gb, volume_type=ec2.EbsDeviceVolumeType.GP3,
-                        encrypted=True, delete_on_termination=True))],
+                require_imdsv2=not config.efa_cards,  # with EFA, its own launch template requires it
+                # no detailed monitoring: the idle alarm uses the heartbeat
+                user_data_causes_replacement=True,
+                propagate_tags_to_volume_on_creation=True,
+                block_devices=[
+                    ec2.BlockDevice(
+                        device_name="/dev/sda1",
+                        volume=ec2.BlockDeviceVolume.ebs(
+                            config.root_volume_gb,
+                            volume_type=ec2.EbsDeviceVolumeType.GP3,
+                            encrypted=True,
+                            delete_on_termination=True,
+                        ),
+                    )
+                ],
             )
             env = {
                 "CLUSTER_NAME": config.cluster_name,
@@ -122,59 +210,127 @@ class GpuNodes(Construct):
                 "FILE_SYSTEM_ID": file_system.file_system_id,
                 "AWS_REGION": stack.region,
                 "STACK_NAME": stack.stack_name,
-                "SIGNAL_RESOURCE": stack.get_logical_id(instance.node.default_child),
+                "SIGNAL_RESOURCE": stack.get_logical_id(_cfn(instance)),
                 "BASE_IMAGE": config.image,
                 "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
                 "HOST_KEY_PARAMETER": self.host_key_parameter_name,
                 "IDLE_MINUTES": str(config.idle_minutes),
+                "EFA_CARDS": str(config.efa_cards),
             }
             if config.spot:  # only then: a new key in user data would replace On-Demand nodes
                 env["SPOT"] = "true"
-                Aspects.of(instance).add(SpotLaunchTemplate(
-                    config.spot_max_price, {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}))
             instance.user_data.add_commands(render_user_data(env))
             check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
-            cfn_instance = instance.node.default_child
+            cfn_instance = _cfn(instance)
+            efa_template = None
+            if config.efa_cards:
+                efa_template = self._attach_efa(
+                    instance, rank, config.efa_cards, subnet, security_group, public=not config.private_subnet
+                )
+            if config.spot:
+                spot_tags = {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}
+                if efa_template is not None:
+                    make_spot(efa_template, config.spot_max_price, spot_tags)
+                else:
+                    Aspects.of(instance).add(SpotLaunchTemplate(config.spot_max_price, spot_tags))
             cfn_instance.cfn_options.creation_policy = CfnCreationPolicy(
-                resource_signal=CfnResourceSignal(
-                    count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M"))
+                resource_signal=CfnResourceSignal(count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M")
+            )
             # Mount targets must exist before the bootstrap mounts /data.
-            instance.node.add_dependency(file_system.mount_targets_available, self.host_key_parameter,
-                                         self.image_context_parameter)
+            instance.node.add_dependency(
+                file_system.mount_targets_available, self.host_key_parameter, self.image_context_parameter
+            )
             Tags.of(instance).add(RANK_TAG, str(rank))
             self.instances.append(instance)
 
-        self.idle_alarms = [self._idle_alarm(config, rank, instance) for rank, instance in enumerate(self.instances)
-                            if config.idle_minutes]
+        self.idle_alarms = [
+            self._idle_alarm(config, rank, instance)
+            for rank, instance in enumerate(self.instances)
+            if config.idle_minutes
+        ]
 
     def _grant_stop_and_heartbeat(self, config: ClusterConfig) -> None:
         """Always, even with idle_minutes=0 (`fab train --then-stop` stops the cluster from a node):
         find and stop this cluster's instances and no others; publish the autostop heartbeat."""
         self.role.add_to_policy(iam.PolicyStatement(actions=["ec2:DescribeInstances"], resources=["*"]))
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["ec2:StopInstances"],
-            # Pseudo-parameters, not format_arn: the same ARN text in every environment.
-            resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
-            conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}}))
-        self.role.add_to_policy(iam.PolicyStatement(
-            actions=["cloudwatch:PutMetricData"], resources=["*"],
-            conditions={"StringEquals": {"cloudwatch:namespace": HEARTBEAT_NAMESPACE}}))
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ec2:StopInstances"],
+                # Pseudo-parameters, not format_arn: the same ARN text in every environment.
+                resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
+                conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}},
+            )
+        )
+        self.role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["cloudwatch:PutMetricData"],
+                resources=["*"],
+                conditions={"StringEquals": {"cloudwatch:namespace": HEARTBEAT_NAMESPACE}},
+            )
+        )
 
     def _idle_alarm(self, config: ClusterConfig, rank: int, instance: ec2.Instance) -> cloudwatch.Alarm:
         """Stops the node when its heartbeat has said idle, or nothing (a dead watchdog, a dead
         container), for idle_minutes + the grace: after the watchdog itself would have stopped it."""
         minutes = alarm_minutes(config.idle_minutes)
         alarm = cloudwatch.Alarm(
-            self, f"IdleAlarm{rank}",
+            self,
+            f"IdleAlarm{rank}",
             alarm_description=f"{config.node_name(rank)}: no busy autostop heartbeat for {minutes} min "
-                              f"(idle, or the watchdog is dead); stops the node",
+            f"(idle, or the watchdog is dead); stops the node",
             metric=cloudwatch.Metric(
-                namespace=HEARTBEAT_NAMESPACE, metric_name=HEARTBEAT_METRIC, statistic="Maximum",
-                period=HEARTBEAT_PERIOD, dimensions_map={"InstanceId": instance.instance_id}),
-            threshold=1, evaluation_periods=minutes, datapoints_to_alarm=minutes,
+                namespace=HEARTBEAT_NAMESPACE,
+                metric_name=HEARTBEAT_METRIC,
+                statistic="Maximum",
+                period=HEARTBEAT_PERIOD,
+                dimensions_map={"InstanceId": instance.instance_id},
+            ),
+            threshold=1,
+            evaluation_periods=minutes,
+            datapoints_to_alarm=minutes,
             comparison_operator=cloudwatch.ComparisonOperator.LESS_THAN_THRESHOLD,
-            treat_missing_data=cloudwatch.TreatMissingData.BREACHING)
+            treat_missing_data=cloudwatch.TreatMissingData.BREACHING,
+        )
         alarm.add_alarm_action(cloudwatch_actions.Ec2Action(cloudwatch_actions.Ec2InstanceAction.STOP))
         # Its Ref to the instance means CloudFormation creates it only once the node has signalled
         # (creation policy), i.e. its watchdog runs: no missing heartbeat during the bootstrap.
         return alarm
+
+    def _attach_efa(
+        self,
+        instance: ec2.Instance,
+        rank: int,
+        cards: int,
+        subnet: ec2.ISubnet,
+        security_group: ec2.ISecurityGroup,
+        public: bool,
+    ) -> ec2.CfnLaunchTemplate:
+        """EFA interfaces exist only in launch templates (AWS::EC2::Instance has no InterfaceType):
+        one per node, with IMDSv2 required; subnet and group move into the interfaces."""
+        interfaces = [
+            ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
+                subnet_id=i["SubnetId"],
+                groups=i["Groups"],
+                delete_on_termination=i["DeleteOnTermination"],
+                network_card_index=i["NetworkCardIndex"],
+                device_index=i["DeviceIndex"],
+                interface_type=i["InterfaceType"],
+                associate_public_ip_address=i.get("AssociatePublicIpAddress"),
+            )
+            for i in efa_interfaces(cards, subnet.subnet_id, security_group.security_group_id, public)
+        ]
+        template = ec2.CfnLaunchTemplate(
+            self,
+            f"Node{rank}EfaTemplate",
+            launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
+                metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(http_tokens="required"),
+                network_interfaces=interfaces,
+            ),
+        )
+        cfn_instance = _cfn(instance)
+        cfn_instance.launch_template = ec2.CfnInstance.LaunchTemplateSpecificationProperty(
+            launch_template_id=template.ref, version=template.attr_latest_version_number
+        )
+        cfn_instance.add_property_deletion_override("SubnetId")
+        cfn_instance.add_property_deletion_override("SecurityGroupIds")
+        return template

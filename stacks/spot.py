@@ -13,12 +13,14 @@ LaunchTemplateSpotMarketOptionsRequest and SpotMarketOptions):
     otherwise; after that an interrupted node would not come back, so it is set far ahead.
   * MaxPrice must be above USD 0.001; without it the price is capped at On-Demand.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import jsii
-from aws_cdk import IAspect, aws_ec2 as ec2
+from aws_cdk import IAspect
+from aws_cdk import aws_ec2 as ec2
 from constructs import IConstruct
 
 from .config import SPOT_INTERRUPTION, SPOT_REQUEST
@@ -33,22 +35,38 @@ def price_text(usd: float) -> str:
 
 def market_options(max_price: Optional[float]) -> dict:
     """LaunchTemplateData.InstanceMarketOptions for a node."""
-    spot = {"SpotInstanceType": SPOT_REQUEST, "InstanceInterruptionBehavior": SPOT_INTERRUPTION,
-            "ValidUntil": VALID_UNTIL}
+    spot = {
+        "SpotInstanceType": SPOT_REQUEST,
+        "InstanceInterruptionBehavior": SPOT_INTERRUPTION,
+        "ValidUntil": VALID_UNTIL,
+    }
     if max_price is not None:
         spot["MaxPrice"] = price_text(max_price)
     return {"MarketType": "spot", "SpotOptions": spot}
 
 
+def make_spot(template: ec2.CfnLaunchTemplate, max_price: Optional[float], tags: dict[str, str]) -> None:
+    """Add the market options, and tags for the Spot request (so `fab audit` finds it), to a node's
+    launch template."""
+    template.add_property_override("LaunchTemplateData.InstanceMarketOptions", market_options(max_price))
+    template.add_property_override(
+        "LaunchTemplateData.TagSpecifications",
+        [
+            {
+                "ResourceType": "spot-instances-request",
+                "Tags": [{"Key": key, "Value": value} for key, value in sorted(tags.items())],
+            }
+        ],
+    )
+
+
 @jsii.implements(IAspect)
 class SpotLaunchTemplate:
-    """Adds the market options, and tags for the Spot request (so `fab audit` finds it), to the
-    launch template of the ec2.Instance it is applied to. Runs after CDK's IMDSv2 aspect, which
-    creates that template at synthesis."""
+    """make_spot on the launch template of the ec2.Instance it is applied to. Runs after CDK's IMDSv2
+    aspect, which creates that template at synthesis."""
 
     def __init__(self, max_price: Optional[float], tags: dict[str, str]):
-        self.options = market_options(max_price)
-        self.tags = [{"Key": key, "Value": value} for key, value in sorted(tags.items())]
+        self.max_price, self.tags = max_price, tags
 
     def visit(self, node: IConstruct) -> None:
         if not isinstance(node, ec2.Instance):
@@ -56,6 +74,4 @@ class SpotLaunchTemplate:
         template = node.node.try_find_child("LaunchTemplate")
         if not isinstance(template, ec2.CfnLaunchTemplate):
             raise ValueError(f"{node.node.path}: no IMDSv2 launch template to make Spot (require_imdsv2 is off?)")
-        template.add_property_override("LaunchTemplateData.InstanceMarketOptions", self.options)
-        template.add_property_override("LaunchTemplateData.TagSpecifications", [
-            {"ResourceType": "spot-instances-request", "Tags": self.tags}])
+        make_spot(template, self.max_price, self.tags)

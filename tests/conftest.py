@@ -1,6 +1,8 @@
 """Shared fixtures. Everything runs offline with the real tools (CDK CLI, sshd, mpirun, moto server)."""
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -8,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,20 +22,25 @@ for path in (REPO, TRAIN_DIR, AUTOSTOP_DIR):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-OFFLINE_ENV = {"CDK_DISABLE_VERSION_CHECK": "1", "CDK_DISABLE_CLI_TELEMETRY": "true",
-               "AWS_EC2_METADATA_DISABLED": "true", "JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION": "1",
-               "JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION": "1"}
+OFFLINE_ENV = {
+    "CDK_DISABLE_VERSION_CHECK": "1",
+    "CDK_DISABLE_CLI_TELEMETRY": "true",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "JSII_SILENCE_WARNING_DEPRECATED_NODE_VERSION": "1",
+    "JSII_SILENCE_WARNING_UNTESTED_NODE_VERSION": "1",
+}
 os.environ.update(OFFLINE_ENV)
 # jsii (in-process CDK) and the CDK CLI run on the pinned Node in node_modules, not the machine's.
 os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
 
 
-def cdk_app(**context) -> "aws_cdk.App":
+def cdk_app(**context):
     """An app with cdk.json's context (its feature flags change what constructs synthesize: the
     EFS file-system policy, for one), as `cdk synth` builds it."""
     import json
 
     import aws_cdk
+
     return aws_cdk.App(context={**json.loads((REPO / "cdk.json").read_text())["context"], **context})
 
 
@@ -45,13 +51,23 @@ def tool_env(**extra: str) -> dict:
     return env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def checkout_stays_clean():
+    """No test writes CDK context (AZ lookups, offerings) into the checkout's cdk.context.json."""
+    context = REPO / "cdk.context.json"
+    before = context.read_bytes() if context.exists() else None
+    yield
+    after = context.read_bytes() if context.exists() else None
+    assert after == before, "a test wrote cdk.context.json into the checkout"
+
+
 @pytest.fixture(scope="session")
 def numbers_data(tmp_path_factory) -> Path:
     """A small numbers data set, prepared once per session by the real prepare.py."""
     import prepare
+
     out = tmp_path_factory.mktemp("numbers")
-    prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100",
-                  "--vocab", "400"])
+    prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100", "--vocab", "400"])
     return out
 
 
@@ -70,8 +86,11 @@ def _free_port() -> int:
 def moto_endpoint():
     port = _free_port()
     # All addresses of this machine: the emulated cluster's nodes reach it through their bridge.
-    process = subprocess.Popen([str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -86,33 +105,57 @@ def moto_endpoint():
 
 
 @pytest.fixture(scope="session")
-def aws_env(moto_endpoint):
-    env = {"AWS_ENDPOINT_URL": moto_endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": REGION, "CDK_DEFAULT_ACCOUNT": ACCOUNT, "CDK_DEFAULT_REGION": REGION}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+def moto_env(moto_endpoint) -> dict:
+    """The variables that point boto3 and the CDK CLI at the moto server (not set anywhere)."""
+    return {
+        "AWS_ENDPOINT_URL": moto_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "CDK_DEFAULT_ACCOUNT": ACCOUNT,
+        "CDK_DEFAULT_REGION": REGION,
+    }
+
+
+@contextlib.contextmanager
+def environment(values: dict):
+    """os.environ with `values` for the duration, then exactly as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield values
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def aws_env(moto_env):
+    """The moto server's variables in os.environ for this test only."""
+    with environment(moto_env):
+        yield moto_env
 
 
 def moto_instances(count: int, cluster: str | None = None, instance_type: str = "g4dn.xlarge") -> list[str]:
     """Launch instances in the moto server (optionally tagged as a cluster's); returns their ids."""
     import boto3
+
     ec2 = boto3.client("ec2")
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     tags = [{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}]}] if cluster else []
-    launched = ec2.run_instances(ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type,
-                                 TagSpecifications=tags)["Instances"]
+    launched = ec2.run_instances(
+        ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type, TagSpecifications=tags
+    )["Instances"]
     return [i["InstanceId"] for i in launched]
 
 
 class FakeImds(BaseHTTPRequestHandler):
     """IMDSv2 as EC2 serves it: a PUT for a token, then GETs with that token (401 without): the
     identity document, and spot/instance-action (404 until a test sets server.instance_action)."""
+
     TOKEN = "TOKEN123"
 
     def do_PUT(self):
@@ -142,7 +185,7 @@ class FakeImds(BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
+@contextlib.contextmanager
 def serve_imds(host: str = "127.0.0.1"):
     """A FakeImds on host (any free port); .url, .instance_action (None: no notice), .gets."""
     server = ThreadingHTTPServer((host, 0), FakeImds)

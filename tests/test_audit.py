@@ -3,15 +3,16 @@
 addresses, the CDK bootstrap bucket), deleted only after confirmation and in dependency order, and a
 file system kept with retain_data=true survives unless --include-retained. moto finishes every
 deletion at once, so the waiting order is checked with botocore's Stubber."""
+
 import subprocess
 import uuid
 
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
+from conftest import ACCOUNT, REGION, REPO, tool_env
 
 from clusterops import audit
-from conftest import ACCOUNT, REGION, REPO, tool_env
 
 CLUSTER = "auditme"
 TAGS = [{"Key": "gpu-cluster:name", "Value": CLUSTER}]
@@ -25,26 +26,49 @@ def leftovers(aws_env):
     spec = lambda kind, tags=TAGS: [{"ResourceType": kind, "Tags": tags}]  # noqa: E731
     vpc = ec2.describe_vpcs()["Vpcs"][0]["VpcId"]
     subnet = ec2.describe_subnets(Filters=[{"Name": "vpc-id", "Values": [vpc]}])["Subnets"][0]["SubnetId"]
-    group = ec2.create_security_group(GroupName=f"{CLUSTER}-{uuid.uuid4().hex[:8]}", Description="nodes", VpcId=vpc,
-                                      TagSpecifications=spec("security-group"))["GroupId"]
-    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="g6.xlarge", SubnetId=subnet,
-                      TagSpecifications=spec("instance"))
+    group = ec2.create_security_group(
+        GroupName=f"{CLUSTER}-{uuid.uuid4().hex[:8]}",
+        Description="nodes",
+        VpcId=vpc,
+        TagSpecifications=spec("security-group"),
+    )["GroupId"]
+    ec2.run_instances(
+        ImageId=image,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="g6.xlarge",
+        SubnetId=subnet,
+        TagSpecifications=spec("instance"),
+    )
     ec2.create_volume(AvailabilityZone="us-east-1a", Size=200, VolumeType="gp3", TagSpecifications=spec("volume"))
-    other = ec2.create_volume(AvailabilityZone="us-east-1a", Size=50, TagSpecifications=spec(
-        "volume", [{"Key": "gpu-cluster:name", "Value": "someone-else"}]))["VolumeId"]
+    other = ec2.create_volume(
+        AvailabilityZone="us-east-1a",
+        Size=50,
+        TagSpecifications=spec("volume", [{"Key": "gpu-cluster:name", "Value": "someone-else"}]),
+    )["VolumeId"]
     ec2.allocate_address(Domain="vpc", TagSpecifications=spec("elastic-ip"))
     ec2.create_key_pair(KeyName=f"{CLUSTER}-key", TagSpecifications=spec("key-pair"))
     eni = ec2.create_network_interface(SubnetId=subnet, Groups=[group])["NetworkInterface"]["NetworkInterfaceId"]
     efs = boto3.client("efs")
     efs.create_file_system(CreationToken=f"{CLUSTER}-scratch", Encrypted=True, Tags=TAGS)
-    kept = efs.create_file_system(CreationToken=f"{CLUSTER}-kept", Encrypted=True,
-                                  Tags=TAGS + [{"Key": "gpu-cluster:retain", "Value": "true"}])["FileSystemId"]
-    boto3.client("ssm").put_parameter(Name=f"/gpu-cluster/{CLUSTER}/ssh-host-key", Value="ssh-ed25519 AAAA",
-                                      Type="String", Overwrite=True)
+    kept = efs.create_file_system(
+        CreationToken=f"{CLUSTER}-kept", Encrypted=True, Tags=TAGS + [{"Key": "gpu-cluster:retain", "Value": "true"}]
+    )["FileSystemId"]
+    boto3.client("ssm").put_parameter(
+        Name=f"/gpu-cluster/{CLUSTER}/ssh-host-key", Value="ssh-ed25519 AAAA", Type="String", Overwrite=True
+    )
     boto3.client("logs").create_log_group(logGroupName=f"/{CLUSTER}/flows", tags={"gpu-cluster:name": CLUSTER})
     boto3.client("cloudwatch").put_metric_alarm(
-        AlarmName=f"{CLUSTER}-idle", MetricName="Busy", Namespace="GpuCluster/Autostop", Statistic="Maximum",
-        Period=60, EvaluationPeriods=1, Threshold=1, ComparisonOperator="LessThanThreshold", Tags=TAGS)
+        AlarmName=f"{CLUSTER}-idle",
+        MetricName="Busy",
+        Namespace="GpuCluster/Autostop",
+        Statistic="Maximum",
+        Period=60,
+        EvaluationPeriods=1,
+        Threshold=1,
+        ComparisonOperator="LessThanThreshold",
+        Tags=TAGS,
+    )
     s3 = boto3.client("s3")
     made = BUCKET not in {b["Name"] for b in s3.list_buckets()["Buckets"]}  # `cdk bootstrap` may have made it
     if made:
@@ -52,8 +76,9 @@ def leftovers(aws_env):
     for name in ("audit-a.zip", "audit-b.json"):
         s3.put_object(Bucket=BUCKET, Key=name, Body=b"x" * 1000)
     yield {"other": other, "eni": eni, "kept": kept}
-    audit.delete(clients(), audit.find(clients(), CLUSTER), log=lambda m: None, include_retained=True,
-                 pace=audit.Pace(delay=0))  # whatever a test left
+    audit.delete(
+        clients(), audit.find(clients(), CLUSTER), log=lambda m: None, include_retained=True, pace=audit.Pace(delay=0)
+    )  # whatever a test left
     for name in ("audit-a.zip", "audit-b.json"):
         s3.delete_object(Bucket=BUCKET, Key=name)
     if made:  # leave the session's moto server as it was: `cdk bootstrap` (test_moto) creates this bucket
@@ -62,14 +87,26 @@ def leftovers(aws_env):
 
 def clients():
     from fabtasks.aws import AUDIT_CLIENTS
+
     return {k: boto3.client(k) for k in AUDIT_CLIENTS}
 
 
 def test_audit_finds_every_kind_with_its_monthly_cost(leftovers):
     found = audit.find(clients(), CLUSTER)
     kinds = {x.kind for x in found}
-    assert kinds == {"instance", "public-ipv4", "volume", "address", "key-pair", "network-interface",
-                     "file-system", "parameter", "log-group", "alarm", "cdk-assets"}
+    assert kinds == {
+        "instance",
+        "public-ipv4",
+        "volume",
+        "address",
+        "key-pair",
+        "network-interface",
+        "file-system",
+        "parameter",
+        "log-group",
+        "alarm",
+        "cdk-assets",
+    }
     by_kind = {x.kind: x for x in found}
     assert by_kind["instance"].usd_per_month == pytest.approx(0.8048 * 730)  # g6: in the table now
     assert by_kind["public-ipv4"].usd_per_month == pytest.approx(0.005 * 730)
@@ -84,13 +121,24 @@ def test_audit_finds_every_kind_with_its_monthly_cost(leftovers):
 def test_an_instance_without_a_price_costs_unknown_not_zero(aws_env):
     ec2 = boto3.client("ec2")
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="m5.large",
-                      TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": "nop"}]}])
+    ec2.run_instances(
+        ImageId=image,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="m5.large",
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "gpu-cluster:name", "Value": "nop"}]}],
+    )
     found = [x for x in audit.find(clients(), "nop") if x.kind == "instance"]
     assert [x.usd_per_month for x in found] == [None]
     assert audit.monthly_total(found) == "$0.00/month + unknown for 1 resource(s) without a price"
-    result = subprocess.run(["fab", "audit", "--cluster", "nop"], cwd=REPO, env=tool_env(**aws_env),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["fab", "audit", "--cluster", "nop"],
+        cwd=REPO,
+        env=tool_env(**aws_env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0 and "unknown" in result.stdout and "m5.large running" in result.stdout
 
 
@@ -100,8 +148,10 @@ def test_delete_keeps_retained_data_unless_asked(leftovers):
     assert audit.delete(clients(), found, log=messages.append, pace=audit.Pace(delay=0)) == []
     left = audit.find(clients(), CLUSTER)
     assert {x.kind for x in left} == {"file-system", "cdk-assets"} and left[0].id == leftovers["kept"]
-    assert f"kept file-system {leftovers['kept']}: retain_data=true; `fab audit --delete --include-retained` " \
-           "deletes it" in messages
+    assert (
+        f"kept file-system {leftovers['kept']}: retain_data=true; `fab audit --delete --include-retained` "
+        "deletes it" in messages
+    )
     assert any(m.startswith(f"kept cdk-assets {BUCKET}: shared by every CDK app") for m in messages)
     assert audit.delete(clients(), left, log=messages.append, include_retained=True, pace=audit.Pace(delay=0)) == []
     assert [x.kind for x in audit.find(clients(), CLUSTER)] == ["cdk-assets"]
@@ -110,8 +160,15 @@ def test_delete_keeps_retained_data_unless_asked(leftovers):
 
 def test_fab_audit_asks_before_deleting(leftovers, aws_env):
     env = tool_env(**aws_env)
-    run = lambda *args, **kw: subprocess.run(["fab", "audit", "--cluster", CLUSTER, *args], cwd=REPO, env=env,  # noqa: E731
-                                             capture_output=True, text=True, timeout=120, **kw)
+    run = lambda *args, **kw: subprocess.run(
+        ["fab", "audit", "--cluster", CLUSTER, *args],
+        cwd=REPO,
+        env=env,  # noqa: E731
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,
+    )
     listed = run()
     assert listed.returncode == 0 and "total: $" in listed.stdout and "file-system" in listed.stdout
     assert f"CDK bootstrap bucket {BUCKET}: " in listed.stdout and "npx cdk gc --unstable=gc" in listed.stdout
@@ -127,26 +184,43 @@ def test_fab_audit_asks_before_deleting(leftovers, aws_env):
 
 # ---------------------------------------------------------------- the waiting order (Stubber)
 
+
 def stubbed(service):
-    client = boto3.client(service, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x",
-                          endpoint_url=f"https://{service}.invalid")
+    client = boto3.client(
+        service,
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        endpoint_url=f"https://{service}.invalid",
+    )
     return client, Stubber(client)
 
 
 def test_the_file_system_goes_only_after_its_mount_targets_are_gone():
     efs, stubber = stubbed("efs")
-    target = {"MountTargetId": "fsmt-0123456789", "FileSystemId": "fs-1", "SubnetId": "subnet-0123456789",
-              "LifeCycleState": "available", "OwnerId": "1", "IpAddress": "10.0.0.5"}
+    target = {
+        "MountTargetId": "fsmt-0123456789",
+        "FileSystemId": "fs-1",
+        "SubnetId": "subnet-0123456789",
+        "LifeCycleState": "available",
+        "OwnerId": "1",
+        "IpAddress": "10.0.0.5",
+    }
     stubber.add_response("describe_mount_targets", {"MountTargets": [target]}, {"FileSystemId": "fs-1"})
     stubber.add_response("delete_mount_target", {}, {"MountTargetId": "fsmt-0123456789"})
-    stubber.add_response("describe_mount_targets", {"MountTargets": [dict(target, LifeCycleState="deleting")]},
-                         {"FileSystemId": "fs-1"})
+    stubber.add_response(
+        "describe_mount_targets", {"MountTargets": [dict(target, LifeCycleState="deleting")]}, {"FileSystemId": "fs-1"}
+    )
     stubber.add_response("describe_mount_targets", {"MountTargets": []}, {"FileSystemId": "fs-1"})
     stubber.add_response("delete_file_system", {}, {"FileSystemId": "fs-1"})
     naps = []
     with stubber:
-        failed = audit.delete({"efs": efs}, [audit.Leftover("file-system", "fs-1", "EFS", 0.0)], log=lambda m: None,
-                              pace=audit.Pace(delay=7, sleep=naps.append))
+        failed = audit.delete(
+            {"efs": efs},
+            [audit.Leftover("file-system", "fs-1", "EFS", 0.0)],
+            log=lambda m: None,
+            pace=audit.Pace(delay=7, sleep=naps.append),
+        )
         stubber.assert_no_pending_responses()
     assert failed == [] and naps == [7]
 
@@ -156,20 +230,29 @@ def test_volumes_are_deleted_only_after_the_instances_are_terminated():
     terminated = {"Reservations": [{"Instances": [{"InstanceId": "i-1", "State": {"Name": "terminated", "Code": 48}}]}]}
     stubber.add_response("terminate_instances", {"TerminatingInstances": []}, {"InstanceIds": ["i-1"]})
     stubber.add_response("describe_instances", terminated, {"InstanceIds": ["i-1"]})  # waiter: instance_terminated
-    stubber.add_response("describe_volumes", {"Volumes": [{"VolumeId": "vol-1", "State": "available"}]}, {"Filters": ANY})
-    stubber.add_response("describe_volumes", {"Volumes": [{"VolumeId": "vol-1", "State": "available"}]},
-                         {"VolumeIds": ["vol-1"]})  # waiter: volume_available
+    stubber.add_response(
+        "describe_volumes", {"Volumes": [{"VolumeId": "vol-1", "State": "available"}]}, {"Filters": ANY}
+    )
+    stubber.add_response(
+        "describe_volumes", {"Volumes": [{"VolumeId": "vol-1", "State": "available"}]}, {"VolumeIds": ["vol-1"]}
+    )  # waiter: volume_available
     stubber.add_response("delete_volume", {}, {"VolumeId": "vol-1"})
     with stubber:
         others = {name: None for name in ("efs", "ssm", "logs", "cloudwatch")}  # not called
-        failed = audit.delete({"ec2": ec2, **others}, [audit.Leftover("volume", "vol-1", "200 GB in-use", 16.0),
-                                             audit.Leftover("instance", "i-1", "g5.xlarge running", 734.0)],
-                              log=lambda m: None)  # each waiter's first poll succeeds: no wait
+        failed = audit.delete(
+            {"ec2": ec2, **others},
+            [
+                audit.Leftover("volume", "vol-1", "200 GB in-use", 16.0),
+                audit.Leftover("instance", "i-1", "g5.xlarge running", 734.0),
+            ],
+            log=lambda m: None,
+        )  # each waiter's first poll succeeds: no wait
         stubber.assert_no_pending_responses()
     assert failed == []
 
 
 # ---------------------------------------------------------------- Spot nodes' persistent requests
+
 
 def persistent_spot_request(cluster: str) -> dict:
     """What a Spot node's launch template leaves: a persistent request tagged with the cluster
@@ -177,10 +260,14 @@ def persistent_spot_request(cluster: str) -> dict:
     ec2 = boto3.client("ec2")
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     return ec2.request_spot_instances(
-        InstanceCount=1, Type="persistent", InstanceInterruptionBehavior="stop",
+        InstanceCount=1,
+        Type="persistent",
+        InstanceInterruptionBehavior="stop",
         LaunchSpecification={"ImageId": image, "InstanceType": "g4dn.xlarge"},
-        TagSpecifications=[{"ResourceType": "spot-instances-request", "Tags": [
-            {"Key": "gpu-cluster:name", "Value": cluster}]}])["SpotInstanceRequests"][0]
+        TagSpecifications=[
+            {"ResourceType": "spot-instances-request", "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}]}
+        ],
+    )["SpotInstanceRequests"][0]
 
 
 def test_spot_requests_and_the_untagged_nodes_they_launched_are_found_and_cancelled(aws_env):
@@ -191,7 +278,9 @@ def test_spot_requests_and_the_untagged_nodes_they_launched_are_found_and_cancel
     request_id, orphan = request["SpotInstanceRequestId"], request["InstanceId"]
     found = audit.find(clients(), "spotleft")
     assert [(x.kind, x.id) for x in found if x.kind in ("spot-request", "instance")] == [
-        ("spot-request", request_id), ("instance", orphan)]
+        ("spot-request", request_id),
+        ("instance", orphan),
+    ]
     assert "launches a node whenever its instance is gone" in found[0].detail
     assert audit.delete(clients(), found, log=lambda m: None, pace=audit.Pace(delay=0)) == []
     left = ec2.describe_spot_instance_requests(SpotInstanceRequestIds=[request_id])["SpotInstanceRequests"]
@@ -201,15 +290,26 @@ def test_spot_requests_and_the_untagged_nodes_they_launched_are_found_and_cancel
 
 def test_spot_requests_are_cancelled_before_their_nodes_are_terminated():
     ec2, stubber = stubbed("ec2")
-    stubber.add_response("cancel_spot_instance_requests", {"CancelledSpotInstanceRequests": [
-        {"SpotInstanceRequestId": "sir-1", "State": "cancelled"}]}, {"SpotInstanceRequestIds": ["sir-1"]})
+    stubber.add_response(
+        "cancel_spot_instance_requests",
+        {"CancelledSpotInstanceRequests": [{"SpotInstanceRequestId": "sir-1", "State": "cancelled"}]},
+        {"SpotInstanceRequestIds": ["sir-1"]},
+    )
     stubber.add_response("terminate_instances", {"TerminatingInstances": []}, {"InstanceIds": ["i-1"]})
-    stubber.add_response("describe_instances", {"Reservations": [{"Instances": [
-        {"InstanceId": "i-1", "State": {"Name": "terminated", "Code": 48}}]}]}, {"InstanceIds": ["i-1"]})
+    stubber.add_response(
+        "describe_instances",
+        {"Reservations": [{"Instances": [{"InstanceId": "i-1", "State": {"Name": "terminated", "Code": 48}}]}]},
+        {"InstanceIds": ["i-1"]},
+    )
     with stubber:
-        failed = audit.delete({"ec2": ec2}, [audit.Leftover("instance", "i-1", "g5.xlarge running", 734.0),
-                                             audit.Leftover("spot-request", "sir-1", "persistent active", 0.0)],
-                              log=lambda m: None)
+        failed = audit.delete(
+            {"ec2": ec2},
+            [
+                audit.Leftover("instance", "i-1", "g5.xlarge running", 734.0),
+                audit.Leftover("spot-request", "sir-1", "persistent active", 0.0),
+            ],
+            log=lambda m: None,
+        )
         stubber.assert_no_pending_responses()
     assert failed == []
 
@@ -217,8 +317,17 @@ def test_spot_requests_are_cancelled_before_their_nodes_are_terminated():
 def test_fab_release_spot_cancels_the_clusters_requests_before_a_destroy(aws_env):
     request = persistent_spot_request("spotgo")
     request_id = request["SpotInstanceRequestId"]
-    run = lambda: subprocess.run(["fab", "release-spot", "--cluster", "spotgo"], cwd=REPO,  # noqa: E731
-                                 env=tool_env(**aws_env), capture_output=True, text=True, timeout=120)
+
+    def run():
+        return subprocess.run(
+            ["fab", "release-spot", "--cluster", "spotgo"],
+            cwd=REPO,
+            env=tool_env(**aws_env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     first = run()
     assert first.returncode == 0 and first.stdout.strip() == f"cancelled {request_id}: `npx cdk destroy` may go ahead"
     assert run().stdout.strip() == "no open Spot request tagged gpu-cluster:name=spotgo"

@@ -1,7 +1,7 @@
 """The bottleneck model: verdicts on constructed breakdowns, what-ifs that follow their formulas,
 and PowerSGD's wire bytes against what PyTorch's hook really all-reduces."""
+
 import pytest
-import torch
 
 from clusterops.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
 
@@ -9,18 +9,29 @@ MB = 1e6
 
 
 def breakdown(**overrides) -> Breakdown:
-    values = dict(data=0.01, compute=0.50, exposed=0.05, optimizer=0.02, other=0.02,
-                  wire_bytes=ring_wire_bytes(100 * MB, 2), grad_bytes=100 * MB, world_size=2,
-                  objects_per_step=256)
+    values = dict(
+        data=0.01,
+        compute=0.50,
+        exposed=0.05,
+        optimizer=0.02,
+        other=0.02,
+        wire_bytes=ring_wire_bytes(100 * MB, 2),
+        grad_bytes=100 * MB,
+        world_size=2,
+        objects_per_step=256,
+    )
     return Breakdown(**{**values, **overrides})
 
 
-@pytest.mark.parametrize("overrides, kind", [
-    ({}, "compute-bound"),
-    ({"exposed": 1.5}, "communication-bound"),
-    ({"data": 0.4}, "input-bound"),
-    ({"exposed": 0.2}, "mixed"),
-])
+@pytest.mark.parametrize(
+    "overrides, kind",
+    [
+        ({}, "compute-bound"),
+        ({"exposed": 1.5}, "communication-bound"),
+        ({"data": 0.4}, "input-bound"),
+        ({"exposed": 0.2}, "mixed"),
+    ],
+)
 def test_verdict_follows_the_shares_of_the_step(overrides, kind):
     assert verdict(breakdown(**overrides), link_gbit=1.0).kind == kind
 
@@ -43,8 +54,9 @@ def test_fp16_halves_the_wire_time_and_keeps_the_overlap():
 
 def test_powersgd_in_one_bucket_hides_nothing_and_pays_its_overhead():
     slow = breakdown(exposed=0.75)
-    p = {x.name: x for x in what_ifs(slow, 1.0, powersgd_wire_bytes=0.04 * slow.wire_bytes,
-                                      powersgd_overhead_s=0.03)}["powersgd"]
+    p = {x.name: x for x in what_ifs(slow, 1.0, powersgd_wire_bytes=0.04 * slow.wire_bytes, powersgd_overhead_s=0.03)}[
+        "powersgd"
+    ]
     assert p.step_s == pytest.approx(slow.step - 0.75 + 0.04 * 0.8 + 0.03)
 
 
@@ -63,3 +75,28 @@ def test_powersgd_wire_bytes_follow_the_hooks_compression_rule():
     payload = 4 * 96 * 4 + 4 * 32 + 4 * 320 + 4 * 10
     assert powersgd_wire_bytes(shapes, rank=4, world_size=2) == pytest.approx(ring_wire_bytes(payload, 2))
     assert powersgd_wire_bytes(shapes, rank=4, world_size=1) == 0
+
+
+def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
+    from clusterops.bottleneck import write_report
+
+    summary = {
+        "world_size": 2,
+        "global_batch": 256,
+        "grad_compression": "none",
+        "breakdown": {
+            "data_s": 0.01,
+            "compute_s": 0.5,
+            "comm_exposed_s": 1.5,
+            "optimizer_s": 0.02,
+            "other_s": 0.02,
+            "wire_bytes": ring_wire_bytes(244e6, 2),
+            "grad_bytes": 244e6,
+        },
+    }
+    written = write_report("base", summary, {"median_gbit": 0.96}, tmp_path, shapes=[(512, 2048), (2048,)])
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# Run base: communication-bound")
+    for what_if in ("fp16 gradients", "powersgd", "batch x2 per GPU", "10 Gbit/s link", "100 Gbit/s link (EFA)"):
+        assert f"| {what_if} |" in text, what_if
+    assert (tmp_path / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(written) == 2

@@ -1,8 +1,8 @@
 """ClusterConfig: coercion of `-c` strings, defaults, and one-line errors for bad input."""
+
 import pytest
 
-from stacks.config import (ClusterConfig, ConfigError, MAX_IDLE_MINUTES, choose_availability_zone,
-                           offerings_context_key)
+from stacks.config import MAX_IDLE_MINUTES, ClusterConfig, ConfigError, choose_availability_zone, offerings_context_key
 from stacks.instance_types import AMI_PARAMETERS, INSTANCE_TYPES
 
 
@@ -27,8 +27,7 @@ def test_every_accepted_type_has_its_facts_and_a_supported_ami(name):
 @pytest.mark.parametrize("instance_type", ["p3.2xlarge", "p3dn.24xlarge"])
 def test_a_v100_type_with_the_oss_driver_ami_is_refused_in_one_line(instance_type):
     with pytest.raises(ConfigError, match="does not support p3") as caught:
-        ClusterConfig.from_context({"instance_type": instance_type,
-                                    "ami_ssm_parameter": AMI_PARAMETERS["oss"]})
+        ClusterConfig.from_context({"instance_type": instance_type, "ami_ssm_parameter": AMI_PARAMETERS["oss"]})
     assert caught.value.key == "ami_ssm_parameter" and "\n" not in str(caught.value)
 
 
@@ -49,17 +48,34 @@ def test_idle_minutes_stop_at_what_a_cloudwatch_alarm_accepts():
 
 
 def test_strings_from_the_command_line_are_coerced():
-    config = ClusterConfig.from_context({
-        "nodes": "3", "retain_data": "true", "placement_group": "False", "root_volume_gb": " 500 ",
-        "ssh_cidr": "203.0.113.0/24", "gpus_per_node": "", "vpc_id": None})
+    config = ClusterConfig.from_context(
+        {
+            "nodes": "3",
+            "retain_data": "true",
+            "placement_group": "False",
+            "root_volume_gb": " 500 ",
+            "ssh_cidr": "203.0.113.0/24",
+            "gpus_per_node": "",
+            "vpc_id": None,
+        }
+    )
     assert config.nodes == 3 and config.retain_data is True and config.placement_group is False
     assert config.root_volume_gb == 500 and config.ssh_cidr == "203.0.113.0/24"
     assert config.gpus_per_node is None
 
 
-@pytest.mark.parametrize("instance_type, gpus", [
-    ("g4dn.2xlarge", 1), ("g4dn.12xlarge", 4), ("g5.48xlarge", 8), ("p3.8xlarge", 4),
-    ("p4d.24xlarge", 8), ("p5.48xlarge", 8), ("G5.XLARGE", 1)])
+@pytest.mark.parametrize(
+    "instance_type, gpus",
+    [
+        ("g4dn.2xlarge", 1),
+        ("g4dn.12xlarge", 4),
+        ("g5.48xlarge", 8),
+        ("p3.8xlarge", 4),
+        ("p4d.24xlarge", 8),
+        ("p5.48xlarge", 8),
+        ("G5.XLARGE", 1),
+    ],
+)
 def test_gpus_per_node_known_for_common_types(instance_type, gpus):
     assert ClusterConfig.from_context({"instance_type": instance_type}).gpus == gpus
 
@@ -79,26 +95,64 @@ def test_world_ssh_needs_explicit_opt_in():
 
 
 BAD = [
-    ("nodes", "0"), ("nodes", "-2"), ("nodes", "two"), ("nodes", "1.5"), ("nodes", "65"),
-    ("nodes", True), ("nodes", ""),
-    ("instance_type", "m5.large"), ("instance_type", "t3.micro"), ("instance_type", "g4dn"),
-    ("instance_type", "g4dn."), ("instance_type", "gpu"), ("instance_type", "g5.96xlarge"),
+    ("nodes", "0"),
+    ("nodes", "-2"),
+    ("nodes", "two"),
+    ("nodes", "1.5"),
+    ("nodes", "65"),
+    ("nodes", True),
+    ("nodes", ""),
+    ("instance_type", "m5.large"),
+    ("instance_type", "t3.micro"),
+    ("instance_type", "g4dn"),
+    ("instance_type", "g4dn."),
+    ("instance_type", "gpu"),
+    ("instance_type", "g5.96xlarge"),
     ("instance_type", "g5.x!large"),
-    ("gpus_per_node", "0"), ("gpus_per_node", "17"), ("gpus_per_node", "many"),
-    ("ssh_cidr", "203.0.113.0/33"), ("ssh_cidr", "203.0.113.7/24"), ("ssh_cidr", "300.0.0.0/8"),
-    ("ssh_cidr", "0.0.0.0/0"), ("ssh_cidr", "2001:db8::/32"), ("ssh_cidr", "my-laptop"),
-    ("allow_world_ssh", "maybe"), ("retain_data", "yes please"), ("placement_group", "2"),
-    ("root_volume_gb", "20"), ("root_volume_gb", "lots"), ("root_volume_gb", "20000"),
-    ("image", "nvcr.io/nvidia/pytorch"), ("image", "UPPER:case"), ("image", ""),
+    ("gpus_per_node", "0"),
+    ("gpus_per_node", "17"),
+    ("gpus_per_node", "many"),
+    ("ssh_cidr", "203.0.113.0/33"),
+    ("ssh_cidr", "203.0.113.7/24"),
+    ("ssh_cidr", "300.0.0.0/8"),
+    ("ssh_cidr", "0.0.0.0/0"),
+    ("ssh_cidr", "2001:db8::/32"),
+    ("ssh_cidr", "my-laptop"),
+    ("allow_world_ssh", "maybe"),
+    ("retain_data", "yes please"),
+    ("placement_group", "2"),
+    ("root_volume_gb", "20"),
+    ("root_volume_gb", "lots"),
+    ("root_volume_gb", "20000"),
+    ("image", "nvcr.io/nvidia/pytorch"),
+    ("image", "UPPER:case"),
+    ("image", ""),
     ("image", "nvcr.io/" + "n" * 250 + ":tag"),
-    ("ami_ssm_parameter", "aws/service/x"), ("ami_ssm_parameter", "ami-12345678"),
-    ("vpc_id", "vpc-xyz"), ("subnet_id", "subnet-1"), ("vpc_id", "vpc-0123456789abcdef0"),
-    ("availability_zone", "east"), ("subnet_id", "subnet-0123456789abcdef0"),
-    ("key_name", "bad/name"), ("cluster_name", "My Cluster"), ("cluster_name", "1cluster"),
-    ("cluster_name", "a" * 40), ("idle_minutes", "-1"), ("idle_minutes", "soon"),
-    ("idle_minutes", "1411"), ("spot", "cheap"), ("spot_max_price", "0"), ("spot_max_price", "-1"),
-    ("spot_max_price", "0.001"), ("spot_max_price", "lots"), ("spot_max_price", "nan"), ("spot_max_price", "inf"),
-    ("spot_max_price", True), ("access", "vpn"), ("private_subnet", "true"), ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
+    ("ami_ssm_parameter", "aws/service/x"),
+    ("ami_ssm_parameter", "ami-12345678"),
+    ("vpc_id", "vpc-xyz"),
+    ("subnet_id", "subnet-1"),
+    ("vpc_id", "vpc-0123456789abcdef0"),
+    ("availability_zone", "east"),
+    ("subnet_id", "subnet-0123456789abcdef0"),
+    ("key_name", "bad/name"),
+    ("cluster_name", "My Cluster"),
+    ("cluster_name", "1cluster"),
+    ("cluster_name", "a" * 40),
+    ("idle_minutes", "-1"),
+    ("idle_minutes", "soon"),
+    ("idle_minutes", "1411"),
+    ("spot", "cheap"),
+    ("spot_max_price", "0"),
+    ("spot_max_price", "-1"),
+    ("spot_max_price", "0.001"),
+    ("spot_max_price", "lots"),
+    ("spot_max_price", "nan"),
+    ("spot_max_price", "inf"),
+    ("spot_max_price", True),
+    ("access", "vpn"),
+    ("private_subnet", "true"),
+    ("ami_ssm_parameter", AMI_PARAMETERS["proprietary"]),
 ]
 
 

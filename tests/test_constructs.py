@@ -1,4 +1,5 @@
 """Each construct built alone (and the stack composed) for 1, 2 and 8 nodes, asserted with Template + Match."""
+
 import json
 import re
 
@@ -6,8 +7,8 @@ import aws_cdk as cdk
 import pytest
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk.assertions import Match, Template
-
 from conftest import REPO, cdk_app
+
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.network import ClusterNetwork
@@ -32,13 +33,15 @@ def cluster(request) -> tuple[int, Template]:
 
 # ---------------------------------------------------------------- network
 
+
 def test_network_security_group_allows_all_traffic_only_from_itself_and_ssh_from_cidr():
     stack = _stack()
     network = ClusterNetwork(stack, "Network", ssh_cidr=SSH_CIDR)
     template = Template.from_stack(stack)
     sg_id = stack.resolve(network.security_group.security_group_id)
-    template.has_resource_properties("AWS::EC2::SecurityGroupIngress", {
-        "IpProtocol": "-1", "SourceSecurityGroupId": sg_id, "GroupId": sg_id})
+    template.has_resource_properties(
+        "AWS::EC2::SecurityGroupIngress", {"IpProtocol": "-1", "SourceSecurityGroupId": sg_id, "GroupId": sg_id}
+    )
     ingress = template.find_resources("AWS::EC2::SecurityGroup")
     rules = [r for res in ingress.values() for r in res["Properties"].get("SecurityGroupIngress", [])]
     assert sorted(r["FromPort"] for r in rules) == [22, 4444]
@@ -48,8 +51,11 @@ def test_network_security_group_allows_all_traffic_only_from_itself_and_ssh_from
 def test_network_without_ssh_cidr_has_no_cidr_ingress_at_all():
     stack = _stack()
     ClusterNetwork(stack, "Network", ssh_cidr=None)
-    rules = [r for res in Template.from_stack(stack).find_resources("AWS::EC2::SecurityGroup").values()
-             for r in res["Properties"].get("SecurityGroupIngress", [])]
+    rules = [
+        r
+        for res in Template.from_stack(stack).find_resources("AWS::EC2::SecurityGroup").values()
+        for r in res["Properties"].get("SecurityGroupIngress", [])
+    ]
     assert rules == []
 
 
@@ -62,15 +68,22 @@ def test_network_is_public_subnets_without_nat_and_logs_rejected_flows():
     template.has_resource_properties("AWS::EC2::Subnet", {"MapPublicIpOnLaunch": True})
     template.has_resource_properties("AWS::EC2::FlowLog", {"TrafficType": "REJECT"})
     template.has_resource("AWS::Logs::LogGroup", {"DeletionPolicy": "Delete"})
-    template.has_resource_properties("AWS::Logs::LogGroup", {"RetentionInDays": 14,
-                                                             "KmsKeyId": {"Fn::GetAtt": [Match.any_value(), "Arn"]}})
+    template.has_resource_properties(
+        "AWS::Logs::LogGroup", {"RetentionInDays": 14, "KmsKeyId": {"Fn::GetAtt": [Match.any_value(), "Arn"]}}
+    )
     template.has_resource_properties("AWS::KMS::Key", {"EnableKeyRotation": True, "PendingWindowInDays": 7})
 
 
 def test_network_can_use_an_existing_vpc_and_subnet():
     stack = _stack()
-    network = ClusterNetwork(stack, "Network", ssh_cidr=SSH_CIDR, vpc_id="vpc-0123456789abcdef0",
-                             subnet_id="subnet-0123456789abcdef0", availability_zone="us-east-1a")
+    network = ClusterNetwork(
+        stack,
+        "Network",
+        ssh_cidr=SSH_CIDR,
+        vpc_id="vpc-0123456789abcdef0",
+        subnet_id="subnet-0123456789abcdef0",
+        availability_zone="us-east-1a",
+    )
     template = Template.from_stack(stack)
     template.resource_count_is("AWS::EC2::VPC", 0)
     template.has_resource_properties("AWS::EC2::SecurityGroup", {"VpcId": "vpc-0123456789abcdef0"})
@@ -79,26 +92,38 @@ def test_network_can_use_an_existing_vpc_and_subnet():
 
 # ---------------------------------------------------------------- storage
 
+
 def _storage(retain: bool) -> Template:
     stack = _stack()
-    vpc = ec2.Vpc(stack, "Vpc", max_azs=1, nat_gateways=0, subnet_configuration=[
-        ec2.SubnetConfiguration(name="p", subnet_type=ec2.SubnetType.PUBLIC)])
+    vpc = ec2.Vpc(
+        stack,
+        "Vpc",
+        max_azs=1,
+        nat_gateways=0,
+        subnet_configuration=[ec2.SubnetConfiguration(name="p", subnet_type=ec2.SubnetType.PUBLIC)],
+    )
     clients = ec2.SecurityGroup(stack, "Clients", vpc=vpc)
-    SharedStorage(stack, "Storage", vpc=vpc, subnet=vpc.public_subnets[0],
-                  client_security_group=clients, retain_data=retain)
+    SharedStorage(
+        stack, "Storage", vpc=vpc, subnet=vpc.public_subnets[0], client_security_group=clients, retain_data=retain
+    )
     return Template.from_stack(stack)
 
 
 def test_storage_is_encrypted_elastic_efs_with_one_mount_target_and_nfs_from_clients_only():
     template = _storage(retain=False)
-    template.has_resource_properties("AWS::EFS::FileSystem", {
-        "Encrypted": True, "ThroughputMode": "elastic", "PerformanceMode": "generalPurpose"})
+    template.has_resource_properties(
+        "AWS::EFS::FileSystem", {"Encrypted": True, "ThroughputMode": "elastic", "PerformanceMode": "generalPurpose"}
+    )
     template.resource_count_is("AWS::EFS::MountTarget", 1)
-    template.has_resource_properties("AWS::EC2::SecurityGroupIngress", {
-        "IpProtocol": "tcp", "FromPort": 2049, "ToPort": 2049,
-        "SourceSecurityGroupId": Match.any_value()})
-    efs_sg = [r for r in template.find_resources("AWS::EC2::SecurityGroup").values()
-              if "EFS" in r["Properties"]["GroupDescription"]]
+    template.has_resource_properties(
+        "AWS::EC2::SecurityGroupIngress",
+        {"IpProtocol": "tcp", "FromPort": 2049, "ToPort": 2049, "SourceSecurityGroupId": Match.any_value()},
+    )
+    efs_sg = [
+        r
+        for r in template.find_resources("AWS::EC2::SecurityGroup").values()
+        if "EFS" in r["Properties"]["GroupDescription"]
+    ]
     assert efs_sg and "SecurityGroupIngress" not in efs_sg[0]["Properties"]
 
 
@@ -106,7 +131,7 @@ def _bootstrap_mount() -> dict:
     """How node-bootstrap.sh mounts /data: the file system type and options of its fstab line."""
     script = (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_text()
     options = re.search(r"local options=(\S+)", script).group(1).split(",")
-    fs_type = re.search(r'\$DATA_DIR (\w+) \$options', script).group(1)
+    fs_type = re.search(r"\$DATA_DIR (\w+) \$options", script).group(1)
     return {"type": fs_type, "iam": "iam" in options, "tls": "tls" in options}
 
 
@@ -123,11 +148,18 @@ def efs_client_allowed(policy: dict | None, action: str, *, iam: bool, tls: bool
         principal = statement.get("Principal", {})
         principal = principal.get("AWS", principal) if isinstance(principal, dict) else principal
         anyone = principal == "*" or principal == ["*"]
-        conditions = all(context.get(key) == str(value).lower()
-                         for op, pairs in statement.get("Condition", {}).items() if op == "Bool"
-                         for key, value in pairs.items())
-        return (f"elasticfilesystem:{action}" in actions or "elasticfilesystem:*" in actions) \
-            and (anyone or iam) and conditions
+        conditions = all(
+            context.get(key) == str(value).lower()
+            for op, pairs in statement.get("Condition", {}).items()
+            if op == "Bool"
+            for key, value in pairs.items()
+        )
+        return (
+            (f"elasticfilesystem:{action}" in actions or "elasticfilesystem:*" in actions)
+            and (anyone or iam)
+            and conditions
+        )
+
     statements = policy["Statement"]
     if any(s["Effect"] == "Deny" and matches(s) for s in statements):
         return False
@@ -142,18 +174,35 @@ def test_the_nodes_nfs_mount_is_allowed_by_the_file_system_policy(action):
     assert mount["type"] == "nfs4"  # no efs-utils: an anonymous client
     fs = next(iter(_cluster().find_resources("AWS::EFS::FileSystem").values()))
     policy = fs["Properties"].get("FileSystemPolicy")
-    assert efs_client_allowed(policy, action, iam=mount["iam"], tls=mount["tls"]), \
+    assert efs_client_allowed(policy, action, iam=mount["iam"], tls=mount["tls"]), (
         f"EFS would refuse {action} to the bootstrap's NFS client: {json.dumps(policy)}"
+    )
 
 
 def test_the_policy_evaluator_refuses_what_efs_refuses():
-    flag_policy = {"Statement": [{"Effect": "Allow", "Principal": {"AWS": "*"},
-                                  "Action": ["elasticfilesystem:ClientRootAccess", "elasticfilesystem:ClientWrite"],
-                                  "Condition": {"Bool": {"elasticfilesystem:AccessedViaMountTarget": "true"}}}]}
+    flag_policy = {
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Principal": {"AWS": "*"},
+                "Action": ["elasticfilesystem:ClientRootAccess", "elasticfilesystem:ClientWrite"],
+                "Condition": {"Bool": {"elasticfilesystem:AccessedViaMountTarget": "true"}},
+            }
+        ]
+    }
     assert not efs_client_allowed(flag_policy, "ClientMount", iam=False, tls=False)
     assert efs_client_allowed(flag_policy, "ClientWrite", iam=False, tls=False)
-    tls_only = {"Statement": [{"Effect": "Deny", "Principal": {"AWS": "*"}, "Action": "elasticfilesystem:*",
-                               "Condition": {"Bool": {"aws:SecureTransport": "false"}}}] + flag_policy["Statement"]}
+    tls_only = {
+        "Statement": [
+            {
+                "Effect": "Deny",
+                "Principal": {"AWS": "*"},
+                "Action": "elasticfilesystem:*",
+                "Condition": {"Bool": {"aws:SecureTransport": "false"}},
+            }
+        ]
+        + flag_policy["Statement"]
+    }
     assert not efs_client_allowed(tls_only, "ClientWrite", iam=False, tls=False)
     assert efs_client_allowed(None, "ClientMount", iam=False, tls=False)
 
@@ -170,6 +219,7 @@ def test_the_subnet_is_in_an_az_that_offers_the_type():
 @pytest.mark.parametrize("instance_type, flavour", [("g5.12xlarge", "oss"), ("p3.8xlarge", "proprietary")])
 def test_the_ami_is_the_dlami_whose_driver_supports_the_family(instance_type, flavour):
     from stacks.instance_types import AMI_PARAMETERS
+
     template = _cluster(instance_type=instance_type).to_json()
     defaults = [p.get("Default") for p in template["Parameters"].values()]
     assert AMI_PARAMETERS[flavour] in defaults
@@ -184,6 +234,7 @@ def test_storage_is_deleted_by_destroy_unless_retained(retain, policy):
 
 # ---------------------------------------------------------------- nodes and the composed stack
 
+
 def test_nodes_count_placement_imdsv2_and_encrypted_gp3(cluster):
     nodes, template = cluster
     template.resource_count_is("AWS::EC2::Instance", nodes)
@@ -192,11 +243,20 @@ def test_nodes_count_placement_imdsv2_and_encrypted_gp3(cluster):
     instances = template.find_resources("AWS::EC2::Instance")
     assert len({json.dumps(i["Properties"]["SubnetId"]) for i in instances.values()}) == 1
     assert all("PlacementGroupName" in i["Properties"] for i in instances.values())
-    template.has_resource_properties("AWS::EC2::LaunchTemplate", {"LaunchTemplateData": {
-        "MetadataOptions": {"HttpTokens": "required"}}})
-    template.has_resource_properties("AWS::EC2::Instance", {"BlockDeviceMappings": [{
-        "DeviceName": "/dev/sda1", "Ebs": {"VolumeType": "gp3", "Encrypted": True,
-                                           "DeleteOnTermination": True, "VolumeSize": 200}}]})
+    template.has_resource_properties(
+        "AWS::EC2::LaunchTemplate", {"LaunchTemplateData": {"MetadataOptions": {"HttpTokens": "required"}}}
+    )
+    template.has_resource_properties(
+        "AWS::EC2::Instance",
+        {
+            "BlockDeviceMappings": [
+                {
+                    "DeviceName": "/dev/sda1",
+                    "Ebs": {"VolumeType": "gp3", "Encrypted": True, "DeleteOnTermination": True, "VolumeSize": 200},
+                }
+            ]
+        },
+    )
 
 
 def test_nodes_wait_for_their_bootstrap_signal_and_are_tagged_with_rank(cluster):
@@ -204,8 +264,9 @@ def test_nodes_wait_for_their_bootstrap_signal_and_are_tagged_with_rank(cluster)
     instances = template.find_resources("AWS::EC2::Instance")
     for resource in instances.values():
         assert resource["CreationPolicy"]["ResourceSignal"] == {"Count": 1, "Timeout": "PT45M"}
-    ranks = sorted(int(t["Value"]) for i in instances.values() for t in i["Properties"]["Tags"]
-                   if t["Key"] == "gpu-cluster:rank")
+    ranks = sorted(
+        int(t["Value"]) for i in instances.values() for t in i["Properties"]["Tags"] if t["Key"] == "gpu-cluster:rank"
+    )
     assert ranks == list(range(nodes))
 
 
@@ -219,14 +280,20 @@ def test_no_ingress_from_the_world_and_a_self_referencing_rule(cluster):
 
 def test_world_ssh_appears_only_with_the_opt_in():
     template = _cluster(ssh_cidr="0.0.0.0/0", allow_world_ssh="true")
-    rules = [r for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
-             for r in sg["Properties"].get("SecurityGroupIngress", [])]
+    rules = [
+        r
+        for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
+        for r in sg["Properties"].get("SecurityGroupIngress", [])
+    ]
     assert {r["CidrIp"] for r in rules} == {"0.0.0.0/0"} and {r["FromPort"] for r in rules} == {22, 4444}
 
 
 def _user_data(template: Template, rank: int) -> str:
-    instance = [i for i in template.find_resources("AWS::EC2::Instance").values()
-                if {"Key": "gpu-cluster:rank", "Value": str(rank)} in i["Properties"]["Tags"]][0]
+    instance = [
+        i
+        for i in template.find_resources("AWS::EC2::Instance").values()
+        if {"Key": "gpu-cluster:rank", "Value": str(rank)} in i["Properties"]["Tags"]
+    ][0]
     parts = instance["Properties"]["UserData"]["Fn::Base64"]
     if isinstance(parts, str):
         return parts
@@ -246,6 +313,22 @@ def test_user_data_carries_the_bootstrap_with_its_config(cluster):
         assert secret_marker not in text
 
 
+# The longest value a token in the user data can resolve to (a stack name is at most 128
+# characters, an S3 URL of a CDK asset about 130, a region 14, a file-system id 21).
+TOKEN_BYTES_BOUND = 256
+USER_DATA_LIMIT = 16 * 1024  # bytes, before base64 (EC2 user guide: "Work with instance user data")
+
+
+def test_user_data_fits_the_ec2_limit_with_every_token_at_its_longest(cluster):
+    nodes, template = cluster
+    instance = next(iter(template.find_resources("AWS::EC2::Instance").values()))
+    parts = instance["Properties"]["UserData"]["Fn::Base64"]
+    parts = [parts] if isinstance(parts, str) else parts["Fn::Join"][1]
+    size = sum(len(p.encode()) if isinstance(p, str) else TOKEN_BYTES_BOUND for p in parts)
+    print(f"user data: {size} bytes at most ({USER_DATA_LIMIT - size} to spare)")
+    assert size <= USER_DATA_LIMIT
+
+
 def test_node_role_is_least_privilege():
     template = _cluster()
     policies = template.find_resources("AWS::IAM::Policy")
@@ -253,9 +336,20 @@ def test_node_role_is_least_privilege():
     actions = sorted(a for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))
     assert "cloudformation:SignalResource" in actions and "ssm:PutParameter" in actions
     assert all("*" not in a for a in actions if not a.startswith("logs:"))
-    template.has_resource_properties("AWS::IAM::Role", {"ManagedPolicyArns": [
-        Match.object_like({"Fn::Join": Match.array_with([Match.array_with([
-            ":iam::aws:policy/AmazonSSMManagedInstanceCore"])])})]})
+    template.has_resource_properties(
+        "AWS::IAM::Role",
+        {
+            "ManagedPolicyArns": [
+                Match.object_like(
+                    {
+                        "Fn::Join": Match.array_with(
+                            [Match.array_with([":iam::aws:policy/AmazonSSMManagedInstanceCore"])]
+                        )
+                    }
+                )
+            ]
+        },
+    )
 
 
 def test_the_stack_creates_a_key_pair_whose_private_key_is_in_ssm_unless_one_is_named():
@@ -271,8 +365,17 @@ def test_the_stack_creates_a_key_pair_whose_private_key_is_in_ssm_unless_one_is_
 def test_outputs_for_the_fab_tasks(cluster):
     nodes, template = cluster
     outputs = template.find_outputs("*")
-    for key in ("HeadPublicIp", "PrivateIps", "PublicIps", "InstanceIds", "FileSystemId",
-                "KeyParameterName", "HostKeyParameterName", "Region", "GpusPerNode"):
+    for key in (
+        "HeadPublicIp",
+        "PrivateIps",
+        "PublicIps",
+        "InstanceIds",
+        "FileSystemId",
+        "KeyParameterName",
+        "HostKeyParameterName",
+        "Region",
+        "GpusPerNode",
+    ):
         assert key in outputs, key
     value = outputs["PrivateIps"]["Value"]
     items = value["Fn::Join"][1] if "Fn::Join" in value else [value]  # one node: no join
@@ -287,23 +390,39 @@ def test_placement_group_can_be_turned_off():
 
 # ---------------------------------------------------------------- GPU nodes built alone
 
+
 def _nodes_alone(assets_dir, **context) -> Template:
     from stacks.nodes import GpuNodes
+
     stack = _stack()
-    vpc = ec2.Vpc(stack, "Vpc", max_azs=1, nat_gateways=0, subnet_configuration=[
-        ec2.SubnetConfiguration(name="p", subnet_type=ec2.SubnetType.PUBLIC)])
+    vpc = ec2.Vpc(
+        stack,
+        "Vpc",
+        max_azs=1,
+        nat_gateways=0,
+        subnet_configuration=[ec2.SubnetConfiguration(name="p", subnet_type=ec2.SubnetType.PUBLIC)],
+    )
     group = ec2.SecurityGroup(stack, "NodeGroup", vpc=vpc)
-    storage = SharedStorage(stack, "Storage", vpc=vpc, subnet=vpc.public_subnets[0],
-                            client_security_group=group, retain_data=False)
-    GpuNodes(stack, "Nodes", config=ClusterConfig.from_context({"nodes": "2", **context}), vpc=vpc,
-             subnet=vpc.public_subnets[0], security_group=group, file_system=storage.file_system,
-             assets_dir=assets_dir)
+    storage = SharedStorage(
+        stack, "Storage", vpc=vpc, subnet=vpc.public_subnets[0], client_security_group=group, retain_data=False
+    )
+    GpuNodes(
+        stack,
+        "Nodes",
+        config=ClusterConfig.from_context({"nodes": "2", **context}),
+        vpc=vpc,
+        subnet=vpc.public_subnets[0],
+        security_group=group,
+        file_system=storage.file_system,
+        assets_dir=assets_dir,
+    )
     return Template.from_stack(stack)
 
 
 def test_editing_the_training_code_replaces_no_node(tmp_path):
     """The code's asset hash lives in an SSM parameter, not in user data (which replaces nodes)."""
     import shutil
+
     assets = tmp_path / "assets"
     shutil.copytree(REPO / "assets", assets, ignore=shutil.ignore_patterns("__pycache__"))
     before = _nodes_alone(assets)
@@ -314,18 +433,33 @@ def test_editing_the_training_code_replaces_no_node(tmp_path):
     assert instances[0].keys() == instances[1].keys()
     for logical_id in instances[0]:
         assert instances[0][logical_id]["Properties"]["UserData"] == instances[1][logical_id]["Properties"]["UserData"]
-    values = [json.dumps(next(r["Properties"]["Value"] for r in t.find_resources("AWS::SSM::Parameter").values()
-                              if "image-context" in json.dumps(r["Properties"]["Name"]))) for t in (before, after)]
+    values = [
+        json.dumps(
+            next(
+                r["Properties"]["Value"]
+                for r in t.find_resources("AWS::SSM::Parameter").values()
+                if "image-context" in json.dumps(r["Properties"]["Name"])
+            )
+        )
+        for t in (before, after)
+    ]
     assert values[0] != values[1], "the new code must still reach new nodes through the parameter"
 
 
 def test_user_data_stays_under_ec2s_16_kb_with_the_longest_values_and_over_it_is_one_line():
     from stacks.bootstrap import USER_DATA_LIMIT, check_user_data_size
-    longest = {"cluster_name": "c" * 31, "image": "nvcr.io/" + "n" * 200 + ":" + "t" * 40, "nodes": "64",
-               "idle_minutes": "1410"}
+
+    longest = {
+        "cluster_name": "c" * 31,
+        "image": "nvcr.io/" + "n" * 200 + ":" + "t" * 40,
+        "nodes": "64",
+        "idle_minutes": "1410",
+    }
     template = _cluster(**longest)
-    sizes = [check_user_data_size(i["Properties"]["UserData"], "node")
-             for i in template.find_resources("AWS::EC2::Instance").values()]
+    sizes = [
+        check_user_data_size(i["Properties"]["UserData"], "node")
+        for i in template.find_resources("AWS::EC2::Instance").values()
+    ]
     print(f"user data: {max(sizes)} of {USER_DATA_LIMIT} bytes")
     assert max(sizes) < USER_DATA_LIMIT
     oversized = {"Fn::Base64": {"Fn::Join": ["", ["#!/bin/bash\n" + "x" * USER_DATA_LIMIT, {"Ref": "AWS::Region"}]]}}
@@ -339,8 +473,17 @@ def test_the_dashboard_shows_every_node_and_the_file_system_and_its_url_is_an_ou
     dashboards = template.find_resources("AWS::CloudWatch::Dashboard")
     assert len(dashboards) == 1
     body = json.dumps(next(iter(dashboards.values()))["Properties"]["DashboardBody"])
-    for metric in ("GPUUtilization", "GPUMemoryUsedPercent", "CPUUtilization", "NetworkIn", "NetworkOut",
-                   "Busy", "DataReadIOBytes", "DataWriteIOBytes", "BurstCreditBalance"):
+    for metric in (
+        "GPUUtilization",
+        "GPUMemoryUsedPercent",
+        "CPUUtilization",
+        "NetworkIn",
+        "NetworkOut",
+        "Busy",
+        "DataReadIOBytes",
+        "DataWriteIOBytes",
+        "BurstCreditBalance",
+    ):
         assert metric in body, metric
     assert body.count('\\"label\\":\\"node') == 6 * nodes  # six per-node graphs, a line per node
     url = json.dumps(template.find_outputs("DashboardUrl"))
@@ -349,9 +492,13 @@ def test_the_dashboard_shows_every_node_and_the_file_system_and_its_url_is_an_ou
 
 # ---------------------------------------------------------------- access=ssm
 
+
 def _ingress(template: Template) -> list[dict]:
-    rules = [r for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
-             for r in sg["Properties"].get("SecurityGroupIngress", [])]
+    rules = [
+        r
+        for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
+        for r in sg["Properties"].get("SecurityGroupIngress", [])
+    ]
     return rules + [r["Properties"] for r in template.find_resources("AWS::EC2::SecurityGroupIngress").values()]
 
 
@@ -367,22 +514,28 @@ def test_access_ssm_has_no_ingress_from_outside_the_cluster(private):
 def test_a_private_subnet_has_no_public_ips_a_nat_and_session_manager_endpoints():
     template = _cluster(ssh_cidr=None, access="ssm", private_subnet="true")
     template.resource_count_is("AWS::EC2::NatGateway", 1)
-    services = json.dumps([e["Properties"]["ServiceName"] for e in
-                           template.find_resources("AWS::EC2::VPCEndpoint").values()])
+    services = json.dumps(
+        [e["Properties"]["ServiceName"] for e in template.find_resources("AWS::EC2::VPCEndpoint").values()]
+    )
     for service in (".ssm", ".ssmmessages", ".ec2messages", ".s3"):
         assert service in services, service
-    node_subnets = {json.dumps(i["Properties"]["SubnetId"]) for i in template.find_resources("AWS::EC2::Instance").values()}
-    private = [logical for logical, subnet in template.find_resources("AWS::EC2::Subnet").items()
-               if not subnet["Properties"].get("MapPublicIpOnLaunch")]
+    node_subnets = {
+        json.dumps(i["Properties"]["SubnetId"]) for i in template.find_resources("AWS::EC2::Instance").values()
+    }
+    private = [
+        logical
+        for logical, subnet in template.find_resources("AWS::EC2::Subnet").items()
+        if not subnet["Properties"].get("MapPublicIpOnLaunch")
+    ]
     assert node_subnets == {json.dumps({"Ref": private[0]})}
     template.has_output("PublicIps", {"Value": "none"})
 
 
 # ---------------------------------------------------------------- Spot nodes
 
+
 def _launch_templates(template: Template) -> list[dict]:
-    return [r["Properties"]["LaunchTemplateData"]
-            for r in template.find_resources("AWS::EC2::LaunchTemplate").values()]
+    return [r["Properties"]["LaunchTemplateData"] for r in template.find_resources("AWS::EC2::LaunchTemplate").values()]
 
 
 @pytest.mark.parametrize("max_price, expected", [(None, None), ("0.45", "0.45"), ("12.5", "12.5")])
@@ -397,8 +550,13 @@ def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, 
         spot = options["SpotOptions"]
         assert (spot["SpotInstanceType"], spot["InstanceInterruptionBehavior"]) == ("persistent", "stop")
         assert spot["ValidUntil"] > "2090" and spot.get("MaxPrice") == expected
-    ranks = sorted(tag["Value"] for data in datas for spec in data["TagSpecifications"] for tag in spec["Tags"]
-                   if spec["ResourceType"] == "spot-instances-request" and tag["Key"] == "gpu-cluster:rank")
+    ranks = sorted(
+        tag["Value"]
+        for data in datas
+        for spec in data["TagSpecifications"]
+        for tag in spec["Tags"]
+        if spec["ResourceType"] == "spot-instances-request" and tag["Key"] == "gpu-cluster:rank"
+    )
     assert ranks == ["0", "1", "2"]
     # Each instance uses its own template's latest version, so the market options apply at launch.
     for instance in template.find_resources("AWS::EC2::Instance").values():
@@ -409,7 +567,96 @@ def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, 
 
 def test_on_demand_nodes_have_no_market_options_and_unchanged_user_data(cluster):
     _, template = cluster
-    assert all("InstanceMarketOptions" not in data and "TagSpecifications" not in data
-               for data in _launch_templates(template))
+    assert all(
+        "InstanceMarketOptions" not in data and "TagSpecifications" not in data for data in _launch_templates(template)
+    )
     template.has_output("Spot", {"Value": "false"})
     assert "\nSPOT=" not in _user_data(template, 0)  # the env header; the script says ${SPOT:-false}
+
+
+# ---------------------------------------------------------------- EFA
+
+
+def _efa_interfaces(template: Template) -> list[list[dict]]:
+    return [
+        t["Properties"]["LaunchTemplateData"].get("NetworkInterfaces", [])
+        for t in template.find_resources("AWS::EC2::LaunchTemplate").values()
+    ]
+
+
+@pytest.mark.parametrize(
+    "instance_type, context, cards",
+    [
+        ("p4d.24xlarge", {"access": "ssm", "private_subnet": "true"}, 4),
+        ("p5.48xlarge", {"access": "ssm", "private_subnet": "true"}, 32),
+        ("g5.12xlarge", {}, 1),
+        ("g4dn.2xlarge", {}, 0),
+    ],
+)
+def test_each_node_gets_one_efa_per_card_of_its_type(instance_type, context, cards):
+    params = {"ssh_cidr": None} if context.get("access") == "ssm" else {}
+    template = _cluster(instance_type=instance_type, nodes="2", **params, **context)
+    per_node = _efa_interfaces(template)
+    assert len(per_node) == 2  # one launch template per node (IMDSv2 required in each)
+    for interfaces in per_node:
+        efa = [i for i in interfaces if i["InterfaceType"] in ("efa", "efa-only")]
+        assert len(efa) == cards
+        assert sorted({i["NetworkCardIndex"] for i in efa}) == list(range(cards))
+        if interfaces:
+            primary = [i for i in interfaces if (i["NetworkCardIndex"], i["DeviceIndex"]) == (0, 0)]
+            assert len(primary) == 1 and primary[0]["InterfaceType"] in (
+                "efa",
+                "interface",
+            )  # efa-only can't be primary
+            assert all(i["Groups"] and i["SubnetId"] for i in interfaces)
+            assert (len(interfaces) == 1) == ("AssociatePublicIpAddress" in primary[0])
+    for instance in template.find_resources("AWS::EC2::Instance").values():
+        assert ("SubnetId" in instance["Properties"]) == (cards == 0)
+    template.has_resource_properties(
+        "AWS::EC2::LaunchTemplate", {"LaunchTemplateData": {"MetadataOptions": {"HttpTokens": "required"}}}
+    )
+
+
+def test_the_node_group_admits_and_sends_all_traffic_to_itself_for_efa():
+    template = _cluster(instance_type="g5.12xlarge")
+    template.has_resource_properties(
+        "AWS::EC2::SecurityGroupEgress",
+        {"IpProtocol": "-1", "DestinationSecurityGroupId": {"Fn::GetAtt": Match.array_with(["GroupId"])}},
+    )
+
+
+@pytest.mark.parametrize(
+    "context, words",
+    [
+        ({"instance_type": "g4dn.2xlarge", "efa": "on"}, "has no EFA"),
+        ({"instance_type": "g5.12xlarge", "efa": "on", "placement_group": "false"}, "one cluster placement group"),
+        ({"instance_type": "p5.48xlarge", "efa": "on"}, "no public IP"),
+    ],
+)
+def test_efa_on_where_it_cannot_work_is_one_line(context, words):
+    from stacks.config import ConfigError
+
+    with pytest.raises(ConfigError, match=words) as caught:
+        ClusterConfig.from_context(context)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_stack_outputs_are_what_the_inventory_reads():
+    """One list of output keys (assets/contract.py) for the stack and the inventory."""
+    from assets.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
+
+    outputs = set(_cluster().find_outputs("*"))
+    assert outputs == set(OUTPUT_KEYS)
+    assert set(REQUIRED_OUTPUTS) <= outputs
+
+
+def test_spot_nodes_with_efa_carry_the_market_options_in_their_efa_template():
+    template = _cluster(
+        instance_type="p4d.24xlarge", nodes="2", ssh_cidr=None, access="ssm", private_subnet="true", spot="true"
+    )
+    datas = _launch_templates(template)
+    assert len(datas) == 2 and all(
+        any(i["InterfaceType"] in ("efa", "efa-only") for i in d["NetworkInterfaces"]) for d in datas
+    )
+    assert all(d["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == "stop" for d in datas)
+    assert all(d["MetadataOptions"] == {"HttpTokens": "required"} for d in datas)

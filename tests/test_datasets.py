@@ -1,23 +1,30 @@
 """prepare.py: numbers splits, WMT16 from a loopback HTTP mirror (resumed downloads, SGM test sets,
 shards), ImageNet layout checks and staging."""
+
 import http.server
 import io
 import json
 import tarfile
 import threading
 
-import pytest
-
 import imagenet
 import prepare
+import pytest
 import wmt16
 from data import DataSet
 
 
 def test_numbers_splits_are_disjoint_and_the_example_is_right(numbers_data):
-    splits = {name: set(zip((numbers_data / f"{name}.en").read_text().splitlines(),
-                            (numbers_data / f"{name}.de").read_text().splitlines()))
-              for name in ("train", "valid", "test")}
+    splits = {
+        name: set(
+            zip(
+                (numbers_data / f"{name}.en").read_text().splitlines(),
+                (numbers_data / f"{name}.de").read_text().splitlines(),
+                strict=True,
+            )
+        )
+        for name in ("train", "valid", "test")
+    }
     assert [len(splits[n]) for n in ("train", "valid", "test")] == [6000, 200, 100]
     sources = {n: {en for en, _ in pairs} for n, pairs in splits.items()}
     assert not (sources["train"] & sources["valid"]) and not (sources["train"] & sources["test"])
@@ -28,13 +35,15 @@ def test_numbers_splits_are_disjoint_and_the_example_is_right(numbers_data):
 
 def test_numbers_rerun_is_a_no_op(numbers_data, capsys):
     before = (numbers_data / "train-00000.pt").stat().st_mtime_ns
-    prepare.main(["numbers", "--out", str(numbers_data), "--train", "6000", "--valid", "200", "--test", "100",
-                  "--vocab", "400"])
+    prepare.main(
+        ["numbers", "--out", str(numbers_data), "--train", "6000", "--valid", "200", "--test", "100", "--vocab", "400"]
+    )
     assert "already prepared" in capsys.readouterr().out
     assert (numbers_data / "train-00000.pt").stat().st_mtime_ns == before
 
 
 # ---------------------------------------------------------------- WMT16 from a loopback mirror
+
 
 def _tgz(members: dict[str, str]) -> bytes:
     buffer = io.BytesIO()
@@ -48,12 +57,16 @@ def _tgz(members: dict[str, str]) -> bytes:
 
 
 def _sgm(lines: list[str]) -> str:
-    return "<srcset>\n<doc>\n" + "".join(f'<seg id="{i}">{line}</seg>\n' for i, line in enumerate(lines, 1)) \
+    return (
+        "<srcset>\n<doc>\n"
+        + "".join(f'<seg id="{i}">{line}</seg>\n' for i, line in enumerate(lines, 1))
         + "</doc>\n</srcset>\n"
+    )
 
 
 def _corpus(prefix: str, count: int) -> tuple[str, str]:
     from prepare import number_phrase
+
     english = "".join(f"{prefix} has {number_phrase(i, 'en')} houses\n" for i in range(count))
     german = "".join(f"{prefix} hat {number_phrase(i, 'de')} Häuser\n" for i in range(count))
     return english, german
@@ -62,14 +75,15 @@ def _corpus(prefix: str, count: int) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def mirror():
     files = {}
-    for (archive, en, de), size in zip(wmt16.TRAIN, (300, 200, 100)):
+    for (archive, en, de), size in zip(wmt16.TRAIN, (300, 200, 100), strict=True):
         english, german = _corpus(archive, size)
         name = wmt16.ARCHIVES[archive].rsplit("/", 1)[1]
         files[name] = _tgz({f"corpus/{en}": english + "\n", f"corpus/{de}": german + "\n"})
-    dev = {f"dev/{member}": _sgm([f"valid &amp; line {i}" for i in range(20)])
-           for member in wmt16.VALID[1:]}
+    dev = {f"dev/{member}": _sgm([f"valid &amp; line {i}" for i in range(20)]) for member in wmt16.VALID[1:]}
     files["dev.tgz"] = _tgz(dev)
-    files["test.tgz"] = _tgz({f"test/{member}": _sgm([f"test line {i}" for i in range(15)]) for member in wmt16.TEST[1:]})
+    files["test.tgz"] = _tgz(
+        {f"test/{member}": _sgm([f"test line {i}" for i in range(15)]) for member in wmt16.TEST[1:]}
+    )
     dropped = set()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -82,7 +96,7 @@ def mirror():
             self.end_headers()
             if name == "de-en.tgz" and name not in dropped:  # the first transfer breaks halfway
                 dropped.add(name)
-                self.wfile.write(body[start:len(body) // 2])
+                self.wfile.write(body[start : len(body) // 2])
                 self.wfile.flush()
                 self.connection.close()
                 return
@@ -122,6 +136,7 @@ def test_wmt16_mismatched_corpora_are_reported(tmp_path):
 
 # ---------------------------------------------------------------- ImageNet
 
+
 def _imagenet(root, classes=("n01440764", "n01443537"), per_class=3):
     for split in ("train", "val"):
         for name in classes:
@@ -144,13 +159,20 @@ def test_imagenet_layout_is_checked_and_staged_resumably(tmp_path, capsys):
     assert "2 classes, 6 train and 6 val images" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("breakage, message", [
-    ("no-val", "has no val/ directory"), ("flat-val", "holds 1 images directly"),
-    ("empty-class", "1 without images"), ("class-mismatch", "different class folders")])
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("no-val", "has no val/ directory"),
+        ("flat-val", "holds 1 images directly"),
+        ("empty-class", "1 without images"),
+        ("class-mismatch", "different class folders"),
+    ],
+)
 def test_imagenet_layout_errors_are_one_line(tmp_path, breakage, message):
     root = _imagenet(tmp_path / "imagenet")
     if breakage == "no-val":
         import shutil
+
         shutil.rmtree(root / "val")
     elif breakage == "flat-val":
         (root / "val" / "ILSVRC2012_val_00000001.JPEG").write_bytes(b"x")

@@ -1,17 +1,24 @@
 """Unit tests: hostfile and mpirun command building, interface detection, train request validation."""
+
 import shlex
 
 import pytest
 
-from clusterops import launch
+from clusterops import launch, remote, report
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
 
 
 def inventory(nodes=3, gpus=4, source="aws") -> Inventory:
-    return Inventory(cluster="c", source=source, gpus_per_node=gpus,
-                     nodes=[Node(rank=r, name=f"node{r}", public_ip=f"198.51.100.{r + 1}",
-                                 private_ip=f"10.42.0.{r + 5}") for r in range(nodes)],
-                     ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"))
+    return Inventory(
+        cluster="c",
+        source=source,
+        gpus_per_node=gpus,
+        nodes=[
+            Node(rank=r, name=f"node{r}", public_ip=f"198.51.100.{r + 1}", private_ip=f"10.42.0.{r + 5}")
+            for r in range(nodes)
+        ],
+        ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"),
+    )
 
 
 def test_hostfile_has_one_line_per_node_with_gpu_slots_in_rank_order():
@@ -27,20 +34,45 @@ def test_mpirun_line_for_the_whole_cluster():
     for export in ("MASTER_ADDR=10.42.0.5", "MASTER_PORT=29500", "NCCL_SOCKET_IFNAME=ens5", "GLOO_SOCKET_IFNAME=ens5"):
         assert f"-x {export}" in line
     assert "--mca oob_tcp_if_include ens5" in line
-    assert line.endswith("python /workspace/train/train.py --recipe transformer-base --data "
-                         "/data/datasets/wmt16-en-de --run-dir /data/runs/transformer-base")
+    assert line.endswith(
+        "python /workspace/train/train.py --recipe transformer-base --data "
+        "/data/datasets/wmt16-en-de --run-dir /data/runs/transformer-base"
+    )
 
 
 def test_mpirun_line_with_options_and_a_subset_of_nodes():
-    request = launch.TrainRequest(recipe="transformer-tiny", run="exp1", steps=100, batch_per_gpu=32,
-                                  precision="bf16", grad_compression="powersgd", nodes=2,
-                                  extra_args=("--label-smoothing", "0.2"))
+    request = launch.TrainRequest(
+        recipe="transformer-tiny",
+        run="exp1",
+        steps=100,
+        batch_per_gpu=32,
+        precision="bf16",
+        grad_compression="powersgd",
+        nodes=2,
+        extra_args=("--label-smoothing", "0.2"),
+    )
     argv = launch.mpirun_argv(inventory(), request, "eth0", "/code")
     assert argv[argv.index("-np") + 1] == "8"
-    tail = argv[argv.index("/code/train.py"):]
-    assert tail == ["/code/train.py", "--recipe", "transformer-tiny", "--data", "/data/datasets/numbers",
-                    "--run-dir", "/data/runs/exp1", "--max-steps", "100", "--batch-per-gpu", "32",
-                    "--precision", "bf16", "--grad-compression", "powersgd", "--label-smoothing", "0.2"]
+    tail = argv[argv.index("/code/train.py") :]
+    assert tail == [
+        "/code/train.py",
+        "--recipe",
+        "transformer-tiny",
+        "--data",
+        "/data/datasets/numbers",
+        "--run-dir",
+        "/data/runs/exp1",
+        "--max-steps",
+        "100",
+        "--batch-per-gpu",
+        "32",
+        "--precision",
+        "bf16",
+        "--grad-compression",
+        "powersgd",
+        "--label-smoothing",
+        "0.2",
+    ]
     env = launch.launch_env(inventory(), request)
     assert "HOSTS='10.42.0.5 10.42.0.6'\n" in env and "STALL_SECONDS=600\n" in env
 
@@ -50,6 +82,61 @@ def test_values_are_quoted_in_the_command_script():
     script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir"))
     assert script.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun ")
     assert shlex.split(script)[-1] == "it's; rm -rf /" and "'/code dir/train.py'" in script
+
+
+def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program():
+    inv = inventory()
+    prefix = launch.mpirun_prefix(inv, inv.nodes, "ens5", 29600)
+    assert prefix[:4] == ["mpirun", "--allow-run-as-root", "-np", "12"]
+    assert prefix[prefix.index("-H") + 1] == "10.42.0.5:4,10.42.0.6:4,10.42.0.7:4" and "--hostfile" not in prefix
+    assert prefix[-2:] == ["-x", "OMP_NUM_THREADS=4"] and "MASTER_PORT=29600" in prefix
+    request = launch.TrainRequest(recipe="transformer-base", nodes=2)
+    train = launch.mpirun_argv(inv, request, "ens5", "/workspace/train")
+    with_hostfile = launch.mpirun_prefix(inv, inv.nodes[:2], "ens5", hostfile="/data/runs/transformer-base/hostfile")
+    assert train[: len(with_hostfile)] == with_hostfile and train[len(with_hostfile)] == inv.python
+
+
+def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
+    from config import build_parser, config_from_args
+
+    inv = inventory()
+    prepare, train = launch.check_argvs(inv, "/code")
+    assert prepare[:3] == ["python", "/code/prepare.py", "numbers"] and prepare[4] == "/data/runs/.check/numbers"
+    assert train[:2] == ["python", "/code/train.py"]
+    config = config_from_args(build_parser("").parse_args(train[2:]))
+    assert config.run_dir.startswith(launch.check_dir(inv) + "/") and config.data == prepare[4]
+    assert config.max_steps == launch.CHECK_STEPS and config.eval_every == launch.CHECK_STEPS
+
+
+def test_versions_line_names_every_version_that_differs_and_where():
+    same = [dict(node=f"node{i}", torch="2.13.0", cuda="13.0", nccl="2.27.7", driver="580.65.06") for i in range(3)]
+    assert report.versions_line(same) == (
+        True,
+        "versions: torch 2.13.0, CUDA 13.0, NCCL 2.27.7, driver 580.65.06 on all 3 nodes",
+    )
+    differ = [dict(row) for row in same]
+    differ[2].update(torch="2.6.0", driver="570.133.20")
+    ok, line = report.versions_line(differ)
+    assert not ok and "\n" not in line
+    assert line == (
+        "versions differ between nodes: torch 2.13.0 on node0,node1 vs 2.6.0 on node2; "
+        "driver 580.65.06 on node0,node1 vs 570.133.20 on node2"
+    )
+    cpu = [dict(node="node0", torch="2.13.0+cpu", cuda=None, nccl=None, driver=None)] * 2
+    assert (
+        report.versions_line(cpu)[1] == "versions: torch 2.13.0+cpu, CUDA none, NCCL none, driver none on all 2 nodes"
+    )
+
+
+def test_a_failed_check_run_is_reported_by_its_error_line():
+    output = (
+        "[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: No backend type associated "
+        "with device type cpu\nPrimary job  terminated normally, but 1 process returned\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \ntrain.py FAILED\n"
+    )
+    assert remote._failure_line(output) == "[rank1]: RuntimeError: No backend type associated with device type cpu"
+    assert remote._failure_line("starting\nerror: no prepared data set\nbye\n") == "error: no prepared data set"
+    assert remote._failure_line("") == "no output"
 
 
 IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
@@ -64,12 +151,22 @@ def test_interface_is_the_one_holding_the_node_address():
         launch.parse_interface(IP_ADDR, "10.42.0.9")
 
 
-@pytest.mark.parametrize("fields, text", [
-    ({"recipe": "gpt"}, "invalid --recipe"), ({"run": "../etc"}, "invalid --run"), ({"run": ""}, None),
-    ({"steps": 0}, "invalid --steps"), ({"batch_per_gpu": -4}, "invalid --batch-per-gpu"),
-    ({"precision": "fp64"}, "invalid --precision"), ({"grad_compression": "int8"}, "invalid --grad-compression"),
-    ({"master_port": 80}, "invalid --master-port"), ({"master_port": 4444}, "invalid --master-port"),
-    ({"stall_minutes": 0}, "invalid --stall-minutes"), ({"dataset": "a b"}, "invalid --dataset")])
+@pytest.mark.parametrize(
+    "fields, text",
+    [
+        ({"recipe": "gpt"}, "invalid --recipe"),
+        ({"run": "../etc"}, "invalid --run"),
+        ({"run": ""}, None),
+        ({"steps": 0}, "invalid --steps"),
+        ({"batch_per_gpu": -4}, "invalid --batch-per-gpu"),
+        ({"precision": "fp64"}, "invalid --precision"),
+        ({"grad_compression": "int8"}, "invalid --grad-compression"),
+        ({"master_port": 80}, "invalid --master-port"),
+        ({"master_port": 4444}, "invalid --master-port"),
+        ({"stall_minutes": 0}, "invalid --stall-minutes"),
+        ({"dataset": "a b"}, "invalid --dataset"),
+    ],
+)
 def test_bad_train_requests_are_rejected(fields, text):
     request = launch.TrainRequest(**fields)
     if text is None:  # empty run name falls back to the recipe
@@ -111,30 +208,66 @@ def test_then_stop_env_names_the_cluster_and_the_watchdog_next_to_the_program():
 
 
 def test_an_emulated_cluster_reaches_an_emulator_endpoint_through_its_bridge():
-    local = Inventory(cluster="l", source="local", gpus_per_node=1, nodes=inventory().nodes, ssh=inventory().ssh,
-                      extra={"controller_ip": "10.213.0.1"})
-    environ = {"AWS_ENDPOINT_URL": "http://localhost:5000", "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    local = Inventory(
+        cluster="l",
+        source="local",
+        gpus_per_node=1,
+        nodes=inventory().nodes,
+        ssh=inventory().ssh,
+        extra={"controller_ip": "10.213.0.1"},
+    )
+    environ = {
+        "AWS_ENDPOINT_URL": "http://localhost:5000",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     assert launch.emulator_env(local, environ)["AWS_ENDPOINT_URL"] == "http://10.213.0.1:5000"
     assert launch.emulator_env(local, {"AWS_SECRET_ACCESS_KEY": "real"}) == {}  # no emulator: nothing
     assert launch.emulator_env(inventory(), environ) == {}
 
 
-@pytest.mark.parametrize("task", ["status", "check", "data", "sync", "train", "logs", "stop", "tensorboard",
-                                  "monitor", "fetch", "ssh", "start", "stop-cluster"])
+@pytest.mark.parametrize(
+    "task",
+    [
+        "status",
+        "check",
+        "data",
+        "sync",
+        "train",
+        "logs",
+        "stop",
+        "tensorboard",
+        "monitor",
+        "fetch",
+        "ssh",
+        "start",
+        "stop-cluster",
+    ],
+)
 def test_every_cluster_task_without_an_inventory_says_what_to_run(task, tmp_path):
     import subprocess
+
     from conftest import REPO, tool_env
-    result = subprocess.run(["fab", task], cwd=REPO, capture_output=True, text=True, timeout=60,
-                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json")))
+
+    result = subprocess.run(
+        ["fab", task],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json")),
+    )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"error: no inventory at {tmp_path / 'inventory.json'}: run `fab local.up` (emulated cluster) or "
-        "`npx cdk deploy` then `fab inventory` (AWS)"]
+        "`npx cdk deploy` then `fab inventory` (AWS)"
+    ]
 
 
 def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
     from clusterops import report
+
     running = {"state": "running", "time": "2026-01-01T00:00:00Z"}
     start = 1767225600.0  # 2026-01-01T00:00:00Z
     quiet = {"status": running, "progress": {"step": 40, "max_steps": 100, "time": start}, "summary": {}}
@@ -148,8 +281,28 @@ def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
 
 def test_train_help_is_help_and_lists_every_recipe():
     import subprocess
+
     from conftest import REPO, tool_env
+
     out = subprocess.run(["fab", "--help", "train"], cwd=REPO, capture_output=True, text=True, env=tool_env()).stdout
     assert "-h, --then-stop" not in out and "--then-stop" in out
     for recipe in launch.RECIPES:
         assert recipe in out
+
+
+def test_no_aws_variable_leaks_into_tests_that_did_not_ask_for_the_emulator():
+    """The moto server's variables are set per test (fixture aws_env), never for the whole session."""
+    import os
+
+    assert "AWS_ENDPOINT_URL" not in os.environ and os.environ.get("AWS_ACCESS_KEY_ID") != "testing"
+
+
+def test_an_efa_cluster_exports_what_nccls_ofi_plugin_needs():
+    from dataclasses import replace
+
+    plain = launch.mpirun_argv(inventory(), launch.TrainRequest(), "ens5", "/workspace/train")
+    assert "FI_PROVIDER=efa" not in plain
+    efa = launch.mpirun_argv(
+        replace(inventory(), extra={"efa_cards": 4}), launch.TrainRequest(), "ens5", "/workspace/train"
+    )
+    assert "FI_PROVIDER=efa" in efa and "FI_EFA_USE_DEVICE_RDMA=1" in efa and "NCCL_SOCKET_IFNAME=ens5" in efa

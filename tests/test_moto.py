@@ -2,15 +2,21 @@
 inventory find the stack's nodes and outputs. moto lacks placement groups and AWS::EC2::KeyPair in
 CloudFormation, and AWS::KMS::Key there, so this deploy uses placement_group=false, an existing key
 pair and flow_logs=false (the flow log's key); the template tests cover them."""
+
 import subprocess
 from pathlib import Path
 
 import boto3
 import pytest
+from conftest import ACCOUNT, REGION, REPO, environment, tool_env
 
-from clusterops.inventory import Inventory, InventoryError, from_outputs, stack_outputs_from_aws, \
-    stack_outputs_from_file
-from conftest import ACCOUNT, REGION, REPO, tool_env
+from clusterops.inventory import (
+    Inventory,
+    InventoryError,
+    from_outputs,
+    stack_outputs_from_aws,
+    stack_outputs_from_file,
+)
 
 STACK = "GpuCluster-gpu-cluster"
 AMI_PARAMETER = "/test/dlami/ami-id"
@@ -18,20 +24,57 @@ HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-
 
 
 @pytest.fixture(scope="module")
-def deployed(aws_env, tmp_path_factory):
+def deployed(moto_env, tmp_path_factory):
+    """The stack deployed once for the module; the moto variables are set while it lasts."""
+    with environment(moto_env):
+        yield _deploy(moto_env, tmp_path_factory)
+
+
+def _deploy(aws_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("deploy")
     boto3.client("ssm").put_parameter(Name=AMI_PARAMETER, Value="ami-03cf127a", Type="String", Overwrite=True)
     key = boto3.client("ec2").create_key_pair(KeyName="test-key")
     key_file = work / "test-key.pem"
     key_file.write_text(key["KeyMaterial"])
     env = tool_env(**aws_env)
-    for args in (["bootstrap", f"aws://{ACCOUNT}/{REGION}"],
-                 ["deploy", "--method=direct", "--require-approval", "never", "-o", str(work / "cdk.out"),
-                  "-c", "nodes=2", "-c", "ssh_cidr=203.0.113.0/24", "-c", "placement_group=false", "-c", "flow_logs=false",
-                  "-c", "key_name=test-key", "-c", f"ami_ssm_parameter={AMI_PARAMETER}",
-                  "--outputs-file", str(work / "cdk-outputs.json")]):
-        result = subprocess.run([str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=300)
+    # The CLI caches its AZ lookup in the app directory's cdk.context.json: use a copy of the app.
+    app = work / "app"
+    app.mkdir()
+    for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
+        (app / name).symlink_to(REPO / name)
+    for args in (
+        ["bootstrap", f"aws://{ACCOUNT}/{REGION}"],
+        [
+            "deploy",
+            "--method=direct",
+            "--require-approval",
+            "never",
+            "-o",
+            str(work / "cdk.out"),
+            "-c",
+            "nodes=2",
+            "-c",
+            "ssh_cidr=203.0.113.0/24",
+            "-c",
+            "placement_group=false",
+            "-c",
+            "flow_logs=false",
+            "-c",
+            "key_name=test-key",
+            "-c",
+            f"ami_ssm_parameter={AMI_PARAMETER}",
+            "--outputs-file",
+            str(work / "cdk-outputs.json"),
+        ],
+    ):
+        result = subprocess.run(
+            [str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"],
+            cwd=app,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     return work, key_file
 
@@ -57,7 +100,8 @@ def test_the_outputs_file_names_every_node_and_the_file_system(deployed):
 
 def test_security_group_in_the_emulator_has_no_world_ingress(deployed):
     groups = boto3.client("ec2").describe_security_groups(
-        Filters=[{"Name": "tag:gpu-cluster:name", "Values": ["gpu-cluster"]}])["SecurityGroups"]
+        Filters=[{"Name": "tag:gpu-cluster:name", "Values": ["gpu-cluster"]}]
+    )["SecurityGroups"]
     node_groups = [g for g in groups if "GPU cluster nodes" in g["Description"]]
     assert len(node_groups) == 1
     permissions = node_groups[0]["IpPermissions"]
@@ -78,8 +122,13 @@ def test_inventory_from_the_outputs_file_and_from_describe_stacks_agree(deployed
     ssm.put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True)
     name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
     from_file = from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys", key_file=str(key_file))
-    from_api = from_outputs(STACK, stack_outputs_from_aws(STACK, boto3.session.Session()),
-                            boto3.session.Session(), tmp_path / "keys2", key_file=str(key_file))
+    from_api = from_outputs(
+        STACK,
+        stack_outputs_from_aws(STACK, boto3.session.Session()),
+        boto3.session.Session(),
+        tmp_path / "keys2",
+        key_file=str(key_file),
+    )
     assert from_file.extra["dashboard_url"] == from_api.extra["dashboard_url"]
     assert "cloudwatch/home?region=us-east-1#dashboards:name=gpu-cluster" in from_file.extra["dashboard_url"]
     assert [n.private_ip for n in from_file.nodes] == outputs["PrivateIps"].split(",")
@@ -93,8 +142,12 @@ def test_generated_private_key_is_fetched_from_ssm_once_per_deploy_with_0600(dep
     work, _ = deployed
     name, outputs = stack_outputs_from_file(work / "cdk-outputs.json")
     ssm = boto3.client("ssm")
-    ssm.put_parameter(Name="/ec2/keypair/key-0abc", Value="-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n"
-                      "-----END OPENSSH PRIVATE KEY-----", Type="SecureString", Overwrite=True)
+    ssm.put_parameter(
+        Name="/ec2/keypair/key-0abc",
+        Value="-----BEGIN OPENSSH PRIVATE KEY-----\nabc\n-----END OPENSSH PRIVATE KEY-----",
+        Type="SecureString",
+        Overwrite=True,
+    )
     ssm.put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True)
     generated = dict(outputs, KeyParameterName="/ec2/keypair/key-0abc")
     inventory = from_outputs(name, generated, boto3.session.Session(), tmp_path / "state", key_dir=tmp_path / "ssh")
@@ -103,14 +156,24 @@ def test_generated_private_key_is_fetched_from_ssm_once_per_deploy_with_0600(dep
     assert key.read_text().startswith("-----BEGIN OPENSSH PRIVATE KEY-----") and key.read_text().endswith("\n")
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     ssm.delete_parameter(Name="/ec2/keypair/key-0abc")
-    again = from_outputs(name, generated, boto3.session.Session(), tmp_path / "state",
-                         key_dir=tmp_path / "ssh")  # no second fetch
+    again = from_outputs(
+        name, generated, boto3.session.Session(), tmp_path / "state", key_dir=tmp_path / "ssh"
+    )  # no second fetch
     assert again.ssh.key_file == str(key)
     # `cdk destroy` then a new deploy: the same stack name, a new key pair and parameter.
-    ssm.put_parameter(Name="/ec2/keypair/key-0def", Value="-----BEGIN OPENSSH PRIVATE KEY-----\nnew\n"
-                      "-----END OPENSSH PRIVATE KEY-----", Type="SecureString", Overwrite=True)
-    redeployed = from_outputs(name, dict(outputs, KeyParameterName="/ec2/keypair/key-0def"),
-                              boto3.session.Session(), tmp_path / "state", key_dir=tmp_path / "ssh")
+    ssm.put_parameter(
+        Name="/ec2/keypair/key-0def",
+        Value="-----BEGIN OPENSSH PRIVATE KEY-----\nnew\n-----END OPENSSH PRIVATE KEY-----",
+        Type="SecureString",
+        Overwrite=True,
+    )
+    redeployed = from_outputs(
+        name,
+        dict(outputs, KeyParameterName="/ec2/keypair/key-0def"),
+        boto3.session.Session(),
+        tmp_path / "state",
+        key_dir=tmp_path / "ssh",
+    )
     assert "\nnew\n" in Path(redeployed.ssh.key_file).read_text(), "the old deploy's key was reused"
     with pytest.raises(InventoryError, match="--key-file"):
         from_outputs(name, outputs, boto3.session.Session(), tmp_path / "keys3")
@@ -118,21 +181,38 @@ def test_generated_private_key_is_fetched_from_ssm_once_per_deploy_with_0600(dep
 
 def test_fab_inventory_task_writes_the_inventory(deployed, tmp_path, aws_env):
     work, key_file = deployed
-    boto3.client("ssm").put_parameter(Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY,
-                                      Type="String", Overwrite=True)
+    boto3.client("ssm").put_parameter(
+        Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True
+    )
     target = tmp_path / "inventory.json"
-    result = subprocess.run(["fab", "inventory", "--outputs", str(work / "cdk-outputs.json"),
-                             "--key-file", str(key_file)], cwd=REPO, capture_output=True, text=True,
-                            env=tool_env(GPU_CLUSTER_INVENTORY=str(target), **aws_env), timeout=60)
+    result = subprocess.run(
+        ["fab", "inventory", "--outputs", str(work / "cdk-outputs.json"), "--key-file", str(key_file)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(target), **aws_env),
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     inventory = Inventory.load(target)
     assert inventory.source == "aws" and len(inventory.nodes) == 2 and inventory.stack_name == STACK
-    fallback = subprocess.run(["fab", "inventory", "--stack", STACK, "--outputs", str(tmp_path / "nope.json"),
-                               "--key-file", str(key_file)], cwd=REPO, capture_output=True, text=True,
-                              env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "fallback.json"), **aws_env), timeout=60)
+    fallback = subprocess.run(
+        ["fab", "inventory", "--stack", STACK, "--outputs", str(tmp_path / "nope.json"), "--key-file", str(key_file)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "fallback.json"), **aws_env),
+        timeout=60,
+    )
     assert fallback.returncode == 0 and "describing stack" in fallback.stdout, fallback.stderr
     assert Inventory.load(tmp_path / "fallback.json").nodes == inventory.nodes
-    missing = subprocess.run(["fab", "inventory", "--outputs", str(tmp_path / "nope.json")], cwd=REPO,
-                             capture_output=True, text=True, env=tool_env(**aws_env), timeout=60)
+    missing = subprocess.run(
+        ["fab", "inventory", "--outputs", str(tmp_path / "nope.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=tool_env(**aws_env),
+        timeout=60,
+    )
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines()[-1].startswith("error: no ") and "cdk deploy" in missing.stderr

@@ -1,5 +1,6 @@
 """Preflight and cost: EC2, STS and SSM from a moto server; Service Quotas, Pricing and CloudWatch
 statistics (which moto lacks or fakes) through botocore's Stubber with real response shapes."""
+
 import json
 import subprocess
 from datetime import datetime, timedelta, timezone
@@ -7,10 +8,10 @@ from datetime import datetime, timedelta, timezone
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
+from conftest import REPO, moto_instances, tool_env
 
 from clusterops import cost, preflight
 from clusterops.inventory import Inventory, Node, SshSettings
-from conftest import REPO, moto_instances, tool_env
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
 
@@ -18,37 +19,75 @@ QUOTA_NAME = "Running On-Demand G and VT instances"
 
 
 def offline(service: str):
-    return boto3.client(service, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x",
-                        endpoint_url=f"https://{service}.invalid")
+    return boto3.client(
+        service,
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        endpoint_url=f"https://{service}.invalid",
+    )
 
 
 def quotas_client(value: float, code="L-DB2E81BA", request=None):
     client = offline("service-quotas")
     stubber = Stubber(client)
-    stubber.add_response("get_service_quota", {"Quota": {
-        "ServiceCode": "ec2", "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
-        "QuotaArn": f"arn:aws:servicequotas:us-east-1:123456789012:ec2/{code}", "QuotaCode": code,
-        "QuotaName": QUOTA_NAME, "Value": value, "Unit": "None", "Adjustable": True, "GlobalQuota": False}},
-        {"ServiceCode": "ec2", "QuotaCode": code})
+    stubber.add_response(
+        "get_service_quota",
+        {
+            "Quota": {
+                "ServiceCode": "ec2",
+                "ServiceName": "Amazon Elastic Compute Cloud (Amazon EC2)",
+                "QuotaArn": f"arn:aws:servicequotas:us-east-1:123456789012:ec2/{code}",
+                "QuotaCode": code,
+                "QuotaName": QUOTA_NAME,
+                "Value": value,
+                "Unit": "None",
+                "Adjustable": True,
+                "GlobalQuota": False,
+            }
+        },
+        {"ServiceCode": "ec2", "QuotaCode": code},
+    )
     if request is not None:
-        stubber.add_response("request_service_quota_increase", {"RequestedQuota": {
-            "Id": "req-0123456789", "CaseId": "case-1", "ServiceCode": "ec2", "QuotaCode": code,
-            "QuotaName": QUOTA_NAME, "DesiredValue": float(request), "Status": "PENDING",
-            "Created": datetime(2026, 11, 22, tzinfo=timezone.utc), "Requester": "me",
-            "QuotaArn": f"arn:aws:servicequotas:us-east-1:123456789012:ec2/{code}", "GlobalQuota": False,
-            "Unit": "None"}},
-            {"ServiceCode": "ec2", "QuotaCode": code, "DesiredValue": float(request)})
+        stubber.add_response(
+            "request_service_quota_increase",
+            {
+                "RequestedQuota": {
+                    "Id": "req-0123456789",
+                    "CaseId": "case-1",
+                    "ServiceCode": "ec2",
+                    "QuotaCode": code,
+                    "QuotaName": QUOTA_NAME,
+                    "DesiredValue": float(request),
+                    "Status": "PENDING",
+                    "Created": datetime(2026, 11, 22, tzinfo=timezone.utc),
+                    "Requester": "me",
+                    "QuotaArn": f"arn:aws:servicequotas:us-east-1:123456789012:ec2/{code}",
+                    "GlobalQuota": False,
+                    "Unit": "None",
+                }
+            },
+            {"ServiceCode": "ec2", "QuotaCode": code, "DesiredValue": float(request)},
+        )
     stubber.activate()
     return client, stubber
 
 
 # ---------------------------------------------------------------- issue item 5: the preflight
 
-@pytest.mark.parametrize("instance_type, on_demand, spot", [
-    ("g4dn.2xlarge", "L-DB2E81BA", "L-3819A6DF"), ("g6e.48xlarge", "L-DB2E81BA", "L-3819A6DF"),
-    ("p3.8xlarge", "L-417A185B", "L-7212CCBC"), ("p3dn.24xlarge", "L-417A185B", "L-7212CCBC"),
-    ("p4d.24xlarge", "L-417A185B", "L-7212CCBC"), ("p4de.24xlarge", "L-417A185B", "L-7212CCBC"),
-    ("p5.48xlarge", "L-417A185B", "L-C4BD4855")])
+
+@pytest.mark.parametrize(
+    "instance_type, on_demand, spot",
+    [
+        ("g4dn.2xlarge", "L-DB2E81BA", "L-3819A6DF"),
+        ("g6e.48xlarge", "L-DB2E81BA", "L-3819A6DF"),
+        ("p3.8xlarge", "L-417A185B", "L-7212CCBC"),
+        ("p3dn.24xlarge", "L-417A185B", "L-7212CCBC"),
+        ("p4d.24xlarge", "L-417A185B", "L-7212CCBC"),
+        ("p4de.24xlarge", "L-417A185B", "L-7212CCBC"),
+        ("p5.48xlarge", "L-417A185B", "L-C4BD4855"),
+    ],
+)
 def test_each_family_and_purchase_option_maps_to_its_vcpu_quota_bucket(instance_type, on_demand, spot):
     assert preflight.quota_bucket(instance_type)[0] == on_demand
     assert preflight.quota_bucket(instance_type, spot=True)[0] == spot
@@ -60,9 +99,16 @@ def test_every_accepted_type_has_a_bucket_for_both_purchase_options():
 
 
 # (moto's instance-type catalogue has no p3 sizes; p4d and p5 stand for the P bucket)
-@pytest.mark.parametrize("instance_type, nodes, quota, needed", [
-    ("g4dn.2xlarge", 4, 16, 32), ("g4dn.2xlarge", 2, 16, 16), ("g5.12xlarge", 2, 64, 96),
-    ("p4d.24xlarge", 2, 192, 192), ("p5.48xlarge", 1, 96, 192)])
+@pytest.mark.parametrize(
+    "instance_type, nodes, quota, needed",
+    [
+        ("g4dn.2xlarge", 4, 16, 32),
+        ("g4dn.2xlarge", 2, 16, 16),
+        ("g5.12xlarge", 2, 64, 96),
+        ("p4d.24xlarge", 2, 192, 192),
+        ("p5.48xlarge", 1, 96, 192),
+    ],
+)
 def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instance_type, nodes, quota, needed):
     ec2 = boto3.client("ec2")
     client, stubber = quotas_client(quota, preflight.quota_bucket(instance_type)[0])
@@ -74,12 +120,20 @@ def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instan
 
 def test_running_vcpus_count_only_the_same_bucket_and_purchase_option(aws_env):
     ec2 = boto3.client("ec2")
-    on_demand, spot = preflight.running_vcpus(ec2, "g4dn.2xlarge"), preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True)
+    on_demand, spot = (
+        preflight.running_vcpus(ec2, "g4dn.2xlarge"),
+        preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True),
+    )
     moto_instances(1, instance_type="g5.xlarge")  # 4 vCPUs, G On-Demand
-    moto_instances(1, instance_type="m5.large")   # standard bucket
+    moto_instances(1, instance_type="m5.large")  # standard bucket
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
-    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="g5.2xlarge",  # 8 vCPUs, G Spot
-                      InstanceMarketOptions={"MarketType": "spot"})
+    ec2.run_instances(
+        ImageId=image,
+        MinCount=1,
+        MaxCount=1,
+        InstanceType="g5.2xlarge",  # 8 vCPUs, G Spot
+        InstanceMarketOptions={"MarketType": "spot"},
+    )
     assert preflight.running_vcpus(ec2, "g4dn.2xlarge") == on_demand + 4
     assert preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == spot + 8
 
@@ -96,16 +150,26 @@ def test_a_short_quota_is_requested_with_the_exact_number(aws_env):
 def test_a_request_already_pending_is_one_line_not_a_traceback():
     client = offline("service-quotas")
     with Stubber(client) as stubber:
-        stubber.add_client_error("request_service_quota_increase", service_error_code="ResourceAlreadyExistsException",
-                                 service_message="A request for this quota is already pending")
-        text = preflight.request_increase(client, preflight.QuotaCheck("L-C4BD4855", "All P5 Spot Instance Requests",
-                                                                       0, 0, 192))
+        stubber.add_client_error(
+            "request_service_quota_increase",
+            service_error_code="ResourceAlreadyExistsException",
+            service_message="A request for this quota is already pending",
+        )
+        text = preflight.request_increase(
+            client, preflight.QuotaCheck("L-C4BD4855", "All P5 Spot Instance Requests", 0, 0, 192)
+        )
     assert "already open" in text and "L-C4BD4855" in text and "\n" not in text
 
 
-@pytest.mark.parametrize("code, words", [
-    ("UnauthorizedOperation", "ec2:RunInstances"), ("InsufficientInstanceCapacity", "no capacity"),
-    ("VcpuLimitExceeded", "vCPU quota"), ("SomethingNew", "the message from AWS")])
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        ("UnauthorizedOperation", "ec2:RunInstances"),
+        ("InsufficientInstanceCapacity", "no capacity"),
+        ("VcpuLimitExceeded", "vCPU quota"),
+        ("SomethingNew", "the message from AWS"),
+    ],
+)
 def test_dry_run_errors_are_explained(code, words):
     ec2 = offline("ec2")
     with Stubber(ec2) as stubber:
@@ -118,13 +182,22 @@ def test_the_dry_run_is_a_permission_check_in_the_chosen_az_or_subnet():
     ec2 = offline("ec2")
     base = {"ImageId": "ami-1", "InstanceType": "p5.48xlarge", "MinCount": 2, "MaxCount": 2, "DryRun": True}
     with Stubber(ec2) as stubber:
-        stubber.add_client_error("run_instances", "DryRunOperation", expected_params=dict(
-            base, Placement={"AvailabilityZone": "us-east-1b"}))
-        stubber.add_client_error("run_instances", "DryRunOperation", expected_params=dict(base, SubnetId="subnet-0abc1234"))
-        stubber.add_client_error("run_instances", "VPCIdNotSpecified", "No default VPC for this user",
-                                 expected_params=dict(base, Placement={"AvailabilityZone": "us-east-1b"}))
+        stubber.add_client_error(
+            "run_instances", "DryRunOperation", expected_params=dict(base, Placement={"AvailabilityZone": "us-east-1b"})
+        )
+        stubber.add_client_error(
+            "run_instances", "DryRunOperation", expected_params=dict(base, SubnetId="subnet-0abc1234")
+        )
+        stubber.add_client_error(
+            "run_instances",
+            "VPCIdNotSpecified",
+            "No default VPC for this user",
+            expected_params=dict(base, Placement={"AvailabilityZone": "us-east-1b"}),
+        )
         in_az = preflight.dry_run(ec2, "ami-1", "p5.48xlarge", 2, availability_zone="us-east-1b")
-        in_subnet = preflight.dry_run(ec2, "ami-1", "p5.48xlarge", 2, subnet_id="subnet-0abc1234", availability_zone="x")
+        in_subnet = preflight.dry_run(
+            ec2, "ami-1", "p5.48xlarge", 2, subnet_id="subnet-0abc1234", availability_zone="x"
+        )
         no_default_vpc = preflight.dry_run(ec2, "ami-1", "p5.48xlarge", 2, availability_zone="us-east-1b")
     for check in (in_az, in_subnet):
         assert check.ok and "permission check" in check.detail and "would launch" not in check.detail
@@ -153,15 +226,29 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     config = ClusterConfig.from_context({"ami_ssm_parameter": "/test/preflight/ami"})
     context = tmp_path / "cdk.context.json"
     found, notes = preflight.run_preflight(clients, "us-east-1", config, context)
-    assert [c.name for c in found] == ["credentials", "region", "AZ and subnet", "vCPU quota (On-Demand)",
-                                       "AMI parameter", "launch permission (RunInstances dry run)"]
+    assert [c.name for c in found] == [
+        "credentials",
+        "region",
+        "AZ and subnet",
+        "vCPU quota (On-Demand)",
+        "AMI parameter",
+        "launch permission (RunInstances dry run)",
+    ]
     assert all(c.ok for c in found), found
     zones = json.loads(context.read_text())[offerings_context_key("us-east-1", "g4dn.2xlarge")]
     assert found[2].detail.startswith(f"a new VPC with one public subnet in {zones[0]}")
     assert "cfn-exec-role-123456789012-us-east-1" in notes[0] and "YOUR permissions" in notes[0]
-    subnet = clients["ec2"].describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zones[0]]}])["Subnets"][0]
-    existing = ClusterConfig.from_context({"ami_ssm_parameter": "/test/preflight/ami", "vpc_id": subnet["VpcId"],
-                                           "subnet_id": subnet["SubnetId"], "availability_zone": zones[0]})
+    subnet = clients["ec2"].describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zones[0]]}])["Subnets"][
+        0
+    ]
+    existing = ClusterConfig.from_context(
+        {
+            "ami_ssm_parameter": "/test/preflight/ami",
+            "vpc_id": subnet["VpcId"],
+            "subnet_id": subnet["SubnetId"],
+            "availability_zone": zones[0],
+        }
+    )
     clients["service-quotas"], _ = quotas_client(8)
     found, notes = preflight.run_preflight(clients, "us-east-1", existing)
     assert found[2].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
@@ -169,6 +256,7 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
 
 
 # ---------------------------------------------------------------- issue item 4: prices
+
 
 def test_every_accepted_type_has_a_dated_offline_price():
     for name in INSTANCE_TYPES:
@@ -179,22 +267,42 @@ def test_every_accepted_type_has_a_dated_offline_price():
 
 def test_the_table_has_the_mid_2025_p4_p5_cuts():
     prices = cost.TABLE["instances_usd_per_hour"]
-    assert prices["p5.48xlarge"] == 55.04 and prices["p4d.24xlarge"] == 21.957642 and prices["p4de.24xlarge"] == 27.44705
+    assert (
+        prices["p5.48xlarge"] == 55.04 and prices["p4d.24xlarge"] == 21.957642 and prices["p4de.24xlarge"] == 27.44705
+    )
     assert "2025-06-05" in cost.TABLE["note"] and cost.TABLE["source"] and cost.TABLE["date"] >= "2025-06"
 
 
-PRICE_ITEM = {"product": {"productFamily": "Compute Instance", "attributes": {"instanceType": "g6e.xlarge",
-                                                                            "regionCode": "ap-south-1"}},
-              "serviceCode": "AmazonEC2", "terms": {"OnDemand": {"ABC.JRTCKXETXF": {"priceDimensions": {
-                  "ABC.JRTCKXETXF.6YS6EN2CT7": {"unit": "Hrs", "pricePerUnit": {"USD": "2.1234000000"},
-                                                "description": "$2.1234 per On Demand Linux g6e.xlarge Instance Hour"}}}}}}
+PRICE_ITEM = {
+    "product": {
+        "productFamily": "Compute Instance",
+        "attributes": {"instanceType": "g6e.xlarge", "regionCode": "ap-south-1"},
+    },
+    "serviceCode": "AmazonEC2",
+    "terms": {
+        "OnDemand": {
+            "ABC.JRTCKXETXF": {
+                "priceDimensions": {
+                    "ABC.JRTCKXETXF.6YS6EN2CT7": {
+                        "unit": "Hrs",
+                        "pricePerUnit": {"USD": "2.1234000000"},
+                        "description": "$2.1234 per On Demand Linux g6e.xlarge Instance Hour",
+                    }
+                }
+            }
+        }
+    },
+}
 
 
 def test_the_pricing_api_price_is_used_for_any_region():
     pricing = offline("pricing")
     with Stubber(pricing) as stubber:
-        stubber.add_response("get_products", {"PriceList": [json.dumps(PRICE_ITEM)], "FormatVersion": "aws_v1"},
-                             {"ServiceCode": "AmazonEC2", "MaxResults": 10, "Filters": ANY})
+        stubber.add_response(
+            "get_products",
+            {"PriceList": [json.dumps(PRICE_ITEM)], "FormatVersion": "aws_v1"},
+            {"ServiceCode": "AmazonEC2", "MaxResults": 10, "Filters": ANY},
+        )
         price = cost.instance_price(pricing, "g6e.xlarge", "ap-south-1")
         stubber.assert_no_pending_responses()
     assert price == cost.Price(2.1234, "Pricing API, ap-south-1") and price.from_api
@@ -203,8 +311,10 @@ def test_the_pricing_api_price_is_used_for_any_region():
 def test_the_region_filter_is_regioncode():
     pricing = offline("pricing")
     seen = {}
-    pricing.meta.events.register("provide-client-params.pricing.GetProducts",
-                                 lambda params, **kwargs: seen.update({f["Field"]: f["Value"] for f in params["Filters"]}))
+    pricing.meta.events.register(
+        "provide-client-params.pricing.GetProducts",
+        lambda params, **kwargs: seen.update({f["Field"]: f["Value"] for f in params["Filters"]}),
+    )
     with Stubber(pricing) as stubber:
         stubber.add_response("get_products", {"PriceList": [], "FormatVersion": "aws_v1"})
         cost.instance_price(pricing, "g6e.xlarge", "ap-south-1")
@@ -234,9 +344,17 @@ def test_a_missing_price_is_unknown_everywhere_never_zero_or_an_exception():
 
 def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
     import fabfile
+
     for instance_type in ("g6.xlarge", "p4de.24xlarge", "x9.unknown"):
-        inv = Inventory(cluster="c", source="aws", gpus_per_node=1, instance_type=instance_type, region="us-east-1",
-                        nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-1")], ssh=SshSettings("root", 4444, "/k", "/kh"))
+        inv = Inventory(
+            cluster="c",
+            source="aws",
+            gpus_per_node=1,
+            instance_type=instance_type,
+            region="us-east-1",
+            nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-1")],
+            ssh=SshSettings("root", 4444, "/k", "/kh"),
+        )
         on_progress = fabfile._projector(inv)
         on_progress({"step": 5})  # step time not known yet: nothing
         on_progress({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0})
@@ -266,46 +384,94 @@ def test_efs_io_comes_from_the_efs_cloudwatch_metrics():
     now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
     with Stubber(cloudwatch) as stubber:
         for metric, gigabytes in (("DataReadIOBytes", [30, 20]), ("DataWriteIOBytes", [5])):
-            stubber.add_response("get_metric_statistics", {"Label": metric, "Datapoints": [
-                {"Timestamp": now, "Sum": g * 1e9, "Unit": "Bytes"} for g in gigabytes]}, {
-                "Namespace": "AWS/EFS", "MetricName": metric, "StartTime": now - timedelta(hours=1), "EndTime": now,
-                "Period": 60, "Dimensions": [{"Name": "FileSystemId", "Value": "fs-0abc"}], "Statistics": ["Sum"]})
+            stubber.add_response(
+                "get_metric_statistics",
+                {
+                    "Label": metric,
+                    "Datapoints": [{"Timestamp": now, "Sum": g * 1e9, "Unit": "Bytes"} for g in gigabytes],
+                },
+                {
+                    "Namespace": "AWS/EFS",
+                    "MetricName": metric,
+                    "StartTime": now - timedelta(hours=1),
+                    "EndTime": now,
+                    "Period": 60,
+                    "Dimensions": [{"Name": "FileSystemId", "Value": "fs-0abc"}],
+                    "Statistics": ["Sum"],
+                },
+            )
         assert cost.efs_io_usd_per_hour(cloudwatch, "fs-0abc", now) == pytest.approx(50 * 0.03 + 5 * 0.06)
 
 
 def test_fab_cost_shows_the_offline_tables_date_and_source(tmp_path):
-    result = subprocess.run(["fab", "cost", "--nodes", "4", "--instance-type", "g6.xlarge", "--dataset-gb", "150",
-                             "--epochs", "90"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"), AWS_ACCESS_KEY_ID="",
-                                         AWS_SECRET_ACCESS_KEY="", AWS_CONFIG_FILE=str(tmp_path / "no-config"),
-                                         AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials")))
+    result = subprocess.run(
+        ["fab", "cost", "--nodes", "4", "--instance-type", "g6.xlarge", "--dataset-gb", "150", "--epochs", "90"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(
+            GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"),
+            AWS_ACCESS_KEY_ID="",
+            AWS_SECRET_ACCESS_KEY="",
+            AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+            AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"),
+        ),
+    )
     assert result.returncode == 0, result.stderr
     assert "cluster: 4 x $0.805/h = $3.22/hour" in result.stdout and "[offline table of 2026-06]" in result.stdout
     assert "EBS root volumes: 4 x 200 GB gp3 = $64.00/month" in result.stdout
     assert "EFS Elastic I/O: up to 13,500 GB read" in result.stdout
-    assert (f"offline price table: prices of {cost.TABLE['date']} in us-east-1, checked {cost.TABLE['checked']}; "
-            f"source: {cost.TABLE['source']}") in result.stdout
-    bad = subprocess.run(["fab", "cost", "--instance-type", "m5.large"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")))
+    assert (
+        f"offline price table: prices of {cost.TABLE['date']} in us-east-1, checked {cost.TABLE['checked']}; "
+        f"source: {cost.TABLE['source']}"
+    ) in result.stdout
+    bad = subprocess.run(
+        ["fab", "cost", "--instance-type", "m5.large"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")),
+    )
     assert bad.returncode == 1 and "invalid config instance_type='m5.large'" in bad.stderr
-    epochs = subprocess.run(["fab", "cost", "--dataset-gb", "10", "--epochs", "-3"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")))
+    epochs = subprocess.run(
+        ["fab", "cost", "--dataset-gb", "10", "--epochs", "-3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json")),
+    )
     assert epochs.returncode == 1 and epochs.stderr.strip() == "error: invalid --epochs '-3': a positive number"
 
 
 def test_a_broken_aws_profile_is_one_line(tmp_path):
-    result = subprocess.run(["fab", "preflight"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=tool_env(AWS_PROFILE="no-such-profile", AWS_CONFIG_FILE=str(tmp_path / "none")))
+    result = subprocess.run(
+        ["fab", "preflight"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(AWS_PROFILE="no-such-profile", AWS_CONFIG_FILE=str(tmp_path / "none")),
+    )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "error: AWS configuration: The config profile (no-such-profile) could not be found "
-        "(check AWS_PROFILE / `aws configure`)"]
+        "(check AWS_PROFILE / `aws configure`)"
+    ]
 
 
 def test_an_unreadable_quota_is_a_fail_line_and_the_other_checks_still_run(tmp_path, aws_env):
     """Service Quotas is not emulated: the quota call fails the way a denied or unreachable one does."""
-    result = subprocess.run(["fab", "preflight"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=tool_env(GPU_CLUSTER_CDK_CONTEXT=str(tmp_path / "cdk.context.json"), **aws_env))
+    result = subprocess.run(
+        ["fab", "preflight"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_CDK_CONTEXT=str(tmp_path / "cdk.context.json"), **aws_env),
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     quota = [line for line in result.stdout.splitlines() if "vCPU quota" in line]
     assert len(quota) == 1 and quota[0].startswith("FAIL  vCPU quota (On-Demand): could not read it: ")
@@ -316,11 +482,19 @@ def test_an_unreadable_quota_is_a_fail_line_and_the_other_checks_still_run(tmp_p
 
 def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
     from fabtasks.aws import _spent
+
     ids = moto_instances(2, "spend")
     fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
-    inv = Inventory(cluster="spend", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
-                    nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
-                    ssh=SshSettings("root", 4444, "/k", "/kh"), file_system_id=fs)
+    inv = Inventory(
+        cluster="spend",
+        source="aws",
+        gpus_per_node=1,
+        instance_type="g4dn.xlarge",
+        region="us-east-1",
+        nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
+        ssh=SshSettings("root", 4444, "/k", "/kh"),
+        file_system_id=fs,
+    )
     _spent(boto3.session.Session(), inv, cost.offline_price("g4dn.xlarge", "us-east-1"))
     _spent(boto3.session.Session(), inv, cost.Price(None, "unknown"))
     out = capsys.readouterr().out.splitlines()
@@ -329,15 +503,70 @@ def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
 
 
 def test_an_aws_error_inside_a_task_is_one_line(tmp_path, aws_env):
-    inv = Inventory(cluster="gone", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
-                    nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-0123456789abcdef0")],
-                    ssh=SshSettings("root", 4444, "/k", "/kh"), file_system_id="fs-0123456789abcdef0")
+    inv = Inventory(
+        cluster="gone",
+        source="aws",
+        gpus_per_node=1,
+        instance_type="g4dn.xlarge",
+        region="us-east-1",
+        nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-0123456789abcdef0")],
+        ssh=SshSettings("root", 4444, "/k", "/kh"),
+        file_system_id="fs-0123456789abcdef0",
+    )
     inv.save(tmp_path / "inventory.json")
-    result = subprocess.run(["fab", "cost"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), **aws_env))
+    result = subprocess.run(
+        ["fab", "cost"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), **aws_env),
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: fab cost: FileSystemNotFound: File system 'fs-0123456789abcdef0' does not exist."], result.stderr
+        "error: fab cost: FileSystemNotFound: File system 'fs-0123456789abcdef0' does not exist."
+    ], result.stderr
+
+
+def test_a_private_subnet_shows_its_nat_and_endpoints_monthly_cost():
+    price = cost.Price(0.752, "Pricing API, us-east-1")
+    public = cost.Estimate(2, price, 200, 1.0)
+    private = cost.Estimate(2, price, 200, 1.0, private_subnet=True)
+    hourly = cost.TABLE["nat_gateway_usd_per_hour"] + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
+    assert public.network_usd_per_month == 0 and not [line for line in public.lines() if "NAT" in line]
+    assert private.network_usd_per_month == pytest.approx(hourly * 730)
+    assert any(f"${hourly * 730:.2f}/month" in line for line in private.lines())
+
+
+def test_fab_cost_on_the_emulated_cluster_says_it_costs_nothing(tmp_path):
+    from clusterops.inventory import Inventory, Node, SshSettings
+
+    local = Inventory(
+        cluster="local",
+        source="local",
+        nodes=[Node(0, "node0", "10.213.0.10", "10.213.0.10")],
+        gpus_per_node=1,
+        ssh=SshSettings("root", 4444, "key", "known_hosts"),
+        instance_type="local",
+    )
+    local.save(tmp_path / "inventory.json")
+    result = subprocess.run(
+        ["fab", "cost"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(
+            GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"),
+            AWS_ACCESS_KEY_ID="",
+            AWS_SECRET_ACCESS_KEY="",
+            AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+            AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"),
+        ),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "the emulated cluster 'local' costs nothing" in result.stdout
+    assert "no run going" not in result.stdout  # it did not try to project a CPU run as GPU dollars
 
 
 # ---------------------------------------------------------------- Spot (issue 13, section 3)
@@ -347,9 +576,19 @@ NOW = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
 
 def spot_history(*items):
     """describe_spot_price_history's answer: (AZ, type, product, price, hours before NOW) per item."""
-    return {"SpotPriceHistory": [
-        {"AvailabilityZone": zone, "InstanceType": kind, "ProductDescription": product, "SpotPrice": price,
-         "Timestamp": NOW - timedelta(hours=age)} for zone, kind, product, price, age in items], "NextToken": ""}
+    return {
+        "SpotPriceHistory": [
+            {
+                "AvailabilityZone": zone,
+                "InstanceType": kind,
+                "ProductDescription": product,
+                "SpotPrice": price,
+                "Timestamp": NOW - timedelta(hours=age),
+            }
+            for zone, kind, product, price, age in items
+        ],
+        "NextToken": "",
+    }
 
 
 def spot_client(*responses):
@@ -362,32 +601,53 @@ def spot_client(*responses):
 
 
 def test_the_spot_price_is_the_one_in_effect_now_in_the_az():
-    expected = {"InstanceTypes": ["g4dn.2xlarge"], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
-                "StartTime": NOW, "EndTime": NOW, "AvailabilityZone": "us-east-1b"}
-    ec2, stubber = spot_client((expected, spot_history(
-        ("us-east-1b", "g4dn.2xlarge", "Linux/UNIX", "0.301000", 30),   # the change before...
-        ("us-east-1b", "g4dn.2xlarge", "Linux/UNIX", "0.225700", 2),    # ...the one in effect now
-        ("us-east-1c", "g4dn.2xlarge", "Linux/UNIX", "0.100000", 1))))  # another AZ: not ours
+    expected = {
+        "InstanceTypes": ["g4dn.2xlarge"],
+        "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+        "StartTime": NOW,
+        "EndTime": NOW,
+        "AvailabilityZone": "us-east-1b",
+    }
+    ec2, stubber = spot_client(
+        (
+            expected,
+            spot_history(
+                ("us-east-1b", "g4dn.2xlarge", "Linux/UNIX", "0.301000", 30),  # the change before...
+                ("us-east-1b", "g4dn.2xlarge", "Linux/UNIX", "0.225700", 2),  # ...the one in effect now
+                ("us-east-1c", "g4dn.2xlarge", "Linux/UNIX", "0.100000", 1),
+            ),
+        )
+    )  # another AZ: not ours
     price = cost.spot_price(ec2, "g4dn.2xlarge", "us-east-1b", now=NOW)
     stubber.assert_no_pending_responses()
     assert price == cost.Price(0.2257, "Spot price, us-east-1b, since 2026-11-22 10:00 UTC")
 
 
 def test_without_an_az_the_cheapest_az_is_priced_and_named():
-    ec2, _ = spot_client((ANY, spot_history(("us-east-1a", "p5.48xlarge", "Linux/UNIX", "31.5", 5),
-                                            ("us-east-1a", "p5.48xlarge", "Linux/UNIX", "40.0", 1),
-                                            ("us-east-1d", "p5.48xlarge", "Linux/UNIX", "35.25", 3))))
+    ec2, _ = spot_client(
+        (
+            ANY,
+            spot_history(
+                ("us-east-1a", "p5.48xlarge", "Linux/UNIX", "31.5", 5),
+                ("us-east-1a", "p5.48xlarge", "Linux/UNIX", "40.0", 1),
+                ("us-east-1d", "p5.48xlarge", "Linux/UNIX", "35.25", 3),
+            ),
+        )
+    )
     price = cost.spot_price(ec2, "p5.48xlarge", now=NOW)
     assert price.usd_per_hour == 35.25 and price.source.startswith("Spot price, us-east-1d, the cheapest AZ")
     empty, _ = spot_client((ANY, spot_history()))
     assert cost.spot_price(empty, "p5.48xlarge", "us-east-1a", now=NOW) == cost.Price(
-        None, "unknown: no Spot price for p5.48xlarge in us-east-1a")
+        None, "unknown: no Spot price for p5.48xlarge in us-east-1a"
+    )
 
 
 def test_the_saving_against_on_demand():
     line = cost.spot_saving(cost.Price(0.2257, "Spot price, us-east-1b"), cost.Price(0.752, "Pricing API, us-east-1"))
-    assert line.startswith("Spot $0.2257/h [Spot price, us-east-1b] vs On-Demand $0.7520/h [Pricing API, us-east-1]: "
-                           "70% less per node-hour")
+    assert line.startswith(
+        "Spot $0.2257/h [Spot price, us-east-1b] vs On-Demand $0.7520/h [Pricing API, us-east-1]: "
+        "70% less per node-hour"
+    )
     assert cost.spot_saving(cost.Price(None, "unknown"), cost.Price(0.752, "x")).endswith("saving unknown")
 
 
@@ -427,10 +687,18 @@ def test_full_spot_preflight_against_the_emulator(aws_env):
     clients["ssm"].put_parameter(Name="/test/preflight/ami", Value="ami-03cf127a", Type="String", Overwrite=True)
     running = preflight.running_vcpus(clients["ec2"], "g4dn.2xlarge", spot=True)
     clients["service-quotas"], stubber = quotas_client(16 + running, code="L-3819A6DF")
-    found, _ = preflight.run_preflight(clients, "us-east-1", _spot_config(ami_ssm_parameter="/test/preflight/ami"),
-                                       spot=True)
-    assert [c.name for c in found] == ["credentials", "region", "AZ and subnet", "vCPU quota (Spot)", "Spot price",
-                                       "AMI parameter", "launch permission (RunInstances dry run)"]
+    found, _ = preflight.run_preflight(
+        clients, "us-east-1", _spot_config(ami_ssm_parameter="/test/preflight/ami"), spot=True
+    )
+    assert [c.name for c in found] == [
+        "credentials",
+        "region",
+        "AZ and subnet",
+        "vCPU quota (Spot)",
+        "Spot price",
+        "AMI parameter",
+        "launch permission (RunInstances dry run)",
+    ]
     assert all(c.ok for c in found), found
     zone = found[2].detail.split(" in ")[1].split(" ")[0]
     assert f"[Spot price, {zone}, since " in found[4].detail and "less per node-hour" in found[4].detail
@@ -440,32 +708,61 @@ def test_full_spot_preflight_against_the_emulator(aws_env):
 def test_a_spot_dry_run_carries_the_nodes_market_options():
     ec2 = offline("ec2")
     with Stubber(ec2) as stubber:
-        stubber.add_client_error("run_instances", "DryRunOperation", expected_params={
-            "ImageId": "ami-1", "InstanceType": "g5.xlarge", "MinCount": 1, "MaxCount": 1, "DryRun": True,
-            "Placement": {"AvailabilityZone": "us-east-1b"}, "InstanceMarketOptions": {"MarketType": "spot", "SpotOptions": {
-                "SpotInstanceType": "persistent", "InstanceInterruptionBehavior": "stop"}}})
+        stubber.add_client_error(
+            "run_instances",
+            "DryRunOperation",
+            expected_params={
+                "ImageId": "ami-1",
+                "InstanceType": "g5.xlarge",
+                "MinCount": 1,
+                "MaxCount": 1,
+                "DryRun": True,
+                "Placement": {"AvailabilityZone": "us-east-1b"},
+                "InstanceMarketOptions": {
+                    "MarketType": "spot",
+                    "SpotOptions": {"SpotInstanceType": "persistent", "InstanceInterruptionBehavior": "stop"},
+                },
+            },
+        )
         assert preflight.dry_run(ec2, "ami-1", "g5.xlarge", 1, availability_zone="us-east-1b", spot=True).ok
 
 
 def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_price(aws_env):
     from fabtasks.aws import nodes_zone
+
     session = boto3.session.Session()
     ids = moto_instances(2, "spotcost")
-    inv = Inventory(cluster="spotcost", source="aws", gpus_per_node=1, instance_type="g4dn.xlarge", region="us-east-1",
-                    nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
-                    ssh=SshSettings("root", 4444, "/k", "/kh"), spot=True)
+    inv = Inventory(
+        cluster="spotcost",
+        source="aws",
+        gpus_per_node=1,
+        instance_type="g4dn.xlarge",
+        region="us-east-1",
+        nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
+        ssh=SshSettings("root", 4444, "/k", "/kh"),
+        spot=True,
+    )
     zone = nodes_zone(session, inv)
-    assert zone == boto3.client("ec2").describe_instances(InstanceIds=ids[:1])["Reservations"][0]["Instances"][0][
-        "Placement"]["AvailabilityZone"]
+    assert (
+        zone
+        == boto3.client("ec2").describe_instances(InstanceIds=ids[:1])["Reservations"][0]["Instances"][0]["Placement"][
+            "AvailabilityZone"
+        ]
+    )
     price, line = cost.node_price(session.client("ec2"), None, inv.instance_type, "us-east-1", inv.spot, zone)
     assert price.source.startswith(f"Spot price, {zone}, since ") and "vs On-Demand $0.5260/h" in line
     assert nodes_zone(session, None) is None
 
 
 def test_fab_cost_spot_prices_the_cluster_at_the_spot_price(tmp_path, aws_env):
-    result = subprocess.run(["fab", "cost", "--spot", "--nodes", "3", "--instance-type", "g4dn.2xlarge"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120,
-                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"), **aws_env))
+    result = subprocess.run(
+        ["fab", "cost", "--spot", "--nodes", "3", "--instance-type", "g4dn.2xlarge"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"), **aws_env),
+    )
     assert result.returncode == 0, result.stderr
     saving, cluster = result.stdout.splitlines()[:2]
     assert saving.startswith("Spot $") and "the cheapest AZ" in saving and "vs On-Demand $0.7520/h" in saving

@@ -1,26 +1,33 @@
 """shellcheck on every shell script the project ships, and on the user-data the stack renders."""
+
 import subprocess
 
 from conftest import REPO
+
 from stacks.bootstrap import render_user_data
 
 
 def _bash_scripts() -> list[str]:
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     scripts = []
     for name in tracked:
         path = REPO / name
-        if name.endswith(".sh") or (path.is_file() and path.read_bytes()[:40].startswith(
-                (b"#!/usr/bin/env bash", b"#!/bin/bash"))):
+        if name.endswith(".sh") or (
+            path.is_file() and path.read_bytes()[:40].startswith((b"#!/usr/bin/env bash", b"#!/bin/bash"))
+        ):
             scripts.append(name)
     return scripts
 
 
 def test_shellcheck_every_script():
     scripts = _bash_scripts()
-    assert {"assets/bootstrap/node-bootstrap.sh", "assets/docker/entrypoint.sh",
-            "clusterops/launcher.sh", "scripts/setup.sh", "tests/standins/docker"} <= set(scripts)
+    assert {
+        "assets/bootstrap/node-bootstrap.sh",
+        "assets/docker/entrypoint.sh",
+        "clusterops/launcher.sh",
+        "scripts/setup.sh",
+        "tests/standins/docker",
+    } <= set(scripts)
     result = subprocess.run(["shellcheck", "-x", *scripts], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 

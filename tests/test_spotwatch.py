@@ -1,5 +1,6 @@
 """The Spot interruption watcher against a fake IMDSv2 endpoint (a real HTTP server on 127.0.0.1 that
 rejects GETs without the session token), and with the real trainer: notice -> checkpoint -> resume."""
+
 import json
 import subprocess
 import sys
@@ -7,9 +8,8 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
-
 import checkpoint
+import pytest
 import spotwatch
 from conftest import AUTOSTOP_DIR, TRAIN_DIR, tool_env
 
@@ -32,9 +32,16 @@ def test_a_notice_writes_stop_into_the_active_run_within_one_poll_and_records_it
     watcher = spotwatch.Watcher(tmp_path, "1", "i-0abc", read=lambda: spotwatch.instance_action(fake_imds.url))
     line = watcher.poll(now=1_700_000_000.0)
     assert (run / "STOP").read_text().startswith("now: spot: node1 (i-0abc) will stop at 2026-11-22T08:22:00Z")
-    assert json.loads((run / "interruptions.json").read_text()) == [{
-        "node": 1, "instance_id": "i-0abc", "action": "stop", "action_time": "2026-11-22T08:22:00Z",
-        "step": 40, "noticed": "2023-11-14T22:13:20Z"}]
+    assert json.loads((run / "interruptions.json").read_text()) == [
+        {
+            "node": 1,
+            "instance_id": "i-0abc",
+            "action": "stop",
+            "action_time": "2026-11-22T08:22:00Z",
+            "step": 40,
+            "noticed": "2023-11-14T22:13:20Z",
+        }
+    ]
     assert "asked r to checkpoint now (last step 40); resume: fab train --run r" in line
     assert line in (run / "train.log").read_text()
     assert watcher.poll(now=1_700_000_005.0) is None  # the same notice is acted on once
@@ -77,11 +84,13 @@ def test_interruptions_of_several_nodes_are_all_kept(tmp_path):
 
 
 def test_an_unreachable_metadata_service_is_logged_once_and_polling_goes_on(tmp_path, capsys):
-    watcher = spotwatch.Watcher(tmp_path, "0", None,
-                                read=lambda: spotwatch.instance_action("http://127.0.0.1:1", timeout=0.2))
+    watcher = spotwatch.Watcher(
+        tmp_path, "0", None, read=lambda: spotwatch.instance_action("http://127.0.0.1:1", timeout=0.2)
+    )
     spotwatch.watch(watcher, interval=0.0, polls=3)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("spot: instance metadata unreadable (") and "still polling" in lines[0]
+    assert len(lines) == 1 and "still polling" in lines[0]
+    assert lines[0].startswith("spot: instance metadata unreadable (")
 
 
 def test_a_failed_attempt_is_retried_at_the_next_poll(tmp_path):
@@ -94,8 +103,24 @@ def test_a_failed_attempt_is_retried_at_the_next_poll(tmp_path):
     assert watcher.poll(now=1.0) and len(json.loads((run / "interruptions.json").read_text())) == 1
 
 
-SMALL = ["--recipe", "transformer-tiny", "--d-model", "32", "--ffn", "64", "--eval-samples", "8",
-         "--log-every", "1", "--checkpoint-every", "1000", "--eval-every", "1000", "--batch-per-gpu", "4"]
+SMALL = [
+    "--recipe",
+    "transformer-tiny",
+    "--d-model",
+    "32",
+    "--ffn",
+    "64",
+    "--eval-samples",
+    "8",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "1000",
+    "--eval-every",
+    "1000",
+    "--batch-per-gpu",
+    "4",
+]
 
 
 def test_a_notice_mid_run_checkpoints_at_the_stop_step_and_the_run_resumes_there(fake_imds, numbers_data, tmp_path):
@@ -103,12 +128,25 @@ def test_a_notice_mid_run_checkpoints_at_the_stop_step_and_the_run_resumes_there
     run = a_run(tmp_path, "spot", step=0)
     (run / "progress.json").unlink()
     env = tool_env(OMP_NUM_THREADS="1", AUTOSTOP_IMDS_URL=fake_imds.url, NODE_RANK="1", INSTANCE_ID="i-0spot")
-    argv = [sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir", str(run),
-            *SMALL, "--max-steps", "100000"]
+    argv = [
+        sys.executable,
+        str(TRAIN_DIR / "train.py"),
+        "--data",
+        str(numbers_data),
+        "--run-dir",
+        str(run),
+        *SMALL,
+        "--max-steps",
+        "100000",
+    ]
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    watcher = subprocess.Popen([sys.executable, str(AUTOSTOP_DIR / "spotwatch.py"), "--data", str(tmp_path),
-                                "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env)
+    watcher = subprocess.Popen(
+        [sys.executable, str(AUTOSTOP_DIR / "spotwatch.py"), "--data", str(tmp_path), "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run / "progress.json").exists() and trainer.poll() is None and time.monotonic() < deadline:

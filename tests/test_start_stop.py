@@ -2,6 +2,7 @@
 waits for `stopped`, a capacity failure stops the partial start, addresses come from EC2 as it is now.
 moto's instances stop at once and never lack capacity, so those two are driven through botocore's
 Stubber with EC2's real response shapes; the rest runs against a moto server."""
+
 import json
 import subprocess
 from pathlib import Path
@@ -9,10 +10,17 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
-
-from clusterops.inventory import (Inventory, InventoryError, Node, SshSettings, from_outputs, start_and_refresh,
-                                  write_known_hosts)
 from conftest import REPO, moto_instances, tool_env
+
+from clusterops.inventory import (
+    Inventory,
+    InventoryError,
+    Node,
+    SshSettings,
+    from_outputs,
+    start_and_refresh,
+    write_known_hosts,
+)
 
 HOST_KEY = "ssh-ed25519 AAAAHOSTKEY"
 
@@ -20,9 +28,15 @@ HOST_KEY = "ssh-ed25519 AAAAHOSTKEY"
 def inventory(tmp_path: Path, ids: list[str]) -> Inventory:
     known = tmp_path / "known_hosts"
     write_known_hosts(known, [f"198.51.100.{r + 1}" for r in range(len(ids))], HOST_KEY, 4444)
-    return Inventory(cluster="c", source="aws", gpus_per_node=1, region="us-east-1", instance_type="g4dn.xlarge",
-                     nodes=[Node(r, f"node{r}", f"198.51.100.{r + 1}", f"10.0.0.{r + 9}", i) for r, i in enumerate(ids)],
-                     ssh=SshSettings("root", 4444, str(tmp_path / "k"), str(known)))
+    return Inventory(
+        cluster="c",
+        source="aws",
+        gpus_per_node=1,
+        region="us-east-1",
+        instance_type="g4dn.xlarge",
+        nodes=[Node(r, f"node{r}", f"198.51.100.{r + 1}", f"10.0.0.{r + 9}", i) for r, i in enumerate(ids)],
+        ssh=SshSettings("root", 4444, str(tmp_path / "k"), str(known)),
+    )
 
 
 def described(*states, reason=None) -> dict:
@@ -39,8 +53,13 @@ def described(*states, reason=None) -> dict:
 
 
 def ec2_stub():
-    client = boto3.client("ec2", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x",
-                          endpoint_url="https://ec2.invalid")
+    client = boto3.client(
+        "ec2",
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        endpoint_url="https://ec2.invalid",
+    )
     return client, Stubber(client)
 
 
@@ -50,25 +69,33 @@ def test_start_right_after_an_autostop_waits_for_stopped_first(tmp_path):
     stubber.add_response("describe_instances", described((ids[0], "stopping"), (ids[1], "stopped")))
     stubber.add_response("describe_instances", described((ids[0], "stopped")), {"InstanceIds": [ids[0]]})  # waiter
     stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
-    stubber.add_response("describe_instances", described((ids[0], "running"), (ids[1], "running")),
-                         {"InstanceIds": ids})  # waiter
-    stubber.add_response("describe_instances", described((ids[0], "running", "203.0.113.10"),
-                                                         (ids[1], "running", "203.0.113.11")), {"Filters": ANY})
+    stubber.add_response(
+        "describe_instances", described((ids[0], "running"), (ids[1], "running")), {"InstanceIds": ids}
+    )  # waiter
+    stubber.add_response(
+        "describe_instances",
+        described((ids[0], "running", "203.0.113.10"), (ids[1], "running", "203.0.113.11")),
+        {"Filters": ANY},
+    )
     with stubber:
         fresh = start_and_refresh(inventory(tmp_path, ids), ec2)
         stubber.assert_no_pending_responses()
     assert [n.public_ip for n in fresh.nodes] == ["203.0.113.10", "203.0.113.11"]
     assert (tmp_path / "known_hosts").read_text().splitlines() == [
-        f"[203.0.113.{10 + r}]:4444 {HOST_KEY}" for r in range(2)]
+        f"[203.0.113.{10 + r}]:4444 {HOST_KEY}" for r in range(2)
+    ]
 
 
 def test_a_capacity_failure_stops_what_did_start_and_says_so_in_one_line(tmp_path):
     ec2, stubber = ec2_stub()
     ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2"]
     stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
-    stubber.add_client_error("start_instances", service_error_code="InsufficientInstanceCapacity",
-                             service_message="We currently do not have sufficient p5.48xlarge capacity",
-                             expected_params={"InstanceIds": ids})
+    stubber.add_client_error(
+        "start_instances",
+        service_error_code="InsufficientInstanceCapacity",
+        service_message="We currently do not have sufficient p5.48xlarge capacity",
+        expected_params={"InstanceIds": ids},
+    )
     stubber.add_response("describe_instances", described((ids[0], "pending"), (ids[1], "stopped")))
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": [ids[0]]})
     with stubber, pytest.raises(InventoryError) as raised:
@@ -85,12 +112,20 @@ def test_a_node_that_fails_to_start_later_is_reported_and_the_others_stopped(tmp
     stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
     stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
     stubber.add_response("describe_instances", described((ids[0], "running"), (ids[1], "stopping")))  # waiter fails
-    stubber.add_response("describe_instances", described((ids[0], "running"), (ids[1], "stopped"),
-                                                         reason="Server.InsufficientInstanceCapacity"))
+    stubber.add_response(
+        "describe_instances",
+        described((ids[0], "running"), (ids[1], "stopped"), reason="Server.InsufficientInstanceCapacity"),
+    )
     stubber.add_response("describe_instances", described((ids[0], "running"), (ids[1], "stopped")))
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": [ids[0]]})
-    with stubber, pytest.raises(InventoryError, match=r"i-0aaaaaaaaaaaaaaa2 stopped: Server.InsufficientInstanceCapacity"
-                                                      r".*stopped the 1 that did"):
+    with (
+        stubber,
+        pytest.raises(
+            InventoryError,
+            match=r"i-0aaaaaaaaaaaaaaa2 stopped: Server.InsufficientInstanceCapacity"
+            r".*stopped the 1 that did",
+        ),
+    ):
         start_and_refresh(inventory(tmp_path, ids), ec2)
     stubber.assert_no_pending_responses()
 
@@ -105,16 +140,22 @@ def test_fab_start_and_stop_cluster_against_the_emulator(aws_env, tmp_path):
     assert stopped.returncode == 0 and f"stopping {', '.join(sorted(ids))}" in stopped.stdout, stopped.stderr
     started = subprocess.run(["fab", "start"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert started.returncode == 0, started.stderr
-    states = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+    states = {
+        i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]
+    }
     assert {i["State"]["Name"] for i in states.values()} == {"running"}
     fresh = Inventory.load(path)
     assert [(n.private_ip, n.public_ip) for n in fresh.nodes] == [
-        (states[i]["PrivateIpAddress"], states[i].get("PublicIpAddress") or states[i]["PrivateIpAddress"]) for i in ids]
-    assert (tmp_path / "known_hosts").read_text().splitlines() == [f"[{n.public_ip}]:4444 {HOST_KEY}" for n in fresh.nodes]
+        (states[i]["PrivateIpAddress"], states[i].get("PublicIpAddress") or states[i]["PrivateIpAddress"]) for i in ids
+    ]
+    assert (tmp_path / "known_hosts").read_text().splitlines() == [
+        f"[{n.public_ip}]:4444 {HOST_KEY}" for n in fresh.nodes
+    ]
     ec2.terminate_instances(InstanceIds=[ids[1]])
     gone = subprocess.run(["fab", "start"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert gone.returncode == 1 and gone.stderr.strip().splitlines() == [
-        f"error: {ids[1]} no longer exist(s) (terminated): redeploy with `npx cdk deploy`, then `fab inventory`"]
+        f"error: {ids[1]} no longer exist(s) (terminated): redeploy with `npx cdk deploy`, then `fab inventory`"
+    ]
 
 
 def test_fab_inventory_takes_addresses_from_ec2_and_keeps_the_price(aws_env, tmp_path):
@@ -122,18 +163,32 @@ def test_fab_inventory_takes_addresses_from_ec2_and_keeps_the_price(aws_env, tmp
     ids = moto_instances(2, "addrs")
     ec2 = boto3.client("ec2")
     live = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
-    boto3.client("ssm").put_parameter(Name="/gpu-cluster/addrs/ssh-host-key", Value=HOST_KEY, Type="String",
-                                      Overwrite=True)
-    outputs = {"ClusterName": "addrs", "PrivateIps": ",".join(live[i]["PrivateIpAddress"] for i in ids),
-               "PublicIps": "192.0.2.1,192.0.2.2", "InstanceIds": ",".join(ids), "GpusPerNode": "1",
-               "HostKeyParameterName": "/gpu-cluster/addrs/ssh-host-key", "KeyParameterName": "none",
-               "Region": "us-east-1", "InstanceType": "g6.xlarge", "FileSystemId": "fs-0123"}
+    boto3.client("ssm").put_parameter(
+        Name="/gpu-cluster/addrs/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True
+    )
+    outputs = {
+        "ClusterName": "addrs",
+        "PrivateIps": ",".join(live[i]["PrivateIpAddress"] for i in ids),
+        "PublicIps": "192.0.2.1,192.0.2.2",
+        "InstanceIds": ",".join(ids),
+        "GpusPerNode": "1",
+        "HostKeyParameterName": "/gpu-cluster/addrs/ssh-host-key",
+        "KeyParameterName": "none",
+        "Region": "us-east-1",
+        "InstanceType": "g6.xlarge",
+        "FileSystemId": "fs-0123",
+    }
     built = from_outputs("GpuCluster-addrs", outputs, boto3.session.Session(), tmp_path / "keys", key_file="/k")
     assert [n.public_ip for n in built.nodes] == [live[i]["PublicIpAddress"] for i in ids]
     (tmp_path / "cdk-outputs.json").write_text(json.dumps({"GpuCluster-addrs": outputs}))
-    result = subprocess.run(["fab", "inventory", "--outputs", str(tmp_path / "cdk-outputs.json"), "--key-file", "/k"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inv.json"), **aws_env))
+    result = subprocess.run(
+        ["fab", "inventory", "--outputs", str(tmp_path / "cdk-outputs.json"), "--key-file", "/k"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "inv.json"), **aws_env),
+    )
     assert result.returncode == 0, result.stderr
     saved = Inventory.load(tmp_path / "inv.json")
     assert saved.usd_per_hour == 0.8048 and saved.price_source.startswith("offline table of")  # no Pricing API in moto

@@ -1,27 +1,53 @@
 """The app through the pinned CDK CLI, offline: template facts, cfn-lint, cdk-nag, bad input."""
+
 import json
 import subprocess
 
 import pytest
-
 from conftest import REPO, tool_env
 
 CASES = {
     "three-nodes": ["-c", "nodes=3", "-c", "ssh_cidr=203.0.113.0/24"],
     "eight-nodes-retained-existing-vpc": [
-        "-c", "nodes=8", "-c", "ssh_cidr=198.51.100.7/32", "-c", "retain_data=true",
-        "-c", "vpc_id=vpc-0123456789abcdef0", "-c", "subnet_id=subnet-0123456789abcdef0",
-        "-c", "availability_zone=us-east-1a",
-        "-c", "instance_type=p4d.24xlarge"],
+        "-c",
+        "nodes=8",
+        "-c",
+        "ssh_cidr=198.51.100.7/32",
+        "-c",
+        "retain_data=true",
+        "-c",
+        "vpc_id=vpc-0123456789abcdef0",
+        "-c",
+        "subnet_id=subnet-0123456789abcdef0",
+        "-c",
+        "availability_zone=us-east-1a",
+        "-c",
+        "instance_type=p4d.24xlarge",
+    ],
     "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge"],
-    "spot": ["-c", "spot=true", "-c", "spot_max_price=4.5", "-c", "instance_type=g6e.12xlarge",
-             "-c", "ssh_cidr=203.0.113.0/24"],
+    "p5-efa": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=p5.48xlarge", "-c", "efa=on"],
+    "spot": [
+        "-c",
+        "spot=true",
+        "-c",
+        "spot_max_price=4.5",
+        "-c",
+        "instance_type=g5.2xlarge",
+        "-c",
+        "ssh_cidr=203.0.113.0/24",
+    ],
 }
 
 
 def cdk(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"], cwd=cwd,
-                          capture_output=True, text=True, env=tool_env(), timeout=300)
+    return subprocess.run(
+        [str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=tool_env(),
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -37,34 +63,70 @@ def test_template_facts(synth):
     case, _, _, template = synth
     resources = template["Resources"].values()
     instances = [r for r in resources if r["Type"] == "AWS::EC2::Instance"]
-    assert len(instances) == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2, "spot": 2}[case]
+    assert (
+        len(instances)
+        == {"three-nodes": 3, "eight-nodes-retained-existing-vpc": 8, "ssm-private": 2, "p5-efa": 2, "spot": 2}[case]
+    )
+    efa = [
+        i
+        for r in resources
+        if r["Type"] == "AWS::EC2::LaunchTemplate"
+        for i in r["Properties"]["LaunchTemplateData"].get("NetworkInterfaces", [])
+        if i["InterfaceType"] in ("efa", "efa-only")
+    ]
+    assert len(efa) == len(instances) * {"ssm-private": 1, "p5-efa": 32}.get(case, 0)
     groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
     assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
     efs = [r for r in resources if r["Type"] == "AWS::EFS::FileSystem"][0]
     assert efs["Properties"]["Encrypted"] is True
     assert efs["DeletionPolicy"] == ("Retain" if "retained" in case else "Delete")
-    ingress = [rule for r in resources if r["Type"] == "AWS::EC2::SecurityGroup"
-               for rule in r["Properties"].get("SecurityGroupIngress", [])]
+    ingress = [
+        rule
+        for r in resources
+        if r["Type"] == "AWS::EC2::SecurityGroup"
+        for rule in r["Properties"].get("SecurityGroupIngress", [])
+    ]
     ingress += [r["Properties"] for r in resources if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
-    assert ingress and all(rule.get("CidrIp") not in ("0.0.0.0/0",) and "CidrIpv6" not in rule
-                           for rule in ingress)
+    assert ingress and all(rule.get("CidrIp") not in ("0.0.0.0/0",) and "CidrIpv6" not in rule for rule in ingress)
     text = json.dumps(template)
-    assert any(r["Type"] == "AWS::EC2::SecurityGroupIngress" and r["Properties"]["IpProtocol"] == "-1"
-               and r["Properties"]["SourceSecurityGroupId"] == r["Properties"]["GroupId"] for r in resources)
+    assert any(
+        r["Type"] == "AWS::EC2::SecurityGroupIngress"
+        and r["Properties"]["IpProtocol"] == "-1"
+        and r["Properties"]["SourceSecurityGroupId"] == r["Properties"]["GroupId"]
+        for r in resources
+    )
     assert '"HttpTokens": "required"' in text
     assert "/etc/fstab" in text and "4444" in text
-    markets = [r["Properties"]["LaunchTemplateData"].get("InstanceMarketOptions") for r in resources
-               if r["Type"] == "AWS::EC2::LaunchTemplate"]
+    markets = [
+        r["Properties"]["LaunchTemplateData"].get("InstanceMarketOptions")
+        for r in resources
+        if r["Type"] == "AWS::EC2::LaunchTemplate"
+    ]
     assert len(markets) == len(instances)
-    assert all(m == ({"MarketType": "spot", "SpotOptions": {
-        "SpotInstanceType": "persistent", "InstanceInterruptionBehavior": "stop",
-        "ValidUntil": "2099-12-31T23:59:59Z", "MaxPrice": "4.5"}} if case == "spot" else None) for m in markets)
+    assert all(
+        m
+        == (
+            {
+                "MarketType": "spot",
+                "SpotOptions": {
+                    "SpotInstanceType": "persistent",
+                    "InstanceInterruptionBehavior": "stop",
+                    "ValidUntil": "2099-12-31T23:59:59Z",
+                    "MaxPrice": "4.5",
+                },
+            }
+            if case == "spot"
+            else None
+        )
+        for m in markets
+    )
 
 
 def test_cfn_lint_is_clean(synth):
     _, _, template_path, _ = synth
-    result = subprocess.run(["cfn-lint", str(template_path)], capture_output=True, text=True,
-                            env=tool_env(), timeout=120)
+    result = subprocess.run(
+        ["cfn-lint", str(template_path)], capture_output=True, text=True, env=tool_env(), timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -74,16 +136,23 @@ def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_
     report = json.loads((out / "validation-report.json").read_text())
     nag = [p for p in report["pluginReports"] if p["pluginName"] == pack]
     assert nag, f"the {pack} pack did not run"
-    assert nag[0]["violations"] == [] and nag[0]["conclusion"] == "success", \
-        [v["ruleName"] for v in nag[0]["violations"]]
+    assert nag[0]["violations"] == [] and nag[0]["conclusion"] == "success", [
+        v["ruleName"] for v in nag[0]["violations"]
+    ]
     for suppressed in nag[0].get("suppressedViolations", []):
         assert len(suppressed["reason"]) > 30, suppressed["ruleName"]
 
 
-@pytest.mark.parametrize("args, key", [
-    (["-c", "nodes=0"], "nodes"), (["-c", "ssh_cidr=0.0.0.0/0"], "ssh_cidr"),
-    (["-c", "instance_type=m5.large"], "instance_type"), (["-c", "retain_data=perhaps"], "retain_data"),
-    (["-c", "spot=true", "-c", "spot_max_price=0"], "spot_max_price")])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["-c", "nodes=0"], "nodes"),
+        (["-c", "ssh_cidr=0.0.0.0/0"], "ssh_cidr"),
+        (["-c", "instance_type=m5.large"], "instance_type"),
+        (["-c", "retain_data=perhaps"], "retain_data"),
+        (["-c", "spot=true", "-c", "spot_max_price=0"], "spot_max_price"),
+    ],
+)
 def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
     result = cdk("synth", "-q", "-o", str(tmp_path), *args)
     assert result.returncode != 0
@@ -91,6 +160,9 @@ def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
     assert len(errors) == 1 and f" {key}=" in errors[0], result.stderr[-2000:]
     assert not list(tmp_path.glob("*.template.json"))
     # Nothing before the error: no Node end-of-life banner (printed as Python bytes), no npm warning.
-    noise = [line for line in result.stderr.splitlines()
-             if line.startswith("b'") or "end-of-life" in line or line.startswith("npm warn")]
+    noise = [
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith("b'") or "end-of-life" in line or line.startswith("npm warn")
+    ]
     assert not noise, noise[:3]

@@ -1,26 +1,52 @@
 """The training program on CPU with gloo, real processes (torchrun), real data (prepare.py numbers)."""
+
 import json
 import re
 import subprocess
 import sys
 
-import pytest
-import torch
-
 import checkpoint
-from conftest import TRAIN_DIR, tool_env
+import pytest
+import strict_device
+import torch
+from conftest import REPO, TRAIN_DIR, tool_env
 from tasks import transformer_lr
 
-SMALL = ["--recipe", "transformer-tiny", "--dropout", "0", "--d-model", "64", "--ffn", "128",
-         "--eval-samples", "16", "--log-every", "1", "--checkpoint-every", "1000", "--warmup-steps", "50"]
+SMALL = [
+    "--recipe",
+    "transformer-tiny",
+    "--dropout",
+    "0",
+    "--d-model",
+    "64",
+    "--ffn",
+    "128",
+    "--eval-samples",
+    "16",
+    "--log-every",
+    "1",
+    "--checkpoint-every",
+    "1000",
+    "--warmup-steps",
+    "50",
+]
 
 
-def train(data, run_dir, *args, procs=1, check=True):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-                if procs > 1 else [sys.executable])
-    result = subprocess.run([*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir),
-                             *SMALL, *args], capture_output=True, text=True, timeout=300,
-                            env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
+def train(data, run_dir, *args, procs=1, check=True, strict=True):
+    """train.py alone, or under torchrun with `procs` ranks in strict-device mode (strict_device.py):
+    a collective given a tensor made without device= fails the run, as NCCL would on GPUs."""
+    launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
+    strict_env = {strict_device.ENV: "1"} if procs > 1 and strict else {}
+    result = subprocess.run(
+        [*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **strict_env),
+    )
     if check:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
@@ -38,6 +64,7 @@ def initial_params(run_dir) -> dict:
     """The weights before step 1: the trainer seeds with config.seed before building the model."""
     from config import ModelConfig
     from model import Transformer
+
     state = checkpoint.load_latest(run_dir)
     torch.manual_seed(state["config"]["seed"])
     vocab = state["model"]["embed.weight"].shape[0]
@@ -64,10 +91,12 @@ def single_reference(numbers_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("compression, bound", [("none", 2e-5), ("fp16", 1e-2), ("bf16", 5e-2), ("powersgd", 0.5)])
-def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(numbers_data, tmp_path, single_reference,
-                                                                compression, bound):
-    result = train(numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8",
-                   "--grad-compression", compression, procs=2)
+def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
+    numbers_data, tmp_path, single_reference, compression, bound
+):
+    result = train(
+        numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8", "--grad-compression", compression, procs=2
+    )
     assert "2 process(es) via torchrun" in result.stdout
     reference, init = single_reference
     diff = relative_diff(final_params(tmp_path), reference, init)
@@ -88,10 +117,10 @@ def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_d
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("stop_text, evaluated", [("", True), ("now: spot notice for node1", False)],
-                         ids=["fab-stop", "spot-notice"])
-def test_stop_checkpoints_at_the_next_step_and_a_now_stop_skips_the_eval(numbers_data, tmp_path, stop_text,
-                                                                         evaluated):
+@pytest.mark.parametrize(
+    "stop_text, evaluated", [("", True), ("now: spot notice for node1", False)], ids=["fab-stop", "spot-notice"]
+)
+def test_stop_checkpoints_at_the_next_step_and_a_now_stop_skips_the_eval(numbers_data, tmp_path, stop_text, evaluated):
     """Two ranks: only rank 0 reads STOP, so "skip the eval" must reach rank 1 too (eval is collective)."""
     (tmp_path / "STOP").write_text(stop_text)
     result = train(numbers_data, tmp_path, "--max-steps", "50", "--batch-per-gpu", "4", procs=2)
@@ -109,6 +138,35 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, t
     result = train(numbers_data, tmp_path, "--max-steps", "5", "--batch-per-gpu", "4", "--checkpoint-every", "2")
     assert "skipping unreadable checkpoint step_00000004.pt" in result.stdout
     assert "resuming from" in result.stdout and "at step 2" in result.stdout
+
+
+def test_ranks_resume_from_the_checkpoint_rank_0_chose_even_when_their_listing_lags(numbers_data, tmp_path):
+    train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2")
+    assert [p.name for p in checkpoint.list_steps(tmp_path)][-2:] == ["step_00000002.pt", "step_00000004.pt"]
+    result = subprocess.run(
+        [
+            *TORCHRUN,
+            "2",
+            str(REPO / "tests" / "resume_worker.py"),
+            "--recipe",
+            "transformer-tiny",
+            "--data",
+            str(numbers_data),
+            "--run-dir",
+            str(tmp_path),
+            *SMALL[2:],
+            "--batch-per-gpu",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert all(r["step"] == 4 and r["path"].endswith("step_00000004.pt") for r in ranks), ranks
 
 
 def test_checkpoints_are_atomic_keep_the_last_k_and_hold_what_resume_needs(tmp_path):
@@ -136,7 +194,7 @@ def test_checkpoint_content(numbers_data, tmp_path):
 def test_lr_schedule_equals_the_formula():
     d_model, warmup, scale = 512, 8000, 2.0
     for step in (1, 100, 4000, 8000, 8001, 50_000):
-        expected = scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        expected = scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
         assert transformer_lr(step, d_model, warmup, scale) == pytest.approx(expected, rel=1e-12)
     peak = max(range(1, 20_000, 7), key=lambda s: transformer_lr(s, d_model, warmup, scale))
     assert abs(peak - warmup) <= 7
@@ -149,11 +207,19 @@ def test_the_scheduler_in_the_trainer_follows_the_formula(numbers_data, tmp_path
         assert float(lr) == pytest.approx(transformer_lr(int(step) + 1, 64, 50, 1.5), rel=1e-2)
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--precision", "fp8"], "--precision"), (["--grad-compression", "zip"], "--grad-compression"),
-    (["--max-steps", "0"], "--max-steps"), (["--d-model", "100", "--heads", "8"], "--d-model"),
-    (["--dropout", "1.5"], "--dropout"), (["--batch-per-gpu", "-1"], "--batch-per-gpu"),
-    (["--label-smoothing", "1"], "--label-smoothing"), (["--eval-every", "0"], "--eval-every")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--precision", "fp8"], "--precision"),
+        (["--grad-compression", "zip"], "--grad-compression"),
+        (["--max-steps", "0"], "--max-steps"),
+        (["--d-model", "100", "--heads", "8"], "--d-model"),
+        (["--dropout", "1.5"], "--dropout"),
+        (["--batch-per-gpu", "-1"], "--batch-per-gpu"),
+        (["--label-smoothing", "1"], "--label-smoothing"),
+        (["--eval-every", "0"], "--eval-every"),
+    ],
+)
 def test_bad_configs_are_rejected_in_one_line(numbers_data, tmp_path, args, flag):
     result = train(numbers_data, tmp_path, *args, check=False)
     assert result.returncode == 2
@@ -184,10 +250,12 @@ def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data)
     from config import ModelConfig
     from data import DataSet
     from model import Transformer
+
     data = DataSet(numbers_data, 64)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(d_model=32, layers=1, heads=2, ffn=64, dropout=0.0, max_len=64),
-                        data.tokenizer.vocab_size).eval()
+    model = Transformer(
+        ModelConfig(d_model=32, layers=1, heads=2, ffn=64, dropout=0.0, max_len=64), data.tokenizer.vocab_size
+    ).eval()
     pairs, _, _ = data.split("valid")
     src = pairs.batch(range(4))[0]
     assert model.beam_search(src, 20, beam=1) == model.greedy(src, 20)
@@ -197,14 +265,126 @@ def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data)
 
 
 def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path):
-    result = subprocess.run([sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir",
-                             str(tmp_path), *SMALL, "--max-steps", "2", "--batch-per-gpu", "4"],
-                            capture_output=True, text=True, timeout=300,
-                            env=tool_env(WANDB_API_KEY="x" * 40, WANDB_MODE="offline", WANDB_SILENT="true"))
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN_DIR / "train.py"),
+            "--data",
+            str(numbers_data),
+            "--run-dir",
+            str(tmp_path),
+            *SMALL,
+            "--max-steps",
+            "2",
+            "--batch-per-gpu",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(WANDB_API_KEY="x" * 40, WANDB_MODE="offline", WANDB_SILENT="true"),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
-    without = subprocess.run([sys.executable, str(TRAIN_DIR / "train.py"), "--data", str(numbers_data), "--run-dir",
-                              str(tmp_path / "plain"), *SMALL, "--max-steps", "1", "--batch-per-gpu", "4"],
-                             capture_output=True, text=True, timeout=300, env=tool_env(WANDB_API_KEY=""))
+    without = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN_DIR / "train.py"),
+            "--data",
+            str(numbers_data),
+            "--run-dir",
+            str(tmp_path / "plain"),
+            *SMALL,
+            "--max-steps",
+            "1",
+            "--batch-per-gpu",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(WANDB_API_KEY=""),
+    )
     assert without.returncode == 0 and not (tmp_path / "plain" / "wandb").exists()
+
+
+def test_a_resumed_run_keeps_its_saved_settings_and_refuses_a_different_one(numbers_data, tmp_path):
+    first = train(numbers_data, tmp_path, "--max-steps", "3", "--grad-compression", "fp16", "--lr-scale", "0.5")
+    assert "gradient compression fp16, lr scale 0.5" in first.stdout
+    # Resumed with fewer flags: the run's own settings, not the recipe's defaults.
+    resumed = train(numbers_data, tmp_path, "--max-steps", "5")
+    assert "resuming with the run's saved settings" in resumed.stdout
+    assert (
+        "gradient compression fp16, lr scale 0.5" in resumed.stdout and "changed --max-steps 3 -> 5" in resumed.stdout
+    )
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["grad_compression"], saved["lr_scale"], saved["max_steps"]) == ("fp16", 0.5, 5)
+    refused = train(numbers_data, tmp_path, "--grad-compression", "powersgd", check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "error: --grad-compression 'powersgd' differs from the run's 'fp16': a resumed "
+        "run keeps its settings; start a new --run to change them"
+    )
+
+
+def test_strict_device_mode_rejects_a_collective_tensor_made_without_a_device():
+    cpu = torch.device("cpu")
+    with strict_device._Tracker(cpu):
+        host = torch.tensor([1.0, 2.0])
+        derived = torch.stack([host * 2, host[:1].repeat(2)])
+        placed = torch.zeros(2, device=cpu)
+        moved = host.to(cpu)
+        mixed = placed + host
+    for made_on_the_host in (host, derived):
+        with pytest.raises(RuntimeError, match=r"all_reduce got a tensor made on the host at test_training.py:\d+"):
+            strict_device.check("all_reduce", [made_on_the_host], cpu)
+    for on_the_device in (placed, moved, mixed):
+        strict_device.check("all_reduce", [[on_the_device]], cpu)
+    with pytest.raises(RuntimeError, match="tensor on cpu, not on the trainer's device meta"):
+        strict_device.check("broadcast", [placed], torch.device("meta"))
+
+
+def test_gpu_ranks_get_gloo_for_cpu_tensors_besides_nccl():
+    import distributed
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    gpu = BackendConfig(distributed.backend_for(torch.device("cuda", 0))).get_device_backend_map()
+    assert gpu == {"cpu": "gloo", "cuda": "nccl"}
+    assert distributed.backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp_path):
+    """remote.check_training as `fab check` runs it, on this machine: a local shell for the head node's
+    connection and torchrun (strict-device mode) for mpirun."""
+    from invoke import Context
+
+    from clusterops import launch, remote
+    from clusterops.inventory import Inventory, Node, SshSettings
+
+    inv = Inventory(
+        cluster="c",
+        source="local",
+        gpus_per_node=2,
+        python=sys.executable,
+        code_dir=str(TRAIN_DIR),
+        data_dir=str(tmp_path),
+        nodes=[Node(0, "node0", "127.0.0.1", "127.0.0.1")],
+        ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"),
+    )
+    prefix = [
+        "env",
+        f"{strict_device.ENV}=1",
+        "OMP_NUM_THREADS=1",
+        "GLOO_SOCKET_IFNAME=lo",
+        *TORCHRUN,
+        "2",
+        "--no-python",
+    ]
+    line = remote.check_training(Context(), inv, prefix, inv.code_dir)
+    assert re.match(
+        rf"training: {launch.CHECK_STEPS} steps on 2 ranks with the trainer's collectives: ok "
+        rf"\(steps={launch.CHECK_STEPS}, .*eval_loss=",
+        line,
+    ), line
+    assert not (tmp_path / "runs" / ".check").exists()

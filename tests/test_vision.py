@@ -1,11 +1,11 @@
 """The ResNet recipes: torchvision-identical architectures, the image pipeline, LR scaling and
 warm-up, top-1/top-5 across ranks, synthetic mode, learning a small generated image folder."""
+
 import json
 import random
 
 import pytest
 import torch
-
 from tasks import warmup_cosine_lr
 from test_training import train
 from vision import ResNet, _random_resized_crop, load_image
@@ -36,6 +36,7 @@ def test_warmup_then_cosine():
 def image_folder(tmp_path_factory):
     """Four colour classes with noise, as JPEGs in the ImageNet folder layout."""
     from PIL import Image
+
     root = tmp_path_factory.mktemp("images")
     rng = random.Random(0)
     for split, count in (("train", 48), ("val", 12)):
@@ -44,7 +45,9 @@ def image_folder(tmp_path_factory):
             directory.mkdir(parents=True)
             for i in range(count):
                 size = (rng.randint(40, 64), rng.randint(40, 64))
-                pixels = bytes(max(0, min(255, c + rng.randint(-30, 30))) for _ in range(size[0] * size[1]) for c in color)
+                pixels = bytes(
+                    max(0, min(255, c + rng.randint(-30, 30))) for _ in range(size[0] * size[1]) for c in color
+                )
                 Image.frombytes("RGB", size, pixels).save(directory / f"img{i}.JPEG", quality=90)
     return root
 
@@ -56,9 +59,25 @@ def test_eval_images_are_centre_cropped_and_normalised(image_folder):
 
 
 def test_small_resnet_learns_the_folder_on_two_ranks(image_folder, tmp_path):
-    train(image_folder, tmp_path, "--recipe", "resnet-small", "--max-steps", "40", "--batch-per-gpu", "16",
-                   "--warmup-steps", "5", "--eval-every", "40", "--eval-samples", "48", "--log-every", "10",
-                   procs=2)
+    train(
+        image_folder,
+        tmp_path,
+        "--recipe",
+        "resnet-small",
+        "--max-steps",
+        "40",
+        "--batch-per-gpu",
+        "16",
+        "--warmup-steps",
+        "5",
+        "--eval-every",
+        "40",
+        "--eval-samples",
+        "48",
+        "--log-every",
+        "10",
+        procs=2,
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     print(f"resnet-small, 2 ranks, 40 steps: top1 {summary['top1']:.1f}, top5 {summary['top5']:.1f}")
     assert summary["world_size"] == 2 and summary["objects"] == "images"
@@ -68,18 +87,78 @@ def test_small_resnet_learns_the_folder_on_two_ranks(image_folder, tmp_path):
 
 
 def test_lr_is_scaled_with_the_global_batch(image_folder, tmp_path):
-    result = train(image_folder, tmp_path, "--recipe", "resnet-small", "--max-steps", "3", "--batch-per-gpu", "8",
-                   "--warmup-steps", "1", "--base-lr", "0.4", "--eval-samples", "8", "--log-every", "1", procs=2)
-    lrs = {int(s): float(lr) for s, lr in __import__("re").findall(r"step (\d+)/3 \| loss \S+ \| lr (\S+)", result.stdout)}
+    result = train(
+        image_folder,
+        tmp_path,
+        "--recipe",
+        "resnet-small",
+        "--max-steps",
+        "3",
+        "--batch-per-gpu",
+        "8",
+        "--warmup-steps",
+        "1",
+        "--base-lr",
+        "0.4",
+        "--eval-samples",
+        "8",
+        "--log-every",
+        "1",
+        procs=2,
+    )
+    lrs = {
+        int(s): float(lr) for s, lr in __import__("re").findall(r"step (\d+)/3 \| loss \S+ \| lr (\S+)", result.stdout)
+    }
     peak = 0.4 * 16 / 256  # 2 ranks x 8 images
     assert lrs[1] == pytest.approx(warmup_cosine_lr(2, 1, 3, peak), rel=1e-2)
 
 
 def test_synthetic_mode_needs_no_data(tmp_path):
-    train(tmp_path / "no-data", tmp_path / "run", "--recipe", "resnet-small", "--synthetic", "--max-steps", "3",
-          "--batch-per-gpu", "4")
+    train(
+        tmp_path / "no-data",
+        tmp_path / "run",
+        "--recipe",
+        "resnet-small",
+        "--synthetic",
+        "--max-steps",
+        "3",
+        "--batch-per-gpu",
+        "4",
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["top1"] is None and summary["objects_per_s"] > 0
+
+
+def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
+    from config import build_parser, config_from_args
+    from distributed import DistInfo
+    from tasks import ImageTask
+
+    config = config_from_args(
+        build_parser("").parse_args(
+            [
+                "--recipe",
+                "resnet-small",
+                "--synthetic",
+                "--batch-per-gpu",
+                "4",
+                "--grad-accum",
+                "2",
+                "--data",
+                str(tmp_path),
+            ]
+        )
+    )
+    task = ImageTask(config, DistInfo(), torch.device("cpu"))
+    batches = task.batches(0) + task.batches(1)
+    assert len(batches) == 4
+    assert (
+        len({images.data_ptr() for images, _ in batches}) == 1
+        and len({labels.data_ptr() for _, labels in batches}) == 1
+    )
+    images, labels = batches[0]
+    assert images.device == labels.device == task.device and images.shape == (4, 3, 32, 32)
+    assert images.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_missing_image_folder_is_one_clear_error(tmp_path):

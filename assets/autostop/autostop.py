@@ -17,6 +17,7 @@ The node role may stop only instances tagged gpu-cluster:name=CLUSTER_NAME.
 The region comes from AWS_REGION / AWS_DEFAULT_REGION, else from the instance identity document
 (IMDSv2): an SSH session in the container has no AWS variables, and botocore does not ask IMDS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-CLUSTER_TAG = "gpu-cluster:name"
-NAMESPACE = "GpuCluster/Autostop"  # stacks/nodes.py alarms on it, the role may publish only to it
+# The names every layer shares (assets/contract.py; /workspace/contract.py in the image).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from contract import CLUSTER_TAG, METRIC_NAMESPACE  # noqa: E402
+
+NAMESPACE = METRIC_NAMESPACE  # stacks/nodes.py alarms on it, the role may publish only to it
 METRIC = "Busy"
 GPU_BUSY_PERCENT = 5.0
-STEP_WINDOW_S = 15 * 60        # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
-MARKER_FRESH_S = 5 * 60        # prepare.py refreshes its marker every minute
-STARTUP_BUSY_SAMPLES = 2       # after a (re)start report busy briefly: the alarm leaves ALARM and re-arms
+STEP_WINDOW_S = 15 * 60  # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
+MARKER_FRESH_S = 5 * 60  # prepare.py refreshes its marker every minute
+STARTUP_BUSY_SAMPLES = 2  # after a (re)start report busy briefly: the alarm leaves ALARM and re-arms
 IMDS_URL = os.environ.get("AUTOSTOP_IMDS_URL", "http://169.254.169.254")
 _SESSION = re.compile(rb"^sshd(-session)?: \S+@pts/")
 
@@ -45,13 +49,14 @@ _SESSION = re.compile(rb"^sshd(-session)?: \S+@pts/")
 @dataclass(frozen=True)
 class Observation:
     """What one node sees at one moment."""
+
     time: float
-    step: Optional[int] = None               # the newest unfinished run's step
-    progress_age_s: Optional[float] = None   # seconds since that run's progress.json changed
-    gpu_util: Optional[float] = None         # max over GPUs, None without GPUs
-    gpu_memory: Optional[float] = None       # % used, max over GPUs (for the dashboard)
-    preparing: tuple[str, ...] = ()          # fresh data-preparation markers
-    sessions: int = 0                        # interactive SSH sessions in this container
+    step: Optional[int] = None  # the newest unfinished run's step
+    progress_age_s: Optional[float] = None  # seconds since that run's progress.json changed
+    gpu_util: Optional[float] = None  # max over GPUs, None without GPUs
+    gpu_memory: Optional[float] = None  # % used, max over GPUs (for the dashboard)
+    preparing: tuple[str, ...] = ()  # fresh data-preparation markers
+    sessions: int = 0  # interactive SSH sessions in this container
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ def decide(samples: Sequence[Sample], idle_minutes: float, now: float) -> Decisi
 
 # ---------------------------------------------------------------- what a node sees
 
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -125,13 +131,20 @@ def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional
 def gpu_readings() -> tuple[Optional[float], Optional[float]]:
     """(utilisation %, memory used %), each the maximum over the GPUs; (None, None) without GPUs."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,memory.total",
-                              "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None, None
-    rows = [[float(v) for v in line.split(",")] for line in out.splitlines()
-            if line.count(",") == 2 and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))]
+    rows = [
+        [float(v) for v in line.split(",")]
+        for line in out.splitlines()
+        if line.count(",") == 2 and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))
+    ]
     if not rows:
         return None, None
     return max(r[0] for r in rows), max(100 * r[1] / r[2] for r in rows if r[2] > 0)
@@ -163,8 +176,15 @@ def interactive_sessions(proc: Path = Path("/proc")) -> int:
 def observe(data_dir: Path, now: float) -> Observation:
     step, age = latest_progress(data_dir, now)
     util, memory = gpu_readings()
-    return Observation(now, step, age, gpu_util=util, gpu_memory=memory, preparing=preparing(data_dir, now),
-                       sessions=interactive_sessions())
+    return Observation(
+        now,
+        step,
+        age,
+        gpu_util=util,
+        gpu_memory=memory,
+        preparing=preparing(data_dir, now),
+        sessions=interactive_sessions(),
+    )
 
 
 def share(data_dir: Path, rank: str, now: float, reasons: list[str]) -> None:
@@ -193,11 +213,13 @@ def peer_reasons(data_dir: Path, rank: str, now: float, fresh_s: float) -> list[
 
 # ---------------------------------------------------------------- AWS
 
+
 def imds_get(path: str, base: str = IMDS_URL, timeout: float = 2.0) -> bytes:
     """GET an instance-metadata path through IMDSv2 (a session token first, then the path with it).
     Raises OSError (urllib.error.HTTPError for a status such as 404) when there is no answer."""
-    token_request = urllib.request.Request(f"{base}/latest/api/token", method="PUT",
-                                           headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+    token_request = urllib.request.Request(
+        f"{base}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}
+    )
     with urllib.request.urlopen(token_request, timeout=timeout) as response:
         token = response.read().decode()
     request = urllib.request.Request(f"{base}{path}", headers={"X-aws-ec2-metadata-token": token})
@@ -224,9 +246,12 @@ def where_am_i(environ: dict, identity: Callable[[], dict] = instance_identity) 
 
 
 def cluster_instances(ec2, cluster: str, states: Sequence[str] = ("pending", "running")) -> list[str]:
-    pages = ec2.get_paginator("describe_instances").paginate(Filters=[
-        {"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]},
-        {"Name": "instance-state-name", "Values": list(states)}])
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[
+            {"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]},
+            {"Name": "instance-state-name", "Values": list(states)},
+        ]
+    )
     return sorted(i["InstanceId"] for page in pages for r in page["Reservations"] for i in r["Instances"])
 
 
@@ -242,13 +267,15 @@ def publish(cloudwatch, instance_id: str, busy: bool, seen: Optional[Observation
     """The heartbeat (the alarm's metric) and, on GPU nodes, GPU utilisation and memory for the dashboard."""
     dimensions = [{"Name": "InstanceId", "Value": instance_id}]
     data = [{"MetricName": METRIC, "Dimensions": dimensions, "Value": 1.0 if busy else 0.0, "Unit": "Count"}]
-    for name, value in (("GPUUtilization", seen and seen.gpu_util), ("GPUMemoryUsedPercent", seen and seen.gpu_memory)):
+    gpu = (("GPUUtilization", seen.gpu_util), ("GPUMemoryUsedPercent", seen.gpu_memory)) if seen else ()
+    for name, value in gpu:
         if value is not None:
             data.append({"MetricName": name, "Dimensions": dimensions, "Value": float(value), "Unit": "Percent"})
     cloudwatch.put_metric_data(Namespace=NAMESPACE, MetricData=data)
 
 
 # ---------------------------------------------------------------- the loop
+
 
 def log(message: str, data_dir: Optional[Path] = None) -> None:
     line = f"{time.strftime('%FT%TZ', time.gmtime())} autostop: {message}"
@@ -277,8 +304,7 @@ class Watchdog:
         return reasons, decide(self.samples, self.idle, seen.time)
 
 
-def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwatch,
-          instance_id: Optional[str]) -> int:
+def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwatch, instance_id: Optional[str]) -> int:
     dog, state = Watchdog(idle, interval), None
     while True:
         now = time.time()
@@ -315,18 +341,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if args.stop_now else 0
     region, instance_id = where_am_i(dict(os.environ))
     if not region:
-        print("autostop: no AWS region (AWS_REGION unset and no instance metadata); nothing stopped",
-              file=sys.stderr, flush=True)
+        print(
+            "autostop: no AWS region (AWS_REGION unset and no instance metadata); nothing stopped",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     import boto3
+
     ec2 = boto3.client("ec2", region_name=region)
     if args.stop_now:
         print(f"autostop: run ended; stopping {stop_cluster(ec2, cluster)}", flush=True)
         return 0
     if not instance_id:
         log("no instance id (INSTANCE_ID unset, no instance metadata): heartbeat not published")
-    return watch(Path(args.data), os.environ.get("NODE_RANK", "0"), idle, args.interval, ec2,
-                 boto3.client("cloudwatch", region_name=region), instance_id)
+    return watch(
+        Path(args.data),
+        os.environ.get("NODE_RANK", "0"),
+        idle,
+        args.interval,
+        ec2,
+        boto3.client("cloudwatch", region_name=region),
+        instance_id,
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ and logs it, also into the run's train.log. Each notice is acted on once.
 
     NODE_RANK=1 python spotwatch.py [--data /data] [--interval 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ URGENT_STOP = "now"  # assets/train/trainer.py: a STOP starting with it checkpoi
 @dataclass(frozen=True)
 class Notice:
     action: str  # stop, terminate (hibernate gives no two-minute notice)
-    time: str    # when EC2 will act, UTC
+    time: str  # when EC2 will act, UTC
 
 
 def instance_action(base: str = autostop.IMDS_URL, timeout: float = 2.0) -> Optional[Notice]:
@@ -94,9 +95,17 @@ def handle(notice: Notice, data_dir: Path, rank: str, instance_id: Optional[str]
         return f"{what}; no run going"
     step = _step(run)
     (run / "STOP").write_text(f"{URGENT_STOP}: {what}\n")
-    record(run, {"node": int(rank) if rank.isdigit() else rank, "instance_id": instance_id,
-                 "action": notice.action, "action_time": notice.time, "step": step,
-                 "noticed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))})
+    record(
+        run,
+        {
+            "node": int(rank) if rank.isdigit() else rank,
+            "instance_id": instance_id,
+            "action": notice.action,
+            "action_time": notice.time,
+            "step": step,
+            "noticed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        },
+    )
     line = f"{what}; asked {run.name} to checkpoint now (last step {step}); resume: fab train --run {run.name}"
     with open(run / "train.log", "a") as log:
         log.write(f"{time.strftime('%FT%TZ', time.gmtime(now))} {line}\n")
@@ -106,8 +115,13 @@ def handle(notice: Notice, data_dir: Path, rank: str, instance_id: Optional[str]
 class Watcher:
     """One poll at a time; a notice already acted on is not acted on again."""
 
-    def __init__(self, data_dir: Path, rank: str, instance_id: Optional[str],
-                 read: Callable[[], Optional[Notice]] = instance_action):
+    def __init__(
+        self,
+        data_dir: Path,
+        rank: str,
+        instance_id: Optional[str],
+        read: Callable[[], Optional[Notice]] = instance_action,
+    ):
         self.data_dir, self.rank, self.instance_id, self.read = data_dir, rank, instance_id, read
         self.handled: Optional[Notice] = None
 

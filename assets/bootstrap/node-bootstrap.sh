@@ -4,8 +4,13 @@
 # Steps: docker + NVIDIA toolkit, EFS at /data (fstab), image context (S3), cluster SSH identity
 # (once, on /data),
 # training image, training container (sshd on 4444), ready marker, CloudFormation signal.
-# A failing step signals FAILURE with the step's name, so `cdk deploy` fails with it.
-set -euo pipefail
+# A failing command anywhere (a step function, a pipeline, a subshell, a command substitution)
+# signals FAILURE once with the step's name and ends the bootstrap, so `cdk deploy` fails with it:
+# errtrace (-E) carries the ERR trap into functions and subshells, inherit_errexit carries -e into
+# command substitutions. Failures in `a && b` lists and `if` conditions do not trigger -e: steps
+# put each command that must succeed on its own line.
+set -eEuo pipefail
+shopt -s inherit_errexit
 
 ENV_FILE=${1:-/etc/gpu-cluster/bootstrap.env}
 # shellcheck source=/dev/null
@@ -21,6 +26,10 @@ CLUSTER_SSH_DIR=$DATA_DIR/.cluster/ssh
 CONTAINER=gpu-cluster-train
 MOUNT_ATTEMPTS=${MOUNT_ATTEMPTS:-60}
 MOUNT_RETRY_SECONDS=${MOUNT_RETRY_SECONDS:-10}
+# unattended-upgrades holds the dpkg lock in the first minutes after boot: apt-get waits this long.
+APT_LOCK_TIMEOUT=${APT_LOCK_TIMEOUT:-300}
+APT_UPDATE_ATTEMPTS=${APT_UPDATE_ATTEMPTS:-30}
+DOCKER_DROPIN=/etc/systemd/system/docker.service.d/gpu-cluster-data.conf
 IMDS=http://169.254.169.254/latest
 
 install -d -m 0755 "$STATE_DIR"
@@ -43,43 +52,75 @@ signal() {  # signal STATUS: CloudFormation shows the UniqueId, so it carries th
     --unique-id "${instance_id}${2:+-failed-$2}"
 }
 
-on_error() {
+on_error() {  # runs where the command failed: the main shell or a subshell of it (same STEP)
   local code=$?
   trap - ERR
+  exec >&2  # in a command substitution stdout is captured; the log is on stderr
   log "FAILED (exit $code); see $STATE_DIR/bootstrap.log"
   signal FAILURE "$STEP" || log "could not signal CloudFormation"
+  # A subshell ends the main script too: it must neither go on nor signal a second time.
+  [[ $BASHPID == "$$" ]] || kill -TERM "$$"
   exit "$code"
 }
 trap on_error ERR
+
+apt_get() {
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$APT_LOCK_TIMEOUT" -yq "$@"
+}
+
+apt_install() {
+  # The package lists lock has no timeout option: retry `update` while another apt holds it.
+  local attempt
+  for ((attempt = 1; ; attempt++)); do
+    if apt_get update; then break; fi
+    ((attempt < APT_UPDATE_ATTEMPTS)) || { log "apt-get update failed $attempt times"; return 1; }
+    log "apt-get update failed (attempt $attempt/$APT_UPDATE_ATTEMPTS); package lists locked?"
+    sleep 10
+  done
+  apt_get install "$@"
+}
 
 ensure_docker() {
   STEP=docker
   if ! command -v docker >/dev/null; then
     log "installing docker"
-    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq docker.io
+    apt_install docker.io
   fi
   if ! command -v nvidia-ctk >/dev/null; then
     log "installing the NVIDIA container toolkit"
-    DEBIAN_FRONTEND=noninteractive apt-get install -yq nvidia-container-toolkit
+    apt_install nvidia-container-toolkit
     nvidia-ctk runtime configure --runtime=docker
   fi
   systemctl enable --now docker
+}
+
+docker_after_data() {
+  # On a reboot or `fab start` the container (--restart unless-stopped) comes back with dockerd:
+  # order dockerd after the /data mount unit (the fstab line, _netdev), and require it.
+  local dropin
+  dropin=$(printf '[Unit]\nRequiresMountsFor=%s' "$DATA_DIR")
+  [[ -f $DOCKER_DROPIN && $(< "$DOCKER_DROPIN") == "$dropin" ]] && return 0
+  log "docker.service requires the $DATA_DIR mount"
+  install -d -m 0755 "$(dirname "$DOCKER_DROPIN")"
+  printf '%s\n' "$dropin" > "$DOCKER_DROPIN.tmp"
+  mv "$DOCKER_DROPIN.tmp" "$DOCKER_DROPIN"
+  systemctl daemon-reload
 }
 
 mount_efs() {
   STEP=mount-efs
   local source="$FILE_SYSTEM_ID.efs.$AWS_REGION.amazonaws.com:/"
   local options=nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev
-  command -v mount.nfs4 >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -yq nfs-common
+  command -v mount.nfs4 >/dev/null || apt_install nfs-common
   install -d -m 0755 "$DATA_DIR"
   if ! awk -v dir="$DATA_DIR" '$2 == dir { found = 1 } END { exit !found }' /etc/fstab; then
     log "adding $DATA_DIR to /etc/fstab"
     echo "$source $DATA_DIR nfs4 $options 0 0" >> /etc/fstab
   fi
+  docker_after_data
   local attempt
   for ((attempt = 1; attempt <= MOUNT_ATTEMPTS; attempt++)); do
-    mountpoint -q "$DATA_DIR" && return 0
-    mount "$DATA_DIR" && return 0
+    if mountpoint -q "$DATA_DIR" || mount "$DATA_DIR"; then return 0; fi
     log "mount attempt $attempt/$MOUNT_ATTEMPTS failed; mount target not ready yet?"
     sleep "$MOUNT_RETRY_SECONDS"
   done
@@ -91,13 +132,17 @@ create_cluster_identity() {
   STEP=cluster-identity
   bash "$CONTEXT_DIR/docker/cluster-identity.sh" "$DATA_DIR" "$CLUSTER_NAME"
   if [[ $NODE_RANK == 0 && ! -f $STATE_DIR/host-key-published ]]; then
+    local host_key
+    host_key=$(cat "$CLUSTER_SSH_DIR/ssh_host_ed25519_key.pub")
     aws ssm put-parameter --region "$AWS_REGION" --name "$HOST_KEY_PARAMETER" --type String \
-      --overwrite --value "$(cat "$CLUSTER_SSH_DIR/ssh_host_ed25519_key.pub")" >/dev/null
+      --overwrite --value "$host_key" >/dev/null
     touch "$STATE_DIR/host-key-published"
   fi
   # The EC2 key pair's public key lets fab (on the user's machine) into the container as well.
   if [[ ! -s /etc/gpu-cluster/authorized_keys ]]; then
-    imds meta-data/public-keys/0/openssh-key > /etc/gpu-cluster/authorized_keys.tmp
+    local user_key
+    user_key=$(imds meta-data/public-keys/0/openssh-key)
+    printf '%s\n' "$user_key" > /etc/gpu-cluster/authorized_keys.tmp
     mv /etc/gpu-cluster/authorized_keys.tmp /etc/gpu-cluster/authorized_keys
   fi
 }
@@ -111,10 +156,12 @@ fetch_image_context() {  # the parameter holds "S3_URL TAG"; not in user data, s
   IMAGE=gpu-cluster-train:$IMAGE_TAG
   [[ -f $CONTEXT_DIR/.tag && $(cat "$CONTEXT_DIR/.tag") == "$IMAGE_TAG" ]] && return 0
   log "fetching the image context $IMAGE_CONTEXT_URL"
-  command -v unzip >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -yq unzip
-  rm -rf "$CONTEXT_DIR" && install -d "$CONTEXT_DIR"
+  command -v unzip >/dev/null || apt_install unzip
+  rm -rf "$CONTEXT_DIR"
+  install -d "$CONTEXT_DIR"
   aws s3 cp --region "$AWS_REGION" --only-show-errors "$IMAGE_CONTEXT_URL" "$CONTEXT_DIR.zip"
-  (cd "$CONTEXT_DIR" && unzip -q -o "$CONTEXT_DIR.zip") && rm -f "$CONTEXT_DIR.zip"
+  unzip -q -o "$CONTEXT_DIR.zip" -d "$CONTEXT_DIR"
+  rm -f "$CONTEXT_DIR.zip"
   echo "$IMAGE_TAG" > "$CONTEXT_DIR/.tag"
 }
 
@@ -135,13 +182,19 @@ start_container() {
   # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop.
   local store=${INSTANCE_STORE:-/opt/dlami/nvme} instance_store=()
   if [[ -d $store ]]; then instance_store=(-v "$store:$store"); fi
+  # EFA: the devices, and the host's libfabric and aws-ofi-nccl (the DLAMI's EFA installer) for NCCL.
+  local efa=() device
+  if ((${EFA_CARDS:-0} > 0)); then
+    for device in /dev/infiniband/uverbs*; do [[ -e $device ]] && efa+=(--device "$device"); done
+    efa+=(-v /opt/amazon/efa:/opt/amazon/efa:ro -v /opt/amazon/ofi-nccl:/opt/amazon/ofi-nccl:ro)
+  fi
   docker run -d --name "$CONTAINER" --restart unless-stopped \
     --gpus all --net=host --ipc=host --shm-size=16g \
     --ulimit memlock=-1 --ulimit stack=67108864 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
     -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
-    "${instance_store[@]}" "$IMAGE" >/dev/null
+    "${instance_store[@]}" "${efa[@]}" "$IMAGE" >/dev/null
   local waited=0
   until docker exec "$CONTAINER" pgrep -x sshd >/dev/null; do
     ((waited++ < 30)) || { log "sshd did not start in $CONTAINER"; return 1; }

@@ -8,6 +8,35 @@ CLUSTER_SSH_DIR=${CLUSTER_SSH_DIR:-$DATA_DIR/.cluster/ssh}
 RUNTIME_DIR=${RUNTIME_DIR:-/run/gpu-cluster}
 EXTRA_AUTHORIZED_KEYS=${EXTRA_AUTHORIZED_KEYS:-/etc/gpu-cluster/authorized_keys}
 SSHD_CONFIG=${SSHD_CONFIG:-/etc/gpu-cluster/sshd_config}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# On EFA nodes the bootstrap mounts the host's libfabric and aws-ofi-nccl: NCCL loads its net plugin
+# from the library path (else it silently falls back to sockets).
+for efa_lib in /opt/amazon/ofi-nccl/lib /opt/amazon/efa/lib; do
+  if [[ -d $efa_lib ]]; then export LD_LIBRARY_PATH=$efa_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+done
+
+# sshd gives a session (and so mpirun's daemons on the other nodes, and their ranks) a default
+# environment, not the container's: the NGC image needs its own (OPAL_PREFIX for its relocated
+# HPC-X Open MPI, CUDA/NCCL variables, PATH, LD_LIBRARY_PATH). Carry all of it, as `docker run`
+# gave it to this entrypoint, minus what belongs to a session. sshd_config's SetEnv reaches every
+# session, interactive or not, whatever the login shell: only its first line counts, each argument
+# is "NAME=value", double quotes keep spaces. A double quote, backslash or line break in a value
+# has no spelling that every OpenSSH parses alike: such a variable is left out, and logged.
+session_setenv() {
+  local name value line=""
+  for name in $(compgen -e); do
+    case $name in
+      HOME | PWD | OLDPWD | SHLVL | HOSTNAME | _ | TERM | USER | LOGNAME | SHELL | MAIL | SSH_*) continue ;;
+    esac
+    value=${!name}
+    if [[ $value == *[\"\\$'\n\r']* ]]; then
+      echo "entrypoint: $name is not carried into SSH sessions: sshd_config cannot hold its value" >&2
+      continue
+    fi
+    line+=" \"$name=$value\""
+  done
+  echo "SetEnv$line"
+}
 
 for ((waited = 0; ; waited++)); do
   [[ -f $CLUSTER_SSH_DIR/config ]] && break
@@ -28,8 +57,7 @@ chmod 0600 "$RUNTIME_DIR/authorized_keys"
   echo "HostKey $RUNTIME_DIR/ssh_host_ed25519_key"
   echo "AuthorizedKeysFile $RUNTIME_DIR/authorized_keys"
   echo "PidFile $RUNTIME_DIR/sshd.pid"
-  # Sessions (and mpirun's remote daemons) get the image's environment, not sshd's default PATH.
-  echo "SetEnv PATH=$PATH LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
+  session_setenv
 } > "$RUNTIME_DIR/sshd_config"
 
 # The autostop watchdog runs on every node (see assets/autostop/autostop.py): each publishes its

@@ -1,4 +1,5 @@
 """All-reduce bandwidth between the ranks (fab check): prints algorithm and bus bandwidth."""
+
 import argparse
 import sys
 import time
@@ -6,10 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import distributed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import distributed  # noqa: E402
 
 
 def main() -> None:
@@ -33,8 +33,11 @@ def main() -> None:
     if info.is_main:
         algbw = args.mb * 2**20 * 8 / seconds / 1e9 if seconds else 0.0
         busbw = algbw * 2 * (info.world_size - 1) / info.world_size
-        print(f"all_reduce {args.mb:.0f} MB over {info.world_size} ranks: {seconds * 1000:.0f} ms, "
-              f"algbw {algbw:.2f} Gbit/s, busbw {busbw:.2f} Gbit/s", flush=True)
+        print(
+            f"all_reduce {args.mb:.0f} MB over {info.world_size} ranks: {seconds * 1000:.0f} ms, "
+            f"algbw {algbw:.2f} Gbit/s, busbw {busbw:.2f} Gbit/s",
+            flush=True,
+        )
     distributed.teardown()
 
 

@@ -1,5 +1,6 @@
 """Checkpoints in RUN_DIR/checkpoints: written by global rank 0 only, atomically (temp file, fsync,
 rename); the last K kept plus best.pt; the newest loadable one is resumed, corrupt ones skipped."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
 from data import atomic_write_bytes
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
@@ -52,6 +52,21 @@ def load_latest(run_dir: str | os.PathLike, log=print) -> Optional[dict]:
         state["path"] = str(path)
         return state
     return None
+
+
+def load_agreed(run_dir: str | os.PathLike, is_main: bool, broadcast, log=print) -> Optional[dict]:
+    """Rank 0 picks the newest loadable checkpoint and `broadcast`s its path; every other rank loads
+    that exact file. Ranks never choose on their own: on NFS each one's listing can lag."""
+    state = load_latest(run_dir, log) if is_main else None
+    path = broadcast(state["path"] if state else None)
+    if is_main or path is None:
+        return state
+    try:
+        state = load_file(path)
+    except OSError as error:
+        raise FileNotFoundError(f"checkpoint {path}, chosen by rank 0, is not readable here: {error}") from None
+    state["path"] = path
+    return state
 
 
 def load_file(path: str | os.PathLike) -> dict:

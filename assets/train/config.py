@@ -1,4 +1,5 @@
 """Named recipes and their validated configs; every field can be overridden from the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ class ModelConfig:
     pre_norm: bool = False
 
     def validate(self) -> None:
-        _check(self.d_model > 0 and self.d_model % max(self.heads, 1) == 0, "d_model", self.d_model,
-               "a positive multiple of --heads")
+        _check(
+            self.d_model > 0 and self.d_model % max(self.heads, 1) == 0,
+            "d_model",
+            self.d_model,
+            "a positive multiple of --heads",
+        )
         _check(self.heads > 0, "heads", self.heads, "a positive whole number")
         _check(self.layers > 0, "layers", self.layers, "a positive whole number")
         _check(self.ffn > 0, "ffn", self.ffn, "a positive whole number")
@@ -50,6 +55,7 @@ class VisionConfig:
 
     def validate(self) -> None:
         from vision import ARCHS
+
         _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
         _check(self.width >= 8, "width", self.width, "at least 8")
         _check(self.image_size >= 16, "image_size", self.image_size, "at least 16 pixels")
@@ -100,18 +106,28 @@ class TrainConfig:
         _check(self.max_steps > 0, "max_steps", self.max_steps, "a positive whole number")
         _check(self.batch_per_gpu > 0, "batch_per_gpu", self.batch_per_gpu, "a positive whole number")
         _check(self.grad_accum > 0, "grad_accum", self.grad_accum, "a positive whole number")
-        _check(self.precision in ("fp32", "fp16", "bf16"), "precision", self.precision,
-               "fp32, fp16 or bf16")
-        _check(self.grad_compression in ("none", "fp16", "bf16", "powersgd"), "grad_compression",
-               self.grad_compression, "none, fp16, bf16 or powersgd")
+        _check(self.precision in ("fp32", "fp16", "bf16"), "precision", self.precision, "fp32, fp16 or bf16")
+        _check(
+            self.grad_compression in ("none", "fp16", "bf16", "powersgd"),
+            "grad_compression",
+            self.grad_compression,
+            "none, fp16, bf16 or powersgd",
+        )
         _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
         _check(self.lr_scale > 0, "lr_scale", self.lr_scale, "a positive number")
         _check(0 < self.adam_eps < 1, "adam_eps", self.adam_eps, "a small positive number")
         _check(self.warmup_steps > 0, "warmup_steps", self.warmup_steps, "a positive whole number")
         _check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", self.label_smoothing, "in [0, 1)")
         _check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "0 (off) or a positive number")
-        for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "eval_samples", "eval_batch", "beam"):
+        for name in (
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_samples",
+            "eval_batch",
+            "beam",
+        ):
             _check(getattr(self, name) > 0, name, getattr(self, name), "a positive whole number")
         _check(self.dist_timeout_s >= 10, "dist_timeout_s", self.dist_timeout_s, "at least 10 seconds")
         _check(self.bucket_cap_mb > 0, "bucket_cap_mb", self.bucket_cap_mb, "a positive number")
@@ -137,22 +153,58 @@ RECIPES = {
     "transformer-base": {},
     # The same code at toy size: CPU runs, tests and the local demo (numbers data set).
     "transformer-tiny": dict(
-        data="/data/datasets/numbers", max_steps=600, batch_per_gpu=64, lr_scale=1.0,
-        warmup_steps=200, label_smoothing=0.1, log_every=50, eval_every=200,
-        eval_samples=300, checkpoint_every=100, clip_grad=1.0,
-        model=dict(d_model=128, layers=2, heads=4, ffn=512, dropout=0.1, max_len=128, pre_norm=True)),
+        data="/data/datasets/numbers",
+        max_steps=600,
+        batch_per_gpu=64,
+        lr_scale=1.0,
+        warmup_steps=200,
+        label_smoothing=0.1,
+        log_every=50,
+        eval_every=200,
+        eval_samples=300,
+        checkpoint_every=100,
+        clip_grad=1.0,
+        model=dict(d_model=128, layers=2, heads=4, ffn=512, dropout=0.1, max_len=128, pre_norm=True),
+    ),
     # ResNet-50 on ImageNet (NVIDIA DeepLearningExamples' recipe: SGD with momentum, LR 0.256 per 256
     # images scaled with the global batch, warm-up then cosine, label smoothing, channels-last, AMP).
     "resnet50": dict(
-        data="/data/imagenet", max_steps=56_300, batch_per_gpu=256, warmup_steps=5_000,
-        label_smoothing=0.1, log_every=100, eval_every=5_000, eval_samples=50_000, eval_batch=256,
-        checkpoint_every=2_500, precision="fp16", vision=dict(arch="resnet50")),
+        data="/data/imagenet",
+        max_steps=56_300,
+        batch_per_gpu=256,
+        warmup_steps=5_000,
+        label_smoothing=0.1,
+        log_every=100,
+        eval_every=5_000,
+        eval_samples=50_000,
+        eval_batch=256,
+        checkpoint_every=2_500,
+        precision="fp16",
+        vision=dict(arch="resnet50"),
+    ),
     # A small ResNet at 32 px for CPU runs and tests (an image folder or --synthetic).
     "resnet-small": dict(
-        data="/data/imagenet-small", max_steps=300, batch_per_gpu=32, warmup_steps=30,
-        label_smoothing=0.1, log_every=20, eval_every=100, eval_samples=500, eval_batch=64,
-        checkpoint_every=100, vision=dict(arch="resnet18", width=16, image_size=32, num_classes=10,
-                                          base_lr=0.4, momentum=0.9, weight_decay=5e-4, workers=2)),
+        data="/data/imagenet-small",
+        max_steps=300,
+        batch_per_gpu=32,
+        warmup_steps=30,
+        label_smoothing=0.1,
+        log_every=20,
+        eval_every=100,
+        eval_samples=500,
+        eval_batch=64,
+        checkpoint_every=100,
+        vision=dict(
+            arch="resnet18",
+            width=16,
+            image_size=32,
+            num_classes=10,
+            base_lr=0.4,
+            momentum=0.9,
+            weight_decay=5e-4,
+            workers=2,
+        ),
+    ),
 }
 
 
@@ -171,19 +223,18 @@ def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
         flag = "--" + (prefix + f.name).replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.type in ("bool",):
-            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=None,
-                                help=f"(default {default})")
+            parser.add_argument(
+                flag, type=_parse_bool, nargs="?", const=True, default=None, help=f"(default {default})"
+            )
         elif f.type == "tuple":
             parser.add_argument(flag, type=float, nargs=2, default=None, help=f"(default {default})")
         else:
             kind = {"int": int, "float": float, "str": str, "Optional[float]": float}[f.type]
-            parser.add_argument(flag, type=kind, default=None, dest=prefix + f.name,
-                                help=f"(default {default})")
+            parser.add_argument(flag, type=kind, default=None, dest=prefix + f.name, help=f"(default {default})")
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="transformer-base", choices=sorted(RECIPES))
     _add_fields(parser, TrainConfig)
     _add_fields(parser, ModelConfig)
@@ -203,3 +254,63 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
     config.validate()
     return config
+
+
+# What a resumed run may change: how long it runs and how it reports, never what it trains.
+RESUMABLE_CHANGES = {
+    "max_steps",
+    "log_every",
+    "eval_every",
+    "eval_samples",
+    "eval_batch",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "dist_timeout_s",
+    "target_metric",
+    "beam",
+}
+
+
+def _field_value(config: TrainConfig, key: str):
+    part = next(p for p in (config.model, config.vision, config) if hasattr(p, key))
+    return getattr(part, key)
+
+
+def resume_config(saved: dict, args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
+    """A resumed run's configuration: the one saved in its run directory. A flag given now that
+    differs is refused in one line, unless it only changes the length or the reporting of the run
+    (RESUMABLE_CHANGES). Returns the configuration and a line per change applied."""
+    config = TrainConfig.from_dict(saved)
+    if args.recipe != config.recipe:
+        raise ConfigError(
+            f"--recipe {args.recipe} differs from the run's {config.recipe}: a resumed run keeps "
+            "its settings; start a new --run to change them"
+        )
+    changes = []
+    for key, value in vars(args).items():
+        if value is None or key == "recipe":
+            continue
+        value = tuple(value) if isinstance(value, list) else value
+        current = _field_value(config, key)
+        if value == current:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key not in RESUMABLE_CHANGES:
+            raise ConfigError(
+                f"{flag} {value!r} differs from the run's {current!r}: a resumed run keeps its "
+                "settings; start a new --run to change them"
+            )
+        part = next(p for p in (config.model, config.vision, config) if hasattr(p, key))
+        setattr(part, key, value)
+        changes.append(f"{flag} {current!r} -> {value!r}")
+    config.validate()
+    return config, changes
+
+
+def settings_line(config: TrainConfig) -> str:
+    """The effective settings, in one line (printed at start; kept in config.json and the summary)."""
+    return (
+        f"settings: recipe {config.recipe}, {config.max_steps} steps, batch {config.batch_per_gpu}/GPU x "
+        f"accumulation {config.grad_accum}, precision {config.precision}, gradient compression "
+        f"{config.grad_compression}, lr scale {config.lr_scale}, warm-up {config.warmup_steps}, seed {config.seed}"
+    )

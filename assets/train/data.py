@@ -3,6 +3,7 @@
 A data set directory holds `spm.model`, `train-NNNNN.pt` shards, `valid.pt`, `test.pt`, the raw
 `{split}.en`/`{split}.de` text of valid and test (references), and `meta.json`.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-
 from model import BOS, EOS, PAD
 
 SHARD_PAIRS = 500_000
@@ -20,6 +20,7 @@ SHARD_PAIRS = 500_000
 class Tokenizer:
     def __init__(self, model_path: str | os.PathLike):
         import sentencepiece as spm
+
         self.path = str(model_path)
         self.sp = spm.SentencePieceProcessor(model_file=self.path)
 
@@ -36,11 +37,22 @@ class Tokenizer:
     @staticmethod
     def train(text_files: Iterable[str], prefix: str, vocab_size: int) -> None:
         import sentencepiece as spm
+
         spm.SentencePieceTrainer.train(
-            input=",".join(text_files), model_prefix=prefix, vocab_size=vocab_size,
-            model_type="bpe", character_coverage=1.0, hard_vocab_limit=False,
-            pad_id=PAD, unk_id=1, bos_id=BOS, eos_id=EOS, input_sentence_size=2_000_000,
-            shuffle_input_sentence=True, minloglevel=2)
+            input=",".join(text_files),
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            character_coverage=1.0,
+            hard_vocab_limit=False,
+            pad_id=PAD,
+            unk_id=1,
+            bos_id=BOS,
+            eos_id=EOS,
+            input_sentence_size=2_000_000,
+            shuffle_input_sentence=True,
+            minloglevel=2,
+        )
 
 
 def atomic_write_bytes(path: Path, write) -> None:
@@ -64,8 +76,7 @@ def _flatten(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def write_pairs(path: Path, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> None:
     src, src_off = _flatten(src_ids)
     tgt, tgt_off = _flatten(tgt_ids)
-    atomic_write_bytes(path, lambda f: torch.save(
-        {"src": src, "src_off": src_off, "tgt": tgt, "tgt_off": tgt_off}, f))
+    atomic_write_bytes(path, lambda f: torch.save({"src": src, "src_off": src_off, "tgt": tgt, "tgt_off": tgt_off}, f))
 
 
 class PairDataset:
@@ -88,7 +99,7 @@ class PairDataset:
         shard = next(i for i in range(len(self.sizes)) if index < self.starts[i + 1])
         flat, offsets = store[shard]
         local = index - self.starts[shard]
-        return flat[offsets[local]:offsets[local + 1]].tolist()
+        return flat[offsets[local] : offsets[local + 1]].tolist()
 
     def source(self, index: int) -> list[int]:
         return self._get(self.src, index)[: self.max_len - 1] + [EOS]
@@ -120,14 +131,14 @@ def global_batch_indices(step: int, global_batch: int, size: int, seed: int) -> 
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         perm = torch.randperm(size, generator=generator)
         take = min(global_batch - len(out), size - offset)
-        out.extend(perm[offset: offset + take].tolist())
+        out.extend(perm[offset : offset + take].tolist())
         position += take
     return out
 
 
 def rank_slice(indices: list[int], rank: int, world_size: int) -> list[int]:
     per_rank = len(indices) // world_size
-    return indices[rank * per_rank:(rank + 1) * per_rank]
+    return indices[rank * per_rank : (rank + 1) * per_rank]
 
 
 class DataSet:
@@ -139,7 +150,8 @@ class DataSet:
         if not meta_path.exists():
             raise FileNotFoundError(
                 f"no prepared data set in {self.root} (meta.json missing); run "
-                f"`python prepare.py numbers --out {self.root}` or `fab data`")
+                f"`python prepare.py numbers --out {self.root}` or `fab data`"
+            )
         self.meta = json.loads(meta_path.read_text())
         self.tokenizer = Tokenizer(self.root / "spm.model")
         self.train = PairDataset(sorted(self.root.glob("train-*.pt")), max_len)

@@ -1,4 +1,5 @@
 """Launch-agnostic process-group setup: OpenMPI (mpirun), torchrun, or a single process."""
+
 from __future__ import annotations
 
 import datetime
@@ -25,31 +26,46 @@ def detect(env: dict | None = None) -> DistInfo:
     """Rank, world size and local rank from OpenMPI's or torchrun's variables."""
     env = os.environ if env is None else env
     if "OMPI_COMM_WORLD_RANK" in env:
-        return DistInfo(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
-                        int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
+        return DistInfo(
+            int(env["OMPI_COMM_WORLD_RANK"]),
+            int(env["OMPI_COMM_WORLD_SIZE"]),
+            int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+            "mpirun",
+        )
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                        "torchrun")
+        return DistInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
     return DistInfo()
 
 
+def backend_for(device: torch.device) -> str:
+    """GPUs: NCCL for CUDA tensors (DDP, the trainer's counters) and gloo for CPU ones (the pickles of
+    all_gather_object and broadcast_object_list); an NCCL-only group rejects any CPU tensor."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def setup(timeout_s: float = 300.0) -> tuple[DistInfo, torch.device]:
-    """Initialise the process group (NCCL on GPUs, gloo on CPU); one GPU per local rank."""
+    """Initialise the process group (see backend_for); one GPU per local rank."""
     info = detect()
     if torch.cuda.is_available():
         device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
+    backend = backend_for(device)
+    if os.environ.get("TRAIN_STRICT_DEVICE", "") not in ("", "0"):
+        import strict_device
+
+        strict_device.install(device)
     if info.world_size > 1:
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             if key not in os.environ:
-                raise SystemExit(f"error: {key} is not set; the launcher must export it "
-                                 "(fab train does; by hand: mpirun -x MASTER_ADDR=HEAD_IP -x MASTER_PORT=29500)")
-        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                raise SystemExit(
+                    f"error: {key} is not set; the launcher must export it "
+                    "(fab train does; by hand: mpirun -x MASTER_ADDR=HEAD_IP -x MASTER_PORT=29500)"
+                )
+        dist.init_process_group(
+            backend, rank=info.rank, world_size=info.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return info, device
 
 
@@ -62,6 +78,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def broadcast_from_main(obj):
+    """Rank 0's `obj`, on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_gather_objects(obj):

@@ -1,19 +1,20 @@
 """Evaluation across ranks: per-token loss on the valid split, decoding, sacrebleu BLEU on rank 0."""
+
 from __future__ import annotations
 
+import distributed
 import torch
 import torch.nn.functional as F
-
-import distributed
 from config import TrainConfig
-from data import DataSet, PAD
+from data import PAD, DataSet
 
 
 def translate(model, tokens: list[list[int]], batch: int, beam: int, device) -> list[list[int]]:
     from data import _pad
+
     out = []
     for start in range(0, len(tokens), batch):
-        src = _pad(tokens[start:start + batch]).to(device)
+        src = _pad(tokens[start : start + batch]).to(device)
         max_new = src.size(1) * 2 + 10
         out += model.greedy(src, max_new) if beam == 1 else model.beam_search(src, max_new, beam)
     return out
@@ -22,18 +23,18 @@ def translate(model, tokens: list[list[int]], batch: int, beam: int, device) -> 
 @torch.no_grad()
 def evaluate(model, data: DataSet, config: TrainConfig, info, device) -> dict:
     import sacrebleu
+
     pairs, sources, references = data.split("valid")
     count = min(config.eval_samples, len(pairs))
     mine = list(range(info.rank, count, info.world_size))
     model.eval()
-    loss_sum, tokens = 0.0, 0
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, target tokens
     for start in range(0, len(mine), config.eval_batch):
-        src, tgt_in, tgt_out = (t.to(device) for t in pairs.batch(mine[start:start + config.eval_batch]))
+        src, tgt_in, tgt_out = (t.to(device) for t in pairs.batch(mine[start : start + config.eval_batch]))
         logits = model(src, tgt_in)
-        loss_sum += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(),
-                                    ignore_index=PAD, reduction="sum").item()
-        tokens += int(tgt_out.ne(PAD).sum())
-    totals = distributed.all_reduce_sum(torch.tensor([loss_sum, float(tokens)], dtype=torch.float64))
+        totals[0] += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD, reduction="sum")
+        totals[1] += tgt_out.ne(PAD).sum()
+    distributed.all_reduce_sum(totals)
     hyp_ids = translate(model, [pairs.source(i) for i in mine], config.eval_batch, config.beam, device)
     hypotheses = dict(zip(mine, data.tokenizer.decode(hyp_ids)))
     merged: dict[int, str] = {}
@@ -43,5 +44,11 @@ def evaluate(model, data: DataSet, config: TrainConfig, info, device) -> dict:
     refs = references[:count]
     bleu = sacrebleu.corpus_bleu(ordered, [refs]).score
     exact = sum(h == r for h, r in zip(ordered, refs)) / max(count, 1)
-    return {"eval_loss": (totals[0] / totals[1]).item(), "bleu": bleu, "exact_match": exact,
-            "hypotheses": ordered, "references": refs, "sources": sources[:count]}
+    return {
+        "eval_loss": (totals[0] / totals[1]).item(),
+        "bleu": bleu,
+        "exact_match": exact,
+        "hypotheses": ordered,
+        "references": refs,
+        "sources": sources[:count],
+    }

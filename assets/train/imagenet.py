@@ -1,6 +1,7 @@
 """Check an ImageNet folder (the standard train/ and val/ class-folder layout) and optionally stage it
 onto local disk (e.g. the node's NVMe), since EFS can be too slow to feed image training.
 Staging is resumable: files already copied with the same size are skipped."""
+
 from __future__ import annotations
 
 import os
@@ -25,11 +26,12 @@ def scan(root: Path) -> dict:
             raise LayoutError(f"{root} has no {split}/ directory (expected {split}/CLASS/IMAGE.JPEG)")
         loose = [p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
         if loose:
-            raise LayoutError(f"{directory} holds {len(loose)} images directly: sort them into one "
-                              "folder per class (the val ground-truth script does this)")
+            raise LayoutError(
+                f"{directory} holds {len(loose)} images directly: sort them into one "
+                "folder per class (the val ground-truth script does this)"
+            )
         classes = sorted(p.name for p in directory.iterdir() if p.is_dir())
-        counts = {c: sum(1 for f in (directory / c).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
-                  for c in classes}
+        counts = {c: sum(1 for f in (directory / c).iterdir() if f.suffix.lower() in IMAGE_SUFFIXES) for c in classes}
         empty = [c for c, n in counts.items() if n == 0]
         if not classes or empty:
             raise LayoutError(f"{directory}: {len(classes)} class folders, {len(empty)} without images")

@@ -1,4 +1,5 @@
 """Transformer encoder-decoder (Vaswani et al. 2017) with a shared source/target vocabulary."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,6 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from config import ModelConfig
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
@@ -24,17 +24,22 @@ def sinusoids(length: int, dim: int) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-
     def __init__(self, config: ModelConfig, vocab_size: int):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(vocab_size, config.d_model, padding_idx=PAD)
-        nn.init.normal_(self.embed.weight, std=config.d_model ** -0.5)
+        nn.init.normal_(self.embed.weight, std=config.d_model**-0.5)
         self.register_buffer("positions", sinusoids(config.max_len, config.d_model), persistent=False)
         self.core = nn.Transformer(
-            d_model=config.d_model, nhead=config.heads, num_encoder_layers=config.layers,
-            num_decoder_layers=config.layers, dim_feedforward=config.ffn, dropout=config.dropout,
-            batch_first=True, norm_first=config.pre_norm)
+            d_model=config.d_model,
+            nhead=config.heads,
+            num_encoder_layers=config.layers,
+            num_decoder_layers=config.layers,
+            dim_feedforward=config.ffn,
+            dropout=config.dropout,
+            batch_first=True,
+            norm_first=config.pre_norm,
+        )
         self.dropout = nn.Dropout(config.dropout)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -48,9 +53,14 @@ class Transformer(nn.Module):
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_pad: torch.Tensor) -> torch.Tensor:
         length = tgt_in.size(1)
         causal = torch.ones(length, length, dtype=torch.bool, device=tgt_in.device).triu(1)
-        hidden = self.core.decoder(self._embed(tgt_in), memory, tgt_mask=causal, tgt_is_causal=True,
-                                   tgt_key_padding_mask=tgt_in.eq(PAD),
-                                   memory_key_padding_mask=src_pad)
+        hidden = self.core.decoder(
+            self._embed(tgt_in),
+            memory,
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            tgt_key_padding_mask=tgt_in.eq(PAD),
+            memory_key_padding_mask=src_pad,
+        )
         return F.linear(hidden, self.embed.weight)  # tied output projection
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -76,13 +86,14 @@ class Transformer(nn.Module):
         """Beam search per sentence with GNMT length normalisation."""
         results = []
         for i in range(src.size(0)):
-            memory, src_pad = self.encode(src[i:i + 1])
+            memory, src_pad = self.encode(src[i : i + 1])
             beams = [([BOS], 0.0)]
             finished: list[tuple[list[int], float]] = []
             for _ in range(min(max_new, self.config.max_len - 1)):
                 tokens = torch.tensor([b[0] for b in beams], device=src.device)
-                logp = self.decode(tokens, memory.expand(len(beams), -1, -1),
-                                   src_pad.expand(len(beams), -1))[:, -1].log_softmax(-1)
+                logp = self.decode(tokens, memory.expand(len(beams), -1, -1), src_pad.expand(len(beams), -1))[
+                    :, -1
+                ].log_softmax(-1)
                 scores = torch.tensor([b[1] for b in beams], device=src.device)[:, None] + logp
                 top = scores.flatten().topk(beam)
                 beams = []

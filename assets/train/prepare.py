@@ -14,6 +14,7 @@ Re-running with the same arguments is a no-op; every file is written atomically.
 (fab data passes /data/.cluster/busy) a marker there stays fresh while it runs: the autostop
 watchdog counts it as busy, so a long download or staging does not stop the cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ from data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 def number_phrase(value: int, lang: str) -> str:
     from num2words import num2words
+
     return num2words(value, lang=lang).replace(",", "")
 
 
@@ -45,7 +47,7 @@ def numbers_corpus(count: int, seed: int, max_numbers: int, max_digits: int) -> 
         values = []
         for _ in range(rng.randint(1, max_numbers)):
             digits = rng.randint(1, max_digits)
-            values.append(rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1))
+            values.append(rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
         english = ", ".join(number_phrase(v, "en") for v in values)
         if english in seen:
             continue
@@ -54,8 +56,7 @@ def numbers_corpus(count: int, seed: int, max_numbers: int, max_digits: int) -> 
     return pairs
 
 
-def write_dataset(out: Path, splits: dict[str, list[tuple[str, str]]], vocab_size: int,
-                  meta: dict) -> None:
+def write_dataset(out: Path, splits: dict[str, list[tuple[str, str]]], vocab_size: int, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, pairs in splits.items():
         for lang, column in (("en", 0), ("de", 1)):
@@ -67,36 +68,56 @@ def write_dataset(out: Path, splits: dict[str, list[tuple[str, str]]], vocab_siz
     for name, pairs in splits.items():
         if name == "train":
             for shard, start in enumerate(range(0, len(pairs), SHARD_PAIRS)):
-                chunk = pairs[start:start + SHARD_PAIRS]
-                write_pairs(out / f"train-{shard:05d}.pt", tokenizer.encode([p[0] for p in chunk]),
-                            tokenizer.encode([p[1] for p in chunk]))
+                chunk = pairs[start : start + SHARD_PAIRS]
+                write_pairs(
+                    out / f"train-{shard:05d}.pt",
+                    tokenizer.encode([p[0] for p in chunk]),
+                    tokenizer.encode([p[1] for p in chunk]),
+                )
         else:
-            write_pairs(out / f"{name}.pt", tokenizer.encode([p[0] for p in pairs]),
-                        tokenizer.encode([p[1] for p in pairs]))
-    meta = dict(meta, src_lang="en", tgt_lang="de", vocab_size=tokenizer.vocab_size,
-                sizes={name: len(pairs) for name, pairs in splits.items()})
+            write_pairs(
+                out / f"{name}.pt", tokenizer.encode([p[0] for p in pairs]), tokenizer.encode([p[1] for p in pairs])
+            )
+    meta = dict(
+        meta,
+        src_lang="en",
+        tgt_lang="de",
+        vocab_size=tokenizer.vocab_size,
+        sizes={name: len(pairs) for name, pairs in splits.items()},
+    )
     atomic_write_bytes(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
 
 
 def prepare_numbers(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    request = {"dataset": "numbers", "train": args.train, "valid": args.valid, "test": args.test,
-               "seed": args.seed, "max_numbers": args.max_numbers, "max_digits": args.max_digits,
-               "vocab": args.vocab}
+    request = {
+        "dataset": "numbers",
+        "train": args.train,
+        "valid": args.valid,
+        "test": args.test,
+        "seed": args.seed,
+        "max_numbers": args.max_numbers,
+        "max_digits": args.max_digits,
+        "vocab": args.vocab,
+    }
     meta_path = out / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()).get("request") == request:
         print(f"{out}: already prepared")
         return
     total = args.train + args.valid + args.test
     pairs = numbers_corpus(total, args.seed, args.max_numbers, args.max_digits)
-    splits = {"test": pairs[: args.test], "valid": pairs[args.test: args.test + args.valid],
-              "train": pairs[args.test + args.valid:]}
+    splits = {
+        "test": pairs[: args.test],
+        "valid": pairs[args.test : args.test + args.valid],
+        "train": pairs[args.test + args.valid :],
+    }
     write_dataset(out, splits, args.vocab, {"request": request})
     print(f"{out}: {args.train} train, {args.valid} valid, {args.test} test pairs")
 
 
 def prepare_wmt16(args: argparse.Namespace) -> None:
     import wmt16
+
     out = Path(args.out)
     request = {"dataset": "wmt16-en-de", "vocab": args.vocab}
     meta_path = out / "meta.json"
@@ -112,13 +133,16 @@ def prepare_wmt16(args: argparse.Namespace) -> None:
 
 def prepare_imagenet(args: argparse.Namespace) -> None:
     import imagenet
+
     source = Path(args.source)
     try:
         found = imagenet.scan(source)
     except imagenet.LayoutError as error:
         sys.exit(f"error: {error}")
-    print(f"{source}: {found['train']['classes']} classes, {found['train']['images']} train and "
-          f"{found['val']['images']} val images")
+    print(
+        f"{source}: {found['train']['classes']} classes, {found['train']['images']} train and "
+        f"{found['val']['images']} val images"
+    )
     if args.stage_to:
         copied, skipped = imagenet.stage(source, Path(args.stage_to))
         print(f"staged into {args.stage_to}: {copied} copied, {skipped} already there")

@@ -16,32 +16,58 @@ One process per GPU (per CPU slot locally). The same command works under mpirun,
 (`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
 good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.
 """
+
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import distributed  # noqa: E402
-from config import ConfigError, build_parser, config_from_args  # noqa: E402
+from config import ConfigError, build_parser, config_from_args, resume_config, settings_line  # noqa: E402
+
+
+def effective_config(args):
+    """The flags on the recipe for a new run; for a run directory that holds one, its saved
+    configuration (a resumed run keeps its settings). Returns (config, changes, resumed)."""
+    config = config_from_args(args)
+    saved = Path(config.run_dir) / "config.json"
+    if not saved.exists():
+        return config, [], False
+    import json
+
+    config, changes = resume_config(json.loads(saved.read_text()), args)
+    return config, changes, True
 
 
 def main(argv=None) -> int:
     args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     try:
-        config = config_from_args(args)
+        config, changes, resumed = effective_config(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     info, device = distributed.setup(timeout_s=config.dist_timeout_s)
+    if info.is_main:
+        print(
+            ("resuming with the run's saved " if resumed else "")
+            + settings_line(config)
+            + "".join(f"; changed {change}" for change in changes),
+            flush=True,
+        )
     try:
         from trainer import Trainer
+
         trainer = Trainer(config, info, device)
-        trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; "
-                    f"recipe {config.recipe}")
+        trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
         summary = trainer.fit()
-        trainer.log("summary: " + ", ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()
-            if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb")))
+        trainer.log(
+            "summary: "
+            + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in summary.items()
+                if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb")
+            )
+        )
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

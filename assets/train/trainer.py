@@ -1,4 +1,5 @@
 """The DDP training loop: exact global-batch semantics, AMP, gradient compression, eval, checkpoints."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,14 +11,13 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 import checkpoint
 import distributed
+import torch
 from config import TrainConfig
 from data import atomic_write_bytes
 from tasks import make_task
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def compress_hook(dtype: torch.dtype):
@@ -33,19 +33,26 @@ def compress_hook(dtype: torch.dtype):
         def decompress(fut):
             buffer.copy_(fut.value()[0])
             return buffer
+
         return future.then(decompress)
+
     return hook
 
 
 def _register_compression(ddp: DDP, config: TrainConfig) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
     if config.grad_compression in ("fp16", "bf16"):
         dtype = torch.float16 if config.grad_compression == "fp16" else torch.bfloat16
         ddp.register_comm_hook(None, compress_hook(dtype))
     elif config.grad_compression == "powersgd":
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=config.powersgd_rank,
-            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+            process_group=None,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=2,
+            use_error_feedback=True,
+            warm_start=True,
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
@@ -61,8 +68,27 @@ def _urgent(stop_file: Path) -> bool:
         return False
 
 
-class Trainer:
+class HostCopy:
+    """A device tensor's values on the host without stalling the device queue: on GPUs an async copy
+    into pinned memory, waited for only when read."""
 
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class Trainer:
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
         self.config, self.info, self.device = config, info, device
         self.run_dir = Path(config.run_dir)
@@ -84,15 +110,16 @@ class Trainer:
             if config.grad_compression == "powersgd" and device.type == "cpu":
                 # gloo + PowerSGD needs one bucket (pytorch#58467).
                 bucket_mb = sum(p.numel() * 4 for p in self.model.parameters()) / 2**20 + 1
-            self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None,
-                           bucket_cap_mb=bucket_mb)
+            self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
             _register_compression(self.ddp, config)
         self.writer = self.wandb = None
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.run_dir / "config.json",
-                               lambda f: f.write(json.dumps(config.to_dict(), indent=2).encode()))
+            atomic_write_bytes(
+                self.run_dir / "config.json", lambda f: f.write(json.dumps(config.to_dict(), indent=2).encode())
+            )
             from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
             self.wandb = self._start_wandb()
         for sig in (signal.SIGUSR1, signal.SIGTERM):
@@ -110,23 +137,29 @@ class Trainer:
         except ImportError:
             self.log("WANDB_API_KEY is set but wandb is not installed (pip install wandb); TensorBoard only")
             return None
-        return wandb.init(project=os.environ.get("WANDB_PROJECT", "gpu-cluster"), name=self.run_dir.name,
-                          id=self.run_dir.name, resume="allow", dir=str(self.run_dir),
-                          config=self.config.to_dict())
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "gpu-cluster"),
+            name=self.run_dir.name,
+            id=self.run_dir.name,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=self.config.to_dict(),
+        )
 
-    def scalars(self, values: dict) -> None:
-        """Rank 0: to TensorBoard, and to W&B when configured."""
+    def scalars(self, values: dict, step: int | None = None) -> None:
+        """Rank 0: to TensorBoard, and to W&B when configured (at this step unless given)."""
+        step = self.step if step is None else step
         for key, value in values.items():
             if value is not None and self.writer:
-                self.writer.add_scalar(key, value, self.step)
+                self.writer.add_scalar(key, value, step)
         if self.wandb:
-            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=self.step)
+            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=step)
 
     def _on_signal(self, signum, frame) -> None:
         self.stop_requested = True
 
     def _resume(self) -> None:
-        state = checkpoint.load_latest(self.run_dir, log=self.log)
+        state = checkpoint.load_agreed(self.run_dir, self.info.is_main, distributed.broadcast_from_main, log=self.log)
         if state is None:
             self.log(f"starting a new run in {self.run_dir}")
             return
@@ -140,42 +173,52 @@ class Trainer:
         self.log(f"resuming from {state['path']} at step {self.step}")
 
     def _state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "best": self.best, "config": self.config.to_dict(),
-                "rng": {"torch": torch.get_rng_state(), "world_size": self.info.world_size},
-                **self.task.checkpoint_extras()}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "best": self.best,
+            "config": self.config.to_dict(),
+            "rng": {"torch": torch.get_rng_state(), "world_size": self.info.world_size},
+            **self.task.checkpoint_extras(),
+        }
 
     def save(self, best: bool = False) -> None:
         if self.info.is_main:
-            path = checkpoint.save(self.run_dir, self.step, self._state(),
-                                   self.config.keep_checkpoints, best=best)
+            path = checkpoint.save(self.run_dir, self.step, self._state(), self.config.keep_checkpoints, best=best)
             self.log(f"checkpoint {path}")
 
-    def train_step(self) -> tuple[float, bool]:
-        """One optimizer step. Returns (loss per unit, stop agreed by all ranks)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step that does not wait for the device, except to read the stop flag after
+        the step's work is queued. Returns (this rank's loss sum, the global units, stop agreed by
+        all ranks); the loss stays on the device until a log step reads it (_flush_losses)."""
         c = self.config
         torch.manual_seed(c.seed * 7919 + self.step * self.info.world_size + self.info.rank)
         batches = self.task.batches(self.step)
         stop, urgent = self.stop_requested, False
         if self.info.is_main and (self.run_dir / "STOP").exists():
             stop, urgent = True, _urgent(self.run_dir / "STOP")
-        counts = torch.tensor([float(sum(self.task.units(b) for b in batches)), float(stop), float(urgent)])
+        counts = torch.zeros(3, device=self.device)  # units (exact below 2**24), stop, stop without eval
+        for batch in batches:
+            counts[0] += self.task.units(batch)
+        counts[1], counts[2] = float(stop), float(urgent)
         distributed.all_reduce_sum(counts)
-        units, stop, self.urgent_stop = counts[0].item(), counts[1].item() > 0, counts[2].item() > 0
+        flags = HostCopy(counts)
+        units = counts[0]
         module = self.ddp or self.model
         self.model.train()
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             context = module.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
-            with context, torch.autocast(self.device.type, dtype=self.amp_dtype,
-                                         enabled=self.amp_dtype is not None):
+            with context, torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss_sum = self.task.loss_sum(module, batch)
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
             self.scaler.scale(loss).backward()
-            total += loss_sum.item()
+            total += loss_sum.detach()
         self.scaler.unscale_(self.optimizer)
         if c.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.clip_grad)
@@ -184,15 +227,32 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        loss_total = distributed.all_reduce_sum(torch.tensor([total]))[0].item()
-        return loss_total / units, stop
+        _, stop_votes, urgent_votes = flags.values()
+        self.urgent_stop = urgent_votes > 0
+        return total, units, stop_votes > 0
+
+    def _flush_losses(self, pending: list) -> float | None:
+        """The global loss per unit of each pending (step, loss sum, units): one all-reduce and one
+        read for them all, each to TensorBoard at its step. Returns the newest; all ranks call it."""
+        if not pending:
+            return None
+        sums = distributed.all_reduce_sum(torch.stack([loss_sum for _, loss_sum, _ in pending]))
+        losses = (sums / torch.stack([units for _, _, units in pending])).tolist()
+        for (step, _, _), loss in zip(pending, losses):
+            self.scalars({"train/loss": loss}, step)
+        pending.clear()
+        return losses[-1]
 
     def _write_progress(self, **values) -> None:
         if self.info.is_main:
-            record = dict(values, step=self.step, max_steps=self.config.max_steps, time=time.time(),
-                          world_size=self.info.world_size)
-            atomic_write_bytes(self.run_dir / "progress.json",
-                               lambda f: f.write(json.dumps(record).encode()))
+            record = dict(
+                values,
+                step=self.step,
+                max_steps=self.config.max_steps,
+                time=time.time(),
+                world_size=self.info.world_size,
+            )
+            atomic_write_bytes(self.run_dir / "progress.json", lambda f: f.write(json.dumps(record).encode()))
 
     def _memory_mb(self) -> float:
         if self.device.type == "cuda":
@@ -203,6 +263,7 @@ class Trainer:
         c, metric = self.config, self.task.metric
         global_batch = c.batch_per_gpu * self.info.world_size * c.grad_accum
         step_times: list[float] = []
+        pending: list = []  # (step, loss sum on the device, units) not yet read
         last_eval: dict = {}
         ended = "max_steps"
         started = time.time()
@@ -210,19 +271,10 @@ class Trainer:
             self.log(f"run already at step {self.step} >= max steps {c.max_steps}")
         while self.step < c.max_steps:
             tick = time.perf_counter()
-            loss, stop = self.train_step()
+            loss_sum, units, stop = self.train_step()
             step_times.append(time.perf_counter() - tick)
-            recent = step_times[-c.log_every:]
-            step_time = sum(recent) / len(recent)
-            self.scalars({"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0],
-                          "perf/step_time_s": step_times[-1],
-                          "perf/objects_per_s": global_batch / step_times[-1]})
-            if self.step % c.log_every == 0 or self.step == 1:
-                self.scalars({"perf/memory_mb": self._memory_mb()})
-                self.log(f"step {self.step}/{c.max_steps} | loss {loss:.3f} | lr "
-                         f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
-                         f"{global_batch / step_time:.0f} objects/s")
-                self._write_progress(loss=loss, avg_step_time_s=step_time)
+            pending.append((self.step, loss_sum, units))
+            self._log_step(pending, step_times, global_batch)
             reached = False
             if stop and self.urgent_stop:  # a Spot interruption notice: checkpoint first, no eval
                 self.save()
@@ -243,8 +295,31 @@ class Trainer:
             if reached:
                 ended = f"target {metric} {c.target_metric} reached"
                 break
+        self._flush_losses(pending)
         self.log(f"run ended at step {self.step}: {ended}")
         return self._summary(step_times, global_batch, last_eval, ended, time.time() - started)
+
+    def _log_step(self, pending: list, step_times: list[float], global_batch: int) -> None:
+        """Per step: LR and timing; at log steps also the losses so far, memory and the log line."""
+        c = self.config
+        self.scalars(
+            {
+                "train/lr": self.scheduler.get_last_lr()[0],
+                "perf/step_time_s": step_times[-1],
+                "perf/objects_per_s": global_batch / step_times[-1],
+            }
+        )
+        if self.step % c.log_every == 0 or self.step == 1:
+            recent = step_times[-c.log_every :]
+            step_time = sum(recent) / len(recent)
+            loss = self._flush_losses(pending)
+            self.scalars({"perf/memory_mb": self._memory_mb()})
+            self.log(
+                f"step {self.step}/{c.max_steps} | loss {loss:.3f} | lr "
+                f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
+                f"{global_batch / step_time:.0f} objects/s"
+            )
+            self._write_progress(loss=loss, avg_step_time_s=step_time)
 
     def run_eval(self) -> dict:
         result = self.task.evaluate()
@@ -254,29 +329,37 @@ class Trainer:
             eval_dir.mkdir(exist_ok=True)
             for kind, lines in texts.items():  # translation: hypotheses, references, sources
                 text = "".join(line + "\n" for line in lines)
-                atomic_write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt",
-                                   lambda f, t=text: f.write(t.encode()))
-            self.log(f"eval step {self.step} | " + " | ".join(
-                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+                atomic_write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt", lambda f, t=text: f.write(t.encode()))
+            self.log(
+                f"eval step {self.step} | "
+                + " | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+            )
             self.scalars({f"eval/{k}": v for k, v in result.items()})
         return result
 
     def _summary(self, step_times, global_batch, last_eval, ended, wall) -> dict:
-        timed = step_times[min(5, len(step_times) - 1):] if step_times else []
+        timed = step_times[min(5, len(step_times) - 1) :] if step_times else []
         avg = sum(timed) / len(timed) if timed else 0.0
         steps = checkpoint.list_steps(self.run_dir)
         summary = {
-            "recipe": self.config.recipe, "steps": self.step, "world_size": self.info.world_size,
-            "global_batch": global_batch, "objects": self.task.objects, "avg_step_time_s": avg,
-            "objects_per_s": global_batch / avg if avg else 0.0, **last_eval,
+            "recipe": self.config.recipe,
+            "steps": self.step,
+            "world_size": self.info.world_size,
+            "global_batch": global_batch,
+            "objects": self.task.objects,
+            "avg_step_time_s": avg,
+            "objects_per_s": global_batch / avg if avg else 0.0,
+            **last_eval,
             f"best_{self.task.metric}": self.best if self.best > float("-inf") else None,
             "checkpoint_mb": checkpoint.size_mb(steps[-1]) if steps else None,
-            "precision": self.config.precision, "grad_compression": self.config.grad_compression,
-            "resumed_from": self.resumed_from, "ended": ended, "wall_time_s": wall,
+            "precision": self.config.precision,
+            "grad_compression": self.config.grad_compression,
+            "resumed_from": self.resumed_from,
+            "ended": ended,
+            "wall_time_s": wall,
         }
         if self.info.is_main:
-            atomic_write_bytes(self.run_dir / "summary.json",
-                               lambda f: f.write(json.dumps(summary, indent=2).encode()))
+            atomic_write_bytes(self.run_dir / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
             self._write_progress(loss=None, avg_step_time_s=avg, ended=ended)
             if self.writer:
                 self.writer.close()

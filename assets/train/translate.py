@@ -1,16 +1,16 @@
 """Translate lines from stdin with a checkpoint:
 
-    echo "four thousand two hundred and seventy-one" | python translate.py RUN_DIR/checkpoints/best.pt
+echo "four thousand two hundred and seventy-one" | python translate.py RUN_DIR/checkpoints/best.pt
 """
+
 import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import checkpoint  # noqa: E402
+import torch  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from data import EOS, Tokenizer  # noqa: E402
 from evaluate import translate  # noqa: E402
@@ -29,8 +29,7 @@ def main(argv=None) -> int:
     if not Path(vocabulary).exists():
         local = Path(args.checkpoint).resolve().parent.parent / "spm.model"
         if not local.exists():
-            print(f"error: vocabulary {vocabulary} not found; pass --vocabulary PATH/spm.model",
-                  file=sys.stderr)
+            print(f"error: vocabulary {vocabulary} not found; pass --vocabulary PATH/spm.model", file=sys.stderr)
             return 2
         vocabulary = str(local)
     tokenizer = Tokenizer(vocabulary)

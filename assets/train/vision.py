@@ -1,5 +1,6 @@
 """ResNet (He et al. 2016, torchvision's layout and parameter count) and an ImageNet-folder pipeline
 with deterministic per-sample augmentation (RandomResizedCrop + flip), decoded by PIL in threads."""
+
 from __future__ import annotations
 
 import math
@@ -55,12 +56,15 @@ class Bottleneck(nn.Module):
         return self.relu(self.bn3(self.conv3(out)) + identity)
 
 
-ARCHS = {"resnet18": (BasicBlock, [2, 2, 2, 2]), "resnet34": (BasicBlock, [3, 4, 6, 3]),
-         "resnet50": (Bottleneck, [3, 4, 6, 3]), "resnet101": (Bottleneck, [3, 4, 23, 3])}
+ARCHS = {
+    "resnet18": (BasicBlock, [2, 2, 2, 2]),
+    "resnet34": (BasicBlock, [3, 4, 6, 3]),
+    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+    "resnet101": (Bottleneck, [3, 4, 23, 3]),
+}
 
 
 class ResNet(nn.Module):
-
     def __init__(self, arch: str, num_classes: int, width: int = 64):
         super().__init__()
         block, layers = ARCHS[arch]
@@ -85,8 +89,10 @@ class ResNet(nn.Module):
     def _layer(self, block, planes: int, blocks: int, stride: int) -> nn.Sequential:
         downsample = None
         if stride != 1 or self.inplanes != planes * block.expansion:
-            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * block.expansion, 1, stride, bias=False),
-                                       nn.BatchNorm2d(planes * block.expansion))
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes * block.expansion, 1, stride, bias=False),
+                nn.BatchNorm2d(planes * block.expansion),
+            )
         layers = [block(self.inplanes, planes, stride, downsample)]
         self.inplanes = planes * block.expansion
         layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
@@ -107,8 +113,12 @@ class ImageFolder:
             raise FileNotFoundError(f"no image folder {root}: run `python prepare.py imagenet --source DIR`")
         self.classes = list(classes) if classes else sorted(p.name for p in root.iterdir() if p.is_dir())
         index = {name: i for i, name in enumerate(self.classes)}
-        self.samples = sorted((str(p), index[p.parent.name]) for name in self.classes
-                              for p in (root / name).iterdir() if p.suffix.lower() in SUFFIXES)
+        self.samples = sorted(
+            (str(p), index[p.parent.name])
+            for name in self.classes
+            for p in (root / name).iterdir()
+            if p.suffix.lower() in SUFFIXES
+        )
         if not self.samples:
             raise FileNotFoundError(f"no images under {root}")
 
@@ -132,6 +142,7 @@ def _random_resized_crop(width: int, height: int, rng: random.Random) -> tuple[i
 
 def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
     from PIL import Image
+
     with Image.open(path) as image:
         image = image.convert("RGB")
         if train:
@@ -141,16 +152,18 @@ def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
                 image = image.transpose(Image.FLIP_LEFT_RIGHT)
         else:  # resize the short side to size/0.875, centre crop
             scale = size / 0.875 / min(image.size)
-            image = image.resize((max(size, round(image.width * scale)), max(size, round(image.height * scale))),
-                                 Image.BILINEAR)
+            image = image.resize(
+                (max(size, round(image.width * scale)), max(size, round(image.height * scale))), Image.BILINEAR
+            )
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))
         pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
     return (pixels.permute(2, 0, 1).float() / 255.0 - MEAN) / STD
 
 
-def load_batch(folder: ImageFolder, indices: Sequence[int], size: int, train: bool, seed: int,
-               pool: ThreadPoolExecutor) -> tuple[torch.Tensor, torch.Tensor]:
+def load_batch(
+    folder: ImageFolder, indices: Sequence[int], size: int, train: bool, seed: int, pool: ThreadPoolExecutor
+) -> tuple[torch.Tensor, torch.Tensor]:
     images = list(pool.map(lambda i: load_image(folder.samples[i][0], size, train, seed * 1_000_003 + i), indices))
     labels = torch.tensor([folder.samples[i][1] for i in indices])
     return torch.stack(images).contiguous(memory_format=torch.channels_last), labels

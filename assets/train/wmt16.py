@@ -4,6 +4,7 @@ Commentary v11 for training (4.5M pairs), newstest2014 for validation, newstest2
 Resumable: downloads continue where they stopped (HTTP Range), extracted corpora and finished
 shards are kept, and everything is written atomically; re-running skips finished work.
 """
+
 from __future__ import annotations
 
 import html
@@ -26,9 +27,11 @@ ARCHIVES = {
     "test": "http://data.statmt.org/wmt16/translation-task/test.tgz",
 }
 # (archive, member suffix for English, member suffix for German)
-TRAIN = [("europarl", "europarl-v7.de-en.en", "europarl-v7.de-en.de"),
-         ("commoncrawl", "commoncrawl.de-en.en", "commoncrawl.de-en.de"),
-         ("news-commentary", "news-commentary-v11.de-en.en", "news-commentary-v11.de-en.de")]
+TRAIN = [
+    ("europarl", "europarl-v7.de-en.en", "europarl-v7.de-en.de"),
+    ("commoncrawl", "commoncrawl.de-en.en", "commoncrawl.de-en.de"),
+    ("news-commentary", "news-commentary-v11.de-en.en", "news-commentary-v11.de-en.de"),
+]
 VALID = ("dev", "newstest2014-deen-src.en.sgm", "newstest2014-deen-ref.de.sgm")
 TEST = ("test", "newstest2016-ende-src.en.sgm", "newstest2016-ende-ref.de.sgm")
 MAX_WORDS = 250
@@ -69,7 +72,7 @@ def download(url: str, dest: Path, retries: int = 5, log=print) -> Path:
             return dest
         except (urllib.error.URLError, OSError, TimeoutError) as error:
             log(f"  {dest.name}: attempt {attempt}/{retries} stopped ({error}); resuming")
-            time.sleep(min(2 ** attempt, 30) if attempt < retries else 0)
+            time.sleep(min(2**attempt, 30) if attempt < retries else 0)
     raise RuntimeError(f"could not download {url} after {retries} attempts; re-run to resume")
 
 
@@ -108,8 +111,11 @@ def prepare(out: Path, vocab_size: int, mirror: str | None, log=print) -> dict:
         archives[name] = download(url, downloads / url.rsplit("/", 1)[1], log=log)
     if not (out / "train.de").exists():
         log("extracting and cleaning the training corpora")
-        pairs = [p for archive, en, de in TRAIN
-                 for p in clean_pairs(read_member(archives[archive], en), read_member(archives[archive], de), en)]
+        pairs = [
+            p
+            for archive, en, de in TRAIN
+            for p in clean_pairs(read_member(archives[archive], en), read_member(archives[archive], de), en)
+        ]
         write_text(out / "train.en", (p[0] for p in pairs))
         write_text(out / "train.de", (p[1] for p in pairs))
     for split, (archive, en, de) in (("valid", VALID), ("test", TEST)):
@@ -129,12 +135,16 @@ def prepare(out: Path, vocab_size: int, mirror: str | None, log=print) -> dict:
         if shard.exists():
             continue
         log(f"encoding shard {index + 1}/{len(shards)}")
-        write_pairs(shard, tokenizer.encode(english[start:start + SHARD_PAIRS]),
-                    tokenizer.encode(german[start:start + SHARD_PAIRS]))
+        write_pairs(
+            shard,
+            tokenizer.encode(english[start : start + SHARD_PAIRS]),
+            tokenizer.encode(german[start : start + SHARD_PAIRS]),
+        )
     sizes = {"train": len(english)}
     for split in ("valid", "test"):
         en = (out / f"{split}.en").read_text().splitlines()
-        write_pairs(out / f"{split}.pt", tokenizer.encode(en),
-                    tokenizer.encode((out / f"{split}.de").read_text().splitlines()))
+        write_pairs(
+            out / f"{split}.pt", tokenizer.encode(en), tokenizer.encode((out / f"{split}.de").read_text().splitlines())
+        )
         sizes[split] = len(en)
     return sizes

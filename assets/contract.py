@@ -1,0 +1,44 @@
+"""Names every layer shares: the CDK app (stacks/), the fab tasks (clusterops/, fabtasks/) and the
+watchdog on the nodes (the image copies this file to /workspace). One definition each; a test checks
+that the stack's outputs are the ones the inventory reads."""
+
+CLUSTER_TAG = "gpu-cluster:name"  # on every resource of a cluster; the node role may stop only these
+RANK_TAG = "gpu-cluster:rank"  # on each instance
+RETAIN_TAG = "gpu-cluster:retain"  # on an EFS kept by retain_data=true (fab audit keeps it)
+CONTAINER_SSH_PORT = 4444  # the training container's sshd (assets/docker/sshd_config)
+METRIC_NAMESPACE = "GpuCluster/Autostop"  # the watchdog's heartbeat and GPU metrics
+
+
+def parameter_prefix(cluster_name: str) -> str:
+    """Where the stack's SSM parameters live; `fab audit` lists what is left under it."""
+    return f"/gpu-cluster/{cluster_name}/"
+
+
+def host_key_parameter(cluster_name: str) -> str:
+    return parameter_prefix(cluster_name) + "ssh-host-key"
+
+
+def image_context_parameter(cluster_name: str) -> str:
+    return parameter_prefix(cluster_name) + "image-context"
+
+
+# The stack's outputs (stacks/cluster_stack.py) that the inventory (clusterops/inventory.py) reads.
+OUTPUT_KEYS = (
+    "ClusterName",
+    "Access",
+    "HeadPublicIp",
+    "PrivateIps",
+    "PublicIps",
+    "InstanceIds",
+    "FileSystemId",
+    "KeyParameterName",
+    "KeyName",
+    "HostKeyParameterName",
+    "Region",
+    "GpusPerNode",
+    "InstanceType",
+    "DashboardUrl",
+    "EfaCards",
+    "Spot",
+)
+REQUIRED_OUTPUTS = ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode", "HostKeyParameterName", "KeyParameterName")

@@ -1,0 +1,23 @@
+"""A torchrun worker for test_training: rank 1 sees a stale checkpoint listing (the newest file not
+there yet, as NFS attribute caching can show it), then every rank builds the Trainer and prints the
+step and the file it resumed from, as JSON."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "assets" / "train"))
+
+import checkpoint  # noqa: E402
+import distributed  # noqa: E402
+from config import build_parser, config_from_args  # noqa: E402
+from trainer import Trainer  # noqa: E402
+
+info, device = distributed.setup(timeout_s=60)
+if info.rank == 1:
+    listing = checkpoint.list_steps
+    checkpoint.list_steps = lambda run_dir: listing(run_dir)[:-1]
+config = config_from_args(build_parser("").parse_args(sys.argv[1:]))
+trainer = Trainer(config, info, device)
+print(json.dumps({"rank": info.rank, "step": trainer.step, "path": trainer.resumed_from}), flush=True)
+distributed.teardown()

@@ -1,0 +1,272 @@
+"""The training image provides every command that the node-side scripts run inside the container:
+launcher.sh, entrypoint.sh and the shell commands the fab tasks send (the status and monitor probes,
+...). A command is either in the NGC PyTorch base (Ubuntu's essential tools, python, its Open MPI),
+put there by the NVIDIA runtime, or installed by assets/docker/Dockerfile."""
+
+import ast
+import re
+import shlex
+from pathlib import Path
+
+from conftest import REPO
+from test_launch import inventory
+
+from clusterops import launch
+
+DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
+SCRIPTS = [REPO / "clusterops" / "launcher.sh", REPO / "assets" / "docker" / "entrypoint.sh"]
+BOOTSTRAP = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"  # its `docker exec CONTAINER COMMAND`s
+# Python files whose `sh(connection, "...")` commands run in the container (fab connects to it).
+SENDERS = [REPO / "clusterops" / "remote.py", REPO / "fabfile.py", *sorted((REPO / "fabtasks").glob("*.py"))]
+
+BASE = "NGC base"
+RUNTIME = "NVIDIA container runtime (--gpus)"
+# Command -> where it comes from in the container: BASE, RUNTIME or the apt package that installs it.
+PROVIDERS = {
+    **dict.fromkeys(
+        [
+            "bash",
+            "cat",
+            "chmod",
+            "cut",
+            "date",
+            "env",
+            "head",
+            "install",
+            "ls",
+            "mkdir",
+            "mv",
+            "nohup",
+            "paste",
+            "rm",
+            "sleep",
+            "sort",
+            "stat",
+            "tail",
+            "tee",
+            "timeout",
+            "touch",
+        ],
+        BASE,
+    ),
+    **dict.fromkeys(["awk", "grep", "sed", "hostname", "mountpoint", "setsid"], BASE),  # essential packages
+    **dict.fromkeys(["python", "python3", "pip", "mpirun"], BASE),  # the NGC PyTorch image itself
+    "nvidia-smi": RUNTIME,
+    "ssh": "openssh-client",
+    "sshd": "openssh-server",
+    "ip": "iproute2",
+    "pgrep": "procps",
+    "pkill": "procps",
+}
+BUILTINS = {
+    "[",
+    "[[",
+    ":",
+    "true",
+    "false",
+    "echo",
+    "printf",
+    "read",
+    "kill",
+    "cd",
+    "exit",
+    "return",
+    "exec",
+    "source",
+    ".",
+    "declare",
+    "local",
+    "export",
+    "set",
+    "shopt",
+    "trap",
+    "wait",
+    "break",
+    "continue",
+    "command",
+    "compgen",
+    "test",
+    "eval",
+    "shift",
+    "unset",
+    "type",
+    "for",
+    "case",
+    "esac",
+    "in",
+    "fi",
+    "done",
+}
+KEYWORDS = {"if", "then", "else", "elif", "while", "until", "do", "!", "time"}
+WRAPPERS = {"timeout": 1, "setsid": 0, "nohup": 0, "exec": 0, "command": 0}  # word -> arguments to skip
+SEPARATORS = ";|&\n(){}"
+
+
+def _close(text: str, i: int) -> int:
+    """Index just after the ')' that closes the '(' at text[i] (quotes respected)."""
+    depth, quote = 0, ""
+    while i < len(text):
+        c = text[i]
+        if quote:
+            quote = "" if c == quote else quote
+            i += 2 if c == "\\" and quote == '"' else 1
+            continue
+        quote = c if c in "'\"" else ""
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if c == ")" and depth == 0:
+            return i + 1
+        i += 1
+    return i
+
+
+def _segments(text: str, words: set) -> list[str]:
+    """Simple commands outside quotes; $(...) and ((...)) are scanned into words and blanked."""
+    segments, current, quote, i = [], "", "", 0
+    while i < len(text):
+        c = text[i]
+        if quote != "'" and (text.startswith("$(", i) or (not quote and text.startswith("((", i))):
+            end = _close(text, i + (c == "$"))
+            inner = text[i + 2 : end - 1]
+            if c == "$" and not inner.startswith("("):
+                words |= command_words(inner)
+            else:  # arithmetic: only its command substitutions run commands
+                words |= {w for sub in re.findall(r"\$\(([^()]*)\)", inner) for w in command_words(sub)}
+            current, i = current + ("$v" if c == "$" else " true "), end
+        elif quote != "'" and text.startswith("${", i):
+            end = text.index("}", i) + 1
+            current, i = current + "$v", end
+        elif c == "\\" and quote != "'":
+            current, i = current + text[i : i + 2], i + 2
+        elif quote or c in "'\"":
+            quote = "" if c == quote else (quote or c)
+            current, i = current + c, i + 1
+        elif c in SEPARATORS and not (c == "&" and (text[i - 1 : i] in "<>" or text[i + 1 : i + 2] == ">")):
+            segments.append(current)
+            current, i = "", i + 1
+        else:
+            current, i = current + c, i + 1
+    return segments + [current]
+
+
+def _without_redirections(tokens: list[str]) -> list[str]:
+    kept, target_next = [], False
+    for token in tokens:
+        if target_next or re.match(r"^[0-9]*[<>]", token):
+            target_next = not target_next and bool(re.match(r"^[0-9]*[<>]+&?$", token))
+            continue
+        kept.append(token)
+    return kept
+
+
+def _command(tokens: list[str], words: set) -> list[str]:
+    """The simple command's words from its command name on (no assignments, redirections or
+    wrappers; wrappers that are programs, like timeout, go into words)."""
+    tokens = _without_redirections(tokens)
+    while tokens:
+        head = tokens[0]
+        if head in KEYWORDS or re.match(r"^[\w\[\]$]+\+?=", head):
+            tokens = tokens[1:]
+        elif head == "command" and tokens[1:2] == ["-v"]:
+            return []  # only asks whether a command exists
+        elif head in WRAPPERS:
+            words |= {head} - BUILTINS
+            tokens = tokens[1 + WRAPPERS[head] :]
+        else:
+            return tokens
+    return []
+
+
+def command_words(script: str) -> set[str]:
+    """The commands a shell script runs: a scan, not a full parser, but it follows pipelines, lists,
+    $(...) (also in quotes and in arithmetic), wrappers such as timeout, and the command an ssh or
+    `bash -c` is given. Functions the script defines and case patterns are not commands."""
+    script = re.sub(r"\\\n", " ", script)
+    script = "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in script.splitlines())
+    script = re.sub(
+        r"(?ms)(\bcase\b.*?\bin\b)(.*?)(\besac\b)",
+        lambda m: m.group(1) + re.sub(r"(?m)^\s*[^()\n;]*\)", "", m.group(2)) + m.group(3),
+        script,
+    )
+    functions = set(re.findall(r"(?m)^\s*([\w-]+)\s*\(\)", script))
+    words: set[str] = set()
+    for segment in _segments(script, words):
+        tokens = _command(shlex.split(segment), words)
+        if not tokens or tokens[0].startswith(("$", "-")) or tokens[0] in BUILTINS | functions:
+            continue
+        words.add(tokens[0].rsplit("/", 1)[-1])
+        if tokens[0] == "ssh" and len(tokens) > 2:
+            words |= command_words(tokens[-1])
+        elif tokens[0] in ("bash", "sh") and "-c" in tokens[:-1]:
+            words |= command_words(tokens[tokens.index("-c") + 1])
+    return words - functions
+
+
+def _sent_commands(path) -> list[str]:
+    """The literal shell text of each sh(connection, COMMAND) call, interpolations as a value."""
+    commands = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "sh"
+            and len(node.args) >= 2
+        ):
+            arg = node.args[1]
+            parts = arg.values if isinstance(arg, ast.JoinedStr) else [arg]
+            commands.append(
+                "".join(
+                    p.value if isinstance(p, ast.Constant) and isinstance(p.value, str) else '"$value"' for p in parts
+                )
+            )
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and any(getattr(t, "id", "").endswith("_PROBE") for t in node.targets)
+        ):
+            template = re.sub(r"(?<!\{)\{\w+\}(?!\})", '"$value"', node.value.value)
+            commands.append(template.replace("{{", "{").replace("}}", "}"))
+    return commands
+
+
+def container_commands() -> dict[str, set[str]]:
+    """Command -> the files that call it inside the container."""
+    found: dict[str, set[str]] = {}
+    texts = [(p, p.read_text()) for p in SCRIPTS] + [(p, c) for p in SENDERS for c in _sent_commands(p)]
+    texts += [(BOOTSTRAP, m) for m in re.findall(r"docker exec \S+ ([^;|&\n]+)", BOOTSTRAP.read_text())]
+    request = launch.TrainRequest(recipe="transformer-tiny")  # command.sh, run by launcher.sh
+    texts.append((Path("command.sh"), launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/c"))))
+    for path, text in texts:
+        for word in command_words(text):
+            found.setdefault(word, set()).add(path.name)
+    return found
+
+
+def dockerfile_packages() -> set[str]:
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    packages = set()
+    for install in re.findall(r"apt-get install ([^&\n]*)", text):
+        packages |= {word for word in install.split() if not word.startswith("-")}
+    return packages
+
+
+def test_the_scan_sees_the_commands_it_must_see():
+    assert command_words(
+        'a=$(ip -o addr); if pgrep -x sshd >/dev/null; then x="$(hostname)"; fi\n'
+        'timeout 15 ssh -F c h "pkill -KILL orted; true" || true  # awk in a comment\n'
+        "command -v nvidia-smi >/dev/null && nvidia-smi | paste -sd/"
+    ) == {"ip", "pgrep", "hostname", "timeout", "ssh", "pkill", "nvidia-smi", "paste"}
+    found = container_commands()
+    assert {"ip", "pgrep", "pkill", "sshd", "ssh", "mountpoint", "awk", "timeout", "setsid", "mpirun"} <= set(found)
+    assert "node-bootstrap.sh" in found["pgrep"]
+
+
+def test_every_command_run_in_the_container_is_in_the_image():
+    found = container_commands()
+    unknown = {word: sorted(files) for word, files in found.items() if word not in PROVIDERS}
+    assert not unknown, f"commands run in the container with no known provider (add them to PROVIDERS): {unknown}"
+    packages = dockerfile_packages()
+    missing = {
+        word: PROVIDERS[word]
+        for word in found
+        if PROVIDERS[word] not in (BASE, RUNTIME) and PROVIDERS[word] not in packages
+    }
+    assert not missing, f"install these packages in {DOCKERFILE.name}: {missing}"
