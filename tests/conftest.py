@@ -51,6 +51,11 @@ def tool_env(**extra: str) -> dict:
     return env
 
 
+def run_fab(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """The real `fab` CLI from the repository, with tool_env(**env), output captured."""
+    return subprocess.run(["fab", *args], cwd=REPO, env=tool_env(**env), capture_output=True, text=True, timeout=120)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def checkout_stays_clean():
     """No test writes CDK context (AZ lookups, offerings) into the checkout's cdk.context.json."""

@@ -10,7 +10,7 @@ import uuid
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
-from conftest import ACCOUNT, REGION, REPO, tool_env
+from conftest import ACCOUNT, REGION, REPO, run_fab, tool_env
 
 from clusterops import audit
 
@@ -318,17 +318,8 @@ def test_fab_release_spot_cancels_the_clusters_requests_before_a_destroy(aws_env
     request = persistent_spot_request("spotgo")
     request_id = request["SpotInstanceRequestId"]
 
-    def run():
-        return subprocess.run(
-            ["fab", "release-spot", "--cluster", "spotgo"],
-            cwd=REPO,
-            env=tool_env(**aws_env),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    first = run()
+    first = run_fab("release-spot", "--cluster", "spotgo", **aws_env)
     assert first.returncode == 0 and first.stdout.strip() == f"cancelled {request_id}: `npx cdk destroy` may go ahead"
-    assert run().stdout.strip() == "no open Spot request tagged gpu-cluster:name=spotgo"
+    again = run_fab("release-spot", "--cluster", "spotgo", **aws_env).stdout.strip()
+    assert again == "no open Spot request tagged gpu-cluster:name=spotgo"
     boto3.client("ec2").terminate_instances(InstanceIds=[request["InstanceId"]])  # what `cdk destroy` does next

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
-from conftest import REPO, moto_instances, tool_env
+from conftest import REPO, moto_instances, run_fab, tool_env
 
 from clusterops import cost, preflight
 from clusterops.inventory import Inventory, Node, SshSettings
@@ -480,21 +480,26 @@ def test_an_unreadable_quota_is_a_fail_line_and_the_other_checks_still_run(tmp_p
     assert result.stderr.strip() == "error: preflight failed; fix the FAIL lines before `cdk deploy`"
 
 
-def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
-    from fabtasks.aws import _spent
-
-    ids = moto_instances(2, "spend")
-    fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
-    inv = Inventory(
-        cluster="spend",
+def aws_inventory(cluster: str, ids: list[str], **extra) -> Inventory:
+    """An AWS inventory of g4dn.xlarge nodes with these instance ids (moto's)."""
+    return Inventory(
+        cluster=cluster,
         source="aws",
         gpus_per_node=1,
         instance_type="g4dn.xlarge",
         region="us-east-1",
         nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
         ssh=SshSettings("root", 4444, "/k", "/kh"),
-        file_system_id=fs,
+        **extra,
     )
+
+
+def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
+    from fabtasks.aws import _spent
+
+    ids = moto_instances(2, "spend")
+    fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
+    inv = aws_inventory("spend", ids, file_system_id=fs)
     _spent(boto3.session.Session(), inv, cost.offline_price("g4dn.xlarge", "us-east-1"))
     _spent(boto3.session.Session(), inv, cost.Price(None, "unknown"))
     out = capsys.readouterr().out.splitlines()
@@ -732,16 +737,7 @@ def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_pri
 
     session = boto3.session.Session()
     ids = moto_instances(2, "spotcost")
-    inv = Inventory(
-        cluster="spotcost",
-        source="aws",
-        gpus_per_node=1,
-        instance_type="g4dn.xlarge",
-        region="us-east-1",
-        nodes=[Node(r, f"node{r}", "1.2.3.4", "10.0.0.5", i) for r, i in enumerate(ids)],
-        ssh=SshSettings("root", 4444, "/k", "/kh"),
-        spot=True,
-    )
+    inv = aws_inventory("spotcost", ids, spot=True)
     zone = nodes_zone(session, inv)
     assert (
         zone
@@ -755,13 +751,15 @@ def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_pri
 
 
 def test_fab_cost_spot_prices_the_cluster_at_the_spot_price(tmp_path, aws_env):
-    result = subprocess.run(
-        ["fab", "cost", "--spot", "--nodes", "3", "--instance-type", "g4dn.2xlarge"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=tool_env(GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"), **aws_env),
+    result = run_fab(
+        "cost",
+        "--spot",
+        "--nodes",
+        "3",
+        "--instance-type",
+        "g4dn.2xlarge",
+        GPU_CLUSTER_INVENTORY=str(tmp_path / "none.json"),
+        **aws_env,
     )
     assert result.returncode == 0, result.stderr
     saving, cluster = result.stdout.splitlines()[:2]
