@@ -86,7 +86,7 @@ def leftovers(aws_env):
 
 
 def clients():
-    from fabtasks.aws import AUDIT_CLIENTS
+    from fabfile.aws import AUDIT_CLIENTS
 
     return {k: boto3.client(k) for k in AUDIT_CLIENTS}
 

@@ -17,7 +17,7 @@ DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
 SCRIPTS = [REPO / "clusterops" / "launcher.sh", REPO / "assets" / "docker" / "entrypoint.sh"]
 BOOTSTRAP = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"  # its `docker exec CONTAINER COMMAND`s
 # Python files whose `sh(connection, "...")` commands run in the container (fab connects to it).
-SENDERS = [REPO / "clusterops" / "remote.py", REPO / "fabfile.py", *sorted((REPO / "fabtasks").glob("*.py"))]
+SENDERS = [REPO / "clusterops" / "remote.py", *sorted((REPO / "fabfile").glob("*.py"))]
 
 BASE = "NGC base"
 RUNTIME = "NVIDIA container runtime (--gpus)"

@@ -355,7 +355,7 @@ def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
             nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-1")],
             ssh=SshSettings("root", 4444, "/k", "/kh"),
         )
-        on_progress = fabfile._projector(inv)
+        on_progress = fabfile.runs._projector(inv)
         on_progress({"step": 5})  # step time not known yet: nothing
         on_progress({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0})
         on_progress({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0})  # printed once
@@ -495,7 +495,7 @@ def aws_inventory(cluster: str, ids: list[str], **extra) -> Inventory:
 
 
 def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
-    from fabtasks.aws import _spent
+    from fabfile.aws import _spent
 
     ids = moto_instances(2, "spend")
     fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
@@ -733,7 +733,7 @@ def test_a_spot_dry_run_carries_the_nodes_market_options():
 
 
 def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_price(aws_env):
-    from fabtasks.aws import nodes_zone
+    from fabfile.aws import nodes_zone
 
     session = boto3.session.Session()
     ids = moto_instances(2, "spotcost")

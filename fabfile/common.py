@@ -125,3 +125,12 @@ def cluster_config(**overrides):
         return ClusterConfig.from_context({**context, **{k: v for k, v in overrides.items() if v is not None}})
     except ConfigError as error:
         raise fail(error) from None
+
+
+def training_code_dir(inv: Inventory) -> str:
+    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
+    with head(inv) as conn:
+        synced = f"{inv.data_dir}/code/train"
+        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
+            return synced
+    return inv.code_dir

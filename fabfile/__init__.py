@@ -1,0 +1,41 @@
+"""Operate the GPU training cluster (AWS or the emulated local one). `fab --list`; `fab --help TASK`.
+
+Typical session:  fab local.up --nodes 2  ->  fab data  ->  fab train --follow  ->  fab fetch  ->  fab local.down
+On AWS:           fab preflight -> npx cdk deploy -> fab inventory -> fab status -> fab data ... -> npx cdk destroy
+
+One module per concern; this file only builds the collection (Invoke's "namespace" pattern).
+"""
+
+import sys
+from pathlib import Path
+
+# Invoke puts fabfile/ itself on sys.path (its modules would shadow top-level names such as `aws`);
+# the tasks import the project's packages (clusterops, stacks, assets) from the checkout instead.
+_PACKAGE_DIR, _PROJECT_DIR = str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)
+sys.path[:] = [_PROJECT_DIR] + [entry for entry in sys.path if entry not in (_PACKAGE_DIR, _PROJECT_DIR)]
+
+from invoke import Collection  # noqa: E402
+
+from . import aws, cluster, local, runs  # noqa: E402
+
+ns = Collection(
+    aws.preflight,
+    aws.cost,
+    aws.audit,
+    aws.release_spot,
+    aws.start,
+    aws.stop_cluster,
+    aws.inventory,
+    cluster.status,
+    cluster.check,
+    cluster.data,
+    cluster.sync,
+    runs.train,
+    runs.logs,
+    runs.stop,
+    cluster.tensorboard,
+    cluster.monitor,
+    runs.fetch,
+    cluster.ssh,
+    local.local,
+)

@@ -1,0 +1,164 @@
+"""Tasks on training runs: train, logs, stop, fetch."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from fabric import task
+from invoke.exceptions import Exit
+
+from clusterops import cost as costs
+from clusterops import launch, remote, report
+from clusterops.inventory import Inventory
+
+from .aws import efs_io_rate, kept_price
+from .common import ERRORS, fail, head, load_inventory, number, run_dir, settings, training_code_dir, whole_number
+
+
+@task(
+    auto_shortflags=False,  # no -h: help must stay help
+    help={
+        "recipe": f"one of {', '.join(launch.RECIPES)} (fabric.yaml default: transformer-tiny)",
+        "run": "run name (default: the recipe); the same name resumes that run",
+        "steps": "max steps",
+        "batch_per_gpu": "batch per GPU (per slot locally)",
+        "precision": "fp32, fp16 or bf16",
+        "grad_compression": "none, fp16, bf16 or powersgd",
+        "nodes": "use the first K nodes",
+        "dataset": "data set under /data/datasets",
+        "follow": "stream the log until the run ends",
+        "extra": "more train.py arguments, quoted",
+        "stall_minutes": "watchdog: end the run after this long without progress (fabric.yaml: 10)",
+        "start_minutes": "watchdog: end the run if no step comes this long after the start (default 15)",
+        "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)",
+        "then_stop": "stop the cluster's instances as soon as the run ends (fab start brings them back)",
+    },
+)
+def train(
+    c,
+    recipe=None,
+    run=None,
+    steps=None,
+    batch_per_gpu=None,
+    precision=None,
+    grad_compression=None,
+    nodes=None,
+    dataset=None,
+    follow=False,
+    extra="",
+    stall_minutes=None,
+    start_minutes=None,
+    master_port=None,
+    then_stop=False,
+):
+    """Start mpirun across the nodes, detached on the head node, with a watchdog."""
+    inv = load_inventory(c)
+    defaults = settings(c)
+    request = launch.TrainRequest(
+        recipe=recipe or defaults["recipe"],
+        run=run,
+        steps=whole_number(steps, "--steps"),
+        batch_per_gpu=whole_number(batch_per_gpu, "--batch-per-gpu"),
+        precision=precision,
+        grad_compression=grad_compression,
+        nodes=whole_number(nodes, "--nodes"),
+        dataset=dataset,
+        stall_minutes=number(stall_minutes or defaults["stall_minutes"], "--stall-minutes"),
+        start_minutes=number(start_minutes or defaults["start_minutes"], "--start-minutes"),
+        master_port=whole_number(master_port or defaults["master_port"], "--master-port"),
+        then_stop=then_stop,
+        extra_args=tuple(shlex.split(extra)),
+    )
+    try:
+        request.validate()
+        code_dir = training_code_dir(inv)
+        with head(inv) as conn:
+            rdir, log_offset = remote.start_training(conn, inv, request, code_dir)
+            print(f"started {request.run_name} in {rdir} on {len(inv.select(request.nodes))} node(s) ({code_dir})")
+            if follow:
+                _follow(conn, rdir, log_offset, _projector(inv))
+    except ERRORS as error:
+        raise fail(error) from None
+
+
+def _code_dir(c, inv: Inventory) -> str:
+    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
+    with head(inv) as conn:
+        synced = f"{inv.data_dir}/code/train"
+        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
+            return synced
+    return inv.code_dir
+
+
+def _projector(inv: Inventory):
+    """On AWS: print once what the run will cost (nodes and EFS I/O), as soon as its step time is
+    known; "unknown" where no price is known, never an exception after the run has started."""
+    if inv.source != "aws":
+        return None
+    price = kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
+    hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
+    printed: list[str] = []
+
+    def on_progress(progress: dict) -> None:
+        if printed or not costs.projection(progress, hourly):
+            return
+        line = costs.projection(progress, hourly, efs_io_rate(inv)) or ""
+        print(f"cost: {line} [{price.source}]", flush=True)
+        printed.append(line)
+
+    return on_progress
+
+
+def _follow(conn, rdir: str, offset: int = 0, on_progress=None) -> None:
+    status_ = remote.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
+    state = remote.run_state(conn, rdir)
+    print(report.run_line(rdir, state))
+    for line in report.summary_lines(state["summary"]):
+        print(line)
+    if status_.get("state") != "finished":
+        raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
+
+
+@task(help={"run": "run name (default: the active or latest run)", "follow": "keep streaming"})
+def logs(c, run=None, follow=False):
+    """Print a run's log (train.log on /data); --follow streams it until the run ends."""
+    inv = load_inventory(c)
+    with head(inv) as conn:
+        rdir = run_dir(conn, inv, run)
+        if follow:
+            _follow(conn, rdir)
+        else:
+            remote.follow_log(conn, rdir, follow=False)
+
+
+@task(help={"run": "run name (default: the active run)", "force": "kill instead of checkpoint-and-exit"})
+def stop(c, run=None, force=False):
+    """Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
+    inv = load_inventory(c)
+    try:
+        with head(inv) as conn:
+            rdir = run_dir(conn, inv, run) if run else remote.active_run(conn, inv)
+            if not rdir:
+                raise remote.RemoteError("no run is going")
+            if force:
+                remote.force_stop(conn, inv, rdir)
+                print(f"killed {rdir}")
+            else:
+                result = remote.request_stop(conn, rdir)
+                print(f"stopped {rdir}: {result.get('state')} {result.get('reason', '')}")
+    except ERRORS as error:
+        raise fail(error) from None
+
+
+@task(help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"})
+def fetch(c, run=None, dest="runs"):
+    """Checkpoint, config, vocabulary, summary.json and eval texts into ./runs/NAME/."""
+    inv = load_inventory(c)
+    with head(inv) as conn:
+        rdir = run_dir(conn, inv, run)
+        target = Path(dest) / Path(rdir).name
+        files, previous = remote.fetch_run(conn, rdir, target)
+    print(
+        f"fetched {len(files)} file(s) into {target}/" + (f" (the earlier copy is now {previous}/)" if previous else "")
+    )

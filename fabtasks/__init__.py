@@ -1,1 +1,0 @@
-"""The fab tasks beyond fabfile.py's own: see fabfile.py for the collection."""
