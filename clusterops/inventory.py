@@ -158,50 +158,13 @@ def from_outputs(
         raise InventoryError(
             f"stack {stack_name} outputs lack {', '.join(missing)}: redeploy with this version (`npx cdk deploy`)"
         )
-    private = outputs["PrivateIps"].split(",")
-    public = outputs["PublicIps"].split(",")
-    ids = outputs["InstanceIds"].split(",")
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o700)
     ssm = session.client("ssm")
-    key_dir = key_dir or Path.home() / ".ssh"
-    if key_file is None:
-        if outputs["KeyParameterName"] == "none":
-            raise InventoryError("the stack uses your own key pair: pass --key-file PATH")
-        key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Named after the key pair's parameter (/ec2/keypair/key-ID): a new deploy of the same stack
-        # has a new key pair, so a key file left by an earlier deploy is never reused.
-        key_id = outputs["KeyParameterName"].rstrip("/").rsplit("/", 1)[-1]
-        key_path = key_dir / f"{stack_name}-{key_id}.pem"
-        if not key_path.exists():
-            value = ssm.get_parameter(Name=outputs["KeyParameterName"], WithDecryption=True)["Parameter"]["Value"]
-            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(value if value.endswith("\n") else value + "\n")
-        key_file = str(key_path)
-    try:
-        host_key = ssm.get_parameter(Name=outputs["HostKeyParameterName"])["Parameter"]["Value"]
-    except ssm.exceptions.ParameterNotFound:
-        host_key = ""
-    if not host_key.startswith("ssh-"):  # the stack's placeholder until node 0 has booted
-        raise InventoryError(
-            "the nodes have not published their host key yet: wait for "
-            "`cdk deploy` to finish, then run `fab inventory` again"
-        )
-    proxy = None
-    if outputs.get("Access") == "ssm":  # no inbound rule: every node through Session Manager
-        proxy = SSM_PROXY_COMMAND.format(region=outputs.get("Region") or "us-east-1")
-        public = list(ids)
-    else:  # no public address (an emulator): reach the node on its private one
-        public = [
-            ip if ip and ip not in ("None", "none") else private[r]
-            for r, ip in enumerate(public + [""] * (len(private) - len(public)))
-        ]
-    nodes = [
-        Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r], instance_id=ids[r])
-        for r in range(len(private))
-    ]
-    nodes = refresh_addresses(nodes, session.client("ec2"))  # a stop/start changes public IPs
+    key_file = key_file or _fetch_private_key(ssm, stack_name, outputs, key_dir or Path.home() / ".ssh")
+    host_key = _published_host_key(ssm, outputs)
+    proxy = SSM_PROXY_COMMAND.format(region=outputs.get("Region") or "us-east-1") if _via_ssm(outputs) else None
+    nodes = refresh_addresses(_nodes(outputs), session.client("ec2"))  # a stop/start changes public IPs
     known_hosts = state_dir / f"{stack_name}.known_hosts"
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=CONTAINER_SSH_PORT)
     return Inventory(
@@ -226,6 +189,59 @@ def from_outputs(
             if value
         },
     )
+
+
+def _via_ssm(outputs: dict) -> bool:
+    return outputs.get("Access") == "ssm"
+
+
+def _fetch_private_key(ssm, stack_name: str, outputs: dict, key_dir: Path) -> str:
+    """The key pair CDK created, fetched from SSM once into key_dir (0600)."""
+    if outputs["KeyParameterName"] == "none":
+        raise InventoryError("the stack uses your own key pair: pass --key-file PATH")
+    key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Named after the key pair's parameter (/ec2/keypair/key-ID): a new deploy of the same stack
+    # has a new key pair, so a key file left by an earlier deploy is never reused.
+    key_id = outputs["KeyParameterName"].rstrip("/").rsplit("/", 1)[-1]
+    key_path = key_dir / f"{stack_name}-{key_id}.pem"
+    if not key_path.exists():
+        value = ssm.get_parameter(Name=outputs["KeyParameterName"], WithDecryption=True)["Parameter"]["Value"]
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(value if value.endswith("\n") else value + "\n")
+    return str(key_path)
+
+
+def _published_host_key(ssm, outputs: dict) -> str:
+    try:
+        host_key = ssm.get_parameter(Name=outputs["HostKeyParameterName"])["Parameter"]["Value"]
+    except ssm.exceptions.ParameterNotFound:
+        host_key = ""
+    if not host_key.startswith("ssh-"):  # the stack's placeholder until node 0 has booted
+        raise InventoryError(
+            "the nodes have not published their host key yet: wait for "
+            "`cdk deploy` to finish, then run `fab inventory` again"
+        )
+    return host_key
+
+
+def _nodes(outputs: dict) -> list[Node]:
+    """Nodes in rank order, addressed by instance id (access=ssm: Session Manager resolves it), else
+    by public IP, else (no public address, e.g. an emulator) by private IP."""
+    private = outputs["PrivateIps"].split(",")
+    public = outputs["PublicIps"].split(",")
+    ids = outputs["InstanceIds"].split(",")
+    if _via_ssm(outputs):
+        public = list(ids)
+    else:
+        public = [
+            ip if ip and ip not in ("None", "none") else private[r]
+            for r, ip in enumerate(public + [""] * (len(private) - len(public)))
+        ]
+    return [
+        Node(rank=r, name=f"node{r}", public_ip=public[r], private_ip=private[r], instance_id=ids[r])
+        for r in range(len(private))
+    ]
 
 
 def describe(ec2, ids: list[str]) -> dict[str, dict]:

@@ -61,7 +61,11 @@ class GpuClusterStack(Stack):
                 Acknowledgment(id="AwsSolutions::AwsSolutions-VPC7", reason=reason),
                 Acknowledgment(id="NIST.800.53.R5::NIST.800.53.R5-VPCFlowLogsEnabled", reason=reason),
             )
+        for name, value in self._outputs(config).items():
+            CfnOutput(self, name, value=value)
 
+    def _outputs(self, config: ClusterConfig) -> dict:
+        """What `fab inventory` reads (assets/contract.py OUTPUT_KEYS names them)."""
         instances = self.nodes.instances
         public = not config.private_subnet
         outputs = {
@@ -82,8 +86,7 @@ class GpuClusterStack(Stack):
             "DashboardUrl": self.dashboard.url,
             "EfaCards": str(config.efa_cards),
         }
-        for name, value in outputs.items():
-            CfnOutput(self, name, value=value)
+        return outputs
 
     def _acknowledge_findings(self) -> None:
         """cdk-nag AwsSolutions findings this design accepts, each with its reason."""

@@ -107,147 +107,187 @@ class GpuNodes(Construct):
         assets_dir: Path = ASSETS_DIR,
     ) -> None:
         super().__init__(scope, construct_id)
-        stack = Stack.of(self)
         self.host_key_parameter_name = host_key_parameter_name(config.cluster_name)
-
         # Image build context: the Dockerfile and the training program, unpacked on each node.
         self.image_context = s3_assets.Asset(
             self, "ImageContextAsset", path=str(assets_dir), exclude=["bootstrap", "**/__pycache__", "**/*.pyc"]
         )
+        self.role = self._node_role()
+        self.host_key_parameter = self._host_key_parameter()
+        self.image_context_parameter = self._image_context_parameter(config)
+        self._grant_stop_and_heartbeat(config)
+        self.key_pair, self.key_parameter_name = self._key_pair(config)
+        placement_group = (
+            ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+            if config.placement_group
+            else None
+        )
+        machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_parameter)
+        self.instances: list[ec2.Instance] = []
+        for rank in range(config.nodes):
+            instance = self._instance(config, rank, vpc, subnet, security_group, machine_image, placement_group)
+            self._bootstrap(config, rank, instance, file_system)
+            self._launch_options(config, rank, instance, subnet, security_group)
+            self.instances.append(instance)
+        self.idle_alarms = [
+            self._idle_alarm(config, rank, instance)
+            for rank, instance in enumerate(self.instances)
+            if config.idle_minutes
+        ]
 
-        self.role = iam.Role(
+    def _node_role(self) -> iam.Role:
+        role = iam.Role(
             self,
             "NodeRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             description="GPU cluster nodes: SSM sessions, bootstrap signal, image context",
             managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
         )
-        self.role.add_to_policy(
-            iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[stack.stack_id])
+        role.add_to_policy(
+            iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[Stack.of(self).stack_id])
         )
-        # Owned by the stack (so `cdk destroy` deletes it); node 0 overwrites the placeholder.
-        self.host_key_parameter = ssm.StringParameter(
+        return role
+
+    def _host_key_parameter(self) -> ssm.StringParameter:
+        """Owned by the stack (so `cdk destroy` deletes it); node 0 overwrites the placeholder."""
+        parameter = ssm.StringParameter(
             self,
             "HostKey",
             parameter_name=self.host_key_parameter_name,
             string_value=HOST_KEY_PENDING,
             description="The cluster's SSH host public key, pinned by the fab tasks",
         )
-        self.host_key_parameter.grant_write(self.role)
+        parameter.grant_write(self.role)
         # Found by its /gpu-cluster/NAME/ path, so untagged: moto 5.2 crashes on SSM parameter tags
         # in CloudFormation, and the deploy-into-moto test needs this stack.
-        Tags.of(self.host_key_parameter).remove(CLUSTER_TAG, priority=200)
+        Tags.of(parameter).remove(CLUSTER_TAG, priority=200)
         self.role.add_to_policy(
             iam.PolicyStatement(
                 actions=["s3:GetObject"],
                 resources=[self.image_context.bucket.arn_for_objects(self.image_context.s3_object_key)],
             )
         )
-        # Where the image context is, outside user data: a code edit updates this parameter and
-        # replaces no node (running nodes get code with `fab sync`; new ones build from it).
-        self.image_context_parameter = ssm.StringParameter(
+        return parameter
+
+    def _image_context_parameter(self, config: ClusterConfig) -> ssm.StringParameter:
+        """Where the image context is, outside user data: a code edit updates this parameter and
+        replaces no node (running nodes get code with `fab sync`; new ones build from it)."""
+        parameter = ssm.StringParameter(
             self,
             "ImageContext",
             parameter_name=image_context_parameter_name(config.cluster_name),
             string_value=f"{self.image_context.s3_object_url} {self.image_context.asset_hash[:16]}",
             description="The training image's build context (S3 URL and tag) for the node bootstrap",
         )
-        self.image_context_parameter.grant_read(self.role)
-        Tags.of(self.image_context_parameter).remove(CLUSTER_TAG, priority=200)
+        parameter.grant_read(self.role)
+        Tags.of(parameter).remove(CLUSTER_TAG, priority=200)
+        return parameter
 
-        self._grant_stop_and_heartbeat(config)
-
-        self.key_pair: ec2.IKeyPair
-        self.key_parameter_name: Optional[str] = None
+    def _key_pair(self, config: ClusterConfig) -> tuple[ec2.IKeyPair, Optional[str]]:
+        """The user's key pair by name, else a new one whose private key CDK keeps in SSM."""
         if config.key_name:
-            self.key_pair = ec2.KeyPair.from_key_pair_name(self, "KeyPair", config.key_name)
-        else:
-            key_pair = ec2.KeyPair(
-                self, "KeyPair", key_pair_name=f"{config.cluster_name}-{stack.stack_name}", type=ec2.KeyPairType.ED25519
-            )
-            self.key_pair = key_pair
-            self.key_parameter_name = key_pair.private_key.parameter_name
+            return ec2.KeyPair.from_key_pair_name(self, "KeyPair", config.key_name), None
+        key_pair = ec2.KeyPair(
+            self,
+            "KeyPair",
+            key_pair_name=f"{config.cluster_name}-{Stack.of(self).stack_name}",
+            type=ec2.KeyPairType.ED25519,
+        )
+        return key_pair, key_pair.private_key.parameter_name
 
-        placement_group = None
-        if config.placement_group:
-            placement_group = ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
-
-        machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_parameter)
-        self.instances: list[ec2.Instance] = []
-        for rank in range(config.nodes):
-            instance = ec2.Instance(
-                self,
-                f"Node{rank}",
-                instance_name=config.node_name(rank),
-                vpc=vpc,
-                vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
-                security_group=security_group,
-                instance_type=ec2.InstanceType(config.instance_type),
-                machine_image=machine_image,
-                role=self.role,
-                key_pair=self.key_pair,
-                placement_group=placement_group,
-                require_imdsv2=not config.efa_cards,  # with EFA, its own launch template requires it
-                # no detailed monitoring: the idle alarm uses the heartbeat
-                user_data_causes_replacement=True,
-                propagate_tags_to_volume_on_creation=True,
-                block_devices=[
-                    ec2.BlockDevice(
-                        device_name="/dev/sda1",
-                        volume=ec2.BlockDeviceVolume.ebs(
-                            config.root_volume_gb,
-                            volume_type=ec2.EbsDeviceVolumeType.GP3,
-                            encrypted=True,
-                            delete_on_termination=True,
-                        ),
-                    )
-                ],
-            )
-            env = {
-                "CLUSTER_NAME": config.cluster_name,
-                "NODE_RANK": str(rank),
-                "NODES": str(config.nodes),
-                "FILE_SYSTEM_ID": file_system.file_system_id,
-                "AWS_REGION": stack.region,
-                "STACK_NAME": stack.stack_name,
-                "SIGNAL_RESOURCE": stack.get_logical_id(_cfn(instance)),
-                "BASE_IMAGE": config.image,
-                "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
-                "HOST_KEY_PARAMETER": self.host_key_parameter_name,
-                "IDLE_MINUTES": str(config.idle_minutes),
-                "EFA_CARDS": str(config.efa_cards),
-            }
-            if config.spot:  # only then: a new key in user data would replace On-Demand nodes
-                env["SPOT"] = "true"
-            instance.user_data.add_commands(render_user_data(env))
-            check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
-            cfn_instance = _cfn(instance)
-            efa_template = None
-            if config.efa_cards:
-                efa_template = self._attach_efa(
-                    instance, rank, config.efa_cards, subnet, security_group, public=not config.private_subnet
+    def _instance(
+        self,
+        config: ClusterConfig,
+        rank: int,
+        vpc: ec2.IVpc,
+        subnet: ec2.ISubnet,
+        security_group: ec2.ISecurityGroup,
+        machine_image: ec2.IMachineImage,
+        placement_group: Optional[ec2.PlacementGroup],
+    ) -> ec2.Instance:
+        instance = ec2.Instance(
+            self,
+            f"Node{rank}",
+            instance_name=config.node_name(rank),
+            vpc=vpc,
+            vpc_subnets=ec2.SubnetSelection(subnets=[subnet]),
+            security_group=security_group,
+            instance_type=ec2.InstanceType(config.instance_type),
+            machine_image=machine_image,
+            role=self.role,
+            key_pair=self.key_pair,
+            placement_group=placement_group,
+            require_imdsv2=not config.efa_cards,  # with EFA, its own launch template requires it
+            # no detailed monitoring: the idle alarm uses the heartbeat
+            user_data_causes_replacement=True,
+            propagate_tags_to_volume_on_creation=True,
+            block_devices=[
+                ec2.BlockDevice(
+                    device_name="/dev/sda1",
+                    volume=ec2.BlockDeviceVolume.ebs(
+                        config.root_volume_gb,
+                        volume_type=ec2.EbsDeviceVolumeType.GP3,
+                        encrypted=True,
+                        delete_on_termination=True,
+                    ),
                 )
-            if config.spot:
-                spot_tags = {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}
-                if efa_template is not None:
-                    make_spot(efa_template, config.spot_max_price, spot_tags)
-                else:
-                    Aspects.of(instance).add(SpotLaunchTemplate(config.spot_max_price, spot_tags))
-            cfn_instance.cfn_options.creation_policy = CfnCreationPolicy(
-                resource_signal=CfnResourceSignal(count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M")
-            )
-            # Mount targets must exist before the bootstrap mounts /data.
-            instance.node.add_dependency(
-                file_system.mount_targets_available, self.host_key_parameter, self.image_context_parameter
-            )
-            Tags.of(instance).add(RANK_TAG, str(rank))
-            self.instances.append(instance)
+            ],
+        )
+        Tags.of(instance).add(RANK_TAG, str(rank))
+        return instance
 
-        self.idle_alarms = [
-            self._idle_alarm(config, rank, instance)
-            for rank, instance in enumerate(self.instances)
-            if config.idle_minutes
-        ]
+    def _bootstrap(
+        self, config: ClusterConfig, rank: int, instance: ec2.Instance, file_system: efs.IFileSystem
+    ) -> None:
+        """User data (the bootstrap script with this node's values), the signal it must send, and what
+        must exist before it runs."""
+        stack = Stack.of(self)
+        env = {
+            "CLUSTER_NAME": config.cluster_name,
+            "NODE_RANK": str(rank),
+            "NODES": str(config.nodes),
+            "FILE_SYSTEM_ID": file_system.file_system_id,
+            "AWS_REGION": stack.region,
+            "STACK_NAME": stack.stack_name,
+            "SIGNAL_RESOURCE": stack.get_logical_id(_cfn(instance)),
+            "BASE_IMAGE": config.image,
+            "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
+            "HOST_KEY_PARAMETER": self.host_key_parameter_name,
+            "IDLE_MINUTES": str(config.idle_minutes),
+            "EFA_CARDS": str(config.efa_cards),
+        }
+        if config.spot:  # only then: a new key in user data would replace On-Demand nodes
+            env["SPOT"] = "true"
+        instance.user_data.add_commands(render_user_data(env))
+        check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
+        _cfn(instance).cfn_options.creation_policy = CfnCreationPolicy(
+            resource_signal=CfnResourceSignal(count=1, timeout=f"PT{int(BOOTSTRAP_TIMEOUT.to_minutes())}M")
+        )
+        # Mount targets must exist before the bootstrap mounts /data.
+        instance.node.add_dependency(
+            file_system.mount_targets_available, self.host_key_parameter, self.image_context_parameter
+        )
+
+    def _launch_options(
+        self,
+        config: ClusterConfig,
+        rank: int,
+        instance: ec2.Instance,
+        subnet: ec2.ISubnet,
+        security_group: ec2.ISecurityGroup,
+    ) -> None:
+        """EFA interfaces and Spot market options: both live in the node's launch template."""
+        efa_template = None
+        if config.efa_cards:
+            efa_template = self._attach_efa(
+                instance, rank, config.efa_cards, subnet, security_group, public=not config.private_subnet
+            )
+        if config.spot:
+            spot_tags = {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}
+            if efa_template is not None:
+                make_spot(efa_template, config.spot_max_price, spot_tags)
+            else:
+                Aspects.of(instance).add(SpotLaunchTemplate(config.spot_max_price, spot_tags))
 
     def _grant_stop_and_heartbeat(self, config: ClusterConfig) -> None:
         """Always, even with idle_minutes=0 (`fab train --then-stop` stops the cluster from a node):

@@ -18,6 +18,11 @@ from stacks.instance_types import INSTANCE_TYPES
 QUOTA_NAME = "Running On-Demand G and VT instances"
 
 
+def table_price(instance_type: str) -> float:
+    """The offline table's On-Demand price: tests read it, never copy it."""
+    return cost.TABLE["instances_usd_per_hour"][instance_type]
+
+
 def offline(service: str):
     return boto3.client(
         service,
@@ -98,24 +103,37 @@ def test_every_accepted_type_has_a_bucket_for_both_purchase_options():
         assert preflight.quota_bucket(name) and preflight.quota_bucket(name, spot=True)
 
 
-# (moto's instance-type catalogue has no p3 sizes; p4d and p5 stand for the P bucket)
+# (moto's instance-type catalogue has no p3 sizes; p4d and p5 stand for the P bucket). A region no
+# other test launches in: nothing runs there, so each row takes the path it names (ok or short).
+QUIET_REGION = "eu-west-3"
+
+
 @pytest.mark.parametrize(
-    "instance_type, nodes, quota, needed",
+    "instance_type, nodes, quota, needed, ok",
     [
-        ("g4dn.2xlarge", 4, 16, 32),
-        ("g4dn.2xlarge", 2, 16, 16),
-        ("g5.12xlarge", 2, 64, 96),
-        ("p4d.24xlarge", 2, 192, 192),
-        ("p5.48xlarge", 1, 96, 192),
+        ("g4dn.2xlarge", 4, 16, 32, False),
+        ("g4dn.2xlarge", 2, 16, 16, True),
+        ("g5.12xlarge", 2, 64, 96, False),
+        ("p4d.24xlarge", 2, 192, 192, True),
+        ("p5.48xlarge", 1, 96, 192, False),
     ],
 )
-def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instance_type, nodes, quota, needed):
-    ec2 = boto3.client("ec2")
+def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instance_type, nodes, quota, needed, ok):
+    ec2 = boto3.client("ec2", region_name=QUIET_REGION)
     client, stubber = quotas_client(quota, preflight.quota_bucket(instance_type)[0])
     check = preflight.check_quota(ec2, client, instance_type, nodes)
-    assert check.requested == needed and check.needed == needed + check.running
-    assert check.ok is (check.needed <= quota) and f"quota {quota:g} vCPUs" in check.line()
+    assert (check.running, check.requested, check.needed, check.ok) == (0, needed, needed, ok)
+    assert f"quota {quota:g} vCPUs" in check.line()
     stubber.assert_no_pending_responses()
+
+
+def test_running_nodes_in_the_bucket_count_against_the_quota(aws_env):
+    ec2 = boto3.client("ec2", region_name="eu-west-2")
+    client, _ = quotas_client(16)
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="g4dn.xlarge")  # 4 vCPUs, G On-Demand
+    check = preflight.check_quota(ec2, client, "g4dn.2xlarge", 2)
+    assert (check.running, check.needed, check.ok) == (4, 20, False)
 
 
 def test_running_vcpus_count_only_the_same_bucket_and_purchase_option(aws_env):
@@ -361,8 +379,11 @@ def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
         on_progress({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0})  # printed once
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
-    assert lines[0].startswith("cost: run: step 10/3610 at 1.00 s/step -> 1.0 h and $0.80 more for the nodes")
-    assert "$27.45 more" in lines[1] and "unknown more for the nodes" in lines[2]
+    hour_of = {t: table_price(t) for t in ("g6.xlarge", "p4de.24xlarge")}  # 3600 steps left at 1 s/step
+    assert lines[0].startswith(
+        f"cost: run: step 10/3610 at 1.00 s/step -> 1.0 h and ${hour_of['g6.xlarge']:.2f} more for the nodes"
+    )
+    assert f"${hour_of['p4de.24xlarge']:.2f} more" in lines[1] and "unknown more for the nodes" in lines[2]
 
 
 def test_estimate_with_efs_io_projection_and_spend():
@@ -419,7 +440,8 @@ def test_fab_cost_shows_the_offline_tables_date_and_source(tmp_path):
         ),
     )
     assert result.returncode == 0, result.stderr
-    assert "cluster: 4 x $0.805/h = $3.22/hour" in result.stdout and "[offline table of 2026-06]" in result.stdout
+    g6 = table_price("g6.xlarge")
+    assert f"cluster: 4 x ${g6:.3f}/h = ${4 * g6:.2f}/hour" in result.stdout and "[offline table of 2026-06]" in result.stdout
     assert "EBS root volumes: 4 x 200 GB gp3 = $64.00/month" in result.stdout
     assert "EFS Elastic I/O: up to 13,500 GB read" in result.stdout
     assert (
@@ -661,7 +683,8 @@ def test_a_spot_price_that_cannot_be_read_prices_nodes_at_on_demand_and_says_so(
     with Stubber(ec2) as stubber:
         stubber.add_client_error("describe_spot_price_history", "UnauthorizedOperation", "not allowed")
         price, line = cost.node_price(ec2, None, "g4dn.2xlarge", "us-east-1", spot=True, zone="us-east-1a")
-    assert price.usd_per_hour == 0.752 and price.source.startswith("Spot price unknown, priced at On-Demand: offline")
+    assert price.usd_per_hour == table_price("g4dn.2xlarge")
+    assert price.source.startswith("Spot price unknown, priced at On-Demand: offline")
     assert "UnauthorizedOperation" in line and line.endswith("saving unknown")
     on_demand, none = cost.node_price(None, None, "g4dn.2xlarge", "us-east-1", kept=cost.Price(0.8, "kept"))
     assert (on_demand, none) == (cost.Price(0.8, "kept"), None)
@@ -746,7 +769,7 @@ def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_pri
         ]
     )
     price, line = cost.node_price(session.client("ec2"), None, inv.instance_type, "us-east-1", inv.spot, zone)
-    assert price.source.startswith(f"Spot price, {zone}, since ") and "vs On-Demand $0.5260/h" in line
+    assert price.source.startswith(f"Spot price, {zone}, since ") and f"vs On-Demand ${table_price(inv.instance_type):.4f}/h" in line
     assert nodes_zone(session, None) is None
 
 
@@ -763,5 +786,5 @@ def test_fab_cost_spot_prices_the_cluster_at_the_spot_price(tmp_path, aws_env):
     )
     assert result.returncode == 0, result.stderr
     saving, cluster = result.stdout.splitlines()[:2]
-    assert saving.startswith("Spot $") and "the cheapest AZ" in saving and "vs On-Demand $0.7520/h" in saving
+    assert saving.startswith("Spot $") and "the cheapest AZ" in saving and f"vs On-Demand ${table_price('g4dn.2xlarge'):.4f}/h" in saving
     assert cluster.startswith("cluster: 3 x $") and "[Spot price, us-east-1" in cluster
