@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -229,7 +229,7 @@ def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
         elif f.type == "tuple":
             parser.add_argument(flag, type=float, nargs=2, default=None, help=f"(default {default})")
         else:
-            kind = {"int": int, "float": float, "str": str, "Optional[float]": float}[f.type]
+            kind = {"int": int, "float": float, "str": str, "Optional[float]": float}[str(f.type)]
             parser.add_argument(flag, type=kind, default=None, dest=prefix + f.name, help=f"(default {default})")
 
 
@@ -244,7 +244,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Recipe defaults, then every flag the user gave; validated."""
-    recipe = dict(RECIPES[args.recipe])
+    recipe: dict[str, Any] = dict(RECIPES[args.recipe])
     model = ModelConfig(**recipe.pop("model", {}))
     vision = VisionConfig(**recipe.pop("vision", {}))
     config = TrainConfig(recipe=args.recipe, model=model, vision=vision, **recipe)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def detect(env: dict | None = None) -> DistInfo:
+def detect(env: Mapping[str, str] | None = None) -> DistInfo:
     """Rank, world size and local rank from OpenMPI's or torchrun's variables."""
     env = os.environ if env is None else env
     if "OMPI_COMM_WORLD_RANK" in env:

@@ -43,7 +43,8 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions[: tokens.size(1)]
+        positions: torch.Tensor = self.positions  # type: ignore[assignment]  # a registered buffer
+        x = self.embed(tokens) * math.sqrt(self.config.d_model) + positions[: tokens.size(1)]
         return self.dropout(x)
 
     def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

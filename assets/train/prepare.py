@@ -42,7 +42,7 @@ def numbers_corpus(count: int, seed: int, max_numbers: int, max_digits: int) -> 
     """`count` distinct (english, german) sentences, each 1..max_numbers numbers joined by ', '."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     while len(pairs) < count:
         values = []
         for _ in range(rng.randint(1, max_numbers)):

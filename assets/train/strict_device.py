@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ COLLECTIVES = (
 
 def _caller() -> str:
     """The first frame outside torch and this module: where the tensor was made."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame and (frame.f_code.co_filename == __file__ or f"{os.sep}torch{os.sep}" in frame.f_code.co_filename):
         frame = frame.f_back
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame else "?"

@@ -50,7 +50,7 @@ class TranslationTask:
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         c, world = self.config, self.info.world_size
-        out = []
+        out: list[tuple[torch.Tensor, ...]] = []
         for micro in range(c.grad_accum):
             indices = global_batch_indices(
                 step * c.grad_accum + micro, c.batch_per_gpu * world, len(self.data.train), c.seed
@@ -97,7 +97,7 @@ class ImageTask:
         torch.manual_seed(config.seed)
         self.model = ResNet(v.arch, v.num_classes, v.width).to(device, memory_format=torch.channels_last)
         self.pool = ThreadPoolExecutor(max_workers=v.workers)
-        self._synthetic = None
+        self._synthetic: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def optimizer(self) -> torch.optim.Optimizer:
         v = self.config.vision
@@ -119,7 +119,7 @@ class ImageTask:
         from vision import load_batch
 
         c, v, world = self.config, self.config.vision, self.info.world_size
-        out = []
+        out: list[tuple[torch.Tensor, ...]] = []
         for micro in range(c.grad_accum):
             position = step * c.grad_accum + micro
             if v.synthetic:

@@ -56,7 +56,7 @@ class Bottleneck(nn.Module):
         return self.relu(self.bn3(self.conv3(out)) + identity)
 
 
-ARCHS = {
+ARCHS: dict[str, tuple[type[BasicBlock] | type[Bottleneck], list[int]]] = {
     "resnet18": (BasicBlock, [2, 2, 2, 2]),
     "resnet34": (BasicBlock, [3, 4, 6, 3]),
     "resnet50": (Bottleneck, [3, 4, 6, 3]),
@@ -143,17 +143,18 @@ def _random_resized_crop(width: int, height: int, rng: random.Random) -> tuple[i
 def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
     from PIL import Image
 
-    with Image.open(path) as image:
-        image = image.convert("RGB")
+    with Image.open(path) as source:
+        image = source.convert("RGB")
         if train:
             rng = random.Random(seed)
-            image = image.resize((size, size), Image.BILINEAR, box=_random_resized_crop(*image.size, rng))
+            image = image.resize((size, size), Image.Resampling.BILINEAR, box=_random_resized_crop(*image.size, rng))
             if rng.random() < 0.5:
-                image = image.transpose(Image.FLIP_LEFT_RIGHT)
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         else:  # resize the short side to size/0.875, centre crop
             scale = size / 0.875 / min(image.size)
             image = image.resize(
-                (max(size, round(image.width * scale)), max(size, round(image.height * scale))), Image.BILINEAR
+                (max(size, round(image.width * scale)), max(size, round(image.height * scale))),
+                Image.Resampling.BILINEAR,
             )
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))

@@ -81,7 +81,10 @@ def read_member(archive: Path, suffix: str) -> list[str]:
         member = next((m for m in tar.getmembers() if m.name.endswith(suffix)), None)
         if member is None:
             raise RuntimeError(f"{archive.name} has no member ending in {suffix}")
-        text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+        handle = tar.extractfile(member)
+        if handle is None:
+            raise RuntimeError(f"{archive.name}: {member.name} is not a regular file")
+        text = handle.read().decode("utf-8", errors="replace")
     if suffix.endswith(".sgm"):
         return [html.unescape(m.group(1)).strip() for m in map(_SEG.search, text.splitlines()) if m]
     return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n")
@@ -142,9 +145,11 @@ def prepare(out: Path, vocab_size: int, mirror: str | None, log=print) -> dict:
         )
     sizes = {"train": len(english)}
     for split in ("valid", "test"):
-        en = (out / f"{split}.en").read_text().splitlines()
+        sentences = (out / f"{split}.en").read_text().splitlines()
         write_pairs(
-            out / f"{split}.pt", tokenizer.encode(en), tokenizer.encode((out / f"{split}.de").read_text().splitlines())
+            out / f"{split}.pt",
+            tokenizer.encode(sentences),
+            tokenizer.encode((out / f"{split}.de").read_text().splitlines()),
         )
-        sizes[split] = len(en)
+        sizes[split] = len(sentences)
     return sizes
