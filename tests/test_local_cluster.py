@@ -377,7 +377,7 @@ def pair(tmp_path_factory):
 
 def test_a_killed_rank_ends_the_run_within_60s_and_train_resumes_from_the_checkpoint(pair):
     pair.fab("train", "--run", "killtest", "--steps", "5000", "--extra", QUICK)
-    pair.wait_for_step("killtest", 25)
+    pair.wait_for_step("killtest", 11)  # past the first checkpoint (10); progress comes every 10 steps
     victims = pair.processes(1, r"[t]rain\.py --recipe")
     assert len(victims) == 1
     os.kill(victims[0], 9)
@@ -445,7 +445,7 @@ def test_a_spot_notice_mid_run_checkpoints_within_the_notice_window_and_train_re
 
 def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
     pair.fab("train", "--run", "cuttest", "--steps", "5000", "--extra", QUICK)
-    pair.wait_for_step("cuttest", 15)
+    pair.wait_for_step("cuttest", 1)  # running its collectives: the watchdog needs no checkpoint
     localcluster.set_link("tf", 1, up_=False)
     try:
         status, seconds = pair.wait_for_end("cuttest", timeout=90)
