@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINT = REPO / "assets" / "docker" / "entrypoint.sh"
 IDENTITY_SCRIPT = REPO / "assets" / "docker" / "cluster-identity.sh"
 SSHD_CONFIG = REPO / "assets" / "docker" / "sshd_config"
+HOST_BASHRC = os.path.expanduser("~root/.bashrc")
 REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 STATE_ROOT = Path(os.environ.get("GPU_CLUSTER_LOCAL_STATE", "/var/tmp/gpu-cluster-local"))
@@ -175,6 +176,9 @@ def _node_script(
             f"mount --bind {q(str(nsswitch))} /etc/nsswitch.conf",
             "mount -t tmpfs -o mode=0755 tmpfs /run",
             f"mount --bind {q(str(shared))} {q(spec.data_dir)}",
+            # The image's home, not this machine's: sshd's bash sources ~/.bashrc for every command
+            # (here pyenv's init: 130 ms of CPU per command, which 32 nodes on 2 cores pay in turn).
+            f"if [ -f {q(HOST_BASHRC)} ]; then mount --bind {q(str(spec.state_dir / 'bashrc'))} {q(HOST_BASHRC)}; fi",
             f"exec env -i {exports} bash {q(str(ENTRYPOINT))}",
         ]
     )
@@ -237,6 +241,7 @@ def _make_identities(spec: LocalSpec, shared: Path, controller: Path) -> Path:
     (ssh_dir / "config").write_text(config)
     hosts = "127.0.0.1 localhost\n" + "".join(f"{spec.node_ip(r)} node{r}\n" for r in range(spec.nodes))
     (spec.state_dir / "hosts").write_text(hosts)
+    (spec.state_dir / "bashrc").write_text("# the training image's ~/.bashrc: nothing to run per command\n")
     (spec.state_dir / "nsswitch.conf").write_text("hosts: files\npasswd: files\ngroup: files\nshadow: files\n")
     return ssh_dir
 

@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,18 +75,58 @@ def write_file(connection: Connection, path: str, text: str, mode: int = 0o644) 
     sh(connection, f"mv -f {q(tmp)} {q(path)}")
 
 
-def on_all(inventory: Inventory, nodes: list[Node], action: Callable[[Connection, Node], dict]) -> list[dict]:
-    """Run action(connection, node) on every node in parallel; an unreachable node is a row too."""
+class Connections:
+    """One connection per node for the life of a task, opened on first use and shared by on_all
+    and the task's later head-node work: SSH set-up (a Session Manager session with access=ssm)
+    is paid once per node, not once per step."""
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self._open: dict[int, Connection] = {}
+        self._lock = threading.Lock()
+
+    def get(self, node: Node) -> Connection:
+        with self._lock:
+            if node.rank not in self._open:
+                self._open[node.rank] = connect(self.inventory, node)
+            return self._open[node.rank]
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = list(self._open.values()), {}
+        for connection in opened:
+            connection.close()
+
+    def __enter__(self) -> "Connections":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def on_all(
+    inventory: Inventory,
+    nodes: list[Node],
+    action: Callable[[Connection, Node], dict],
+    connections: Optional[Connections] = None,
+) -> list[dict]:
+    """Run action(connection, node) on every node at once (one thread per node: the work is waiting
+    on the network); an unreachable node is a row too. Pass `connections` to keep them open after."""
+    pool = connections or Connections(inventory)
 
     def one(node: Node) -> dict:
         try:
-            with connect(inventory, node) as connection:
-                return dict(node=node.name, reachable=True, **action(connection, node))
+            connection = pool.get(node)
+            return dict(node=node.name, reachable=True, **action(connection, node))
         except Exception as error:  # noqa: BLE001 - report any failure as that node's state
             return dict(node=node.name, reachable=False, error=f"{type(error).__name__}: {error}"[:160])
 
-    with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
-        return list(pool.map(one, nodes))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(nodes)))) as pool_threads:
+            return list(pool_threads.map(one, nodes))
+    finally:
+        if connections is None:
+            pool.close()
 
 
 def detect_interface(connection: Connection, node: Node) -> str:
@@ -174,6 +215,36 @@ def run_state(connection: Connection, run_dir: str) -> dict:
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/runs/*/ 2>/dev/null | head -n 1 || true").strip()
     return out.rstrip("/") or None
+
+
+# active_run, else latest_run, and run_state's three files: one round trip instead of six.
+RUN_OVERVIEW = r"""
+run=$(cat {active} 2>/dev/null)
+if [ -z "$run" ] || ! kill -0 "$(cat "$run/launcher.pid" 2>/dev/null)" 2>/dev/null; then
+  run=$(ls -1dt {data}/runs/*/ 2>/dev/null | head -n 1); run=${{run%/}}
+fi
+echo "$run"
+for name in run-status progress summary; do
+  echo "{marker}"; [ -n "$run" ] && cat "$run/$name.json" 2>/dev/null
+done
+true
+"""
+
+
+def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, dict]]:
+    """The active (else latest) run and its run_state, or None when there is no run yet."""
+    marker = "--8<-- gpu-cluster --8<--"
+    script = RUN_OVERVIEW.format(active=q(launch.active_file(inventory)), data=q(inventory.data_dir), marker=marker)
+    run, *texts = sh(connection, script).split(marker + "\n")
+    if not run.strip():
+        return None
+    parsed = []
+    for text in texts:
+        try:
+            parsed.append(json.loads(text) if text.strip() else {})
+        except ValueError:
+            parsed.append({})
+    return run.strip(), dict(zip(("status", "progress", "summary"), parsed))
 
 
 # On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc

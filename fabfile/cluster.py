@@ -19,14 +19,12 @@ from .common import ERRORS, fail, head, load_inventory, number, training_code_di
 def status(c):
     """Per node, in parallel: reachable, bootstrap, container, /data, GPUs, training; then the run."""
     inv = load_inventory(c)
-    rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node))
-    print(report.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus", "training", "error"]))
-    head_row = rows[0]
-    if head_row.get("reachable"):
-        with head(inv) as conn:
-            latest = remote.active_run(conn, inv) or remote.latest_run(conn, inv)
-            if latest:
-                print(report.run_line(latest, remote.run_state(conn, latest)))
+    with remote.Connections(inv) as connections:
+        rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node), connections)
+        print(report.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus", "training", "error"]))
+        overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
+    if overview:
+        print(report.run_line(*overview))
     if inv.extra.get("dashboard_url"):
         print(f"dashboard: {inv.extra['dashboard_url']}")
 
@@ -161,11 +159,14 @@ def monitor(c, interval="2", count="0"):
     interval, count = number(interval, "--interval"), whole_number(count, "--count")
 
     taken = 0
-    while count == 0 or taken < count:
-        rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.sample_node(conn, node, interval))
-        print(time.strftime("%H:%M:%S"))
-        print(report.table(rows, ["node", "gpu_util", "rx_mbit", "tx_mbit", "load", "error"]))
-        taken += 1
+    with remote.Connections(inv) as connections:  # kept open from one sample to the next
+        while count == 0 or taken < count:
+            rows = remote.on_all(
+                inv, inv.nodes, lambda conn, node: remote.sample_node(conn, node, interval), connections
+            )
+            print(time.strftime("%H:%M:%S"))
+            print(report.table(rows, ["node", "gpu_util", "rx_mbit", "tx_mbit", "load", "error"]))
+            taken += 1
 
 
 @task(help={"node": "rank of the node (default 0, the head)"})

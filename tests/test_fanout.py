@@ -1,0 +1,131 @@
+"""Fan-out to the nodes against a real sshd (no cluster: one sshd plays every node, each node
+addressed by an instance id through the Session Manager stand-in, which logs every connection)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_fab
+
+from clusterops import remote
+from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("sshd"), reason="runs sshd in its own mount namespace: needs root"
+)
+PROXY = REPO / "tests" / "standins" / "ssm-session"
+NODES = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sshd_config(tmp: Path, port: int) -> Path:
+    for key in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / key)], check=True)
+    shutil.copy(tmp / "client.pub", tmp / "authorized_keys")
+    config = tmp / "sshd_config"
+    config.write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {tmp / 'host'}\nAuthorizedKeysFile {tmp / 'authorized_keys'}\n"
+        f"PidFile {tmp / 'sshd.pid'}\nStrictModes no\nUsePAM no\nUseDNS no\nPasswordAuthentication no\n"
+        "PermitRootLogin prohibit-password\nMaxStartups 64:30:128\n"
+    )
+    return config
+
+
+@pytest.fixture
+def nodes_via_proxy(tmp_path):
+    """An inventory of NODES nodes named by instance id, all one real sshd behind the proxy stand-in;
+    yields (inventory path, proxy log)."""
+    port = _free_port()
+    config = _sshd_config(tmp_path, port)
+    (tmp_path / "bashrc").write_text("")
+    # sshd needs /run/sshd: a private /run, as in the emulated nodes (and the host's ~/.bashrc out of the way).
+    script = (
+        "mount -t tmpfs tmpfs /run && mkdir /run/sshd && "
+        f"{{ [ ! -f ~/.bashrc ] || mount --bind {tmp_path / 'bashrc'} ~/.bashrc; }} && "
+        f"exec {shutil.which('sshd')} -D -e -f {config}"
+    )
+    sshd = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "sshd.log", "w"),
+    )
+    deadline = time.monotonic() + 10
+    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        assert time.monotonic() < deadline and sshd.poll() is None, (tmp_path / "sshd.log").read_text()
+        time.sleep(0.05)
+    ids = [f"i-0123456789abcdef{rank}" for rank in range(NODES)]
+    (tmp_path / "hosts.json").write_text(json.dumps({i: "127.0.0.1" for i in ids}))
+    write_known_hosts(tmp_path / "known_hosts", ids, (tmp_path / "host.pub").read_text(), port)
+    log = tmp_path / "proxy.log"
+    inventory = Inventory(
+        cluster="fanout",
+        source="aws",
+        nodes=[Node(rank=r, name=f"node{r}", public_ip=ids[r], private_ip="127.0.0.1") for r in range(NODES)],
+        gpus_per_node=1,
+        ssh=SshSettings(
+            user="root",
+            port=port,
+            key_file=str(tmp_path / "client"),
+            known_hosts=str(tmp_path / "known_hosts"),
+            proxy_command=f"{PROXY} --hosts {tmp_path / 'hosts.json'} --log {log} %h %p",
+        ),
+        data_dir=str(tmp_path / "data"),
+    )
+    inventory.save(tmp_path / "inventory.json")
+    yield tmp_path / "inventory.json", log
+    sshd.terminate()
+    sshd.wait(timeout=10)
+
+
+def _sessions(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_status_opens_one_connection_per_node_and_shows_the_run(nodes_via_proxy):
+    path, log = nodes_via_proxy
+    inventory = Inventory.load(path)
+    run = Path(inventory.data_dir) / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "run-status.json").write_text(json.dumps({"state": "finished", "reason": "done"}))
+    (run / "progress.json").write_text(json.dumps({"step": 7, "max_steps": 7, "avg_step_time_s": 0.25}))
+    result = run_fab("status", GPU_CLUSTER_INVENTORY=str(path))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("node") and line[4].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [(f"node{r}", "True") for r in range(NODES)], result.stdout
+    assert f"run {run}: finished | step 7/7 | 250 ms/step | (done)" in result.stdout
+    # The head's run line rides on the head's connection from the fan-out: no second set-up.
+    assert sorted(_sessions(log)) == sorted(f"{n.public_ip} {inventory.ssh.port}" for n in inventory.nodes)
+
+
+def test_connections_stay_open_from_one_fan_out_to_the_next(nodes_via_proxy):
+    path, log = nodes_via_proxy
+    result = run_fab("monitor", "--interval", "0.1", "--count", "3", GPU_CLUSTER_INVENTORY=str(path))
+    assert result.returncode == 0 and result.stdout.count("node0") == 3, result.stdout + result.stderr
+    assert len(_sessions(log)) == NODES
+
+
+def test_run_overview_matches_the_step_by_step_probes(nodes_via_proxy):
+    path, _ = nodes_via_proxy
+    inventory = Inventory.load(path)
+    with remote.connect(inventory, inventory.head) as conn:
+        assert remote.run_overview(conn, inventory) is None
+        for name, state in (("old", "finished"), ("new", "running")):
+            run = Path(inventory.data_dir) / "runs" / name
+            run.mkdir(parents=True)
+            (run / "run-status.json").write_text(json.dumps({"state": state}))
+            time.sleep(0.02)
+        (run / "summary.json").write_text("{not json")
+        latest = remote.active_run(conn, inventory) or remote.latest_run(conn, inventory)
+        assert remote.run_overview(conn, inventory) == (latest, remote.run_state(conn, latest))
