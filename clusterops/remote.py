@@ -16,10 +16,13 @@ from typing import Callable, Optional
 import paramiko
 from fabric import Connection
 
-from . import launch
+from . import health, launch
 from .inventory import Inventory, Node
 
-LAUNCHER = Path(__file__).resolve().parent / "launcher.sh"
+HERE = Path(__file__).resolve().parent
+LAUNCHER = HERE / "launcher.sh"
+# Beside the launcher in the run directory: its restart decisions (stdlib only) and the node verdicts.
+SUPERVISOR_FILES = (HERE / "supervise.py", HERE / "health.py")
 q = shlex.quote
 
 
@@ -168,7 +171,8 @@ def run_state(connection: Connection, run_dir: str) -> dict:
     status = read_json(connection, f"{run_dir}/run-status.json") or {}
     progress = read_json(connection, f"{run_dir}/progress.json") or {}
     summary = read_json(connection, f"{run_dir}/summary.json") or {}
-    return {"status": status, "progress": progress, "summary": summary}
+    restarts: list = read_json(connection, f"{run_dir}/restarts.json") or []  # type: ignore[assignment]
+    return {"status": status, "progress": progress, "summary": summary, "restarts": restarts}
 
 
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
@@ -270,8 +274,8 @@ def start_training(
     """Write hostfile, env and command into the run directory and start the launcher detached.
     Returns the run directory and the log's size before this launch (where its output starts)."""
     request.validate()
+    nodes = launch.check_nodes(inventory, request)
     ensure_idle(connection, inventory)
-    nodes = inventory.select(request.nodes)
     interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.data_path(inventory, dataset)
@@ -281,12 +285,16 @@ def start_training(
     rdir = launch.run_dir(inventory, request.run_name)
     sh(
         connection,
-        f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/FORCED')} {q(rdir + '/run-status.json')}",
+        f"mkdir -p {q(rdir)} && cd {q(rdir)} && rm -f STOP FORCED run-status.json restarts.json hangs.json",
     )
     write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
     write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ)))
     argv = launch.mpirun_argv(inventory, request, interface, code_dir)
     write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
+    write_file(connection, f"{rdir}/command.json", json.dumps(argv))
+    write_file(connection, f"{rdir}/probe.sh", health.probe_script(inventory.python, inventory.data_dir))
+    for path in SUPERVISOR_FILES:
+        write_file(connection, f"{rdir}/{path.name}", path.read_text())
     write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)
     write_file(connection, launch.active_file(inventory), rdir + "\n")
     log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/train.log')} 2>/dev/null || echo 0"))

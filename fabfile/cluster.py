@@ -10,7 +10,7 @@ from pathlib import Path
 from fabric import task
 from invoke.exceptions import Exit
 
-from clusterops import launch, remote, report
+from clusterops import launch, remote, report, supervise
 
 from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
 
@@ -26,7 +26,10 @@ def status(c):
         with head(inv) as conn:
             latest = remote.active_run(conn, inv) or remote.latest_run(conn, inv)
             if latest:
-                print(report.run_line(latest, remote.run_state(conn, latest)))
+                state = remote.run_state(conn, latest)
+                print(report.run_line(latest, state))
+                for line in supervise.history_lines(state["restarts"]):
+                    print(line)
     if inv.extra.get("dashboard_url"):
         print(f"dashboard: {inv.extra['dashboard_url']}")
 
