@@ -81,6 +81,7 @@ probe_all() {  # the health probe on every node of the original set, in parallel
 
 # One attempt: mpirun under the watchdog. Sets code, reason (empty when mpirun ended by itself), kind.
 attempt() {
+  attempts=$((attempts + 1))
   echo "$(now) launcher: starting on $(hostname): $(cat "$RUN_DIR/command.sh")" >> "$LOG"
   rm -rf "$RUN_DIR/ranks" "$RUN_DIR/stacks" && mkdir -p "$RUN_DIR/ranks" "$RUN_DIR/stacks"
   bash "$RUN_DIR/command.sh" >> "$LOG" 2>&1 < /dev/null &
@@ -110,7 +111,8 @@ attempt() {
       if ((age > window)); then
         collect_stacks
         reason="hang: no rank finished a step for $age s (window $window s); $("$PYTHON" "$RUN_DIR/supervise.py" hang "$RUN_DIR")"
-        kind=hang
+        mv "$RUN_DIR/stacks" "$RUN_DIR/hang-stacks-$attempts"  # the next attempt starts a fresh stacks/
+        reason+="; stacks in $RUN_DIR/hang-stacks-$attempts" kind=hang
         break
       fi
     elif [[ -f $RUN_DIR/progress.json && $(stat -c %Y "$RUN_DIR/progress.json") -ge $started ]]; then
@@ -149,7 +151,8 @@ cleanup() {  # cleanup HOST: this run's ranks and the MPI daemons (one run at a 
 
 echo $$ > "$RUN_DIR/launcher.pid"
 status running null ""
-unreached=""
+unreached="" attempts=0
+rm -rf "$RUN_DIR"/hang-stacks-*
 while true; do
   attempt
   if [[ -f $RUN_DIR/FORCED ]]; then

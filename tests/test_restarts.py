@@ -185,7 +185,7 @@ def test_the_launcher_ends_a_hang_after_the_window_and_names_the_rank(tmp_path):
     status = _launcher(tmp_path, ["--sleep", "50"], HANG_FLOOR="2", MAX_RESTARTS="0", dead="none")
     assert status["state"] == "failed", status
     assert "watchdog: hang: no rank finished a step for" in status["reason"] and "(window 2 s)" in status["reason"]
-    assert "rank 0 (pid 1 on n0) is behind: step 10" in status["reason"]
+    assert "rank 0 (pid 1 on n0) is behind: step 10" in status["reason"] and "hang-stacks-1" in status["reason"]
     assert json.loads((tmp_path / "hangs.json").read_text())[0]["rank"] == 0
 
 
