@@ -259,7 +259,8 @@ def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[di
         "ACTIVE_FILE": active_file(inventory),
         "STALL_SECONDS": str(int(request.stall_minutes * 60)),
         "START_SECONDS": str(int(request.start_minutes * 60)),
-        "POLL_SECONDS": "5",
+        # A poll every 5 s, or often enough to see a short hang window three times over.
+        "POLL_SECONDS": str(min(5, max(1, int(request.hang_seconds // 3)))),
         "PYTHON": inventory.python,
         "SLOTS": str(inventory.gpus_per_node),
         "MAX_RESTARTS": str(request.max_restarts),
