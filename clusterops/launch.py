@@ -45,6 +45,9 @@ class TrainRequest:
     stall_minutes: float = 10.0
     start_minutes: float = 15.0
     then_stop: bool = False
+    max_restarts: int = 0
+    min_nodes: Optional[int] = None
+    hang_seconds: float = 60.0
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     @property
@@ -66,11 +69,23 @@ class TrainRequest:
             raise LaunchError(f"invalid --grad-compression {self.grad_compression!r}: one of {', '.join(COMPRESSIONS)}")
         if not 1024 <= self.master_port <= 65535 or self.master_port == CONTAINER_SSH_PORT:
             raise LaunchError(f"invalid --master-port {self.master_port}: 1024-65535, not {CONTAINER_SSH_PORT}")
-        for name in ("stall_minutes", "start_minutes"):
+        if self.max_restarts < 0:
+            raise LaunchError(f"invalid --max-restarts {self.max_restarts}: 0 or a positive whole number")
+        if self.min_nodes is not None and self.min_nodes < 1:
+            raise LaunchError(f"invalid --min-nodes {self.min_nodes}: a positive whole number")
+        for name in ("stall_minutes", "start_minutes", "hang_seconds"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"invalid --{name.replace('_', '-')} {getattr(self, name)}: a positive number")
         if self.dataset is not None and not _RUN_NAME.match(self.dataset):
             raise LaunchError(f"invalid --dataset {self.dataset!r}")
+
+
+def check_nodes(inventory: Inventory, request: TrainRequest) -> list[Node]:
+    """The nodes the run starts on; --min-nodes must not exceed them."""
+    nodes = inventory.select(request.nodes, request.exclude)
+    if request.min_nodes is not None and request.min_nodes > len(nodes):
+        raise LaunchError(f"invalid --min-nodes {request.min_nodes}: the run starts on {len(nodes)} node(s)")
+    return nodes
 
 
 def default_dataset(recipe: str) -> str:
@@ -245,8 +260,13 @@ def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[di
         "ACTIVE_FILE": active_file(inventory),
         "STALL_SECONDS": str(int(request.stall_minutes * 60)),
         "START_SECONDS": str(int(request.start_minutes * 60)),
-        "POLL_SECONDS": "5",
+        # A poll every 5 s, or often enough to see a short hang window three times over.
+        "POLL_SECONDS": str(min(5, max(1, int(request.hang_seconds // 3)))),
         "PYTHON": inventory.python,
+        "SLOTS": str(inventory.gpus_per_node),
+        "MAX_RESTARTS": str(request.max_restarts),
+        "MIN_NODES": str(request.min_nodes or 1),
+        "HANG_FLOOR": str(int(request.hang_seconds)),
     }
     if request.then_stop:
         # The launcher runs in an SSH session: no AWS variables there, so the region travels here.

@@ -17,10 +17,13 @@ from typing import Callable, Optional
 import paramiko
 from fabric import Connection
 
-from . import launch
+from . import health, launch
 from .inventory import Inventory, Node
 
-LAUNCHER = Path(__file__).resolve().parent / "launcher.sh"
+HERE = Path(__file__).resolve().parent
+LAUNCHER = HERE / "launcher.sh"
+# Beside the launcher in the run directory: its restart decisions (stdlib only) and the node verdicts.
+SUPERVISOR_FILES = (HERE / "supervise.py", HERE / "health.py")
 q = shlex.quote
 
 
@@ -209,7 +212,8 @@ def run_state(connection: Connection, run_dir: str) -> dict:
     status = read_json(connection, f"{run_dir}/run-status.json") or {}
     progress = read_json(connection, f"{run_dir}/progress.json") or {}
     summary = read_json(connection, f"{run_dir}/summary.json") or {}
-    return {"status": status, "progress": progress, "summary": summary}
+    restarts: list = read_json(connection, f"{run_dir}/restarts.json") or []  # type: ignore[assignment]
+    return {"status": status, "progress": progress, "summary": summary, "restarts": restarts}
 
 
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
@@ -217,14 +221,14 @@ def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     return out.rstrip("/") or None
 
 
-# active_run, else latest_run, and run_state's three files: one round trip instead of six.
+# active_run, else latest_run, and run_state's four files: one round trip instead of seven.
 RUN_OVERVIEW = r"""
 run=$(cat {active} 2>/dev/null)
 if [ -z "$run" ] || ! kill -0 "$(cat "$run/launcher.pid" 2>/dev/null)" 2>/dev/null; then
   run=$(ls -1dt {data}/runs/*/ 2>/dev/null | head -n 1); run=${{run%/}}
 fi
 echo "$run"
-for name in run-status progress summary; do
+for name in run-status progress summary restarts; do
   echo "{marker}"; [ -n "$run" ] && cat "$run/$name.json" 2>/dev/null
 done
 true
@@ -244,7 +248,9 @@ def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple
             parsed.append(json.loads(text) if text.strip() else {})
         except ValueError:
             parsed.append({})
-    return run.strip(), dict(zip(("status", "progress", "summary"), parsed))
+    state = dict(zip(("status", "progress", "summary", "restarts"), parsed))
+    state["restarts"] = state.get("restarts") or []
+    return run.strip(), state
 
 
 # On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc
@@ -341,8 +347,8 @@ def start_training(
     """Write hostfile, env and command into the run directory and start the launcher detached.
     Returns the run directory and the log's size before this launch (where its output starts)."""
     request.validate()
+    nodes = launch.check_nodes(inventory, request)
     ensure_idle(connection, inventory)
-    nodes = inventory.select(request.nodes, request.exclude)
     interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.data_path(inventory, dataset)
@@ -352,12 +358,16 @@ def start_training(
     rdir = launch.run_dir(inventory, request.run_name)
     sh(
         connection,
-        f"mkdir -p {q(rdir)} && rm -f {q(rdir + '/STOP')} {q(rdir + '/FORCED')} {q(rdir + '/run-status.json')}",
+        f"mkdir -p {q(rdir)} && cd {q(rdir)} && rm -f STOP FORCED run-status.json restarts.json hangs.json",
     )
     write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
     write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ)))
     argv = launch.mpirun_argv(inventory, request, interface, code_dir)
     write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
+    write_file(connection, f"{rdir}/command.json", json.dumps(argv))
+    write_file(connection, f"{rdir}/probe.sh", health.probe_script(inventory.python, inventory.data_dir))
+    for path in SUPERVISOR_FILES:
+        write_file(connection, f"{rdir}/{path.name}", path.read_text())
     write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)
     write_file(connection, launch.active_file(inventory), rdir + "\n")
     log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/train.log')} 2>/dev/null || echo 0"))

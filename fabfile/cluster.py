@@ -10,7 +10,7 @@ from pathlib import Path
 from fabric import task
 from invoke.exceptions import Exit
 
-from clusterops import health, launch, linkcheck, remote, report
+from clusterops import health, launch, linkcheck, remote, report, supervise
 
 from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
 
@@ -25,6 +25,8 @@ def status(c):
         overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
         print(report.run_line(*overview))
+        for line in supervise.history_lines(overview[1]["restarts"]):
+            print(line)
     if inv.extra.get("dashboard_url"):
         print(f"dashboard: {inv.extra['dashboard_url']}")
 

@@ -9,7 +9,7 @@ from fabric import task
 from invoke.exceptions import Exit
 
 from clusterops import cost as costs
-from clusterops import health, launch, remote, report
+from clusterops import health, launch, remote, report, supervise
 from clusterops.inventory import Inventory
 
 from .aws import efs_io_rate, kept_price
@@ -34,6 +34,9 @@ from .common import ERRORS, fail, head, load_inventory, number, run_dir, setting
         "start_minutes": "watchdog: end the run if no step comes this long after the start (default 15)",
         "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)",
         "then_stop": "stop the cluster's instances as soon as the run ends (fab start brings them back)",
+        "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest (default 0)",
+        "min_nodes": "with --max-restarts: give up when fewer healthy nodes remain (default 1)",
+        "hang_seconds": "a hang: no step on any rank for max(20 x step time, this) seconds (default 60)",
     },
 )
 def train(
@@ -53,6 +56,9 @@ def train(
     start_minutes=None,
     master_port=None,
     then_stop=False,
+    max_restarts=None,
+    min_nodes=None,
+    hang_seconds=None,
 ):
     """Start mpirun across the nodes, detached on the head node, with a watchdog."""
     inv = load_inventory(c)
@@ -71,6 +77,9 @@ def train(
         start_minutes=number(start_minutes or defaults["start_minutes"], "--start-minutes"),
         master_port=whole_number(master_port or defaults["master_port"], "--master-port"),
         then_stop=then_stop,
+        max_restarts=whole_number(max_restarts, "--max-restarts") or 0,
+        min_nodes=whole_number(min_nodes, "--min-nodes"),
+        hang_seconds=60.0 if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
         extra_args=tuple(shlex.split(extra)),
     )
     try:
@@ -134,7 +143,7 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None) -> None:
     status_ = remote.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
     state = remote.run_state(conn, rdir)
     print(report.run_line(rdir, state))
-    for line in report.summary_lines(state["summary"]):
+    for line in report.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
         print(line)
     if status_.get("state") != "finished":
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)

@@ -238,6 +238,13 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default="transformer-base", choices=sorted(RECIPES))
     _add_fields(parser, TrainConfig)
     _add_fields(parser, ModelConfig)
+    parser.add_argument(
+        "--keep-global-batch",
+        type=int,
+        default=None,
+        help="resuming on another number of ranks (fab train --max-restarts): allow new --batch-per-gpu and "
+        "--grad-accum whose product with the world size is this global batch",
+    )
     _add_fields(parser, VisionConfig)
     return parser
 
@@ -248,7 +255,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     model = ModelConfig(**recipe.pop("model", {}))
     vision = VisionConfig(**recipe.pop("vision", {}))
     config = TrainConfig(recipe=args.recipe, model=model, vision=vision, **recipe)
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "recipe"}
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in ("recipe", "keep_global_batch")}
     for key, value in given.items():
         target = next(part for part in (config.model, config.vision, config) if hasattr(part, key))
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
@@ -287,15 +294,16 @@ def resume_config(saved: dict, args: argparse.Namespace) -> tuple[TrainConfig, l
             "its settings; start a new --run to change them"
         )
     changes = []
+    rebalance = {"batch_per_gpu", "grad_accum"} if getattr(args, "keep_global_batch", None) else set()
     for key, value in vars(args).items():
-        if value is None or key == "recipe":
+        if value is None or key in ("recipe", "keep_global_batch"):
             continue
         value = tuple(value) if isinstance(value, list) else value
         current = _field_value(config, key)
         if value == current:
             continue
         flag = "--" + key.replace("_", "-")
-        if key not in RESUMABLE_CHANGES:
+        if key not in RESUMABLE_CHANGES | rebalance:
             raise ConfigError(
                 f"{flag} {value!r} differs from the run's {current!r}: a resumed run keeps its "
                 "settings; start a new --run to change them"

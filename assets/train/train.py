@@ -39,6 +39,28 @@ def effective_config(args):
     return config, changes, True
 
 
+def watchable(trainer, run_dir: Path, rank: int) -> None:
+    """For the launcher's hang watchdog: RUN_DIR/ranks/rankN holds this rank's last finished step
+    and pid; SIGUSR2 appends this rank's Python stacks to RUN_DIR/stacks/rankN.txt."""
+    import faulthandler
+    import os
+    import signal
+    import socket
+
+    for sub in ("ranks", "stacks"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    faulthandler.register(signal.SIGUSR2, file=open(run_dir / "stacks" / f"rank{rank}.txt", "a"), all_threads=True)
+    beat, step = run_dir / "ranks" / f"rank{rank}", trainer.train_step
+    origin = f"{os.getpid()} {socket.gethostname()}"
+
+    def train_step():
+        out = step()
+        beat.write_text(f"{trainer.step} {origin}\n")
+        return out
+
+    trainer.train_step = train_step
+
+
 def main(argv=None) -> int:
     args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     try:
@@ -47,6 +69,13 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     info, device = distributed.setup(timeout_s=config.dist_timeout_s)
+    world_batch = config.batch_per_gpu * config.grad_accum * info.world_size
+    if args.keep_global_batch and world_batch != args.keep_global_batch:
+        print(
+            f"error: --keep-global-batch {args.keep_global_batch} but the global batch is {world_batch}",
+            file=sys.stderr,
+        )
+        return 2
     if info.is_main:
         print(
             ("resuming with the run's saved " if resumed else "")
@@ -58,6 +87,7 @@ def main(argv=None) -> int:
         from trainer import Trainer
 
         trainer = Trainer(config, info, device)
+        watchable(trainer, Path(config.run_dir), info.rank)
         trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
         summary = trainer.fit()
         trainer.log(

@@ -1,0 +1,193 @@
+"""fab train --max-restarts without a cluster: the restart decisions (clusterops/supervise.py), the
+trainer's --keep-global-batch, and the real launcher.sh restarting a job on the nodes a stand-in ssh
+still reaches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TRAIN_DIR
+
+from clusterops import health, launch, supervise
+
+sys.path.insert(0, str(TRAIN_DIR))
+import config as train_config  # noqa: E402
+
+HEALTHY = json.dumps(
+    {"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": [], "torch": "2"}
+)
+
+
+def test_rebalance_keeps_the_global_batch_with_micro_batches_no_larger_than_before():
+    assert supervise.rebalance(24, 2, 8) == (6, 2)  # 3 ranks x 8 -> 2 ranks x 6 x 2
+    assert supervise.rebalance(24, 3, 8) == (8, 1)  # the node rejoined: back to the original shape
+    assert supervise.rebalance(24, 5, 8) is None  # 24 does not split over 5 ranks
+
+
+def _run_dir(tmp_path: Path, hosts: list[str], restarts: int = 1, min_nodes: int = 1) -> Path:
+    (tmp_path / "launch.env").write_text(
+        f"HOSTS='{' '.join(hosts)}'\nSLOTS=1\nMAX_RESTARTS={restarts}\nMIN_NODES={min_nodes}\n"
+    )
+    (tmp_path / "hostfile").write_text("".join(f"{h} slots=1\n" for h in hosts))
+    (tmp_path / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
+    argv = ["mpirun", "-np", "3", "-x", f"MASTER_ADDR={hosts[0]}", "python", "train.py", "--batch-per-gpu", "8"]
+    (tmp_path / "command.json").write_text(json.dumps(argv))
+    (tmp_path / "command.sh").write_text("export HWLOC_COMPONENTS=-gl\nexec true\n")
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_00000020.pt").write_bytes(b"x")
+    return tmp_path
+
+
+def test_plan_drops_the_unreachable_node_and_rewrites_the_job_for_the_rest(tmp_path):
+    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    for host in ("10.0.0.1", "10.0.0.2"):
+        (run / "probes" / host).write_text(HEALTHY + "\n")
+    (run / "probes" / "10.0.0.3").write_text("")  # ssh failed: no output
+    restart, line = supervise.plan(run, "died", "rank 2 exited on signal 9")
+    assert restart, line
+    assert "restart 1/1 on 2 node(s)" in line and "from step 20" in line
+    assert (run / "hostfile").read_text() == "10.0.0.1 slots=1\n10.0.0.2 slots=1\n"
+    command = (run / "command.sh").read_text()
+    assert command.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun -np 2 ")
+    assert "--batch-per-gpu 6" in command and "--grad-accum 2 --keep-global-batch 24" in command
+    [record] = json.loads((run / "restarts.json").read_text())
+    assert record["dropped"] == {"10.0.0.3": "unreachable"} and record["resume_step"] == 20
+    assert record["nodes_after"] == ["10.0.0.1", "10.0.0.2"] and record["kind"] == "died"
+    # Restarts are used up: the next failure gives up, and says why.
+    restart, line = supervise.plan(run, "died", "again")
+    assert not restart and line == "restarts exhausted (1/1)"
+
+
+def test_a_node_that_is_healthy_again_rejoins_at_the_next_restart(tmp_path):
+    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"], restarts=2)
+    (run / "probes" / "10.0.0.1").write_text(HEALTHY)
+    (run / "probes" / "10.0.0.2").write_text(HEALTHY)
+    assert supervise.plan(run, "died", "node 3 lost")[0]
+    (run / "probes" / "10.0.0.3").write_text(HEALTHY)
+    restart, line = supervise.plan(run, "hang", "rank 0 stopped")
+    assert restart, line
+    second = json.loads((run / "restarts.json").read_text())[-1]
+    assert second["rejoined"] == ["10.0.0.3"] and (second["batch_per_gpu"], second["grad_accum"]) == (8, 1)
+    assert "-np 3" in (run / "command.sh").read_text()
+    assert "rejoined 10.0.0.3" in supervise.history_lines(json.loads((run / "restarts.json").read_text()))[1]
+
+
+def test_plan_gives_up_below_min_nodes_and_on_a_bad_node_verdict(tmp_path):
+    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2"], min_nodes=2)
+    (run / "probes" / "10.0.0.1").write_text(HEALTHY)
+    (run / "probes" / "10.0.0.2").write_text(HEALTHY.replace('"mounted": true', '"mounted": false'))
+    restart, line = supervise.plan(run, "died", "x")
+    assert not restart and "1 healthy node(s) left, --min-nodes 2" in line and "/data is not mounted" in line
+    assert not (run / "restarts.json").exists() and "-np 3" not in (run / "command.sh").read_text()
+
+
+def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "stacks").mkdir()
+    for rank, (step, pid) in enumerate([(41, 100), (41, 200), (41, 300)]):
+        (tmp_path / "ranks" / f"rank{rank}").write_text(f"{step} {pid} node{rank}\n")
+        (tmp_path / "stacks" / f"rank{rank}.txt").write_text("" if rank == 1 else 'File "trainer.py", line 1\n')
+    (tmp_path / "stacks" / "states.10.0.0.2").write_text("200 T\n")
+    (tmp_path / "stacks" / "states.10.0.0.1").write_text("100 S\n300 S\n")
+    rank, evidence = supervise.behind(tmp_path)
+    assert rank == 1 and "pid 200 on node1" in evidence and "(stopped)" in evidence and "no stack dump" in evidence
+
+
+def test_the_trainer_accepts_a_new_batch_split_on_resume_only_with_keep_global_batch():
+    parser = train_config.build_parser("x")
+    saved = train_config.config_from_args(parser.parse_args(["--recipe", "transformer-tiny"])).to_dict()
+    args = ["--recipe", "transformer-tiny", "--batch-per-gpu", "32", "--grad-accum", "2"]
+    with pytest.raises(train_config.ConfigError, match="--batch-per-gpu 32 differs"):
+        train_config.resume_config(saved, parser.parse_args(args))
+    config, changes = train_config.resume_config(saved, parser.parse_args(args + ["--keep-global-batch", "128"]))
+    assert (config.batch_per_gpu, config.grad_accum) == (32, 2) and len(changes) == 2
+
+
+def test_negative_restarts_and_min_nodes_are_refused():
+    with pytest.raises(launch.LaunchError, match="invalid --max-restarts -1"):
+        launch.TrainRequest(max_restarts=-1).validate()
+    with pytest.raises(launch.LaunchError, match="invalid --min-nodes 0"):
+        launch.TrainRequest(min_nodes=0).validate()
+
+
+# ---------------------------------------------------------------- the real launcher.sh
+
+STANDIN_SSH = """#!/bin/bash
+# ssh -F CONFIG [-o X]... HOST COMMAND...: HOST is dead, or answers; a script on stdin (the probe,
+# the stack collection) runs here. Nothing else does: cleanup's pkill must not touch this machine.
+while [[ $1 == -* ]]; do shift 2; done
+host=$1; shift
+[[ $host == "$DEAD_HOST" ]] && exit 255
+[[ $1 == bash && $2 == -s ]] && exec "$@"
+exit 0
+"""
+
+FAKE_TRAINER = """import json, pathlib, sys, time
+run = pathlib.Path(sys.argv[1]); args = sys.argv[2:]
+(run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
+(run / "checkpoints").mkdir(exist_ok=True); (run / "checkpoints" / "step_00000010.pt").write_bytes(b"x")
+print("args:", " ".join(args), flush=True)
+if "--keep-global-batch" not in args:
+    (run / "ranks").mkdir(exist_ok=True); (run / "ranks" / "rank0").write_text("10 1 n0\\n")
+    time.sleep(float(sys.argv[-1]) if args[-2:-1] == ["--sleep"] else 0)
+    sys.exit(1)
+print("run ended at step 20: max_steps")
+"""
+
+
+def _launcher(run: Path, first_args: list[str], dead: str = "h2", **env: str) -> dict:
+    bin_dir = run / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(STANDIN_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    (run / "fake.py").write_text(FAKE_TRAINER)
+    argv = [sys.executable, str(run / "fake.py"), str(run), "-np", "2", "MASTER_ADDR=h1", *first_args]
+    (run / "command.json").write_text(json.dumps(argv))
+    (run / "command.sh").write_text("exec " + " ".join(argv) + "\n")
+    (run / "hostfile").write_text("h1 slots=1\nh2 slots=1\n")
+    (run / "probe.sh").write_text(f"echo '{HEALTHY}'\n")
+    for path in remote_files():
+        (run / path.name).write_text(path.read_text())
+    values = dict(HOSTS="'h1 h2'", SSH_CONFIG="/dev/null", ACTIVE_FILE=str(run / "active"), POLL_SECONDS="1")
+    values.update(CLEANUP_SECONDS="0", PYTHON=sys.executable, SLOTS="1", MAX_RESTARTS="1", MIN_NODES="1")
+    (run / "launch.env").write_text("".join(f"{k}={v}\n" for k, v in {**values, **env}.items()))
+    subprocess.run(
+        ["bash", str(REPO / "clusterops" / "launcher.sh"), str(run)],
+        timeout=60,
+        capture_output=True,
+        env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DEAD_HOST=dead),
+    )
+    return json.loads((run / "run-status.json").read_text())
+
+
+def remote_files() -> tuple[Path, ...]:
+    from clusterops import remote
+
+    return remote.SUPERVISOR_FILES
+
+
+def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path):
+    status = _launcher(tmp_path, [])
+    assert status["state"] == "finished", status
+    log = (tmp_path / "train.log").read_text()
+    assert "restart 1/1 on 1 node(s) h1 from step 10" in log and "dropped {'h2': 'unreachable'}" in log
+    assert "args: -np 1 MASTER_ADDR=h1 --batch-per-gpu 8 --grad-accum 2 --keep-global-batch 16" in log
+    assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "died"
+
+
+def test_the_launcher_ends_a_hang_after_the_window_and_names_the_rank(tmp_path):
+    status = _launcher(tmp_path, ["--sleep", "50"], HANG_FLOOR="2", MAX_RESTARTS="0", dead="none")
+    assert status["state"] == "failed", status
+    assert "watchdog: hang: no rank finished a step for" in status["reason"] and "(window 2 s)" in status["reason"]
+    assert "rank 0 (pid 1 on n0) is behind: step 10" in status["reason"] and "hang-stacks-1" in status["reason"]
+    assert json.loads((tmp_path / "hangs.json").read_text())[0]["rank"] == 0
+
+
+def test_probe_script_is_what_plan_parses(tmp_path):
+    assert health.parse_probe("noise\n" + HEALTHY)["mounted"] is True

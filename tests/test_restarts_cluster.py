@@ -1,0 +1,164 @@
+"""fab train --max-restarts on the emulated cluster (3 nodes): a hung rank, restarts used up, a lost
+node. The real launcher, health probe over SSH, mpirun, gloo and the trainer; the tests look at the
+shared /data from the host side and at the namespaces' processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from test_local_cluster import Cluster, _start, _stop
+
+from clusterops import localcluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+STEPS = 60
+# Global batch 3 x 8 = 24; one eval (at the end) on few samples; checkpoints every 10 steps.
+TINY = "--eval-every 1000 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
+RESTARTING = ("--batch-per-gpu", "8", "--max-restarts", "1", "--hang-seconds", "5")
+
+
+def _final_loss(cluster: Cluster, run: str) -> float:
+    losses = re.findall(rf"step {STEPS}/{STEPS} \| loss ([0-9.]+)", (cluster.run_dir(run) / "train.log").read_text())
+    return float(losses[-1])
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    """Three nodes, and the final loss of two uninterrupted runs (two seeds): their gap is the noise a
+    restarted run is held to."""
+    cluster = _start("tr", 3, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
+    cluster.losses = {}
+    for seed in ("1234", "99"):
+        extra = f"{TINY} --seed {seed}"
+        cluster.fab(
+            "train", "--run", f"base{seed}", "--steps", str(STEPS), "--batch-per-gpu", "8", "--follow", "--extra", extra
+        )
+        cluster.losses[seed] = _final_loss(cluster, f"base{seed}")
+    yield cluster
+    _stop(cluster)
+
+
+def _restarts(cluster: Cluster, run: str) -> list[dict]:
+    path = cluster.run_dir(run) / "restarts.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def _wait_for_restart(cluster: Cluster, run: str, timeout: float = 60) -> float:
+    started = time.monotonic()
+    while not _restarts(cluster, run):
+        assert time.monotonic() - started < timeout, cluster.run_status(run)
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def _beat(cluster: Cluster, run: str, rank: int = 0) -> int:
+    """The rank's last finished step in this attempt (its heartbeat file; -1 before its first)."""
+    try:
+        return int((cluster.run_dir(run) / "ranks" / f"rank{rank}").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _wait_for_beat(cluster: Cluster, run: str, step: int, timeout: float = 60) -> float:
+    """Seconds until rank 0 has finished a step past `step` in the current attempt."""
+    started = time.monotonic()
+    while _beat(cluster, run) <= step:
+        assert time.monotonic() - started < timeout, f"{run} not past step {step}: {cluster.run_status(run)}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _wait_for_resume(cluster: Cluster, run: str) -> float:
+    return _wait_for_beat(cluster, run, _restarts(cluster, run)[0]["resume_step"])
+
+
+def _wait_for_log(cluster: Cluster, run: str, text: str, timeout: float = 60) -> float:
+    started = time.monotonic()
+    while text not in (cluster.run_dir(run) / "train.log").read_text():
+        assert time.monotonic() - started < timeout, f"no {text!r} in {run}'s log: {cluster.run_status(run)}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_a_stopped_rank_is_a_hang_within_the_window_with_stacks_and_the_rank_named(trio):
+    trio.fab("train", "--run", "hang", "--steps", "30", *RESTARTING, "--extra", TINY)
+    trio.wait_for_step("hang", 20)
+    step_time = trio.progress("hang")["avg_step_time_s"]
+    [victim] = trio.processes(1, r"[t]rain\.py --recipe")
+    os.kill(victim, signal.SIGSTOP)
+    detected = _wait_for_log(trio, "hang", "watchdog: hang")
+    decided = detected + _wait_for_restart(trio, "hang")
+    resumed = _wait_for_resume(trio, "hang")
+    status, finished = trio.wait_for_end("hang", timeout=60)
+    [record] = _restarts(trio, "hang")
+    window = int(re.search(r"window (\d+) s", record["reason"]).group(1))
+    print(
+        f"hang ({step_time * 1000:.0f} ms/step, window {window} s): detected {detected:.1f} s after SIGSTOP, "
+        f"restart decided at {decided:.1f} s, first step {resumed:.1f} s after that, finished {finished:.1f} s later"
+    )
+    assert status["state"] == "finished", status
+    assert record["kind"] == "hang" and f"rank 1 (pid {victim} on" in record["reason"]
+    assert "(stopped)" in record["reason"] and "hang-stacks-1" in record["reason"]
+    # The window (5 s floor: 20 steps take less), a 1 s poll, 1 s heartbeat time stamps, the stacks.
+    assert window == 5 and detected < window + 6
+    assert len(record["nodes_after"]) == 3 and not record["dropped"]
+    dumps = trio.run_dir("hang") / "hang-stacks-1"
+    assert re.search(r'File ".*trainer\.py", line \d+ in ', (dumps / "rank0.txt").read_text())
+    assert (dumps / "rank1.txt").read_text() == ""  # stopped: it could not answer
+
+
+def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_checkpoint(trio):
+    trio.fab("train", "--run", "used", "--steps", "5000", *RESTARTING, "--extra", TINY)
+    for _ in range(2):
+        _wait_for_beat(trio, "used", (_restarts(trio, "used") or [{"resume_step": 0}])[-1]["resume_step"] + 12)
+        [victim] = trio.processes(1, r"[t]rain\.py --recipe")
+        os.kill(victim, signal.SIGKILL)
+        if not _restarts(trio, "used"):
+            _wait_for_restart(trio, "used")
+    status, seconds = trio.wait_for_end("used", timeout=60)
+    print(f"restarts used up: run failed {seconds:.1f} s after the second kill: {status['reason']}")
+    assert status["state"] == "failed" and "restarts exhausted (1/1)" in status["reason"]
+    [record] = _restarts(trio, "used")
+    assert record["kind"] == "died" and record["resume_step"] >= 10
+    newest = max((trio.run_dir("used") / "checkpoints").glob("step_*.pt"))
+    assert torch.load(newest, weights_only=False)["step"] == int(newest.name[5:13]) > record["resume_step"]
+    shown = trio.fab("status").stdout
+    assert "used: failed" in shown and f"restart 1: {record['time']} died" in shown
+
+
+def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(trio):
+    """Last in the file: node2 stays dead."""
+    trio.fab("train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--extra", TINY)
+    trio.wait_for_step("lost", 25)
+    netns = localcluster.LocalSpec(name=trio.name, nodes=trio.nodes).netns(2)
+    killed_at = _beat(trio, "lost")
+    for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
+        os.kill(int(pid), signal.SIGKILL)
+    detected = _wait_for_restart(trio, "lost")
+    resumed = _wait_for_resume(trio, "lost")
+    status, finished = trio.wait_for_end("lost", timeout=60)
+    [record] = _restarts(trio, "lost")
+    log = (trio.run_dir("lost") / "train.log").read_text()
+    loss, base, other = _final_loss(trio, "lost"), trio.losses["1234"], trio.losses["99"]
+    noise = max(2 * abs(base - other), 0.02)
+    print(
+        f"lost node: restart decided {detected:.1f} s after the kill, first step {resumed:.1f} s after that, "
+        f"lost {killed_at - record['resume_step']} steps; run ended {finished:.1f} s later; "
+        f"final loss {loss:.3f} vs uninterrupted {base:.3f} (seed 99: {other:.3f}, tolerance {noise:.3f})"
+    )
+    assert status["state"] == "finished", status
+    assert record["dropped"] == {trio_ip(trio, 2): "unreachable"} and len(record["nodes_after"]) == 2
+    assert (record["global_batch"], record["batch_per_gpu"], record["grad_accum"]) == (24, 6, 2)
+    assert f"resuming from /data/runs/lost/checkpoints/step_{record['resume_step']:08d}.pt" in log
+    assert abs(loss - base) <= noise
+
+
+def trio_ip(cluster: Cluster, rank: int) -> str:
+    return localcluster.LocalSpec(name=cluster.name, nodes=cluster.nodes).node_ip(rank)
