@@ -594,11 +594,14 @@ def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_envir
             session = json.loads(remote.sh(conn, f"{inventory.python} -c {shlex.quote(IMAGE_ENV_PROBE)}"))
         assert session == {"host": "node1", "env": wanted}
         argv = launch.mpirun_argv(inventory, launch.TrainRequest(recipe="transformer-tiny"), "eth0", inventory.code_dir)
-        argv = argv[: argv.index(inventory.python)] + [inventory.python, "-c", IMAGE_ENV_PROBE]
+        # Each rank writes its own file on /data: two >4 KB lines through mpirun's stdout can interleave.
+        to_file = f"import sys, socket; sys.stdout = open('{inventory.data_dir}/env-' + socket.gethostname(), 'w')"
+        argv = argv[: argv.index(inventory.python)] + [inventory.python, "-c", f"{to_file}; {IMAGE_ENV_PROBE}"]
         argv[argv.index("--hostfile") : argv.index("--hostfile") + 2] = ["-H", "node0:1,node1:1"]
         with remote.connect(inventory, inventory.head) as conn:
             out = remote.sh(conn, "timeout 120 " + shlex.join(argv))
-        ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["host"])
+        shared = localcluster.STATE_ROOT / "te" / "shared"
+        ranks = [json.loads((shared / f"env-{host}").read_text()) for host in ("node0", "node1")]
         assert ranks == [{"host": "node0", "env": wanted}, {"host": "node1", "env": wanted}], out
         log = (localcluster.STATE_ROOT / "te" / "node1.log").read_text()
         assert "IMAGE_QUOTED is not carried into SSH sessions" in log
