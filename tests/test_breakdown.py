@@ -2,11 +2,14 @@
 2-rank gloo runs (torchrun on localhost)."""
 
 import json
+import re
 
 import breakdown
 import checkpoint
 import pytest
 from test_training import train
+
+from clusterops import report
 
 
 class FakeEvent:
@@ -66,7 +69,12 @@ def summary(run_dir) -> dict:
 
 
 def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_data, tmp_path):
-    train(numbers_data, tmp_path, "--max-steps", "8", "--batch-per-gpu", "8", "--log-every", "4", procs=2)
+    result = train(numbers_data, tmp_path, "--max-steps", "8", "--batch-per-gpu", "8", "--log-every", "4", procs=2)
+    assert re.search(
+        r"step 4/8 \(50%\) \| loss .* \| data \d+ compute \d+ comm \d+ opt \d+ other -?\d+ ms \| "
+        r"elapsed \d+s \| ETA \d+s",
+        result.stdout,
+    ), result.stdout
     s = summary(tmp_path)
     b = s["breakdown"]
     parts = sum(b[k] for k in breakdown.PARTS)
@@ -76,6 +84,15 @@ def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_d
     assert b["grad_bytes"] == b["payload_bytes"] and b["wire_bytes"] == b["payload_bytes"]  # ring of 2: 2(N-1)/N = 1
     progress = json.loads((tmp_path / "progress.json").read_text())
     assert "ended" in progress and progress["world_size"] == 2
+
+
+def test_durations_and_the_eta_in_fab_status():
+    from trainer import duration
+
+    assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
+    progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
+    line = report.run_line("/runs/r", {"status": {"state": "running"}, "progress": progress, "summary": {}})
+    assert "step 300/600 | 100 ms/step | ETA 2m10s" in line
 
 
 def payload(numbers_data, run_dir, compression) -> float:
@@ -107,3 +124,39 @@ def test_fp16_sends_half_of_fp32_and_powersgd_what_its_factors_hold(numbers_data
     psgd = payload(numbers_data, tmp_path / "psgd", "powersgd")  # steps 6-7: past start_powerSGD_iter 2
     print(f"payload per step: fp32 {full:.0f} B, PowerSGD rank {rank} {psgd:.0f} B (expected {expected})")
     assert psgd == expected
+
+
+def test_the_units_all_reduce_runs_while_the_first_forward_does(numbers_data, tmp_path, monkeypatch):
+    """No blocking collective before the forward: the units/stop counts are summed asynchronously and
+    waited for only once the first micro-batch's loss exists."""
+    import torch
+    import torch.distributed as dist
+    from config import build_parser, config_from_args
+    from distributed import DistInfo
+    from trainer import Trainer
+
+    args = ["--data", str(numbers_data), "--run-dir", str(tmp_path / "run"), "--recipe", "transformer-tiny"]
+    config = config_from_args(build_parser("t").parse_args([*args, "--d-model", "32", "--ffn", "64"]))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        events = []
+        original_all_reduce, original_loss = dist.all_reduce, trainer.task.loss_sum
+
+        def all_reduce(tensor, *args, **kwargs):
+            events.append(f"all_reduce async={kwargs.get('async_op', False)}")
+            work = original_all_reduce(tensor, *args, **kwargs)
+            return (
+                work if work is None else type("Work", (), {"wait": lambda s: events.append("wait") or work.wait()})()
+            )
+
+        def loss_sum(module, batch):
+            events.append("forward")
+            return original_loss(module, batch)
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(trainer.task, "loss_sum", loss_sum)
+        trainer.train_step()
+        assert events == ["all_reduce async=True", "forward", "wait"]
+    finally:
+        dist.destroy_process_group()

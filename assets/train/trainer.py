@@ -92,6 +92,16 @@ class HostCopy:
         return self.host.tolist()
 
 
+def duration(seconds: float) -> str:
+    """45s, 2m10s, 3h05m"""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _parts_line(parts: dict) -> str:
     """data 1 | compute 300 | comm 50 | opt 20 | other 5 ms"""
     names = {
@@ -119,6 +129,7 @@ class Trainer:
         self.resumed_from = None
         self.stop_requested = False
         self.urgent_stop = False
+        self.fit_started = time.time()
         self._resume()
         self.ddp = None
         self.timer = breakdown.StepTimer(breakdown.clock_for(device))
@@ -213,8 +224,9 @@ class Trainer:
             self.log(f"checkpoint {path}")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer step that does not wait for the device, except to read the stop flag after
-        the step's work is queued. Returns (this rank's loss sum, the global units, stop agreed by
+        """One optimizer step with no host synchronisation of its own: the units and stop-flag sum
+        (one tiny all-reduce) runs during the first forward, the flags are read after the step's
+        work is queued, the loss stays on the device. Returns (this rank's loss sum, the global units, stop agreed by
         all ranks); the loss stays on the device until a log step reads it (_flush_losses)."""
         c = self.config
         torch.manual_seed(c.seed * 7919 + self.step * self.info.world_size + self.info.rank)
@@ -228,8 +240,9 @@ class Trainer:
         for batch in batches:
             counts[0] += self.task.units(batch)
         counts[1], counts[2] = float(stop), float(urgent)
-        distributed.all_reduce_sum(counts)
-        flags = HostCopy(counts)
+        # Summed while the first forward runs; waited for only where the loss needs the global units.
+        wait_counts = distributed.start_all_reduce_sum(counts)
+        flags = None
         units = counts[0]
         module = self.ddp or self.model
         self.model.train()
@@ -240,6 +253,9 @@ class Trainer:
             context = module.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             with context, torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss_sum = self.task.loss_sum(module, batch)
+                if flags is None:
+                    wait_counts()
+                    flags = HostCopy(counts)
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
             self.wire.armed = last
@@ -297,7 +313,7 @@ class Trainer:
         pending: list = []  # (step, loss sum on the device, units) not yet read
         last_eval: dict = {}
         ended = "max_steps"
-        started = time.time()
+        started = self.fit_started = time.time()
         if self.step >= c.max_steps:
             self.log(f"run already at step {self.step} >= max steps {c.max_steps}")
         while self.step < c.max_steps:
@@ -346,12 +362,15 @@ class Trainer:
             loss = self._flush_losses(pending)
             parts = self._interval_breakdown()
             self.scalars({"perf/memory_mb": self._memory_mb(), **{f"breakdown/{k}": parts[k] for k in parts}})
+            elapsed = time.time() - self.fit_started
+            eta = (c.max_steps - self.step) * step_time
             self.log(
-                f"step {self.step}/{c.max_steps} | loss {loss:.3f} | lr "
+                f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
                 f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
-                f"{global_batch / step_time:.0f} objects/s | {_parts_line(parts)}"
+                f"{global_batch / step_time:.0f} objects/s | {_parts_line(parts)} | "
+                f"elapsed {duration(elapsed)} | ETA {duration(eta)}"
             )
-            self._write_progress(loss=loss, avg_step_time_s=step_time, breakdown=parts)
+            self._write_progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
 
     def _interval_breakdown(self) -> dict:
         """The slowest rank's mean parts over the steps since the last call (all ranks call it: one
