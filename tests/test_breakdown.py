@@ -95,8 +95,19 @@ def test_durations_and_the_eta_in_fab_status():
     assert "step 300/600 | 100 ms/step | ETA 2m10s" in line
 
 
-def payload(numbers_data, run_dir, compression) -> float:
-    train(numbers_data, run_dir, "--max-steps", "7", "--batch-per-gpu", "4", "--grad-compression", compression, procs=2)
+def payload(numbers_data, run_dir, compression, *args) -> float:
+    train(
+        numbers_data,
+        run_dir,
+        "--max-steps",
+        "7",
+        "--batch-per-gpu",
+        "4",
+        "--grad-compression",
+        compression,
+        *args,
+        procs=2,
+    )
     return summary(run_dir)["breakdown"]["payload_bytes"]
 
 
@@ -121,9 +132,12 @@ def test_fp16_sends_half_of_fp32_and_powersgd_what_its_factors_hold(numbers_data
         n, m = value.shape[0], value.numel() // value.shape[0]
         r = min(rank, n, m)  # P is n x r, Q is m x r; PowerSGD sends a matrix raw unless that halves it
         expected += 4 * ((n + m) * r if (n + m) * r * 2 < n * m else n * m)
-    psgd = payload(numbers_data, tmp_path / "psgd", "powersgd")  # steps 6-7: past start_powerSGD_iter 2
+    # Steps 6-7 (past start_powerSGD_iter 2), in several DDP buckets on gloo (no longer forced to one).
+    psgd = payload(numbers_data, tmp_path / "psgd", "powersgd", "--bucket-cap-mb", "0.1")
     print(f"payload per step: fp32 {full:.0f} B, PowerSGD rank {rank} {psgd:.0f} B (expected {expected})")
     assert psgd == expected
+    b = summary(tmp_path / "psgd")["breakdown"]
+    assert b["buckets"] > 1 and not b["single_bucket"]
 
 
 def test_the_units_all_reduce_runs_while_the_first_forward_does(numbers_data, tmp_path, monkeypatch):

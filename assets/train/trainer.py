@@ -40,8 +40,44 @@ def compress_hook(dtype: torch.dtype):
     return hook
 
 
+def serialized_hook(hook):
+    """`hook` with each bucket's collectives started only once the previous bucket's have finished.
+    PowerSGD all-reduces its P and Q from future callbacks and waits there: with two buckets in flight
+    on gloo, the ranks hang at the first compressed step (what forced one bucket, pytorch#58467).
+    Chained, every rank issues the same collectives in the same order, and buckets still overlap the
+    rest of the backward pass."""
+    tail: list = [None]
+
+    def serialized(state, bucket):
+        previous = tail[0]
+        if previous is None:
+            future = hook(state, bucket)
+        else:
+            future = torch.futures.Future()
+
+            def finish(done):
+                try:
+                    future.set_result(done.wait())
+                except Exception as error:  # noqa: BLE001 - handed to DDP through the future
+                    future.set_exception(error)
+
+            def start(done):
+                try:
+                    done.wait()
+                    hook(state, bucket).then(finish)
+                except Exception as error:  # noqa: BLE001
+                    future.set_exception(error)
+
+            previous.then(start)
+        tail[0] = None if bucket.is_last() else future
+        return future
+
+    return serialized
+
+
 def _register_comm_hook(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
     """The mode's hook (a Python all-reduce hook for none), timed for the step breakdown."""
+    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if config.grad_compression in ("fp16", "bf16"):
@@ -55,7 +91,10 @@ def _register_comm_hook(ddp: DDP, config: TrainConfig, timer: breakdown.StepTime
             use_error_feedback=True,
             warm_start=True,
         )
-        ddp.register_comm_hook(state, breakdown.timed_hook(powerSGD_hook.powerSGD_hook, timer))
+        hook = powerSGD_hook.powerSGD_hook
+        if dist.get_backend() == "gloo":
+            hook = serialized_hook(hook)
+        ddp.register_comm_hook(state, breakdown.timed_hook(hook, timer))
     else:
         ddp.register_comm_hook(None, breakdown.timed_hook(default_hooks.allreduce_hook, timer))
 
@@ -138,10 +177,6 @@ class Trainer:
         self.bucket_cap_mb = config.bucket_cap_mb
         if info.world_size > 1:
             bucket_mb = config.bucket_cap_mb
-            if config.grad_compression == "powersgd" and device.type == "cpu":
-                # gloo + PowerSGD needs one bucket (pytorch#58467).
-                bucket_mb = sum(p.numel() * 4 for p in self.model.parameters()) / 2**20 + 1
-            self.bucket_cap_mb = bucket_mb
             self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
             _register_comm_hook(self.ddp, config, self.timer)
             self.wire.install()
