@@ -5,7 +5,7 @@ compression mode, against the 1-node no-communication bound measured in the same
 
     flock /work/helpers/cluster.lock .venv/bin/python scripts/bench_seed_replica.py [--steps 12]
 
-Brings up its own cluster (--name, default bench-seed) and takes it down at the end. Step times
+Brings up its own cluster (--name, default seedrep) and takes it down at the end. Step times
 are the trainer's summary.json means (its first steps are skipped there); the exposed share and the
 payload come from the summary's breakdown.
 """
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--link", default="1gbit")
-    parser.add_argument("--name", default="bench-seed")
+    parser.add_argument("--name", default="seedrep")
     parser.add_argument("--subnet", default="10.213.60.0/24")
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
