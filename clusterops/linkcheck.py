@@ -66,8 +66,9 @@ def parse_iperf(output: str) -> float:
     return report["end"]["sum_received"]["bits_per_second"] / 1e9
 
 
-def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> float:
-    """Gbit/s from src to dst (Fabric connections), the server started on dst first."""
+def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> tuple[float, str]:
+    """(Gbit/s from src to dst, the tool that measured it): Fabric connections, the server started on
+    dst first. An iperf3 run that never connects falls back to the socket test for that pair."""
     if tool == "iperf3":
         server = dst.run(
             f"timeout {seconds + 30} iperf3 -s -1 -p {IPERF_PORT}", asynchronous=True, hide=True, warn=True
@@ -76,14 +77,15 @@ def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> fl
         for _ in range(100):  # until the server listens
             result = src.run(client, hide=True, warn=True, in_stream=False)
             if result.exited == 0:
-                break
+                server.join()
+                return parse_iperf(result.stdout), tool
             time.sleep(0.05)
+        dst.run(f"pkill -f -- {q('[i]perf3 -s -1 -p ' + str(IPERF_PORT))} || true", hide=True, warn=True)
         server.join()
-        return parse_iperf(result.stdout)
     serve = f"timeout {seconds + 30} {q(python)} -c {q(SOCKET_SERVER)} {SOCKET_PORT} 0.5"
     server = dst.run(serve, asynchronous=True, hide=True, warn=True)
     src.run(f"{q(python)} -c {q(SOCKET_CLIENT)} {q(dst_ip)} {SOCKET_PORT} {seconds + 0.5}", hide=True, in_stream=False)
-    return json.loads(server.join().stdout.strip().splitlines()[-1])["gbit"]
+    return json.loads(server.join().stdout.strip().splitlines()[-1])["gbit"], "python-socket"
 
 
 def matrix(connections: dict, addresses: dict[str, str], seconds: int, tool: str, python: str) -> list[dict]:
@@ -92,8 +94,8 @@ def matrix(connections: dict, addresses: dict[str, str], seconds: int, tool: str
     for src in connections:
         for dst in connections:
             if src != dst:
-                gbit = pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python)
-                pairs.append({"src": src, "dst": dst, "gbit": round(gbit, 3)})
+                gbit, used = pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python)
+                pairs.append({"src": src, "dst": dst, "gbit": round(gbit, 3), "tool": used})
     return pairs
 
 
@@ -121,7 +123,7 @@ def summary(pairs: Sequence[dict], busbw: Optional[float], nodes: Sequence[str],
         "busbw_fraction": round(busbw / median, 3) if busbw and median else None,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "nodes": list(nodes),
-        "tool": tool,
+        "tool": "+".join(sorted({p.get("tool", tool) for p in pairs})) or tool,
     }
 
 

@@ -93,8 +93,8 @@ def _cluster_tests(inv, nodes, interfaces, facts, payload, per_pair, problems, s
                 transport = {n.name: "gloo (no NCCL)" for n in nodes}
             prefix = launch.mpirun_prefix(inv, nodes, interface)
             training = remote.check_training(conn, inv, prefix, code_dir)
-    except ERRORS as error:
-        problems.append(str(error))
+    except (*ERRORS, ValueError, OSError) as error:
+        problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
     return link, transport, training
 
 

@@ -2,12 +2,13 @@
 fallback measured on this machine's loopback, link.json's summary, and `fab train --exclude` input."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import run_fab
+from conftest import REPO, run_fab
 from test_launch import inventory
 
 from clusterops import linkcheck
@@ -121,3 +122,11 @@ def test_train_with_an_unknown_exclude_is_one_line_and_connects_nowhere(tmp_path
     assert result.stderr.strip().splitlines() == [
         "error: invalid --exclude node9: no such node (the nodes: 0=node0, 1=node1)"
     ]
+
+
+def test_iperf3_is_in_the_image_and_in_the_set_up():
+    from test_image import dockerfile_packages
+
+    assert "iperf3" in dockerfile_packages()
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert "iperf3" in re.search(r"APT_PACKAGES=\(([^)]*)\)", setup).group(1).split()
