@@ -145,12 +145,12 @@ def parse_transport(log: str) -> dict[str, str]:
         if not match:
             continue
         host, message = match.groups()
-        provider = _PROVIDER.search(message)
-        if provider:
-            providers[host] = provider.group(1).lower()
-        network = _NETWORK.search(message)
-        if network and host not in networks:
-            networks[host] = (network.group(1) or network.group(2)).strip()
+        chosen = _PROVIDER.search(message)
+        if chosen:
+            providers[host] = chosen.group(1).lower()
+        named = _NETWORK.search(message)
+        if named and host not in networks:
+            networks[host] = (named.group(1) or named.group(2)).strip()
     found = {}
     for host, network in networks.items():
         if "libfabric" in network.lower():
