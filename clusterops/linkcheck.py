@@ -74,12 +74,13 @@ def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> tu
             f"timeout {seconds + 30} iperf3 -s -1 -p {IPERF_PORT}", asynchronous=True, hide=True, warn=True
         )
         client = f"iperf3 -c {q(dst_ip)} -p {IPERF_PORT} -t {seconds} -O 1 -J"
-        for _ in range(100):  # until the server listens
+        deadline = time.monotonic() + 20  # until the server listens (slow to start on a loaded machine)
+        while time.monotonic() < deadline:
             result = src.run(client, hide=True, warn=True, in_stream=False)
             if result.exited == 0:
                 server.join()
                 return parse_iperf(result.stdout), tool
-            time.sleep(0.05)
+            time.sleep(0.1)
         dst.run(f"pkill -f -- {q('[i]perf3 -s -1 -p ' + str(IPERF_PORT))} || true", hide=True, warn=True)
         server.join()
     serve = f"timeout {seconds + 30} {q(python)} -c {q(SOCKET_SERVER)} {SOCKET_PORT} 0.5"

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, run_fab
@@ -64,12 +65,14 @@ def test_iperf3_json_from_a_real_run_on_loopback():
         pytest.skip("iperf3 is not installed (make setup installs it)")
     server = subprocess.Popen(["iperf3", "-s", "-1", "-p", "15201"], stdout=subprocess.DEVNULL)
     try:
-        for _ in range(100):
+        deadline = time.monotonic() + 20  # the server may be slow to listen on a loaded machine
+        while time.monotonic() < deadline:
             client = subprocess.run(
                 ["iperf3", "-c", "127.0.0.1", "-p", "15201", "-t", "1", "-J"], capture_output=True, text=True
             )
             if client.returncode == 0:
                 break
+            time.sleep(0.1)
         assert linkcheck.parse_iperf(client.stdout) > 0.1
     finally:
         server.wait(timeout=30)
