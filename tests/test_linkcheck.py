@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_fab
+from conftest import REPO, _free_port, run_fab
 from test_launch import inventory
 
 from clusterops import linkcheck
@@ -63,28 +63,31 @@ def test_the_transport_nccl_chose_is_read_from_its_info_lines(log, expected):
 def test_iperf3_json_from_a_real_run_on_loopback():
     if not shutil.which("iperf3"):
         pytest.skip("iperf3 is not installed (make setup installs it)")
-    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", "15201"], stdout=subprocess.DEVNULL)
+    port = str(_free_port())
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", port], stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20  # the server may be slow to listen on a loaded machine
         while time.monotonic() < deadline:
             client = subprocess.run(
-                ["iperf3", "-c", "127.0.0.1", "-p", "15201", "-t", "1", "-J"], capture_output=True, text=True
+                ["iperf3", "-c", "127.0.0.1", "-p", port, "-t", "1", "-J"], capture_output=True, text=True
             )
             if client.returncode == 0:
                 break
             time.sleep(0.1)
         assert linkcheck.parse_iperf(client.stdout) > 0.1
     finally:
+        server.kill()
         server.wait(timeout=30)
     with pytest.raises(ValueError, match="iperf3: unable to connect"):
         linkcheck.parse_iperf(json.dumps({"start": {}, "error": "unable to connect to server"}))
 
 
 def test_the_socket_fallback_measures_loopback():
+    port = str(_free_port())
     server = subprocess.Popen(
-        [sys.executable, "-c", linkcheck.SOCKET_SERVER, "15202", "0.2"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", linkcheck.SOCKET_SERVER, port, "0.2"], stdout=subprocess.PIPE, text=True
     )
-    subprocess.run([sys.executable, "-c", linkcheck.SOCKET_CLIENT, "127.0.0.1", "15202", "0.7"], check=True)
+    subprocess.run([sys.executable, "-c", linkcheck.SOCKET_CLIENT, "127.0.0.1", port, "0.7"], check=True)
     out, _ = server.communicate(timeout=30)
     assert json.loads(out)["gbit"] > 0.1
 
