@@ -39,7 +39,7 @@ def status(c):
         "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
         "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
         "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
-        "reasons, details}], link: {median_gbit, pairs: [{src, dst, gbit}], slow_pairs, allreduce_busbw_gbit, "
+        "reasons, details}], link: {median_gbit, pairs: [{src, dst, gbit, tool}], slow_pairs, allreduce_busbw_gbit, "
         "busbw_fraction, measured_at, nodes, tool}, training}",
     }
 )
