@@ -66,6 +66,11 @@ def parse_iperf(output: str) -> float:
     return report["end"]["sum_received"]["bits_per_second"] / 1e9
 
 
+def refused(iperf_json: str) -> bool:
+    """iperf3 -J exits 0 even when it could not connect (3.12 on Debian 12): the JSON says so."""
+    return "unable to connect" in iperf_json
+
+
 def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> tuple[float, str]:
     """(Gbit/s from src to dst, the tool that measured it): Fabric connections, the server started on
     dst first. An iperf3 run that never connects falls back to the socket test for that pair."""
@@ -77,7 +82,7 @@ def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> tu
         deadline = time.monotonic() + 20  # until the server listens (slow to start on a loaded machine)
         while time.monotonic() < deadline:
             result = src.run(client, hide=True, warn=True, in_stream=False)
-            if result.exited == 0:
+            if result.exited == 0 and not refused(result.stdout):
                 server.join()
                 return parse_iperf(result.stdout), tool
             time.sleep(0.1)
