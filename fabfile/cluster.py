@@ -39,7 +39,7 @@ def status(c):
         "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
         "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
         "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
-        "reasons, details}], link: {median_gbit, pairs: [{src, dst, gbit}], slow_pairs, allreduce_busbw_gbit, "
+        "reasons, details}], link: {median_gbit, pairs: [{src, dst, gbit, tool}], slow_pairs, allreduce_busbw_gbit, "
         "busbw_fraction, measured_at, nodes, tool}, training}",
     }
 )
@@ -93,8 +93,8 @@ def _cluster_tests(inv, nodes, interfaces, facts, payload, per_pair, problems, s
                 transport = {n.name: "gloo (no NCCL)" for n in nodes}
             prefix = launch.mpirun_prefix(inv, nodes, interface)
             training = remote.check_training(conn, inv, prefix, code_dir)
-    except ERRORS as error:
-        problems.append(str(error))
+    except (*ERRORS, ValueError, OSError) as error:
+        problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
     return link, transport, training
 
 

@@ -116,8 +116,9 @@ def test_status_shows_every_node_ready(cluster):
 
 
 def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
-    out = cluster.fab("check", "--mb", "8").stdout
-    assert sorted(re.findall(r"^node\d$", out, re.M)) == [f"node{i}" for i in range(cluster.nodes)]
+    out = cluster.fab("check", "--mb", "8", "--seconds", "1").stdout
+    assert sorted(re.findall(r"^(node\d)\s+ok\s", out, re.M)) == [f"node{i}" for i in range(cluster.nodes)]
+    assert re.search(r"^link \(iperf3\): median [\d.]+ Gbit/s; node0->node1 [\d.]+, ", out, re.M), out
     assert out.count(" eth0") >= cluster.nodes
     assert re.search(rf"all_reduce 8 MB over {cluster.nodes} ranks: \d+ ms, algbw [\d.]+ Gbit/s", out)
     # Real training steps with the trainer's own collectives, and one version of everything.
