@@ -309,6 +309,7 @@ class Trainer:
         self.step += 1
         self.timer.current["payload_bytes"] = self.wire.take()
         self.timer.end()
+        assert flags is not None, "a step has at least one micro-batch"
         _, stop_votes, urgent_votes = flags.values()
         self.urgent_stop = urgent_votes > 0
         return total, units, stop_votes > 0
