@@ -323,7 +323,7 @@ def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory
         data_dir=spec.data_dir,
         instance_type="local",
         local_state=str(spec.state_dir),
-        extra={"controller_ip": spec.bridge_ip},
+        extra={"controller_ip": spec.bridge_ip, "link": spec.link},
     )
     inventory.save(inventory_path)
     return inventory
@@ -423,3 +423,25 @@ def set_link(name: str, rank: int, up_: bool) -> None:
     record = json.loads((STATE_ROOT / name / "cluster.json").read_text())
     spec = LocalSpec(**record["spec"])
     _run("ip", "link", "set", spec.host_veth(rank), "up" if up_ else "down")
+
+
+def set_link_rate(name: str, rate: str | None, inventory_path: Path | None = None) -> None:
+    """Re-cap (or uncap, rate None) every link of a running cluster; the record and inventory follow."""
+    record_path = STATE_ROOT / name / "cluster.json"
+    record = json.loads(record_path.read_text())
+    spec = LocalSpec(**{**record["spec"], "link": rate})
+    spec.validate()
+    for rank in range(spec.nodes):
+        for device, netns in ((spec.host_veth(rank), None), ("eth0", spec.netns(rank))):
+            if rate:
+                _cap(device, rate, netns)
+            else:
+                prefix = ("ip", "netns", "exec", netns) if netns else ()
+                _run(*prefix, "tc", "qdisc", "del", "dev", device, "root", check=False)
+    record["spec"] = spec.__dict__
+    record_path.write_text(json.dumps(record, indent=2))
+    if inventory_path is not None and inventory_path.exists():
+        inventory = json.loads(inventory_path.read_text())
+        if inventory.get("cluster") == name:
+            inventory.setdefault("extra", {})["link"] = rate
+            inventory_path.write_text(json.dumps(inventory, indent=2))

@@ -153,7 +153,7 @@ def stop(c, run=None, force=False):
 
 @task(help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"})
 def fetch(c, run=None, dest="runs"):
-    """Checkpoint, config, vocabulary, summary.json and eval texts into ./runs/NAME/."""
+    """Checkpoint, config, vocabulary, summary.json, eval texts and `fab report`'s report into ./runs/NAME/."""
     inv = load_inventory(c)
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)
