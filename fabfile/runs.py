@@ -24,7 +24,7 @@ from .common import ERRORS, fail, head, load_inventory, number, run_dir, setting
         "steps": "max steps",
         "batch_per_gpu": "batch per GPU (per slot locally)",
         "precision": "fp32, fp16 or bf16",
-        "grad_compression": "none, fp16, bf16 or powersgd",
+        "grad_compression": "none, fp16, bf16, powersgd or auto (the mode `fab report`'s model predicts fastest)",
         "nodes": "use the first K nodes",
         "dataset": "data set under /data/datasets",
         "follow": "stream the log until the run ends",
