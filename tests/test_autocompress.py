@@ -1,5 +1,7 @@
 """--grad-compression auto: the choice follows the same model as `fab report`, from measured inputs."""
 
+import json
+
 import autocompress
 import pytest
 import stepmodel
@@ -53,3 +55,17 @@ def test_calibrate_times_each_mode_and_counts_powersgd_bytes_like_the_hook():
     assert calibration["grad_bytes"] == 4 * sum(p.numel() for p in model.parameters())
     assert set(calibration["overhead_s"]) == {"fp16", "bf16", "powersgd"}
     assert all(0 < seconds < 1 for seconds in calibration["overhead_s"].values())
+
+
+def test_two_ranks_with_auto_log_the_choice_and_why_and_record_it(numbers_data, tmp_path):
+    """Under torchrun (strict device mode: the probe's all-reduce names its device), rank 0's choice
+    is every rank's, logged with the measurement, and summary.json keeps it and the calibration."""
+    from test_training import train
+
+    result = train(numbers_data, tmp_path, "--max-steps", "3", "--grad-compression", "auto", procs=2)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("--grad-compression auto: "))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    chosen = summary["auto_compression"]["chosen"]
+    assert chosen in ("none", "fp16", "bf16", "powersgd") and summary["grad_compression"] == chosen
+    assert line.startswith(f"--grad-compression auto: {chosen}: compute ") and "Gbit/s); predicted none" in line
+    assert set(summary["calibration"]["overhead_s"]) == {"fp16", "bf16", "powersgd"}

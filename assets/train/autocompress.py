@@ -10,6 +10,7 @@ all-reduce of the gradient's size, which gives the link rate as the all-reduce s
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import stepmodel
 
@@ -37,24 +38,34 @@ def choose(b: stepmodel.Breakdown, link_gbit: float, powersgd_single_bucket: boo
     return best, why, predicted
 
 
-def _timed(work, repeats: int = 3) -> float:
-    """The fastest of `repeats` runs of work() (the first warms up caches), in seconds."""
+def _timed(work, repeats: int = 3, sync=lambda: None) -> float:
+    """The fastest of `repeats` runs of work() (the first warms up caches), in seconds; sync() waits
+    for the device's queue (GPU work is asynchronous)."""
     best = float("inf")
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         work()
+        sync()
         best = min(best, time.perf_counter() - started)
     return best
 
 
-def calibrate(parameters, powersgd_rank: int, world_size: int) -> dict:
+def _sync(device):
+    import torch
+
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def calibrate(parameters, powersgd_rank: int, world_size: int, device=None) -> dict:
     """Each compression mode's local work on gradients of these parameters' shapes, and PowerSGD's
     wire bytes: what `fab report` needs to predict a mode the run did not use."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
+    device = device or torch.device("cpu")
     shapes = [tuple(p.shape) for p in parameters if p.requires_grad]
-    grads = [torch.randn(shape) for shape in shapes]
+    grads = [torch.randn(shape, device=device) for shape in shapes]
     flat = torch.cat([g.flatten() for g in grads])
 
     def cast(dtype):
@@ -65,7 +76,7 @@ def calibrate(parameters, powersgd_rank: int, world_size: int) -> dict:
         n, m = (grad.shape[0], grad.numel() // grad.shape[0]) if grad.dim() >= 2 else (0, 0)
         rank = min(powersgd_rank, n, m)
         if grad.dim() >= 2 and (n + m) * rank * 2 < n * m:
-            matrices.append((grad.view(1, n, m), torch.randn(1, m, rank), torch.empty(1, n, rank)))
+            matrices.append((grad.view(1, n, m), torch.randn(1, m, rank, device=device), grad.new_empty(1, n, rank)))
 
     def powersgd():  # the hook's local work, as in powerSGD_hook: error feedback, Q, P = MQ, Q = M'P, M = PQ'
         kept = flat.add(0.0)
@@ -88,14 +99,16 @@ def calibrate(parameters, powersgd_rank: int, world_size: int) -> dict:
     }
 
 
-def probe(forward_backward, grad_bytes: int, world_size: int, all_reduce) -> tuple[float, float]:
+def probe(forward_backward, grad_bytes: int, world_size: int, all_reduce, device=None) -> tuple[float, float]:
     """(compute seconds of one forward+backward, link Gbit/s as an all-reduce of the gradient's size
     sees it). `forward_backward()` must not synchronise gradients; all_reduce(tensor) is collective."""
     import torch
 
-    compute = _timed(forward_backward)
-    buffer = torch.zeros(grad_bytes // 4)
-    seconds = _timed(lambda: all_reduce(buffer), repeats=2)
+    device = device or torch.device("cpu")
+    sync = _sync(device)
+    compute = _timed(forward_backward, sync=sync)
+    buffer = torch.zeros(grad_bytes // 4, device=device)
+    seconds = _timed(lambda: all_reduce(buffer), repeats=2, sync=sync)
     wire = stepmodel.ring_wire_bytes(grad_bytes, world_size)
     return compute, (wire * 8 / seconds / 1e9) if seconds > 0 else float("inf")
 
@@ -120,3 +133,36 @@ def auto_breakdown(
         overheads=calibration["overhead_s"],
         powersgd_wire_bytes=calibration["powersgd_wire_bytes"],
     )
+
+
+def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
+    """Before DDP is built, on every rank: the calibration (recorded in summary.json for `fab report`)
+    and, with --grad-compression auto, rank 0's choice for all (config.grad_compression is set)."""
+    import distributed
+    import torch
+
+    c, info, model = trainer.config, trainer.info, trainer.model
+    calibration = calibrate(list(model.parameters()), c.powersgd_rank, info.world_size, trainer.device)
+    if c.grad_compression != "auto":
+        return calibration, None
+    batches = trainer.task.batches(trainer.step)
+    buffers = {name: value.clone() for name, value in model.named_buffers()}  # BN statistics stay as they were
+
+    def forward_backward():
+        amp = trainer.amp_dtype
+        with torch.autocast(trainer.device.type, dtype=amp, enabled=amp is not None):
+            for batch in batches:
+                trainer.task.loss_sum(model, batch).backward()
+        model.zero_grad(set_to_none=True)
+
+    compute, link_gbit = probe(
+        forward_backward, calibration["grad_bytes"], info.world_size, distributed.all_reduce_sum, trainer.device
+    )
+    with torch.no_grad():
+        for name, value in model.named_buffers():
+            value.copy_(buffers[name])
+    objects = c.batch_per_gpu * info.world_size * c.grad_accum
+    mode, why, predicted = choose(auto_breakdown(compute, link_gbit, calibration, info.world_size, objects), link_gbit)
+    mode, why, predicted = distributed.broadcast_from_main((mode, why, predicted))
+    c.grad_compression = mode
+    return calibration, {"chosen": mode, "why": why, "predicted_step_s": predicted}

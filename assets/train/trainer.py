@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import autocompress
 import checkpoint
 import distributed
 import torch
@@ -105,7 +106,11 @@ class Trainer:
         self.urgent_stop = False
         self._resume()
         self.ddp = None
+        self.calibration, self.auto_compression = None, None
         if info.world_size > 1:
+            self.calibration, self.auto_compression = autocompress.start_of_run(self)
+            if self.auto_compression:
+                self.log(f"--grad-compression auto: {config.grad_compression}: {self.auto_compression['why']}")
             bucket_mb = config.bucket_cap_mb
             if config.grad_compression == "powersgd" and device.type == "cpu":
                 # gloo + PowerSGD needs one bucket (pytorch#58467).
@@ -357,6 +362,8 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "ended": ended,
             "wall_time_s": wall,
+            "calibration": self.calibration,
+            "auto_compression": self.auto_compression,
         }
         if self.info.is_main:
             atomic_write_bytes(self.run_dir / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
