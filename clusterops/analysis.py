@@ -115,7 +115,7 @@ def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> di
         "compression": summary.get("grad_compression") or config.get("grad_compression", ""),
         "nodes": nodes or "",
         "quality": quality,
-        "wall": f"{wall / 60:.1f} min" if wall else "",
+        "wall": (f"{wall:.0f} s" if wall < 120 else f"{wall / 60:.1f} min") if wall else "",
         "cost": cost or "n/a",
     }
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINT = REPO / "assets" / "docker" / "entrypoint.sh"
 IDENTITY_SCRIPT = REPO / "assets" / "docker" / "cluster-identity.sh"
 SSHD_CONFIG = REPO / "assets" / "docker" / "sshd_config"
-REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
+REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "taskset", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 STATE_ROOT = Path(os.environ.get("GPU_CLUSTER_LOCAL_STATE", "/var/tmp/gpu-cluster-local"))
 
@@ -259,8 +259,17 @@ def _make_network(spec: LocalSpec) -> None:
             _cap("eth0", spec.link, netns)
 
 
+def node_cpus(rank: int, nodes: int, cpus: list[int]) -> list[int]:
+    """The machine's CPUs node `rank` may use: an equal slice each (one CPU each, shared round-robin,
+    when there are more nodes than CPUs). A node does not borrow another's cores, as real nodes
+    cannot: without this, one node alone ran on every core and scaling looked worse than it is."""
+    per = max(1, len(cpus) // nodes)
+    start = (rank * per) % len(cpus)
+    return cpus[start : start + per]
+
+
 def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, image_env: Mapping[str, str]) -> int:
-    """The node's own UTS and mount namespaces, then the container's entrypoint (sshd on 4444)."""
+    """The node's own UTS and mount namespaces and CPU slice, then the container's entrypoint (sshd on 4444)."""
     log = open(spec.state_dir / f"node{rank}.log", "ab")
     script = _node_script(
         spec,
@@ -271,8 +280,12 @@ def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, imag
         controller / "id_ed25519.pub",
         image_env,
     )
+    cpus = node_cpus(rank, spec.nodes, sorted(os.sched_getaffinity(0)))
     process = subprocess.Popen(
         [
+            "taskset",
+            "--cpu-list",
+            ",".join(map(str, cpus)),
             "ip",
             "netns",
             "exec",

@@ -77,7 +77,7 @@ def test_runs_table_compares_runs_at_a_glance():
     table = analysis.runs_table(runs, usd_per_node_hour=0.526, slots=1).splitlines()
     assert table[0].split() == analysis.RUN_COLUMNS + ["cost"]
     assert table[2].split()[:9] == ["tiny", "finished", "30/30", "310", "206", "fp32", "none", "2", "BLEU"]
-    assert table[2].endswith("1.6 min  $0.03")
+    assert table[2].endswith("BLEU 12.5  95 s  $0.03")
     assert table[3].split()[:8] == ["going", "running", "12/100", "500", "bf16", "powersgd", "4", "n/a"]
     assert "cost" not in analysis.runs_table(runs, None, 1).splitlines()[0]
 
