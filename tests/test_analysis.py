@@ -122,3 +122,18 @@ def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes()
     rx, tx, seconds, cores, cpus, gpu = out
     assert int(rx) >= 0 and int(tx) >= 0 and 0.9 < float(seconds) < 3
     assert 0.5 < float(cores) <= int(cpus) and gpu == "none"
+
+
+@pytest.mark.parametrize(
+    "nodes, cpus, slices",
+    [
+        (2, [0, 1], [[0], [1]]),  # this machine: a core each
+        (1, [0, 1], [[0, 1]]),
+        (3, [0, 1], [[0], [1], [0]]),  # more nodes than cores: shared round-robin
+        (2, [0, 1, 2, 3, 4], [[0, 1], [2, 3]]),
+    ],
+)
+def test_each_emulated_node_gets_its_own_cpus(nodes, cpus, slices):
+    from clusterops.localcluster import node_cpus
+
+    assert [node_cpus(rank, nodes, cpus) for rank in range(nodes)] == slices

@@ -18,11 +18,11 @@ MARGIN = 0.05  # leave plain fp32 gradients only for a predicted gain above the 
 CHOICES = ("none", "fp16", "bf16", "powersgd")
 
 
-def choose(b: stepmodel.Breakdown, link_gbit: float, powersgd_single_bucket: bool = False) -> tuple[str, str, dict]:
+def choose(b: stepmodel.Breakdown, link_gbit: float) -> tuple[str, str, dict]:
     """(mode, why, predicted step seconds per mode) for the measured breakdown `b` of plain DDP."""
     predicted = {}
     for mode in CHOICES:
-        prediction = stepmodel.compression_what_if(b, link_gbit, mode, powersgd_single_bucket)
+        prediction = stepmodel.compression_what_if(b, link_gbit, mode)
         if prediction is not None:
             predicted[mode] = prediction.step_s
     best = min(predicted, key=lambda mode: (predicted[mode], CHOICES.index(mode)))
@@ -57,7 +57,7 @@ def _sync(device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def calibrate(parameters, powersgd_rank: int, world_size: int, device=None) -> dict:
+def calibrate(parameters, powersgd_rank: int, world_size: int, device=None, powersgd_single_bucket=False) -> dict:
     """Each compression mode's local work on gradients of these parameters' shapes, and PowerSGD's
     wire bytes: what `fab report` needs to predict a mode the run did not use."""
     import torch
@@ -96,6 +96,7 @@ def calibrate(parameters, powersgd_rank: int, world_size: int, device=None) -> d
         },
         "powersgd_wire_bytes": stepmodel.powersgd_wire_bytes(shapes, powersgd_rank, world_size),
         "grad_bytes": 4 * flat.numel(),
+        "powersgd_single_bucket": powersgd_single_bucket,
     }
 
 
@@ -132,6 +133,7 @@ def auto_breakdown(
         single_bucket=True,
         overheads=calibration["overhead_s"],
         powersgd_wire_bytes=calibration["powersgd_wire_bytes"],
+        powersgd_single_bucket=calibration.get("powersgd_single_bucket", False),
     )
 
 
@@ -142,7 +144,9 @@ def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
     import torch
 
     c, info, model = trainer.config, trainer.info, trainer.model
-    calibration = calibrate(list(model.parameters()), c.powersgd_rank, info.world_size, trainer.device)
+    # The trainer's rule: PowerSGD on gloo runs in one bucket (pytorch#58467).
+    one_bucket = trainer.device.type == "cpu"
+    calibration = calibrate(list(model.parameters()), c.powersgd_rank, info.world_size, trainer.device, one_bucket)
     if c.grad_compression != "auto":
         return calibration, None
     batches = trainer.task.batches(trainer.step)

@@ -40,6 +40,7 @@ class Breakdown:
     # Measured on the node, when it was (seconds per step): each mode's own compression work.
     overheads: dict = field(default_factory=dict)
     powersgd_wire_bytes: Optional[float] = None
+    powersgd_single_bucket: bool = False  # would PowerSGD run in one DDP bucket here (gloo: yes)
 
     @property
     def step(self) -> float:
@@ -63,6 +64,7 @@ class Breakdown:
             single_bucket=bool(b.get("single_bucket", False)),
             overheads=dict(calibration.get("overhead_s") or {}),
             powersgd_wire_bytes=calibration.get("powersgd_wire_bytes"),
+            powersgd_single_bucket=bool(calibration.get("powersgd_single_bucket", False)),
         )
 
 
@@ -106,7 +108,7 @@ def _predict(name, b: Breakdown, model: str, *, data, compute, comm, hidden, obj
     return Prediction(name, step, objects / step if step else 0.0, model, parts)
 
 
-def compression_what_if(b: Breakdown, link_gbit: float, mode: str, powersgd_single_bucket: bool = False):
+def compression_what_if(b: Breakdown, link_gbit: float, mode: str):
     """The step under gradient compression `mode` (None when its wire bytes are unknown)."""
     comm, hidden = comm_seconds(b, link_gbit), hidden_seconds(b, link_gbit)
     extra = b.overheads.get(mode, 0.0) - b.overheads.get(b.compression, 0.0)
@@ -116,8 +118,8 @@ def compression_what_if(b: Breakdown, link_gbit: float, mode: str, powersgd_sing
         if b.powersgd_wire_bytes is None or not b.wire_bytes:
             return None
         ratio = b.powersgd_wire_bytes / b.wire_bytes
-        overlap = 0.0 if powersgd_single_bucket else hidden
-        shape = "no overlap (one bucket)" if powersgd_single_bucket else "same overlap"
+        overlap = 0.0 if b.powersgd_single_bucket else hidden
+        shape = "no overlap (one bucket)" if b.powersgd_single_bucket else "same overlap"
         return _predict(
             "powersgd", b, f"wire bytes x {ratio:.3f}{cost}, {shape}", comm=comm * ratio, hidden=overlap, **base
         )
@@ -126,14 +128,14 @@ def compression_what_if(b: Breakdown, link_gbit: float, mode: str, powersgd_sing
     return _predict(name, b, f"wire bytes x {ratio:g}{cost}, same overlap", comm=comm * ratio, hidden=hidden, **base)
 
 
-def what_ifs(b: Breakdown, link_gbit: float, powersgd_single_bucket: bool = False) -> list[Prediction]:
+def what_ifs(b: Breakdown, link_gbit: float) -> list[Prediction]:
     """Step time and throughput under each change, from the measured breakdown and link rate."""
     comm, hidden = comm_seconds(b, link_gbit), hidden_seconds(b, link_gbit)
     base = dict(data=b.data, compute=b.compute, objects=b.objects_per_step)
     out = [_predict(b.compression, b, "as measured", comm=comm, hidden=hidden, **base)]
     for mode in MODES:
         if mode != b.compression:
-            prediction = compression_what_if(b, link_gbit, mode, powersgd_single_bucket)
+            prediction = compression_what_if(b, link_gbit, mode)
             out += [prediction] if prediction else []
     for scale in (2, 4):
         out.append(
