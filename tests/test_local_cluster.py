@@ -232,11 +232,12 @@ def test_ssh_opens_a_shell_in_the_chosen_node(cluster):
     assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == f"node{last}", result.stderr
 
 
-def test_monitor_samples_network_and_load_per_node(cluster):
+def test_monitor_samples_cpu_gpu_and_network_per_node(cluster):
     out = cluster.fab("monitor", "--interval", "0.5", "--count", "2").stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"node\d", line)]
     assert len(rows) == 2 * cluster.nodes
-    assert all(r[1] == "none" and float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows), out
+    # node, cores used/CPUs, "cores", GPU, rx Mbit/s, rx share of the link, tx, tx share
+    assert all(r[2] == "cores" and r[3] == "none" and float(r[4]) >= 0 and float(r[6]) >= 0 for r in rows), out
 
 
 def test_tensorboard_through_a_tunnel_leaves_mpirun_working_and_stops(cluster):

@@ -51,14 +51,33 @@ def predictions(report: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def capped(lab):
-    """The baseline: plain fp32 gradients over 100 Mbit links, and its report."""
+    """The baseline: plain fp32 gradients over 100 Mbit links, and its report; `fab monitor` samples
+    the nodes while it runs."""
     relink(lab, "100mbit")
-    summary = train(lab, "capped")
-    return summary, lab.fab("report", "--run", "capped").stdout
+    extra = " ".join([MID, QUICK])
+    lab.fab("train", "--run", "capped", "--nodes", "2", "--steps", "12", "--extra", extra)
+    lab.wait_for_step("capped", 3, timeout=60)
+    monitor = lab.fab("monitor", "--interval", "2", "--count", "1").stdout
+    lab.fab("logs", "--run", "capped", "--follow")
+    summary = json.loads((lab.run_dir("capped") / "summary.json").read_text())
+    return summary, lab.fab("report", "--run", "capped").stdout, monitor
+
+
+def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(capped):
+    """A communication-bound run keeps its 100 Mbit links busy: each node's tx share is high, and
+    CPU is the node's own (its processes), not the host's load."""
+    monitor = capped[2]
+    assert "link share: of the measured link" in monitor or "link share: of the link cap (100mbit" in monitor
+    rows = re.findall(r"^(node\d)\s+([\d.]+)/(\d+) cores\s+none\s+([\d.]+)\s+(\d+)%\s+([\d.]+)\s+(\d+)%", monitor, re.M)
+    assert len(rows) == 2, monitor
+    for node, cores, cpus, rx, rx_share, tx, tx_share in rows:
+        assert 0 < float(cores) <= int(cpus) and float(tx) < 130, monitor
+        assert round(float(tx)) - 1 <= int(tx_share) <= float(tx) / 0.8 + 1, monitor  # of 80-100 Mbit/s
+    assert max(int(row[6]) for row in rows) >= 40, monitor  # the links carry the gradients
 
 
 def test_report_and_runs_on_a_two_node_run_and_fetch_brings_them_home(lab, capped, tmp_path):
-    summary, report = capped
+    summary, report, _ = capped
     assert report.startswith("# Run capped: communication-bound"), report
     assert "link: median" in report and "| fp16 gradients |" in report and "| 10 Gbit/s link |" in report
     run = lab.run_dir("capped")
