@@ -70,7 +70,7 @@ def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(ca
     assert "link share: of the measured link" in monitor or "link share: of the link cap (100mbit" in monitor
     rows = re.findall(r"^(node\d)\s+([\d.]+)/(\d+) cores\s+none\s+([\d.]+)\s+(\d+)%\s+([\d.]+)\s+(\d+)%", monitor, re.M)
     assert len(rows) == 2, monitor
-    for node, cores, cpus, rx, rx_share, tx, tx_share in rows:
+    for _node, cores, cpus, _rx, _rx_share, tx, tx_share in rows:
         assert 0 < float(cores) <= int(cpus) and float(tx) < 130, monitor
         assert round(float(tx)) - 1 <= int(tx_share) <= float(tx) / 0.8 + 1, monitor  # of 80-100 Mbit/s
     assert max(int(row[6]) for row in rows) >= 40, monitor  # the links carry the gradients
