@@ -9,7 +9,7 @@ import os
 import re
 
 import pytest
-from test_local_cluster import _start, _stop
+from test_local_cluster import Cluster, _stop
 
 from clusterops import localcluster
 
@@ -24,7 +24,9 @@ TOLERANCE = 0.20
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    cluster = _start("tr", 2, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
+    cluster = Cluster("tr", 2, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
+    cluster.fab("local.up", "--nodes", "2", "--name", "tr", "--subnet", cluster.subnet, "--replace")
+    cluster.fab("data", "--extra", "--train 4000 --valid 100 --test 50")
     yield cluster
     _stop(cluster)
 
@@ -60,7 +62,8 @@ def capped(lab):
     monitor = lab.fab("monitor", "--interval", "2", "--count", "1").stdout
     lab.fab("logs", "--run", "capped", "--follow")
     summary = json.loads((lab.run_dir("capped") / "summary.json").read_text())
-    return summary, lab.fab("report", "--run", "capped").stdout, monitor
+    report = lab.fab("report", "--run", "capped", check=False)
+    return summary, report.stdout + report.stderr, monitor
 
 
 def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(capped):
