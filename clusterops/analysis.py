@@ -13,15 +13,11 @@ from typing import Callable, Optional, Sequence
 from fabric import Connection
 
 from . import bottleneck, launch, plots, remote, report, scaling
+from .linkcheck import link_file
 from .inventory import Inventory
 
 q = shlex.quote
 REPORT_FILES = ("report.md", "breakdown.png", "scaling.png")
-
-
-def link_file(inventory: Inventory) -> str:
-    """Where `fab check` leaves its link measurement on the shared /data."""
-    return f"{inventory.data_dir}/.cluster/link.json"
 
 
 TC_UNITS = {"bit": 1e-9, "kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0, "tbit": 1e3}

@@ -82,12 +82,28 @@ class Inventory:
     def cluster_ssh_config(self) -> str:
         return f"{self.data_dir}/.cluster/ssh/config"
 
-    def select(self, count: Optional[int]) -> list[Node]:
+    def select(self, count: Optional[int], exclude: tuple[str, ...] = ()) -> list[Node]:
+        """The first `count` nodes (all: None) of those not excluded (ranks or names)."""
+        left = [node for node in self.nodes if node.name not in self.resolve(exclude)]
+        if not left:
+            raise InventoryError(f"invalid --exclude {','.join(exclude)}: it leaves no node to train on")
         if count is None:
-            return list(self.nodes)
-        if not 1 <= count <= len(self.nodes):
-            raise InventoryError(f"invalid --nodes {count}: the cluster has {len(self.nodes)} node(s)")
-        return self.nodes[:count]
+            return left
+        if not 1 <= count <= len(left):
+            where = (
+                f"{len(left)} node(s) are left after --exclude" if exclude else f"the cluster has {len(left)} node(s)"
+            )
+            raise InventoryError(f"invalid --nodes {count}: {where}")
+        return left[:count]
+
+    def resolve(self, names_or_ranks: tuple[str, ...]) -> set[str]:
+        """Node names for ranks ("1") or names ("node1"); one line naming an unknown one."""
+        by_key = {str(node.rank): node.name for node in self.nodes} | {node.name: node.name for node in self.nodes}
+        unknown = [key for key in names_or_ranks if key not in by_key]
+        if unknown:
+            known = ", ".join(f"{node.rank}={node.name}" for node in self.nodes)
+            raise InventoryError(f"invalid --exclude {','.join(unknown)}: no such node (the nodes: {known})")
+        return {by_key[key] for key in names_or_ranks}
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ class TrainRequest:
     precision: Optional[str] = None
     grad_compression: Optional[str] = None
     nodes: Optional[int] = None
+    exclude: tuple[str, ...] = ()  # ranks or names of nodes to leave out
     dataset: Optional[str] = None
     master_port: int = 29500
     stall_minutes: float = 10.0
@@ -150,7 +151,7 @@ def mpirun_prefix(
 
 
 def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
-    nodes = inventory.select(request.nodes)
+    nodes = inventory.select(request.nodes, request.exclude)
     rdir = run_dir(inventory, request.run_name)
     dataset = request.dataset or default_dataset(request.recipe)
     argv = mpirun_prefix(inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile")
@@ -237,7 +238,7 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
 
 
 def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[dict] = None) -> str:
-    nodes = inventory.select(request.nodes)
+    nodes = inventory.select(request.nodes, request.exclude)
     values = {
         "HOSTS": " ".join(n.private_ip for n in nodes),
         "SSH_CONFIG": inventory.cluster_ssh_config,

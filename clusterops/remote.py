@@ -303,7 +303,7 @@ def start_training(
     Returns the run directory and the log's size before this launch (where its output starts)."""
     request.validate()
     ensure_idle(connection, inventory)
-    nodes = inventory.select(request.nodes)
+    nodes = inventory.select(request.nodes, request.exclude)
     interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.data_path(inventory, dataset)

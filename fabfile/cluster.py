@@ -10,7 +10,7 @@ from pathlib import Path
 from fabric import task
 from invoke.exceptions import Exit
 
-from clusterops import launch, remote, report
+from clusterops import health, launch, linkcheck, remote, report
 
 from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
 
@@ -33,43 +33,107 @@ def status(c):
 
 # Numeric options default to strings: Invoke would infer a parser from a number and print a
 # traceback for "abc" before the task runs; the task parses them (one line on bad input).
-@task(help={"mb": "all-reduce payload in MB (default 64)"})
-def check(c, mb="64"):
-    """Per node: hostname, interface, torch/CUDA/NCCL/driver versions (must agree); then mpirun
-    hostname, an all-reduce bandwidth test and a few real training steps with the trainer's collectives."""
+@task(
+    help={
+        "mb": "all-reduce payload in MB (default 64)",
+        "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
+        "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
+        "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
+        "reasons, details}], link: {median_gbit, pairs: [{src, dst, gbit}], slow_pairs, allreduce_busbw_gbit, "
+        "busbw_fraction, measured_at, nodes, tool}, training}",
+    }
+)
+def check(c, mb="64", seconds="2", quick=False, json=False):
+    """A health verdict per node (ok / degraded / bad, with reasons): GPUs, ECC, Xid, versions, /data,
+    clock; then the TCP link between every pair, the all-reduce bus bandwidth against it, the NCCL
+    transport and a few real training steps. Exit code 0 only when fit to train (no bad node)."""
     inv = load_inventory(c)
-    rows = remote.on_all(
-        inv,
-        inv.nodes,
-        lambda conn, node: {
-            "interface": remote.detect_interface(conn, node),
-            "hostname": remote.sh(conn, "hostname").strip(),
-            **remote.node_versions(conn, inv),
-        },
+    payload, per_pair = number(mb, "--mb"), whole_number(seconds, "--seconds")
+    if per_pair is not None and per_pair < 1:
+        raise Exit(f"error: invalid --seconds {seconds!r}: at least 1", code=1)
+    say = (lambda *a, **k: None) if json else print
+    facts, interfaces = health.probe_nodes(inv, inv.nodes)
+    reachable = [node for node in inv.nodes if facts[node.name] is not None]
+    problems: list[str] = []
+    link, transport, training = None, {}, None
+    if len(set(interfaces.values())) > 1:
+        problems.append(f"interfaces differ ({interfaces}); NCCL/GLOO_SOCKET_IFNAME needs one name")
+    elif not quick and reachable:
+        link, transport, training = _cluster_tests(inv, reachable, interfaces, facts, payload, per_pair, problems, say)
+    count, model = health.expected_gpus(inv.instance_type, inv.gpus_per_node)
+    verdicts = health.assess(
+        facts, count, model, links=_links(link), transport=transport, expect_efa=bool(inv.extra.get("efa_cards"))
     )
-    print(
-        report.table(rows, ["node", "reachable", "hostname", "interface", "torch", "cuda", "nccl", "driver", "error"])
-    )
-    interfaces = {row.get("interface") for row in rows}
-    if not all(row["reachable"] for row in rows) or len(interfaces) != 1:
-        raise Exit("error: nodes unreachable or interfaces differ; NCCL/GLOO_SOCKET_IFNAME needs one name", code=1)
-    same, versions = report.versions_line(rows)
-    if not same:
-        raise Exit(f"error: {versions}", code=1)
-    print(versions)
-    prefix = launch.mpirun_prefix(inv, inv.nodes, interfaces.pop())
+    fit = health.fit_to_train(verdicts) and not problems
+    if json:
+        print(health.as_json(verdicts, fit_to_train=fit, problems=problems, link=link, training=training))
+    else:
+        _print_check(verdicts, interfaces, facts, link, training, problems)
+    if not fit:
+        bad = [f"{h.node} ({'; '.join(h.reasons)})" for h in verdicts if h.verdict == "bad"]
+        raise Exit("error: not fit to train: " + "; ".join(bad + problems), code=1)
+
+
+def _cluster_tests(inv, nodes, interfaces, facts, payload, per_pair, problems, say):
+    """Link matrix + all-reduce (link.json), the transport, the training steps; failures go to problems."""
+    gpus = any(facts[n.name]["gpus"] for n in nodes)
+    link, transport, training = None, {}, None
     try:
         code_dir = training_code_dir(inv)
         with head(inv) as conn:
             remote.ensure_idle(conn, inv)
-            for argv in (
-                prefix + ["hostname"],
-                prefix + [inv.python, f"{code_dir}/bench_allreduce.py", "--mb", str(number(mb, "--mb"))],
-            ):
-                print(remote.sh(conn, "timeout 300 " + shlex.join(argv)).strip(), flush=True)
-            print(remote.check_training(conn, inv, prefix, code_dir))
+            interface = interfaces[nodes[0].name]
+            if len(nodes) > 1:
+                link, output = linkcheck.measure(inv, nodes, interface, code_dir, per_pair or 2, payload or 64, gpus)
+                say("\n".join(line for line in output.splitlines() if "NCCL INFO" not in line), flush=True)
+                hosts = {facts[n.name]["hostname"]: n.name for n in nodes}
+                found = linkcheck.parse_transport(output)
+                transport = {hosts.get(h, h): t for h, t in found.items()} if gpus else {}
+            if not gpus:
+                transport = {n.name: "gloo (no NCCL)" for n in nodes}
+            prefix = launch.mpirun_prefix(inv, nodes, interface)
+            training = remote.check_training(conn, inv, prefix, code_dir)
     except ERRORS as error:
-        raise fail(error) from None
+        problems.append(str(error))
+    return link, transport, training
+
+
+def _links(link) -> dict:
+    return {(p["src"], p["dst"]): p["gbit"] for p in (link or {}).get("pairs", [])}
+
+
+def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
+    rows = [
+        {
+            "node": h.node,
+            "verdict": h.verdict,
+            "interface": interfaces.get(h.node, ""),
+            "gpus": f"{h.details['gpus']} {h.details['gpu'] or ''}".strip() if h.details else "",
+            "transport": (h.details or {}).get("transport") or "",
+            "reasons": "; ".join(h.reasons),
+        }
+        for h in verdicts
+    ]
+    print(report.table(rows, ["node", "verdict", "interface", "gpus", "transport", "reasons"]))
+    reachable = [{"node": n, **{k: f.get(k) for k in ("torch", "cuda", "nccl")}} for n, f in facts.items() if f]
+    for row in reachable:
+        gpus = facts[row["node"]]["gpus"]
+        row["driver"] = gpus[0]["driver"] if gpus else None
+    if reachable:
+        print(report.versions_line(reachable)[1])
+    if link:
+        pairs = ", ".join(f"{p['src']}->{p['dst']} {p['gbit']:.2f}" for p in link["pairs"])
+        slow = ", ".join(f"{p['src']}->{p['dst']}" for p in link["slow_pairs"]) or "none"
+        print(f"link ({link['tool']}): median {link['median_gbit']:.2f} Gbit/s; {pairs}; slow links: {slow}")
+        if link["busbw_fraction"] is not None:
+            print(
+                f"all-reduce busbw {link['allreduce_busbw_gbit']:.2f} Gbit/s = "
+                f"{link['busbw_fraction']:.2f} of the measured link"
+            )
+    if training:
+        print(training)
+    for problem in problems:
+        print(f"problem: {problem}")
 
 
 @task(

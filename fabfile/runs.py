@@ -9,7 +9,7 @@ from fabric import task
 from invoke.exceptions import Exit
 
 from clusterops import cost as costs
-from clusterops import launch, remote, report
+from clusterops import health, launch, remote, report
 from clusterops.inventory import Inventory
 
 from .aws import efs_io_rate, kept_price
@@ -25,7 +25,8 @@ from .common import ERRORS, fail, head, load_inventory, number, run_dir, setting
         "batch_per_gpu": "batch per GPU (per slot locally)",
         "precision": "fp32, fp16 or bf16",
         "grad_compression": "none, fp16, bf16, powersgd or auto (the mode `fab report`'s model predicts fastest)",
-        "nodes": "use the first K nodes",
+        "nodes": "use the first K nodes (of those not excluded)",
+        "exclude": "leave these nodes out: ranks or names, comma-separated (e.g. 1,2 or node1)",
         "dataset": "data set under /data/datasets",
         "follow": "stream the log until the run ends",
         "extra": "more train.py arguments, quoted",
@@ -44,6 +45,7 @@ def train(
     precision=None,
     grad_compression=None,
     nodes=None,
+    exclude=None,
     dataset=None,
     follow=False,
     extra="",
@@ -63,6 +65,7 @@ def train(
         precision=precision,
         grad_compression=grad_compression,
         nodes=whole_number(nodes, "--nodes"),
+        exclude=tuple(part.strip() for part in (exclude or "").split(",") if part.strip()),
         dataset=dataset,
         stall_minutes=number(stall_minutes or defaults["stall_minutes"], "--stall-minutes"),
         start_minutes=number(start_minutes or defaults["start_minutes"], "--start-minutes"),
@@ -72,14 +75,31 @@ def train(
     )
     try:
         request.validate()
+        chosen = inv.select(request.nodes, request.exclude)
+        _refuse_bad_nodes(inv, chosen)
         code_dir = training_code_dir(inv)
         with head(inv) as conn:
             rdir, log_offset = remote.start_training(conn, inv, request, code_dir)
-            print(f"started {request.run_name} in {rdir} on {len(inv.select(request.nodes))} node(s) ({code_dir})")
+            print(f"started {request.run_name} in {rdir} on {len(chosen)} node(s) ({code_dir})")
             if follow:
                 _follow(conn, rdir, log_offset, _projector(inv))
     except ERRORS as error:
         raise fail(error) from None
+
+
+def _refuse_bad_nodes(inv: Inventory, nodes) -> None:
+    """The quick health check (reachable, /data writable, versions, GPUs): one line naming a bad node
+    and how to train without it; degraded nodes are a warning."""
+    for verdict in health.quick(inv, nodes):
+        if verdict.verdict == "bad":
+            rank = next(n.rank for n in nodes if n.name == verdict.node)
+            raise Exit(
+                f"error: {verdict.node} is bad ({'; '.join(verdict.reasons)}): fix it, or train without it "
+                f"with `fab train --exclude {rank}`",
+                code=1,
+            )
+        if verdict.verdict == "degraded":
+            print(f"warning: {verdict.node} is degraded: {'; '.join(verdict.reasons)}")
 
 
 def _code_dir(c, inv: Inventory) -> str:

@@ -1,6 +1,7 @@
 """Node health verdicts on recorded probe facts, and the probe itself run on this machine."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def test_unreachable_is_bad_and_not_fit_to_train():
     assert json.loads(health.as_json(found))["fit_to_train"] is False
 
 
-def test_a_slow_pair_and_a_socket_transport_where_efa_was_expected_degrade():
+def test_a_slow_pair_degrades_and_a_socket_transport_where_efa_was_expected_is_bad():
     links = {
         ("node0", "node1"): 95.0,
         ("node1", "node2"): 96.0,
@@ -81,7 +82,7 @@ def test_a_slow_pair_and_a_socket_transport_where_efa_was_expected_degrade():
         expect_efa=True,
     )
     assert result["node0"][0] == "degraded" and "slow link node0->node2: 40.00" in result["node0"][1]
-    assert result["node1"][0] == "degraded" and "NCCL uses NET/Socket, not EFA" in result["node1"][1]
+    assert result["node1"][0] == "bad" and "NCCL uses NET/Socket, not EFA" in result["node1"][1]
 
 
 def test_a_cpu_node_says_gpu_checks_are_not_available():
@@ -97,3 +98,77 @@ def test_the_probe_runs_and_reports_this_machine(tmp_path):
     found = health.parse_probe(out.stdout)
     assert found["writable"] is True and found["mounted"] is False and found["free_gb"] > 0
     assert found["torch"].startswith("2.") and found["gpus"] == []
+
+
+FAKE_SMI = """#!/bin/sh
+echo "NVIDIA A10G, 550.127.05, $ECC"
+echo "NVIDIA A10G, 550.127.05, 0"
+"""
+# A kernel log as NVIDIA's A100 memory-error guide prints an uncontained ECC error (Xid 95).
+FAKE_DMESG = """#!/bin/sh
+echo "[ 10.1] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.127.05"
+echo "[ 99.9] NVRM: Xid (PCI:0000:01:00): $XID, pid=7194, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"
+"""
+
+
+def _probe_with_fakes(tmp_path, ecc="0", xid="13", smi=FAKE_SMI) -> dict:
+    """The real probe script, with a fake nvidia-smi and dmesg first on PATH (and the system python:
+    no torch to import, so it runs in a blink)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("nvidia-smi", smi), ("dmesg", FAKE_DMESG)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ECC": ecc, "XID": xid}
+    script = health.probe_script(shutil.which("python3", path="/usr/bin:/bin") or sys.executable, str(tmp_path))
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    return {**health.parse_probe(out.stdout), "mounted": True}  # tmp_path is no mount point
+
+
+@pytest.mark.parametrize(
+    "ecc, xid, verdict, words",
+    [
+        ("0", "13", "ok", ""),
+        ("2", "13", "bad", "2 uncorrectable ECC error(s)"),
+        ("0", "95", "bad", "Xid 95 in the kernel log"),
+        ("[N/A]", "13", "ok", ""),
+    ],
+)
+def test_the_real_probe_with_a_fake_nvidia_smi_and_kernel_log_finds_ecc_and_xid(tmp_path, ecc, xid, verdict, words):
+    found = _probe_with_fakes(tmp_path, ecc=ecc, xid=xid)
+    assert len(found["gpus"]) == 2 and found["xid_source"] == "dmesg" and found["nvidia_smi"] == "ok"
+    node = health.assess({"node0": found}, expected_gpus=2, expected_gpu="A10G")[0]
+    assert node.verdict == verdict and words in "; ".join(node.reasons)
+
+
+def test_a_failing_nvidia_smi_or_no_gpu_on_a_gpu_type_is_bad(tmp_path):
+    broken = (
+        '#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n'
+    )
+    found = _probe_with_fakes(tmp_path, smi=broken)
+    node = health.assess({"node0": found}, expected_gpus=4, expected_gpu="A10G")[0]
+    assert node.verdict == "bad" and "nvidia-smi failed: NVIDIA-SMI has failed" in node.reasons[0]
+    node = health.assess({"node0": facts(gpus=[])}, expected_gpus=4, expected_gpu="A10G")[0]
+    assert node.verdict == "bad" and "no GPU visible" in node.reasons[0]
+
+
+def test_expected_gpus_come_from_the_instance_type_table():
+    assert health.expected_gpus("g5.12xlarge", 1) == (4, "A10G")
+    assert health.expected_gpus("p4d.24xlarge", 1) == (8, "A100")
+    assert health.expected_gpus("local", 2) == (2, None)
+
+
+def test_clock_skew_is_measured_outside_the_probe_window():
+    assert health.clock_skew(100.5, 100.0, 101.0) == 0.0
+    assert health.clock_skew(103.0, 100.0, 101.0) == 2.0
+    assert health.clock_skew(97.0, 100.0, 101.0) == -3.0
+    node = health.assess({"node0": facts(skew_s=-3.0)}, expected_gpus=4, expected_gpu="A10G")[0]
+    assert node.verdict == "degraded" and "clock off by -3.0 s" in node.reasons
+
+
+def test_the_json_names_every_node_with_its_verdict_reasons_and_details():
+    found = health.assess({"node0": facts(), "node1": facts(writable=False)}, expected_gpus=4, expected_gpu="A10G")
+    doc = json.loads(health.as_json(found, fit_to_train=False, problems=[], link=None, training=None))
+    assert doc["fit_to_train"] is False and [n["node"] for n in doc["nodes"]] == ["node0", "node1"]
+    assert doc["nodes"][1]["verdict"] == "bad" and doc["nodes"][1]["reasons"] == ["/data is not writable"]
+    assert doc["nodes"][0]["details"]["gpus"] == 4 and doc["nodes"][0]["details"]["gpu"] == "NVIDIA A10G"

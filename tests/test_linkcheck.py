@@ -1,0 +1,123 @@
+"""The link check's parts: NCCL transport from real NCCL_DEBUG=INFO excerpts, iperf3's JSON and the socket
+fallback measured on this machine's loopback, link.json's summary, and `fab train --exclude` input."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import run_fab
+from test_launch import inventory
+
+from clusterops import linkcheck
+from clusterops.inventory import InventoryError
+
+# NVIDIA/nccl issue #1053: NCCL on its own socket transport.
+SOCKET_LOG = """\
+axa:3048391:3048566 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to lo
+axa:3048391:3048566 [0] NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0>
+axa:3048391:3048566 [0] NCCL INFO Using network Socket
+axa:3048391:3048566 [0] NCCL INFO Could not get speed from /sys/class/net/lo/speed. Defaulting to 10 Gbps.
+"""
+# NVIDIA/nccl issue #1597: p5en nodes over EFA through aws-ofi-nccl ("Libfabric"), both hosts' lines mixed.
+EFA_LOG = """\
+8h200-2:6831:6840 [0] NCCL INFO NET/OFI Creating one domain per process
+8h200-2:6831:6840 [0] NCCL INFO NET/OFI Selected Provider is efa (found 16 nics)
+8h200-2:6831:6840 [0] NCCL INFO Using network Libfabric
+8h200-3:6310:6318 [0] NCCL INFO NET/OFI Selected Provider is efa (found 16 nics)
+8h200-3:6310:6318 [0] NCCL INFO NET/OFI NIC group 0 device #0 0000:56:00.0
+8h200-3:6310:6318 [0] NCCL INFO Using network Libfabric
+8h200-2:14630:14695 [1] NCCL INFO Channel 05/0 : 0[0] -> 1[1] [receive] via NET/AWS Libfabric/1/GDRDMA
+"""
+# aws/aws-ofi-nccl issue #24: an older plugin ("AWS Libfabric"), mpirun's --tag-output prefix, channel lines only.
+TAGGED_LOG = """\
+[1,7]<stdout>:ip-172-32-38-1:21471:22316 [7] NCCL INFO Ring 00 : 7 -> 8 [send] via NET/AWS Libfabric/0
+[1,26]<stdout>:ip-172-32-36-209:8716:9558 [2] NCCL INFO Ring 00 : 26[2] -> 30[6] via P2P/IPC
+[1,15]<stdout>:ip-172-32-34-121:70560:71394 [7] NCCL INFO Ring 00 : 15 -> 16 [send] via NET/Socket/0
+"""
+# aws-ofi-nccl since 2025 (src/nccl_ofi_net.cpp: "Selected provider is %s, fabric is %s (found %d nics)")
+# with libfabric's tcp provider: the plugin loaded, but not on EFA.
+OFI_TCP_LOG = """\
+node-a:100:200 [0] NCCL INFO NET/OFI Selected provider is tcp, fabric is 10.0.0.0/16 (found 1 nics)
+node-a:100:200 [0] NCCL INFO Using network Libfabric
+"""
+
+
+@pytest.mark.parametrize(
+    "log, expected",
+    [
+        (SOCKET_LOG, {"axa": "socket"}),
+        (EFA_LOG, {"8h200-2": "efa", "8h200-3": "efa"}),
+        (TAGGED_LOG, {"ip-172-32-38-1": "libfabric (unknown provider)", "ip-172-32-34-121": "socket"}),
+        (OFI_TCP_LOG, {"node-a": "libfabric (tcp)"}),
+        ("all_reduce 64 MB over 2 ranks: 563 ms, algbw 0.95 Gbit/s, busbw 0.95 Gbit/s\n", {}),
+    ],
+)
+def test_the_transport_nccl_chose_is_read_from_its_info_lines(log, expected):
+    assert linkcheck.parse_transport(log) == expected
+
+
+def test_iperf3_json_from_a_real_run_on_loopback():
+    if not shutil.which("iperf3"):
+        pytest.skip("iperf3 is not installed (make setup installs it)")
+    server = subprocess.Popen(["iperf3", "-s", "-1", "-p", "15201"], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            client = subprocess.run(
+                ["iperf3", "-c", "127.0.0.1", "-p", "15201", "-t", "1", "-J"], capture_output=True, text=True
+            )
+            if client.returncode == 0:
+                break
+        assert linkcheck.parse_iperf(client.stdout) > 0.1
+    finally:
+        server.wait(timeout=30)
+    with pytest.raises(ValueError, match="iperf3: unable to connect"):
+        linkcheck.parse_iperf(json.dumps({"start": {}, "error": "unable to connect to server"}))
+
+
+def test_the_socket_fallback_measures_loopback():
+    server = subprocess.Popen(
+        [sys.executable, "-c", linkcheck.SOCKET_SERVER, "15202", "0.2"], stdout=subprocess.PIPE, text=True
+    )
+    subprocess.run([sys.executable, "-c", linkcheck.SOCKET_CLIENT, "127.0.0.1", "15202", "0.7"], check=True)
+    out, _ = server.communicate(timeout=30)
+    assert json.loads(out)["gbit"] > 0.1
+
+
+def test_link_json_names_slow_pairs_and_the_busbw_share_of_the_median():
+    pairs = [
+        {"src": "node0", "dst": "node1", "gbit": 0.95},
+        {"src": "node1", "dst": "node0", "gbit": 0.96},
+        {"src": "node0", "dst": "node2", "gbit": 0.94},
+        {"src": "node2", "dst": "node0", "gbit": 0.40},
+    ]
+    output = "all_reduce 64 MB over 3 ranks: 900 ms, algbw 0.70 Gbit/s, busbw 0.93 Gbit/s\n"
+    link = linkcheck.summary(pairs, linkcheck.parse_busbw(output), ["node0", "node1", "node2"], "iperf3")
+    assert set(link) >= {"median_gbit", "pairs", "slow_pairs", "allreduce_busbw_gbit", "busbw_fraction"}
+    assert set(link) >= {"measured_at", "nodes"}
+    assert link["median_gbit"] == 0.945 and link["slow_pairs"] == [pairs[3]]
+    assert link["allreduce_busbw_gbit"] == 0.93 and link["busbw_fraction"] == 0.984
+    assert linkcheck.parse_busbw("no bench here") is None
+
+
+def test_exclude_takes_ranks_or_names_and_nodes_counts_what_is_left():
+    inv = inventory(nodes=4)
+    assert [n.name for n in inv.select(None, ("1", "node3"))] == ["node0", "node2"]
+    assert [n.name for n in inv.select(1, ("0",))] == ["node1"]
+    with pytest.raises(InventoryError, match="invalid --exclude 7: no such node"):
+        inv.select(None, ("7",))
+    with pytest.raises(InventoryError, match="leaves no node"):
+        inv.select(None, ("0", "1", "2", "3"))
+    with pytest.raises(InventoryError, match="invalid --nodes 3: 2 node"):
+        inv.select(3, ("0", "1"))
+
+
+def test_train_with_an_unknown_exclude_is_one_line_and_connects_nowhere(tmp_path):
+    path = tmp_path / "inventory.json"
+    inventory(nodes=2).save(path)
+    result = run_fab("train", "--exclude", "node9", GPU_CLUSTER_INVENTORY=str(path))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "error: invalid --exclude node9: no such node (the nodes: 0=node0, 1=node1)"
+    ]
