@@ -441,7 +441,7 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
             sftp.get(f"{run_dir}/{rel}", str(target))
             fetched.append(target)
         except FileNotFoundError:
-            continue
+            target.unlink(missing_ok=True)  # sftp.get creates the local file before it finds none
     if config.get("data"):
         try:
             sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))

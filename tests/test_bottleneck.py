@@ -63,6 +63,16 @@ def test_powersgd_in_one_bucket_hides_nothing_and_pays_its_measured_compression_
     assert bucketed.step_s == pytest.approx(slow.step - 0.75 + 0.03)  # 32 ms on the wire, all hidden
 
 
+def test_an_all_reduce_slower_than_the_link_is_scaled_as_measured():
+    """Exposed 1.4 s where 100 MB at 1 Gbit/s would take 0.8 s: the all-reduce ran below line rate.
+    "As measured" is the measured step, and fp16 halves the time really taken, not the ideal one."""
+    slow = breakdown(exposed=1.4)
+    predictions = {p.name: p for p in what_ifs(slow, link_gbit=1.0)}
+    assert predictions["none"].step_s == pytest.approx(slow.step)
+    assert predictions["fp16 gradients"].step_s == pytest.approx(slow.step - 0.7)
+    assert predictions["10 Gbit/s link"].step_s == pytest.approx(slow.step - 1.4 + 0.14)
+
+
 def test_no_powersgd_prediction_without_its_wire_bytes():
     assert "powersgd" not in {p.name for p in what_ifs(breakdown(), 1.0)}
 

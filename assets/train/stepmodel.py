@@ -3,7 +3,7 @@ node imports it from the image, the controller as assets.train.stepmodel). Stand
 
 Per optimizer step (seconds; every input measured, none assumed):
     step = data + compute + exposed + optimizer + other
-    comm  = wire_bytes / link_rate                    all-reduce time if nothing overlapped it
+    comm  = max(wire_bytes / link_rate, exposed)      all-reduce time if nothing overlapped it
     hidden = clamp(comm - exposed, 0, compute)        what backward already hid
 A what-if changes one input and recomputes:
     compression (fp16/bf16/PowerSGD): wire bytes x ratio (+ its measured compression time);
@@ -86,7 +86,10 @@ def ring_wire_bytes(payload_bytes: float, world_size: int) -> float:
 
 
 def comm_seconds(b: Breakdown, link_gbit: float) -> float:
-    return b.wire_bytes * 8 / (link_gbit * 1e9)
+    """The all-reduce's time: the wire bytes at the link rate, or what the step was seen waiting on it
+    when that is longer (an all-reduce below line rate: protocol, stragglers); then every what-if
+    scales the time this run really took, and "as measured" is the measured step."""
+    return max(b.wire_bytes * 8 / (link_gbit * 1e9), b.exposed)
 
 
 def hidden_seconds(b: Breakdown, link_gbit: float) -> float:
