@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence
 from fabric import Connection
 
 from . import bottleneck, launch, plots, remote, report, scaling
-from .linkcheck import link_file
 from .inventory import Inventory
+from .linkcheck import link_file
 
 q = shlex.quote
 REPORT_FILES = ("report.md", "breakdown.png", "scaling.png")
