@@ -40,6 +40,9 @@ def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
         parts.append(f"step {progress['step']}/{progress.get('max_steps', '?')}")
     if progress.get("avg_step_time_s"):
         parts.append(f"{progress['avg_step_time_s'] * 1000:.0f} ms/step")
+    if progress.get("eta_s") is not None and status.get("state") == "running":
+        eta = round(progress["eta_s"])
+        parts.append(f"ETA {eta // 60}m{eta % 60:02d}s")
     if status.get("reason"):
         parts.append(f"({status['reason']})")
     if summary.get("bleu") is not None and status.get("state") != "running":

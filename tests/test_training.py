@@ -53,7 +53,7 @@ def train(data, run_dir, *args, procs=1, check=True, strict=True):
 
 
 def losses(output: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ \| loss (\S+)", output)}
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+)/\d+ \(\d+%\) \| loss (\S+)", output)}
 
 
 def final_params(run_dir) -> dict:
@@ -202,7 +202,7 @@ def test_lr_schedule_equals_the_formula():
 
 def test_the_scheduler_in_the_trainer_follows_the_formula(numbers_data, tmp_path):
     result = train(numbers_data, tmp_path, "--max-steps", "3", "--batch-per-gpu", "2", "--lr-scale", "1.5")
-    for step, lr in re.findall(r"step (\d+)/3 \| loss \S+ \| lr (\S+)", result.stdout):
+    for step, lr in re.findall(r"step (\d+)/3 \(\d+%\) \| loss \S+ \| lr (\S+)", result.stdout):
         # after step N the scheduler holds the rate for step N+1
         assert float(lr) == pytest.approx(transformer_lr(int(step) + 1, 64, 50, 1.5), rel=1e-2)
 

@@ -107,7 +107,8 @@ def test_lr_is_scaled_with_the_global_batch(image_folder, tmp_path):
         procs=2,
     )
     lrs = {
-        int(s): float(lr) for s, lr in __import__("re").findall(r"step (\d+)/3 \| loss \S+ \| lr (\S+)", result.stdout)
+        int(s): float(lr)
+        for s, lr in __import__("re").findall(r"step (\d+)/3 \(\d+%\) \| loss \S+ \| lr (\S+)", result.stdout)
     }
     peak = 0.4 * 16 / 256  # 2 ranks x 8 images
     assert lrs[1] == pytest.approx(warmup_cosine_lr(2, 1, 3, peak), rel=1e-2)

@@ -144,9 +144,8 @@ def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
     import torch
 
     c, info, model = trainer.config, trainer.info, trainer.model
-    # The trainer's rule: PowerSGD on gloo runs in one bucket (pytorch#58467).
-    one_bucket = trainer.device.type == "cpu"
-    calibration = calibrate(list(model.parameters()), c.powersgd_rank, info.world_size, trainer.device, one_bucket)
+    # PowerSGD runs in the same DDP buckets as plain gradients (the trainer's serialized_hook).
+    calibration = calibrate(list(model.parameters()), c.powersgd_rank, info.world_size, trainer.device, False)
     if c.grad_compression != "auto":
         return calibration, None
     batches = trainer.task.batches(trainer.step)

@@ -80,6 +80,14 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def start_all_reduce_sum(tensor: torch.Tensor):
+    """An in-place sum started now; call the returned function before reading `tensor`."""
+    if not dist.is_initialized():
+        return lambda: None
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    return work.wait
+
+
 def broadcast_from_main(obj):
     """Rank 0's `obj`, on every rank."""
     if not dist.is_initialized():

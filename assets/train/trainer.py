@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import autocompress
+import breakdown
 import checkpoint
 import distributed
 import torch
@@ -40,12 +41,49 @@ def compress_hook(dtype: torch.dtype):
     return hook
 
 
-def _register_compression(ddp: DDP, config: TrainConfig) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+def serialized_hook(hook):
+    """`hook` with each bucket's collectives started only once the previous bucket's have finished.
+    PowerSGD all-reduces its P and Q from future callbacks and waits there: with two buckets in flight
+    on gloo, the ranks hang at the first compressed step (what forced one bucket, pytorch#58467).
+    Chained, every rank issues the same collectives in the same order, and buckets still overlap the
+    rest of the backward pass."""
+    tail: list = [None]
+
+    def serialized(state, bucket):
+        previous = tail[0]
+        if previous is None:
+            future = hook(state, bucket)
+        else:
+            future = torch.futures.Future()
+
+            def finish(done):
+                try:
+                    future.set_result(done.wait())
+                except Exception as error:  # noqa: BLE001 - handed to DDP through the future
+                    future.set_exception(error)
+
+            def start(done):
+                try:
+                    done.wait()
+                    hook(state, bucket).then(finish)
+                except Exception as error:  # noqa: BLE001
+                    future.set_exception(error)
+
+            previous.then(start)
+        tail[0] = None if bucket.is_last() else future
+        return future
+
+    return serialized
+
+
+def _register_comm_hook(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
+    """The mode's hook (a Python all-reduce hook for none), timed for the step breakdown."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if config.grad_compression in ("fp16", "bf16"):
         dtype = torch.float16 if config.grad_compression == "fp16" else torch.bfloat16
-        ddp.register_comm_hook(None, compress_hook(dtype))
+        ddp.register_comm_hook(None, breakdown.timed_hook(compress_hook(dtype), timer))
     elif config.grad_compression == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=None,
@@ -54,7 +92,12 @@ def _register_compression(ddp: DDP, config: TrainConfig) -> None:
             use_error_feedback=True,
             warm_start=True,
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        if dist.get_backend() == "gloo":
+            hook = serialized_hook(hook)
+        ddp.register_comm_hook(state, breakdown.timed_hook(hook, timer))
+    else:
+        ddp.register_comm_hook(None, breakdown.timed_hook(default_hooks.allreduce_hook, timer))
 
 
 # RUN_DIR/STOP (`fab stop`) ends the run after an eval and a checkpoint; a STOP whose first word is
@@ -89,6 +132,28 @@ class HostCopy:
         return self.host.tolist()
 
 
+def duration(seconds: float) -> str:
+    """45s, 2m10s, 3h05m"""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _parts_line(parts: dict) -> str:
+    """data 1 | compute 300 | comm 50 | opt 20 | other 5 ms"""
+    names = {
+        "data_s": "data",
+        "compute_s": "compute",
+        "comm_exposed_s": "comm",
+        "optimizer_s": "opt",
+        "other_s": "other",
+    }
+    return " ".join(f"{name} {parts.get(key, 0.0) * 1000:.0f}" for key, name in names.items()) + " ms"
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
         self.config, self.info, self.device = config, info, device
@@ -104,19 +169,22 @@ class Trainer:
         self.resumed_from = None
         self.stop_requested = False
         self.urgent_stop = False
+        self.fit_started = time.time()
         self._resume()
         self.ddp = None
+        self.timer = breakdown.StepTimer(breakdown.clock_for(device))
+        self.wire = breakdown.AllReduceCounter()
+        self.step_parts: list[dict] = []  # this process's steps, resolved at log intervals
+        self.bucket_cap_mb = config.bucket_cap_mb
         self.calibration, self.auto_compression = None, None
         if info.world_size > 1:
             self.calibration, self.auto_compression = autocompress.start_of_run(self)
             if self.auto_compression:
                 self.log(f"--grad-compression auto: {config.grad_compression}: {self.auto_compression['why']}")
             bucket_mb = config.bucket_cap_mb
-            if config.grad_compression == "powersgd" and device.type == "cpu":
-                # gloo + PowerSGD needs one bucket (pytorch#58467).
-                bucket_mb = sum(p.numel() * 4 for p in self.model.parameters()) / 2**20 + 1
             self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
-            _register_compression(self.ddp, config)
+            _register_comm_hook(self.ddp, config, self.timer)
+            self.wire.install()
         self.writer = self.wandb = None
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -196,12 +264,15 @@ class Trainer:
             self.log(f"checkpoint {path}")
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer step that does not wait for the device, except to read the stop flag after
-        the step's work is queued. Returns (this rank's loss sum, the global units, stop agreed by
+        """One optimizer step with no host synchronisation of its own: the units and stop-flag sum
+        (one tiny all-reduce) runs during the first forward, the flags are read after the step's
+        work is queued, the loss stays on the device. Returns (this rank's loss sum, the global units, stop agreed by
         all ranks); the loss stays on the device until a log step reads it (_flush_losses)."""
         c = self.config
         torch.manual_seed(c.seed * 7919 + self.step * self.info.world_size + self.info.rank)
+        self.timer.begin()
         batches = self.task.batches(self.step)
+        self.timer.mark("data")
         stop, urgent = self.stop_requested, False
         if self.info.is_main and (self.run_dir / "STOP").exists():
             stop, urgent = True, _urgent(self.run_dir / "STOP")
@@ -209,21 +280,29 @@ class Trainer:
         for batch in batches:
             counts[0] += self.task.units(batch)
         counts[1], counts[2] = float(stop), float(urgent)
-        distributed.all_reduce_sum(counts)
-        flags = HostCopy(counts)
+        # Summed while the first forward runs; waited for only where the loss needs the global units.
+        wait_counts = distributed.start_all_reduce_sum(counts)
+        flags = None
         units = counts[0]
         module = self.ddp or self.model
         self.model.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.timer.mark("forward")
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             context = module.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             with context, torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 loss_sum = self.task.loss_sum(module, batch)
+                if flags is None:
+                    wait_counts()
+                    flags = HostCopy(counts)
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
+            self.wire.armed = last
             self.scaler.scale(loss).backward()
+            self.wire.armed = False
             total += loss_sum.detach()
+        self.timer.mark("backward")
         self.scaler.unscale_(self.optimizer)
         if c.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.clip_grad)
@@ -231,7 +310,10 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.timer.mark("optimizer")
         self.step += 1
+        self.timer.current["payload_bytes"] = self.wire.take()
+        self.timer.end()
         _, stop_votes, urgent_votes = flags.values()
         self.urgent_stop = urgent_votes > 0
         return total, units, stop_votes > 0
@@ -271,7 +353,7 @@ class Trainer:
         pending: list = []  # (step, loss sum on the device, units) not yet read
         last_eval: dict = {}
         ended = "max_steps"
-        started = time.time()
+        started = self.fit_started = time.time()
         if self.step >= c.max_steps:
             self.log(f"run already at step {self.step} >= max steps {c.max_steps}")
         while self.step < c.max_steps:
@@ -318,13 +400,43 @@ class Trainer:
             recent = step_times[-c.log_every :]
             step_time = sum(recent) / len(recent)
             loss = self._flush_losses(pending)
-            self.scalars({"perf/memory_mb": self._memory_mb()})
+            parts = self._interval_breakdown()
+            self.scalars({"perf/memory_mb": self._memory_mb(), **{f"breakdown/{k}": parts[k] for k in parts}})
+            elapsed = time.time() - self.fit_started
+            eta = (c.max_steps - self.step) * step_time
             self.log(
-                f"step {self.step}/{c.max_steps} | loss {loss:.3f} | lr "
+                f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
                 f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
-                f"{global_batch / step_time:.0f} objects/s"
+                f"{global_batch / step_time:.0f} objects/s | {_parts_line(parts)} | "
+                f"elapsed {duration(elapsed)} | ETA {duration(eta)}"
             )
-            self._write_progress(loss=loss, avg_step_time_s=step_time)
+            self._write_progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
+
+    def _interval_breakdown(self) -> dict:
+        """The slowest rank's mean parts over the steps since the last call (all ranks call it: one
+        gather per logging interval)."""
+        steps = self.timer.resolve()
+        self.step_parts.extend(steps)
+        per_rank = distributed.all_gather_objects(breakdown.mean_parts(steps))
+        return max(per_rank, key=lambda parts: parts.get("step_s", 0.0))
+
+    def _summary_breakdown(self, timed_steps: int) -> dict:
+        """summary.json "breakdown": the slowest rank's means over the timed steps, with every rank's."""
+        self.step_parts.extend(self.timer.resolve())
+        window = self.step_parts[len(self.step_parts) - timed_steps :] if timed_steps else []
+        per_rank = distributed.all_gather_objects(breakdown.mean_parts(window))
+        slowest = max(range(len(per_rank)), key=lambda r: per_rank[r].get("step_s", 0.0))
+        result = dict(per_rank[slowest])
+        world = self.info.world_size
+        result.update(
+            wire_bytes=breakdown.ring_wire_bytes(result.get("payload_bytes", 0.0), world),
+            grad_bytes=sum(4 * p.numel() for p in self.model.parameters() if p.requires_grad),
+            single_bucket=world > 1 and round(result.get("buckets", 0)) == 1,
+            bucket_cap_mb=self.bucket_cap_mb,
+            slowest_rank=slowest,
+            per_rank=per_rank,
+        )
+        return result
 
     def run_eval(self) -> dict:
         result = self.task.evaluate()
@@ -345,6 +457,7 @@ class Trainer:
     def _summary(self, step_times, global_batch, last_eval, ended, wall) -> dict:
         timed = step_times[min(5, len(step_times) - 1) :] if step_times else []
         avg = sum(timed) / len(timed) if timed else 0.0
+        parts = self._summary_breakdown(len(timed))
         steps = checkpoint.list_steps(self.run_dir)
         summary = {
             "recipe": self.config.recipe,
@@ -362,6 +475,7 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "ended": ended,
             "wall_time_s": wall,
+            "breakdown": parts,
             "calibration": self.calibration,
             "auto_compression": self.auto_compression,
         }

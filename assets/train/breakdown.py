@@ -1,0 +1,146 @@
+"""Where each training step's time goes, and the bytes its gradient all-reduce puts on the wire.
+
+A step is marked at: start, data loaded, first forward, last comm-hook call (DDP calls the hook as
+each bucket's gradients are ready: the last call ends the compute that can hide communication),
+backward returned (DDP waits for every bucket's future there), optimizer done, end. Then
+    data = loaded - start; compute = last hook - forward (backward end if no hook ran);
+    comm_exposed = backward end - last hook; optimizer = done - backward end; other = the rest,
+so the parts sum to the step exactly. CPU marks are wall-clock; CUDA marks are events on the
+current stream, resolved once per logging interval (no host sync per step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
+
+
+class WallClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return end - start
+
+    def wait(self, marker: Any) -> None:
+        pass
+
+
+class CudaClock:
+    """torch.cuda.Event marks (an injectable factory, so the bookkeeping is testable without a GPU)."""
+
+    def __init__(self, event_factory: Callable[[], Any] | None = None):
+        self.event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+
+    def mark(self) -> Any:
+        event = self.event_factory()
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+    def wait(self, marker: Any) -> None:
+        marker.synchronize()
+
+
+def clock_for(device: torch.device) -> WallClock | CudaClock:
+    return CudaClock() if device.type == "cuda" else WallClock()
+
+
+def step_parts(marks: dict, seconds: Callable[[Any, Any], float]) -> dict:
+    """One step's parts (PARTS plus step_s) from its marks."""
+    compute_end = marks.get("last_hook", marks["backward"])
+    parts = {
+        "data_s": seconds(marks["start"], marks["data"]),
+        "compute_s": seconds(marks["forward"], compute_end),
+        "comm_exposed_s": seconds(compute_end, marks["backward"]),
+        "optimizer_s": seconds(marks["backward"], marks["optimizer"]),
+        "step_s": seconds(marks["start"], marks["end"]),
+        "payload_bytes": marks.get("payload_bytes", 0),
+        "buckets": marks.get("hooks", 0),
+    }
+    parts["other_s"] = parts["step_s"] - sum(parts[k] for k in PARTS if k != "other_s")
+    return parts
+
+
+class StepTimer:
+    """Marks per step; `resolve` turns the pending steps into parts (once per logging interval)."""
+
+    def __init__(self, clock: WallClock | CudaClock):
+        self.clock = clock
+        self.current: dict = {}
+        self.pending: list[dict] = []
+
+    def begin(self) -> None:
+        self.current = {"start": self.clock.mark()}
+
+    def mark(self, name: str) -> None:
+        self.current[name] = self.clock.mark()
+
+    def end(self) -> None:
+        self.mark("end")
+        self.pending.append(self.current)
+        self.current = {}
+
+    def resolve(self) -> list[dict]:
+        if not self.pending:
+            return []
+        self.clock.wait(self.pending[-1]["end"])
+        parts = [step_parts(marks, self.clock.seconds) for marks in self.pending]
+        self.pending = []
+        return parts
+
+
+class AllReduceCounter:
+    """Bytes of every tensor handed to torch.distributed.all_reduce while armed (around the step's
+    synchronising backward), whoever calls it: the default, fp16/bf16 and PowerSGD hooks (its P, Q
+    and uncompressed tensors, some sent from future callbacks on another thread) all call it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed = False
+        self.bytes = 0
+
+    def install(self) -> None:
+        original = dist.all_reduce
+
+        def counting_all_reduce(tensor, *args, **kwargs):
+            if self.armed:
+                with self.lock:
+                    self.bytes += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce  # type: ignore[assignment]
+
+    def take(self) -> int:
+        with self.lock:
+            counted, self.bytes = self.bytes, 0
+        return counted
+
+
+def timed_hook(hook: Callable, timer: StepTimer) -> Callable:
+    """`hook`, marking the time of each call (the last call's mark ends the step's compute)."""
+
+    def wrapper(state, bucket):
+        timer.mark("last_hook")
+        timer.current["hooks"] = timer.current.get("hooks", 0) + 1
+        return hook(state, bucket)
+
+    return wrapper
+
+
+def ring_wire_bytes(payload_bytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of `payload_bytes`."""
+    return 2 * (world_size - 1) / world_size * payload_bytes if world_size > 1 else 0.0
+
+
+def mean_parts(steps: list[dict]) -> dict:
+    keys = [*PARTS, "step_s", "payload_bytes", "buckets"]
+    return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys} if steps else {}

@@ -1,0 +1,176 @@
+"""The trainer's per-step breakdown and wire-byte count: bookkeeping (CUDA events faked), and real
+2-rank gloo runs (torchrun on localhost)."""
+
+import json
+import re
+
+import breakdown
+import checkpoint
+import pytest
+from test_training import train
+
+from clusterops import report
+
+
+class FakeEvent:
+    """A CUDA event stand-in: records a time from a shared fake clock, counts synchronize calls."""
+
+    now_ms = 0.0
+    synchronized = 0
+
+    def record(self):
+        self.ms = FakeEvent.now_ms
+
+    def elapsed_time(self, end):
+        return end.ms - self.ms
+
+    def synchronize(self):
+        FakeEvent.synchronized += 1
+
+
+def fake_step(timer, times_ms, hooks_at=()):
+    """Marks one step at the given fake times (ms): start, data, forward, hooks..., backward, optimizer, end."""
+    names = iter(["start", "data", "forward", "backward", "optimizer", "end"])
+    for name, at in zip(names, times_ms):
+        if name == "backward":
+            for hook_at in hooks_at:
+                FakeEvent.now_ms = hook_at
+                breakdown.timed_hook(lambda state, bucket: None, timer)(None, None)
+        FakeEvent.now_ms = at
+        {"start": timer.begin, "end": timer.end}.get(name, lambda n=name: timer.mark(n))()
+
+
+def test_cuda_events_give_the_parts_and_are_read_once_per_interval():
+    timer = breakdown.StepTimer(breakdown.CudaClock(FakeEvent))
+    FakeEvent.synchronized = 0
+    fake_step(timer, [0, 10, 12, 100, 120, 121], hooks_at=[50, 80])
+    fake_step(timer, [200, 202, 202, 300, 310, 330])  # no hook ran: no exposed communication
+    assert FakeEvent.synchronized == 0, "a mark must not wait for the device"
+    first, second = timer.resolve()
+    assert FakeEvent.synchronized == 1 and timer.pending == []
+    assert first == pytest.approx(
+        {
+            "data_s": 0.010,
+            "compute_s": 0.068,
+            "comm_exposed_s": 0.020,
+            "optimizer_s": 0.020,
+            "other_s": 0.003,
+            "step_s": 0.121,
+            "payload_bytes": 0,
+            "buckets": 2,
+        }
+    )
+    assert second["comm_exposed_s"] == 0 and second["compute_s"] == pytest.approx(0.098)
+    assert sum(second[k] for k in breakdown.PARTS) == pytest.approx(second["step_s"])
+
+
+def summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_data, tmp_path):
+    result = train(numbers_data, tmp_path, "--max-steps", "8", "--batch-per-gpu", "8", "--log-every", "4", procs=2)
+    assert re.search(
+        r"step 4/8 \(50%\) \| loss .* \| data \d+ compute \d+ comm \d+ opt \d+ other -?\d+ ms \| "
+        r"elapsed \d+s \| ETA \d+s",
+        result.stdout,
+    ), result.stdout
+    s = summary(tmp_path)
+    b = s["breakdown"]
+    parts = sum(b[k] for k in breakdown.PARTS)
+    print(f"breakdown sum {parts * 1000:.1f} ms vs measured step {s['avg_step_time_s'] * 1000:.1f} ms")
+    assert abs(parts - s["avg_step_time_s"]) <= 0.1 * s["avg_step_time_s"]
+    assert b["compute_s"] > 0 and b["comm_exposed_s"] > 0 and len(b["per_rank"]) == 2
+    assert b["grad_bytes"] == b["payload_bytes"] and b["wire_bytes"] == b["payload_bytes"]  # ring of 2: 2(N-1)/N = 1
+    progress = json.loads((tmp_path / "progress.json").read_text())
+    assert "ended" in progress and progress["world_size"] == 2
+
+
+def test_durations_and_the_eta_in_fab_status():
+    from trainer import duration
+
+    assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
+    progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
+    line = report.run_line("/runs/r", {"status": {"state": "running"}, "progress": progress, "summary": {}})
+    assert "step 300/600 | 100 ms/step | ETA 2m10s" in line
+
+
+def payload(numbers_data, run_dir, compression, *args) -> float:
+    train(
+        numbers_data,
+        run_dir,
+        "--max-steps",
+        "7",
+        "--batch-per-gpu",
+        "4",
+        "--grad-compression",
+        compression,
+        *args,
+        procs=2,
+    )
+    return summary(run_dir)["breakdown"]["payload_bytes"]
+
+
+def model_parameters(run_dir) -> list:
+    from config import ModelConfig
+    from model import Transformer
+
+    state = checkpoint.load_latest(run_dir)
+    vocab = state["model"]["embed.weight"].shape[0]
+    return list(Transformer(ModelConfig(**state["config"]["model"]), vocab).parameters())
+
+
+def test_fp16_sends_half_of_fp32_and_powersgd_what_its_factors_hold(numbers_data, tmp_path):
+    full = payload(numbers_data, tmp_path / "none", "none")
+    assert payload(numbers_data, tmp_path / "fp16", "fp16") == pytest.approx(full / 2, rel=0.01)
+    rank = 4  # the default --powersgd-rank
+    expected = 0
+    for value in model_parameters(tmp_path / "none"):
+        if value.dim() <= 1:
+            expected += 4 * value.numel()
+            continue
+        n, m = value.shape[0], value.numel() // value.shape[0]
+        r = min(rank, n, m)  # P is n x r, Q is m x r; PowerSGD sends a matrix raw unless that halves it
+        expected += 4 * ((n + m) * r if (n + m) * r * 2 < n * m else n * m)
+    # Steps 6-7 (past start_powerSGD_iter 2), in several DDP buckets on gloo (no longer forced to one).
+    psgd = payload(numbers_data, tmp_path / "psgd", "powersgd", "--bucket-cap-mb", "0.1")
+    print(f"payload per step: fp32 {full:.0f} B, PowerSGD rank {rank} {psgd:.0f} B (expected {expected})")
+    assert psgd == expected
+    b = summary(tmp_path / "psgd")["breakdown"]
+    assert b["buckets"] > 1 and not b["single_bucket"]
+
+
+def test_the_units_all_reduce_runs_while_the_first_forward_does(numbers_data, tmp_path, monkeypatch):
+    """No blocking collective before the forward: the units/stop counts are summed asynchronously and
+    waited for only once the first micro-batch's loss exists."""
+    import torch
+    import torch.distributed as dist
+    from config import build_parser, config_from_args
+    from distributed import DistInfo
+    from trainer import Trainer
+
+    args = ["--data", str(numbers_data), "--run-dir", str(tmp_path / "run"), "--recipe", "transformer-tiny"]
+    config = config_from_args(build_parser("t").parse_args([*args, "--d-model", "32", "--ffn", "64"]))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        events = []
+        original_all_reduce, original_loss = dist.all_reduce, trainer.task.loss_sum
+
+        def all_reduce(tensor, *args, **kwargs):
+            events.append(f"all_reduce async={kwargs.get('async_op', False)}")
+            work = original_all_reduce(tensor, *args, **kwargs)
+            return (
+                work if work is None else type("Work", (), {"wait": lambda s: events.append("wait") or work.wait()})()
+            )
+
+        def loss_sum(module, batch):
+            events.append("forward")
+            return original_loss(module, batch)
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(trainer.task, "loss_sum", loss_sum)
+        trainer.train_step()
+        assert events == ["all_reduce async=True", "forward", "wait"]
+    finally:
+        dist.destroy_process_group()
