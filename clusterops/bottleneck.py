@@ -1,15 +1,8 @@
 """Is the network the bottleneck, and what would fix it? A verdict and what-if predictions from a
 run's own per-step breakdown (summary.json "breakdown") and the link measured by `fab check`.
 
-The model, per optimizer step (seconds; every input measured, none assumed):
-    step = data + compute + exposed + optimizer + other
-    comm  = wire_bytes / link_rate                    all-reduce time if nothing overlapped it
-    hidden = clamp(comm - exposed, 0, compute)        what backward already hid
-A what-if changes one input and recomputes:
-    compression (fp16/bf16/PowerSGD): wire bytes x ratio; exposed' = max(0, comm' - hidden')
-    faster link: comm x (rate / rate')
-    batch x s or accumulation x k: data and compute x s (x k); comm once per optimizer step
-A mode that forces one DDP bucket (PowerSGD on gloo) overlaps nothing: hidden' = 0.
+The step-time model itself is assets/train/stepmodel.py: the trainer's `--grad-compression auto`
+runs the same code on the node.
 """
 
 from __future__ import annotations
@@ -17,71 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from assets.train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
+    Breakdown,
+    Prediction,
+    comm_seconds,
+    powersgd_wire_bytes,
+    ring_wire_bytes,
+    what_ifs,
+)
+
 COMM_BOUND_SHARE = 0.5  # exposed communication at least half the step
 INPUT_BOUND_SHARE = 0.3  # waiting for data at least 30% of the step
 COMPUTE_BOUND_SHARE = 0.15  # neither communication nor input above 15%
-WIRE_RATIO = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
-
-
-@dataclass(frozen=True)
-class Breakdown:
-    """Mean seconds per optimizer step on one rank (the slowest rank's, for a verdict)."""
-
-    data: float
-    compute: float
-    exposed: float
-    optimizer: float
-    other: float
-    wire_bytes: float  # bytes one rank sends per step (ring all-reduce: 2(N-1)/N of the payload)
-    grad_bytes: float  # fp32 gradient bytes (the uncompressed payload)
-    world_size: int
-    objects_per_step: float
-    compression: str = "none"
-    single_bucket: bool = False
-
-    @property
-    def step(self) -> float:
-        return self.data + self.compute + self.exposed + self.optimizer + self.other
-
-    @classmethod
-    def from_summary(cls, summary: dict) -> "Breakdown":
-        b = summary["breakdown"]
-        return cls(
-            data=b["data_s"],
-            compute=b["compute_s"],
-            exposed=b["comm_exposed_s"],
-            optimizer=b["optimizer_s"],
-            other=b["other_s"],
-            wire_bytes=b["wire_bytes"],
-            grad_bytes=b["grad_bytes"],
-            world_size=summary["world_size"],
-            objects_per_step=summary["global_batch"],
-            compression=summary.get("grad_compression", "none"),
-            single_bucket=bool(b.get("single_bucket", False)),
-        )
 
 
 @dataclass(frozen=True)
 class Verdict:
     kind: str  # compute-bound, communication-bound, input-bound or mixed
     evidence: str
-
-
-@dataclass(frozen=True)
-class Prediction:
-    name: str
-    step_s: float
-    objects_per_s: float
-    model: str  # the one-line formula behind it
-    parts: tuple[tuple[str, float], ...] = ()  # (part, seconds), for the stacked bars
-
-    def speedup_over(self, base: Breakdown) -> float:
-        return (self.objects_per_s / (base.objects_per_step / base.step)) if base.step else 0.0
-
-
-def ring_wire_bytes(payload_bytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of `payload_bytes`."""
-    return 2 * (world_size - 1) / world_size * payload_bytes if world_size > 1 else 0.0
 
 
 def verdict(b: Breakdown, link_gbit: Optional[float] = None) -> Verdict:
@@ -108,125 +54,6 @@ def verdict(b: Breakdown, link_gbit: Optional[float] = None) -> Verdict:
     return Verdict(kind, evidence)
 
 
-def comm_seconds(b: Breakdown, link_gbit: float) -> float:
-    return b.wire_bytes * 8 / (link_gbit * 1e9)
-
-
-def _hidden(b: Breakdown, link_gbit: float) -> float:
-    return min(max(comm_seconds(b, link_gbit) - b.exposed, 0.0), b.compute)
-
-
-def _predict(
-    name: str,
-    b: Breakdown,
-    model: str,
-    *,
-    data: float,
-    compute: float,
-    comm: float,
-    hidden: float,
-    objects: float,
-    extra: float = 0.0,
-) -> Prediction:
-    exposed = max(0.0, comm - hidden)
-    step = data + compute + exposed + b.optimizer + b.other + extra
-    parts = (
-        ("data", data),
-        ("compute", compute + extra),
-        ("exposed", exposed),
-        ("optimizer", b.optimizer),
-        ("other", b.other),
-    )
-    return Prediction(name, step, objects / step if step else 0.0, model, parts)
-
-
-def what_ifs(
-    b: Breakdown,
-    link_gbit: float,
-    powersgd_wire_bytes: Optional[float] = None,
-    powersgd_overhead_s: float = 0.0,
-    powersgd_single_bucket: bool = True,
-) -> list[Prediction]:
-    """Step time and throughput under each change, from the measured breakdown and link rate."""
-    comm, hidden = comm_seconds(b, link_gbit), _hidden(b, link_gbit)
-    base = dict(data=b.data, compute=b.compute, objects=b.objects_per_step)
-    current = WIRE_RATIO.get(b.compression, 1.0)
-    out = [_predict(b.compression, b, "as measured", comm=comm, hidden=hidden, **base)]
-    for mode in ("fp16", "bf16"):
-        if mode != b.compression:
-            ratio = WIRE_RATIO[mode] / current
-            out.append(
-                _predict(
-                    f"{mode} gradients",
-                    b,
-                    f"wire bytes x {ratio:g}, same overlap",
-                    comm=comm * ratio,
-                    hidden=hidden,
-                    **base,
-                )
-            )
-    if powersgd_wire_bytes is not None and b.compression != "powersgd":
-        ratio = powersgd_wire_bytes / b.wire_bytes if b.wire_bytes else 0.0
-        overlap = 0.0 if powersgd_single_bucket else hidden
-        out.append(
-            _predict(
-                "powersgd",
-                b,
-                f"wire bytes x {ratio:.3f}, + {powersgd_overhead_s * 1000:.0f} ms "
-                f"compression, {'no overlap (one bucket)' if overlap == 0 else 'same overlap'}",
-                comm=comm * ratio,
-                hidden=overlap,
-                extra=powersgd_overhead_s,
-                **base,
-            )
-        )
-    for scale in (2, 4):
-        out.append(
-            _predict(
-                f"batch x{scale} per GPU",
-                b,
-                f"data and compute x {scale}, communication once",
-                data=b.data * scale,
-                compute=b.compute * scale,
-                comm=comm,
-                hidden=min(comm, hidden * scale),
-                objects=b.objects_per_step * scale,
-            )
-        )
-    for faster in (10, 25, 100, 400):
-        if faster > link_gbit * 1.5:
-            out.append(
-                _predict(
-                    f"{faster} Gbit/s link" + (" (EFA)" if faster >= 100 else ""),
-                    b,
-                    f"communication x {link_gbit / faster:.3f}",
-                    comm=comm * link_gbit / faster,
-                    hidden=hidden,
-                    **base,
-                )
-            )
-    return out
-
-
-def powersgd_wire_bytes(
-    shapes: list[tuple[int, ...]], rank: int, world_size: int, min_compression_rate: float = 2.0
-) -> float:
-    """What PyTorch's PowerSGD hook sends per rank per step once compression starts: for each matrix
-    (n x m, its 2-D view) the P (n x r) and Q (m x r) factors, each all-reduced; 1-D tensors and
-    matrices it would not shrink by `min_compression_rate` (the hook's default 2) uncompressed."""
-    payload = 0.0
-    for shape in shapes:
-        if len(shape) <= 1:
-            payload += 4 * (shape[0] if shape else 1)
-            continue
-        n, m = shape[0], 1
-        for size in shape[1:]:
-            m *= size
-        r = min(rank, n, m)
-        payload += 4 * (n + m) * r if (n + m) * r * min_compression_rate < n * m else 4 * n * m
-    return ring_wire_bytes(payload, world_size)
-
-
 def link_rate(link: Optional[dict]) -> Optional[float]:
     """The measured link (Gbit/s) from `fab check`'s link.json: the median pair's TCP rate, else the
     all-reduce bus bandwidth."""
@@ -235,48 +62,90 @@ def link_rate(link: Optional[dict]) -> Optional[float]:
     return link.get("median_gbit") or link.get("allreduce_busbw_gbit")
 
 
-def report_lines(name: str, b: Breakdown, link_gbit: Optional[float], predictions: list[Prediction]) -> list[str]:
+def evidence_lines(summary: dict, b: Breakdown, link: Optional[dict]) -> list[str]:
+    """What the verdict rests on, beyond the shares: the link measured and where GPU use is known."""
+    lines = []
+    if link:
+        lines.append(
+            f"link: median {link.get('median_gbit', 0):.2f} Gbit/s over {len(link.get('pairs', []))} pair(s), "
+            f"all-reduce bus bandwidth {link.get('allreduce_busbw_gbit', 0):.2f} Gbit/s, "
+            f"measured {link.get('measured_at', '?')}"
+        )
+    gpu = summary.get("gpu_util") or (summary.get("breakdown") or {}).get("gpu_util")
+    lines.append(f"GPU utilisation: {gpu:.0f}%" if isinstance(gpu, (int, float)) else "GPU utilisation: not measured")
+    lines.append(
+        f"{b.world_size} rank(s), {b.objects_per_step:.0f} objects per step, compression {b.compression}"
+        + (", one DDP bucket (no overlap)" if b.single_bucket else "")
+    )
+    return lines
+
+
+def report_lines(
+    name: str, summary: dict, link: Optional[dict], predictions: list[Prediction], b: Optional[Breakdown] = None
+) -> list[str]:
     """The screen `fab report` prints, and the body of report.md (markdown that reads as text)."""
-    v = verdict(b, link_gbit)
-    lines = [
-        f"# Run {name}: {v.kind}",
-        "",
-        v.evidence,
-        "",
-        "| what if | step | objects/s | vs now | model |",
-        "|---|---|---|---|---|",
-    ]
+    b = b or Breakdown.from_summary(summary)
+    rate = link_rate(link)
+    v = verdict(b, rate)
+    lines = [f"# Run {name}: {v.kind}", "", v.evidence, ""]
+    lines += [f"- {line}" for line in evidence_lines(summary, b, link)]
+    lines += ["", "| what if | step | objects/s | vs now | model |", "|---|---|---|---|---|"]
     for p in predictions:
         lines.append(
             f"| {p.name} | {p.step_s * 1000:.0f} ms | {p.objects_per_s:.0f} | {p.speedup_over(b):.2f}x | {p.model} |"
         )
-    if link_gbit is None:
-        lines += ["", "No link measurement: run `fab check` for the link and the what-ifs."]
+    if rate is None:
+        lines += [
+            "",
+            "No link measurement (no link.json): run `fab check` for the link; compression and link what-ifs "
+            "need it. Shown: what the measured exposed time alone predicts.",
+        ]
     return lines
 
 
-def write_report(name: str, summary: dict, link: Optional[dict], out_dir, shapes=None) -> list:
-    """report.md and breakdown.png into out_dir; returns the paths written."""
+def predictions_for(b: Breakdown, rate: Optional[float]) -> list[Prediction]:
+    """Every what-if with a link rate; without one, only what the exposed time alone predicts (a
+    larger batch: the same communication, paid once per more work)."""
+    if rate:
+        return what_ifs(b, rate)
+    if b.exposed > 0 and b.wire_bytes:
+        assumed = b.wire_bytes * 8 / b.exposed / 1e9  # as if nothing were hidden
+        return [p for p in what_ifs(b, assumed) if p.name == b.compression or p.name.startswith("batch")]
+    return []
+
+
+def write_report(
+    name: str, summary: dict, link: Optional[dict], out_dir, scale: Optional[dict] = None
+) -> tuple[list[str], list]:
+    """report.md, breakdown.png (and scaling.png when a `fab scale` series exists) into out_dir;
+    returns the screen's lines and the paths written."""
     from pathlib import Path
 
     from . import plots
 
     out_dir = Path(out_dir)
     b = Breakdown.from_summary(summary)
-    rate = link_rate(link)
-    predictions = []
-    if rate:
-        psgd = powersgd_wire_bytes(shapes, summary.get("powersgd_rank", 4), b.world_size) if shapes else None
-        predictions = what_ifs(b, rate, powersgd_wire_bytes=psgd)
-    lines = report_lines(name, b, rate, predictions)
-    report = out_dir / "report.md"
-    report.write_text("\n".join(lines + ["", "![step time](breakdown.png)", ""]))
-    rows = [
-        (
-            "measured",
-            {"data": b.data, "compute": b.compute, "exposed": b.exposed, "optimizer": b.optimizer, "other": b.other},
-        )
-    ]
+    predictions = predictions_for(b, link_rate(link))
+    lines = report_lines(name, summary, link, predictions, b)
+    rows = [("measured", dict(zip(("data", "compute", "exposed", "optimizer", "other"), _parts(b))))]
     rows += [(p.name, dict(p.parts)) for p in predictions[1:] if "batch" not in p.name]  # same batch only
-    chart = plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")
-    return [report, chart]
+    written = [plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")]
+    images = ["![step time](breakdown.png)"]
+    if scale and scale.get("points"):
+        from . import scaling
+
+        points = [scaling.Point(**point) for point in scale["points"]]
+        speedups, spreads = scaling.speedups(points)
+        title = f"{scale.get('recipe', '')}: weak scaling"
+        written.append(
+            plots.scaling_curve([p.nodes for p in points], speedups, spreads, out_dir / "scaling.png", title)
+        )
+        lines += ["", "## Scaling", "", "```", scaling.table(points), "```"]
+        images.append("![scaling](scaling.png)")
+    report = out_dir / "report.md"
+    report.write_text("\n".join(lines + [""] + images + [""]))
+    return lines, [report] + written
+
+
+def _parts(b: Breakdown) -> tuple[float, ...]:
+    return (b.data, b.compute, b.exposed, b.optimizer, b.other)

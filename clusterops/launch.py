@@ -16,7 +16,7 @@ from .inventory import Inventory, Node
 RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
 DATASETS = ("numbers", "wmt16-en-de", "imagenet")
 PRECISIONS = ("fp32", "fp16", "bf16")
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 

@@ -32,7 +32,7 @@ ENTRYPOINT = REPO / "assets" / "docker" / "entrypoint.sh"
 IDENTITY_SCRIPT = REPO / "assets" / "docker" / "cluster-identity.sh"
 SSHD_CONFIG = REPO / "assets" / "docker" / "sshd_config"
 HOST_BASHRC = os.path.expanduser("~root/.bashrc")
-REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
+REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "taskset", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 STATE_ROOT = Path(os.environ.get("GPU_CLUSTER_LOCAL_STATE", "/var/tmp/gpu-cluster-local"))
 
@@ -264,8 +264,17 @@ def _make_network(spec: LocalSpec) -> None:
             _cap("eth0", spec.link, netns)
 
 
+def node_cpus(rank: int, nodes: int, cpus: list[int]) -> list[int]:
+    """The machine's CPUs node `rank` may use: an equal slice each (one CPU each, shared round-robin,
+    when there are more nodes than CPUs). A node does not borrow another's cores, as real nodes
+    cannot: without this, one node alone ran on every core and scaling looked worse than it is."""
+    per = max(1, len(cpus) // nodes)
+    start = (rank * per) % len(cpus)
+    return cpus[start : start + per]
+
+
 def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, image_env: Mapping[str, str]) -> int:
-    """The node's own UTS and mount namespaces, then the container's entrypoint (sshd on 4444)."""
+    """The node's own UTS and mount namespaces and CPU slice, then the container's entrypoint (sshd on 4444)."""
     log = open(spec.state_dir / f"node{rank}.log", "ab")
     script = _node_script(
         spec,
@@ -276,8 +285,12 @@ def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, imag
         controller / "id_ed25519.pub",
         image_env,
     )
+    cpus = node_cpus(rank, spec.nodes, sorted(os.sched_getaffinity(0)))
     process = subprocess.Popen(
         [
+            "taskset",
+            "--cpu-list",
+            ",".join(map(str, cpus)),
             "ip",
             "netns",
             "exec",
@@ -328,7 +341,7 @@ def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory
         data_dir=spec.data_dir,
         instance_type="local",
         local_state=str(spec.state_dir),
-        extra={"controller_ip": spec.bridge_ip},
+        extra={"controller_ip": spec.bridge_ip, "link": spec.link},
     )
     inventory.save(inventory_path)
     return inventory
@@ -428,3 +441,25 @@ def set_link(name: str, rank: int, up_: bool) -> None:
     record = json.loads((STATE_ROOT / name / "cluster.json").read_text())
     spec = LocalSpec(**record["spec"])
     _run("ip", "link", "set", spec.host_veth(rank), "up" if up_ else "down")
+
+
+def set_link_rate(name: str, rate: str | None, inventory_path: Path | None = None) -> None:
+    """Re-cap (or uncap, rate None) every link of a running cluster; the record and inventory follow."""
+    record_path = STATE_ROOT / name / "cluster.json"
+    record = json.loads(record_path.read_text())
+    spec = LocalSpec(**{**record["spec"], "link": rate})
+    spec.validate()
+    for rank in range(spec.nodes):
+        for device, netns in ((spec.host_veth(rank), None), ("eth0", spec.netns(rank))):
+            if rate:
+                _cap(device, rate, netns)
+            else:
+                prefix = ("ip", "netns", "exec", netns) if netns else ()
+                _run(*prefix, "tc", "qdisc", "del", "dev", device, "root", check=False)
+    record["spec"] = spec.__dict__
+    record_path.write_text(json.dumps(record, indent=2))
+    if inventory_path is not None and inventory_path.exists():
+        inventory = json.loads(inventory_path.read_text())
+        if inventory.get("cluster") == name:
+            inventory.setdefault("extra", {})["link"] = rate
+            inventory_path.write_text(json.dumps(inventory, indent=2))

@@ -167,27 +167,59 @@ def node_status(connection: Connection, inventory: Inventory, node: Node) -> dic
     }
 
 
+# Per node, not per host: CPU is the time of the processes in this node's network namespace (one
+# namespace per emulated node; on AWS the container shares the host's, so it is the host's).
 MONITOR_PROBE = r"""
-read_net() {{ awk -v i="$1" '$1 == i":" {{print $2, $10}}' /proc/net/dev; }}
-a=$(read_net {iface}); sleep {interval}; b=$(read_net {iface})
-gpu=none
-if command -v nvidia-smi >/dev/null; then
-  gpu=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | paste -sd/)
-fi
-echo "$a $b $gpu $(cut -d' ' -f1 /proc/loadavg)"
+import os, subprocess, sys, time
+iface, interval = sys.argv[1], float(sys.argv[2])
+mine = os.readlink("/proc/self/ns/net")
+def net():
+    for line in open("/proc/net/dev"):
+        name, _, rest = line.partition(":")
+        if name.strip() == iface:
+            fields = rest.split()
+            return int(fields[0]), int(fields[8])
+    return 0, 0
+def cpu_ticks():
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/ns/net") == mine:
+                fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+                total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+(rx0, tx0), cpu0, t0 = net(), cpu_ticks(), time.monotonic()
+time.sleep(interval)
+(rx1, tx1), cpu1, t1 = net(), cpu_ticks(), time.monotonic()
+try:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=10).stdout.split()
+except OSError:
+    gpu = []
+cores = (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+print(rx1 - rx0, tx1 - tx0, t1 - t0, f"{cores:.2f}", os.cpu_count(), "/".join(gpu) or "none")
 """
 
 
-def sample_node(connection: Connection, node: Node, interval: float) -> dict:
-    """Network rx/tx on the cluster interface over `interval` seconds, GPU utilisation, load."""
+def sample_node(
+    connection: Connection, node: Node, interval: float, python: str = "python3", link_gbit: Optional[float] = None
+) -> dict:
+    """One node over `interval` seconds: CPU cores its processes used, GPU utilisation, and network
+    rx/tx on the cluster interface in Mbit/s and as a share of the measured link (when known)."""
     iface = detect_interface(connection, node)
-    out = sh(connection, MONITOR_PROBE.format(iface=q(iface), interval=float(interval))).split()
-    rx0, tx0, rx1, tx1 = (int(v) for v in out[:4])
+    out = sh(connection, f"{q(python)} -c {q(MONITOR_PROBE)} {q(iface)} {float(interval)}").split()
+    rx, tx, seconds = int(out[0]), int(out[1]), float(out[2])
+    rx_mbit, tx_mbit = rx * 8 / seconds / 1e6, tx * 8 / seconds / 1e6
+    share = lambda mbit: f"{mbit / (link_gbit * 1000):.0%}" if link_gbit else "n/a"
     return {
-        "rx_mbit": f"{(rx1 - rx0) * 8 / interval / 1e6:.1f}",
-        "tx_mbit": f"{(tx1 - tx0) * 8 / interval / 1e6:.1f}",
-        "gpu_util": out[4],
-        "load": out[5],
+        "cpu": f"{out[3]}/{out[4]} cores",
+        "gpu_util": out[5],
+        "rx_mbit": f"{rx_mbit:.1f}",
+        "tx_mbit": f"{tx_mbit:.1f}",
+        "rx_link": share(rx_mbit),
+        "tx_link": share(tx_mbit),
     }
 
 
@@ -442,7 +474,8 @@ def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> No
 
 
 def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Path], Optional[Path]]:
-    """Best (else newest) checkpoint, config, vocabulary, summary, log and the last eval texts into
+    """Best (else newest) checkpoint, config, vocabulary, summary, log, `fab report`'s report.md and
+    PNGs, and the last eval texts into
     a fresh dest: an earlier copy is moved to DEST.previous, never merged with. Marks the run as
     fetched on the cluster. Returns the files and where the earlier copy went, if there was one."""
     staging = dest.with_name(dest.name + ".partial")
@@ -460,7 +493,15 @@ def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Pa
 
 
 def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
-    wanted = ["config.json", "summary.json", "train.log", "run-status.json"]
+    wanted = [
+        "config.json",
+        "summary.json",
+        "train.log",
+        "run-status.json",
+        "report.md",
+        "breakdown.png",
+        "scaling.png",
+    ]
     checkpoints = f"{q(run_dir)}/checkpoints"
     chosen = sh(
         connection,
@@ -481,7 +522,7 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
             sftp.get(f"{run_dir}/{rel}", str(target))
             fetched.append(target)
         except FileNotFoundError:
-            continue
+            target.unlink(missing_ok=True)  # sftp.get creates the local file before it finds none
     if config.get("data"):
         try:
             sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))

@@ -16,7 +16,7 @@ sys.path[:] = [_PROJECT_DIR] + [entry for entry in sys.path if entry not in (_PA
 
 from invoke import Collection  # noqa: E402
 
-from . import aws, cluster, local, runs  # noqa: E402
+from . import analysis, aws, cluster, local, runs  # noqa: E402
 
 ns = Collection(
     aws.preflight,
@@ -36,6 +36,9 @@ ns = Collection(
     cluster.tensorboard,
     cluster.monitor,
     runs.fetch,
+    analysis.report,
+    analysis.runs,
+    analysis.scale,
     cluster.ssh,
     local.local,
 )

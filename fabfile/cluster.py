@@ -220,18 +220,27 @@ def _port_free(port: int) -> bool:
 
 @task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
 def monitor(c, interval="2", count="0"):
-    """GPU utilisation, network rx/tx (Mbit/s) and load per node, sampled live."""
+    """Per node, sampled live: CPU cores its processes use, GPU utilisation, network rx/tx in Mbit/s
+    and as a share of the link `fab check` measured."""
+    from clusterops import analysis
+
     inv = load_inventory(c)
     interval, count = number(interval, "--interval"), whole_number(count, "--count")
-
+    with head(inv) as conn:
+        link_gbit, link_text = analysis.measured_link_gbit(conn, inv)
+    print(f"link share: of {link_text}")
     taken = 0
     with remote.Connections(inv) as connections:  # kept open from one sample to the next
         while count == 0 or taken < count:
             rows = remote.on_all(
-                inv, inv.nodes, lambda conn, node: remote.sample_node(conn, node, interval), connections
+                inv,
+                inv.nodes,
+                lambda conn, node: remote.sample_node(conn, node, interval, inv.python, link_gbit),
+                connections,
             )
             print(time.strftime("%H:%M:%S"))
-            print(report.table(rows, ["node", "gpu_util", "rx_mbit", "tx_mbit", "load", "error"]))
+            columns = ["node", "cpu", "gpu_util", "rx_mbit", "rx_link", "tx_mbit", "tx_link", "error"]
+            print(report.table(rows, columns))
             taken += 1
 
 

@@ -24,7 +24,7 @@ from .common import ERRORS, fail, head, load_inventory, number, run_dir, setting
         "steps": "max steps",
         "batch_per_gpu": "batch per GPU (per slot locally)",
         "precision": "fp32, fp16 or bf16",
-        "grad_compression": "none, fp16, bf16 or powersgd",
+        "grad_compression": "none, fp16, bf16, powersgd or auto (the mode `fab report`'s model predicts fastest)",
         "nodes": "use the first K nodes (of those not excluded)",
         "exclude": "leave these nodes out: ranks or names, comma-separated (e.g. 1,2 or node1)",
         "dataset": "data set under /data/datasets",
@@ -182,7 +182,7 @@ def stop(c, run=None, force=False):
 
 @task(help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"})
 def fetch(c, run=None, dest="runs"):
-    """Checkpoint, config, vocabulary, summary.json and eval texts into ./runs/NAME/."""
+    """Checkpoint, config, vocabulary, summary.json, eval texts and `fab report`'s report into ./runs/NAME/."""
     inv = load_inventory(c)
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)

@@ -52,12 +52,36 @@ def test_fp16_halves_the_wire_time_and_keeps_the_overlap():
     assert fp16.step_s == pytest.approx(slow.step - 0.75 + (0.4 - 0.05))
 
 
-def test_powersgd_in_one_bucket_hides_nothing_and_pays_its_overhead():
-    slow = breakdown(exposed=0.75)
-    p = {x.name: x for x in what_ifs(slow, 1.0, powersgd_wire_bytes=0.04 * slow.wire_bytes, powersgd_overhead_s=0.03)}[
-        "powersgd"
-    ]
+def test_powersgd_in_one_bucket_hides_nothing_and_pays_its_measured_compression_time():
+    slow = breakdown(
+        exposed=0.75, powersgd_wire_bytes=0.04 * ring_wire_bytes(100 * MB, 2), overheads={"powersgd": 0.03}
+    )
+    bucketed = {x.name: x for x in what_ifs(slow, 1.0)}["powersgd"]
+    slow = breakdown(**{**slow.__dict__, "powersgd_single_bucket": True})
+    p = {x.name: x for x in what_ifs(slow, 1.0)}["powersgd"]
     assert p.step_s == pytest.approx(slow.step - 0.75 + 0.04 * 0.8 + 0.03)
+    assert bucketed.step_s == pytest.approx(slow.step - 0.75 + 0.03)  # 32 ms on the wire, all hidden
+
+
+def test_an_all_reduce_slower_than_the_link_is_scaled_as_measured():
+    """Exposed 1.4 s where 100 MB at 1 Gbit/s would take 0.8 s: the all-reduce ran below line rate.
+    "As measured" is the measured step, and fp16 halves the time really taken, not the ideal one."""
+    slow = breakdown(exposed=1.4)
+    predictions = {p.name: p for p in what_ifs(slow, link_gbit=1.0)}
+    assert predictions["none"].step_s == pytest.approx(slow.step)
+    assert predictions["fp16 gradients"].step_s == pytest.approx(slow.step - 0.7)
+    assert predictions["10 Gbit/s link"].step_s == pytest.approx(slow.step - 1.4 + 0.14)
+
+
+def test_no_powersgd_prediction_without_its_wire_bytes():
+    assert "powersgd" not in {p.name for p in what_ifs(breakdown(), 1.0)}
+
+
+def test_going_back_from_a_compressed_run_pays_the_full_wire_and_drops_its_compression_time():
+    fp16 = breakdown(exposed=0.35, wire_bytes=ring_wire_bytes(50 * MB, 2), compression="fp16", overheads={"fp16": 0.02})
+    none = {p.name: p for p in what_ifs(fp16, 1.0)}["none"]
+    # fp16: 0.4 s on the wire, 0.05 s hidden; fp32: 0.8 s, the same 0.05 hidden, no cast.
+    assert none.step_s == pytest.approx(fp16.step - 0.35 + 0.75 - 0.02)
 
 
 def test_a_larger_batch_amortises_communication():
@@ -94,9 +118,11 @@ def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
             "grad_bytes": 244e6,
         },
     }
-    written = write_report("base", summary, {"median_gbit": 0.96}, tmp_path, shapes=[(512, 2048), (2048,)])
+    summary["calibration"] = {"powersgd_wire_bytes": powersgd_wire_bytes([(512, 2048), (2048,)], 4, 2)}
+    lines, written = write_report("base", summary, {"median_gbit": 0.96}, tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("# Run base: communication-bound")
     for what_if in ("fp16 gradients", "powersgd", "batch x2 per GPU", "10 Gbit/s link", "100 Gbit/s link (EFA)"):
         assert f"| {what_if} |" in text, what_if
     assert (tmp_path / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(written) == 2
+    assert lines[0] == "# Run base: communication-bound"

@@ -306,11 +306,12 @@ def test_access_ssm_carries_status_train_fetch_and_ssh_through_the_proxy_only(cl
     assert len(sessions) >= cluster.nodes + 3 and all(s.startswith("i-0123456789abcdef") for s in sessions)
 
 
-def test_monitor_samples_network_and_load_per_node(cluster):
+def test_monitor_samples_cpu_gpu_and_network_per_node(cluster):
     out = cluster.fab("monitor", "--interval", "0.5", "--count", "2").stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"node\d", line)]
     assert len(rows) == 2 * cluster.nodes
-    assert all(r[1] == "none" and float(r[2]) >= 0 and float(r[3]) >= 0 for r in rows), out
+    # node, cores used/CPUs, "cores", GPU, rx Mbit/s, rx share of the link, tx, tx share
+    assert all(r[2] == "cores" and r[3] == "none" and float(r[4]) >= 0 and float(r[6]) >= 0 for r in rows), out
 
 
 def test_tensorboard_through_a_tunnel_leaves_mpirun_working_and_stops(cluster):

@@ -108,10 +108,10 @@ class TrainConfig:
         _check(self.grad_accum > 0, "grad_accum", self.grad_accum, "a positive whole number")
         _check(self.precision in ("fp32", "fp16", "bf16"), "precision", self.precision, "fp32, fp16 or bf16")
         _check(
-            self.grad_compression in ("none", "fp16", "bf16", "powersgd"),
+            self.grad_compression in ("none", "fp16", "bf16", "powersgd", "auto"),
             "grad_compression",
             self.grad_compression,
-            "none, fp16, bf16 or powersgd",
+            "none, fp16, bf16, powersgd or auto",
         )
         _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
         _check(self.lr_scale > 0, "lr_scale", self.lr_scale, "a positive number")

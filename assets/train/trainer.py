@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+import autocompress
 import breakdown
 import checkpoint
 import distributed
@@ -175,7 +176,11 @@ class Trainer:
         self.wire = breakdown.AllReduceCounter()
         self.step_parts: list[dict] = []  # this process's steps, resolved at log intervals
         self.bucket_cap_mb = config.bucket_cap_mb
+        self.calibration, self.auto_compression = None, None
         if info.world_size > 1:
+            self.calibration, self.auto_compression = autocompress.start_of_run(self)
+            if self.auto_compression:
+                self.log(f"--grad-compression auto: {config.grad_compression}: {self.auto_compression['why']}")
             bucket_mb = config.bucket_cap_mb
             self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
             _register_comm_hook(self.ddp, config, self.timer)
@@ -472,6 +477,8 @@ class Trainer:
             "ended": ended,
             "wall_time_s": wall,
             "breakdown": parts,
+            "calibration": self.calibration,
+            "auto_compression": self.auto_compression,
         }
         if self.info.is_main:
             atomic_write_bytes(self.run_dir / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))

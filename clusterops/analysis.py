@@ -1,0 +1,180 @@
+"""`fab report`, `fab runs` and `fab scale`: plain functions that take a connection (or an inventory)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from fabric import Connection
+
+from . import bottleneck, launch, plots, remote, report, scaling
+from .inventory import Inventory
+from .linkcheck import link_file
+
+q = shlex.quote
+REPORT_FILES = ("report.md", "breakdown.png", "scaling.png")
+
+
+TC_UNITS = {"bit": 1e-9, "kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0, "tbit": 1e3}
+
+
+def tc_rate_gbit(rate: Optional[str]) -> Optional[float]:
+    """A tc rate ("100mbit", "1gbit") in Gbit/s; None when there is none."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]+)", rate or "")
+    return float(found.group(1)) * TC_UNITS[found.group(2)] if found and found.group(2) in TC_UNITS else None
+
+
+def measured_link_gbit(connection: Connection, inventory: Inventory) -> tuple[Optional[float], str]:
+    """The link to measure use against: `fab check`'s median pair, else a local cluster's tc cap."""
+    link = remote.read_json(connection, link_file(inventory)) or {}
+    if link.get("median_gbit"):
+        return link["median_gbit"], f"the measured link ({link['median_gbit']:.2f} Gbit/s, fab check)"
+    cap = tc_rate_gbit(inventory.extra.get("link"))
+    if cap:
+        return cap, f"the link cap ({inventory.extra['link']}; `fab check` measures the real rate)"
+    return None, "no link measurement: run `fab check` for link shares"
+
+
+def scale_dir(inventory: Inventory, recipe: str) -> str:
+    return launch.run_dir(inventory, f"scale-{recipe}")
+
+
+def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> list[str]:
+    """The verdict screen for one run; report.md and its PNGs are written into the run directory."""
+    summary = remote.read_json(connection, f"{run_dir}/summary.json")
+    if not summary:
+        raise remote.RemoteError(f"{run_dir} has no summary.json yet: the run has not ended (`fab logs --follow`)")
+    if not summary.get("breakdown"):
+        raise remote.RemoteError(f"{run_dir}/summary.json has no step breakdown (a run from an older trainer)")
+    link = remote.read_json(connection, link_file(inventory))
+    scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
+    with tempfile.TemporaryDirectory() as tmp:
+        lines, written = bottleneck.write_report(Path(run_dir).name, summary, link, tmp, scale)
+        for path in written:
+            connection.put(str(path), f"{run_dir}/{path.name}")
+    return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
+
+
+# One round trip for every run: the head node's python reads each run's JSON files.
+RUNS_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+def load(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+rows = []
+for run in sorted(Path(sys.argv[1]).glob("*/")):
+    if (run / "command.sh").exists() or (run / "summary.json").exists():
+        rows.append({"run": run.name, **{name: load(run / (name.replace("_", "-") + ".json"))
+                     for name in ("progress", "summary", "config", "run_status")}})
+print(json.dumps(rows))
+"""
+
+
+def list_runs(connection: Connection, inventory: Inventory) -> list[dict]:
+    """Every run on /data: its run-status, progress, summary and config."""
+    out = remote.sh(connection, f"{q(inventory.python)} -c {q(RUNS_SCRIPT)} {q(inventory.data_dir + '/runs')}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> dict:
+    """One line of `fab runs`: what two runs are compared by."""
+    summary, progress, config, status = run["summary"], run["progress"], run["config"], run["run_status"]
+    step_s = summary.get("avg_step_time_s") or progress.get("avg_step_time_s")
+    world = summary.get("world_size") or progress.get("world_size")
+    nodes = max(1, world // max(1, slots)) if world else None
+    wall = summary.get("wall_time_s")
+    quality = (
+        f"BLEU {summary['bleu']:.1f}"
+        if summary.get("bleu") is not None
+        else f"top-1 {summary['top1']:.3f}"
+        if summary.get("top1") is not None
+        else ""
+    )
+    cost = ""
+    if usd_per_node_hour is not None and wall and nodes:
+        cost = f"${usd_per_node_hour * nodes * wall / 3600:.2f}"
+    return {
+        "run": run["run"],
+        "state": status.get("state", "finished" if summary else "?"),
+        "steps": f"{summary.get('steps', progress.get('step', '?'))}/{config.get('max_steps', '?')}",
+        "step_ms": f"{step_s * 1000:.0f}" if step_s else "",
+        "objects/s": f"{summary['objects_per_s']:.0f}" if summary.get("objects_per_s") else "",
+        "precision": config.get("precision", ""),
+        "compression": summary.get("grad_compression") or config.get("grad_compression", ""),
+        "nodes": nodes or "",
+        "quality": quality,
+        "wall": (f"{wall:.0f} s" if wall < 120 else f"{wall / 60:.1f} min") if wall else "",
+        "cost": cost or "n/a",
+    }
+
+
+RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "precision", "compression", "nodes", "quality", "wall"]
+
+
+def runs_table(runs: Sequence[dict], usd_per_node_hour: Optional[float], slots: int) -> str:
+    rows = [run_row(run, usd_per_node_hour, slots) for run in runs]
+    columns = RUN_COLUMNS + (["cost"] if usd_per_node_hour is not None else [])
+    return report.table(rows, columns) if rows else "no runs yet: start one with `fab train`"
+
+
+def run_scale(
+    connection: Connection,
+    inventory: Inventory,
+    request: launch.TrainRequest,
+    node_counts: Sequence[int],
+    repeat: int,
+    code_dir: str,
+    say: Callable[[str], None] = print,
+) -> list[scaling.Point]:
+    """Short runs on each node count, `repeat` times each, fresh every time; their points."""
+    points = []
+    for nodes in node_counts:
+        summaries = []
+        for attempt in range(1, repeat + 1):
+            name = f"scale-{request.recipe}-n{nodes}-r{attempt}"
+            rdir = launch.run_dir(inventory, name)
+            remote.sh(connection, f"rm -rf {q(rdir)}")
+            one = dataclasses.replace(request, run=name, nodes=nodes)
+            rdir, _ = remote.start_training(connection, inventory, one, code_dir)
+            status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
+            summary = remote.read_json(connection, f"{rdir}/summary.json")
+            if status.get("state") != "finished" or not summary:
+                raise remote.RemoteError(f"{name} {status.get('state')}: {status.get('reason')} (see {rdir}/train.log)")
+            summaries.append(summary)
+            say(f"{name}: {summary['avg_step_time_s'] * 1000:.0f} ms/step, {summary['objects_per_s']:.0f} objects/s")
+        points.append(scaling.point_from_summaries(nodes, summaries))
+    return points
+
+
+class _Discard:
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def write_scale(connection: Connection, inventory: Inventory, recipe: str, points, local_dir: Path) -> list[Path]:
+    """scale.json, scale.md and scaling.png locally and into the series directory on /data."""
+    local_dir.mkdir(parents=True, exist_ok=True)
+    speedups, spreads = scaling.speedups(points)
+    table = scaling.table(points)
+    record = {"recipe": recipe, "points": [point.__dict__ for point in points]}
+    (local_dir / "scale.json").write_text(json.dumps(record, indent=2))
+    (local_dir / "scale.md").write_text(f"# Scaling: {recipe}\n\n```\n{table}\n```\n\n![scaling](scaling.png)\n")
+    nodes = [p.nodes for p in points]
+    written = [local_dir / "scale.json", local_dir / "scale.md"]
+    written.append(plots.scaling_curve(nodes, speedups, spreads, local_dir / "scaling.png", f"{recipe}: weak scaling"))
+    target = scale_dir(inventory, recipe)
+    remote.sh(connection, f"mkdir -p {q(target)}")
+    for path in written:
+        connection.put(str(path), f"{target}/{path.name}")
+    return written

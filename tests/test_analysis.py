@@ -1,0 +1,139 @@
+"""fab report / runs / scale / monitor on real summary shapes, without a cluster."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from invoke.exceptions import Exit
+
+from clusterops import analysis, bottleneck, remote, scaling
+from fabfile.analysis import node_counts
+
+# The shape the trainer writes (summary.json of a 2-node transformer-tiny run, trimmed).
+SUMMARY = {
+    "recipe": "transformer-tiny",
+    "steps": 30,
+    "world_size": 2,
+    "global_batch": 64,
+    "avg_step_time_s": 0.31,
+    "objects_per_s": 206.0,
+    "bleu": 12.5,
+    "precision": "fp32",
+    "grad_compression": "none",
+    "wall_time_s": 95.0,
+    "breakdown": {
+        "data_s": 0.01,
+        "compute_s": 0.2,
+        "comm_exposed_s": 0.08,
+        "optimizer_s": 0.01,
+        "other_s": 0.01,
+        "wire_bytes": 5.2e6,
+        "grad_bytes": 5.2e6,
+        "single_bucket": False,
+    },
+    "calibration": {"overhead_s": {"fp16": 0.003, "bf16": 0.003, "powersgd": 0.01}, "powersgd_wire_bytes": 4e5},
+}
+
+
+def test_report_without_a_link_measurement_says_so_and_predicts_only_the_batch(tmp_path):
+    lines, written = bottleneck.write_report("tiny", SUMMARY, None, tmp_path)
+    text = "\n".join(lines)
+    assert "No link measurement" in text and "fab check" in text
+    names = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "what if" not in line]
+    assert names == ["none", "batch x2 per GPU", "batch x4 per GPU"]
+    assert [p.name for p in written] == ["report.md", "breakdown.png"]
+
+
+def test_report_with_the_link_and_a_scale_series_draws_both_plots(tmp_path):
+    link = {"median_gbit": 0.95, "pairs": [{"src": "node0", "dst": "node1", "gbit": 0.95}], "allreduce_busbw_gbit": 0.9}
+    point = scaling.Point(2, 2, [0.31, 0.33], [206.0, 194.0], [0.25, 0.27])
+    scale = {"recipe": "transformer-tiny", "points": [scaling.Point(1, 1, [0.3], [107.0], []).__dict__, point.__dict__]}
+    lines, written = bottleneck.write_report("tiny", SUMMARY, link, tmp_path, scale)
+    assert lines[0] == "# Run tiny: mixed"  # 26% of the step is exposed communication
+    assert any("median 0.95 Gbit/s over 1 pair" in line for line in lines)
+    assert any(line.startswith("| powersgd |") for line in lines)
+    assert sorted(p.name for p in written) == ["breakdown.png", "report.md", "scaling.png"]
+    assert "weak scaling" in (tmp_path / "report.md").read_text()
+
+
+def test_runs_table_compares_runs_at_a_glance():
+    runs = [
+        {
+            "run": "tiny",
+            "summary": SUMMARY,
+            "progress": {},
+            "config": {"max_steps": 30, "precision": "fp32"},
+            "run_status": {"state": "finished"},
+        },
+        {
+            "run": "going",
+            "summary": {},
+            "progress": {"step": 12, "avg_step_time_s": 0.5, "world_size": 4},
+            "config": {"max_steps": 100, "precision": "bf16", "grad_compression": "powersgd"},
+            "run_status": {"state": "running"},
+        },
+    ]
+    table = analysis.runs_table(runs, usd_per_node_hour=0.526, slots=1).splitlines()
+    assert table[0].split() == analysis.RUN_COLUMNS + ["cost"]
+    assert table[2].split()[:9] == ["tiny", "finished", "30/30", "310", "206", "fp32", "none", "2", "BLEU"]
+    assert table[2].endswith("BLEU 12.5  95 s  $0.03")
+    assert table[3].split()[:8] == ["going", "running", "12/100", "500", "bf16", "powersgd", "4", "n/a"]
+    assert "cost" not in analysis.runs_table(runs, None, 1).splitlines()[0]
+
+
+def test_the_runs_script_reads_every_run_directory(tmp_path):
+    run = tmp_path / "tiny"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(SUMMARY))
+    (run / "run-status.json").write_text('{"state": "finished"}')
+    (tmp_path / "scale-transformer-tiny").mkdir()  # a scale series, not a run
+    out = subprocess.run([sys.executable, "-c", analysis.RUNS_SCRIPT, str(tmp_path)], capture_output=True, text=True)
+    rows = json.loads(out.stdout)
+    assert [r["run"] for r in rows] == ["tiny"] and rows[0]["run_status"] == {"state": "finished"}
+
+
+@pytest.mark.parametrize("text, counts", [("1,2", [1, 2]), ("2,1,2", [1, 2]), ("4", [4])])
+def test_node_counts(text, counts):
+    assert node_counts(text, 4) == counts
+
+
+@pytest.mark.parametrize("text", ["", "1,,2", "0,1", "1,8", "a"])
+def test_bad_node_counts_are_one_line(text):
+    with pytest.raises(Exit, match=r"^error: invalid --nodes"):
+        node_counts(text, 4)
+
+
+@pytest.mark.parametrize("rate, gbit", [("1gbit", 1.0), ("100mbit", 0.1), ("2.5gbit", 2.5), (None, None), ("x", None)])
+def test_tc_rates(rate, gbit):
+    assert analysis.tc_rate_gbit(rate) == (pytest.approx(gbit) if gbit else None)
+
+
+def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes():
+    """The probe runs as is on this machine: a busy child process shows up as CPU of this network
+    namespace, and loopback traffic as bytes."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", remote.MONITOR_PROBE, "lo", "1.0"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    finally:
+        busy.kill()
+    rx, tx, seconds, cores, cpus, gpu = out
+    assert int(rx) >= 0 and int(tx) >= 0 and 0.9 < float(seconds) < 3
+    assert 0.5 < float(cores) <= int(cpus) and gpu == "none"
+
+
+@pytest.mark.parametrize(
+    "nodes, cpus, slices",
+    [
+        (2, [0, 1], [[0], [1]]),  # this machine: a core each
+        (1, [0, 1], [[0, 1]]),
+        (3, [0, 1], [[0], [1], [0]]),  # more nodes than cores: shared round-robin
+        (2, [0, 1, 2, 3, 4], [[0, 1], [2, 3]]),
+    ],
+)
+def test_each_emulated_node_gets_its_own_cpus(nodes, cpus, slices):
+    from clusterops.localcluster import node_cpus
+
+    assert [node_cpus(rank, nodes, cpus) for rank in range(nodes)] == slices

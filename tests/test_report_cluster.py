@@ -1,0 +1,131 @@
+"""`fab report`, `fab runs` and `fab scale` on the emulated cluster: the verdict's predictions against
+runs that then measure them (honesty), and the verdict flipping with the link (one 2-node cluster,
+its links re-capped between runs). Runs are kept tiny: each test stays under ~45 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from test_local_cluster import Cluster, _stop
+
+from clusterops import localcluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+
+# A mid-size transformer (transformer-tiny's code, wider): 15 MB of gradients, ~1.3 s on a 100 Mbit
+# link against ~0.5 s of compute; ~20 ms unshaped (+ waiting for the slower rank on a busy machine).
+MID = "--d-model 256 --ffn 1024 --layers 2 --batch-per-gpu 64"
+QUICK = "--eval-samples 8 --checkpoint-every 1000 --log-every 5 --dist-timeout-s 60"
+TOLERANCE = 0.20
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    cluster = Cluster("tr", 2, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
+    cluster.fab("local.up", "--nodes", "2", "--name", "tr", "--subnet", cluster.subnet, "--replace")
+    cluster.fab("data", "--extra", "--train 4000 --valid 100 --test 50")
+    yield cluster
+    _stop(cluster)
+
+
+def train(lab, run: str, *args: str, steps: int = 10, nodes: int = 2) -> dict:
+    extra = " ".join([MID, QUICK, *args])
+    lab.fab("train", "--run", run, "--nodes", str(nodes), "--steps", str(steps), "--follow", "--extra", extra)
+    return json.loads((lab.run_dir(run) / "summary.json").read_text())
+
+
+def relink(lab, rate: str | None) -> None:
+    """Re-cap the running cluster's links; a capped link is measured as a user would (`fab check`,
+    short), an uncapped one is not: its stale link.json goes (the verdict rests on the breakdown)."""
+    localcluster.set_link_rate(lab.name, rate, lab.inventory)
+    if rate:
+        lab.fab("check", "--mb", "8", "--seconds", "1")
+    else:
+        (lab.shared / ".cluster" / "link.json").unlink(missing_ok=True)
+
+
+def predictions(report: str) -> dict[str, float]:
+    """The what-if table: name -> predicted seconds per step."""
+    return {
+        match.group(1): float(match.group(2)) / 1000
+        for match in re.finditer(r"^\| ([^|]+?) \| (\d+) ms \|", report, flags=re.MULTILINE)
+    }
+
+
+@pytest.fixture(scope="module")
+def capped(lab):
+    """The baseline: plain fp32 gradients over 100 Mbit links, and its report; `fab monitor` samples
+    the nodes while it runs."""
+    relink(lab, "100mbit")
+    extra = " ".join([MID, QUICK])
+    lab.fab("train", "--run", "capped", "--nodes", "2", "--steps", "10", "--extra", extra)
+    lab.wait_for_step("capped", 3, timeout=60)
+    monitor = lab.fab("monitor", "--interval", "2", "--count", "1").stdout
+    lab.fab("logs", "--run", "capped", "--follow")
+    summary = json.loads((lab.run_dir("capped") / "summary.json").read_text())
+    report = lab.fab("report", "--run", "capped", check=False)
+    return summary, report.stdout + report.stderr, monitor
+
+
+def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(capped):
+    """A communication-bound run keeps its 100 Mbit links busy: each node's tx share is high, and
+    CPU is the node's own (its processes), not the host's load."""
+    monitor = capped[2]
+    assert "link share: of the measured link" in monitor or "link share: of the link cap (100mbit" in monitor
+    rows = re.findall(r"^(node\d)\s+([\d.]+)/(\d+) cores\s+none\s+([\d.]+)\s+(\d+)%\s+([\d.]+)\s+(\d+)%", monitor, re.M)
+    assert len(rows) == 2, monitor
+    for _node, cores, cpus, _rx, _rx_share, tx, tx_share in rows:
+        assert 0 < float(cores) <= int(cpus) and float(tx) < 130, monitor
+        assert round(float(tx)) - 1 <= int(tx_share) <= float(tx) / 0.8 + 1, monitor  # of 80-100 Mbit/s
+    assert max(int(row[6]) for row in rows) >= 40, monitor  # the links carry the gradients
+
+
+def test_report_and_runs_on_a_two_node_run_and_fetch_brings_them_home(lab, capped, tmp_path):
+    summary, report, _ = capped
+    assert report.startswith("# Run capped: communication-bound"), report
+    assert "link: median" in report and "| fp16 gradients |" in report and "| 10 Gbit/s link |" in report
+    run = lab.run_dir("capped")
+    assert (run / "report.md").read_text().startswith("# Run capped:")
+    assert (run / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
+    table = lab.fab("runs").stdout
+    row = next(line for line in table.splitlines() if line.startswith("capped "))
+    assert row.split()[1:4] == ["finished", "10/10", f"{summary['avg_step_time_s'] * 1000:.0f}"], table
+    lab.fab("fetch", "--run", "capped", "--dest", str(tmp_path))
+    assert (tmp_path / "capped" / "report.md").exists() and (tmp_path / "capped" / "breakdown.png").exists()
+    assert not (tmp_path / "capped" / "scaling.png").exists()  # no scale series: not an empty file either
+
+
+@pytest.mark.parametrize("mode, name", [("fp16", "fp16 gradients"), ("powersgd", "powersgd")])
+def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, name):
+    """HONESTY: the baseline's report predicts fp16 and PowerSGD; runs with them measure it."""
+    predicted = predictions(capped[1])[name]
+    measured = train(lab, f"capped-{mode}", "--grad-compression", mode)["avg_step_time_s"]
+    error = (predicted - measured) / measured
+    print(f"{mode}: predicted {predicted * 1000:.0f} ms, measured {measured * 1000:.0f} ms ({error:+.0%})")
+    assert abs(error) <= TOLERANCE, f"{mode}: predicted {predicted:.3f} s, measured {measured:.3f} s"
+
+
+def test_the_verdict_flips_to_compute_bound_on_an_unshaped_link(lab, capped):
+    """VERDICT FLIP: the same model that waits on a 100 Mbit link is compute-bound without a cap."""
+    assert "communication-bound" in capped[1].splitlines()[0]
+    relink(lab, None)
+    train(lab, "unshaped")
+    report = lab.fab("report", "--run", "unshaped").stdout
+    assert report.startswith("# Run unshaped: compute-bound"), report
+
+
+def test_scale_prints_the_weak_scaling_table_and_writes_its_plot(lab, tmp_path):
+    out = lab.fab(
+        "scale", "--nodes", "1,2", "--steps", "10", "--repeat", "1", "--dest", str(tmp_path), "--extra", QUICK
+    ).stdout
+    assert "weak scaling: fixed batch per GPU" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^[12] ", line)]
+    assert [row[0] for row in rows] == ["1", "2"] and "1.00x" in rows[0], out
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "scale.md").exists()
+    series = lab.shared / "runs" / "scale-transformer-tiny"
+    assert json.loads((series / "scale.json").read_text())["points"][1]["nodes"] == 2
+    report = lab.fab("report", "--run", "scale-transformer-tiny-n2-r1").stdout
+    assert "## Scaling" in report and (lab.run_dir("scale-transformer-tiny-n2-r1") / "scaling.png").exists()
