@@ -169,7 +169,7 @@ def node_status(connection: Connection, inventory: Inventory, node: Node) -> dic
 
 # Per node, not per host: CPU is the time of the processes in this node's network namespace (one
 # namespace per emulated node; on AWS the container shares the host's, so it is the host's).
-MONITOR_PROBE = r"""
+MONITOR_SCRIPT = r"""
 import os, subprocess, sys, time
 iface, interval = sys.argv[1], float(sys.argv[2])
 mine = os.readlink("/proc/self/ns/net")
@@ -209,7 +209,7 @@ def sample_node(
     """One node over `interval` seconds: CPU cores its processes used, GPU utilisation, and network
     rx/tx on the cluster interface in Mbit/s and as a share of the measured link (when known)."""
     iface = detect_interface(connection, node)
-    out = sh(connection, f"{q(python)} -c {q(MONITOR_PROBE)} {q(iface)} {float(interval)}").split()
+    out = sh(connection, f"{q(python)} -c {q(MONITOR_SCRIPT)} {q(iface)} {float(interval)}").split()
     rx, tx, seconds = int(out[0]), int(out[1]), float(out[2])
     rx_mbit, tx_mbit = rx * 8 / seconds / 1e6, tx * 8 / seconds / 1e6
     share = lambda mbit: f"{mbit / (link_gbit * 1000):.0%}" if link_gbit else "n/a"

@@ -226,11 +226,10 @@ def monitor(c, interval="2", count="0"):
 
     inv = load_inventory(c)
     interval, count = number(interval, "--interval"), whole_number(count, "--count")
-    with head(inv) as conn:
-        link_gbit, link_text = analysis.measured_link_gbit(conn, inv)
-    print(f"link share: of {link_text}")
     taken = 0
     with remote.Connections(inv) as connections:  # kept open from one sample to the next
+        link_gbit, link_text = analysis.measured_link_gbit(connections.get(inv.head), inv)
+        print(f"link share: of {link_text}")
         while count == 0 or taken < count:
             rows = remote.on_all(
                 inv,

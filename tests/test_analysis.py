@@ -115,7 +115,7 @@ def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         out = subprocess.run(
-            [sys.executable, "-c", remote.MONITOR_PROBE, "lo", "1.0"], capture_output=True, text=True, check=True
+            [sys.executable, "-c", remote.MONITOR_SCRIPT, "lo", "1.0"], capture_output=True, text=True, check=True
         ).stdout.split()
     finally:
         busy.kill()

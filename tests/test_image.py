@@ -17,7 +17,8 @@ DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
 SCRIPTS = [REPO / "clusterops" / "launcher.sh", REPO / "assets" / "docker" / "entrypoint.sh"]
 BOOTSTRAP = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"  # its `docker exec CONTAINER COMMAND`s
 # Python files whose `sh(connection, "...")` commands run in the container (fab connects to it).
-SENDERS = [REPO / "clusterops" / "remote.py", *sorted((REPO / "fabfile").glob("*.py"))]
+SENDERS = [*sorted((REPO / "clusterops").glob("*.py")), *sorted((REPO / "fabfile").glob("*.py"))]
+TRAIN_REQUIREMENTS = REPO / "assets" / "train" / "requirements.txt"
 
 BASE = "NGC base"
 RUNTIME = "NVIDIA container runtime (--gpus)"
@@ -57,6 +58,8 @@ PROVIDERS = {
     "ip": "iproute2",
     "pgrep": "procps",
     "pkill": "procps",
+    "iperf3": "iperf3",
+    "py-spy": "pip: py-spy",  # the launcher's hang stacks; needs the container's SYS_PTRACE
 }
 BUILTINS = {
     "[",
@@ -181,6 +184,8 @@ def command_words(script: str) -> set[str]:
     $(...) (also in quotes and in arithmetic), wrappers such as timeout, and the command an ssh or
     `bash -c` is given. Functions the script defines and case patterns are not commands."""
     script = re.sub(r"\\\n", " ", script)
+    for marker in set(re.findall(r"<<-?\s*'?(\w+)'?", script)):  # a here-document's last line is no command
+        script = re.sub(rf"(?m)^\s*{marker}\s*$", "", script)
     script = "\n".join(re.sub(r"(^|\s)#.*", "", line) for line in script.splitlines())
     script = re.sub(
         r"(?ms)(\bcase\b.*?\bin\b)(.*?)(\besac\b)",
@@ -264,9 +269,19 @@ def test_every_command_run_in_the_container_is_in_the_image():
     unknown = {word: sorted(files) for word, files in found.items() if word not in PROVIDERS}
     assert not unknown, f"commands run in the container with no known provider (add them to PROVIDERS): {unknown}"
     packages = dockerfile_packages()
+    pip_packages = {re.split(r"[=<>\s#]", line, maxsplit=1)[0] for line in TRAIN_REQUIREMENTS.read_text().splitlines()}
     missing = {
         word: PROVIDERS[word]
         for word in found
-        if PROVIDERS[word] not in (BASE, RUNTIME) and PROVIDERS[word] not in packages
+        if PROVIDERS[word] not in (BASE, RUNTIME)
+        and PROVIDERS[word] not in packages
+        and PROVIDERS[word].removeprefix("pip: ") not in pip_packages
     }
-    assert not missing, f"install these packages in {DOCKERFILE.name}: {missing}"
+    assert not missing, f"install these packages in {DOCKERFILE.name} (pip: in {TRAIN_REQUIREMENTS.name}): {missing}"
+
+
+def test_the_container_may_trace_its_ranks_where_the_launcher_dumps_stacks_with_py_spy():
+    """py-spy reads another process's memory: Docker grants that only with SYS_PTRACE (py-spy's
+    README, 'How do I run py-spy in Docker?')."""
+    if "py-spy" in container_commands():
+        assert "--cap-add SYS_PTRACE" in BOOTSTRAP.read_text()

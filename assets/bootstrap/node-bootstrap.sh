@@ -189,7 +189,7 @@ start_container() {
     efa+=(-v /opt/amazon/efa:/opt/amazon/efa:ro -v /opt/amazon/ofi-nccl:/opt/amazon/ofi-nccl:ro)
   fi
   docker run -d --name "$CONTAINER" --restart unless-stopped \
-    --gpus all --net=host --ipc=host --shm-size=16g \
+    --gpus all --net=host --ipc=host --shm-size=16g --cap-add SYS_PTRACE \
     --ulimit memlock=-1 --ulimit stack=67108864 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
     -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
