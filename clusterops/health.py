@@ -76,7 +76,8 @@ def probe_script(python: str, data_dir: str) -> str:
 class NodeHealth:
     node: str
     verdict: str = "ok"
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why the verdict is not ok
+    notes: list[str] = field(default_factory=list)  # checks that could not run here (no effect on the verdict)
     details: dict = field(default_factory=dict)  # what was found: GPUs, versions, transport, /data
 
     def mark(self, verdict: str, reason: str) -> None:
@@ -156,10 +157,10 @@ def _assess_gpus(health: NodeHealth, f: dict, expected: int, model: Optional[str
         elif model:
             health.mark("bad", f"no GPU visible (nvidia-smi {smi}), expected {expected} {model}")
         else:
-            health.reasons.append("GPU checks not available (no nvidia-smi: CPU node)")
+            health.notes.append("GPU checks not available (no nvidia-smi: CPU node)")
         return
     if f.get("xid_source") == "not available":
-        health.reasons.append("Xid check not available (no dmesg or kernel journal access)")
+        health.notes.append("Xid check not available (no dmesg or kernel journal access)")
     if str(f.get("dcgm", "")).startswith("fail"):
         health.mark("bad", f"DCGM diagnostic {f['dcgm']}")
     if len(gpus) < expected:

@@ -39,7 +39,8 @@ def status(c):
         "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
         "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
         "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
-        "reasons, details}], link: {median_gbit, pairs: [{src, dst, gbit, tool}], slow_pairs, allreduce_busbw_gbit, "
+        "reasons, notes, details}], "
+        "link: {median_gbit, pairs: [{src, dst, gbit, tool}], slow_pairs, allreduce_busbw_gbit, "
         "busbw_fraction, measured_at, nodes, tool}, training}",
     }
 )
@@ -110,7 +111,7 @@ def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
             "interface": interfaces.get(h.node, ""),
             "gpus": f"{h.details['gpus']} {h.details['gpu'] or ''}".strip() if h.details else "",
             "transport": (h.details or {}).get("transport") or "",
-            "reasons": "; ".join(h.reasons),
+            "reasons": "; ".join(h.reasons + h.notes),
         }
         for h in verdicts
     ]

@@ -25,7 +25,8 @@ RESTARTING = ("--batch-per-gpu", "8", "--max-restarts", "1", "--hang-seconds", "
 
 
 def _final_loss(cluster: Cluster, run: str) -> float:
-    losses = re.findall(rf"step {STEPS}/{STEPS} \| loss ([0-9.]+)", (cluster.run_dir(run) / "train.log").read_text())
+    log = (cluster.run_dir(run) / "train.log").read_text()
+    losses = re.findall(rf"step {STEPS}/{STEPS} \(100%\) \| loss ([0-9.]+)", log)
     return float(losses[-1])
 
 

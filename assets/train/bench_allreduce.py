@@ -48,3 +48,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.exit_without_finalizing(0)

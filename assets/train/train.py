@@ -107,4 +107,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_without_finalizing(main())
