@@ -55,10 +55,16 @@ for row in filter(None, gpus.split(";")):
     name, driver, ecc = (part.strip() for part in row.split(",")[:3])
     facts["gpus"].append({"name": name, "driver": driver, "ecc_uncorrected": int(ecc) if ecc.isdigit() else None})
 try:
-    import torch
-    facts["torch"] = torch.__version__
-    facts["cuda"] = torch.version.cuda
-    facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    if facts["gpus"]:  # NCCL's version needs torch and CUDA loaded
+        import torch
+        facts["torch"] = torch.__version__
+        facts["cuda"] = torch.version.cuda
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    else:  # no GPU: torch's build facts without loading it (1-2 s on a busy node, before every launch)
+        import importlib.util, pathlib
+        build = {}
+        exec((pathlib.Path(importlib.util.find_spec("torch").origin).parent / "version.py").read_text(), build)
+        facts["torch"], facts["cuda"], facts["nccl"] = build["__version__"], build["cuda"], None
 except Exception as error:  # a broken torch is a finding, not a crash
     facts["torch"] = f"unusable: {error}"
 print(json.dumps(facts))

@@ -22,7 +22,9 @@ def _read_only_data(cluster: Cluster, rank: int) -> None:
 def test_check_json_then_a_bad_node_is_named_refused_and_excluded(tmp_path):
     cluster = Cluster("hc", 2, "10.213.121.0/24", tmp_path)
     try:
-        cluster.fab("local.up", "--nodes", "2", "--name", "hc", "--subnet", cluster.subnet, "--replace")
+        cluster.fab(
+            "local.up", "--nodes", "2", "--name", "hc", "--subnet", cluster.subnet, "--replace", "--link", "1gbit"
+        )
         cluster.fab("data", "--extra", "--train 500 --valid 16 --test 8 --vocab 200")
         out = cluster.fab("check", "--json", "--mb", "8", "--seconds", "1").stdout
         doc = json.loads(out)

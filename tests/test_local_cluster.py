@@ -116,7 +116,14 @@ def test_status_shows_every_node_ready(cluster):
 
 
 def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
-    out = cluster.fab("check", "--mb", "8", "--seconds", "1").stdout
+    # Capped: unshaped veth pairs run at whatever CPU is left (18-27 Gbit/s here), and one pair below
+    # 70% of the median would rightly be a slow link.
+    localcluster.set_link_rate(cluster.name, "1gbit", cluster.inventory)
+    try:
+        out = cluster.fab("check", "--mb", "8", "--seconds", "1").stdout
+    finally:
+        localcluster.set_link_rate(cluster.name, None, cluster.inventory)
+        (cluster.shared / ".cluster" / "link.json").unlink(missing_ok=True)  # measured at the cap
     assert sorted(re.findall(r"^(node\d)\s+ok\s", out, re.M)) == [f"node{i}" for i in range(cluster.nodes)]
     assert re.search(r"^link \(iperf3\): median [\d.]+ Gbit/s; node0->node1 [\d.]+, ", out, re.M), out
     assert out.count(" eth0") >= cluster.nodes
@@ -127,49 +134,9 @@ def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     assert not (cluster.shared / "runs" / ".check").exists()  # the scratch run is removed
 
 
-def test_train_learns_then_logs_status_and_fetch(cluster, tmp_path):
-    started = time.monotonic()
-    out = cluster.fab(
-        "train", "--steps", "200", "--follow", "--extra", QUICK.replace("--eval-every 100", "--eval-every 200")
-    ).stdout
-    seconds = time.monotonic() - started
-    bleu = float(re.search(r"bleu: ([\d.]+)", out).group(1))
-    print(f"{cluster.nodes} nodes: 200 steps, BLEU {bleu:.1f}, {seconds:.0f} s")
-    assert f"world_size: {cluster.nodes}" in out and "objects_per_s" in out and "eval_loss" in out
-    assert bleu >= 50
-    assert "run ended at step 200" in cluster.fab("logs").stdout
-    status = cluster.fab("status").stdout
-    assert "finished | step 200/200" in status
-    fetched = cluster.fab("fetch", "--dest", str(tmp_path)).stdout
-    run = tmp_path / "transformer-tiny"
-    for name in ("config.json", "summary.json", "spm.model", "train.log", "checkpoints/best.pt"):
-        assert (run / name).exists(), (name, fetched)
-    assert list((run / "eval").glob("*.hypotheses.txt")) and list((run / "eval").glob("*.references.txt"))
-    assert json.loads((run / "summary.json").read_text())["steps"] == 200
-    (run / "eval" / "stale.txt").write_text("from an earlier fetch")
-    again = cluster.fab("fetch", "--dest", str(tmp_path)).stdout
-    assert "earlier copy is now" in again and not (run / "eval" / "stale.txt").exists()
-    assert (tmp_path / "transformer-tiny.previous" / "eval" / "stale.txt").exists()
-    translated = subprocess.run(
-        [
-            "python",
-            str(TRAIN_DIR / "translate.py"),
-            str(run / "checkpoints" / "best.pt"),
-            "--vocabulary",
-            str(run / "spm.model"),
-        ],
-        input="twelve\n",
-        capture_output=True,
-        text=True,
-        env=tool_env(),
-        timeout=60,
-    )
-    assert translated.returncode == 0 and translated.stdout.strip() == "zwölf", translated.stderr
-
-
 def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster, tmp_path):
     cluster.fab("train", "--run", "stoptest", "--steps", "5000", "--extra", QUICK)
-    cluster.wait_for_step("stoptest", 20)
+    cluster.wait_for_step("stoptest", 10)
     refused = cluster.fab("train", "--run", "other", check=False)
     assert refused.returncode == 1 and "already going" in refused.stderr
     stopped = cluster.fab("stop").stdout
@@ -177,13 +144,13 @@ def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster, tmp
     step = cluster.progress("stoptest")["step"]
     assert (cluster.run_dir("stoptest") / "checkpoints" / f"step_{step:08d}.pt").exists()
     assert not cluster.processes(0, r"[t]rain\.py") and not cluster.processes(cluster.nodes - 1, r"[t]rain\.py")
-    out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 10), "--follow", "--extra", QUICK).stdout
-    assert f"at step {step}" in out and f"run ended at step {step + 10}" in out
+    out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 3), "--follow", "--extra", QUICK).stdout
+    assert f"at step {step}" in out and f"run ended at step {step + 3}" in out
     assert "starting a new run" not in out  # the log shown starts at this launch
     # Without best.pt (a run that never evaluated), fetch takes the newest checkpoint, not the oldest.
     (cluster.run_dir("stoptest") / "checkpoints" / "best.pt").unlink()
     fetched = cluster.fab("fetch", "--run", "stoptest", "--dest", str(tmp_path)).stdout
-    assert [p.name for p in (tmp_path / "stoptest" / "checkpoints").iterdir()] == [f"step_{step + 10:08d}.pt"], fetched
+    assert [p.name for p in (tmp_path / "stoptest" / "checkpoints").iterdir()] == [f"step_{step + 3:08d}.pt"], fetched
 
 
 def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
@@ -295,7 +262,7 @@ def test_access_ssm_carries_status_train_fetch_and_ssh_through_the_proxy_only(cl
     sessions = log.read_text().splitlines()
     assert sorted(sessions) == [f"i-0123456789abcdef{i} 4444" for i in range(cluster.nodes)]  # one per node
 
-    train = fab("train", "--run", "ssm", "--steps", "20", "--follow", "--extra", QUICK, timeout=300)
+    train = fab("train", "--run", "ssm", "--steps", "3", "--follow", "--extra", QUICK, timeout=300)
     assert train.returncode == 0 and f"world_size: {cluster.nodes}" in train.stdout, train.stdout + train.stderr
     assert cluster.run_status("ssm")["state"] == "finished"
     fetched = fab("fetch", "--run", "ssm", "--dest", str(tmp_path / "runs"))
@@ -377,19 +344,44 @@ def pair(tmp_path_factory):
     _stop(cluster)
 
 
-def test_a_killed_rank_ends_the_run_within_60s_and_train_resumes_from_the_checkpoint(pair):
-    pair.fab("train", "--run", "killtest", "--steps", "5000", "--extra", QUICK)
-    pair.wait_for_step("killtest", 11)  # past the first checkpoint (10); progress comes every 10 steps
-    victims = pair.processes(1, r"[t]rain\.py --recipe")
-    assert len(victims) == 1
-    os.kill(victims[0], 9)
-    status, seconds = pair.wait_for_end("killtest", timeout=60)
-    print(f"killed rank: run ended after {seconds:.1f} s: {status['reason']}")
-    assert status["state"] == "failed" and ("exited on signal 9" in status["reason"] or "Killed" in status["reason"])
-    assert "killtest: failed" in pair.fab("status").stdout
-    last = max(int(p.name[5:13]) for p in (pair.run_dir("killtest") / "checkpoints").glob("step_*.pt"))
-    out = pair.fab("train", "--run", "killtest", "--steps", str(last + 5), "--follow", "--extra", QUICK).stdout
-    assert f"resuming from /data/runs/killtest/checkpoints/step_{last:08d}.pt at step {last}" in out
+def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
+    started = time.monotonic()
+    out = pair.fab(
+        "train", "--steps", "200", "--follow", "--extra", QUICK.replace("--eval-every 100", "--eval-every 200")
+    ).stdout
+    seconds = time.monotonic() - started
+    bleu = float(re.search(r"bleu: ([\d.]+)", out).group(1))
+    print(f"{pair.nodes} nodes: 200 steps, BLEU {bleu:.1f}, {seconds:.0f} s")
+    assert f"world_size: {pair.nodes}" in out and "objects_per_s" in out and "eval_loss" in out
+    assert bleu >= 50
+    assert "run ended at step 200" in pair.fab("logs").stdout
+    status = pair.fab("status").stdout
+    assert "finished | step 200/200" in status
+    fetched = pair.fab("fetch", "--dest", str(tmp_path)).stdout
+    run = tmp_path / "transformer-tiny"
+    for name in ("config.json", "summary.json", "spm.model", "train.log", "checkpoints/best.pt"):
+        assert (run / name).exists(), (name, fetched)
+    assert list((run / "eval").glob("*.hypotheses.txt")) and list((run / "eval").glob("*.references.txt"))
+    assert json.loads((run / "summary.json").read_text())["steps"] == 200
+    (run / "eval" / "stale.txt").write_text("from an earlier fetch")
+    again = pair.fab("fetch", "--dest", str(tmp_path)).stdout
+    assert "earlier copy is now" in again and not (run / "eval" / "stale.txt").exists()
+    assert (tmp_path / "transformer-tiny.previous" / "eval" / "stale.txt").exists()
+    translated = subprocess.run(
+        [
+            "python",
+            str(TRAIN_DIR / "translate.py"),
+            str(run / "checkpoints" / "best.pt"),
+            "--vocabulary",
+            str(run / "spm.model"),
+        ],
+        input="twelve\n",
+        capture_output=True,
+        text=True,
+        env=tool_env(),
+        timeout=60,
+    )
+    assert translated.returncode == 0 and translated.stdout.strip() == "zwölf", translated.stderr
 
 
 def test_a_spot_notice_mid_run_checkpoints_within_the_notice_window_and_train_resumes_there(pair):
@@ -446,7 +438,7 @@ def test_a_spot_notice_mid_run_checkpoints_within_the_notice_window_and_train_re
 
 
 def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
-    pair.fab("train", "--run", "cuttest", "--steps", "5000", "--extra", QUICK)
+    pair.fab("train", "--run", "cuttest", "--steps", "5000", "--extra", QUICK.replace("timeout-s 30", "timeout-s 10"))
     pair.wait_for_step("cuttest", 1)  # running its collectives: the watchdog needs no checkpoint
     localcluster.set_link("tf", 1, up_=False)
     try:
@@ -454,7 +446,7 @@ def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
         print(f"cut link: watchdog ended the run after {seconds:.1f} s: {status['reason']}")
         assert status["state"] == "failed" and "unreachable" in status["reason"]
         assert not pair.processes(0, r"[t]rain\.py|mpirun")
-        # Cut off, node1's rank gives up on its collective timeout (30 s here).
+        # Cut off, node1's rank gives up on its collective timeout (10 s here).
         deadline = time.monotonic() + 60
         while pair.processes(1, r"[t]rain\.py") and time.monotonic() < deadline:
             time.sleep(1)

@@ -132,12 +132,17 @@ def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_che
     status, seconds = trio.wait_for_end("used", timeout=60)
     print(f"restarts used up: run failed {seconds:.1f} s after the second kill: {status['reason']}")
     assert status["state"] == "failed" and "restarts exhausted (1/1)" in status["reason"]
+    assert "exited on signal 9" in status["reason"] and seconds < 60
     [record] = _restarts(trio, "used")
     assert record["kind"] == "died" and record["resume_step"] >= 10
     newest = max((trio.run_dir("used") / "checkpoints").glob("step_*.pt"))
-    assert torch.load(newest, weights_only=False)["step"] == int(newest.name[5:13]) > record["resume_step"]
+    last = int(newest.name[5:13])
+    assert torch.load(newest, weights_only=False)["step"] == last > record["resume_step"]
     shown = trio.fab("status").stdout
     assert "used: failed" in shown and f"restart 1: {record['time']} died" in shown
+    # By hand, the same command resumes at that checkpoint.
+    out = trio.fab("train", "--run", "used", "--steps", str(last + 3), "--follow", "--extra", TINY).stdout
+    assert f"resuming from /data/runs/used/checkpoints/step_{last:08d}.pt at step {last}" in out
 
 
 def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(trio):
