@@ -15,7 +15,7 @@ demo: setup
 	bash scripts/demo.sh 2
 
 test: setup  # everything else on two workers, then the emulated cluster alone (it needs the CPU)
-	python -m pytest -n 2 -m "not cluster"
+	python -m pytest -n 2 --dist loadgroup -m "not cluster"
 	python -m pytest -m cluster
 
 synth: setup

@@ -88,8 +88,8 @@ attempt() {
   mpirun_pid=$!
   echo "$mpirun_pid" > "$RUN_DIR/mpirun.pid"
   reason="" kind=""
-  local started host age beat window
-  started=$(date +%s)
+  local host age beat window
+  started=$(date +%s)  # global: the Spot check and the restart plan read it
   declare -A failures=()
   while kill -0 "$mpirun_pid" 2>/dev/null; do
     sleep "$POLL_SECONDS"
@@ -155,16 +155,21 @@ unreached="" attempts=0
 rm -rf "$RUN_DIR"/hang-stacks-*
 while true; do
   attempt
+  # A clean end that came early because a node got a Spot notice: with restarts left, go on without it.
+  if [[ -z $reason ]] && ((code == 0)) && ((${MAX_RESTARTS:-0} > 0)) &&
+    spot=$("$PYTHON" "$RUN_DIR/supervise.py" spot "$RUN_DIR" "$started"); then
+    reason=$spot kind=spot
+  fi
   if [[ -f $RUN_DIR/FORCED ]]; then
     status failed "$code" "stopped by fab stop --force"
   elif [[ -z $reason ]] && ((code == 0)); then
     status finished 0 "$(grep -o 'run ended at step.*' "$LOG" | tail -n 1)"
   else
     [[ -z $reason ]] && reason=$(grep -E 'mpirun noticed|exited on signal|Error|error:' "$LOG" | tail -n 1)
-    [[ $kind != died ]] && reason="watchdog: $reason"
+    [[ $kind != died && $kind != spot ]] && reason="watchdog: $reason"
     if ((${MAX_RESTARTS:-0} > 0)); then
       probe_all
-      if decision=$("$PYTHON" "$RUN_DIR/supervise.py" plan "$RUN_DIR" "$kind" "$reason" 2>&1); then
+      if decision=$("$PYTHON" "$RUN_DIR/supervise.py" plan "$RUN_DIR" "$kind" "$reason" "$started" 2>&1); then
         echo "$(now) launcher: $reason; $decision" >> "$LOG"
         continue
       fi

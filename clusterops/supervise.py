@@ -2,8 +2,12 @@
 uploaded into the run directory by `fab train`; stdlib only):
 
     supervise.py hang RUN_DIR              name the rank behind (heartbeats, stacks, process states)
-    supervise.py plan RUN_DIR KIND REASON  judge every node of the original set from its probe
-                                           output, pick the healthy ones and rewrite hostfile and
+    supervise.py spot RUN_DIR SINCE        did the attempt started at SINCE (epoch s) end early
+                                           because one of its nodes got a Spot notice? (exit 0: yes)
+    supervise.py plan RUN_DIR KIND REASON [SINCE]
+                                           judge every node of the original set from its probe
+                                           output (and, for KIND spot, its Spot notices since SINCE),
+                                           pick the healthy ones and rewrite hostfile and
                                            command.sh for a restart on them (same global batch)
 
 `plan` prints one line; exit 0 means "restart", 1 means "give up" (the line says why). Every restart
@@ -11,6 +15,7 @@ is appended to RUN_DIR/restarts.json: when, why, which nodes, the step it resume
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import re
@@ -119,6 +124,32 @@ def judge(run_dir: Path, hosts: list[str], gpus_per_node: int) -> dict[str, list
     return {v.node: (v.reasons if v.verdict == "bad" else []) for v in verdicts}
 
 
+def interrupted(run_dir: Path, since: float) -> dict[str, str]:
+    """host -> its Spot notice, for the notices the nodes' watchers recorded (RUN_DIR/interruptions.json,
+    spotwatch.py) at or after `since` (epoch s; the record keeps whole seconds)."""
+    out = {}
+    for entry in read_json(run_dir / "interruptions.json", []):
+        try:
+            noticed = calendar.timegm(time.strptime(entry["noticed"], "%Y-%m-%dT%H:%M:%SZ"))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if entry.get("host") and noticed >= int(since):
+            when = entry.get("action_time") or "an unknown time"
+            out[entry["host"]] = f"Spot {entry.get('action', 'interruption')} at {when}"
+    return out
+
+
+def spot_ended(run_dir: Path, since: float) -> Optional[str]:
+    """Why to restart an attempt that ended cleanly, but early, because one of its nodes got a Spot
+    notice since `since` (its watcher asked the trainer to checkpoint now); None otherwise."""
+    current = [line.split()[0] for line in (run_dir / "hostfile").read_text().splitlines() if line.strip()]
+    hit = {host: why for host, why in interrupted(run_dir, since).items() if host in current}
+    progress, config = read_json(run_dir / "progress.json", {}), read_json(run_dir / "config.json", {})
+    if not hit or progress.get("step", 0) >= config.get("max_steps", float("inf")):
+        return None
+    return "spot notice: " + "; ".join(f"{host}: {why}" for host, why in hit.items())
+
+
 def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
     if flag in argv:
         index = argv.index(flag)
@@ -147,8 +178,11 @@ def launch_settings(run_dir: Path) -> dict[str, str]:
     return out
 
 
-def plan(run_dir: Path, kind: str, reason: str, now: Optional[float] = None) -> tuple[bool, str]:
-    """After a failed attempt: restart on the healthy nodes of the original set, or give up.
+def plan(
+    run_dir: Path, kind: str, reason: str, now: Optional[float] = None, since: Optional[float] = None
+) -> tuple[bool, str]:
+    """After a failed attempt: restart on the healthy nodes of the original set, or give up. After a
+    Spot notice (kind spot) the noticed nodes are left out too: they still answer, for two minutes.
     Rewrites hostfile and command.sh and appends to restarts.json when it restarts."""
     env = launch_settings(run_dir)
     original, slots = env["HOSTS"].split(), int(env.get("SLOTS", "1"))
@@ -167,6 +201,9 @@ def plan(run_dir: Path, kind: str, reason: str, now: Optional[float] = None) -> 
     )
     max_per_rank = history[0]["max_batch_per_gpu"] if history else config["batch_per_gpu"]
     verdicts = judge(run_dir, original, slots)
+    if kind == "spot":
+        for host, why in interrupted(run_dir, since or 0).items():
+            verdicts[host] = [*verdicts.get(host, []), why]
     healthy = [h for h in original if not verdicts.get(h)]
     dropped = {h: "; ".join(verdicts[h]) for h in original if verdicts.get(h)}
     if len(healthy) < min_nodes:
@@ -208,7 +245,11 @@ def main(argv: list[str]) -> int:
         write_json(run_dir / "hangs.json", hangs + [{"time": time.time(), "rank": rank, "evidence": evidence}])
         print(evidence)
         return 0
-    restart, line = plan(run_dir, argv[2], argv[3])
+    if command == "spot":
+        why = spot_ended(run_dir, float(argv[2]))
+        print(why or "no Spot notice in this attempt")
+        return 0 if why else 1
+    restart, line = plan(run_dir, argv[2], argv[3], since=float(argv[4]) if len(argv) > 4 else None)
     print(line)
     return 0 if restart else 1
 

@@ -172,7 +172,12 @@ class FakeImds(BaseHTTPRequestHandler):
         self.server.gets.append((self.path, token))
         if token != self.TOKEN:
             return self._answer(401, b"")
-        document = {"region": "us-east-1", "instanceId": "i-0123456789abcdef0", "accountId": "123456789012"}
+        document = {
+            "region": "us-east-1",
+            "instanceId": "i-0123456789abcdef0",
+            "accountId": "123456789012",
+            "privateIp": self.client_address[0],  # the address the node asked from
+        }
         if self.path == "/latest/dynamic/instance-identity/document":
             return self._answer(200, json.dumps(document).encode())
         action = self.server.instance_action

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from test_local_cluster import Cluster
+from test_local_cluster import Cluster, prepare_numbers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
@@ -19,7 +19,7 @@ def capped_pair(tmp_path_factory):
         "local.up", "--nodes", "2", "--name", "tbreak", "--subnet", cluster.subnet, "--link", "100mbit", "--replace"
     )
     try:
-        cluster.fab("data", "--extra", "--train 2000 --valid 50 --test 50")
+        prepare_numbers(cluster, "--train 20000 --valid 200 --test 100")
         yield cluster
     finally:
         cluster.fab("local.down", "--name", "tbreak", check=False)

@@ -4,12 +4,15 @@ side of the shared directory and the namespaces' process lists."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -90,8 +93,25 @@ def _start(name: str, nodes: int, subnet: str, workdir: Path):
     # --replace: a cluster left by an interrupted test run is replaced, not refused
     up = cluster.fab("local.up", "--nodes", str(nodes), "--name", name, "--subnet", subnet, "--replace")
     assert f"{nodes} node(s)" in up.stdout
-    cluster.fab("data", "--extra", "--train 20000 --valid 200 --test 100")
+    prepare_numbers(cluster, "--train 20000 --valid 200 --test 100")
     return cluster
+
+
+DATA_CACHE = Path(tempfile.gettempdir()) / f"gpu-cluster-test-data-{os.getpid()}"
+atexit.register(shutil.rmtree, DATA_CACHE, ignore_errors=True)
+
+
+def prepare_numbers(cluster: Cluster, extra: str) -> None:
+    """`fab data` with these prepare.py arguments. The BPE training is the slow part (7 s for 20000
+    pairs): a data set made once in this session is copied in first, and `fab data` then finds it
+    complete (prepare.py's re-run with the same arguments is a no-op)."""
+    cached = DATA_CACHE / re.sub(r"\W+", "_", extra)
+    target = cluster.shared / "datasets" / "numbers"
+    if cached.exists():
+        shutil.copytree(cached, target, dirs_exist_ok=True)
+    cluster.fab("data", "--extra", extra)
+    if not cached.exists():
+        shutil.copytree(target, cached)
 
 
 def _stop(cluster: Cluster):
@@ -384,35 +404,27 @@ def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
     assert translated.returncode == 0 and translated.stdout.strip() == "zwölf", translated.stderr
 
 
-def test_a_spot_notice_mid_run_checkpoints_within_the_notice_window_and_train_resumes_there(pair):
+def test_a_spot_notice_mid_run_checkpoints_in_the_notice_window_and_the_run_goes_on_without_that_node(pair):
     """The Spot watcher runs in node1's network namespace against a fake IMDSv2 served on the
     controller's bridge address (as a node reaches the metadata service), on the shared /data.
-    Mid-run the endpoint starts answering a `stop` notice: the run must checkpoint (no eval) and end
-    within EC2's two-minute notice, record the interruption, and `fab train --run SAME` resume at
-    the checkpoint's step. (Written by a helper not allowed to run the emulated cluster: not yet run.)"""
+    Mid-run the endpoint starts answering a `stop` notice: the run must checkpoint (no eval) well
+    within EC2's two-minute notice, record the interruption with node1's address (the identity
+    document's privateIp), and, with --max-restarts, go on from that checkpoint on node0 alone at the
+    same global batch while node1 still answers."""
     controller = json.loads(pair.inventory.read_text())["extra"]["controller_ip"]
+    node0, node1 = (node["private_ip"] for node in json.loads(pair.inventory.read_text())["nodes"])
     netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(1)
     with serve_imds(controller) as imds:
         watcher = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                netns,
-                sys.executable,
-                str(AUTOSTOP_DIR / "spotwatch.py"),
-                "--data",
-                str(pair.shared),
-                "--interval",
-                "1",
-            ],
+            ["ip", "netns", "exec", netns, sys.executable, str(AUTOSTOP_DIR / "spotwatch.py")]
+            + ["--data", str(pair.shared), "--interval", "1"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=tool_env(AUTOSTOP_IMDS_URL=imds.url, NODE_RANK="1", INSTANCE_ID="i-0node1"),
         )
         try:
-            pair.fab("train", "--run", "spottest", "--steps", "5000", "--extra", QUICK)
+            pair.fab("train", "--run", "spottest", "--steps", "30", "--max-restarts", "1", "--extra", QUICK)
             pair.wait_for_step("spottest", 10)
             noticed = time.time()
             imds.instance_action = {
@@ -424,17 +436,22 @@ def test_a_spot_notice_mid_run_checkpoints_within_the_notice_window_and_train_re
             watcher.kill()
             watched = watcher.communicate()[0]
     run = pair.run_dir("spottest")
-    newest = max((run / "checkpoints").glob("step_*.pt"), key=lambda p: p.stat().st_mtime)
-    last = int(newest.name[5:13])
-    print(f"spot notice: run ended {seconds:.1f} s after it, checkpoint at step {last}; watcher: {watched.strip()}")
-    assert status["state"] == "finished" and "stop requested (checkpoint now, no eval)" in status["reason"], status
-    assert seconds < 120 and newest.stat().st_mtime >= noticed
+    [record] = json.loads((run / "restarts.json").read_text())
+    resumed_at = run / "checkpoints" / f"step_{record['resume_step']:08d}.pt"
+    written = resumed_at.stat().st_mtime - noticed
+    print(f"spot notice: checkpoint at step {record['resume_step']} written {written:.1f} s after it, run ended")
+    print(f"{seconds:.1f} s after it on node0 alone; watcher: {watched.strip()}")
+    assert 0 <= written < 120, written
     interruption = json.loads((run / "interruptions.json").read_text())
-    assert [(i["node"], i["instance_id"], i["action"]) for i in interruption] == [(1, "i-0node1", "stop")]
-    assert interruption[0]["step"] <= last and "spot: node1 (i-0node1) will stop at" in (run / "train.log").read_text()
-    out = pair.fab("train", "--run", "spottest", "--steps", str(last + 5), "--follow", "--extra", QUICK).stdout
-    assert f"resuming from /data/runs/spottest/checkpoints/step_{last:08d}.pt at step {last}" in out
-    assert f"run ended at step {last + 5}" in out
+    assert [(i["node"], i["instance_id"], i["host"], i["action"]) for i in interruption] == [
+        (1, "i-0node1", node1, "stop")
+    ]
+    assert "spot: node1 (i-0node1) will stop at" in (run / "train.log").read_text()
+    assert record["kind"] == "spot" and record["nodes_after"] == [node0] and list(record["dropped"]) == [node1]
+    assert (record["batch_per_gpu"], record["grad_accum"]) == (64, 2)  # the global batch stays 128
+    assert status["state"] == "finished" and "run ended at step 30" in status["reason"], status
+    log = (run / "train.log").read_text()
+    assert f"resuming from /data/runs/spottest/checkpoints/step_{record['resume_step']:08d}.pt" in log
 
 
 def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):

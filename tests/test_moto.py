@@ -18,6 +18,9 @@ from clusterops.inventory import (
     stack_outputs_from_file,
 )
 
+# One xdist worker takes the whole module: the deploy fixture (23 s) is built once, not per worker.
+pytestmark = pytest.mark.xdist_group("moto-deploy")
+
 STACK = "GpuCluster-gpu-cluster"
 AMI_PARAMETER = "/test/dlami/ami-id"
 HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-cluster-host"

@@ -9,7 +9,7 @@ import os
 import re
 
 import pytest
-from test_local_cluster import Cluster, _stop
+from test_local_cluster import Cluster, _stop, prepare_numbers
 
 from clusterops import localcluster
 
@@ -26,7 +26,7 @@ TOLERANCE = 0.20
 def lab(tmp_path_factory):
     cluster = Cluster("tr", 2, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
     cluster.fab("local.up", "--nodes", "2", "--name", "tr", "--subnet", cluster.subnet, "--replace")
-    cluster.fab("data", "--extra", "--train 4000 --valid 100 --test 50")
+    prepare_numbers(cluster, "--train 20000 --valid 200 --test 100")
     yield cluster
     _stop(cluster)
 
@@ -42,7 +42,7 @@ def relink(lab, rate: str | None) -> None:
     short), an uncapped one is not: its stale link.json goes (the verdict rests on the breakdown)."""
     localcluster.set_link_rate(lab.name, rate, lab.inventory)
     if rate:
-        lab.fab("check", "--mb", "8", "--seconds", "1")
+        lab.fab("check", "--mb", "2", "--seconds", "1")
     else:
         (lab.shared / ".cluster" / "link.json").unlink(missing_ok=True)
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,33 @@ def test_plan_gives_up_below_min_nodes_and_on_a_bad_node_verdict(tmp_path):
     assert not (run / "restarts.json").exists() and "-np 3" not in (run / "command.sh").read_text()
 
 
+def _notice(run: Path, host: str, noticed: float) -> None:
+    entry = {"node": 1, "instance_id": "i-0node1", "host": host, "action": "stop", "action_time": "T+2min"}
+    entry["noticed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(noticed))
+    (run / "interruptions.json").write_text(json.dumps([entry]))
+
+
+def test_a_spot_notice_leaves_its_node_out_of_the_restart_while_it_still_answers(tmp_path):
+    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        (run / "probes" / host).write_text(HEALTHY)  # the noticed node is healthy for two more minutes
+    (run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1, "max_steps": 100}))
+    (run / "progress.json").write_text(json.dumps({"step": 20}))
+    attempt_started = time.time() - 30
+    _notice(run, "10.0.0.2", noticed=attempt_started - 60)  # an earlier attempt's: not this one's
+    assert supervise.spot_ended(run, attempt_started) is None
+    _notice(run, "10.0.0.2", noticed=attempt_started + 10)
+    why = supervise.spot_ended(run, attempt_started)
+    assert why == "spot notice: 10.0.0.2: Spot stop at T+2min"
+    restart, line = supervise.plan(run, "spot", why, since=attempt_started)
+    assert restart and "restart 1/1 on 2 node(s) 10.0.0.1 10.0.0.3 from step 20" in line, line
+    [record] = json.loads((run / "restarts.json").read_text())
+    assert record["kind"] == "spot" and record["dropped"] == {"10.0.0.2": "Spot stop at T+2min"}
+    # A run that reached its last step is done, notice or not.
+    (run / "progress.json").write_text(json.dumps({"step": 100}))
+    assert supervise.spot_ended(run, attempt_started) is None
+
+
 def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
     (tmp_path / "ranks").mkdir()
     (tmp_path / "stacks").mkdir()
@@ -141,12 +169,13 @@ print("run ended at step 20: max_steps")
 """
 
 
-def _launcher(run: Path, first_args: list[str], dead: str = "h2", **env: str) -> dict:
+def _launcher(run: Path, first_args: list[str], dead: str = "h2", keep_trainer: bool = False, **env: str) -> dict:
     bin_dir = run / "bin"
     bin_dir.mkdir()
     (bin_dir / "ssh").write_text(STANDIN_SSH)
     (bin_dir / "ssh").chmod(0o755)
-    (run / "fake.py").write_text(FAKE_TRAINER)
+    if not keep_trainer:
+        (run / "fake.py").write_text(FAKE_TRAINER)
     argv = [sys.executable, str(run / "fake.py"), str(run), "-np", "2", "MASTER_ADDR=h1", *first_args]
     (run / "command.json").write_text(json.dumps(argv))
     (run / "command.sh").write_text("exec " + " ".join(argv) + "\n")
@@ -179,6 +208,38 @@ def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path)
     assert "restart 1/1 on 1 node(s) h1 from step 10" in log and "dropped {'h2': 'unreachable'}" in log
     assert "args: -np 1 MASTER_ADDR=h1 --batch-per-gpu 8 --grad-accum 2 --keep-global-batch 16" in log
     assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "died"
+
+
+SPOT_TRAINER = """import json, pathlib, sys, time
+run = pathlib.Path(sys.argv[1]); args = sys.argv[2:]
+(run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1, "max_steps": 20}))
+(run / "checkpoints").mkdir(exist_ok=True); (run / "checkpoints" / "step_00000012.pt").write_bytes(b"x")
+print("args:", " ".join(args), flush=True)
+if "--keep-global-batch" not in args:  # h2's watcher got a notice; the trainer checkpointed and ended
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    (run / "interruptions.json").write_text(json.dumps([{"host": "h2", "action": "stop", "noticed": stamp}]))
+    (run / "progress.json").write_text(json.dumps({"step": 12}))
+    print("run ended at step 12: stop requested (checkpoint now, no eval)")
+    sys.exit(0)
+(run / "progress.json").write_text(json.dumps({"step": 20}))
+print("run ended at step 20: max_steps")
+"""
+
+
+def test_the_launcher_goes_on_without_a_node_whose_spot_notice_ended_the_attempt(tmp_path):
+    (tmp_path / "fake.py").write_text(SPOT_TRAINER)
+    status = _launcher(tmp_path, [], dead="none", keep_trainer=True)
+    assert status["state"] == "finished" and "run ended at step 20: max_steps" in status["reason"], status
+    log = (tmp_path / "train.log").read_text()
+    assert "spot notice: h2: Spot stop at an unknown time; restart 1/1 on 1 node(s) h1 from step 12" in log, log
+    assert json.loads((tmp_path / "restarts.json").read_text())[0]["dropped"] == {"h2": "Spot stop at an unknown time"}
+
+
+def test_without_restarts_a_spot_notice_ends_the_run_finished_for_a_resume_by_hand(tmp_path):
+    (tmp_path / "fake.py").write_text(SPOT_TRAINER)
+    status = _launcher(tmp_path, [], dead="none", keep_trainer=True, MAX_RESTARTS="0")
+    assert status["state"] == "finished" and "stop requested" in status["reason"], status
+    assert not (tmp_path / "restarts.json").exists()
 
 
 def test_the_launcher_ends_a_hang_after_the_window_and_names_the_rank(tmp_path):

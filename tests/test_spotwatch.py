@@ -29,13 +29,15 @@ def a_run(data_dir, name="r", step=40):
 def test_a_notice_writes_stop_into_the_active_run_within_one_poll_and_records_it(fake_imds, tmp_path):
     run = a_run(tmp_path)
     fake_imds.instance_action = NOTICE
-    watcher = spotwatch.Watcher(tmp_path, "1", "i-0abc", read=lambda: spotwatch.instance_action(fake_imds.url))
+    read = lambda: spotwatch.instance_action(fake_imds.url)  # noqa: E731
+    watcher = spotwatch.Watcher(tmp_path, "1", "i-0abc", read=read, host="10.0.0.6")
     line = watcher.poll(now=1_700_000_000.0)
     assert (run / "STOP").read_text().startswith("now: spot: node1 (i-0abc) will stop at 2026-11-22T08:22:00Z")
     assert json.loads((run / "interruptions.json").read_text()) == [
         {
             "node": 1,
             "instance_id": "i-0abc",
+            "host": "10.0.0.6",
             "action": "stop",
             "action_time": "2026-11-22T08:22:00Z",
             "step": 40,

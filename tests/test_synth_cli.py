@@ -50,7 +50,10 @@ def cdk(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# Each case's tests stay on one xdist worker (make test: --dist loadgroup): one synth per case, not per worker.
+@pytest.fixture(
+    scope="module", params=[pytest.param(case, marks=pytest.mark.xdist_group(f"synth-{case}")) for case in CASES]
+)
 def synth(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     result = cdk("synth", "-q", "-o", str(out), *CASES[request.param])

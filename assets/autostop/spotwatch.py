@@ -86,8 +86,11 @@ def _step(run_dir: Path) -> Optional[int]:
         return None
 
 
-def handle(notice: Notice, data_dir: Path, rank: str, instance_id: Optional[str], now: float) -> str:
-    """Checkpoint the active run now and record why; returns the log line."""
+def handle(
+    notice: Notice, data_dir: Path, rank: str, instance_id: Optional[str], now: float, host: Optional[str] = None
+) -> str:
+    """Checkpoint the active run now and record why (`host`: this node's private address, the name the
+    run's hostfile knows it by; a launcher with restarts left drops it); returns the log line."""
     where = f"node{rank}" + (f" ({instance_id})" if instance_id else "")
     what = f"spot: {where} will {notice.action} at {notice.time or 'an unknown time'}"
     run = active_run(data_dir)
@@ -100,6 +103,7 @@ def handle(notice: Notice, data_dir: Path, rank: str, instance_id: Optional[str]
         {
             "node": int(rank) if rank.isdigit() else rank,
             "instance_id": instance_id,
+            "host": host,
             "action": notice.action,
             "action_time": notice.time,
             "step": step,
@@ -121,15 +125,17 @@ class Watcher:
         rank: str,
         instance_id: Optional[str],
         read: Callable[[], Optional[Notice]] = instance_action,
+        host: Optional[str] = None,
     ):
         self.data_dir, self.rank, self.instance_id, self.read = data_dir, rank, instance_id, read
+        self.host = host
         self.handled: Optional[Notice] = None
 
     def poll(self, now: float) -> Optional[str]:
         notice = self.read()
         if notice is None or notice == self.handled:
             return None
-        line = handle(notice, self.data_dir, self.rank, self.instance_id, now)
+        line = handle(notice, self.data_dir, self.rank, self.instance_id, now, self.host)
         self.handled = notice  # only once handled: a failed attempt is retried at the next poll
         return line
 
@@ -157,8 +163,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--interval", type=float, default=POLL_S, help="seconds between polls")
     args = parser.parse_args(argv)
     _, instance_id = autostop.where_am_i(dict(os.environ))
+    # The identity document's privateIp: the address fab train's hostfile names this node by.
+    host = os.environ.get("PRIVATE_IP") or autostop.instance_identity().get("privateIp")
     print(f"spot: watching {autostop.IMDS_URL}{ACTION_PATH} every {args.interval:g} s", flush=True)
-    watch(Watcher(Path(args.data), os.environ.get("NODE_RANK", "0"), instance_id), args.interval)
+    watch(Watcher(Path(args.data), os.environ.get("NODE_RANK", "0"), instance_id, host=host), args.interval)
     return 0
 
 

@@ -12,6 +12,7 @@ from config import ModelConfig
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
 
 
 def sinusoids(length: int, dim: int) -> torch.Tensor:
