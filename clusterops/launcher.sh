@@ -92,7 +92,9 @@ attempt() {
   started=$(date +%s)  # global: the Spot check and the restart plan read it
   declare -A failures=()
   while kill -0 "$mpirun_pid" 2>/dev/null; do
-    sleep "$POLL_SECONDS"
+    sleep "$POLL_SECONDS" &
+    wait -n "$!" "$mpirun_pid" 2>/dev/null  # a poll interval, or less when mpirun ends (bash >= 5.1)
+    kill "$!" 2>/dev/null
     kill -0 "$mpirun_pid" 2>/dev/null || break
     for host in $(hosts_in_use); do
       if timeout 15 ssh -F "$SSH_CONFIG" -o ConnectTimeout=5 "$host" true >/dev/null 2>&1; then

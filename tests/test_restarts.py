@@ -242,6 +242,15 @@ def test_without_restarts_a_spot_notice_ends_the_run_finished_for_a_resume_by_ha
     assert not (tmp_path / "restarts.json").exists()
 
 
+def test_the_launcher_sees_mpirun_end_at_once_not_at_its_next_poll(tmp_path):
+    """A run's end (and `fab train --follow`'s) used to wait for the watchdog's next poll, up to 5 s on
+    every run; a 30 s poll here would show it."""
+    (tmp_path / "fake.py").write_text(SPOT_TRAINER)
+    started = time.monotonic()
+    status = _launcher(tmp_path, [], dead="none", keep_trainer=True, MAX_RESTARTS="0", POLL_SECONDS="30")
+    assert status["state"] == "finished" and time.monotonic() - started < 15
+
+
 def test_the_launcher_ends_a_hang_after_the_window_and_names_the_rank(tmp_path):
     status = _launcher(tmp_path, ["--sleep", "50"], HANG_FLOOR="2", MAX_RESTARTS="0", dead="none")
     assert status["state"] == "failed", status
