@@ -180,25 +180,27 @@ def net():
             fields = rest.split()
             return int(fields[0]), int(fields[8])
     return 0, 0
-def cpu_ticks():
-    total = 0
+def cpu_ticks():  # pid -> CPU ticks so far, for this namespace's processes
+    ticks = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.readlink(f"/proc/{pid}/ns/net") == mine:
                 fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
-                total += int(fields[11]) + int(fields[12])
+                ticks[pid] = int(fields[11]) + int(fields[12])
         except (OSError, IndexError, ValueError):
             pass
-    return total
-(rx0, tx0), cpu0, t0 = net(), cpu_ticks(), time.monotonic()
+    return ticks
+(rx0, tx0), before, t0 = net(), cpu_ticks(), time.monotonic()
 time.sleep(interval)
-(rx1, tx1), cpu1, t1 = net(), cpu_ticks(), time.monotonic()
+(rx1, tx1), after, t1 = net(), cpu_ticks(), time.monotonic()
+# Per process: one that ended in between must not subtract its whole life (a new pid counts from 0).
+used = sum(max(0, n - before.get(pid, 0)) for pid, n in after.items())
 try:
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, timeout=10).stdout.split()
 except OSError:
     gpu = []
-cores = (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+cores = used / os.sysconf("SC_CLK_TCK") / (t1 - t0)
 print(rx1 - rx0, tx1 - tx0, t1 - t0, f"{cores:.2f}", os.cpu_count(), "/".join(gpu) or "none")
 """
 
