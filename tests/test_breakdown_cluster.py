@@ -27,7 +27,7 @@ def capped_pair(tmp_path_factory):
 
 def test_the_breakdown_sums_to_the_step_time_and_shows_exposed_communication(capped_pair):
     extra = "--eval-every 1000 --eval-samples 4 --checkpoint-every 1000 --log-every 4 --d-model 64 --ffn 128"
-    capped_pair.fab("train", "--run", "parts", "--steps", "10", "--batch-per-gpu", "8", "--follow", "--extra", extra)
+    capped_pair.fab("train", "--run", "parts", "--steps", "25", "--batch-per-gpu", "8", "--follow", "--extra", extra)
     summary = json.loads((capped_pair.run_dir("parts") / "summary.json").read_text())
     b, step = summary["breakdown"], summary["avg_step_time_s"]
     parts = sum(b[k] for k in PARTS)
