@@ -192,7 +192,7 @@ fi
 # new run has started (its daemons must not be touched).
 deadline=$(($(date +%s) + ${CLEANUP_SECONDS:-600}))
 while [[ -n ${unreached// /} ]] && (($(date +%s) < deadline)) && [[ ! -s $ACTIVE_FILE ]]; do
-  sleep 10
+  sleep 5
   pending=""
   for host in $unreached; do
     if cleanup "$host"; then

@@ -1,6 +1,7 @@
-"""The links for `fab check`: raw TCP throughput between every pair of nodes, both directions, one
-pair at a time (iperf3, else a small Python socket test); the all-reduce bus bandwidth as a share of
-the median pair; and the network NCCL chose on each node, read from its NCCL_DEBUG=INFO lines."""
+"""The links for `fab check`: raw TCP throughput between every pair of nodes, both directions, in
+rounds where each node sends one stream and receives one (iperf3, else a small Python socket test);
+the all-reduce bus bandwidth as a share of the median pair; and the network NCCL chose on each node,
+read from its NCCL_DEBUG=INFO lines."""
 
 from __future__ import annotations
 
@@ -94,15 +95,31 @@ def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> tu
     return json.loads(server.join().stdout.strip().splitlines()[-1])["gbit"], "python-socket"
 
 
+def rounds(names: Sequence[str]) -> list[list[tuple[str, str]]]:
+    """Every ordered pair once, in n-1 rounds: in round k node i sends to node i+k, so each node sends
+    one stream and receives one at a time (full-duplex links: no stream shares a direction) and the
+    matrix takes n-1 test times, not n(n-1) (32 nodes: 31 instead of 992)."""
+    n = len(names)
+    return [[(names[i], names[(i + k) % n]) for i in range(n)] for k in range(1, n)]
+
+
 def matrix(connections: dict, addresses: dict[str, str], seconds: int, tool: str, python: str) -> list[dict]:
-    """Every ordered pair of nodes, one at a time (concurrent pairs would share the links)."""
+    """Every ordered pair of nodes, a round at a time (see rounds), in the nodes' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def rate(pair: tuple[str, str]) -> tuple[float, str]:
+        src, dst = pair
+        return pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python)
+
+    for connection in connections.values():
+        connection.open()  # before the threads share them
+    order = list(connections)
     pairs = []
-    for src in connections:
-        for dst in connections:
-            if src != dst:
-                gbit, used = pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python)
+    for batch in rounds(order):
+        with ThreadPoolExecutor(len(batch)) as pool:
+            for (src, dst), (gbit, used) in zip(batch, pool.map(rate, batch)):
                 pairs.append({"src": src, "dst": dst, "gbit": round(gbit, 3), "tool": used})
-    return pairs
+    return sorted(pairs, key=lambda p: (order.index(p["src"]), order.index(p["dst"])))
 
 
 def slow_pairs(pairs: Sequence[dict]) -> list[dict]:

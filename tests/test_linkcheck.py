@@ -139,3 +139,13 @@ def test_iperf3_is_in_the_image_and_in_the_set_up():
     assert "iperf3" in dockerfile_packages()
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert "iperf3" in re.search(r"APT_PACKAGES=\(([^)]*)\)", setup).group(1).split()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 32])
+def test_the_link_rounds_cover_every_ordered_pair_once_with_one_stream_out_and_in_per_node(n):
+    names = [f"node{i}" for i in range(n)]
+    batches = linkcheck.rounds(names)
+    pairs = [pair for batch in batches for pair in batch]
+    assert len(batches) == n - 1 and sorted(pairs) == sorted((a, b) for a in names for b in names if a != b)
+    for batch in batches:
+        assert sorted(src for src, _ in batch) == sorted(names) == sorted(dst for _, dst in batch)

@@ -24,7 +24,7 @@ from clusterops import localcluster
 from clusterops.inventory import Inventory, write_known_hosts
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
-QUICK = "--eval-every 100 --eval-samples 100 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
+QUICK = "--eval-every 100 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
 
 
 class Cluster:
@@ -141,9 +141,13 @@ def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     localcluster.set_link_rate(cluster.name, "1gbit", cluster.inventory)
     try:
         out = cluster.fab("check", "--mb", "8", "--seconds", "1").stdout
+        link = json.loads((cluster.shared / ".cluster" / "link.json").read_text())
     finally:
         localcluster.set_link_rate(cluster.name, None, cluster.inventory)
         (cluster.shared / ".cluster" / "link.json").unlink(missing_ok=True)  # measured at the cap
+    assert link["nodes"] == [f"node{i}" for i in range(cluster.nodes)] and len(link["pairs"]) == 6
+    assert link["allreduce_busbw_gbit"] > 0 and not link["slow_pairs"]
+    assert re.search(r"^node\d\s+ok\s+eth0\s+0\s+gloo \(no NCCL\)", out, re.M), out  # the transport column
     assert sorted(re.findall(r"^(node\d)\s+ok\s", out, re.M)) == [f"node{i}" for i in range(cluster.nodes)]
     assert re.search(r"^link \(iperf3\): median [\d.]+ Gbit/s; node0->node1 [\d.]+, ", out, re.M), out
     assert out.count(" eth0") >= cluster.nodes
@@ -367,7 +371,12 @@ def pair(tmp_path_factory):
 def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
     started = time.monotonic()
     out = pair.fab(
-        "train", "--steps", "200", "--follow", "--extra", QUICK.replace("--eval-every 100", "--eval-every 200")
+        "train",
+        "--steps",
+        "200",
+        "--follow",
+        "--extra",
+        QUICK.replace("--eval-every 100 --eval-samples 16", "--eval-every 200 --eval-samples 100"),
     ).stdout
     seconds = time.monotonic() - started
     bleu = float(re.search(r"bleu: ([\d.]+)", out).group(1))

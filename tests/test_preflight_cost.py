@@ -493,7 +493,8 @@ def test_an_unreadable_quota_is_a_fail_line_and_the_other_checks_still_run(tmp_p
         capture_output=True,
         text=True,
         timeout=120,
-        env=tool_env(GPU_CLUSTER_CDK_CONTEXT=str(tmp_path / "cdk.context.json"), **aws_env),
+        # one attempt: botocore's retries of the failing call (with back-off) took 10 s of the test
+        env=tool_env(GPU_CLUSTER_CDK_CONTEXT=str(tmp_path / "cdk.context.json"), AWS_MAX_ATTEMPTS="1", **aws_env),
     )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     quota = [line for line in result.stdout.splitlines() if "vCPU quota" in line]

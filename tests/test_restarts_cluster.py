@@ -18,7 +18,7 @@ from test_local_cluster import Cluster, _start, _stop
 from clusterops import localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
-STEPS = 60
+STEPS = 40
 # Global batch 3 x 8 = 24; one eval (at the end) on few samples; checkpoints every 10 steps.
 TINY = "--eval-every 1000 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
 RESTARTING = ("--batch-per-gpu", "8", "--max-restarts", "1", "--hang-seconds", "5")
@@ -145,7 +145,7 @@ def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_che
 def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(trio):
     """Last in the file: node2 stays dead."""
     trio.fab("train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--extra", TINY)
-    trio.wait_for_step("lost", 25)
+    trio.wait_for_step("lost", 15)
     netns = localcluster.LocalSpec(name=trio.name, nodes=trio.nodes).netns(2)
     killed_at, old_pid = _beat(trio, "lost")
     for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
