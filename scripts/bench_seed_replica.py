@@ -37,13 +37,13 @@ def fab(env: dict, *args: str) -> str:
     return result.stdout
 
 
-def measure(env: dict, shared: Path, run: str, nodes: int, mode: str, args) -> dict:
+def measure(env: dict, shared: Path, run: str, nodes: int, mode: str, args, bucket_mb: float = 25.0) -> dict:
     """One short run; its summary (step time, breakdown)."""
     fab(
         env,
         *("train", "--run", run, "--recipe", "transformer-base", "--dataset", "numbers", "--nodes", str(nodes)),
         *("--steps", str(args.steps), "--batch-per-gpu", str(args.batch), "--grad-compression", mode),
-        *("--follow", "--extra", QUIET),
+        *("--follow", "--extra", f"{QUIET} --bucket-cap-mb {bucket_mb:g}"),
     )
     return json.loads((shared / "runs" / run / "summary.json").read_text())
 
@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--name", default="seedrep")
     parser.add_argument("--subnet", default="10.213.60.0/24")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--bucket-caps", default="25", help="DDP bucket sizes in MB to try per mode, e.g. 5,25,100")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GPU_CLUSTER_INVENTORY=f"{tmp}/inv.json")
@@ -87,7 +88,15 @@ def main() -> None:
         try:
             fab(env, "data", "--extra", "--train 20000 --valid 100 --test 50")
             bound = measure(env, shared, "bound-1node", 1, "none", args)
-            results = [(mode, measure(env, shared, f"seed-{mode}", 2, mode, args)) for mode in args.modes.split(",")]
+            caps = [float(cap) for cap in args.bucket_caps.split(",")]
+            results = [
+                (
+                    mode if len(caps) == 1 else f"{mode} {cap:g} MB",
+                    measure(env, shared, f"seed-{mode}-{cap:g}", 2, mode, args, cap),
+                )
+                for mode in args.modes.split(",")
+                for cap in caps
+            ]
         finally:
             fab(env, "local.down", "--name", args.name)
     bound_s = bound["avg_step_time_s"]
