@@ -17,7 +17,12 @@ from conftest import REPO
 
 from stacks.bootstrap import render_user_data
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace")
+# One worker runs them all: the bind targets below are the host's own paths, created for the module
+# and removed after it; a second worker removing them mid-test left a sandbox writing to the host.
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace"),
+    pytest.mark.xdist_group("bootstrap-host-paths"),
+]
 
 OVERLAID = ["/data", "/etc/gpu-cluster", "/etc/systemd/system", "/var/lib/gpu-cluster", "/opt/gpu-cluster"]
 STANDINS = REPO / "tests" / "standins"
