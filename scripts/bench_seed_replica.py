@@ -54,7 +54,7 @@ def row(name: str, summary: dict, bound_s: float) -> str:
     share = b.get("comm_exposed_s", 0.0) / b["step_s"] if b.get("step_s") else 0.0
     return (
         f"{name:<16} {step * 1000:>8.0f} {step / bound_s:>7.2f}x {share:>8.0%} "
-        f"{b.get('payload_bytes', 0) / 1e6:>10.1f}   {'yes' if b.get('single_bucket') else 'no'}"
+        f"{b.get('payload_bytes', 0) / 1e6:>10.1f} {b.get('buckets', 0):>8.0f}"
     )
 
 
@@ -101,7 +101,7 @@ def main() -> None:
             fab(env, "local.down", "--name", args.name)
     bound_s = bound["avg_step_time_s"]
     print(f"transformer-base, batch {args.batch}/rank, {args.steps} steps, 2 nodes at {args.link}")
-    print(f"{'mode':<16} {'ms/step':>8} {'x bound':>8} {'exposed':>8} {'payload MB':>10}   one bucket")
+    print(f"{'mode':<16} {'ms/step':>8} {'x bound':>8} {'exposed':>8} {'payload MB':>10} {'buckets':>8}")
     print(row("1 node (bound)", bound, bound_s))
     for mode, summary in results:
         print(row(mode, summary, bound_s))

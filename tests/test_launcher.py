@@ -1,6 +1,7 @@
 """clusterops/launcher.sh run for real on this machine (no cluster): the status it writes is JSON
 whatever the failure said, and its start-up deadline ends a run that never reaches a step."""
 
+import io
 import json
 import os
 import subprocess
@@ -57,18 +58,36 @@ def test_a_run_that_never_reaches_a_step_fails_at_the_start_up_deadline(tmp_path
     assert status["state"] == "failed" and "no training step within 1 s" in status["reason"]
 
 
-def test_follow_stops_with_a_clear_message_on_an_unreadable_status():
-    class Result:
-        def __init__(self, stdout):
-            self.stdout, self.stderr, self.exited = stdout, "", 0
+class LocalShell:
+    """A connection whose commands run in this machine's bash (the head node's shell, here)."""
 
-    connection = type(
-        "C",
-        (),
-        {
-            "host": "head",
-            "run": lambda self, c, **k: Result('{"state": "failed", "reason": "bad \\q"}' if "run-status" in c else ""),
-        },
-    )()
+    host = "head"
+
+    def run(self, command, **_):
+        result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+        result.exited = result.returncode  # type: ignore[attr-defined]
+        return result
+
+
+def test_follow_stops_with_a_clear_message_on_an_unreadable_status(tmp_path):
+    (tmp_path / "run-status.json").write_text('{"state": "failed", "reason": "bad \\q"}')
     with pytest.raises(remote.RemoteError, match="run-status.json is not valid JSON"):
-        remote.follow_log(connection, "/data/runs/x", timeout=5, poll=0.01)
+        remote.follow_log(LocalShell(), str(tmp_path), timeout=5, poll=0.01)
+
+
+def test_follow_prints_the_log_as_it_grows_and_reports_progress_until_the_run_ends(tmp_path):
+    (tmp_path / "run-status.json").write_text('{"state": "running"}')
+    (tmp_path / "progress.json").write_text('{"step": 3}')
+    (tmp_path / "train.log").write_text("step 1\n")
+    seen, out = [], io.StringIO()
+
+    def on_progress(progress):
+        seen.append(progress)
+        if len(seen) == 2:  # the run writes more, then ends
+            with open(tmp_path / "train.log", "a") as log:
+                log.write("step 2 \u00e9\n")
+            (tmp_path / "run-status.json").write_text('{"state": "finished"}')
+
+    status = remote.follow_log(LocalShell(), str(tmp_path), out=out, timeout=5, poll=0.01, on_progress=on_progress)
+    assert status == {"state": "finished"} and seen[0] == {"step": 3}
+    assert out.getvalue() == "step 1\nstep 2 \u00e9\n"  # each byte once, across polls

@@ -58,11 +58,11 @@ def predictions(report: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def capped(lab):
     """The baseline: plain fp32 gradients over 100 Mbit links, and its report; `fab monitor` samples
-    the nodes while it runs."""
+    the nodes while it runs, before the steps the summary times (the first 5 are not)."""
     relink(lab, "100mbit")
     extra = " ".join([MID, QUICK])
-    lab.fab("train", "--run", "capped", "--nodes", "2", "--steps", "10", "--extra", extra)
-    lab.wait_for_step("capped", 3, timeout=60)
+    lab.fab("train", "--run", "capped", "--nodes", "2", "--steps", "12", "--extra", extra)
+    lab.wait_for_step("capped", 1, timeout=60)
     monitor = lab.fab("monitor", "--interval", "2", "--count", "1").stdout
     lab.fab("logs", "--run", "capped", "--follow")
     summary = json.loads((lab.run_dir("capped") / "summary.json").read_text())
@@ -92,7 +92,7 @@ def test_report_and_runs_on_a_two_node_run_and_fetch_brings_them_home(lab, cappe
     assert (run / "breakdown.png").read_bytes()[:4] == b"\x89PNG"
     table = lab.fab("runs").stdout
     row = next(line for line in table.splitlines() if line.startswith("capped "))
-    assert row.split()[1:4] == ["finished", "10/10", f"{summary['avg_step_time_s'] * 1000:.0f}"], table
+    assert row.split()[1:4] == ["finished", "12/12", f"{summary['avg_step_time_s'] * 1000:.0f}"], table
     lab.fab("fetch", "--run", "capped", "--dest", str(tmp_path))
     assert (tmp_path / "capped" / "report.md").exists() and (tmp_path / "capped" / "breakdown.png").exists()
     assert not (tmp_path / "capped" / "scaling.png").exists()  # no scale series: not an empty file either
@@ -102,10 +102,15 @@ def test_report_and_runs_on_a_two_node_run_and_fetch_brings_them_home(lab, cappe
 def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, name):
     """HONESTY: the baseline's report predicts fp16 and PowerSGD; runs with them measure it."""
     predicted = predictions(capped[1])[name]
-    measured = train(lab, f"capped-{mode}", "--grad-compression", mode)["avg_step_time_s"]
+    # 10 timed steps (the summary skips 5): a second's stall on the shared CPUs moves 5 steps by 20%.
+    measured = train(lab, f"capped-{mode}", "--grad-compression", mode, steps=15)["avg_step_time_s"]
     error = (predicted - measured) / measured
     print(f"{mode}: predicted {predicted * 1000:.0f} ms, measured {measured * 1000:.0f} ms ({error:+.0%})")
-    assert abs(error) <= TOLERANCE, f"{mode}: predicted {predicted:.3f} s, measured {measured:.3f} s"
+    steps = lab.fab("logs", "--run", f"capped-{mode}").stdout
+    baseline = "\n".join(capped[1].splitlines()[:3])
+    assert abs(error) <= TOLERANCE, (
+        f"{mode}: predicted {predicted:.3f} s, measured {measured:.3f} s\n{baseline}\n{steps}"
+    )
 
 
 def test_the_verdict_flips_to_compute_bound_on_an_unshaped_link(lab, capped):
