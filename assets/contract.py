@@ -1,4 +1,4 @@
-"""Names every layer shares: the CDK app (stacks/), the fab tasks (clusterops/, fabtasks/) and the
+"""Names every layer shares: the CDK app (stacks/), the fab tasks (clusterops/, fabfile/) and the
 watchdog on the nodes (the image copies this file to /workspace). One definition each; a test checks
 that the stack's outputs are the ones the inventory reads."""
 
