@@ -174,3 +174,12 @@ def test_the_units_all_reduce_runs_while_the_first_forward_does(numbers_data, tm
         assert events == ["all_reduce async=True", "forward", "wait"]
     finally:
         dist.destroy_process_group()
+
+
+def test_the_verdicts_rank_is_the_one_the_others_wait_for_not_the_one_with_the_longest_step():
+    """Ranks end a synchronised step together (their step times differ by noise); the one that
+    computed longest waited least: its exposed time is the network's, the other's holds the wait."""
+    straggler = dict(data_s=0.01, compute_s=0.60, comm_exposed_s=0.04, optimizer_s=0.02, other_s=0.0, step_s=0.670)
+    waiting = dict(data_s=0.01, compute_s=0.48, comm_exposed_s=0.16, optimizer_s=0.02, other_s=0.0, step_s=0.671)
+    assert breakdown.critical_rank([waiting, straggler]) == 1
+    assert breakdown.critical_rank([straggler, waiting]) == 0

@@ -144,3 +144,10 @@ def ring_wire_bytes(payload_bytes: float, world_size: int) -> float:
 def mean_parts(steps: list[dict]) -> dict:
     keys = [*PARTS, "step_s", "payload_bytes", "buckets"]
     return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys} if steps else {}
+
+
+def critical_rank(per_rank: list[dict]) -> int:
+    """The rank the others wait for: the most data wait plus compute per step. Its exposed
+    communication is the network's; a faster rank's also holds the wait for this one (on shared or
+    uneven CPUs, enough to call a compute-bound run mixed)."""
+    return max(range(len(per_rank)), key=lambda r: per_rank[r].get("data_s", 0.0) + per_rank[r].get("compute_s", 0.0))

@@ -24,7 +24,7 @@ MODES = ("none", "fp16", "bf16", "powersgd")
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Mean seconds per optimizer step on one rank (the slowest rank's, for a verdict)."""
+    """Mean seconds per optimizer step on one rank (for a verdict, the rank the others wait for)."""
 
     data: float
     compute: float

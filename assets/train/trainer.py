@@ -414,27 +414,27 @@ class Trainer:
             self._write_progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
 
     def _interval_breakdown(self) -> dict:
-        """The slowest rank's mean parts over the steps since the last call (all ranks call it: one
+        """The critical rank's mean parts over the steps since the last call (all ranks call it: one
         gather per logging interval)."""
         steps = self.timer.resolve()
         self.step_parts.extend(steps)
         per_rank = distributed.all_gather_objects(breakdown.mean_parts(steps))
-        return max(per_rank, key=lambda parts: parts.get("step_s", 0.0))
+        return per_rank[breakdown.critical_rank(per_rank)]
 
     def _summary_breakdown(self, timed_steps: int) -> dict:
-        """summary.json "breakdown": the slowest rank's means over the timed steps, with every rank's."""
+        """summary.json "breakdown": the critical rank's means over the timed steps, with every rank's."""
         self.step_parts.extend(self.timer.resolve())
         window = self.step_parts[len(self.step_parts) - timed_steps :] if timed_steps else []
         per_rank = distributed.all_gather_objects(breakdown.mean_parts(window))
-        slowest = max(range(len(per_rank)), key=lambda r: per_rank[r].get("step_s", 0.0))
-        result = dict(per_rank[slowest])
+        critical = breakdown.critical_rank(per_rank)
+        result = dict(per_rank[critical])
         world = self.info.world_size
         result.update(
             wire_bytes=breakdown.ring_wire_bytes(result.get("payload_bytes", 0.0), world),
             grad_bytes=sum(4 * p.numel() for p in self.model.parameters() if p.requires_grad),
             single_bucket=world > 1 and round(result.get("buckets", 0)) == 1,
             bucket_cap_mb=self.bucket_cap_mb,
-            slowest_rank=slowest,
+            critical_rank=critical,
             per_rank=per_rank,
         )
         return result
