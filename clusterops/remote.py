@@ -59,10 +59,7 @@ def sh(connection: Connection, command: str, check: bool = True, timeout: Option
 def read_json(connection: Connection, path: str, strict: bool = False) -> Optional[dict]:
     """The file's JSON, None when it is missing; unreadable JSON is None too, or with `strict` an
     error naming the file (a status that never parses must not make a follower wait forever)."""
-    return parse_json(sh(connection, f"cat {q(path)} 2>/dev/null || true"), path, strict)
-
-
-def parse_json(text: str, path: str, strict: bool = False) -> Optional[dict]:
+    text = sh(connection, f"cat {q(path)} 2>/dev/null || true")
     try:
         return json.loads(text) if text.strip() else None
     except ValueError as error:
@@ -432,18 +429,12 @@ def follow_log(
     """Print train.log from byte `offset` as it grows until the run is no longer running;
     return the run status. on_progress(progress.json) is called on each poll while following."""
     deadline = (time.monotonic() + timeout) if timeout else None
-    status_file, progress_file, log = (f"{run_dir}/{f}" for f in ("run-status.json", "progress.json", "train.log"))
+    log = f"{run_dir}/train.log"
     while True:
-        # One command a poll (status, progress, the log's new bytes): each is a shell on the head node,
-        # whose CPU a rank shares.
-        status_text, progress_text, chunk = sh(
-            connection,
-            f"cat {q(status_file)} 2>/dev/null; printf '\\0'; cat {q(progress_file)} 2>/dev/null; printf '\\0'; "
-            f"tail -c +{offset + 1} {q(log)} 2>/dev/null; true",
-        ).split("\0", 2)
-        status = parse_json(status_text, status_file, strict=True) or {}
+        status = read_json(connection, f"{run_dir}/run-status.json", strict=True) or {}
         if on_progress and follow:
-            on_progress(parse_json(progress_text, progress_file) or {})
+            on_progress(read_json(connection, f"{run_dir}/progress.json") or {})
+        chunk = sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
         if chunk:
             out.write(chunk)
             out.flush()
