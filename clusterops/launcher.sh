@@ -151,6 +151,15 @@ cleanup() {  # cleanup HOST: this run's ranks and the MPI daemons (one run at a 
     "pkill -KILL -f -- '[-]-run-dir $RUN_DIR'; pkill -KILL -x orted; pkill -KILL -x prted; true" >/dev/null 2>&1
 }
 
+finish() {  # finish STATE EXIT_CODE REASON: --then-stop's stop request first, so its line is in the
+  # log before the status tells a follower the run is over
+  if [[ ${THEN_STOP:-0} == 1 ]]; then
+    export CLUSTER_NAME AWS_REGION AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION
+    "$PYTHON" "$AUTOSTOP" --stop-now >> "$LOG" 2>&1 || echo "$(now) launcher: --then-stop failed" >> "$LOG"
+  fi
+  status "$@"
+}
+
 echo $$ > "$RUN_DIR/launcher.pid"
 status running null ""
 unreached="" attempts=0
@@ -163,9 +172,9 @@ while true; do
     reason=$spot kind=spot
   fi
   if [[ -f $RUN_DIR/FORCED ]]; then
-    status failed "$code" "stopped by fab stop --force"
+    finish failed "$code" "stopped by fab stop --force"
   elif [[ -z $reason ]] && ((code == 0)); then
-    status finished 0 "$(grep -o 'run ended at step.*' "$LOG" | tail -n 1)"
+    finish finished 0 "$(grep -o 'run ended at step.*' "$LOG" | tail -n 1)"
   else
     [[ -z $reason ]] && reason=$(grep -E 'mpirun noticed|exited on signal|Error|error:' "$LOG" | tail -n 1)
     [[ $kind != died && $kind != spot ]] && reason="watchdog: $reason"
@@ -177,16 +186,11 @@ while true; do
       fi
       reason+="; $decision"
     fi
-    status failed "$code" "$reason"
+    finish failed "$code" "$reason"
   fi
   break
 done
 [[ $(cat "$ACTIVE_FILE" 2>/dev/null) == "$RUN_DIR" ]] && rm -f "$ACTIVE_FILE"
-
-if [[ ${THEN_STOP:-0} == 1 ]]; then  # fab train --then-stop: stop the cluster's instances now
-  export CLUSTER_NAME AWS_REGION AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION
-  "$PYTHON" "$AUTOSTOP" --stop-now >> "$LOG" 2>&1 || echo "$(now) launcher: --then-stop failed" >> "$LOG"
-fi
 
 # A partitioned node keeps its MPI daemon until someone reaches it: retry for a while, unless a
 # new run has started (its daemons must not be touched).
