@@ -31,6 +31,13 @@ def offerings_context_key(region: str, instance_type: str) -> str:
     return f"instance-type-offerings:region={region}:instance-type={instance_type}"
 
 
+def ami_context_key(region: str, parameter: str) -> str:
+    """The cdk.context.json key under which `fab preflight` pins the AMI id that `parameter` (a
+    DLAMI's `.../latest/ami-id`) resolved to: synth reads it, so a new DLAMI release replaces no node
+    until the user re-pins it on purpose (`fab preflight --refresh-ami`)."""
+    return f"ami:region={region}:ssm-parameter={parameter}"
+
+
 def choose_availability_zone(explicit: Optional[str], offered: Optional[Sequence[str]]) -> Optional[str]:
     """An explicit AZ wins; else the first AZ (by name) that offers the type; else None (unknown)."""
     if explicit:
