@@ -21,9 +21,11 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
 
-# aws-ofi-nccl over libfabric's EFA provider (the AWS "Get started with EFA and NCCL" guide): older
-# plugins need FI_PROVIDER; RDMA on the p4d/p5 GPUs' NICs. Harmless where current plugins default to them.
-EFA_ENVIRONMENT = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
+# Neither FI_PROVIDER nor FI_EFA_USE_DEVICE_RDMA: with libfabric >= 1.18 and aws-ofi-nccl >= 1.7 the
+# plugin picks the efa provider and libfabric turns device RDMA on where the hardware has RDMA read
+# (aws-ofi-nccl doc/efa-env-var.md); FI_EFA_USE_DEVICE_RDMA=1 on a device without it (g4dn, g5) makes
+# libfabric abort() every rank (prov/efa/src/rdm/efa_rdm_util.c).
+EFA_ENVIRONMENT: dict[str, str] = {}
 
 
 class LaunchError(ValueError):

@@ -330,12 +330,16 @@ class ClusterConfig:
 
     @property
     def efa_cards(self) -> int:
-        """EFA network cards the nodes get: auto turns EFA on where the type has it and the network
-        allows it (several cards mean several interfaces, which get no public IP)."""
+        """EFA network cards the nodes get: auto turns EFA on where the type pairs it with GPUDirect RDMA
+        (instance_types.py) and the network allows it (several cards mean several interfaces, which get no public IP)."""
         cards = self.type_info.efa
         if self.efa == "off" or not cards:
             return 0
-        if self.efa == "auto" and (not self.placement_group or (cards > 1 and not self.nodes_without_public_ips)):
+        if self.efa == "auto" and (
+            not self.type_info.gpudirect_rdma
+            or not self.placement_group
+            or (cards > 1 and not self.nodes_without_public_ips)
+        ):
             return 0
         return cards
 
@@ -350,7 +354,9 @@ class ClusterConfig:
         if self.efa != "auto" or not self.type_info.efa or self.efa_cards:
             return None
         return f"EFA off: {self.instance_type} has {self.type_info.efa} EFA card(s), but " + (
-            "placement_group=false"
+            "no GPUDirect RDMA (only p4d/p4de/p5 have it); -c efa=on turns EFA on anyway"
+            if not self.type_info.gpudirect_rdma
+            else "placement_group=false"
             if not self.placement_group
             else "several interfaces get no public IP; -c access=ssm -c private_subnet=true turns it on"
         )

@@ -3,7 +3,10 @@ the preflight, the cost tasks and the tests need to know about it. No CDK import
 
 Sources (checked against the EC2 documentation, "Accelerated computing instance types" and "EFA
 supported instance types"): vCPUs, GPUs and GPU memory per size; `efa` is the number of EFA-capable
-network cards (0: no EFA); `ami` names the Deep Learning AMI whose driver supports the family.
+network cards (0: no EFA); `ami` names the Deep Learning AMI whose driver supports the family;
+`gpudirect_rdma`: EFA reads and writes GPU memory directly (only P4d, P4de and P5: aws/aws-ofi-nccl#547,
+aws-ofi-nccl doc/efa-env-var.md). `efa=auto` turns EFA on only there: elsewhere the plugin stages every
+transfer through host memory, a path AWS does not test on g-types (aws-ofi-nccl v1.7.3-aws release notes).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class InstanceType:
     gpu_memory_gib: int
     efa: int = 0
     ami: str = "oss"
+    gpudirect_rdma: bool = False
 
     @property
     def family(self) -> str:
@@ -40,11 +44,16 @@ class InstanceType:
 
 
 def _family(
-    family: str, gpu: str, memory: int, sizes: dict[str, tuple[int, int, int]], ami: str = "oss"
+    family: str,
+    gpu: str,
+    memory: int,
+    sizes: dict[str, tuple[int, int, int]],
+    ami: str = "oss",
+    gpudirect_rdma: bool = False,
 ) -> dict[str, InstanceType]:
     """sizes: SIZE -> (vCPUs, GPUs, EFA cards)."""
     return {
-        f"{family}.{size}": InstanceType(f"{family}.{size}", vcpus, gpus, gpu, memory, efa, ami)
+        f"{family}.{size}": InstanceType(f"{family}.{size}", vcpus, gpus, gpu, memory, efa, ami, gpudirect_rdma)
         for size, (vcpus, gpus, efa) in sizes.items()
     }
 
@@ -82,9 +91,9 @@ INSTANCE_TYPES: dict[str, InstanceType] = {
         "p3", "V100", 16, {"2xlarge": (8, 1, 0), "8xlarge": (32, 4, 0), "16xlarge": (64, 8, 0)}, ami="proprietary"
     ),
     **_family("p3dn", "V100", 32, {"24xlarge": (96, 8, 1)}, ami="proprietary"),
-    **_family("p4d", "A100", 40, {"24xlarge": (96, 8, 4)}),
-    **_family("p4de", "A100", 80, {"24xlarge": (96, 8, 4)}),
-    **_family("p5", "H100", 80, {"48xlarge": (192, 8, 32)}),
+    **_family("p4d", "A100", 40, {"24xlarge": (96, 8, 4)}, gpudirect_rdma=True),
+    **_family("p4de", "A100", 80, {"24xlarge": (96, 8, 4)}, gpudirect_rdma=True),
+    **_family("p5", "H100", 80, {"48xlarge": (192, 8, 32)}, gpudirect_rdma=True),
 }
 
 FAMILIES = sorted({t.family for t in INSTANCE_TYPES.values()})

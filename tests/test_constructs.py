@@ -589,7 +589,7 @@ def _efa_interfaces(template: Template) -> list[list[dict]]:
     [
         ("p4d.24xlarge", {"access": "ssm", "private_subnet": "true"}, 4),
         ("p5.48xlarge", {"access": "ssm", "private_subnet": "true"}, 32),
-        ("g5.12xlarge", {}, 1),
+        ("g5.12xlarge", {"efa": "on"}, 1),  # no GPUDirect RDMA: auto leaves EFA off (tests/test_efa.py)
         ("g4dn.2xlarge", {}, 0),
     ],
 )

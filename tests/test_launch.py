@@ -297,12 +297,21 @@ def test_no_aws_variable_leaks_into_tests_that_did_not_ask_for_the_emulator():
     assert "AWS_ENDPOINT_URL" not in os.environ and os.environ.get("AWS_ACCESS_KEY_ID") != "testing"
 
 
-def test_an_efa_cluster_exports_what_nccls_ofi_plugin_needs():
+@pytest.mark.parametrize("instance_type, cards", [("g5.12xlarge", 1), ("g4dn.12xlarge", 1), ("p4d.24xlarge", 4)])
+def test_an_efa_cluster_exports_what_nccls_ofi_plugin_needs(instance_type, cards):
+    """libfabric's EFA provider calls abort() when FI_EFA_USE_DEVICE_RDMA=1 is set on a device without
+    RDMA read (g4dn, g5: ofiwg/libfabric prov/efa/src/rdm/efa_rdm_util.c, efa_rdm_get_use_device_rdma);
+    aws-ofi-nccl's doc/efa-env-var.md: with libfabric >= 1.18 and the plugin >= 1.7 set neither it nor
+    FI_PROVIDER (the plugin selects the efa provider itself, platform-aws.cpp). So neither, on any type."""
     from dataclasses import replace
 
     plain = launch.mpirun_argv(inventory(), launch.TrainRequest(), "ens5", "/workspace/train")
-    assert "FI_PROVIDER=efa" not in plain
     efa = launch.mpirun_argv(
-        replace(inventory(), extra={"efa_cards": 4}), launch.TrainRequest(), "ens5", "/workspace/train"
+        replace(inventory(), instance_type=instance_type, extra={"efa_cards": cards}),
+        launch.TrainRequest(),
+        "ens5",
+        "/workspace/train",
     )
-    assert "FI_PROVIDER=efa" in efa and "FI_EFA_USE_DEVICE_RDMA=1" in efa and "NCCL_SOCKET_IFNAME=ens5" in efa
+    for argv in (plain, efa):
+        assert not [word for word in argv if word.startswith(("FI_EFA_USE_DEVICE_RDMA=", "FI_PROVIDER="))]
+    assert "NCCL_SOCKET_IFNAME=ens5" in efa
