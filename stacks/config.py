@@ -331,7 +331,8 @@ class ClusterConfig:
     @property
     def efa_cards(self) -> int:
         """EFA network cards the nodes get: auto turns EFA on where the type pairs it with GPUDirect RDMA
-        (instance_types.py) and the network allows it (several cards mean several interfaces, which get no public IP)."""
+        (instance_types.py) and the network allows it (several cards mean several interfaces, which get no
+        public IP)."""
         cards = self.type_info.efa
         if self.efa == "off" or not cards:
             return 0
