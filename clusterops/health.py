@@ -136,7 +136,7 @@ def assess(
                 health.mark("degraded", f"slow link {a}->{b}: {rate:.2f} Gbit/s, median {median_link:.2f}")
         chosen = (transport or {}).get(name)
         if expect_efa and chosen and "efa" not in chosen.lower():
-            health.mark("bad", f"NCCL uses {chosen}, not EFA: check the aws-ofi-nccl plugin and FI_PROVIDER")
+            health.mark("bad", f"NCCL uses {chosen}, not EFA: the image's aws-ofi-nccl plugin did not load")
         health.details = _details(f, chosen)
         out.append(health)
     return out
@@ -192,6 +192,31 @@ def _assess_storage(health: NodeHealth, f: dict) -> None:
         health.mark("bad", f"{f['free_gb']:.1f} GB free on /data")
     elif f["free_gb"] < MIN_FREE_GB["degraded"]:
         health.mark("degraded", f"{f['free_gb']:.1f} GB free on /data")
+
+
+def transport_file(inventory) -> str:
+    """Where `fab check` keeps its transport verdict for `fab train` (the head node's /data)."""
+    return f"{inventory.data_dir}/.cluster/transport.json"
+
+
+def transport_verdict(transport: dict[str, str], expect_efa: bool, checked_at: str) -> dict:
+    """What `fab check` found NCCL on, per node, and the nodes not on EFA where EFA was expected."""
+    not_efa = [n for n, t in transport.items() if expect_efa and "efa" not in t.lower()]
+    return {"expect_efa": expect_efa, "transport": dict(transport), "not_efa": not_efa, "checked_at": checked_at}
+
+
+def transport_refusal(verdict: Optional[dict], nodes: Sequence[str], expect_efa: bool) -> Optional[str]:
+    """One line refusing a run on nodes that `fab check` found off EFA on an EFA cluster, else None
+    (no verdict yet, or a fine one). aws-ofi-nccl that does not load leaves NCCL on sockets silently."""
+    bad = [n for n in (verdict or {}).get("not_efa", []) if n in nodes] if expect_efa else []
+    if not bad:
+        return None
+    found = sorted({verdict["transport"].get(n, "?") for n in bad} if verdict else set())
+    return (
+        f"error: `fab check` ({verdict.get('checked_at') if verdict else '?'}) found NCCL on {', '.join(found)}, "
+        f"not EFA, on {', '.join(bad)}: fix the plugin and run `fab check` again, or train over TCP with "
+        "`fab train --allow-tcp`"
+    )
 
 
 def fit_to_train(health: Sequence[NodeHealth]) -> bool:

@@ -21,11 +21,15 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
 
+# On EFA clusters NCCL must use the image's aws-ofi-nccl, or fail: NCCL_NET_PLUGIN=ofi loads
+# libnccl-net-ofi.so (NCCL's docs; the plugin's name since v1.15), NCCL_NET=OFI forbids the fallback to
+# NCCL's own Socket transport (the plugin answers to "OFI" when asked: nccl_ofi_interface_nvidia.cpp).
 # Neither FI_PROVIDER nor FI_EFA_USE_DEVICE_RDMA: with libfabric >= 1.18 and aws-ofi-nccl >= 1.7 the
 # plugin picks the efa provider and libfabric turns device RDMA on where the hardware has RDMA read
 # (aws-ofi-nccl doc/efa-env-var.md); FI_EFA_USE_DEVICE_RDMA=1 on a device without it (g4dn, g5) makes
 # libfabric abort() every rank (prov/efa/src/rdm/efa_rdm_util.c).
-EFA_ENVIRONMENT: dict[str, str] = {}
+EFA_PLUGIN = "ofi"
+EFA_ENVIRONMENT = {"NCCL_NET_PLUGIN": EFA_PLUGIN, "NCCL_NET": "OFI"}
 
 
 class LaunchError(ValueError):
@@ -50,6 +54,7 @@ class TrainRequest:
     max_restarts: int = 0
     min_nodes: Optional[int] = None
     hang_seconds: float = 60.0
+    allow_tcp: bool = False  # on an EFA cluster: let NCCL fall back to sockets
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     @property
@@ -130,9 +135,11 @@ def mpirun_prefix(
     interface: str,
     master_port: int = 29500,
     hostfile: Optional[str] = None,
+    allow_tcp: bool = False,
 ) -> list[str]:
     """mpirun and its options, up to the program: one rank per GPU slot of `nodes` (listed in
-    `hostfile`, else given with -H), the interface for OpenMPI, NCCL and gloo, the rendezvous."""
+    `hostfile`, else given with -H), the interface for OpenMPI, NCCL and gloo, the rendezvous; on an
+    EFA cluster the OFI plugin, required unless `allow_tcp`."""
     ranks = len(nodes) * inventory.gpus_per_node
     placement = (
         ["--hostfile", hostfile]
@@ -162,7 +169,7 @@ def mpirun_prefix(
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1" if inventory.source == "local" else "4",
     }
-    if inventory.extra.get("efa_cards"):
+    if inventory.extra.get("efa_cards") and not allow_tcp:
         exports.update(EFA_ENVIRONMENT)
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
@@ -173,7 +180,9 @@ def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, cod
     nodes = inventory.select(request.nodes, request.exclude)
     rdir = run_dir(inventory, request.run_name)
     dataset = request.dataset or default_dataset(request.recipe)
-    argv = mpirun_prefix(inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile")
+    argv = mpirun_prefix(
+        inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile", allow_tcp=request.allow_tcp
+    )
     argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe]
     argv += ["--data", data_path(inventory, dataset), "--run-dir", rdir]
     options: tuple[tuple[str, object], ...] = (

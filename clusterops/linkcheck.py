@@ -152,8 +152,9 @@ def summary(pairs: Sequence[dict], busbw: Optional[float], nodes: Sequence[str],
 
 # NCCL_DEBUG=INFO lines are "HOST:PID:TID [DEV] NCCL INFO ..." (mpirun may prefix them). NCCL logs
 # "Using network Socket|IB|<plugin>" once per communicator (src/init.cc); the aws-ofi-nccl plugin names
-# itself "Libfabric" ("AWS Libfabric" before 2025) and logs "NET/OFI Selected provider is efa, fabric
-# is ..." ("Selected Provider is efa (found N nics)" before 2025); channels say "via NET/<name>/...".
+# itself "Libfabric" ("AWS Libfabric" before 2025; "OFI" when NCCL_NET=OFI asks for it) and logs
+# "NET/OFI Selected provider is efa, fabric is ..." ("Selected Provider is efa (found N nics)" before
+# 2025); channels say "via NET/<name>/...".
 _NCCL_LINE = re.compile(r"([A-Za-z0-9][\w.-]*):\d+:\d+ \[\d+\] NCCL INFO (.*)")
 _NETWORK = re.compile(r"^Using network (.+?)\s*$|via NET/([A-Za-z ]+?)/")
 _PROVIDER = re.compile(r"NET/OFI Selected provider is (\w+)", re.IGNORECASE)
@@ -176,7 +177,7 @@ def parse_transport(log: str) -> dict[str, str]:
             networks[host] = (named.group(1) or named.group(2)).strip()
     found = {}
     for host, network in networks.items():
-        if "libfabric" in network.lower():
+        if "libfabric" in network.lower() or network.lower() == "ofi":
             provider = providers.get(host, "unknown provider")
             found[host] = "efa" if provider == "efa" else f"libfabric ({provider})"
         else:
@@ -188,7 +189,8 @@ def allreduce(connection, inventory, nodes, interface: str, code_dir: str, mb: f
     """bench_allreduce.py across `nodes` from the head node; with GPUs, NCCL logs its choices."""
     from . import launch, remote
 
-    prefix = launch.mpirun_prefix(inventory, nodes, interface)
+    # Not forced onto the plugin: the check sees which network NCCL picks on its own (fab train forces it).
+    prefix = launch.mpirun_prefix(inventory, nodes, interface, allow_tcp=True)
     if gpus:
         prefix += ["-x", "NCCL_DEBUG=INFO", "-x", "NCCL_DEBUG_SUBSYS=INIT,NET"]
     argv = prefix + [inventory.python, f"{code_dir}/bench_allreduce.py", "--mb", str(mb)]

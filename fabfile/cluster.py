@@ -62,9 +62,10 @@ def check(c, mb="64", seconds="2", quick=False, json=False):
     elif not quick and reachable:
         link, transport, training = _cluster_tests(inv, reachable, interfaces, facts, payload, per_pair, problems, say)
     count, model = health.expected_gpus(inv.instance_type, inv.gpus_per_node)
-    verdicts = health.assess(
-        facts, count, model, links=_links(link), transport=transport, expect_efa=bool(inv.extra.get("efa_cards"))
-    )
+    expect_efa = bool(inv.extra.get("efa_cards"))
+    verdicts = health.assess(facts, count, model, links=_links(link), transport=transport, expect_efa=expect_efa)
+    if transport:
+        _keep_transport(inv, transport, expect_efa, problems)
     fit = health.fit_to_train(verdicts) and not problems
     if json:
         print(health.as_json(verdicts, fit_to_train=fit, problems=problems, link=link, training=training))
@@ -97,6 +98,18 @@ def _cluster_tests(inv, nodes, interfaces, facts, payload, per_pair, problems, s
     except (*ERRORS, ValueError, OSError) as error:
         problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
     return link, transport, training
+
+
+def _keep_transport(inv, transport: dict, expect_efa: bool, problems: list) -> None:
+    """The transport verdict on /data, where `fab train` reads it (sockets where EFA was expected refuse)."""
+    import json as json_module
+
+    verdict = health.transport_verdict(transport, expect_efa, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    try:
+        with head(inv) as conn:
+            remote.write_file(conn, health.transport_file(inv), json_module.dumps(verdict, indent=2) + "\n")
+    except (*ERRORS, OSError) as error:
+        problems.append(f"could not keep the transport verdict for fab train: {error}")
 
 
 def _links(link) -> dict:

@@ -37,6 +37,7 @@ from .common import ERRORS, fail, head, load_inventory, number, run_dir, setting
         "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest (default 0)",
         "min_nodes": "with --max-restarts: give up when fewer healthy nodes remain (default 1)",
         "hang_seconds": "a hang: no step on any rank for max(20 x step time, this) seconds (default 60)",
+        "allow_tcp": "on an EFA cluster: train even where `fab check` found NCCL on sockets (no plugin forced)",
     },
 )
 def train(
@@ -59,6 +60,7 @@ def train(
     max_restarts=None,
     min_nodes=None,
     hang_seconds=None,
+    allow_tcp=False,
 ):
     """Start mpirun across the nodes, detached on the head node, with a watchdog."""
     inv = load_inventory(c)
@@ -80,6 +82,7 @@ def train(
         max_restarts=whole_number(max_restarts, "--max-restarts") or 0,
         min_nodes=whole_number(min_nodes, "--min-nodes"),
         hang_seconds=60.0 if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
+        allow_tcp=allow_tcp,
         extra_args=tuple(shlex.split(extra)),
     )
     try:
@@ -88,6 +91,8 @@ def train(
         _refuse_bad_nodes(inv, chosen)
         code_dir = training_code_dir(inv)
         with head(inv) as conn:
+            if not allow_tcp:
+                _refuse_tcp(conn, inv, chosen)
             rdir, log_offset = remote.start_training(conn, inv, request, code_dir)
             print(f"started {request.run_name} in {rdir} on {len(chosen)} node(s) ({code_dir})")
             if follow:
@@ -109,6 +114,14 @@ def _refuse_bad_nodes(inv: Inventory, nodes) -> None:
             )
         if verdict.verdict == "degraded":
             print(f"warning: {verdict.node} is degraded: {'; '.join(verdict.reasons)}")
+
+
+def _refuse_tcp(conn, inv: Inventory, nodes) -> None:
+    """An EFA cluster whose last `fab check` found NCCL on sockets does not train (one line; --allow-tcp)."""
+    verdict = remote.read_json(conn, health.transport_file(inv))
+    refusal = health.transport_refusal(verdict, [n.name for n in nodes], bool(inv.extra.get("efa_cards")))
+    if refusal:
+        raise Exit(refusal, code=1)
 
 
 def _code_dir(c, inv: Inventory) -> str:

@@ -172,3 +172,18 @@ def test_the_json_names_every_node_with_its_verdict_reasons_and_details():
     assert doc["fit_to_train"] is False and [n["node"] for n in doc["nodes"]] == ["node0", "node1"]
     assert doc["nodes"][1]["verdict"] == "bad" and doc["nodes"][1]["reasons"] == ["/data is not writable"]
     assert doc["nodes"][0]["details"]["gpus"] == 4 and doc["nodes"][0]["details"]["gpu"] == "NVIDIA A10G"
+
+
+def test_a_transport_verdict_where_efa_was_expected_refuses_training_in_one_line():
+    """fab check's verdict, kept on /data for fab train: sockets where EFA was expected refuse training
+    (aws-ofi-nccl that does not load leaves NCCL on its Socket transport without an error)."""
+    verdict = health.transport_verdict({"node0": "efa", "node1": "socket"}, expect_efa=True, checked_at="T")
+    assert verdict["not_efa"] == ["node1"]
+    refusal = health.transport_refusal(verdict, ["node0", "node1"], expect_efa=True)
+    assert refusal and "\n" not in refusal and "node1" in refusal and "--allow-tcp" in refusal
+    assert "socket" in refusal and "fab check" in refusal
+    assert health.transport_refusal(verdict, ["node0"], expect_efa=True) is None  # node1 left out
+    assert health.transport_refusal(verdict, ["node0", "node1"], expect_efa=False) is None
+    assert health.transport_refusal(None, ["node0", "node1"], expect_efa=True) is None  # never checked
+    fine = health.transport_verdict({"node0": "efa", "node1": "efa"}, expect_efa=True, checked_at="T")
+    assert health.transport_refusal(fine, ["node0", "node1"], expect_efa=True) is None

@@ -285,3 +285,45 @@ def test_the_container_may_trace_its_ranks_where_the_launcher_dumps_stacks_with_
     README, 'How do I run py-spy in Docker?')."""
     if "py-spy" in container_commands():
         assert "--cap-add SYS_PTRACE" in BOOTSTRAP.read_text()
+
+
+# ---------------------------------------------------------------- EFA inside the container (issue 19 §2)
+
+ENTRYPOINT = REPO / "assets" / "docker" / "entrypoint.sh"
+
+
+def _dockerfile_text() -> str:
+    return "\n".join(re.sub(r"\s#.*$|^#.*$", "", line) for line in DOCKERFILE.read_text().splitlines())
+
+
+def test_the_image_installs_the_efa_user_space_and_the_ofi_plugin_the_way_aws_images_do():
+    """AWS's own NGC-based images run the EFA installer inside the image with the three container-only
+    flags (aws-samples/awsome-distributed-training 0.nvcr-pytorch-aws.dockerfile, nccl-tests.Dockerfile;
+    NVIDIA dynamo's aws.Dockerfile); the installer brings libfabric, rdma-core (libibverbs, libefa) and
+    aws-ofi-nccl (/opt/amazon/ofi-nccl). Its version is pinned, and the build fails if the plugin is
+    not where NCCL_NET_PLUGIN=ofi makes NCCL look (libnccl-net-ofi.so on the library path) or if one
+    of its libraries is missing (ldd)."""
+    text = _dockerfile_text().replace("\\\n", " ")
+    install = re.search(r"efa_installer\.sh([^&\n]*)", text)
+    assert install, "the Dockerfile runs no efa_installer.sh"
+    assert {"--skip-kmod", "--skip-limit-conf", "--no-verify"} <= set(install.group(1).split())
+    version = re.search(r"ARG EFA_INSTALLER_VERSION=(\S+)", text)
+    assert version and re.fullmatch(r"\d+\.\d+\.\d+", version.group(1)), "pin the EFA installer's version"
+    assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in text
+    plugin = f"/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu/libnccl-net-{launch.EFA_PLUGIN}.so"
+    assert f"test -e {plugin}" in text and f"ldd {plugin}" in text
+    path = re.search(r"ENV LD_LIBRARY_PATH=(\S+)", text)
+    assert path and {"/opt/amazon/efa/lib", "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu"} <= set(
+        path.group(1).split(":")
+    )
+
+
+def test_the_container_has_its_own_efa_libraries_not_the_hosts():
+    """The host's /opt/amazon libraries need the host's rdma-core and hwloc, which a container lacks;
+    the image has its own: the bootstrap passes only the EFA devices, the entrypoint adds no host path."""
+    bootstrap = BOOTSTRAP.read_text()
+    assert "--device" in bootstrap and "/dev/infiniband/uverbs" in bootstrap
+    assert not re.search(r"-v\s+/opt/amazon", bootstrap)
+    assert "/opt/amazon" not in "\n".join(
+        line for line in ENTRYPOINT.read_text().splitlines() if not line.lstrip().startswith("#")
+    )

@@ -315,3 +315,23 @@ def test_an_efa_cluster_exports_what_nccls_ofi_plugin_needs(instance_type, cards
     for argv in (plain, efa):
         assert not [word for word in argv if word.startswith(("FI_EFA_USE_DEVICE_RDMA=", "FI_PROVIDER="))]
     assert "NCCL_SOCKET_IFNAME=ens5" in efa
+
+
+def _efa_argv(instance_type="p4d.24xlarge", cards=4, **request) -> list[str]:
+    from dataclasses import replace
+
+    inv = replace(inventory(), instance_type=instance_type, extra={"efa_cards": cards})
+    return launch.mpirun_argv(inv, launch.TrainRequest(**request), "ens5", "/workspace/train")
+
+
+def test_an_efa_launch_selects_the_ofi_plugin_so_that_a_missing_one_is_an_error():
+    """NCCL_NET_PLUGIN picks libnccl-net-${NCCL_NET_PLUGIN}.so (NCCL's environment-variable docs; the
+    plugin ships libnccl-net-ofi.so since v1.15, aws/aws-ofi-nccl#808); NCCL_NET forces the named
+    network instead of falling back to the internal IB/Socket ones, and the plugin answers to "OFI"
+    when NCCL_NET says so (src/nccl_ofi_interface_nvidia.cpp, nvidia_plugin_name_fixup)."""
+    efa = _efa_argv()
+    assert f"NCCL_NET_PLUGIN={launch.EFA_PLUGIN}" in efa and "NCCL_NET=OFI" in efa
+    plain = launch.mpirun_argv(inventory(), launch.TrainRequest(), "ens5", "/workspace/train")
+    assert not [word for word in plain if word.startswith(("NCCL_NET=", "NCCL_NET_PLUGIN="))]
+    # --allow-tcp: the user chose sockets, so nothing forces the plugin.
+    assert not [w for w in _efa_argv(allow_tcp=True) if w.startswith(("NCCL_NET=", "NCCL_NET_PLUGIN="))]

@@ -45,6 +45,12 @@ node-a:100:200 [0] NCCL INFO NET/OFI Selected provider is tcp, fabric is 10.0.0.
 node-a:100:200 [0] NCCL INFO Using network Libfabric
 """
 
+# With NCCL_NET=OFI the plugin names itself "OFI" (aws-ofi-nccl src/nccl_ofi_interface_nvidia.cpp).
+OFI_NAMED_LOG = """\
+node-b:100:200 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 4 nics)
+node-b:100:200 [0] NCCL INFO Using network OFI
+"""
+
 
 @pytest.mark.parametrize(
     "log, expected",
@@ -53,6 +59,7 @@ node-a:100:200 [0] NCCL INFO Using network Libfabric
         (EFA_LOG, {"8h200-2": "efa", "8h200-3": "efa"}),
         (TAGGED_LOG, {"ip-172-32-38-1": "libfabric (unknown provider)", "ip-172-32-34-121": "socket"}),
         (OFI_TCP_LOG, {"node-a": "libfabric (tcp)"}),
+        (OFI_NAMED_LOG, {"node-b": "efa"}),
         ("all_reduce 64 MB over 2 ranks: 563 ms, algbw 0.95 Gbit/s, busbw 0.95 Gbit/s\n", {}),
     ],
 )

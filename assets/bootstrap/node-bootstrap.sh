@@ -182,11 +182,11 @@ start_container() {
   # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop.
   local store=${INSTANCE_STORE:-/opt/dlami/nvme} instance_store=()
   if [[ -d $store ]]; then instance_store=(-v "$store:$store"); fi
-  # EFA: the devices, and the host's libfabric and aws-ofi-nccl (the DLAMI's EFA installer) for NCCL.
+  # EFA: the devices only. The image has its own libfabric, rdma-core and aws-ofi-nccl (the host's
+  # need the host's rdma-core and hwloc, which the container lacks).
   local efa=() device
   if ((${EFA_CARDS:-0} > 0)); then
     for device in /dev/infiniband/uverbs*; do [[ -e $device ]] && efa+=(--device "$device"); done
-    efa+=(-v /opt/amazon/efa:/opt/amazon/efa:ro -v /opt/amazon/ofi-nccl:/opt/amazon/ofi-nccl:ro)
   fi
   docker run -d --name "$CONTAINER" --restart unless-stopped \
     --gpus all --net=host --ipc=host --shm-size=16g --cap-add SYS_PTRACE \

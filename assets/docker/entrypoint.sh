@@ -9,11 +9,6 @@ RUNTIME_DIR=${RUNTIME_DIR:-/run/gpu-cluster}
 EXTRA_AUTHORIZED_KEYS=${EXTRA_AUTHORIZED_KEYS:-/etc/gpu-cluster/authorized_keys}
 SSHD_CONFIG=${SSHD_CONFIG:-/etc/gpu-cluster/sshd_config}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-# On EFA nodes the bootstrap mounts the host's libfabric and aws-ofi-nccl: NCCL loads its net plugin
-# from the library path (else it silently falls back to sockets).
-for efa_lib in /opt/amazon/ofi-nccl/lib /opt/amazon/efa/lib; do
-  if [[ -d $efa_lib ]]; then export LD_LIBRARY_PATH=$efa_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
-done
 
 # sshd gives a session (and so mpirun's daemons on the other nodes, and their ranks) a default
 # environment, not the container's: the NGC image needs its own (OPAL_PREFIX for its relocated
