@@ -32,8 +32,9 @@ def tc_rate_gbit(rate: Optional[str]) -> Optional[float]:
 def measured_link_gbit(connection: Connection, inventory: Inventory) -> tuple[Optional[float], str]:
     """The link to measure use against: `fab check`'s median pair, else a local cluster's tc cap."""
     link = remote.read_json(connection, link_file(inventory)) or {}
-    if link.get("median_gbit"):
-        return link["median_gbit"], f"the measured link ({link['median_gbit']:.2f} Gbit/s, fab check)"
+    rate = bottleneck.link_rate(link)
+    if rate:
+        return rate, f"the measured link ({rate:.2f} Gbit/s, {link.get('link_source', 'TCP')}; fab check)"
     cap = tc_rate_gbit(inventory.extra.get("link"))
     if cap:
         return cap, f"the link cap ({inventory.extra['link']}; `fab check` measures the real rate)"

@@ -55,11 +55,12 @@ def verdict(b: Breakdown, link_gbit: Optional[float] = None) -> Verdict:
 
 
 def link_rate(link: Optional[dict]) -> Optional[float]:
-    """The measured link (Gbit/s) from `fab check`'s link.json: the median pair's TCP rate, else the
-    all-reduce bus bandwidth."""
+    """The measured link (Gbit/s) from `fab check`'s link.json: its link_gbit (the median pair over
+    NCCL's TCP streams, or on EFA the all-reduce bus bandwidth); older files: the median pair, else
+    the bus bandwidth."""
     if not link:
         return None
-    return link.get("median_gbit") or link.get("allreduce_busbw_gbit")
+    return link.get("link_gbit") or link.get("median_gbit") or link.get("allreduce_busbw_gbit")
 
 
 def evidence_lines(summary: dict, b: Breakdown, link: Optional[dict]) -> list[str]:
@@ -67,9 +68,10 @@ def evidence_lines(summary: dict, b: Breakdown, link: Optional[dict]) -> list[st
     lines = []
     if link:
         lines.append(
-            f"link: median {link.get('median_gbit', 0):.2f} Gbit/s over {len(link.get('pairs', []))} pair(s), "
-            f"all-reduce bus bandwidth {link.get('allreduce_busbw_gbit', 0):.2f} Gbit/s, "
-            f"measured {link.get('measured_at', '?')}"
+            f"link: median {link.get('median_gbit') or 0:.2f} Gbit/s over {len(link.get('pairs', []))} pair(s) "
+            f"({link.get('streams') or 1} TCP stream(s) each), all-reduce bus bandwidth "
+            f"{link.get('allreduce_busbw_gbit') or 0:.2f} Gbit/s, measured {link.get('measured_at', '?')}; "
+            f"taken as the link: {link_rate(link) or 0:.2f} Gbit/s ({link.get('link_source', 'TCP')})"
         )
     gpu = summary.get("gpu_util") or (summary.get("breakdown") or {}).get("gpu_util")
     lines.append(f"GPU utilisation: {gpu:.0f}%" if isinstance(gpu, (int, float)) else "GPU utilisation: not measured")

@@ -1,7 +1,8 @@
 """The links for `fab check`: raw TCP throughput between every pair of nodes, both directions, in
-rounds where each node sends one stream and receives one (iperf3, else a small Python socket test);
-the all-reduce bus bandwidth as a share of the median pair; and the network NCCL chose on each node,
-read from its NCCL_DEBUG=INFO lines."""
+rounds where each node sends and receives one pair's traffic at a time, over as many TCP streams as
+NCCL's socket transport opens on that NIC (iperf3 -P, else a small Python socket test); the all-reduce
+bus bandwidth as a share of the median pair (on EFA, the link itself); and the network NCCL chose on
+each node, read from its NCCL_DEBUG=INFO lines."""
 
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ IPERF_PORT = 5201  # iperf3's own default
 SOCKET_PORT = 5202
 q = shlex.quote
 
-# The fallback: a receiver that counts what arrives after `omit` seconds (TCP's ramp-up), and a
-# sender that writes 1 MiB blocks for omit + seconds. The receiver's figure is the one reported.
+# The fallback: a receiver that accepts `streams` connections and counts what arrives after `omit`
+# seconds (TCP's ramp-up), and a sender that writes 1 MiB blocks on each for omit + seconds. The
+# receiver's figure is the one reported.
 SOCKET_SERVER = r"""
-import json, socket, sys, time
+import json, socket, sys, threading, time
 port, omit = int(sys.argv[1]), float(sys.argv[2])
-with socket.create_server(("0.0.0.0", port)) as server:
-    server.settimeout(30)
-    conn, _ = server.accept()
-    start = time.monotonic(); counted = 0; first = None
+streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+counted, firsts, lasts, lock = [0], [], [], threading.Lock()
+def drain(conn, start):
     with conn:
         while True:
             chunk = conn.recv(1 << 20)
@@ -34,29 +35,66 @@ with socket.create_server(("0.0.0.0", port)) as server:
                 break
             now = time.monotonic()
             if now - start >= omit:
-                first = first or now
-                counted += len(chunk)
-    seconds = time.monotonic() - (first or start)
-print(json.dumps({"gbit": counted * 8 / seconds / 1e9 if seconds > 0 else 0.0}))
+                with lock:
+                    counted[0] += len(chunk)
+                    firsts.append(now) if not firsts else None
+                    lasts.append(now)
+with socket.create_server(("0.0.0.0", port), backlog=streams) as server:
+    server.settimeout(30)
+    threads, start = [], None
+    for _ in range(streams):
+        conn, _ = server.accept()
+        start = start or time.monotonic()
+        threads.append(threading.Thread(target=drain, args=(conn, start)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+seconds = (max(lasts) - min(firsts)) if lasts else 0.0
+print(json.dumps({"gbit": counted[0] * 8 / seconds / 1e9 if seconds > 0 else 0.0, "streams": streams}))
 """
 SOCKET_CLIENT = r"""
-import socket, sys, time
+import socket, sys, threading, time
 host, port, total = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-deadline = time.monotonic() + 10
-while True:
-    try:
-        conn = socket.create_connection((host, port), timeout=5)
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
+streams = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+def connect():
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=5)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+conns = [connect() for _ in range(streams)]
 block = b"\0" * (1 << 20)
 end = time.monotonic() + total
-with conn:
-    while time.monotonic() < end:
-        conn.sendall(block)
+def send(conn):
+    with conn:
+        while time.monotonic() < end:
+            conn.sendall(block)
+threads = [threading.Thread(target=send, args=(c,)) for c in conns]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
 """
+
+# NCCL's socket transport (src/transport/net_socket.cc, ncclSocketGetNsockNthread): NCCL_SOCKET_NTHREADS
+# x NCCL_NSOCKS_PERTHREAD connections per peer; unset, 2 x 8 on AWS's ENA (PCI vendor 0x1d0f), else 1 x 1;
+# at most 16 threads and 64 sockets. One TCP flow is capped at 5 Gbit/s by EC2 (10 in a cluster
+# placement group): the link is what that many streams carry.
+AWS_VENDOR = "0x1d0f"
+MAX_THREADS, MAX_SOCKETS = 16, 64
+
+
+def nccl_streams(vendor: Optional[str], environ: dict) -> int:
+    """How many TCP connections NCCL's socket transport opens to a peer on a NIC of this PCI vendor."""
+    auto_threads, auto_socks = (2, 8) if (vendor or "").strip().lower() == AWS_VENDOR else (1, 1)
+    threads = min(int(environ.get("NCCL_SOCKET_NTHREADS", auto_threads)), MAX_THREADS)
+    socks = int(environ.get("NCCL_NSOCKS_PERTHREAD", auto_socks))
+    if threads * socks > MAX_SOCKETS:
+        socks = MAX_SOCKETS // threads
+    return max(1, threads * socks)
 
 
 def parse_iperf(output: str) -> float:
@@ -67,32 +105,40 @@ def parse_iperf(output: str) -> float:
     return report["end"]["sum_received"]["bits_per_second"] / 1e9
 
 
+def iperf_streams(output: str) -> int:
+    """How many parallel streams an `iperf3 -J` run used."""
+    return len(json.loads(output)["end"].get("streams", [])) or 1
+
+
 def refused(iperf_json: str) -> bool:
     """iperf3 -J exits 0 even when it could not connect (3.12 on Debian 12): the JSON says so."""
     return "unable to connect" in iperf_json
 
 
-def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str) -> tuple[float, str]:
-    """(Gbit/s from src to dst, the tool that measured it): Fabric connections, the server started on
-    dst first. An iperf3 run that never connects falls back to the socket test for that pair."""
+def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str, streams: int = 1) -> tuple[float, str, int]:
+    """(Gbit/s from src to dst over `streams` TCP streams, the tool that measured it, the streams it
+    used): Fabric connections, the server started on dst first. An iperf3 run that never connects
+    falls back to the socket test for that pair."""
     if tool == "iperf3":
         server = dst.run(
             f"timeout {seconds + 30} iperf3 -s -1 -p {IPERF_PORT}", asynchronous=True, hide=True, warn=True
         )
-        client = f"iperf3 -c {q(dst_ip)} -p {IPERF_PORT} -t {seconds} -O 1 -J"
+        client = f"iperf3 -c {q(dst_ip)} -p {IPERF_PORT} -t {seconds} -O 1 -P {streams} -J"
         deadline = time.monotonic() + 20  # until the server listens (slow to start on a loaded machine)
         while time.monotonic() < deadline:
             result = src.run(client, hide=True, warn=True, in_stream=False)
             if result.exited == 0 and not refused(result.stdout):
                 server.join()
-                return parse_iperf(result.stdout), tool
+                return parse_iperf(result.stdout), tool, iperf_streams(result.stdout)
             time.sleep(0.1)
         dst.run(f"pkill -f -- {q('[i]perf3 -s -1 -p ' + str(IPERF_PORT))} || true", hide=True, warn=True)
         server.join()
-    serve = f"timeout {seconds + 30} {q(python)} -c {q(SOCKET_SERVER)} {SOCKET_PORT} 0.5"
+    serve = f"timeout {seconds + 30} {q(python)} -c {q(SOCKET_SERVER)} {SOCKET_PORT} 0.5 {streams}"
     server = dst.run(serve, asynchronous=True, hide=True, warn=True)
-    src.run(f"{q(python)} -c {q(SOCKET_CLIENT)} {q(dst_ip)} {SOCKET_PORT} {seconds + 0.5}", hide=True, in_stream=False)
-    return json.loads(server.join().stdout.strip().splitlines()[-1])["gbit"], "python-socket"
+    client = f"{q(python)} -c {q(SOCKET_CLIENT)} {q(dst_ip)} {SOCKET_PORT} {seconds + 0.5} {streams}"
+    src.run(client, hide=True, in_stream=False)
+    found = json.loads(server.join().stdout.strip().splitlines()[-1])
+    return found["gbit"], "python-socket", found["streams"]
 
 
 def rounds(names: Sequence[str]) -> list[list[tuple[str, str]]]:
@@ -103,13 +149,16 @@ def rounds(names: Sequence[str]) -> list[list[tuple[str, str]]]:
     return [[(names[i], names[(i + k) % n]) for i in range(n)] for k in range(1, n)]
 
 
-def matrix(connections: dict, addresses: dict[str, str], seconds: int, tool: str, python: str) -> list[dict]:
-    """Every ordered pair of nodes, a round at a time (see rounds), in the nodes' order."""
+def matrix(
+    connections: dict, addresses: dict[str, str], seconds: int, tool: str, python: str, streams: int = 1
+) -> list[dict]:
+    """Every ordered pair of nodes over `streams` TCP streams, a round at a time (see rounds), in the
+    nodes' order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def rate(pair: tuple[str, str]) -> tuple[float, str]:
+    def rate(pair: tuple[str, str]) -> tuple[float, str, int]:
         src, dst = pair
-        return pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python)
+        return pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python, streams)
 
     for connection in connections.values():
         connection.open()  # before the threads share them
@@ -117,8 +166,8 @@ def matrix(connections: dict, addresses: dict[str, str], seconds: int, tool: str
     pairs = []
     for batch in rounds(order):
         with ThreadPoolExecutor(len(batch)) as pool:
-            for (src, dst), (gbit, used) in zip(batch, pool.map(rate, batch)):
-                pairs.append({"src": src, "dst": dst, "gbit": round(gbit, 3), "tool": used})
+            for (src, dst), (gbit, used, opened) in zip(batch, pool.map(rate, batch)):
+                pairs.append({"src": src, "dst": dst, "gbit": round(gbit, 3), "tool": used, "streams": opened})
     return sorted(pairs, key=lambda p: (order.index(p["src"]), order.index(p["dst"])))
 
 
@@ -135,10 +184,17 @@ def parse_busbw(output: str) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
-def summary(pairs: Sequence[dict], busbw: Optional[float], nodes: Sequence[str], tool: str) -> dict:
-    """What link.json holds (`fab report` reads median_gbit and allreduce_busbw_gbit)."""
+def summary(pairs: Sequence[dict], busbw: Optional[float], nodes: Sequence[str], tool: str, efa: bool = False) -> dict:
+    """What link.json holds (`fab report` and `fab monitor` read link_gbit): the link is the median
+    pair's TCP rate over NCCL's stream count, or on EFA (NCCL's traffic is not TCP) the all-reduce bus
+    bandwidth."""
     median = round(statistics.median(p["gbit"] for p in pairs), 3) if pairs else None
+    streams = max((p.get("streams", 1) for p in pairs), default=None)
+    link, source = (busbw, "EFA: the all-reduce bus bandwidth") if efa else (median, f"TCP, {streams} stream(s)")
     return {
+        "link_gbit": link,
+        "link_source": source,
+        "streams": streams,
         "median_gbit": median,
         "pairs": list(pairs),
         "slow_pairs": slow_pairs(pairs),
@@ -202,7 +258,19 @@ def allreduce(connection, inventory, nodes, interface: str, code_dir: str, mb: f
     return result.stdout + result.stderr
 
 
-def measure(inventory, nodes, interface: str, code_dir: str, seconds: int, mb: float, gpus: bool) -> tuple[dict, str]:
+def stream_count(connection, interface: str, streams: Optional[int]) -> int:
+    """`streams` if given, else what NCCL opens on the head node's `interface` (its PCI vendor)."""
+    from . import remote
+
+    if streams:
+        return streams
+    vendor = remote.sh(connection, f"cat /sys/class/net/{q(interface)}/device/vendor 2>/dev/null || true")
+    return nccl_streams(vendor.strip() or None, {})
+
+
+def measure(
+    inventory, nodes, interface: str, code_dir: str, seconds: int, mb: float, gpus: bool, streams: Optional[int] = None
+) -> tuple[dict, str]:
     """The pairwise matrix, then the all-reduce: (link.json's content, the all-reduce's output),
     link.json written on the head node's /data."""
     from . import remote
@@ -216,9 +284,11 @@ def measure(inventory, nodes, interface: str, code_dir: str, seconds: int, mb: f
         )
         tool = "iperf3" if everywhere else "python-socket"
         addresses = {node.name: node.private_ip for node in nodes}
-        pairs = matrix(connections, addresses, seconds, tool, inventory.python)
+        count = stream_count(head, interface, streams)
+        pairs = matrix(connections, addresses, seconds, tool, inventory.python, count)
         output = allreduce(head, inventory, nodes, interface, code_dir, mb, gpus)
-        link = summary(pairs, parse_busbw(output), [n.name for n in nodes], tool)
+        efa = bool(inventory.extra.get("efa_cards"))
+        link = summary(pairs, parse_busbw(output), [n.name for n in nodes], tool, efa=efa)
         remote.sh(head, f"mkdir -p {q(inventory.data_dir + '/.cluster')}")
         remote.write_file(head, link_file(inventory), json.dumps(link, indent=2) + "\n")
         return link, output

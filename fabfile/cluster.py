@@ -38,13 +38,14 @@ def status(c):
         "mb": "all-reduce payload in MB (default 64)",
         "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
         "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
+        "streams": "TCP streams per pair (default: as many as NCCL's socket transport opens on the NIC: 16 on AWS)",
         "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
         "reasons, notes, details}], "
-        "link: {median_gbit, pairs: [{src, dst, gbit, tool}], slow_pairs, allreduce_busbw_gbit, "
-        "busbw_fraction, measured_at, nodes, tool}, training}",
+        "link: {link_gbit, link_source, streams, median_gbit, pairs: [{src, dst, gbit, tool, streams}], "
+        "slow_pairs, allreduce_busbw_gbit, busbw_fraction, measured_at, nodes, tool}, training}",
     }
 )
-def check(c, mb="64", seconds="2", quick=False, json=False):
+def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
     """A health verdict per node (ok / degraded / bad, with reasons): GPUs, ECC, Xid, versions, /data,
     clock; then the TCP link between every pair, the all-reduce bus bandwidth against it, the NCCL
     transport and a few real training steps. Exit code 0 only when fit to train (no bad node)."""
@@ -52,6 +53,9 @@ def check(c, mb="64", seconds="2", quick=False, json=False):
     payload, per_pair = number(mb, "--mb"), whole_number(seconds, "--seconds")
     if per_pair is not None and per_pair < 1:
         raise Exit(f"error: invalid --seconds {seconds!r}: at least 1", code=1)
+    count = whole_number(streams, "--streams") if streams is not None else None
+    if count is not None and not 1 <= count <= linkcheck.MAX_SOCKETS:
+        raise Exit(f"error: invalid --streams {streams!r}: 1 to {linkcheck.MAX_SOCKETS}", code=1)
     say = (lambda *a, **k: None) if json else print
     facts, interfaces = health.probe_nodes(inv, inv.nodes)
     reachable = [node for node in inv.nodes if facts[node.name] is not None]
@@ -60,7 +64,8 @@ def check(c, mb="64", seconds="2", quick=False, json=False):
     if len(set(interfaces.values())) > 1:
         problems.append(f"interfaces differ ({interfaces}); NCCL/GLOO_SOCKET_IFNAME needs one name")
     elif not quick and reachable:
-        link, transport, training = _cluster_tests(inv, reachable, interfaces, facts, payload, per_pair, problems, say)
+        tests = _cluster_tests(inv, reachable, interfaces, facts, (payload, per_pair, count), problems, say)
+        link, transport, training = tests
     count, model = health.expected_gpus(inv.instance_type, inv.gpus_per_node)
     expect_efa = bool(inv.extra.get("efa_cards"))
     verdicts = health.assess(facts, count, model, links=_links(link), transport=transport, expect_efa=expect_efa)
@@ -76,8 +81,10 @@ def check(c, mb="64", seconds="2", quick=False, json=False):
         raise Exit("error: not fit to train: " + "; ".join(bad + problems), code=1)
 
 
-def _cluster_tests(inv, nodes, interfaces, facts, payload, per_pair, problems, say):
-    """Link matrix + all-reduce (link.json), the transport, the training steps; failures go to problems."""
+def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say):
+    """Link matrix + all-reduce (link.json), the transport, the training steps; failures go to problems.
+    sizes: (all-reduce MB, seconds per pair, TCP streams per pair), None for the defaults."""
+    payload, per_pair, streams = sizes
     gpus = any(facts[n.name]["gpus"] for n in nodes)
     link, transport, training = None, {}, None
     try:
@@ -86,7 +93,9 @@ def _cluster_tests(inv, nodes, interfaces, facts, payload, per_pair, problems, s
             remote.ensure_idle(conn, inv)
             interface = interfaces[nodes[0].name]
             if len(nodes) > 1:
-                link, output = linkcheck.measure(inv, nodes, interface, code_dir, per_pair or 2, payload or 64, gpus)
+                link, output = linkcheck.measure(
+                    inv, nodes, interface, code_dir, per_pair or 2, payload or 64, gpus, streams
+                )
                 say("\n".join(line for line in output.splitlines() if "NCCL INFO" not in line), flush=True)
                 hosts = {facts[n.name]["hostname"]: n.name for n in nodes}
                 found = linkcheck.parse_transport(output)
@@ -139,6 +148,8 @@ def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
         pairs = ", ".join(f"{p['src']}->{p['dst']} {p['gbit']:.2f}" for p in link["pairs"])
         slow = ", ".join(f"{p['src']}->{p['dst']}" for p in link["slow_pairs"]) or "none"
         print(f"link ({link['tool']}): median {link['median_gbit']:.2f} Gbit/s; {pairs}; slow links: {slow}")
+        taken = f"{link['link_gbit'] or 0:.2f} Gbit/s ({link['link_source']})"
+        print(f"TCP streams per pair: {link['streams']}; the link: {taken}")
         if link["busbw_fraction"] is not None:
             print(
                 f"all-reduce busbw {link['allreduce_busbw_gbit']:.2f} Gbit/s = "

@@ -76,12 +76,13 @@ def test_iperf3_json_from_a_real_run_on_loopback():
         deadline = time.monotonic() + 20  # the server may be slow to listen on a loaded machine
         while time.monotonic() < deadline:
             client = subprocess.run(
-                ["iperf3", "-c", "127.0.0.1", "-p", port, "-t", "1", "-J"], capture_output=True, text=True
+                ["iperf3", "-c", "127.0.0.1", "-p", port, "-t", "1", "-P", "3", "-J"], capture_output=True, text=True
             )
             if client.returncode == 0 and not linkcheck.refused(client.stdout):
                 break
             time.sleep(0.1)
         assert linkcheck.parse_iperf(client.stdout) > 0.1
+        assert linkcheck.iperf_streams(client.stdout) == 3
     finally:
         server.kill()
         server.wait(timeout=30)
@@ -92,14 +93,34 @@ def test_iperf3_json_from_a_real_run_on_loopback():
         linkcheck.parse_iperf(nobody.stdout)
 
 
-def test_the_socket_fallback_measures_loopback():
+def test_the_socket_fallback_measures_loopback_over_several_streams():
     port = str(_free_port())
     server = subprocess.Popen(
-        [sys.executable, "-c", linkcheck.SOCKET_SERVER, port, "0.2"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", linkcheck.SOCKET_SERVER, port, "0.2", "3"], stdout=subprocess.PIPE, text=True
     )
-    subprocess.run([sys.executable, "-c", linkcheck.SOCKET_CLIENT, "127.0.0.1", port, "0.7"], check=True)
+    subprocess.run([sys.executable, "-c", linkcheck.SOCKET_CLIENT, "127.0.0.1", port, "0.7", "3"], check=True)
     out, _ = server.communicate(timeout=30)
-    assert json.loads(out)["gbit"] > 0.1
+    assert json.loads(out)["gbit"] > 0.1 and json.loads(out)["streams"] == 3
+
+
+@pytest.mark.parametrize(
+    "vendor, environ, streams",
+    [
+        ("0x1d0f", {}, 16),  # AWS ENA: 2 threads x 8 sockets
+        ("0x8086", {}, 1),
+        (None, {}, 1),  # no PCI device (a veth): 1 x 1
+        ("0x1d0f", {"NCCL_SOCKET_NTHREADS": "4"}, 32),
+        ("0x1d0f", {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "32"}, 64),  # at most 64 sockets
+        ("0x8086", {"NCCL_SOCKET_NTHREADS": "20", "NCCL_NSOCKS_PERTHREAD": "2"}, 32),  # at most 16 threads
+    ],
+)
+def test_the_link_is_measured_with_as_many_streams_as_nccls_socket_transport_opens(vendor, environ, streams):
+    """NCCL's socket transport splits every transfer over NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD
+    connections; unset, 2 x 8 on AWS's ENA (PCI vendor 0x1d0f), 1 x 1 elsewhere; at most 16 threads
+    and 64 sockets (NVIDIA/nccl src/transport/net_socket.cc, ncclSocketGetNsockNthread; NCCL's
+    environment-variable docs). EC2 caps one flow at 5 Gbit/s, 10 in a cluster placement group (EC2
+    User Guide, "Amazon EC2 instance network bandwidth"): one iperf3 stream cannot see 25-100 Gbit/s."""
+    assert linkcheck.nccl_streams(vendor, environ) == streams
 
 
 def test_link_json_names_slow_pairs_and_the_busbw_share_of_the_median():
@@ -116,6 +137,19 @@ def test_link_json_names_slow_pairs_and_the_busbw_share_of_the_median():
     assert link["median_gbit"] == 0.945 and link["slow_pairs"] == [pairs[3]]
     assert link["allreduce_busbw_gbit"] == 0.93 and link["busbw_fraction"] == 0.984
     assert linkcheck.parse_busbw("no bench here") is None
+    assert link["link_gbit"] == 0.945 and "TCP" in link["link_source"]
+
+
+def test_on_efa_the_link_is_the_all_reduce_bus_bandwidth_not_the_tcp_matrix():
+    """With EFA, NCCL's traffic does not go over TCP at all: the TCP matrix says nothing of its link."""
+    from clusterops import bottleneck
+
+    pairs = [{"src": "node0", "dst": "node1", "gbit": 48.0, "streams": 16}]
+    link = linkcheck.summary(pairs, 350.0, ["node0", "node1"], "iperf3", efa=True)
+    assert link["link_gbit"] == 350.0 and "EFA" in link["link_source"] and link["streams"] == 16
+    assert bottleneck.link_rate(link) == 350.0
+    tcp = linkcheck.summary(pairs, 40.0, ["node0", "node1"], "iperf3")
+    assert bottleneck.link_rate(tcp) == 48.0
 
 
 def test_exclude_takes_ranks_or_names_and_nodes_counts_what_is_left():
