@@ -9,7 +9,7 @@ Contracts:
   * tcp_info's tcpi_bytes_received counts the payload bytes a connection received (Linux commit
     bdd1f9edacb5, RFC 4898 tcpEStatsAppHCThruOctetsReceived); `ss -i` prints it as bytes_received.
     A connection counts for 30 minutes after a minute in which its client sent more than a
-    keepalive's worth (measured here: an idle `ssh -N` sends ~28 bytes per 30 s to sshd with
+    keepalive's worth (measured here: an idle `ssh -N` sent 224 bytes in 3 minutes to sshd with
     ClientAliveInterval 10);
   * `fab train` names the run in runs/.active before it starts the launcher (clusterops/remote.py);
     the launcher ends an attempt with no step within START_SECONDS (clusterops/launcher.sh)."""

@@ -25,8 +25,8 @@ START_DEFAULT_S = 900  # the launcher's START_SECONDS when launch.env does not s
 START_GRACE_S = 60  # the launcher polls every 5 s and then needs a moment to write its end
 ACTIVITY_WINDOW_S = 30 * 60  # a terminal or an SSH connection counts for this long after its last activity
 # Bytes from an SSH client between two samples (a minute) that count as use. sshd's keepalive
-# (ClientAliveInterval 10 in sshd_config) brings ~0.6 KB a minute from an idle client (measured:
-# tests/test_autostop.py); a terminal keystroke is ~40 bytes, an editor's file save or a notebook
+# (ClientAliveInterval 10 in sshd_config) brings ~75 bytes a minute from an idle `ssh -N` client (measured:
+# 224 bytes in 3 min on OpenSSH here); a terminal keystroke is ~40 bytes, an editor's file save or a notebook
 # cell's output several KB.
 CONNECTION_FLOOR_BYTES = 4096
 
