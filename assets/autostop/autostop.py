@@ -1,14 +1,16 @@
 """Autostop watchdog, one per node (the container's entrypoint starts it and restarts it if it dies).
 
 Every minute it decides whether the cluster is busy -- a training step advanced in the last 15
-minutes, a GPU is busy while no run is going (nvidia-smi), a data set is being prepared or staged
-(prepare.py keeps a marker fresh under /data/.cluster/busy/), or someone has an interactive SSH
-session in a container -- on this node or on any other (nodes share what they see in
-/data/.cluster/heartbeat/). It then
+minutes, a launched run has not reached its first step yet, a GPU is busy or holds a process, a data
+set is being prepared, a terminal had input or an SSH connection carried traffic in the last 30
+minutes (assets/autostop/busy_signals.py says each) -- on this node or on any other (nodes share what
+they see in /data/.cluster/heartbeat/). It then
   * publishes this node's heartbeat, Busy = 1 or 0, to CloudWatch (namespace GpuCluster/Autostop,
     dimension InstanceId); a CloudWatch alarm per node stops the node when the heartbeat has said
     idle, or nothing at all, for IDLE_MINUTES + 30 minutes: the net for a watchdog that died;
-  * stops every instance of the cluster itself once the cluster has been idle for IDLE_MINUTES.
+  * stops every instance of the cluster itself once the cluster has been idle for IDLE_MINUTES. A
+    stop that fails is logged and retried, further apart each time; the heartbeat keeps saying idle.
+The idle clock is kept on /data (assets/autostop/idle_state.py): a restarted watchdog resumes it.
 The node role may stop only instances tagged gpu-cluster:name=CLUSTER_NAME.
 
     CLUSTER_NAME=c IDLE_MINUTES=60 NODE_RANK=0 python autostop.py [--data /data]
@@ -23,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -32,18 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import busy_signals as signals
+import idle_state
+from busy_signals import GPU_BUSY_PERCENT, STEP_WINDOW_S
+
 # The names every layer shares (assets/contract.py; /workspace/contract.py in the image).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from contract import CLUSTER_TAG, METRIC_NAMESPACE  # noqa: E402
+from contract import CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE  # noqa: E402
 
 NAMESPACE = METRIC_NAMESPACE  # stacks/nodes.py alarms on it, the role may publish only to it
 METRIC = "Busy"
-GPU_BUSY_PERCENT = 5.0
-STEP_WINDOW_S = 15 * 60  # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
-MARKER_FRESH_S = 5 * 60  # prepare.py refreshes its marker every minute
-STARTUP_BUSY_SAMPLES = 2  # after a (re)start report busy briefly: the alarm leaves ALARM and re-arms
+STARTUP_BUSY_SAMPLES = 2  # after a boot report busy briefly: the alarm leaves ALARM and re-arms
+RETRY_FIRST_S, RETRY_MAX_S = 60.0, 30 * 60.0  # a refused stop: again after 1, 2, 4 ... 30 min
 IMDS_URL = os.environ.get("AUTOSTOP_IMDS_URL", "http://169.254.169.254")
-_SESSION = re.compile(rb"^sshd(-session)?: \S+@pts/")
 
 
 @dataclass(frozen=True)
@@ -56,14 +57,11 @@ class Observation:
     gpu_util: Optional[float] = None  # max over GPUs, None without GPUs
     gpu_memory: Optional[float] = None  # % used, max over GPUs (for the dashboard)
     preparing: tuple[str, ...] = ()  # fresh data-preparation markers
-    sessions: int = 0  # interactive SSH sessions in this container
-
-
-@dataclass(frozen=True)
-class Sample:
-    time: float
-    busy: tuple[str, ...]  # reasons the cluster is busy; empty: idle
-    step: Optional[int] = None
+    run_live: bool = False  # runs/.active names a run its launcher is running
+    launching: Optional[str] = None  # that run has no step yet, within the launcher's start limit
+    gpu_processes: int = 0  # processes on a GPU that was busy (or they appeared) in the last 30 min
+    terminals: tuple[str, ...] = ()  # terminals with input in the last 30 min
+    connections: tuple[str, ...] = ()  # SSH connections with traffic in the last 30 min
 
 
 @dataclass(frozen=True)
@@ -74,32 +72,34 @@ class Decision:
 
 def local_reasons(now: Observation, before: Optional[Observation]) -> list[str]:
     """Why this node is busy; empty when it is idle. CPU load is not a signal: a GPU rank keeps
-    about one core busy, 2-4% of a large instance. GPU load counts only when no run is going: a
-    hung NCCL collective keeps GPUs at 100% without a step (the launcher ends such a run)."""
+    about one core busy, 2-4% of a large instance. GPU load and GPU processes count whether or not a
+    run is marked, except while a marked run's step is stuck: a hung NCCL collective keeps GPUs at
+    100% without a step (the launcher ends such a run)."""
     reasons = []
     moved = before is not None and now.step is not None and now.step != before.step
-    if moved or (now.progress_age_s is not None and now.progress_age_s <= STEP_WINDOW_S):
+    advancing = moved or (now.progress_age_s is not None and now.progress_age_s <= STEP_WINDOW_S)
+    if advancing:
         reasons.append(f"training step {now.step} advancing")
-    if now.step is None and now.gpu_util is not None and now.gpu_util > GPU_BUSY_PERCENT:
+    if now.launching:
+        reasons.append(now.launching)
+    hung = now.run_live and now.step is not None and not advancing
+    if not hung and now.gpu_util is not None and now.gpu_util > GPU_BUSY_PERCENT:
         reasons.append(f"GPU {now.gpu_util:.0f}% busy")
+    if not hung and now.gpu_processes:
+        reasons.append(f"{now.gpu_processes} GPU process(es)")
     reasons += [f"preparing data ({what})" for what in now.preparing]
-    if now.sessions:
-        reasons.append(f"{now.sessions} interactive SSH session(s)")
-    return reasons
+    return reasons + list(now.terminals) + list(now.connections)
 
 
-def decide(samples: Sequence[Sample], idle_minutes: float, now: float) -> Decision:
-    """Stop when the samples cover the last idle_minutes and the cluster was busy in none of them."""
+def decide(state: Optional[idle_state.IdleState], idle_minutes: float, now: float) -> Decision:
+    """Stop when the watch covers the last idle_minutes and the cluster was busy at no sample of them."""
     if idle_minutes <= 0:
         return Decision(False, "autostop disabled")
-    window_start = now - idle_minutes * 60
-    window = [s for s in samples if s.time >= window_start]
-    if not samples or samples[0].time > window_start or not window:
+    if state is None or state.since > now - idle_minutes * 60:
         return Decision(False, "not enough history yet")
-    busy = [s for s in window if s.busy]
-    if busy:
-        return Decision(False, "busy: " + "; ".join(busy[-1].busy))
-    last = window[-1].step
+    if state.busy_at is not None and state.busy_at >= now - idle_minutes * 60:
+        return Decision(False, "busy: " + "; ".join(state.busy))
+    last = state.step
     run = f"no run, GPUs below {GPU_BUSY_PERCENT:g}%" if last is None else f"step stuck at {last}"
     return Decision(True, f"idle for {idle_minutes:g} min: {run}, no data preparation, no interactive session")
 
@@ -107,83 +107,39 @@ def decide(samples: Sequence[Sample], idle_minutes: float, now: float) -> Decisi
 # ---------------------------------------------------------------- what a node sees
 
 
-def _mtime(path: Path) -> float:
-    try:
-        return path.stat().st_mtime
-    except OSError:  # removed meanwhile
-        return 0.0
+@dataclass(frozen=True)
+class Sources:
+    """Where a node looks for interactive use (tests point these elsewhere)."""
+
+    pts: Path = Path("/dev/pts")
+    ssh_port: int = CONTAINER_SSH_PORT
 
 
-def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional[float]]:
-    """(step, age in seconds) of the newest run's progress.json; (None, None) without a run going."""
-    progress = max((data_dir / "runs").glob("*/progress.json"), key=_mtime, default=None)
-    if progress is None:
-        return None, None
-    try:
-        values = json.loads(progress.read_text())
-        if values.get("ended"):
-            return None, None
-        return int(values["step"]), max(0.0, now - _mtime(progress))
-    except (ValueError, KeyError, TypeError, OSError):
-        return None, None
-
-
-def gpu_readings() -> tuple[Optional[float], Optional[float]]:
-    """(utilisation %, memory used %), each the maximum over the GPUs; (None, None) without GPUs."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-    rows = [
-        [float(v) for v in line.split(",")]
-        for line in out.splitlines()
-        if line.count(",") == 2 and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))
-    ]
-    if not rows:
-        return None, None
-    return max(r[0] for r in rows), max(100 * r[1] / r[2] for r in rows if r[2] > 0)
-
-
-def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
-    """Data-preparation markers refreshed in the last MARKER_FRESH_S (a killed prepare.py's goes stale)."""
-    found = []
-    for marker in sorted((data_dir / ".cluster" / "busy").glob("*.json")):
-        try:
-            if now - _mtime(marker) <= MARKER_FRESH_S:
-                found.append(json.loads(marker.read_text()).get("what", marker.stem))
-        except (OSError, ValueError):
-            continue
-    return tuple(found)
-
-
-def interactive_sessions(proc: Path = Path("/proc")) -> int:
-    """sshd processes serving a terminal ("sshd: root@pts/0"); fab's own commands have no pty."""
-    count = 0
-    for cmdline in proc.glob("[0-9]*/cmdline"):
-        try:
-            count += bool(_SESSION.match(cmdline.read_bytes()))
-        except OSError:
-            continue
-    return count
-
-
-def observe(data_dir: Path, now: float) -> Observation:
-    step, age = latest_progress(data_dir, now)
-    util, memory = gpu_readings()
+def observe(
+    data_dir: Path, now: float, sources: Optional[Sources] = None, memory: Optional[dict] = None
+) -> Observation:
+    """This node's signals (assets/autostop/busy_signals.py). memory: what the signals with a memory
+    (SSH byte counters, GPU processes) kept from the previous call; updated in place."""
+    sources, memory = sources or Sources(), memory if memory is not None else {}
+    step, age = signals.latest_progress(data_dir, now)
+    live, launching = signals.launched_run(data_dir, now)
+    util, gpu_memory = signals.gpu_readings()
+    processes, memory["gpu"] = signals.gpu_activity(now, signals.gpu_processes(), util, memory.get("gpu", {}))
+    connections, memory["connections"] = signals.connection_activity(
+        now, signals.ssh_connections(sources.ssh_port), memory.get("connections", {})
+    )
     return Observation(
         now,
         step,
         age,
         gpu_util=util,
-        gpu_memory=memory,
-        preparing=preparing(data_dir, now),
-        sessions=interactive_sessions(),
+        gpu_memory=gpu_memory,
+        preparing=signals.preparing(data_dir, now),
+        run_live=live,
+        launching=launching,
+        gpu_processes=processes,
+        terminals=signals.terminals(now, sources.pts),
+        connections=connections,
     )
 
 
@@ -286,43 +242,97 @@ def log(message: str, data_dir: Optional[Path] = None) -> None:
 
 
 class Watchdog:
-    """The decision, one observation at a time: tick() returns this minute's reasons (the
-    heartbeat is busy when there are any) and whether to stop the cluster now."""
+    """The decision, one observation at a time: tick() returns this minute's reasons (the heartbeat
+    is busy when there are any) and whether to stop the cluster now. With a path, the idle clock is
+    loaded from it (when this boot's) and saved at every tick."""
 
-    def __init__(self, idle_minutes: float, interval: float):
-        self.idle, self.interval = idle_minutes, interval
-        self.samples: list[Sample] = []
-        self.before: Optional[Observation] = None
+    def __init__(self, idle_minutes: float, interval: float, path: Optional[Path] = None, boot: str = ""):
+        self.idle, self.interval, self.path, self.boot = idle_minutes, interval, path, boot
+        self.state = idle_state.load(path, boot) if path else None
+        self.memory: dict = self.state.memory if self.state else {}
+        # Resumed: no startup beats (the alarm is armed, the clock goes on); a new boot: as before.
+        self.starting = 0 if self.state else STARTUP_BUSY_SAMPLES
+        self.before = Observation(self.state.last, self.state.step) if self.state else None
 
     def tick(self, seen: Observation, peers: Sequence[str] = ()) -> tuple[list[str], Decision]:
         reasons = local_reasons(seen, self.before) + list(peers)
-        if len(self.samples) < STARTUP_BUSY_SAMPLES:
+        if self.starting:
+            self.starting -= 1
             reasons.append("watchdog starting")
-        self.samples.append(Sample(seen.time, tuple(reasons), seen.step))
-        self.samples = [s for s in self.samples if s.time >= seen.time - self.idle * 60 - 2 * self.interval]
+        if self.state is None:
+            self.state = idle_state.IdleState(self.boot, since=seen.time, last=seen.time, memory=self.memory)
+        self.state.record(seen.time, reasons, seen.step)
         self.before = seen
-        return reasons, decide(self.samples, self.idle, seen.time)
+        self.save()
+        return reasons, decide(self.state, self.idle, seen.time)
+
+    def save(self) -> None:
+        if self.path is None or self.state is None:
+            return
+        try:
+            idle_state.save(self.path, self.state)
+        except OSError as error:  # /data unreachable: keep the clock in memory, keep watching
+            log(f"idle clock not saved to {self.path}: {error}")
 
 
-def watch(data_dir: Path, rank: str, idle: float, interval: float, ec2, cloudwatch, instance_id: Optional[str]) -> int:
-    dog, state = Watchdog(idle, interval), None
-    while True:
-        now = time.time()
-        seen = observe(data_dir, now)
-        share(data_dir, rank, now, local_reasons(seen, dog.before))
-        reasons, decision = dog.tick(seen, peer_reasons(data_dir, rank, now, fresh_s=3 * interval))
-        if instance_id:
+def refusal_hint(error: Exception) -> str:
+    if "UnsupportedOperation" in str(error):
+        # EC2 User Guide, "Stop a Spot Instance": a Spot Instance whose request is cancelled (fab
+        # release-spot) or one-time can only be terminated; the alarm's stop action fails alike.
+        return "; EC2 stops no Spot node whose request was cancelled (fab release-spot): `npx cdk destroy` ends it"
+    return ""
+
+
+class Loop:
+    """One round a minute: observe, share, decide, publish the heartbeat, stop (or retry a refused
+    stop, further apart each time, without touching the idle clock)."""
+
+    def __init__(self, data_dir: Path, rank: str, dog: Watchdog, ec2, cloudwatch, instance_id, cluster, sources):
+        self.data, self.rank, self.dog, self.ec2, self.cloudwatch = data_dir, rank, dog, ec2, cloudwatch
+        self.instance_id, self.cluster, self.sources = instance_id, cluster, sources
+        self.said: Optional[bool] = None
+
+    def round(self, now: float) -> Optional[int]:
+        """One round; an exit code once the cluster has been stopped."""
+        seen = observe(self.data, now, self.sources, self.dog.memory)
+        share(self.data, self.rank, now, local_reasons(seen, self.dog.before))
+        reasons, decision = self.dog.tick(seen, peer_reasons(self.data, self.rank, now, fresh_s=3 * self.dog.interval))
+        if self.instance_id:
             try:
-                publish(cloudwatch, instance_id, bool(reasons), seen)
+                publish(self.cloudwatch, self.instance_id, bool(reasons), seen)
             except Exception as error:  # noqa: BLE001 - a missed beat counts as idle; keep watching
                 log(f"heartbeat not published: {error}")
-        if bool(reasons) != state:
-            state = bool(reasons)
+        if bool(reasons) != self.said:
+            self.said = bool(reasons)
             log("busy: " + "; ".join(reasons) if reasons else "idle")
-        if decision.stop:
-            log(f"{decision.reason}; stopping {stop_cluster(ec2, os.environ['CLUSTER_NAME'])}", data_dir)
-            return 0
+        state = self.dog.state
+        if not decision.stop or state is None or now < state.retry_at:
+            return None
+        try:
+            ids = stop_cluster(self.ec2, self.cluster)
+        except Exception as error:  # noqa: BLE001 - a refused stop must not end the watch (issue 19 §14)
+            state.stop_failures += 1
+            delay = min(self.dog.interval * 2 ** (state.stop_failures - 1), 30 * self.dog.interval)
+            state.retry_at = now + delay
+            self.dog.save()
+            log(f"{decision.reason}; stop refused ({error}); retrying in {delay:g} s{refusal_hint(error)}", self.data)
+            return None
+        log(f"{decision.reason}; stopping {ids}", self.data)
+        return 0
+
+
+def watch(loop: Loop, interval: float) -> int:
+    while True:
+        now = time.time()
+        code = loop.round(now)
+        if code is not None:
+            return code
         time.sleep(max(0.0, interval - (time.time() - now)))
+
+
+def idle_minutes(environ: dict) -> float:
+    """The idle limit: IDLE_MINUTES from the container's environment (0: autostop off)."""
+    return float(environ.get("IDLE_MINUTES", "0"))
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -330,12 +340,14 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--data", default="/data")
     parser.add_argument("--interval", type=float, default=60.0, help="seconds between heartbeats (alarm period: 60)")
     parser.add_argument("--stop-now", action="store_true", help="stop the cluster now (fab train --then-stop)")
+    parser.add_argument("--pts", default="/dev/pts", help="where the terminals are (tests point elsewhere)")
+    parser.add_argument("--ssh-port", type=int, default=CONTAINER_SSH_PORT, help="the container's sshd")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
-    cluster, idle = os.environ.get("CLUSTER_NAME"), float(os.environ.get("IDLE_MINUTES", "0"))
+    cluster, idle = os.environ.get("CLUSTER_NAME"), idle_minutes(dict(os.environ))
     if not cluster or (idle <= 0 and not args.stop_now):
         print("autostop: off (CLUSTER_NAME unset or IDLE_MINUTES=0); nothing stopped", flush=True)
         return 2 if args.stop_now else 0
@@ -355,15 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not instance_id:
         log("no instance id (INSTANCE_ID unset, no instance metadata): heartbeat not published")
-    return watch(
-        Path(args.data),
-        os.environ.get("NODE_RANK", "0"),
-        idle,
-        args.interval,
-        ec2,
-        boto3.client("cloudwatch", region_name=region),
-        instance_id,
-    )
+    data, rank = Path(args.data), os.environ.get("NODE_RANK", "0")
+    dog = Watchdog(idle, args.interval, idle_state.state_path(data, rank), idle_state.boot_id())
+    cloudwatch = boto3.client("cloudwatch", region_name=region)
+    sources = Sources(Path(args.pts), args.ssh_port)
+    return watch(Loop(data, rank, dog, ec2, cloudwatch, instance_id, cluster, sources), args.interval)
 
 
 if __name__ == "__main__":

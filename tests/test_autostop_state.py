@@ -1,0 +1,159 @@
+"""Issue 19 §14: the watchdog's idle clock survives a restart of the watchdog, and a stop call that EC2
+refuses is retried with backoff while the heartbeat keeps saying idle (so the clock never resets).
+
+Contract (EC2 User Guide, "Stop a Spot Instance", Limitations,
+https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/using-spot-instances-request.html#stopping-a-spot-instance):
+"You can't stop a Spot Instance if the associated Spot Instance request is cancelled. When the Spot
+Instance request is cancelled, you can only terminate the Spot Instance" (and a one-time request's
+instance cannot be stopped at all). `fab release-spot` cancels the requests: from then on every
+StopInstances call for those nodes fails with UnsupportedOperation. A stand-in EC2 endpoint below
+answers exactly that (moto does not model the refusal); CloudWatch is the moto server."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs
+
+import boto3
+from conftest import AUTOSTOP_DIR, moto_instances, tool_env
+
+IDLE_S = 12.0  # IDLE_MINUTES=0.2
+
+
+def heartbeat_values(instance: str, since: float) -> list[float]:
+    """Minimum and Maximum of the Busy heartbeat published from `since` on (moto keeps each point)."""
+    points = boto3.client("cloudwatch").get_metric_statistics(
+        Namespace="GpuCluster/Autostop",
+        MetricName="Busy",
+        Statistics=["Maximum", "Minimum"],
+        Dimensions=[{"Name": "InstanceId", "Value": instance}],
+        Period=60,
+        StartTime=since,
+        EndTime=time.time() + 120,
+    )["Datapoints"]
+    return [p["Minimum"] for p in points] + [p["Maximum"] for p in points]
+
+
+def start_watchdog(data, cluster: str, instance: str, aws_env: dict, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(AUTOSTOP_DIR / "autostop.py"), "--data", str(data), "--interval", "0.2"]
+        + ["--pts", str(data / "no-terminals")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=tool_env(
+            CLUSTER_NAME=cluster, IDLE_MINUTES=str(IDLE_S / 60), INSTANCE_ID=instance, NODE_RANK="0", **aws_env, **env
+        ),
+    )
+
+
+def wait_for(condition, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_restarted_watchdog_resumes_its_idle_clock_and_reports_idle(aws_env, tmp_path):
+    """The entrypoint restarts a watchdog that died (and Docker a container that died): the second
+    one goes on from the first one's idle time, without a "watchdog starting" busy beat."""
+    ids = moto_instances(2, "resume-clock")
+    beat = tmp_path / ".cluster" / "heartbeat" / "node0.json"
+    first = start_watchdog(tmp_path, "resume-clock", ids[0], aws_env)
+    try:
+        wait_for(beat.exists, 60)
+        time.sleep(IDLE_S - 5)  # idle for 7 of the 12 minutes' worth of seconds
+        assert first.poll() is None, first.communicate()[0]
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    restarted = time.time()
+    second = start_watchdog(tmp_path, "resume-clock", ids[1], aws_env)
+    output, _ = second.communicate(timeout=60)
+    took = time.time() - restarted
+    assert second.returncode == 0, output
+    # ~5 s of the clock were left (plus the interpreter's start); starting over takes 12 s and more.
+    assert took < IDLE_S - 2, f"the restarted watchdog took {took:.1f} s: it started its idle clock over"
+    assert heartbeat_values(ids[1], restarted) and max(heartbeat_values(ids[1], restarted)) == 0.0
+    states = {
+        i["State"]["Name"]
+        for r in boto3.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+        for i in r["Instances"]
+    }
+    assert states <= {"stopping", "stopped"}
+
+
+class RefusingEc2(BaseHTTPRequestHandler):
+    """EC2's query API for two running Spot nodes whose requests were cancelled: DescribeInstances
+    lists them, StopInstances fails as EC2 documents (UnsupportedOperation)."""
+
+    stops: list[float] = []
+
+    def do_POST(self):
+        action = parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())["Action"][0]
+        if action == "DescribeInstances":
+            items = "".join(
+                f"<item><instanceId>{i}</instanceId><instanceState><code>16</code><name>running</name>"
+                "</instanceState></item>"
+                for i in ("i-0spot00000000000a", "i-0spot00000000000b")
+            )
+            body = (
+                '<DescribeInstancesResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>r</requestId>'
+                f"<reservationSet><item><reservationId>r-1</reservationId><instancesSet>{items}</instancesSet>"
+                "</item></reservationSet></DescribeInstancesResponse>"
+            )
+            self._answer(200, body)
+        else:
+            RefusingEc2.stops.append(time.time())
+            message = (
+                "You can't stop the Spot Instance 'i-0spot00000000000a' because the associated Spot Instance "
+                "request is cancelled. You can only terminate the Spot Instance."
+            )
+            self._answer(
+                400,
+                f"<Response><Errors><Error><Code>UnsupportedOperation</Code><Message>{message}</Message></Error>"
+                "</Errors><RequestID>r</RequestID></Response>",
+            )
+
+    def _answer(self, status: int, body: str) -> None:
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/xml")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_stop_that_ec2_refuses_is_retried_with_backoff_the_clock_kept_and_the_heartbeat_idle(aws_env, tmp_path):
+    RefusingEc2.stops = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RefusingEc2)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    dog = start_watchdog(tmp_path, "released", "i-0spot00000000000a", aws_env, AWS_ENDPOINT_URL_EC2=endpoint)
+    try:
+        wait_for(lambda: len(RefusingEc2.stops) >= 1 or dog.poll() is not None, 60)
+        first_failure = time.time()
+        time.sleep(IDLE_S)
+        alive = dog.poll() is None
+    finally:
+        dog.terminate()
+        output = dog.communicate()[0]
+        server.shutdown()
+    assert alive, f"the watchdog died on a refused stop: {output[-2000:]}"
+    stops = RefusingEc2.stops
+    gaps = [b - a for a, b in zip(stops, stops[1:])]
+    assert len(stops) >= 3 and gaps[-1] > 1.5 * gaps[0], (stops, output)  # retried, further apart each time
+    log = (tmp_path / ".cluster" / "autostop.log").read_text()
+    assert "UnsupportedOperation" in log and "retrying in" in log and "npx cdk destroy" in log, log
+    # The idle clock was not reset by the failures: it still counts from before the first one.
+    clock = json.loads((tmp_path / ".cluster" / "autostop" / "node0.json").read_text())
+    assert clock["busy_at"] is not None and clock["busy_at"] < first_failure - 0.5 and clock["stop_failures"] >= 3
+    values = heartbeat_values("i-0spot00000000000a", first_failure + 1)
+    assert values and max(values) == 0.0  # idle heartbeats: the alarm's count goes on
