@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Optional
@@ -17,12 +17,21 @@ from botocore.exceptions import BotoCoreError, ClientError
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
 # The product the cluster runs: Linux, shared tenancy, no pre-installed software, on-demand capacity.
+# Without marketoption the query also matches Capacity Block products, without operation the
+# Linux-with-SQL variants (RunInstances:0200 etc.), without licenseModel the BYOL ones.
 PRODUCT_FILTERS = (
     ("operatingSystem", "Linux"),
     ("tenancy", "Shared"),
     ("preInstalledSw", "NA"),
     ("capacitystatus", "Used"),
+    ("marketoption", "OnDemand"),
+    ("operation", "RunInstances"),
+    ("licenseModel", "No License required"),
 )
+
+
+class PricingError(ValueError):
+    """The Price List API named no single product: its price is not ours to guess."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +56,20 @@ def table_line() -> str:
 
 
 def api_price(pricing, instance_type: str, region: str) -> Optional[float]:
-    """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1)."""
+    """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1);
+    None when no product matches, PricingError when several do (the filters no longer pin one)."""
     filters = [("instanceType", instance_type), ("regionCode", region), *PRODUCT_FILTERS]
     response = pricing.get_products(
         ServiceCode="AmazonEC2",
         MaxResults=10,
         Filters=[{"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters],
     )
-    for item in response["PriceList"]:
-        product = json.loads(item) if isinstance(item, str) else item
+    products = [json.loads(item) if isinstance(item, str) else item for item in response["PriceList"]]
+    if len(products) > 1 or response.get("NextToken"):
+        raise PricingError(
+            f"{len(products)}{'+' if response.get('NextToken') else ''} products match {instance_type} in {region}"
+        )
+    for product in products:
         for term in product["terms"].get("OnDemand", {}).values():
             for dimension in term["priceDimensions"].values():
                 value = float(dimension["pricePerUnit"].get("USD", 0))
@@ -79,6 +93,7 @@ def offline_price(instance_type: str, region: str) -> Price:
 def instance_price(pricing, instance_type: str, region: str, kept: Optional[Price] = None) -> Price:
     """The Pricing API's price for this region; else a price kept from it earlier (the inventory's);
     else the offline table, labelled with its date and region."""
+    why = ""
     if pricing is not None:
         try:
             value = api_price(pricing, instance_type, region)
@@ -86,9 +101,12 @@ def instance_price(pricing, instance_type: str, region: str, kept: Optional[Pric
                 return Price(value, f"Pricing API, {region}")
         except (ClientError, BotoCoreError):  # no access, no network: fall back
             pass
+        except PricingError as error:
+            why = f" (Pricing API: {error})"
     if kept is not None and kept.usd_per_hour is not None:
         return kept
-    return offline_price(instance_type, region)
+    fallback = offline_price(instance_type, region)
+    return replace(fallback, source=fallback.source + why)
 
 
 # What a Linux node's Spot price is listed under (accounts from the EC2-Classic era also see the VPC one).

@@ -95,20 +95,36 @@ def vcpus(ec2, instance_types: set[str]) -> dict[str, int]:
 
 def running_vcpus(ec2, instance_type: str, spot: bool = False) -> int:
     """vCPUs already running in the same bucket and purchase option (Spot: InstanceLifecycle
-    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota."""
+    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota. With Spot, the
+    requests not yet fulfilled count too (EC2 User Guide, "Spot Instance quotas")."""
     bucket = quota_bucket(instance_type, spot)
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
     )
-    types = [
-        i["InstanceType"]
+    instances = {
+        i["InstanceId"]: i["InstanceType"]
         for page in pages
         for r in page["Reservations"]
         for i in r["Instances"]
         if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)
-    ]
+    }
+    types = list(instances.values()) + (_pending_spot_types(ec2, bucket, set(instances)) if spot else [])
     sizes = vcpus(ec2, set(types))
     return sum(sizes.get(t, 0) for t in types)
+
+
+def _pending_spot_types(ec2, bucket: tuple[str, str], counted: set[str]) -> list[str]:
+    """Instance types of open Spot requests (and active ones whose instance is not running, so not
+    counted yet) in the bucket: they will use the quota once fulfilled."""
+    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(
+        Filters=[{"Name": "state", "Values": ["open", "active"]}]
+    )
+    return [
+        r["LaunchSpecification"]["InstanceType"]
+        for page in pages
+        for r in page["SpotInstanceRequests"]
+        if r.get("InstanceId") not in counted and _same_bucket(r["LaunchSpecification"]["InstanceType"], bucket, True)
+    ]
 
 
 @dataclass(frozen=True)
