@@ -6,7 +6,7 @@ import json
 
 import boto3
 import pytest
-from botocore.stub import ANY, Stubber
+from botocore.stub import Stubber
 
 from clusterops import cost, preflight
 
