@@ -31,7 +31,7 @@ from .common import ERRORS, aws_errors, aws_session, cluster_config, fail, head,
 if TYPE_CHECKING:
     from stacks.config import ClusterConfig
 
-AUDIT_CLIENTS = ("ec2", "efs", "ssm", "logs", "cloudwatch", "sts", "s3")
+AUDIT_CLIENTS = ("ec2", "efs", "ssm", "logs", "cloudwatch", "sts", "s3", "kms", "cloudformation")
 
 
 def context_file() -> Path:
@@ -287,13 +287,17 @@ def release_spot(c, cluster=None):
         "delete": "delete what is found, after confirmation",
         "yes": "do not ask (scripts)",
         "include_retained": "also delete a file system kept with retain_data=true (its data is lost)",
+        "force": "delete even while the cluster's CloudFormation stack exists (its /data included)",
     }
 )
-def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
-    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order."""
+def audit(c, cluster=None, delete=False, yes=False, include_retained=False, force=False):
+    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order
+    (not while its stack exists: `cdk destroy` first)."""
     name, session = _cluster_and_session(c, cluster)
     clients = {k: session.client(k) for k in AUDIT_CLIENTS}
     with aws_errors("fab audit"):
+        if delete and not force:
+            _refuse_live_stack(clients["cloudformation"], name)
         found = audits.find(clients, name)
     shared = [x for x in found if x.kind == "cdk-assets"]
     leftovers = [x for x in found if x.kind != "cdk-assets"]
@@ -325,6 +329,17 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
     failed = audits.delete(clients, leftovers, include_retained=include_retained)
     if failed:
         raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
+
+
+def _refuse_live_stack(cloudformation, cluster: str) -> None:
+    """A live stack's resources are CloudFormation's: deleting them under it loses a running
+    cluster's /data and leaves the stack failing its own delete."""
+    for stack, status in audits.live_stacks(cloudformation, cluster):
+        raise Exit(
+            f"error: stack {stack} ({status}) still holds cluster {cluster}: `npx cdk destroy` it first "
+            "(fab audit --delete --force deletes under a live stack)",
+            code=1,
+        )
 
 
 @task(
