@@ -205,6 +205,25 @@ def efs_io_usd_per_hour(cloudwatch, file_system_id: str, now: Optional[datetime]
     return efs_io_usd(*efs_io_gb(cloudwatch, file_system_id, now - timedelta(hours=1), now))
 
 
+# What the watchdog publishes per GPU node (assets/autostop/autostop.py publish: Busy, GPUUtilization,
+# GPUMemoryUsedPercent), once a minute in one PutMetricData call.
+GUARD_METRICS_PER_NODE = 3
+PUTS_PER_NODE_MONTH = 60 * HOURS_PER_MONTH
+
+
+def guards_usd_per_month(nodes: int) -> tuple[float, float]:
+    """What the cost guards bill, before CloudWatch's account-wide free tier (10 metrics, 10 alarms,
+    3 dashboards, 1M requests a month): (per node-month of running: custom metrics, billed only in
+    hours that receive data, and the PutMetricData calls; per month while the stack exists, stopped
+    or not: one alarm per node, the flow-log group's KMS key, the dashboard)."""
+    running = (
+        GUARD_METRICS_PER_NODE * TABLE["custom_metric_usd_per_month"]
+        + PUTS_PER_NODE_MONTH / 1000 * TABLE["put_metric_data_usd_per_1000"]
+    )
+    standing = nodes * TABLE["alarm_usd_per_month"] + TABLE["kms_key_usd_per_month"] + TABLE["dashboard_usd_per_month"]
+    return running, standing
+
+
 @dataclass(frozen=True)
 class Estimate:
     nodes: int
@@ -218,10 +237,15 @@ class Estimate:
 
     @property
     def network_usd_per_month(self) -> float:
-        """A private subnet's NAT gateway and Session Manager endpoints (one AZ), before data."""
+        """A private subnet's NAT gateway, its Elastic IP (a public IPv4 address) and the Session
+        Manager endpoints (one AZ), before data."""
         if not self.private_subnet:
             return 0.0
-        hourly = TABLE["nat_gateway_usd_per_hour"] + self.interface_endpoints * TABLE["interface_endpoint_usd_per_hour"]
+        hourly = (
+            TABLE["nat_gateway_usd_per_hour"]
+            + TABLE["public_ipv4_usd_per_hour"]
+            + self.interface_endpoints * TABLE["interface_endpoint_usd_per_hour"]
+        )
         return hourly * HOURS_PER_MONTH
 
     @property
@@ -249,7 +273,7 @@ class Estimate:
         ]
         if self.private_subnet:
             lines.append(
-                f"private subnet: NAT gateway + {self.interface_endpoints} Session Manager endpoints = "
+                f"private subnet: NAT gateway and its IP + {self.interface_endpoints} Session Manager endpoints = "
                 f"${self.network_usd_per_month:.2f}/month while the stack exists, plus "
                 f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)"
             )

@@ -565,7 +565,11 @@ def test_a_private_subnet_shows_its_nat_and_endpoints_monthly_cost():
     price = cost.Price(0.752, "Pricing API, us-east-1")
     public = cost.Estimate(2, price, 200, 1.0)
     private = cost.Estimate(2, price, 200, 1.0, private_subnet=True)
-    hourly = cost.TABLE["nat_gateway_usd_per_hour"] + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
+    hourly = (
+        cost.TABLE["nat_gateway_usd_per_hour"]
+        + cost.TABLE["public_ipv4_usd_per_hour"]
+        + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
+    )
     assert public.network_usd_per_month == 0 and not [line for line in public.lines() if "NAT" in line]
     assert private.network_usd_per_month == pytest.approx(hourly * 730)
     assert any(f"${hourly * 730:.2f}/month" in line for line in private.lines())
