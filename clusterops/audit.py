@@ -1,38 +1,23 @@
-"""What is left of a cluster after `cdk destroy` (or before): everything tagged gpu-cluster:name=NAME,
-the untagged network interfaces of its instances and security groups, the public IPv4 addresses of
-its running instances, its SSM parameters, and the CDK bootstrap bucket's objects; each with a monthly
-cost ("unknown" when no price is known). Deletion goes in dependency order, waiting for each step.
-A file system kept with retain_data=true (tag gpu-cluster:retain=true) is deleted only when asked.
-Functions take boto3 clients."""
+"""What is left of a cluster after `cdk destroy` (or before): everything tagged gpu-cluster:name=NAME
+(NAT gateways, VPC endpoints and KMS keys of a private subnet too), the untagged network interfaces
+of its instances and security groups, the public IPv4 addresses of its running instances, its SSM
+parameters and dashboard, and the CDK bootstrap bucket's objects; each with a monthly cost
+("unknown" when no price is known). Deletion (`teardown`) goes in dependency order, and not while
+the cluster's stack is alive. Functions take boto3 clients."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Callable, Optional
-
-from botocore.exceptions import BotoCoreError, ClientError, WaiterError
+from botocore.exceptions import ClientError
 
 from assets.contract import CLUSTER_TAG, RETAIN_TAG, parameter_prefix
 
 from .cost import HOURS_PER_MONTH, TABLE, offline_price
+from .leftover import KEPT, Leftover
+from .teardown import Pace, delete
+
+__all__ = ["KEPT", "Leftover", "Pace", "delete", "find", "live_stacks", "monthly_total"]
 
 CDK_QUALIFIER = "hnb659fds"  # the default `cdk bootstrap` qualifier
-# Reported, never deleted here: they go with something else, or are not only this cluster's.
-KEPT = {
-    "public-ipv4": "released when its instance stops or terminates",
-    "cdk-assets": "shared by every CDK app of this account and region: `npx cdk gc --unstable=gc` "
-    "deletes the unused ones",
-}
-
-
-@dataclass(frozen=True)
-class Leftover:
-    kind: str
-    id: str
-    detail: str
-    usd_per_month: Optional[float]  # None: unknown
-    retained: bool = False
 
 
 def _tag_filter(cluster: str) -> list[dict]:
@@ -112,7 +97,8 @@ def _network_interfaces(ec2, cluster: str, instance_ids: list[str]) -> list[Left
 
 def _file_systems(efs, cluster: str) -> list[Leftover]:
     found = []
-    for fs in efs.describe_file_systems()["FileSystems"]:
+    pages = efs.get_paginator("describe_file_systems").paginate()  # 100 per page at most
+    for fs in (fs for page in pages for fs in page["FileSystems"]):
         tags = _tags(fs.get("Tags"))
         if tags.get(CLUSTER_TAG) == cluster:
             gb = fs["SizeInBytes"]["Value"] / 1e9
@@ -146,6 +132,74 @@ def _tagged_elsewhere(ssm, logs, cloudwatch, cluster: str) -> list[Leftover]:
             tags = _tags(cloudwatch.list_tags_for_resource(ResourceARN=alarm["AlarmArn"])["Tags"])
             if tags.get(CLUSTER_TAG) == cluster:
                 found.append(Leftover("alarm", alarm["AlarmName"], alarm["StateValue"], TABLE["alarm_usd_per_month"]))
+    return found
+
+
+def _network(ec2, cluster: str) -> list[Leftover]:
+    """A private subnet's NAT gateway and Session Manager endpoints: billed by the hour."""
+    nats = ec2.get_paginator("describe_nat_gateways").paginate(Filters=_tag_filter(cluster))
+    found = [
+        Leftover("nat-gateway", n["NatGatewayId"], n["State"], TABLE["nat_gateway_usd_per_hour"] * HOURS_PER_MONTH)
+        for page in nats
+        for n in page["NatGateways"]
+        if n["State"] not in ("deleting", "deleted", "failed")
+    ]
+    endpoints = ec2.get_paginator("describe_vpc_endpoints").paginate(Filters=_tag_filter(cluster))
+    for e in (e for page in endpoints for e in page["VpcEndpoints"]):
+        if e["State"].lower() in ("deleting", "deleted"):
+            continue
+        zones = max(1, len(e.get("SubnetIds", []))) if e["VpcEndpointType"] == "Interface" else 0
+        monthly = zones * TABLE["interface_endpoint_usd_per_hour"] * HOURS_PER_MONTH
+        found.append(
+            Leftover("vpc-endpoint", e["VpcEndpointId"], f"{e['VpcEndpointType']} {e['ServiceName']}", monthly)
+        )
+    return found
+
+
+def _kms_keys(kms, cluster: str) -> list[Leftover]:
+    """Customer-managed keys tagged with the cluster; a key pending deletion is gone (KMS pricing:
+    no charge while scheduled for deletion)."""
+    found = []
+    for key in (k for page in kms.get_paginator("list_keys").paginate() for k in page["Keys"]):
+        try:
+            tags = kms.list_resource_tags(KeyId=key["KeyId"]).get("Tags", [])
+            state = kms.describe_key(KeyId=key["KeyId"])["KeyMetadata"]["KeyState"]
+        except ClientError:  # another account's key policy may refuse us: not ours
+            continue
+        if {t["TagKey"]: t["TagValue"] for t in tags}.get(CLUSTER_TAG) == cluster and state not in (
+            "PendingDeletion",
+            "PendingReplicaDeletion",
+        ):
+            found.append(Leftover("kms-key", key["KeyId"], state, TABLE["kms_key_usd_per_month"]))
+    return found
+
+
+def dashboard_names(cluster: str, region: str) -> set[str]:
+    """The names the stack gives its dashboard (account-global: per region since issue 19 §18)."""
+    return {cluster, f"{cluster}-{region}"}
+
+
+def _dashboards(cloudwatch, cluster: str, region: str) -> list[Leftover]:
+    names = dashboard_names(cluster, region)
+    pages = cloudwatch.get_paginator("list_dashboards").paginate(DashboardNamePrefix=cluster)
+    return [
+        Leftover("dashboard", d["DashboardName"], "CloudWatch dashboard", TABLE["dashboard_usd_per_month"])
+        for page in pages
+        for d in page["DashboardEntries"]
+        if d["DashboardName"] in names
+    ]
+
+
+def live_stacks(cloudformation, cluster: str) -> list[tuple[str, str]]:
+    """(name, status) of the stacks that hold the cluster: tagged with it (CDK passes the stack's
+    tags to CloudFormation; -c stack_name may rename it) or named as app.py names it."""
+    found = []
+    for stack in (s for page in cloudformation.get_paginator("describe_stacks").paginate() for s in page["Stacks"]):
+        tags = _tags(stack.get("Tags"))
+        if (tags.get(CLUSTER_TAG) == cluster or stack["StackName"] == f"GpuCluster-{cluster}") and stack[
+            "StackStatus"
+        ] != "DELETE_COMPLETE":
+            found.append((stack["StackName"], stack["StackStatus"]))
     return found
 
 
@@ -185,7 +239,11 @@ def find(clients: dict, cluster: str) -> list[Leftover]:
         Leftover("key-pair", k["KeyName"], k.get("KeyPairId", ""), 0.0)
         for k in ec2.describe_key_pairs(Filters=_tag_filter(cluster))["KeyPairs"]
     ]
+    found += _network(ec2, cluster)
     found += _tagged_elsewhere(clients["ssm"], clients["logs"], clients["cloudwatch"], cluster)
+    found += _dashboards(clients["cloudwatch"], cluster, ec2.meta.region_name)
+    if "kms" in clients:
+        found += _kms_keys(clients["kms"], cluster)
     if "sts" in clients and "s3" in clients:
         found += cdk_assets(clients["sts"], clients["s3"], ec2.meta.region_name)
     return found
@@ -195,118 +253,3 @@ def monthly_total(leftovers: list[Leftover]) -> str:
     known = sum(x.usd_per_month for x in leftovers if x.usd_per_month is not None)
     unknown = [x for x in leftovers if x.usd_per_month is None]
     return f"${known:.2f}/month" + (f" + unknown for {len(unknown)} resource(s) without a price" if unknown else "")
-
-
-# ---------------------------------------------------------------- deletion, in dependency order
-
-
-@dataclass(frozen=True)
-class Pace:
-    """How deletion waits: waiter delay and attempts, and the mount-target poll."""
-
-    delay: float = 5.0
-    attempts: int = 120
-    sleep: Callable[[float], None] = time.sleep
-
-    def waiter(self) -> dict:
-        return {"Delay": self.delay, "MaxAttempts": self.attempts}
-
-
-def _delete_instances(clients, ids, pace, log) -> None:
-    clients["ec2"].terminate_instances(InstanceIds=ids)
-    clients["ec2"].get_waiter("instance_terminated").wait(InstanceIds=ids, WaiterConfig=pace.waiter())
-
-
-def _delete_file_systems(clients, ids, pace, log) -> None:
-    """Mount targets first; their deletion is asynchronous: the file system goes only once
-    describe_mount_targets lists none (else FileSystemInUse)."""
-    efs = clients["efs"]
-    for fs_id in ids:
-        for target in efs.describe_mount_targets(FileSystemId=fs_id)["MountTargets"]:
-            efs.delete_mount_target(MountTargetId=target["MountTargetId"])
-        for _ in range(pace.attempts):
-            if not efs.describe_mount_targets(FileSystemId=fs_id)["MountTargets"]:
-                break
-            pace.sleep(pace.delay)
-        else:
-            raise TimeoutError(f"the mount targets of {fs_id} are still being deleted")
-        efs.delete_file_system(FileSystemId=fs_id)
-
-
-def _delete_network_interfaces(clients, ids, pace, log) -> set[str]:
-    """Attached ENIs go with their instance or mount target; only detached ones are deleted.
-    Returns the ones left attached."""
-    ec2, left = clients["ec2"], set()
-    enis = ec2.describe_network_interfaces(Filters=[{"Name": "network-interface-id", "Values": ids}])
-    for eni in enis["NetworkInterfaces"]:
-        if eni["Status"] == "available":
-            ec2.delete_network_interface(NetworkInterfaceId=eni["NetworkInterfaceId"])
-        else:
-            log(f"left network-interface {eni['NetworkInterfaceId']}: {eni['Status']} (goes with its attachment)")
-            left.add(eni["NetworkInterfaceId"])
-    return left
-
-
-def _delete_volumes(clients, ids, pace, log) -> None:
-    """After the instances are terminated: a volume still attached is VolumeInUse. Root volumes
-    with DeleteOnTermination are gone by then."""
-    ec2 = clients["ec2"]
-    left = [v["VolumeId"] for v in ec2.describe_volumes(Filters=[{"Name": "volume-id", "Values": ids}])["Volumes"]]
-    if left:
-        ec2.get_waiter("volume_available").wait(VolumeIds=left, WaiterConfig=pace.waiter())
-        for volume_id in left:
-            ec2.delete_volume(VolumeId=volume_id)
-
-
-def _each(call: Callable[[dict, str], object]):
-    def step(clients, ids, pace, log) -> None:
-        for one in ids:
-            call(clients, one)
-
-    return step
-
-
-# Alarms first (they would act on the instances), Spot requests before their instances (else they
-# launch new ones), instances before what they hold.
-STEPS = {
-    "alarm": _each(lambda c, i: c["cloudwatch"].delete_alarms(AlarmNames=[i])),
-    "spot-request": lambda c, ids, pace, log: c["ec2"].cancel_spot_instance_requests(SpotInstanceRequestIds=ids),
-    "instance": _delete_instances,
-    "file-system": _delete_file_systems,
-    "network-interface": _delete_network_interfaces,
-    "volume": _delete_volumes,
-    "address": _each(lambda c, i: c["ec2"].release_address(AllocationId=i)),
-    "key-pair": _each(lambda c, i: c["ec2"].delete_key_pair(KeyName=i)),
-    "parameter": _each(lambda c, i: c["ssm"].delete_parameter(Name=i)),
-    "log-group": _each(lambda c, i: c["logs"].delete_log_group(logGroupName=i)),
-}
-
-
-def delete(
-    clients: dict,
-    leftovers: list[Leftover],
-    log: Callable[[str], None] = print,
-    include_retained: bool = False,
-    pace: Pace = Pace(),
-) -> list[Leftover]:
-    """Delete in dependency order, each step waiting for the previous one to finish. Returns what
-    could not be deleted; retained data and shared things are kept (and said so)."""
-    for x in leftovers:
-        if x.kind in KEPT:
-            log(f"kept {x.kind} {x.id}: {KEPT[x.kind]}")
-        elif x.retained and not include_retained:
-            log(f"kept {x.kind} {x.id}: retain_data=true; `fab audit --delete --include-retained` deletes it")
-    failed = []
-    for kind, step in STEPS.items():
-        todo = [x for x in leftovers if x.kind == kind and (include_retained or not x.retained)]
-        if not todo:
-            continue
-        try:
-            left = step(clients, [x.id for x in todo], pace, log) or set()
-            for x in todo:
-                if x.id not in left:
-                    log(f"deleted {x.kind} {x.id}")
-        except (ClientError, BotoCoreError, WaiterError, TimeoutError) as error:
-            log(f"could not delete {kind} {', '.join(x.id for x in todo)}: {error}")
-            failed += todo
-    return failed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Optional
@@ -17,12 +17,21 @@ from botocore.exceptions import BotoCoreError, ClientError
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
 # The product the cluster runs: Linux, shared tenancy, no pre-installed software, on-demand capacity.
+# Without marketoption the query also matches Capacity Block products, without operation the
+# Linux-with-SQL variants (RunInstances:0200 etc.), without licenseModel the BYOL ones.
 PRODUCT_FILTERS = (
     ("operatingSystem", "Linux"),
     ("tenancy", "Shared"),
     ("preInstalledSw", "NA"),
     ("capacitystatus", "Used"),
+    ("marketoption", "OnDemand"),
+    ("operation", "RunInstances"),
+    ("licenseModel", "No License required"),
 )
+
+
+class PricingError(ValueError):
+    """The Price List API named no single product: its price is not ours to guess."""
 
 
 @dataclass(frozen=True)
@@ -47,15 +56,20 @@ def table_line() -> str:
 
 
 def api_price(pricing, instance_type: str, region: str) -> Optional[float]:
-    """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1)."""
+    """On-demand $/hour from the Price List API, filtered by the region's code (e.g. eu-west-1);
+    None when no product matches, PricingError when several do (the filters no longer pin one)."""
     filters = [("instanceType", instance_type), ("regionCode", region), *PRODUCT_FILTERS]
     response = pricing.get_products(
         ServiceCode="AmazonEC2",
         MaxResults=10,
         Filters=[{"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in filters],
     )
-    for item in response["PriceList"]:
-        product = json.loads(item) if isinstance(item, str) else item
+    products = [json.loads(item) if isinstance(item, str) else item for item in response["PriceList"]]
+    if len(products) > 1 or response.get("NextToken"):
+        raise PricingError(
+            f"{len(products)}{'+' if response.get('NextToken') else ''} products match {instance_type} in {region}"
+        )
+    for product in products:
         for term in product["terms"].get("OnDemand", {}).values():
             for dimension in term["priceDimensions"].values():
                 value = float(dimension["pricePerUnit"].get("USD", 0))
@@ -79,6 +93,7 @@ def offline_price(instance_type: str, region: str) -> Price:
 def instance_price(pricing, instance_type: str, region: str, kept: Optional[Price] = None) -> Price:
     """The Pricing API's price for this region; else a price kept from it earlier (the inventory's);
     else the offline table, labelled with its date and region."""
+    why = ""
     if pricing is not None:
         try:
             value = api_price(pricing, instance_type, region)
@@ -86,9 +101,12 @@ def instance_price(pricing, instance_type: str, region: str, kept: Optional[Pric
                 return Price(value, f"Pricing API, {region}")
         except (ClientError, BotoCoreError):  # no access, no network: fall back
             pass
+        except PricingError as error:
+            why = f" (Pricing API: {error})"
     if kept is not None and kept.usd_per_hour is not None:
         return kept
-    return offline_price(instance_type, region)
+    fallback = offline_price(instance_type, region)
+    return replace(fallback, source=fallback.source + why)
 
 
 # What a Linux node's Spot price is listed under (accounts from the EC2-Classic era also see the VPC one).
@@ -187,6 +205,25 @@ def efs_io_usd_per_hour(cloudwatch, file_system_id: str, now: Optional[datetime]
     return efs_io_usd(*efs_io_gb(cloudwatch, file_system_id, now - timedelta(hours=1), now))
 
 
+# What the watchdog publishes per GPU node (assets/autostop/autostop.py publish: Busy, GPUUtilization,
+# GPUMemoryUsedPercent), once a minute in one PutMetricData call.
+GUARD_METRICS_PER_NODE = 3
+PUTS_PER_NODE_MONTH = 60 * HOURS_PER_MONTH
+
+
+def guards_usd_per_month(nodes: int) -> tuple[float, float]:
+    """What the cost guards bill, before CloudWatch's account-wide free tier (10 metrics, 10 alarms,
+    3 dashboards, 1M requests a month): (per node-month of running: custom metrics, billed only in
+    hours that receive data, and the PutMetricData calls; per month while the stack exists, stopped
+    or not: one alarm per node, the flow-log group's KMS key, the dashboard)."""
+    running = (
+        GUARD_METRICS_PER_NODE * TABLE["custom_metric_usd_per_month"]
+        + PUTS_PER_NODE_MONTH / 1000 * TABLE["put_metric_data_usd_per_1000"]
+    )
+    standing = nodes * TABLE["alarm_usd_per_month"] + TABLE["kms_key_usd_per_month"] + TABLE["dashboard_usd_per_month"]
+    return running, standing
+
+
 @dataclass(frozen=True)
 class Estimate:
     nodes: int
@@ -200,10 +237,15 @@ class Estimate:
 
     @property
     def network_usd_per_month(self) -> float:
-        """A private subnet's NAT gateway and Session Manager endpoints (one AZ), before data."""
+        """A private subnet's NAT gateway, its Elastic IP (a public IPv4 address) and the Session
+        Manager endpoints (one AZ), before data."""
         if not self.private_subnet:
             return 0.0
-        hourly = TABLE["nat_gateway_usd_per_hour"] + self.interface_endpoints * TABLE["interface_endpoint_usd_per_hour"]
+        hourly = (
+            TABLE["nat_gateway_usd_per_hour"]
+            + TABLE["public_ipv4_usd_per_hour"]
+            + self.interface_endpoints * TABLE["interface_endpoint_usd_per_hour"]
+        )
         return hourly * HOURS_PER_MONTH
 
     @property
@@ -231,7 +273,7 @@ class Estimate:
         ]
         if self.private_subnet:
             lines.append(
-                f"private subnet: NAT gateway + {self.interface_endpoints} Session Manager endpoints = "
+                f"private subnet: NAT gateway and its IP + {self.interface_endpoints} Session Manager endpoints = "
                 f"${self.network_usd_per_month:.2f}/month while the stack exists, plus "
                 f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)"
             )

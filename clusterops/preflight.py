@@ -6,8 +6,6 @@ boto3 clients."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -19,11 +17,12 @@ from stacks.config import (
     SPOT_REQUEST,
     ClusterConfig,
     choose_availability_zone,
-    offerings_context_key,
 )
 from stacks.instance_types import INSTANCE_TYPES
 
+from . import cdkcontext
 from . import cost as costs
+from .cdkcontext import cache_offerings
 from .report import aws_error
 
 # EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
@@ -95,20 +94,36 @@ def vcpus(ec2, instance_types: set[str]) -> dict[str, int]:
 
 def running_vcpus(ec2, instance_type: str, spot: bool = False) -> int:
     """vCPUs already running in the same bucket and purchase option (Spot: InstanceLifecycle
-    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota."""
+    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota. With Spot, the
+    requests not yet fulfilled count too (EC2 User Guide, "Spot Instance quotas")."""
     bucket = quota_bucket(instance_type, spot)
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
     )
-    types = [
-        i["InstanceType"]
+    instances = {
+        i["InstanceId"]: i["InstanceType"]
         for page in pages
         for r in page["Reservations"]
         for i in r["Instances"]
         if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)
-    ]
+    }
+    types = list(instances.values()) + (_pending_spot_types(ec2, bucket, set(instances)) if spot else [])
     sizes = vcpus(ec2, set(types))
     return sum(sizes.get(t, 0) for t in types)
+
+
+def _pending_spot_types(ec2, bucket: tuple[str, str], counted: set[str]) -> list[str]:
+    """Instance types of open Spot requests (and active ones whose instance is not running, so not
+    counted yet) in the bucket: they will use the quota once fulfilled."""
+    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(
+        Filters=[{"Name": "state", "Values": ["open", "active"]}]
+    )
+    return [
+        r["LaunchSpecification"]["InstanceType"]
+        for page in pages
+        for r in page["SpotInstanceRequests"]
+        if r.get("InstanceId") not in counted and _same_bucket(r["LaunchSpecification"]["InstanceType"], bucket, True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -171,15 +186,6 @@ def offered_zones(ec2, instance_type: str) -> list[str]:
         LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}]
     )
     return sorted({o["Location"] for page in offers for o in page["InstanceTypeOfferings"]})
-
-
-def cache_offerings(context_file: Path, region: str, instance_type: str, zones: list[str]) -> None:
-    """Merge the zones into cdk.context.json (atomically), where `cdk synth` reads them."""
-    context = json.loads(context_file.read_text()) if context_file.exists() else {}
-    context[offerings_context_key(region, instance_type)] = sorted(zones)
-    tmp = context_file.with_name(f".{context_file.name}.tmp")
-    tmp.write_text(json.dumps(context, indent=2) + "\n")
-    os.replace(tmp, context_file)
 
 
 def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[str]]:
@@ -270,12 +276,54 @@ def identity(sts) -> tuple[Check, Optional[str]]:
     return Check("credentials", True, f"account {who['Account']} as {who['Arn']}"), who["Account"]
 
 
-def ami(ssm, parameter: str) -> tuple[Check, Optional[str]]:
+BOOTSTRAP_PARAMETER = "/cdk-bootstrap/hnb659fds/version"  # the default qualifier's
+# The oldest bootstrap stack this app's template accepts: its CheckBootstrapVersion rule refuses 1-5.
+MIN_BOOTSTRAP_VERSION = 6
+
+
+def bootstrap_check(ssm, account: str, region: str) -> Check:
+    """`cdk deploy` needs the account/region bootstrapped (CDK Developer Guide, "Bootstrapping");
+    the bootstrap stack publishes its version in an SSM parameter."""
+    fix = f"npx cdk bootstrap aws://{account}/{region}"
     try:
-        value = ssm.get_parameter(Name=parameter)["Parameter"]["Value"]
+        value = ssm.get_parameter(Name=BOOTSTRAP_PARAMETER)["Parameter"]["Value"]
     except ClientError as error:
-        return Check("AMI parameter", False, f"{parameter}: {error.response['Error']['Code']}"), None
-    return Check("AMI parameter", True, f"{parameter} -> {value}"), value
+        if error.response["Error"]["Code"] == "ParameterNotFound":
+            return Check(
+                "CDK bootstrap",
+                False,
+                f"{BOOTSTRAP_PARAMETER} not found: run `{fix}` once for this account and region",
+            )
+        return Check("CDK bootstrap", False, f"could not read {BOOTSTRAP_PARAMETER}: {aws_error(error)}")
+    if not value.isdigit() or int(value) < MIN_BOOTSTRAP_VERSION:
+        return Check(
+            "CDK bootstrap",
+            False,
+            f"version {value} is older than the {MIN_BOOTSTRAP_VERSION} this app's template requires: run `{fix}`",
+        )
+    return Check("CDK bootstrap", True, f"version {value} ({BOOTSTRAP_PARAMETER})")
+
+
+def ami(
+    ssm, parameter: str, region: str, context: dict, context_file: Optional[Path], refresh: bool = False
+) -> tuple[Check, Optional[str]]:
+    """The AMI the stack will boot: the id pinned in cdk.context.json, else the parameter's value,
+    pinned now. A pin is replaced only with refresh (a new AMI replaces every node at the next deploy)."""
+    pinned = cdkcontext.pinned_ami(context, region, parameter)
+    try:
+        latest = ssm.get_parameter(Name=parameter)["Parameter"]["Value"]
+    except ClientError as error:
+        if pinned and not refresh:  # the pin is what deploys; the parameter only tells of a newer one
+            return Check("AMI", True, f"{pinned}, pinned in cdk.context.json ({parameter}: {aws_error(error)})"), pinned
+        return Check("AMI", False, f"{parameter}: {error.response['Error']['Code']}"), None
+    if pinned and (not refresh or pinned == latest):
+        newer = f"; {latest} is newer: `fab preflight --refresh-ami` pins it" if latest != pinned else ""
+        return Check("AMI", True, f"{pinned}, pinned in cdk.context.json (from {parameter}){newer}"), pinned
+    if context_file is not None:
+        cdkcontext.pin_ami(context_file, region, parameter, latest)
+    if pinned:
+        return Check("AMI", True, f"{pinned} -> {latest}: the next `cdk deploy` replaces every node"), latest
+    return Check("AMI", True, f"pinned {latest} ({parameter}) in cdk.context.json"), latest
 
 
 def cloudformation_role_note(account: str, region: str) -> str:
@@ -293,8 +341,11 @@ def run_preflight(
     context_file: Optional[Path] = None,
     request_quota: bool = False,
     spot: bool = False,
+    context: Optional[dict] = None,
+    refresh_ami: bool = False,
 ) -> tuple[list[Check], list[str]]:
-    """All checks in order; stops early without credentials or region. Returns (checks, notes)."""
+    """All checks in order; stops early without credentials or region. Returns (checks, notes);
+    the first note says what was checked (count, type, purchase option, region and AZ)."""
     who, account = identity(clients["sts"])
     checks = [who]
     if not who.ok:
@@ -303,25 +354,26 @@ def run_preflight(
     if not region:
         return checks, []
     ec2 = clients["ec2"]
+    checks.append(bootstrap_check(clients["ssm"], account or "ACCOUNT", region))
     zones = offered_zones(ec2, config.instance_type)
     if context_file is not None and zones:
         cache_offerings(context_file, region, config.instance_type, zones)
     where, az = placement(config, zones)
     checks.append(where)
-    quota_name = f"vCPU quota ({'Spot' if spot else 'On-Demand'})"
-    try:
-        quota = check_quota(ec2, clients["service-quotas"], config.instance_type, config.nodes, spot)
-        checks.append(Check(quota_name, quota.ok, quota.line()))
-    except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
-        quota = None
-        checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
+    quota = _quota(clients, config, spot, checks)
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
-    ami_check, image_id = ami(clients["ssm"], config.ami_parameter)
+    ami_check, image_id = ami(
+        clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
+    )
     checks.append(ami_check)
     if image_id and az:
         checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az, spot))
-    notes = [cloudformation_role_note(account or "ACCOUNT", region)]
+    notes = [
+        f"checking {config.nodes} x {config.instance_type} ({'Spot' if spot else 'On-Demand'}) in {region}, "
+        f"AZ {az or 'none'}",
+        cloudformation_role_note(account or "ACCOUNT", region),
+    ]
     if quota is not None and not quota.ok:
         notes.append(
             request_increase(clients["service-quotas"], quota)
@@ -329,3 +381,14 @@ def run_preflight(
             else f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs"
         )
     return checks, notes
+
+
+def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]) -> Optional[QuotaCheck]:
+    quota_name = f"vCPU quota ({'Spot' if spot else 'On-Demand'})"
+    try:
+        quota = check_quota(clients["ec2"], clients["service-quotas"], config.instance_type, config.nodes, spot)
+    except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
+        checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
+        return None
+    checks.append(Check(quota_name, quota.ok, quota.line()))
+    return quota

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from fabric import task
 from invoke.exceptions import Exit
@@ -28,11 +28,15 @@ from clusterops.inventory import (
 
 from .common import ERRORS, aws_errors, aws_session, cluster_config, fail, head, inventory_path, load_inventory
 
-AUDIT_CLIENTS = ("ec2", "efs", "ssm", "logs", "cloudwatch", "sts", "s3")
+if TYPE_CHECKING:
+    from stacks.config import ClusterConfig
+
+AUDIT_CLIENTS = ("ec2", "efs", "ssm", "logs", "cloudwatch", "sts", "s3", "kms", "cloudformation")
 
 
 def context_file() -> Path:
-    """cdk.context.json, where `fab preflight` caches the AZs offering the type for `cdk synth`."""
+    """cdk.context.json, where `fab preflight` caches the AZs offering the type and pins the AMI for
+    `cdk synth`."""
     return Path(os.environ.get("GPU_CLUSTER_CDK_CONTEXT", "cdk.context.json"))
 
 
@@ -77,17 +81,35 @@ def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
         return None
 
 
+def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
+    """The context `cdk deploy` would see (cdk.json, cdk.context.json, -c KEY=VALUE) and the
+    ClusterConfig it parses to, validated the same way; bad values are one line."""
+    from clusterops import cdkcontext
+    from stacks.config import ClusterConfig, ConfigError
+
+    try:
+        given = cdkcontext.parse_cli(cli) | {k: str(v) for k, v in overrides.items() if v is not None}
+        context = cdkcontext.merged(Path("cdk.json"), context_file(), given)
+        return context, ClusterConfig.from_context(context)
+    except (cdkcontext.ContextError, ConfigError) as error:
+        raise Exit(f"error: {error}", code=1) from None
+
+
 @task(
+    iterable=["context"],
     help={
-        "nodes": "node count (default: cdk.json)",
-        "instance_type": "instance type (default: cdk.json)",
+        "context": "KEY=VALUE, repeatable: the -c values you give `cdk deploy` (over cdk.json, cdk.context.json)",
+        "nodes": "node count (same as -c nodes=N)",
+        "instance_type": "instance type (same as -c instance_type=T)",
         "request_quota": "file the vCPU quota increase through Service Quotas when short",
-        "spot": "Spot nodes (default: cdk.json's spot): the Spot quota bucket, the Spot price and the saving",
-    }
+        "spot": "Spot nodes (default: the context's spot): the Spot quota bucket, the Spot price and the saving",
+        "refresh_ami": "re-resolve the DLAMI parameter and pin its current AMI (the next deploy replaces the nodes)",
+    },
 )
-def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False):
-    """Before `cdk deploy`: credentials, region, AZ and subnet, vCPU quota, launch permission, AMI."""
-    config = cluster_config(nodes=nodes, instance_type=instance_type)
+def preflight(c, context=None, nodes=None, instance_type=None, request_quota=False, spot=False, refresh_ami=False):
+    """Before `cdk deploy`: credentials, region, CDK bootstrap, AZ and subnet, vCPU quota, AMI (pinned),
+    launch permission."""
+    values, config = deploy_config(context or [], nodes=nodes, instance_type=instance_type)
     session = aws_session()
     clients = (
         {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")}
@@ -97,8 +119,18 @@ def preflight(c, nodes=None, instance_type=None, request_quota=False, spot=False
     clients["pricing"] = pricing_client(session)
     with aws_errors("preflight"):
         found, notes = checks.run_preflight(
-            clients, session.region_name, config, context_file(), request_quota=request_quota, spot=spot or config.spot
+            clients,
+            session.region_name,
+            config,
+            context_file(),
+            request_quota=request_quota,
+            spot=spot or config.spot,
+            context=values,
+            refresh_ami=refresh_ami,
         )
+    summary, notes = (notes[0], notes[1:]) if notes else (None, notes)
+    if summary:
+        print(summary)
     for check in found:
         print(f"{check.label}  {check.name}: {check.detail}")
     for note in notes:
@@ -255,13 +287,17 @@ def release_spot(c, cluster=None):
         "delete": "delete what is found, after confirmation",
         "yes": "do not ask (scripts)",
         "include_retained": "also delete a file system kept with retain_data=true (its data is lost)",
+        "force": "delete even while the cluster's CloudFormation stack exists (its /data included)",
     }
 )
-def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
-    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order."""
+def audit(c, cluster=None, delete=False, yes=False, include_retained=False, force=False):
+    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order
+    (not while its stack exists: `cdk destroy` first)."""
     name, session = _cluster_and_session(c, cluster)
     clients = {k: session.client(k) for k in AUDIT_CLIENTS}
     with aws_errors("fab audit"):
+        if delete and not force:
+            _refuse_live_stack(clients["cloudformation"], name)
         found = audits.find(clients, name)
     shared = [x for x in found if x.kind == "cdk-assets"]
     leftovers = [x for x in found if x.kind != "cdk-assets"]
@@ -293,6 +329,17 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False):
     failed = audits.delete(clients, leftovers, include_retained=include_retained)
     if failed:
         raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
+
+
+def _refuse_live_stack(cloudformation, cluster: str) -> None:
+    """A live stack's resources are CloudFormation's: deleting them under it loses a running
+    cluster's /data and leaves the stack failing its own delete."""
+    for stack, status in audits.live_stacks(cloudformation, cluster):
+        raise Exit(
+            f"error: stack {stack} ({status}) still holds cluster {cluster}: `npx cdk destroy` it first "
+            "(fab audit --delete --force deletes under a live stack)",
+            code=1,
+        )
 
 
 @task(

@@ -91,9 +91,31 @@ def load_inventory(c) -> Inventory:
     ):
         raise fail(InventoryError("the inventory is older than the last deploy: run `fab inventory`"))
     try:
-        return Inventory.load(path)
+        inventory = Inventory.load(path)
     except InventoryError as error:
         raise fail(error) from None
+    return _readdressed(inventory, path)
+
+
+def _readdressed(inventory: Inventory, path: Path) -> Inventory:
+    """An AWS node that does not answer may have been started again with a new public IP (Spot,
+    console): its address from EC2, saved. Without EC2 access the inventory stays as it was."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from clusterops.readdress import readdress_unreachable
+
+    if inventory.source != "aws" or inventory.ssh.proxy_command:
+        return inventory
+    try:
+        fresh, lines = readdress_unreachable(inventory, aws_session(inventory.region).client("ec2"))
+    except (BotoCoreError, ClientError) as error:
+        print(f"warning: some node does not answer and EC2 could not be asked for its address: {error}")
+        return inventory
+    for line in lines:
+        print(line)
+    if fresh is not inventory:
+        fresh.save(path)
+    return fresh
 
 
 def head(inv: Inventory):

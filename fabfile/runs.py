@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import shlex
 from pathlib import Path
 
+import paramiko
 from fabric import task
-from invoke.exceptions import Exit
+from invoke.exceptions import Exit, ThreadException
 
 from clusterops import cost as costs
 from clusterops import health, launch, remote, report, supervise
@@ -96,7 +98,7 @@ def train(
             rdir, log_offset = remote.start_training(conn, inv, request, code_dir)
             print(f"started {request.run_name} in {rdir} on {len(chosen)} node(s) ({code_dir})")
             if follow:
-                _follow(conn, rdir, log_offset, _projector(inv))
+                _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
     except ERRORS as error:
         raise fail(error) from None
 
@@ -152,9 +154,27 @@ def _projector(inv: Inventory):
     return on_progress
 
 
-def _follow(conn, rdir: str, offset: int = 0, on_progress=None) -> None:
-    status_ = remote.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
-    state = remote.run_state(conn, rdir)
+# A dropped SSH connection reaches the follower as one of these (paramiko raises SSHException or the
+# socket's OSError, EOFError at a half-read packet; invoke wraps an IO thread's failure).
+CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError, ThreadException, remote.RemoteError)
+# paramiko's transport thread also logs the socket error (with no handler: to stderr); the
+# exception above says it once.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+
+def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
+    try:
+        status_ = remote.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
+        state = remote.run_state(conn, rdir)
+    except CONNECTION_LOST as error:
+        if isinstance(error, remote.RemoteError) and conn.is_connected:
+            raise  # the node answered: a real error of the run's files
+        detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
+        raise Exit(
+            f"error: lost the connection to {node} ({conn.host}) while following {rdir} ({detail}); "
+            "the run goes on: `fab logs --follow` picks it up again (`fab status` first)",
+            code=1,
+        ) from None
     print(report.run_line(rdir, state))
     for line in report.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
         print(line)
@@ -166,12 +186,15 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None) -> None:
 def logs(c, run=None, follow=False):
     """Print a run's log (train.log on /data); --follow streams it until the run ends."""
     inv = load_inventory(c)
-    with head(inv) as conn:
-        rdir = run_dir(conn, inv, run)
-        if follow:
-            _follow(conn, rdir)
-        else:
-            remote.follow_log(conn, rdir, follow=False)
+    try:
+        with head(inv) as conn:
+            rdir = run_dir(conn, inv, run)
+            if follow:
+                _follow(conn, rdir, node=inv.head.name)
+            else:
+                remote.follow_log(conn, rdir, follow=False)
+    except ERRORS as error:
+        raise fail(error) from None
 
 
 @task(help={"run": "run name (default: the active run)", "force": "kill instead of checkpoint-and-exit"})

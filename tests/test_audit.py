@@ -233,9 +233,6 @@ def test_volumes_are_deleted_only_after_the_instances_are_terminated():
     stubber.add_response(
         "describe_volumes", {"Volumes": [{"VolumeId": "vol-1", "State": "available"}]}, {"Filters": ANY}
     )
-    stubber.add_response(
-        "describe_volumes", {"Volumes": [{"VolumeId": "vol-1", "State": "available"}]}, {"VolumeIds": ["vol-1"]}
-    )  # waiter: volume_available
     stubber.add_response("delete_volume", {}, {"VolumeId": "vol-1"})
     with stubber:
         others = {name: None for name in ("efs", "ssm", "logs", "cloudwatch")}  # not called

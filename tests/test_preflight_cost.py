@@ -247,15 +247,18 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     assert [c.name for c in found] == [
         "credentials",
         "region",
+        "CDK bootstrap",
         "AZ and subnet",
         "vCPU quota (On-Demand)",
-        "AMI parameter",
+        "AMI",
         "launch permission (RunInstances dry run)",
     ]
-    assert all(c.ok for c in found), found
+    # us-east-1 is bootstrapped only once test_moto's `cdk bootstrap` has run (test_preflight_context checks it)
+    assert all(c.ok for c in found if c.name != "CDK bootstrap"), found
     zones = json.loads(context.read_text())[offerings_context_key("us-east-1", "g4dn.2xlarge")]
-    assert found[2].detail.startswith(f"a new VPC with one public subnet in {zones[0]}")
-    assert "cfn-exec-role-123456789012-us-east-1" in notes[0] and "YOUR permissions" in notes[0]
+    assert found[3].detail.startswith(f"a new VPC with one public subnet in {zones[0]}")
+    assert notes[0] == f"checking 2 x g4dn.2xlarge (On-Demand) in us-east-1, AZ {zones[0]}"
+    assert "cfn-exec-role-123456789012-us-east-1" in notes[1] and "YOUR permissions" in notes[1]
     subnet = clients["ec2"].describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zones[0]]}])["Subnets"][
         0
     ]
@@ -269,8 +272,9 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     )
     clients["service-quotas"], _ = quotas_client(8)
     found, notes = preflight.run_preflight(clients, "us-east-1", existing)
-    assert found[2].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
-    assert {c.name for c in found if not c.ok} == {"vCPU quota (On-Demand)"} and "--request-quota" in notes[1]
+    assert found[3].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
+    assert {c.name for c in found if not c.ok} - {"CDK bootstrap"} == {"vCPU quota (On-Demand)"}
+    assert "--request-quota" in notes[2]
 
 
 # ---------------------------------------------------------------- issue item 4: prices
@@ -561,7 +565,11 @@ def test_a_private_subnet_shows_its_nat_and_endpoints_monthly_cost():
     price = cost.Price(0.752, "Pricing API, us-east-1")
     public = cost.Estimate(2, price, 200, 1.0)
     private = cost.Estimate(2, price, 200, 1.0, private_subnet=True)
-    hourly = cost.TABLE["nat_gateway_usd_per_hour"] + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
+    hourly = (
+        cost.TABLE["nat_gateway_usd_per_hour"]
+        + cost.TABLE["public_ipv4_usd_per_hour"]
+        + 3 * cost.TABLE["interface_endpoint_usd_per_hour"]
+    )
     assert public.network_usd_per_month == 0 and not [line for line in public.lines() if "NAT" in line]
     assert private.network_usd_per_month == pytest.approx(hourly * 730)
     assert any(f"${hourly * 730:.2f}/month" in line for line in private.lines())
@@ -723,15 +731,16 @@ def test_full_spot_preflight_against_the_emulator(aws_env):
     assert [c.name for c in found] == [
         "credentials",
         "region",
+        "CDK bootstrap",
         "AZ and subnet",
         "vCPU quota (Spot)",
         "Spot price",
-        "AMI parameter",
+        "AMI",
         "launch permission (RunInstances dry run)",
     ]
-    assert all(c.ok for c in found), found
-    zone = found[2].detail.split(" in ")[1].split(" ")[0]
-    assert f"[Spot price, {zone}, since " in found[4].detail and "less per node-hour" in found[4].detail
+    assert all(c.ok for c in found if c.name != "CDK bootstrap"), found
+    zone = found[3].detail.split(" in ")[1].split(" ")[0]
+    assert f"[Spot price, {zone}, since " in found[5].detail and "less per node-hour" in found[5].detail
     stubber.assert_no_pending_responses()
 
 

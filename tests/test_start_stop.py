@@ -193,3 +193,49 @@ def test_fab_inventory_takes_addresses_from_ec2_and_keeps_the_price(aws_env, tmp
     saved = Inventory.load(tmp_path / "inv.json")
     assert saved.usd_per_hour == 0.8048 and saved.price_source.startswith("offline table of")  # no Pricing API in moto
     assert saved.file_system_id == "fs-0123" and "$0.80/node-hour" in result.stdout
+
+
+# ---------------------------------------------------------------- issue 19 §7: a node restarted by EC2
+
+
+def test_an_unreachable_node_gets_its_new_public_ip_from_ec2(aws_env, tmp_path):
+    """EC2 User Guide, "Public IPv4 addresses": a stopped instance releases its public IPv4 address
+    and gets a new one when it starts again (a Spot node stopped by an interruption and restarted by
+    EC2 included). The inventory's old address then reads "unreachable"; EC2 knows the new one."""
+    from clusterops.readdress import readdress_unreachable
+
+    ids = moto_instances(2, "moved")
+    ec2 = boto3.client("ec2")
+    live = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+    stale = inventory(tmp_path, ids)  # 198.51.100.1 and .2: the addresses before the restart
+    fresh, lines = readdress_unreachable(stale, ec2, reachable=lambda host, port: host != "198.51.100.1")
+    new_ip = live[ids[0]]["PublicIpAddress"]
+    assert [n.public_ip for n in fresh.nodes] == [new_ip, "198.51.100.2"]  # node1 answers: untouched
+    assert lines == [f"node0: 198.51.100.1 -> {new_ip} (EC2 gave it a new public IP when it started again)"]
+    assert (tmp_path / "known_hosts").read_text().splitlines() == [
+        f"[{new_ip}]:4444 {HOST_KEY}",
+        f"[198.51.100.2]:4444 {HOST_KEY}",
+    ]
+    ec2.stop_instances(InstanceIds=[ids[1]])
+    _, stopped = readdress_unreachable(fresh, ec2, reachable=lambda host, port: False)
+    assert f"node1 ({ids[1]}) is stopped: `fab start`" in stopped
+
+
+def test_fab_status_refreshes_the_addresses_of_unreachable_nodes(aws_env, tmp_path):
+    ids = moto_instances(1, "moved2")
+    ec2 = boto3.client("ec2")
+    new_ip = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"][0]["PublicIpAddress"]
+    path = tmp_path / "inventory.json"
+    inventory(tmp_path, ids).save(path)  # 198.51.100.1 (TEST-NET-2): nothing answers there
+    result = subprocess.run(
+        ["fab", "status"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(path), **aws_env),
+    )
+    assert f"node0: 198.51.100.1 -> {new_ip} (EC2 gave it a new public IP" in result.stdout, (
+        result.stdout + result.stderr
+    )
+    assert Inventory.load(path).nodes[0].public_ip == new_ip
