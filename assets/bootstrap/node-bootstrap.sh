@@ -106,6 +106,7 @@ reset_alarm() {
       --statistics Maximum --query 'max(Datapoints[].Maximum)' --output text) == 1* ]] && break
     sleep 10
   done
+  ((attempt <= 30)) || log "the boot beat is not served after 5 min; resetting anyway"
   if ! error=$(aws cloudwatch set-alarm-state --region "$AWS_REGION" --alarm-name "$IDLE_ALARM" \
     --state-value OK --state-reason "node $id booted" 2>&1); then
     [[ $error == *ResourceNotFound* ]] || { log "$error"; return 1; }
