@@ -15,9 +15,17 @@ TOKEN_ALLOWANCE = 256  # bytes counted for each value CloudFormation fills in at
 SCRIPT_PATH = "/usr/local/sbin/gpu-cluster-bootstrap"
 
 
+def without_comments(script: str) -> str:
+    """The script with its header (what it does, how to run it) but not the comment lines below it (the
+    repository keeps them): user data holds 16 KB at most."""
+    lines = script.splitlines()
+    header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return "\n".join(lines[:header] + [line for line in lines[header:] if not line.lstrip().startswith("#")])
+
+
 def render_user_data(env: Mapping[str, str]) -> str:
     """User-data commands (after the shebang) that install the bootstrap with its env file and run it."""
-    script = BOOTSTRAP_SCRIPT.read_text()
+    script = without_comments(BOOTSTRAP_SCRIPT.read_text())
     env_lines = "\n".join(f"{key}={value}" for key, value in env.items())
     return "\n".join(
         [

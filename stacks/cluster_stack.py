@@ -105,9 +105,10 @@ class GpuClusterStack(Stack):
             ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                reason="ec2:DescribeInstances and cloudwatch:PutMetricData have no resource-level "
-                "permissions: the autostop watchdog finds this cluster's instances by tag, and "
-                "may publish its heartbeat only to its own namespace (cloudwatch:namespace).",
+                reason="ec2:DescribeInstances, cloudwatch:PutMetricData and cloudwatch:GetMetricStatistics "
+                "have no resource-level permissions: the autostop watchdog finds this cluster's instances "
+                "by tag, may publish its heartbeat only to its own namespace (cloudwatch:namespace), and "
+                "at boot a node reads its own beat back before it resets its idle alarm (read only).",
             ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-EC28",

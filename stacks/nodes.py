@@ -85,6 +85,12 @@ def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> l
     ]
 
 
+def idle_alarm_name(cluster_name: str, rank: int) -> str:
+    """The node finds its alarm by it (unique per account and region; in user data even with idle_minutes=0,
+    so changing idle_minutes replaces no node)."""
+    return f"{cluster_name}-node{rank}-idle"
+
+
 def host_key_parameter_name(cluster_name: str) -> str:
     return host_key_parameter(cluster_name)
 
@@ -129,6 +135,7 @@ class GpuNodes(Construct):
             self._bootstrap(config, rank, instance, file_system)
             self._launch_options(config, rank, instance, subnet, security_group)
             self.instances.append(instance)
+        self._grant_alarm_reset(config)
         self.idle_alarms = [
             self._idle_alarm(config, rank, instance)
             for rank, instance in enumerate(self.instances)
@@ -255,6 +262,8 @@ class GpuNodes(Construct):
             "HOST_KEY_PARAMETER": self.host_key_parameter_name,
             "IDLE_MINUTES": str(config.idle_minutes),
             "EFA_CARDS": str(config.efa_cards),
+            "IDLE_ALARM": idle_alarm_name(config.cluster_name, rank),
+            "HEARTBEAT_NAMESPACE": HEARTBEAT_NAMESPACE,
         }
         if config.spot:  # only then: a new key in user data would replace On-Demand nodes
             env["SPOT"] = "true"
@@ -309,6 +318,16 @@ class GpuNodes(Construct):
             )
         )
 
+    def _grant_alarm_reset(self, config: ClusterConfig) -> None:
+        """At every boot a node sets its alarm to OK once CloudWatch serves its busy beat (node-bootstrap.sh
+        reset_alarm). ARNs by name: alarm_arn would make a cycle (policy -> alarm -> node -> policy)."""
+        arn = f"arn:{Aws.PARTITION}:cloudwatch:{Aws.REGION}:{Aws.ACCOUNT_ID}:alarm:"
+        names = [idle_alarm_name(config.cluster_name, rank) for rank in range(config.nodes)]
+        self.role.add_to_policy(
+            iam.PolicyStatement(actions=["cloudwatch:SetAlarmState"], resources=[arn + n for n in names])
+        )
+        self.role.add_to_policy(iam.PolicyStatement(actions=["cloudwatch:GetMetricStatistics"], resources=["*"]))
+
     def _idle_alarm(self, config: ClusterConfig, rank: int, instance: ec2.Instance) -> cloudwatch.Alarm:
         """Stops the node when its heartbeat has said idle, or nothing (a dead watchdog, a dead
         container), for idle_minutes + the grace: after the watchdog itself would have stopped it."""
@@ -316,6 +335,7 @@ class GpuNodes(Construct):
         alarm = cloudwatch.Alarm(
             self,
             f"IdleAlarm{rank}",
+            alarm_name=idle_alarm_name(config.cluster_name, rank),
             alarm_description=f"{config.node_name(rank)}: no busy autostop heartbeat for {minutes} min "
             f"(idle, or the watchdog is dead); stops the node",
             metric=cloudwatch.Metric(

@@ -6,16 +6,9 @@ the sandbox's bin directory (the PATH has no /usr/local). ssh-keygen, unzip, mou
 the scripts themselves are real."""
 
 import os
-import shlex
-import shutil
-import subprocess
-import zipfile
-from pathlib import Path
 
 import pytest
-from conftest import REPO
-
-from stacks.bootstrap import render_user_data
+from bootstrap_sandbox import DROPIN, FSTAB_LINE, LOCK_OPTION, Sandbox, host_paths
 
 # One worker runs them all: the bind targets below are the host's own paths, created for the module
 # and removed after it; a second worker removing them mid-test left a sandbox writing to the host.
@@ -24,99 +17,10 @@ pytestmark = [
     pytest.mark.xdist_group("bootstrap-host-paths"),
 ]
 
-OVERLAID = ["/data", "/etc/gpu-cluster", "/etc/systemd/system", "/var/lib/gpu-cluster", "/opt/gpu-cluster"]
-STANDINS = REPO / "tests" / "standins"
-# What a bare AMI lacks, and the bootstrap installs (the apt-get stand-in links them back in).
-INSTALLABLE = ("docker", "nvidia-ctk", "mount.nfs4")
-DROPIN = "systemd/docker.service.d/gpu-cluster-data.conf"
-LOCK_OPTION = "-o DPkg::Lock::Timeout=300"
-FSTAB_LINE = (
-    "fs-0123abcd.efs.eu-west-1.amazonaws.com:/ /data nfs4 nfsvers=4.1,rsize=1048576,"
-    "wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev 0 0"
-)
-ENV = {
-    "CLUSTER_NAME": "testcluster",
-    "NODE_RANK": "0",
-    "NODES": "2",
-    "FILE_SYSTEM_ID": "fs-0123abcd",
-    "AWS_REGION": "eu-west-1",
-    "STACK_NAME": "GpuCluster-test",
-    "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
-    "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
-    "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
-    "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key",
-    "IDLE_MINUTES": "45",
-}
-
 
 @pytest.fixture(scope="module", autouse=True)
 def mountpoints():
-    created = [p for p in OVERLAID if not os.path.exists(p)]
-    for path in created:
-        os.makedirs(path)
-    yield
-    for path in reversed(created):
-        shutil.rmtree(path, ignore_errors=True)
-
-
-class Sandbox:
-    def __init__(self, root: Path, bare: bool = False):
-        self.root = root
-        for name in ("efs", "etc-gpu-cluster", "systemd", "state", "opt", "work", "bin"):
-            (root / name).mkdir()
-        (root / "image-context").write_text("s3://cdk-assets/abc.zip abc123\n")
-        for standin in STANDINS.iterdir():
-            if not (bare and standin.name in INSTALLABLE):
-                (root / "bin" / standin.name).symlink_to(standin)
-        (root / "fstab").write_text("# original fstab\nUUID=abc / ext4 defaults 0 1\n")
-        with zipfile.ZipFile(root / "context.zip", "w") as archive:
-            for part in ("docker", "autostop"):
-                for path in (REPO / "assets" / part).iterdir():
-                    archive.write(path, f"{part}/{path.name}")
-        # The user-data exactly as the stack renders it, with plain values for the tokens.
-        (root / "user-data.sh").write_text("#!/bin/bash\n" + render_user_data(ENV))
-
-    def run(self, **env) -> subprocess.CompletedProcess:
-        binds = {
-            "/etc/fstab": self.root / "fstab",
-            "/etc/gpu-cluster": self.root / "etc-gpu-cluster",
-            "/etc/systemd/system": self.root / "systemd",
-            "/var/lib/gpu-cluster": self.root / "state",
-            "/opt/gpu-cluster": self.root / "opt",
-            "/usr/local/sbin": self.root / "work",
-        }
-        if (self.root / "efs-mounted").exists():  # the machine keeps /data mounted between runs
-            binds["/data"] = self.root / "efs"
-        script = "; ".join(
-            ["set -e"]
-            + [f"/usr/bin/mount --bind {shlex.quote(str(src))} {target}" for target, src in binds.items()]
-            + [f"exec bash {shlex.quote(str(self.root / 'user-data.sh'))}"]
-        )
-        environment = dict(
-            os.environ,
-            SANDBOX=str(self.root),
-            PATH=f"{self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
-            MOUNT_RETRY_SECONDS="0",
-            **env,
-        )
-        return subprocess.run(
-            ["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script],
-            capture_output=True,
-            text=True,
-            env=environment,
-            timeout=120,
-        )
-
-    def calls(self) -> list[str]:
-        path = self.root / "calls.log"
-        return path.read_text().splitlines() if path.exists() else []
-
-    def snapshot(self) -> dict:
-        return {
-            str(p.relative_to(self.root)): (p.stat().st_mtime_ns, p.read_bytes())
-            for p in sorted(self.root.rglob("*"))
-            if p.is_file() and p.name != "calls.log" and "bootstrap.log" not in p.name and "docker-" not in p.name
-        }
+    yield from host_paths()
 
 
 @pytest.fixture
@@ -221,7 +125,8 @@ def test_the_instance_store_is_mounted_into_the_container_when_the_node_has_one(
 def test_docker_starts_only_after_data_is_mounted_on_a_reboot(sandbox):
     result = sandbox.run()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (sandbox.root / DROPIN).read_text() == "[Unit]\nRequiresMountsFor=/data\n"
+    dropin = "[Unit]\nRequires=gpu-cluster-data.service\nAfter=gpu-cluster-data.service\n"
+    assert (sandbox.root / DROPIN).read_text() == dropin  # the retrying mount (test_bootstrap_every_boot)
     calls = sandbox.calls()
     # The unit is reloaded after the fstab line exists (systemd generates data.mount from it).
     assert calls.index("systemctl daemon-reload") < calls.index("mount /data")

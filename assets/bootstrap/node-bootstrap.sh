@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU cluster node bootstrap. Idempotent: a second run changes nothing.
-#   node-bootstrap.sh /etc/gpu-cluster/bootstrap.env
+#   node-bootstrap.sh /etc/gpu-cluster/bootstrap.env [bootstrap|reset-alarm|stop-failed]
+# (reset-alarm: a unit at every boot; stop-failed: the timer a failed bootstrap leaves)
 # Steps: docker + NVIDIA toolkit, EFS at /data (fstab), image context (S3), cluster SSH identity
 # (once, on /data),
 # training image, training container (sshd on 4444), ready marker, CloudFormation signal.
@@ -13,11 +14,12 @@ set -eEuo pipefail
 shopt -s inherit_errexit
 
 ENV_FILE=${1:-/etc/gpu-cluster/bootstrap.env}
+MODE=${2:-bootstrap}
 # shellcheck source=/dev/null
 source "$ENV_FILE"
 : "${CLUSTER_NAME:?}" "${NODE_RANK:?}" "${FILE_SYSTEM_ID:?}" "${AWS_REGION:?}" "${STACK_NAME:?}"
 : "${SIGNAL_RESOURCE:?}" "${BASE_IMAGE:?}" "${IMAGE_CONTEXT_PARAMETER:?}"
-: "${HOST_KEY_PARAMETER:?}"
+: "${HOST_KEY_PARAMETER:?}" "${IDLE_ALARM:?}" "${HEARTBEAT_NAMESPACE:?}"
 
 DATA_DIR=/data
 STATE_DIR=/var/lib/gpu-cluster
@@ -29,12 +31,13 @@ MOUNT_RETRY_SECONDS=${MOUNT_RETRY_SECONDS:-10}
 # unattended-upgrades holds the dpkg lock in the first minutes after boot: apt-get waits this long.
 APT_LOCK_TIMEOUT=${APT_LOCK_TIMEOUT:-300}
 APT_UPDATE_ATTEMPTS=${APT_UPDATE_ATTEMPTS:-30}
-DOCKER_DROPIN=/etc/systemd/system/docker.service.d/gpu-cluster-data.conf
+UNITS=/etc/systemd/system
+DOCKER_DROPIN=$UNITS/docker.service.d/gpu-cluster-data.conf
+SELF=/usr/local/sbin/gpu-cluster-bootstrap
+KEEP_RUNNING=$STATE_DIR/keep-running
+FAILED_STOP_MINUTES=45
 IMDS=http://169.254.169.254/latest
-
-install -d -m 0755 "$STATE_DIR"
-exec > >(tee -a "$STATE_DIR/bootstrap.log") 2>&1
-STEP=start
+STEP=$MODE
 
 log() { echo "$(date -u +%FT%TZ) [node$NODE_RANK/$STEP] $*"; }
 
@@ -58,11 +61,58 @@ on_error() {  # runs where the command failed: the main shell or a subshell of i
   exec >&2  # in a command substitution stdout is captured; the log is on stderr
   log "FAILED (exit $code); see $STATE_DIR/bootstrap.log"
   signal FAILURE "$STEP" || log "could not signal CloudFormation"
+  schedule_failed_stop || log "could not schedule this node's stop"
   # A subshell ends the main script too: it must neither go on nor signal a second time.
   [[ $BASHPID == "$$" ]] || kill -TERM "$$"
   exit "$code"
 }
-trap on_error ERR
+
+# A failed node has no watchdog and no alarm (created after SUCCESS): with `cdk deploy --no-rollback`
+# it would bill on. It stops itself later, time enough to log in and read the log, unless kept.
+schedule_failed_stop() {
+  [[ -f $STATE_DIR/failed-stop ]] && return 0
+  systemd-run --unit=gpu-cluster-failed-stop --on-active="${FAILED_STOP_MINUTES}min" \
+    --description="GPU cluster: stop this node, its bootstrap failed" "$SELF" "$ENV_FILE" stop-failed
+  touch "$STATE_DIR/failed-stop"
+  log "this node stops itself in $FAILED_STOP_MINUTES min; to keep it: sudo touch $KEEP_RUNNING"
+}
+
+stop_failed() {
+  if [[ -e $KEEP_RUNNING ]]; then log "$KEEP_RUNNING exists: not stopping"; return 0; fi
+  log "the bootstrap failed $FAILED_STOP_MINUTES min ago: stopping this node"
+  # StopInstances stops whatever the instance's shutdown behaviour, and persistent Spot allows a stop.
+  aws ec2 stop-instances --region "$AWS_REGION" --instance-ids "$(imds meta-data/instance-id)" >/dev/null \
+    || systemctl poweroff  # EBS-backed: an OS shutdown stops by default
+}
+
+cancel_failed_stop() {  # a bootstrap that succeeds after a failed one (run again by hand)
+  [[ -f $STATE_DIR/failed-stop ]] || return 0
+  systemctl stop gpu-cluster-failed-stop.timer || true
+  rm -f "$STATE_DIR/failed-stop"
+  log "the scheduled stop is cancelled"
+}
+
+# An alarm acts only on a change of state: one left in ALARM by a long stop never stops the node
+# again. At every boot (a host unit: the container may never come back) it goes back to OK, after a
+# busy beat CloudWatch already serves; else it would be ALARM again within seconds, the window
+# being all missing (breaching) data, and stop the node it just let start.
+reset_alarm() {
+  local id metric=(--region "$AWS_REGION" --namespace "$HEARTBEAT_NAMESPACE" --metric-name Busy) attempt error
+  id=$(imds meta-data/instance-id)
+  aws cloudwatch put-metric-data "${metric[@]}" --dimensions "InstanceId=$id" --value 1
+  for ((attempt = 1; attempt <= 30; attempt++)); do
+    [[ $(aws cloudwatch get-metric-statistics "${metric[@]}" --dimensions "Name=InstanceId,Value=$id" \
+      --start-time "$(date -u -d -10min +%FT%TZ)" --end-time "$(date -u -d +1min +%FT%TZ)" --period 60 \
+      --statistics Maximum --query 'max(Datapoints[].Maximum)' --output text) == 1* ]] && break
+    sleep 10
+  done
+  ((attempt <= 30)) || log "the boot beat is not served after 5 min; resetting anyway"
+  if ! error=$(aws cloudwatch set-alarm-state --region "$AWS_REGION" --alarm-name "$IDLE_ALARM" \
+    --state-value OK --state-reason "node $id booted" 2>&1); then
+    [[ $error == *ResourceNotFound* ]] || { log "$error"; return 1; }
+    log "no idle alarm $IDLE_ALARM (idle_minutes=0): nothing to reset"
+  fi
+}
 
 apt_get() {
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$APT_LOCK_TIMEOUT" -yq "$@"
@@ -94,30 +144,49 @@ ensure_docker() {
   systemctl enable --now docker
 }
 
-docker_after_data() {
-  # On a reboot or `fab start` the container (--restart unless-stopped) comes back with dockerd:
-  # order dockerd after the /data mount unit (the fstab line, _netdev), and require it.
-  local dropin
-  dropin=$(printf '[Unit]\nRequiresMountsFor=%s' "$DATA_DIR")
-  [[ -f $DOCKER_DROPIN && $(< "$DOCKER_DROPIN") == "$dropin" ]] && return 0
-  log "docker.service requires the $DATA_DIR mount"
-  install -d -m 0755 "$(dirname "$DOCKER_DROPIN")"
-  printf '%s\n' "$dropin" > "$DOCKER_DROPIN.tmp"
-  mv "$DOCKER_DROPIN.tmp" "$DOCKER_DROPIN"
+install_unit() {  # install_unit PATH CONTENT: write it if it changed; 0 when it did
+  [[ -f $1 && $(< "$1") == "$2" ]] && return 1
+  install -d -m 0755 "$(dirname "$1")"
+  printf '%s\n' "$2" > "$1.tmp"
+  mv "$1.tmp" "$1"
+}
+
+boot_units() {
+  # systemd.mount(5) has no Restart=: a /data mount that fails once at boot (DNS, the mount target)
+  # would stay failed, and dockerd (whose container, --restart unless-stopped, needs /data) with it.
+  # This oneshot retries until /data is mounted; dockerd's start waits for it (After=).
+  local changed=0 retry="until mountpoint -q $DATA_DIR || mount $DATA_DIR; do sleep 10; done"
+  install_unit "$UNITS/gpu-cluster-data.service" "$(printf '%s\n' "[Unit]" \
+    "Description=GPU cluster: mount $DATA_DIR (EFS), retrying until it is mounted" \
+    "Wants=network-online.target" "After=network-online.target data.mount" "[Service]" "Type=oneshot" \
+    "RemainAfterExit=yes" "TimeoutStartSec=infinity" "ExecStart=/bin/sh -c '$retry'" \
+    "[Install]" "WantedBy=multi-user.target")" && changed=1
+  install_unit "$DOCKER_DROPIN" "$(printf '%s\n' "[Unit]" "Requires=gpu-cluster-data.service" \
+    "After=gpu-cluster-data.service")" && changed=1
+  install_unit "$UNITS/gpu-cluster-idle-alarm.service" "$(printf '%s\n' "[Unit]" \
+    "Description=GPU cluster: this node's idle alarm back to OK at boot" \
+    "Wants=network-online.target" "After=network-online.target" "[Service]" "Type=oneshot" \
+    "ExecStart=$SELF $ENV_FILE reset-alarm" "[Install]" "WantedBy=multi-user.target")" && changed=1
+  ((changed)) || return 0
+  log "boot units: $DATA_DIR mount with retries (dockerd after it), idle alarm reset"
   systemctl daemon-reload
+  systemctl enable gpu-cluster-data.service gpu-cluster-idle-alarm.service
 }
 
 mount_efs() {
   STEP=mount-efs
   local source="$FILE_SYSTEM_ID.efs.$AWS_REGION.amazonaws.com:/"
+  # AWS's recommended options, _netdev and nofail (boot even without it); lookupcache=positive:
+  # a name not found is asked again, so a STOP written from another node shows at once (nfs(5)).
   local options=nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev
+  options+=,nofail,lookupcache=positive
   command -v mount.nfs4 >/dev/null || apt_install nfs-common
   install -d -m 0755 "$DATA_DIR"
   if ! awk -v dir="$DATA_DIR" '$2 == dir { found = 1 } END { exit !found }' /etc/fstab; then
     log "adding $DATA_DIR to /etc/fstab"
     echo "$source $DATA_DIR nfs4 $options 0 0" >> /etc/fstab
   fi
-  docker_after_data
+  boot_units
   local attempt
   for ((attempt = 1; attempt <= MOUNT_ATTEMPTS; attempt++)); do
     if mountpoint -q "$DATA_DIR" || mount "$DATA_DIR"; then return 0; fi
@@ -210,9 +279,19 @@ mark_ready() {
     signal SUCCESS
     touch "$STATE_DIR/signalled"
   fi
+  cancel_failed_stop
   log "node ready"
 }
 
+case $MODE in
+  bootstrap) ;;
+  reset-alarm) reset_alarm; exit ;;
+  stop-failed) stop_failed; exit ;;
+  *) echo "unknown mode $MODE: bootstrap, reset-alarm or stop-failed" >&2; exit 2 ;;
+esac
+install -d -m 0755 "$STATE_DIR"
+exec > >(tee -a "$STATE_DIR/bootstrap.log") 2>&1
+trap on_error ERR
 ensure_docker
 mount_efs
 fetch_image_context

@@ -1,0 +1,120 @@
+"""The bootstrap sandbox (see tests/test_bootstrap.py): a private mount namespace where /etc/fstab,
+/data, /etc/gpu-cluster, /etc/systemd/system, /var/lib/gpu-cluster, /opt/gpu-cluster and
+/usr/local/sbin are sandbox directories, and machine-changing commands are recording stand-ins."""
+
+import os
+import shlex
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+from conftest import REPO
+
+from stacks.bootstrap import render_user_data
+
+OVERLAID = ["/data", "/etc/gpu-cluster", "/etc/systemd/system", "/var/lib/gpu-cluster", "/opt/gpu-cluster"]
+STANDINS = REPO / "tests" / "standins"
+# What a bare AMI lacks, and the bootstrap installs (the apt-get stand-in links them back in).
+INSTALLABLE = ("docker", "nvidia-ctk", "mount.nfs4")
+DROPIN = "systemd/docker.service.d/gpu-cluster-data.conf"
+LOCK_OPTION = "-o DPkg::Lock::Timeout=300"
+FSTAB_LINE = (
+    "fs-0123abcd.efs.eu-west-1.amazonaws.com:/ /data nfs4 nfsvers=4.1,rsize=1048576,"
+    "wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev,nofail,lookupcache=positive 0 0"
+)
+ENV = {
+    "CLUSTER_NAME": "testcluster",
+    "NODE_RANK": "0",
+    "NODES": "2",
+    "FILE_SYSTEM_ID": "fs-0123abcd",
+    "AWS_REGION": "eu-west-1",
+    "STACK_NAME": "GpuCluster-test",
+    "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
+    "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
+    "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
+    "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key",
+    "IDLE_MINUTES": "45",
+    "IDLE_ALARM": "testcluster-node0-idle",
+    "HEARTBEAT_NAMESPACE": "GpuCluster/Autostop",
+}
+
+
+def host_paths():
+    """For a module fixture: the bind targets, created on the host where missing, removed after."""
+    created = [p for p in OVERLAID if not os.path.exists(p)]
+    for path in created:
+        os.makedirs(path)
+    yield
+    for path in reversed(created):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Sandbox:
+    def __init__(self, root: Path, bare: bool = False):
+        self.root = root
+        for name in ("efs", "etc-gpu-cluster", "systemd", "state", "opt", "work", "bin"):
+            (root / name).mkdir()
+        (root / "image-context").write_text("s3://cdk-assets/abc.zip abc123\n")
+        for standin in STANDINS.iterdir():
+            if not (bare and standin.name in INSTALLABLE):
+                (root / "bin" / standin.name).symlink_to(standin)
+        (root / "fstab").write_text("# original fstab\nUUID=abc / ext4 defaults 0 1\n")
+        with zipfile.ZipFile(root / "context.zip", "w") as archive:
+            for part in ("docker", "autostop"):
+                for path in (REPO / "assets" / part).iterdir():
+                    archive.write(path, f"{part}/{path.name}")
+        # The user-data exactly as the stack renders it, with plain values for the tokens.
+        (root / "user-data.sh").write_text("#!/bin/bash\n" + render_user_data(ENV))
+
+    def run(self, **env) -> subprocess.CompletedProcess:
+        """The user data, as cloud-init runs it at the first boot."""
+        return self.command(f"bash {shlex.quote(str(self.root / 'user-data.sh'))}", **env)
+
+    def command(self, command: str, **env) -> subprocess.CompletedProcess:
+        """Any shell command (a unit's ExecStart, a scheduled one) on the sandboxed machine."""
+        binds = {
+            "/etc/fstab": self.root / "fstab",
+            "/etc/gpu-cluster": self.root / "etc-gpu-cluster",
+            "/etc/systemd/system": self.root / "systemd",
+            "/var/lib/gpu-cluster": self.root / "state",
+            "/opt/gpu-cluster": self.root / "opt",
+            "/usr/local/sbin": self.root / "work",
+        }
+        if (self.root / "efs-mounted").exists():  # the machine keeps /data mounted between runs
+            binds["/data"] = self.root / "efs"
+        script = "; ".join(
+            ["set -e"]
+            + [f"/usr/bin/mount --bind {shlex.quote(str(src))} {target}" for target, src in binds.items()]
+            + [f"exec {command}"]
+        )
+        environment = dict(
+            os.environ,
+            SANDBOX=str(self.root),
+            PATH=f"{self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
+            MOUNT_RETRY_SECONDS="0",
+            **env,
+        )
+        return subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=120,
+        )
+
+    def calls(self) -> list[str]:
+        path = self.root / "calls.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def snapshot(self) -> dict:
+        return {
+            str(p.relative_to(self.root)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(self.root.rglob("*"))
+            if p.is_file() and p.name != "calls.log" and "bootstrap.log" not in p.name and "docker-" not in p.name
+        }
+
+
+def unit_value(unit: Path, key: str) -> list[str]:
+    """Every value of `key=` in a systemd unit file."""
+    return [line.split("=", 1)[1] for line in unit.read_text().splitlines() if line.startswith(f"{key}=")]
