@@ -99,15 +99,11 @@ class GpuClusterStack(Stack):
                 ),
             ),
             Acknowledgment(
-                id="AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/"
-                "AmazonSSMManagedInstanceCore]",
-                reason="AWS's minimal, maintained policy for Session Manager access to the nodes.",
-            ),
-            Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                reason="ec2:DescribeInstances and cloudwatch:PutMetricData have no resource-level "
-                "permissions: the autostop watchdog finds this cluster's instances by tag, and "
-                "may publish its heartbeat only to its own namespace (cloudwatch:namespace).",
+                reason="ec2:DescribeInstances, cloudwatch:PutMetricData and Session Manager's agent actions "
+                "(ssm:UpdateInstanceInformation, ssmmessages:*Channel) have no resource-level permissions: "
+                "the autostop watchdog finds this cluster's instances by tag, may publish its heartbeat only "
+                "to its own namespace (cloudwatch:namespace), and SSM Agent opens only its own node's channels.",
             ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-EC28",
@@ -139,7 +135,7 @@ class GpuClusterStack(Stack):
                 id=nist + "VPCSubnetAutoAssignPublicIpDisabled",
                 reason=(
                     "A public subnet is the default (no NAT gateway to pay for); the security group admits only "
-                    "ssh_cidr on 22/4444 (none with access=ssm) and the cluster itself. With private_subnet "
+                    "ssh_cidr on 4444 (none with access=ssm) and the cluster itself. With private_subnet "
                     "it holds only the NAT gateway."
                 ),
             ),
