@@ -52,6 +52,13 @@ class GpuClusterStack(Stack):
             file_system=self.storage.file_system,
         )
         self._acknowledge_findings()
+        Validations.of(self.nodes).acknowledge(
+            Acknowledgment(
+                id="CloudFormation-Validate::W9010",
+                reason="The AMI id is pinned on purpose (fab preflight, or -c ami_id): an SSM parameter resolved "
+                "at every deploy would replace every node after each Deep Learning AMI release.",
+            )
+        )
         self._acknowledge_nist_findings()
         if config.efa_note:
             Annotations.of(self).add_warning_v2("gpu-cluster:efa", config.efa_note)

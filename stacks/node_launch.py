@@ -19,7 +19,7 @@ from constructs import Construct
 
 from .spot import make_spot
 
-IMDS_OPTIONS = {"http_tokens": "required", "http_put_response_hop_limit": 1}
+IMDS_TOKENS, IMDS_HOP_LIMIT = "required", 1
 
 
 def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:
@@ -77,7 +77,9 @@ def attach_launch_template(
         scope,
         f"Node{rank}LaunchTemplate",
         launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
-            metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(**IMDS_OPTIONS),
+            metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(
+                http_tokens=IMDS_TOKENS, http_put_response_hop_limit=IMDS_HOP_LIMIT
+            ),
             network_interfaces=_interfaces(efa_cards, subnet, security_group, public) if efa_cards else None,
         ),
     )

@@ -22,13 +22,13 @@ def synth_config(context: Mapping[str, Any] | Callable[[str], Any], region: Opti
     get = context if callable(context) else context.get
     config = ClusterConfig.from_context(get, region=region)
     check_reachable(config)
-    preflight = f"run `fab preflight --instance-type {config.instance_type}` first"
+    preflight = f"run `fab preflight --instance-type {config.instance_type}`"
     if not (config.availability_zone or config.vpc_id or config.subnet_id):
         raise ConfigError(
             "availability_zone",
             None,
             f"no AZ checked for {config.instance_type} in {region or 'this region'}: "
-            f"{preflight}, or pass -c availability_zone=...",
+            f"{preflight} first, or pass -c availability_zone=...",
         )
     return replace(config, ami_id=config.ami_id or _cached_ami(config, get, region, preflight))
 
@@ -51,7 +51,7 @@ def _cached_ami(config: ClusterConfig, get: Callable[[str], Any], region: Option
             "ami_id",
             None,
             f"no AMI pinned for {config.ami_parameter} in {region or 'this region'}: "
-            f"{preflight}, or pass -c ami_id=...",
+            f"{preflight} first, or pass -c ami_id=...",
         )
     if not isinstance(pinned, str) or not AMI_ID_RE.match(pinned):
         raise ConfigError("ami_id", pinned, f"the cached AMI is not an AMI id: {preflight} again")

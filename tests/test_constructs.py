@@ -229,7 +229,7 @@ def test_the_ami_is_the_dlami_whose_driver_supports_the_family(instance_type, fl
     from stacks.instance_types import AMI_PARAMETERS
 
     pinned = {
-        ami_context_key("us-east-1", path): f"ami-0{i}{i * 15}0" for i, path in enumerate(AMI_PARAMETERS.values())
+        ami_context_key("us-east-1", path): f"ami-0{str(i) * 16}" for i, path in enumerate(AMI_PARAMETERS.values())
     }
     expected = pinned[ami_context_key("us-east-1", AMI_PARAMETERS[flavour])]
     template = _cluster(region="us-east-1", instance_type=instance_type, ami_id=None, **pinned)
