@@ -18,8 +18,11 @@ test: setup  # everything else on two workers, then the emulated cluster alone (
 	python -m pytest -n 2 --dist loadgroup -m "not cluster"
 	python -m pytest -m cluster
 
+# Offline synth pins what `fab preflight` would (synth refuses to guess the AZ or the AMI) and a
+# documentation address (RFC 5737) as ssh_cidr: a template to read and lint, not one to deploy.
+SYNTH_CONTEXT := -c ssh_cidr=203.0.113.7/32 -c availability_zone=us-east-1a -c ami_id=ami-0123456789abcdef0
 synth: setup
-	cdk synth --no-notices -q
+	cdk synth --no-notices -q $(SYNTH_CONTEXT)
 
 LINTED := stacks clusterops fabfile app.py tests scripts assets
 lint: setup  # ruff (lint and format), mypy, shellcheck, cfn-lint on the synthesized template
@@ -27,7 +30,7 @@ lint: setup  # ruff (lint and format), mypy, shellcheck, cfn-lint on the synthes
 	ruff format --check $(LINTED)
 	mypy --explicit-package-bases stacks clusterops fabfile app.py assets/train assets/autostop/autostop.py assets/autostop/spotwatch.py assets/contract.py
 	shellcheck $$(git ls-files '*.sh')
-	cdk synth --no-notices -q -o cdk.out && cfn-lint cdk.out/*.template.json
+	cdk synth --no-notices -q -o cdk.out $(SYNTH_CONTEXT) && cfn-lint cdk.out/*.template.json
 
 lock:  # after editing a requirements file: pin every package, transitive ones included, with hashes
 	.venv/bin/uv pip compile requirements-dev.txt --generate-hashes --find-links /opt/wheels \

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """CDK entry point: reads context once, validates it, composes the cluster stack.
 
-npx cdk synth -c nodes=3 -c ssh_cidr=203.0.113.7/32
-npx cdk deploy  -c ssh_cidr=$(curl -s https://checkip.amazonaws.com)/32
+fab preflight --instance-type g4dn.2xlarge   # pins the AZ and the AMI in cdk.context.json
+npx cdk deploy -c ssh_cidr=$(curl -s https://checkip.amazonaws.com)/32
+npx cdk synth -c nodes=3 -c ssh_cidr=203.0.113.7/32 -c availability_zone=us-east-1a -c ami_id=ami-0123456789abcdef0
 """
 
 import os
@@ -12,12 +13,12 @@ import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
 from stacks.cluster_stack import GpuClusterStack
-from stacks.config import ClusterConfig
+from stacks.pins import synth_config
 
 app = cdk.App()
 region = os.environ.get("CDK_DEFAULT_REGION")
 try:
-    config = ClusterConfig.from_context(app.node.try_get_context, region=region)
+    config = synth_config(app.node.try_get_context, region=region)  # refuses to guess the AZ or the AMI
     stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
     GpuClusterStack(
         app,

@@ -22,6 +22,18 @@ def image_context_parameter(cluster_name: str) -> str:
     return parameter_prefix(cluster_name) + "image-context"
 
 
+def idle_minutes_parameter(cluster_name: str) -> str:
+    """The watchdog's idle_minutes, outside user data (a change there would replace every node);
+    the bootstrap reads it when it starts the container."""
+    return parameter_prefix(cluster_name) + "idle-minutes"
+
+
+def dashboard_name(cluster_name: str, region: str) -> str:
+    """CloudWatch dashboard names are global to the account: one per cluster and region
+    (at most 255 of A-Z a-z 0-9 - _; a region name fits)."""
+    return f"{cluster_name}-{region}"
+
+
 # The stack's outputs (stacks/cluster_stack.py) that the inventory (clusterops/inventory.py) reads.
 OUTPUT_KEYS = (
     "ClusterName",

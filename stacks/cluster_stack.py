@@ -52,6 +52,13 @@ class GpuClusterStack(Stack):
             file_system=self.storage.file_system,
         )
         self._acknowledge_findings()
+        Validations.of(self.nodes).acknowledge(
+            Acknowledgment(
+                id="CloudFormation-Validate::W9010",
+                reason="The AMI id is pinned on purpose (fab preflight, or -c ami_id): an SSM parameter resolved "
+                "at every deploy would replace every node after each Deep Learning AMI release.",
+            )
+        )
         self._acknowledge_nist_findings()
         if config.efa_note:
             Annotations.of(self).add_warning_v2("gpu-cluster:efa", config.efa_note)
@@ -99,16 +106,13 @@ class GpuClusterStack(Stack):
                 ),
             ),
             Acknowledgment(
-                id="AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/"
-                "AmazonSSMManagedInstanceCore]",
-                reason="AWS's minimal, maintained policy for Session Manager access to the nodes.",
-            ),
-            Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
-                reason="ec2:DescribeInstances, cloudwatch:PutMetricData and cloudwatch:GetMetricStatistics "
-                "have no resource-level permissions: the autostop watchdog finds this cluster's instances "
-                "by tag, may publish its heartbeat only to its own namespace (cloudwatch:namespace), and "
-                "at boot a node reads its own beat back before it resets its idle alarm (read only).",
+                reason="ec2:DescribeInstances, cloudwatch:PutMetricData, cloudwatch:GetMetricStatistics and "
+                "Session Manager's agent actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) have no "
+                "resource-level permissions: the autostop watchdog finds this cluster's instances by tag, may "
+                "publish its heartbeat only to its own namespace (cloudwatch:namespace), at boot a node reads its "
+                "own beat back before it resets its idle alarm (read only), and SSM Agent opens only its own "
+                "node's channels.",
             ),
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-EC28",
@@ -140,7 +144,7 @@ class GpuClusterStack(Stack):
                 id=nist + "VPCSubnetAutoAssignPublicIpDisabled",
                 reason=(
                     "A public subnet is the default (no NAT gateway to pay for); the security group admits only "
-                    "ssh_cidr on 22/4444 (none with access=ssm) and the cluster itself. With private_subnet "
+                    "ssh_cidr on 4444 (none with access=ssm) and the cluster itself. With private_subnet "
                     "it holds only the NAT gateway."
                 ),
             ),

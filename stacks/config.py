@@ -48,6 +48,7 @@ def choose_availability_zone(explicit: Optional[str], offered: Optional[Sequence
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 _IMAGE_RE = re.compile(r"^(?=.{1,255}$)[a-z0-9.\-/:]+:[A-Za-z0-9._-]{1,128}$")  # Docker's limits
 _SSM_RE = re.compile(r"^/[A-Za-z0-9_./-]+$")
+AMI_ID_RE = re.compile(r"^ami-([0-9a-f]{8}|[0-9a-f]{17})$")  # EC2's two id lengths
 _VPC_RE = re.compile(r"^vpc-[0-9a-f]{8,17}$")
 _SUBNET_RE = re.compile(r"^subnet-[0-9a-f]{8,17}$")
 _AZ_RE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$")
@@ -181,6 +182,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     "ami_ssm_parameter": _optional(
         lambda k, v: _as_str(k, v, _SSM_RE, "expected an SSM parameter path starting with '/'")
     ),
+    "ami_id": _optional(lambda k, v: _as_str(k, v, AMI_ID_RE, "expected an AMI id, e.g. ami-0123456789abcdef0")),
     "retain_data": _as_bool,
     "placement_group": _as_bool,
     "flow_logs": _as_bool,
@@ -210,6 +212,7 @@ class ClusterConfig:
     root_volume_gb: int = 200
     image: str = DEFAULT_IMAGE
     ami_ssm_parameter: Optional[str] = None  # None: the DLAMI that supports the family
+    ami_id: Optional[str] = None  # the pinned AMI: -c ami_id, else what `fab preflight` cached (stacks/pins.py)
     retain_data: bool = False
     placement_group: bool = True
     flow_logs: bool = True  # rejected flows to a KMS-encrypted log group (new VPC only)

@@ -13,6 +13,7 @@ from aws_cdk import aws_efs as efs
 from constructs import Construct
 
 from assets.contract import METRIC_NAMESPACE as NODE_NAMESPACE
+from assets.contract import dashboard_name
 
 # What the watchdog (assets/autostop/autostop.py) publishes per node, dimension InstanceId.
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))
@@ -38,7 +39,9 @@ class ClusterDashboard(Construct):
     ) -> None:
         super().__init__(scope, construct_id)
         self.instances, self.file_system = list(instances), file_system
-        self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=name, default_interval=Duration.hours(3))
+        # Dashboard names are global to the account: the same cluster name in two regions must not collide.
+        self.name = dashboard_name(name, Aws.REGION)
+        self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=self.name, default_interval=Duration.hours(3))
         self.dashboard.add_widgets(
             *(_graph(title, self._per_node(NODE_NAMESPACE, metric), "%") for metric, title in GPU_METRICS)
         )
@@ -64,9 +67,7 @@ class ClusterDashboard(Construct):
                 [self._efs("PercentIOLimit", "Maximum"), self._efs("BurstCreditBalance", "Minimum")],
             ),
         )
-        self.url = (
-            f"https://{Aws.REGION}.console.aws.amazon.com/cloudwatch/home?region={Aws.REGION}#dashboards:name={name}"
-        )
+        self.url = f"https://{Aws.REGION}.console.aws.amazon.com/cloudwatch/home?region={Aws.REGION}#dashboards:name={self.name}"
 
     def _per_node(self, namespace: str, metric: str, statistic: str = "Average") -> list[cw.Metric]:
         return [

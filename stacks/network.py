@@ -1,6 +1,7 @@
 """Network: a VPC with one subnet for the nodes (or an existing subnet), and the node security group.
 
-Public (default): the nodes' subnet is public, no NAT; access=ssh admits ssh_cidr on 22 and 4444,
+Public (default): the nodes' subnet is public, no NAT; access=ssh admits ssh_cidr on 4444 (the
+training container's sshd, all that fab, mpirun and `fab ssh` use; the host's 22 stays closed),
 access=ssm admits nothing from outside the group. Private (access=ssm only): the nodes have no public
 IP; a NAT gateway in a small public subnet lets them pull the image, Session Manager is reached
 through interface endpoints, S3 through a (free) gateway endpoint.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import Aws, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
@@ -80,11 +81,10 @@ class ClusterNetwork(Construct):
             destination_security_group_id=self.security_group.security_group_id,
             description="all traffic between cluster members (EFA)",
         )
-        if ssh_cidr:
-            for port, what in ((22, "host SSH"), (CONTAINER_SSH_PORT, "training container SSH")):
-                self.security_group.add_ingress_rule(
-                    ec2.Peer.ipv4(ssh_cidr), ec2.Port.tcp(port), f"{what} from ssh_cidr"
-                )
+        if ssh_cidr:  # the container's sshd only: a host shell goes through Session Manager
+            self.security_group.add_ingress_rule(
+                ec2.Peer.ipv4(ssh_cidr), ec2.Port.tcp(CONTAINER_SSH_PORT), "training container SSH from ssh_cidr"
+            )
         if private_subnet:
             self._add_endpoints()
 
@@ -140,6 +140,8 @@ class ClusterNetwork(Construct):
     def _log_rejected_flows(self, vpc: ec2.Vpc) -> None:
         """Rejected flows only: a security record at negligible cost (accepted MPI traffic is huge),
         encrypted with the stack's own key ($1/month; scheduled for deletion by `cdk destroy`)."""
+        stack = Stack.of(self)
+        group_name = f"/gpu-cluster/{stack.stack_name}/rejected-flows"
         self.log_key = kms.Key(
             self,
             "FlowLogKey",
@@ -148,22 +150,49 @@ class ClusterNetwork(Construct):
             removal_policy=RemovalPolicy.DESTROY,
             description="Encrypts the cluster's VPC flow log",
         )
+        # CloudWatch Logs User Guide, "Encrypt log data in CloudWatch Logs using AWS KMS": the service
+        # may use the key only for this log group (the encryption context names it).
         self.log_key.add_to_resource_policy(
             iam.PolicyStatement(
                 actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
-                principals=[iam.ServicePrincipal(f"logs.{Stack.of(self).region}.amazonaws.com")],
+                principals=[iam.ServicePrincipal(f"logs.{stack.region}.amazonaws.com")],
                 resources=["*"],
+                conditions={
+                    "ArnEquals": {
+                        "kms:EncryptionContext:aws:logs:arn": (
+                            f"arn:{Aws.PARTITION}:logs:{Aws.REGION}:{Aws.ACCOUNT_ID}:log-group:{group_name}"
+                        )
+                    }
+                },
             )
         )
         flow_log_group = logs.LogGroup(
             self,
             "RejectedFlows",
+            log_group_name=group_name,
             retention=logs.RetentionDays.TWO_WEEKS,
             encryption_key=self.log_key,
             removal_policy=RemovalPolicy.DESTROY,
         )
         vpc.add_flow_log(
             "RejectedFlowLog",
-            destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group),
+            destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_log_group, self._flow_log_role()),
             traffic_type=ec2.FlowLogTrafficType.REJECT,
+        )
+
+    def _flow_log_role(self) -> iam.Role:
+        """Amazon VPC User Guide, "IAM role for publishing flow logs to CloudWatch Logs": aws:SourceAccount
+        and aws:SourceArn keep another account's flow log from using this role (confused deputy)."""
+        flow_logs = f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:vpc-flow-log/*"
+        return iam.Role(
+            self,
+            "FlowLogRole",
+            assumed_by=iam.ServicePrincipal(
+                "vpc-flow-logs.amazonaws.com",
+                conditions={
+                    "StringEquals": {"aws:SourceAccount": Aws.ACCOUNT_ID},
+                    "ArnLike": {"aws:SourceArn": flow_logs},
+                },
+            ),
+            description="VPC flow log delivery to the cluster's rejected-flows log group",
         )

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import jsii
 from aws_cdk import (
-    Aspects,
     Aws,
     CfnCreationPolicy,
     CfnResourceSignal,
@@ -38,11 +38,18 @@ from aws_cdk import (
 )
 from constructs import Construct
 
-from assets.contract import CLUSTER_TAG, METRIC_NAMESPACE, RANK_TAG, host_key_parameter, image_context_parameter
+from assets.contract import (
+    CLUSTER_TAG,
+    METRIC_NAMESPACE,
+    RANK_TAG,
+    host_key_parameter,
+    idle_minutes_parameter,
+    image_context_parameter,
+)
 
 from .bootstrap import check_user_data_size, render_user_data
 from .config import ClusterConfig, alarm_minutes
-from .spot import SpotLaunchTemplate, make_spot
+from .node_launch import attach_launch_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
@@ -62,27 +69,32 @@ def _cfn(instance: ec2.Instance) -> ec2.CfnInstance:
     return resource
 
 
-def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:
-    """Launch-template network interfaces for `cards` EFA cards (AWS's layout for multi-card types:
-    an ENA primary at card 0 device 0, EFA-only at card 0 device 1 and at device 0 of every other
-    card; one card: a single EFA-with-ENA interface, which may keep a public IP)."""
-    common = {"SubnetId": subnet_id, "Groups": [group_id], "DeleteOnTermination": True}
-    if cards == 1:
-        return [
-            {
-                **common,
-                "NetworkCardIndex": 0,
-                "DeviceIndex": 0,
-                "InterfaceType": "efa",
-                "AssociatePublicIpAddress": public,
-            }
-        ]
-    return [
-        {**common, "NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "interface"},
-        {**common, "NetworkCardIndex": 0, "DeviceIndex": 1, "InterfaceType": "efa-only"},
-    ] + [
-        {**common, "NetworkCardIndex": card, "DeviceIndex": 0, "InterfaceType": "efa-only"} for card in range(1, cards)
-    ]
+# AWS Systems Manager User Guide, "Create a custom IAM role for Session Manager": what SSM Agent needs
+# for sessions (fab's access=ssm proxy, `aws ssm start-session`). They have no resource-level
+# permissions. Session logging to S3/CloudWatch or KMS-encrypted sessions would need more: not used.
+SESSION_MANAGER_ACTIONS = (
+    "ssm:UpdateInstanceInformation",
+    "ssmmessages:CreateControlChannel",
+    "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel",
+    "ssmmessages:OpenDataChannel",
+)
+
+
+@jsii.implements(ec2.IMachineImage)
+class PinnedImage:
+    """The AMI id synth pinned (stacks/pins.py), as a literal ImageId: no SSM parameter resolved at
+    deploy, so a DLAMI release replaces no node."""
+
+    def __init__(self, ami_id: Optional[str]):
+        if not ami_id:
+            raise ValueError("no AMI pinned: build the config with stacks.pins.synth_config")
+        self.ami_id = ami_id
+
+    def get_image(self, scope: Construct) -> ec2.MachineImageConfig:
+        return ec2.MachineImageConfig(
+            image_id=self.ami_id, os_type=ec2.OperatingSystemType.LINUX, user_data=ec2.UserData.for_linux()
+        )
 
 
 def idle_alarm_name(cluster_name: str, rank: int) -> str:
@@ -121,6 +133,7 @@ class GpuNodes(Construct):
         self.role = self._node_role()
         self.host_key_parameter = self._host_key_parameter()
         self.image_context_parameter = self._image_context_parameter(config)
+        self.idle_minutes_parameter = self._idle_minutes_parameter(config)
         self._grant_stop_and_heartbeat(config)
         self.key_pair, self.key_parameter_name = self._key_pair(config)
         placement_group = (
@@ -128,7 +141,7 @@ class GpuNodes(Construct):
             if config.placement_group
             else None
         )
-        machine_image = ec2.MachineImage.from_ssm_parameter(config.ami_parameter)
+        machine_image = PinnedImage(config.ami_id)
         self.instances: list[ec2.Instance] = []
         for rank in range(config.nodes):
             instance = self._instance(config, rank, vpc, subnet, security_group, machine_image, placement_group)
@@ -148,8 +161,10 @@ class GpuNodes(Construct):
             "NodeRole",
             assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
             description="GPU cluster nodes: SSM sessions, bootstrap signal, image context",
-            managed_policies=[iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSSMManagedInstanceCore")],
         )
+        # Not AmazonSSMManagedInstanceCore: it allows ssm:GetParameter(s) on every parameter of the
+        # region (the generated /ec2/keypair/* private keys too), to any process on the node.
+        role.add_to_policy(iam.PolicyStatement(actions=list(SESSION_MANAGER_ACTIONS), resources=["*"]))
         role.add_to_policy(
             iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[Stack.of(self).stack_id])
         )
@@ -190,6 +205,20 @@ class GpuNodes(Construct):
         Tags.of(parameter).remove(CLUSTER_TAG, priority=200)
         return parameter
 
+    def _idle_minutes_parameter(self, config: ClusterConfig) -> ssm.StringParameter:
+        """idle_minutes outside user data, so changing it replaces no node; the bootstrap passes it to
+        the container it starts (new nodes, or a re-created container, get the new value)."""
+        parameter = ssm.StringParameter(
+            self,
+            "IdleMinutes",
+            parameter_name=idle_minutes_parameter(config.cluster_name),
+            string_value=str(config.idle_minutes),
+            description="Minutes the cluster may idle before its watchdog stops it (0: off)",
+        )
+        parameter.grant_read(self.role)
+        Tags.of(parameter).remove(CLUSTER_TAG, priority=200)
+        return parameter
+
     def _key_pair(self, config: ClusterConfig) -> tuple[ec2.IKeyPair, Optional[str]]:
         """The user's key pair by name, else a new one whose private key CDK keeps in SSM."""
         if config.key_name:
@@ -224,7 +253,7 @@ class GpuNodes(Construct):
             role=self.role,
             key_pair=self.key_pair,
             placement_group=placement_group,
-            require_imdsv2=not config.efa_cards,  # with EFA, its own launch template requires it
+            require_imdsv2=False,  # its own launch template requires IMDSv2 (stacks/node_launch.py)
             # no detailed monitoring: the idle alarm uses the heartbeat
             user_data_causes_replacement=True,
             propagate_tags_to_volume_on_creation=True,
@@ -260,7 +289,7 @@ class GpuNodes(Construct):
             "BASE_IMAGE": config.image,
             "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
             "HOST_KEY_PARAMETER": self.host_key_parameter_name,
-            "IDLE_MINUTES": str(config.idle_minutes),
+            "IDLE_MINUTES_PARAMETER": idle_minutes_parameter(config.cluster_name),
             "EFA_CARDS": str(config.efa_cards),
             "IDLE_ALARM": idle_alarm_name(config.cluster_name, rank),
             "HEARTBEAT_NAMESPACE": HEARTBEAT_NAMESPACE,
@@ -274,7 +303,10 @@ class GpuNodes(Construct):
         )
         # Mount targets must exist before the bootstrap mounts /data.
         instance.node.add_dependency(
-            file_system.mount_targets_available, self.host_key_parameter, self.image_context_parameter
+            file_system.mount_targets_available,
+            self.host_key_parameter,
+            self.image_context_parameter,
+            self.idle_minutes_parameter,
         )
 
     def _launch_options(
@@ -285,18 +317,18 @@ class GpuNodes(Construct):
         subnet: ec2.ISubnet,
         security_group: ec2.ISecurityGroup,
     ) -> None:
-        """EFA interfaces and Spot market options: both live in the node's launch template."""
-        efa_template = None
-        if config.efa_cards:
-            efa_template = self._attach_efa(
-                instance, rank, config.efa_cards, subnet, security_group, public=not config.private_subnet
-            )
-        if config.spot:
-            spot_tags = {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}
-            if efa_template is not None:
-                make_spot(efa_template, config.spot_max_price, spot_tags)
-            else:
-                Aspects.of(instance).add(SpotLaunchTemplate(config.spot_max_price, spot_tags))
+        """IMDS options, EFA interfaces and Spot market options: the node's own launch template."""
+        spot_tags = {CLUSTER_TAG: config.cluster_name, RANK_TAG: str(rank)}
+        attach_launch_template(
+            self,
+            rank,
+            instance,
+            efa_cards=config.efa_cards,
+            subnet=subnet,
+            security_group=security_group,
+            public=not config.private_subnet,
+            spot=(config.spot_max_price, spot_tags) if config.spot else None,
+        )
 
     def _grant_stop_and_heartbeat(self, config: ClusterConfig) -> None:
         """Always, even with idle_minutes=0 (`fab train --then-stop` stops the cluster from a node):
@@ -355,42 +387,3 @@ class GpuNodes(Construct):
         # Its Ref to the instance means CloudFormation creates it only once the node has signalled
         # (creation policy), i.e. its watchdog runs: no missing heartbeat during the bootstrap.
         return alarm
-
-    def _attach_efa(
-        self,
-        instance: ec2.Instance,
-        rank: int,
-        cards: int,
-        subnet: ec2.ISubnet,
-        security_group: ec2.ISecurityGroup,
-        public: bool,
-    ) -> ec2.CfnLaunchTemplate:
-        """EFA interfaces exist only in launch templates (AWS::EC2::Instance has no InterfaceType):
-        one per node, with IMDSv2 required; subnet and group move into the interfaces."""
-        interfaces = [
-            ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
-                subnet_id=i["SubnetId"],
-                groups=i["Groups"],
-                delete_on_termination=i["DeleteOnTermination"],
-                network_card_index=i["NetworkCardIndex"],
-                device_index=i["DeviceIndex"],
-                interface_type=i["InterfaceType"],
-                associate_public_ip_address=i.get("AssociatePublicIpAddress"),
-            )
-            for i in efa_interfaces(cards, subnet.subnet_id, security_group.security_group_id, public)
-        ]
-        template = ec2.CfnLaunchTemplate(
-            self,
-            f"Node{rank}EfaTemplate",
-            launch_template_data=ec2.CfnLaunchTemplate.LaunchTemplateDataProperty(
-                metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(http_tokens="required"),
-                network_interfaces=interfaces,
-            ),
-        )
-        cfn_instance = _cfn(instance)
-        cfn_instance.launch_template = ec2.CfnInstance.LaunchTemplateSpecificationProperty(
-            launch_template_id=template.ref, version=template.attr_latest_version_number
-        )
-        cfn_instance.add_property_deletion_override("SubnetId")
-        cfn_instance.add_property_deletion_override("SecurityGroupIds")
-        return template

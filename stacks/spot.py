@@ -1,5 +1,5 @@
-"""Spot nodes: the market options go on the launch template CDK gives each node (it makes one per
-instance to require IMDSv2; AWS::EC2::Instance itself has no market options).
+"""Spot nodes: the market options go on each node's own launch template (stacks/node_launch.py;
+AWS::EC2::Instance itself has no market options).
 
 EC2 contracts (Amazon EC2 User Guide, "Behavior of Spot Instance interruptions"; API reference,
 LaunchTemplateSpotMarketOptionsRequest and SpotMarketOptions):
@@ -18,10 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jsii
-from aws_cdk import IAspect
 from aws_cdk import aws_ec2 as ec2
-from constructs import IConstruct
 
 from .config import SPOT_INTERRUPTION, SPOT_REQUEST
 
@@ -58,20 +55,3 @@ def make_spot(template: ec2.CfnLaunchTemplate, max_price: Optional[float], tags:
             }
         ],
     )
-
-
-@jsii.implements(IAspect)
-class SpotLaunchTemplate:
-    """make_spot on the launch template of the ec2.Instance it is applied to. Runs after CDK's IMDSv2
-    aspect, which creates that template at synthesis."""
-
-    def __init__(self, max_price: Optional[float], tags: dict[str, str]):
-        self.max_price, self.tags = max_price, tags
-
-    def visit(self, node: IConstruct) -> None:
-        if not isinstance(node, ec2.Instance):
-            return
-        template = node.node.try_find_child("LaunchTemplate")
-        if not isinstance(template, ec2.CfnLaunchTemplate):
-            raise ValueError(f"{node.node.path}: no IMDSv2 launch template to make Spot (require_imdsv2 is off?)")
-        make_spot(template, self.max_price, self.tags)

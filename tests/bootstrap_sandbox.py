@@ -34,7 +34,7 @@ ENV = {
     "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
     "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
     "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key",
-    "IDLE_MINUTES": "45",
+    "IDLE_MINUTES_PARAMETER": "/gpu-cluster/testcluster/idle-minutes",  # the aws stand-in answers 45
     "IDLE_ALARM": "testcluster-node0-idle",
     "HEARTBEAT_NAMESPACE": "GpuCluster/Autostop",
 }

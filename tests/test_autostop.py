@@ -30,7 +30,7 @@ MIN = 60.0
 
 
 def _template(**context) -> Template:
-    config = ClusterConfig.from_context({"ssh_cidr": "203.0.113.0/24", **context})
+    config = ClusterConfig.from_context({"ssh_cidr": "203.0.113.0/24", "ami_id": "ami-0123456789abcdef0", **context})
     return Template.from_stack(GpuClusterStack(cdk.App(), "Cluster", config=config))
 
 

@@ -185,3 +185,68 @@ def test_a_spot_price_for_on_demand_nodes_is_refused_in_one_line():
     with pytest.raises(ConfigError) as caught:
         ClusterConfig.from_context({"spot_max_price": "0.45"})
     assert str(caught.value) == "invalid config spot_max_price=0.45: needs -c spot=true"
+
+
+# ---------------------------------------------------------------- what synth refuses to guess (issue 19 §4, §5, §13)
+
+PINNED = {"ssh_cidr": "203.0.113.7/32", "availability_zone": "us-east-1a", "ami_id": "ami-0123456789abcdef0"}
+
+
+def _synth_config(context, region="us-east-1"):
+    from stacks.pins import synth_config
+
+    return synth_config(context, region)
+
+
+def test_access_ssh_without_ssh_cidr_is_refused_at_synth_in_one_line():
+    """A cluster nothing can reach: a 30-45 minute deploy, then every task times out while it bills."""
+    context = {k: v for k, v in PINNED.items() if k != "ssh_cidr"}
+    with pytest.raises(ConfigError) as caught:
+        _synth_config(context)
+    message = str(caught.value)
+    assert caught.value.key == "ssh_cidr" and "\n" not in message
+    assert "-c ssh_cidr=" in message and "access=ssm" in message
+    assert _synth_config({**context, "access": "ssm"}).access == "ssm"
+
+
+@pytest.mark.parametrize("region", ["us-east-1", None])
+def test_an_unchecked_availability_zone_is_refused_in_one_line(region):
+    """An AZ name is per account, and big GPU types are offered in few AZs: without an explicit AZ,
+    an existing subnet or the offering `fab preflight` cached, synth does not guess."""
+    context = {**PINNED, "instance_type": "p4d.24xlarge", "availability_zone": None}
+    with pytest.raises(ConfigError) as caught:
+        _synth_config(context, region)
+    message = str(caught.value)
+    assert caught.value.key == "availability_zone" and "\n" not in message
+    assert "run `fab preflight --instance-type p4d.24xlarge` first, or pass -c availability_zone=" in message
+    cached = {**context, offerings_context_key("us-east-1", "p4d.24xlarge"): ["us-east-1f", "us-east-1c"]}
+    assert _synth_config(cached).availability_zone == "us-east-1c"
+    existing = {**context, "vpc_id": "vpc-0123456789abcdef0", "subnet_id": "subnet-0123456789abcdef0"}
+    existing["availability_zone"] = "us-east-1b"
+    assert _synth_config(existing).availability_zone == "us-east-1b"
+
+
+@pytest.mark.parametrize("region", ["us-east-1", None])
+def test_an_unpinned_ami_is_refused_in_one_line(region):
+    """`.../latest/ami-id` resolved at deploy replaces every node after a DLAMI release: synth takes
+    the id `fab preflight` pinned in cdk.context.json, or -c ami_id."""
+    from stacks.config import ami_context_key
+
+    context = {**PINNED, "ami_id": None}
+    with pytest.raises(ConfigError) as caught:
+        _synth_config(context, region)
+    message = str(caught.value)
+    assert caught.value.key == "ami_id" and "\n" not in message
+    assert "run `fab preflight --instance-type g4dn.2xlarge` first, or pass -c ami_id=" in message
+    cached = {**context, ami_context_key("us-east-1", AMI_PARAMETERS["oss"]): "ami-0fedcba9876543210"}
+    assert _synth_config(cached).ami_id == "ami-0fedcba9876543210"
+    assert _synth_config({**cached, "ami_id": "ami-01234567"}).ami_id == "ami-01234567"  # -c wins
+    with pytest.raises(ConfigError, match="ami_id"):  # a corrupt cache entry is not deployed
+        _synth_config({**context, ami_context_key("us-east-1", AMI_PARAMETERS["oss"]): "latest"})
+
+
+@pytest.mark.parametrize("value", ["ami-xyz", "ami-123", "i-0123456789abcdef0", "ami-0123456789ABCDEF0", "latest"])
+def test_a_bad_ami_id_is_rejected_with_one_line(value):
+    with pytest.raises(ConfigError) as caught:
+        ClusterConfig.from_context({"ami_id": value})
+    assert caught.value.key == "ami_id" and "\n" not in str(caught.value) and "expected" in str(caught.value)

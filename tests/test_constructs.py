@@ -12,9 +12,13 @@ from conftest import REPO, cdk_app
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.network import ClusterNetwork
+from stacks.pins import synth_config
 from stacks.storage import SharedStorage
 
 SSH_CIDR = "203.0.113.0/24"
+AMI = "ami-0123456789abcdef0"
+# What `fab preflight` pins (or -c gives): offline synth passes both explicitly.
+PINS = {"availability_zone": "us-east-1a", "ami_id": AMI}
 
 
 def _stack() -> cdk.Stack:
@@ -22,7 +26,7 @@ def _stack() -> cdk.Stack:
 
 
 def _cluster(region=None, **context) -> Template:
-    config = ClusterConfig.from_context({"ssh_cidr": SSH_CIDR, **context}, region=region)
+    config = synth_config({"ssh_cidr": SSH_CIDR, **PINS, **context}, region=region)
     return Template.from_stack(GpuClusterStack(cdk_app(), "Cluster", config=config))
 
 
@@ -44,7 +48,9 @@ def test_network_security_group_allows_all_traffic_only_from_itself_and_ssh_from
     )
     ingress = template.find_resources("AWS::EC2::SecurityGroup")
     rules = [r for res in ingress.values() for r in res["Properties"].get("SecurityGroupIngress", [])]
-    assert sorted(r["FromPort"] for r in rules) == [22, 4444]
+    # Only the container's sshd (4444) is used: fab, mpirun and `fab ssh` all go there; the host's
+    # port 22 stays closed (host shells go through Session Manager).
+    assert sorted((r["FromPort"], r["ToPort"]) for r in rules) == [(4444, 4444)]
     assert {r["CidrIp"] for r in rules} == {SSH_CIDR}
 
 
@@ -209,7 +215,7 @@ def test_the_policy_evaluator_refuses_what_efs_refuses():
 
 def test_the_subnet_is_in_an_az_that_offers_the_type():
     offered = {offerings_context_key("us-east-1", "p4d.24xlarge"): ["us-east-1f", "us-east-1c"]}
-    template = _cluster(region="us-east-1", instance_type="p4d.24xlarge", **offered)
+    template = _cluster(region="us-east-1", instance_type="p4d.24xlarge", availability_zone=None, **offered)
     template.resource_count_is("AWS::EC2::Subnet", 1)
     template.has_resource_properties("AWS::EC2::Subnet", {"AvailabilityZone": "us-east-1c"})
     pinned = _cluster(region="us-east-1", instance_type="p4d.24xlarge", availability_zone="us-east-1f", **offered)
@@ -218,12 +224,17 @@ def test_the_subnet_is_in_an_az_that_offers_the_type():
 
 @pytest.mark.parametrize("instance_type, flavour", [("g5.12xlarge", "oss"), ("p3.8xlarge", "proprietary")])
 def test_the_ami_is_the_dlami_whose_driver_supports_the_family(instance_type, flavour):
+    """The pin `fab preflight` cached for the family's DLAMI parameter becomes every node's ImageId."""
+    from stacks.config import ami_context_key
     from stacks.instance_types import AMI_PARAMETERS
 
-    template = _cluster(instance_type=instance_type).to_json()
-    defaults = [p.get("Default") for p in template["Parameters"].values()]
-    assert AMI_PARAMETERS[flavour] in defaults
-    assert not [d for d in defaults if d in AMI_PARAMETERS.values() and d != AMI_PARAMETERS[flavour]]
+    pinned = {
+        ami_context_key("us-east-1", path): f"ami-0{str(i) * 16}" for i, path in enumerate(AMI_PARAMETERS.values())
+    }
+    expected = pinned[ami_context_key("us-east-1", AMI_PARAMETERS[flavour])]
+    template = _cluster(region="us-east-1", instance_type=instance_type, ami_id=None, **pinned)
+    images = {i["Properties"]["ImageId"] for i in template.find_resources("AWS::EC2::Instance").values()}
+    assert images == {expected}
 
 
 @pytest.mark.parametrize("retain, policy", [(False, "Delete"), (True, "Retain")])
@@ -285,7 +296,7 @@ def test_world_ssh_appears_only_with_the_opt_in():
         for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
         for r in sg["Properties"].get("SecurityGroupIngress", [])
     ]
-    assert {r["CidrIp"] for r in rules} == {"0.0.0.0/0"} and {r["FromPort"] for r in rules} == {22, 4444}
+    assert {r["CidrIp"] for r in rules} == {"0.0.0.0/0"} and {r["FromPort"] for r in rules} == {4444}
 
 
 def _user_data(template: Template, rank: int) -> str:
@@ -336,20 +347,8 @@ def test_node_role_is_least_privilege():
     actions = sorted(a for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))
     assert "cloudformation:SignalResource" in actions and "ssm:PutParameter" in actions
     assert all("*" not in a for a in actions if not a.startswith("logs:"))
-    template.has_resource_properties(
-        "AWS::IAM::Role",
-        {
-            "ManagedPolicyArns": [
-                Match.object_like(
-                    {
-                        "Fn::Join": Match.array_with(
-                            [Match.array_with([":iam::aws:policy/AmazonSSMManagedInstanceCore"])]
-                        )
-                    }
-                )
-            ]
-        },
-    )
+    # No AWS managed policy: AmazonSSMManagedInstanceCore reads every parameter (test_stack_contracts.py).
+    assert not [r for r in template.find_resources("AWS::IAM::Role").values() if "ManagedPolicyArns" in r["Properties"]]
 
 
 def test_the_stack_creates_a_key_pair_whose_private_key_is_in_ssm_unless_one_is_named():
@@ -409,7 +408,7 @@ def _nodes_alone(assets_dir, **context) -> Template:
     GpuNodes(
         stack,
         "Nodes",
-        config=ClusterConfig.from_context({"nodes": "2", **context}),
+        config=ClusterConfig.from_context({"nodes": "2", "ami_id": AMI, **context}),
         vpc=vpc,
         subnet=vpc.public_subnets[0],
         security_group=group,
@@ -544,7 +543,7 @@ def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, 
     datas = _launch_templates(template)
     assert len(datas) == 3
     for data in datas:
-        assert data["MetadataOptions"] == {"HttpTokens": "required"}
+        assert data["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1}
         options = data["InstanceMarketOptions"]
         assert options["MarketType"] == "spot"
         spot = options["SpotOptions"]
@@ -659,4 +658,4 @@ def test_spot_nodes_with_efa_carry_the_market_options_in_their_efa_template():
         any(i["InterfaceType"] in ("efa", "efa-only") for i in d["NetworkInterfaces"]) for d in datas
     )
     assert all(d["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == "stop" for d in datas)
-    assert all(d["MetadataOptions"] == {"HttpTokens": "required"} for d in datas)
+    assert all(d["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1} for d in datas)

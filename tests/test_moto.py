@@ -3,6 +3,7 @@ inventory find the stack's nodes and outputs. moto lacks placement groups and AW
 CloudFormation, and AWS::KMS::Key there, so this deploy uses placement_group=false, an existing key
 pair and flow_logs=false (the flow log's key); the template tests cover them."""
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -17,12 +18,14 @@ from clusterops.inventory import (
     stack_outputs_from_aws,
     stack_outputs_from_file,
 )
+from stacks.config import ami_context_key, offerings_context_key
 
 # One xdist worker takes the whole module: the deploy fixture (23 s) is built once, not per worker.
 pytestmark = pytest.mark.xdist_group("moto-deploy")
 
 STACK = "GpuCluster-gpu-cluster"
 AMI_PARAMETER = "/test/dlami/ami-id"
+PINNED_AMI = "ami-03cf127a"  # one of moto's images
 HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-cluster-host"
 
 
@@ -35,7 +38,8 @@ def deployed(moto_env, tmp_path_factory):
 
 def _deploy(aws_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("deploy")
-    boto3.client("ssm").put_parameter(Name=AMI_PARAMETER, Value="ami-03cf127a", Type="String", Overwrite=True)
+    # The DLAMI's "latest" moves on after the pin: the deploy must still use the pinned AMI.
+    boto3.client("ssm").put_parameter(Name=AMI_PARAMETER, Value="ami-0ffffffffffffffff", Type="String", Overwrite=True)
     key = boto3.client("ec2").create_key_pair(KeyName="test-key")
     key_file = work / "test-key.pem"
     key_file.write_text(key["KeyMaterial"])
@@ -45,8 +49,23 @@ def _deploy(aws_env, tmp_path_factory):
     app.mkdir()
     for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
         (app / name).symlink_to(REPO / name)
+    # What `fab preflight` pins there: the AZs offering the type and the AMI the DLAMI parameter named
+    # (synth refuses to guess either); no -c for them, so synth reads them where preflight writes them.
+    (app / "cdk.context.json").write_text(
+        json.dumps(
+            {
+                offerings_context_key(REGION, "g4dn.2xlarge"): ["us-east-1c", "us-east-1b"],
+                ami_context_key(REGION, AMI_PARAMETER): PINNED_AMI,
+            }
+        )
+    )
+    context = [
+        *("-c", "nodes=2", "-c", "ssh_cidr=203.0.113.0/24", "-c", "placement_group=false", "-c", "flow_logs=false"),
+        *("-c", "key_name=test-key", "-c", f"ami_ssm_parameter={AMI_PARAMETER}"),
+    ]
     for args in (
-        ["bootstrap", f"aws://{ACCOUNT}/{REGION}"],
+        # The CLI synthesizes the app for bootstrap (and destroy) too: the same context as the deploy.
+        ["bootstrap", f"aws://{ACCOUNT}/{REGION}", *context],
         [
             "deploy",
             "--method=direct",
@@ -54,18 +73,7 @@ def _deploy(aws_env, tmp_path_factory):
             "never",
             "-o",
             str(work / "cdk.out"),
-            "-c",
-            "nodes=2",
-            "-c",
-            "ssh_cidr=203.0.113.0/24",
-            "-c",
-            "placement_group=false",
-            "-c",
-            "flow_logs=false",
-            "-c",
-            "key_name=test-key",
-            "-c",
-            f"ami_ssm_parameter={AMI_PARAMETER}",
+            *context,
             "--outputs-file",
             str(work / "cdk-outputs.json"),
         ],
@@ -95,6 +103,7 @@ def test_the_outputs_file_names_every_node_and_the_file_system(deployed):
         tags = {t["Key"]: t["Value"] for t in instance["Tags"]}
         assert tags["gpu-cluster:rank"] == str(rank) and tags["gpu-cluster:name"] == "gpu-cluster"
         assert instance["InstanceType"] == "g4dn.2xlarge" and instance["KeyName"] == "test-key"
+        assert instance["ImageId"] == PINNED_AMI and instance["Placement"]["AvailabilityZone"] == "us-east-1b"
         assert instance["PrivateIpAddress"] == outputs["PrivateIps"].split(",")[rank]
     assert len({i["SubnetId"] for i in instances.values()}) == 1
     file_system = boto3.client("efs").describe_file_systems(FileSystemId=outputs["FileSystemId"])["FileSystems"][0]
@@ -110,6 +119,7 @@ def test_security_group_in_the_emulator_has_no_world_ingress(deployed):
     permissions = node_groups[0]["IpPermissions"]
     cidrs = {r["CidrIp"] for p in permissions for r in p.get("IpRanges", [])}
     assert cidrs == {"203.0.113.0/24"}
+    assert {(p["FromPort"], p["ToPort"]) for p in permissions if p.get("IpRanges")} == {(4444, 4444)}
     assert any(p["IpProtocol"] == "-1" and p.get("UserIdGroupPairs") for p in permissions)
 
 
@@ -133,7 +143,9 @@ def test_inventory_from_the_outputs_file_and_from_describe_stacks_agree(deployed
         key_file=str(key_file),
     )
     assert from_file.extra["dashboard_url"] == from_api.extra["dashboard_url"]
-    assert "cloudwatch/home?region=us-east-1#dashboards:name=gpu-cluster" in from_file.extra["dashboard_url"]
+    assert from_file.extra["dashboard_url"].endswith(
+        "cloudwatch/home?region=us-east-1#dashboards:name=gpu-cluster-us-east-1"
+    )
     assert [n.private_ip for n in from_file.nodes] == outputs["PrivateIps"].split(",")
     assert from_file.nodes == from_api.nodes and from_file.gpus_per_node == 1
     known_hosts = Path(from_file.ssh.known_hosts).read_text().splitlines()

@@ -6,8 +6,12 @@ import subprocess
 import pytest
 from conftest import REPO, tool_env
 
+# What `fab preflight` pins in cdk.context.json (the AZ that offers the type, the DLAMI's id), given
+# explicitly: synth refuses to guess either (issue 19 §4, §13).
+AMI = ["-c", "ami_id=ami-0123456789abcdef0"]
+PINS = ["-c", "availability_zone=us-east-1a", *AMI]
 CASES = {
-    "three-nodes": ["-c", "nodes=3", "-c", "ssh_cidr=203.0.113.0/24"],
+    "three-nodes": ["-c", "nodes=3", "-c", "ssh_cidr=203.0.113.0/24", *PINS],
     "eight-nodes-retained-existing-vpc": [
         "-c",
         "nodes=8",
@@ -23,9 +27,20 @@ CASES = {
         "availability_zone=us-east-1a",
         "-c",
         "instance_type=p4d.24xlarge",
+        *AMI,
     ],
-    "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge"],
-    "p5-efa": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=p5.48xlarge", "-c", "efa=on"],
+    "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge", *PINS],
+    "p5-efa": [
+        "-c",
+        "access=ssm",
+        "-c",
+        "private_subnet=true",
+        "-c",
+        "instance_type=p5.48xlarge",
+        "-c",
+        "efa=on",
+        *PINS,
+    ],
     "spot": [
         "-c",
         "spot=true",
@@ -35,8 +50,19 @@ CASES = {
         "instance_type=g5.2xlarge",
         "-c",
         "ssh_cidr=203.0.113.0/24",
+        *PINS,
     ],
 }
+
+
+def _app_without_cache(tmp_path):
+    """The app without the checkout's cdk.context.json (where `fab preflight` may have pinned an AZ
+    and an AMI on this machine): what a fresh clone synthesizes."""
+    app = tmp_path / "app"
+    app.mkdir()
+    for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
+        (app / name).symlink_to(REPO / name)
+    return app
 
 
 def cdk(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
@@ -154,10 +180,16 @@ def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_
         (["-c", "instance_type=m5.large"], "instance_type"),
         (["-c", "retain_data=perhaps"], "retain_data"),
         (["-c", "spot=true", "-c", "spot_max_price=0"], "spot_max_price"),
+        # access=ssh (the default) that nothing may reach (issue 19 §5)
+        (PINS, "ssh_cidr"),
+        # no AZ checked for the type, no AMI pinned (issue 19 §4, §13): `fab preflight` first
+        (["-c", "ssh_cidr=203.0.113.7/32", *AMI], "availability_zone"),
+        (["-c", "ssh_cidr=203.0.113.7/32", "-c", "availability_zone=us-east-1a"], "ami_id"),
+        (["-c", "ssh_cidr=203.0.113.7/32", "-c", "availability_zone=us-east-1a", "-c", "ami_id=ami-1"], "ami_id"),
     ],
 )
 def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
-    result = cdk("synth", "-q", "-o", str(tmp_path), *args)
+    result = cdk("synth", "-q", "-o", str(tmp_path), *args, cwd=_app_without_cache(tmp_path))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: invalid config")]
     assert len(errors) == 1 and f" {key}=" in errors[0], result.stderr[-2000:]

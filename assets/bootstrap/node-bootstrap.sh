@@ -19,7 +19,7 @@ MODE=${2:-bootstrap}
 source "$ENV_FILE"
 : "${CLUSTER_NAME:?}" "${NODE_RANK:?}" "${FILE_SYSTEM_ID:?}" "${AWS_REGION:?}" "${STACK_NAME:?}"
 : "${SIGNAL_RESOURCE:?}" "${BASE_IMAGE:?}" "${IMAGE_CONTEXT_PARAMETER:?}"
-: "${HOST_KEY_PARAMETER:?}" "${IDLE_ALARM:?}" "${HEARTBEAT_NAMESPACE:?}"
+: "${HOST_KEY_PARAMETER:?}" "${IDLE_ALARM:?}" "${HEARTBEAT_NAMESPACE:?}" "${IDLE_MINUTES_PARAMETER:?}"
 
 DATA_DIR=/data
 STATE_DIR=/var/lib/gpu-cluster
@@ -247,6 +247,12 @@ start_container() {
     return 0
   fi
   log "starting $CONTAINER"
+  # The watchdog's idle minutes live in the stack's SSM parameter, not in user data (a change there
+  # would replace the node): read when the container is (re)created.
+  local idle_minutes
+  idle_minutes=$(aws ssm get-parameter --region "$AWS_REGION" --name "$IDLE_MINUTES_PARAMETER" \
+    --query Parameter.Value --output text)
+  [[ $idle_minutes =~ ^[0-9]+$ ]] || { log "$IDLE_MINUTES_PARAMETER is not a number: '$idle_minutes'"; return 1; }
   docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
   # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop.
   local store=${INSTANCE_STORE:-/opt/dlami/nvme} instance_store=()
@@ -261,7 +267,7 @@ start_container() {
     --gpus all --net=host --ipc=host --shm-size=16g --cap-add SYS_PTRACE \
     --ulimit memlock=-1 --ulimit stack=67108864 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
-    -e "IDLE_MINUTES=${IDLE_MINUTES:-0}" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
+    -e "IDLE_MINUTES=$idle_minutes" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
     "${instance_store[@]}" "${efa[@]}" "$IMAGE" >/dev/null
   local waited=0
