@@ -160,11 +160,8 @@ def wmt17_en_de() -> dict:
     archive = CACHE / f"sacrebleu-{SACREBLEU_SDIST}.tar.gz"
     if not archive.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        fetched = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
-             "-q", "-d", str(CACHE), f"sacrebleu=={SACREBLEU_SDIST}"],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(CACHE)]
+        fetched = subprocess.run([*pip, f"sacrebleu=={SACREBLEU_SDIST}"], capture_output=True, text=True, timeout=300)
         if fetched.returncode != 0 or not archive.exists():
             if os.environ.get("CI"):
                 pytest.fail(f"pip download sacrebleu=={SACREBLEU_SDIST} failed: {fetched.stderr.strip()[-500:]}")
@@ -189,3 +186,27 @@ def test_the_projects_bleu_gives_uedin_nmts_published_wmt17_score():
     assert round(scores["uedin-nmt"], 1) == 28.3
     assert max(scores, key=scores.__getitem__) == "uedin-nmt"  # the best-scoring en->de system in BLEU
     assert bleu(reference, reference) == pytest.approx(100.0)
+
+
+def test_fab_data_builds_the_ding_data_set_where_train_looks_for_it(tmp_path):
+    """`fab data --dataset ding` runs this command on the head node; here on this machine."""
+    from conftest import TRAIN_DIR, tool_env
+
+    from clusterops import launch
+    from clusterops.inventory import Inventory, Node, SshSettings
+
+    inv = Inventory(
+        cluster="c",
+        source="local",
+        gpus_per_node=1,
+        python=sys.executable,
+        code_dir=str(TRAIN_DIR),
+        data_dir=str(tmp_path),
+        nodes=[Node(0, "node0", "127.0.0.1", "127.0.0.1")],
+        ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"),
+    )
+    argv = launch.prepare_argv(inv, "ding", str(TRAIN_DIR), ["--vocab", "1000"])
+    assert argv[-5:] == ["ding", "--out", f"{tmp_path}/datasets/ding", "--vocab", "1000"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=tool_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "datasets" / "ding" / "meta.json").read_text())["request"]["dataset"] == "ding"
