@@ -14,7 +14,7 @@ from assets.contract import CONTAINER_SSH_PORT
 from .inventory import Inventory, Node
 
 RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
-DATASETS = ("numbers", "wmt16-en-de", "imagenet")
+DATASETS = ("numbers", "ding", "wmt16-en-de", "imagenet")
 PRECISIONS = ("fp32", "fp16", "bf16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -163,7 +163,8 @@ def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
 
 @task(
     help={
-        "dataset": "numbers (offline, default), wmt16-en-de (downloads ~1.5 GB) or imagenet (check/stage)",
+        "dataset": "numbers (offline, default), ding (real sentences from Debian's trans-de-en), "
+        "wmt16-en-de (downloads ~1.5 GB) or imagenet (check/stage)",
         "extra": 'more prepare.py arguments, quoted, e.g. "--stage-to /opt/dlami/nvme/imagenet"',
         "all_nodes": "run on every node (imagenet --stage-to: each node's own disk)",
     }

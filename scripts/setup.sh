@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(openssh-server openssh-client openmpi-bin iproute2 util-linux procps psmisc shellcheck unzip iperf3)
+# trans-de-en: the Ding dictionary (GPL-2+), read by `prepare.py ding`; its text stays out of the repository.
+APT_PACKAGES=(openssh-server openssh-client openmpi-bin iproute2 util-linux procps psmisc shellcheck unzip iperf3
+  trans-de-en)
 missing=()
 for package in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")

@@ -1,6 +1,7 @@
 """prepare.py: numbers splits, WMT16 from a loopback HTTP mirror (resumed downloads, SGM test sets,
 shards), ImageNet layout checks and staging."""
 
+import contextlib
 import http.server
 import io
 import json
@@ -84,7 +85,16 @@ def mirror():
     files["test.tgz"] = _tgz(
         {f"test/{member}": _sgm([f"test line {i}" for i in range(15)]) for member in wmt16.TEST[1:]}
     )
-    dropped = set()
+    dropped: set[str] = set()
+    with serve(files, break_first={"de-en.tgz"}, dropped=dropped) as url:
+        yield url, dropped
+
+
+@contextlib.contextmanager
+def serve(files: dict[str, bytes], break_first=frozenset(), dropped=None):
+    """A loopback HTTP mirror of `files` by name that honours Range; the first transfer of each name
+    in break_first stops halfway (recorded in `dropped`)."""
+    dropped = set() if dropped is None else dropped
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -94,7 +104,7 @@ def mirror():
             self.send_response(206 if start else 200)
             self.send_header("Content-Length", str(len(body) - start))
             self.end_headers()
-            if name == "de-en.tgz" and name not in dropped:  # the first transfer breaks halfway
+            if name in break_first and name not in dropped:  # the first transfer breaks halfway
                 dropped.add(name)
                 self.wfile.write(body[start : len(body) // 2])
                 self.wfile.flush()
@@ -107,8 +117,11 @@ def mirror():
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/mirror", dropped
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/mirror"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_wmt16_is_prepared_from_the_archives_resuming_a_broken_download(mirror, tmp_path, capsys):
@@ -184,3 +197,97 @@ def test_imagenet_layout_errors_are_one_line(tmp_path, breakage, message):
         imagenet.scan(root)
     with pytest.raises(SystemExit, match="^error: "):
         prepare.main(["imagenet", "--source", str(root)])
+
+
+# ---------------------------------------------------------------- WMT16's real layouts, real text
+# The archives as statmt.org serves them (members and paths as fairseq's and Nematus' WMT scripts
+# extract them): Europarl v7 de-en.tgz holds europarl-v7.de-en.{de,en} at the top; Common Crawl the
+# {cs,de,es,fr,ru}-en pairs plus .annotation files at the top; News Commentary v11 a
+# training-parallel-nc-v11/ directory of pairs; dev.tgz and test.tgz the newstest SGML (setid, docs,
+# <p>, one <seg> a line, text HTML-escaped) among the other years' sets. Filled with Ding sentences.
+
+
+def _real_sgm(kind: str, setid: str, lang: str, lines: list[str]) -> str:
+    import html
+
+    head = f'<{kind} setid="{setid}" srclang="any"' + (f' trglang="{lang}">' if kind == "refset" else ">")
+    docs, number = [], 1
+    for start in range(0, len(lines), 40):  # 40 segments per document, numbered from 1 in each
+        segs = "".join(
+            f'<seg id="{i}">{html.escape(line)}</seg>\n' for i, line in enumerate(lines[start : start + 40], 1)
+        )
+        docs.append(f'<doc sysid="ref" docid="{number}-news" genre="news" origlang="en">\n<p>\n{segs}</p>\n</doc>\n')
+        number += 1
+    return head + "\n" + "".join(docs) + f"</{kind}>\n"
+
+
+def _ding_archives(pairs):
+    """The five archives, and the (english, german) pairs prepare must produce per split."""
+    europarl, crawl, news = pairs[:3000], pairs[3000:5000], pairs[5000:6000]
+    valid, test = pairs[6000:6300], pairs[6300:6600]
+    en, de = [p[0] for p in europarl], [p[1] for p in europarl]
+    for i in (10, 500, 2999):  # Europarl has empty lines, on one side or both: those pairs go
+        en.insert(i, "")
+        de.insert(i, "" if i != 500 else "Nur auf Deutsch.")
+    crawl_en = [f"  {e}\t" if i % 7 == 0 else e.replace(" ", "  ", 1) for i, (e, _) in enumerate(crawl)]
+    other = "".join(f"line {i}\n" for i in range(50))
+    files = {
+        "de-en.tgz": _tgz({"europarl-v7.de-en.en": "\n".join(en) + "\n", "europarl-v7.de-en.de": "\n".join(de) + "\n"}),
+        "training-parallel-commoncrawl.tgz": _tgz(
+            {
+                **{f"commoncrawl.{pair}-en.{side}": other for pair in ("cs", "fr") for side in (pair, "en")},
+                "commoncrawl.de-en.annotation": other,
+                "commoncrawl.de-en.en": "".join(line + "\n" for line in crawl_en),
+                "commoncrawl.de-en.de": "".join(d + "\n" for _, d in crawl),
+            }
+        ),
+        "training-parallel-nc-v11.tgz": _tgz(
+            {
+                "training-parallel-nc-v11/news-commentary-v11.cs-en.en": other,
+                "training-parallel-nc-v11/news-commentary-v11.de-en.en": "".join(e + "\n" for e, _ in news),
+                "training-parallel-nc-v11/news-commentary-v11.de-en.de": "".join(d + "\n" for _, d in news),
+            }
+        ),
+        "dev.tgz": _tgz(
+            {
+                "dev/newstest2013.en": other,
+                "dev/newstest2014-deen-src.de.sgm": _real_sgm("srcset", "newstest2014", "de", [d for _, d in valid]),
+                "dev/newstest2014-deen-src.en.sgm": _real_sgm("srcset", "newstest2014", "en", [e for e, _ in valid]),
+                "dev/newstest2014-deen-ref.de.sgm": _real_sgm("refset", "newstest2014", "de", [d for _, d in valid]),
+            }
+        ),
+        "test.tgz": _tgz(
+            {
+                "test/newstest2016-deen-src.de.sgm": _real_sgm("srcset", "newstest2016", "de", [d for _, d in test]),
+                "test/newstest2016-ende-src.en.sgm": _real_sgm("srcset", "newstest2016", "en", [e for e, _ in test]),
+                "test/newstest2016-ende-ref.de.sgm": _real_sgm("refset", "newstest2016", "de", [d for _, d in test]),
+            }
+        ),
+    }
+    return files, {"train": europarl + crawl + news, "valid": valid, "test": test}
+
+
+def test_the_real_wmt16_preparation_on_real_text_keeps_every_pair_aligned(tmp_path):
+    """wmt16.py (the code that prepares the 4.5M pairs) on archives in the real layouts, filled with
+    Ding sentences: line i of train.de is the translation of line i of train.en, none lost or shifted."""
+    import ding
+
+    pairs = ding.load()[:6600]
+    files, expected = _ding_archives(pairs)
+    out = tmp_path / "wmt16"
+    with serve(files) as url:
+        prepare.main(["wmt16-en-de", "--out", str(out), "--vocab", "1000", "--mirror", url])
+    for split, wanted in expected.items():
+        got = list(zip((out / f"{split}.en").read_text().splitlines(), (out / f"{split}.de").read_text().splitlines()))
+        assert len(got) == len(wanted), split
+        assert got == wanted, next((i, g, w) for i, (g, w) in enumerate(zip(got, wanted)) if g != w)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["sizes"] == {"train": 6000, "valid": 300, "test": 300} and meta["vocab_size"] == 1000
+    data = DataSet(out, max_len=256)
+    assert len(data.train) == 6000
+    sample = range(0, 6000, 37)
+    decoded = data.tokenizer.decode([data.train._get(data.train.tgt, i) for i in sample])
+    assert decoded == [expected["train"][i][1] for i in sample]  # the shards hold the same lines, in order
+    pairs_valid, _, references = data.split("valid")
+    pieces = [pairs_valid.target(i) for i in range(len(pairs_valid))]
+    assert references == [d for _, d in expected["valid"]] and sum(t == 1 for p in pieces for t in p) == 0  # no <unk>

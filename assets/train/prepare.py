@@ -1,12 +1,15 @@
 """Prepare a data set for train.py.
 
     python prepare.py numbers --out /data/datasets/numbers
+    python prepare.py ding --out /data/datasets/ding
     python prepare.py wmt16-en-de --out /data/datasets/wmt16-en-de
     python prepare.py imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
 ("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers
 per sentence, with disjoint train/valid/test splits. Used by tests and the local demo.
+`ding`: ~20,000 real English->German example sentences from Debian's trans-de-en dictionary
+(see ding.py; `apt-get install trans-de-en` first), split by a hash of the English text.
 `wmt16-en-de`: the WMT16 corpora and test sets as the original recipe downloads them (see wmt16.py),
 a 32k shared BPE vocabulary and binary shards; resumable. `imagenet`: checks the train/val folder
 layout and optionally stages it onto local disk (see imagenet.py).
@@ -115,6 +118,26 @@ def prepare_numbers(args: argparse.Namespace) -> None:
     print(f"{out}: {args.train} train, {args.valid} valid, {args.test} test pairs")
 
 
+def prepare_ding(args: argparse.Namespace) -> None:
+    import ding
+
+    out, source = Path(args.out), Path(args.source)
+    try:
+        request = {"dataset": "ding", "version": ding.version(source), "vocab": args.vocab}
+        meta_path = out / "meta.json"
+        if meta_path.exists() and json.loads(meta_path.read_text()).get("request") == request:
+            print(f"{out}: already prepared")
+            return
+        splits = ding.split(ding.load(source))
+    except ding.MissingPackage as error:
+        sys.exit(f"error: {error}")
+    write_dataset(out, splits, args.vocab, {"request": request, "source": str(source), "license": "GPL-2+"})
+    sizes = {name: len(pairs) for name, pairs in splits.items()}
+    print(
+        f"{out}: {sizes['train']} train, {sizes['valid']} valid, {sizes['test']} test pairs (Ding {request['version']})"
+    )
+
+
 def prepare_wmt16(args: argparse.Namespace) -> None:
     import wmt16
 
@@ -191,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     numbers.add_argument("--max-numbers", type=int, default=3)
     numbers.add_argument("--max-digits", type=int, default=4)
     numbers.add_argument("--vocab", type=int, default=600)
+    dictionary = sub.add_parser("ding", help="real English->German sentences from Debian's trans-de-en")
+    dictionary.add_argument("--out", required=True)
+    dictionary.add_argument("--vocab", type=int, default=8000)
+    dictionary.add_argument("--source", default="/usr/share/trans/de-en", help="the dictionary file")
     wmt = sub.add_parser("wmt16-en-de", help="WMT16 English->German (downloads ~1.5 GB)")
     wmt.add_argument("--out", required=True)
     wmt.add_argument("--vocab", type=int, default=32_000)
@@ -204,6 +231,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
+    if args.dataset == "ding":
+        if args.vocab < 100:
+            sys.exit(f"error: --vocab must be at least 100, got {args.vocab}")
+        return prepare_ding(args)
     if args.dataset == "wmt16-en-de":
         return prepare_wmt16(args)
     if args.dataset == "imagenet":
