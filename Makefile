@@ -28,7 +28,7 @@ LINTED := stacks clusterops fabfile app.py tests scripts assets
 lint: setup  # ruff (lint and format), mypy, shellcheck, cfn-lint on the synthesized template
 	ruff check $(LINTED)
 	ruff format --check $(LINTED)
-	mypy --explicit-package-bases stacks clusterops fabfile app.py assets/train assets/autostop/autostop.py assets/autostop/spotwatch.py assets/contract.py
+	mypy --explicit-package-bases stacks clusterops fabfile app.py assets/train assets/autostop assets/contract.py
 	shellcheck $$(git ls-files '*.sh')
 	cdk synth --no-notices -q -o cdk.out $(SYNTH_CONTEXT) && cfn-lint cdk.out/*.template.json
 

@@ -13,14 +13,18 @@ import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
 from stacks.cluster_stack import GpuClusterStack
-from stacks.pins import synth_config
+from stacks.pins import UnpinnedError, synth_config, unpinned_config
 
 app = cdk.App()
 region = os.environ.get("CDK_DEFAULT_REGION")
+unpinned = None
 try:
-    config = synth_config(app.node.try_get_context, region=region)  # refuses to guess the AZ or the AMI
+    try:
+        config = synth_config(app.node.try_get_context, region=region)  # refuses to guess the AZ or the AMI
+    except UnpinnedError as error:  # fails synth/diff/deploy as an error annotation, not `cdk destroy`
+        config, unpinned = unpinned_config(app.node.try_get_context, region=region), f"error: {error}"
     stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
-    GpuClusterStack(
+    stack = GpuClusterStack(
         app,
         stack_name,
         config=config,
@@ -29,5 +33,8 @@ try:
     )
 except ValueError as error:  # ConfigError, or a service limit a value would exceed
     sys.exit(f"error: {error}")
-cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), NIST80053R5Checks(app))
+if unpinned:
+    cdk.Annotations.of(stack).add_error(unpinned)
+else:  # an unpinned template never deploys: its findings would only bury the one line
+    cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), NIST80053R5Checks(app))
 app.synth()

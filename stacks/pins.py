@@ -6,7 +6,9 @@
     the type (cdk.context.json, `offerings_context_key`);
   * the AMI: a DLAMI's `.../latest/ami-id` resolved at deploy would replace every node after each
     release, so the template holds the id `fab preflight` pinned (`ami_context_key`) or `-c ami_id`.
-Each refusal is one line that says what to run.
+Each refusal is one line that says what to run. It is an `UnpinnedError`: app.py turns it into an
+error annotation, which fails `cdk synth`/`diff`/`deploy` but not `cdk destroy` (the CLI runs the app
+for destroy too, and tearing a cluster down must never need the deploy's `-c` values again).
 """
 
 from __future__ import annotations
@@ -17,6 +19,23 @@ from typing import Any, Callable, Mapping, Optional
 from .config import AMI_ID_RE, ClusterConfig, ConfigError, ami_context_key
 
 
+class UnpinnedError(ConfigError):
+    """Something a deploy would have to guess (the AZ, the AMI, a way in)."""
+
+    def __init__(self, key: str, value: Any, accepted: str):
+        super().__init__(key, value, accepted)
+        self.args = (f"{key} not set: {accepted}" if value is None else self.args[0],)
+
+
+PLACEHOLDER_AMI = "ami-00000000000000000"  # only in a template that an UnpinnedError keeps from deploying
+
+
+def unpinned_config(context: Mapping[str, Any] | Callable[[str], Any], region: Optional[str]) -> ClusterConfig:
+    """The config as far as the context gives it, for a stack that `cdk destroy` can still name."""
+    config = ClusterConfig.from_context(context, region=region)
+    return replace(config, ami_id=config.ami_id or PLACEHOLDER_AMI)
+
+
 def synth_config(context: Mapping[str, Any] | Callable[[str], Any], region: Optional[str]) -> ClusterConfig:
     """The validated config with its AZ and AMI pinned, or a ConfigError naming what is missing."""
     get = context if callable(context) else context.get
@@ -24,7 +43,7 @@ def synth_config(context: Mapping[str, Any] | Callable[[str], Any], region: Opti
     check_reachable(config)
     preflight = f"run `fab preflight --instance-type {config.instance_type}`"
     if not (config.availability_zone or config.vpc_id or config.subnet_id):
-        raise ConfigError(
+        raise UnpinnedError(
             "availability_zone",
             None,
             f"no AZ checked for {config.instance_type} in {region or 'this region'}: "
@@ -36,7 +55,7 @@ def synth_config(context: Mapping[str, Any] | Callable[[str], Any], region: Opti
 def check_reachable(config: ClusterConfig) -> None:
     """access=ssh admits only ssh_cidr: without it no inbound rule exists and no task reaches a node."""
     if config.access == "ssh" and not config.ssh_cidr:
-        raise ConfigError(
+        raise UnpinnedError(
             "ssh_cidr",
             None,
             "access=ssh needs -c ssh_cidr=YOUR.IP/32 (curl -s https://checkip.amazonaws.com), "
@@ -47,7 +66,7 @@ def check_reachable(config: ClusterConfig) -> None:
 def _cached_ami(config: ClusterConfig, get: Callable[[str], Any], region: Optional[str], preflight: str) -> str:
     pinned = get(ami_context_key(region, config.ami_parameter)) if region else None
     if pinned is None:
-        raise ConfigError(
+        raise UnpinnedError(
             "ami_id",
             None,
             f"no AMI pinned for {config.ami_parameter} in {region or 'this region'}: "

@@ -327,3 +327,13 @@ def test_the_container_has_its_own_efa_libraries_not_the_hosts():
     assert "/opt/amazon" not in "\n".join(
         line for line in ENTRYPOINT.read_text().splitlines() if not line.lstrip().startswith("#")
     )
+
+
+def test_the_image_has_the_source_of_every_data_set_fab_data_prepares_offline():
+    """`fab data` runs prepare.py in the container on the head node: the `ding` data set reads
+    Debian's trans-de-en there, so the image must install that package (Ubuntu, under the NGC base,
+    ships it in universe as Debian does)."""
+    import ding
+
+    installed = " ".join(re.findall(r"apt-get install ([^&\n]*)", DOCKERFILE.read_text().replace("\\\n", " ")))
+    assert ding.PACKAGE in installed.split()

@@ -180,11 +180,6 @@ def test_cdk_nag_has_no_unacknowledged_findings_and_every_acknowledgement_has_a_
         (["-c", "instance_type=m5.large"], "instance_type"),
         (["-c", "retain_data=perhaps"], "retain_data"),
         (["-c", "spot=true", "-c", "spot_max_price=0"], "spot_max_price"),
-        # access=ssh (the default) that nothing may reach (issue 19 §5)
-        (PINS, "ssh_cidr"),
-        # no AZ checked for the type, no AMI pinned (issue 19 §4, §13): `fab preflight` first
-        (["-c", "ssh_cidr=203.0.113.7/32", *AMI], "availability_zone"),
-        (["-c", "ssh_cidr=203.0.113.7/32", "-c", "availability_zone=us-east-1a"], "ami_id"),
         (["-c", "ssh_cidr=203.0.113.7/32", "-c", "availability_zone=us-east-1a", "-c", "ami_id=ami-1"], "ami_id"),
     ],
 )
@@ -201,3 +196,48 @@ def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
         if line.startswith("b'") or "end-of-life" in line or line.startswith("npm warn")
     ]
     assert not noise, noise[:3]
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        # access=ssh (the default) that nothing may reach (issue 19 §5)
+        (PINS, "ssh_cidr"),
+        # no AZ checked for the type, no AMI pinned (issue 19 §4, §13): `fab preflight` first
+        (["-c", "ssh_cidr=203.0.113.7/32", *AMI], "availability_zone"),
+        (["-c", "ssh_cidr=203.0.113.7/32", "-c", "availability_zone=us-east-1a"], "ami_id"),
+    ],
+)
+def test_what_a_deploy_would_guess_stops_synth_in_one_line(args, key, tmp_path):
+    """An error annotation: the CLI fails synth, diff and deploy on it (`validateStacks`), with the
+    line that says what to run."""
+    result = cdk("synth", "-q", "-o", str(tmp_path), *args, cwd=_app_without_cache(tmp_path))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if f"error: {key} not set: " in line]
+    assert len(errors) == 1 and ("fab preflight" in errors[0] or "ssh_cidr=" in errors[0]), result.stderr[-2000:]
+    assert not [line for line in result.stderr.splitlines() if "AwsSolutions-" in line or "NIST" in line]
+
+
+def test_cdk_destroy_needs_none_of_the_deploys_values(moto_env, tmp_path):
+    """The CDK CLI runs the app for `cdk destroy` too (aws-cdk's `_destroyWithAction` synthesizes
+    without `validateStacks`): tearing a cluster down must work with no `-c` value, no cached AZ and
+    no pinned AMI, or a user whose IP changed leaves a cluster billing. Against the moto server: the
+    CLI gets past synth to CloudFormation, and the stack it names is the deployed one's."""
+    result = subprocess.run(
+        [
+            str(REPO / "node_modules" / ".bin" / "cdk"),
+            "destroy",
+            "--force",
+            "--no-notices",
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        cwd=_app_without_cache(tmp_path),
+        capture_output=True,
+        text=True,
+        env=tool_env(**moto_env),
+        timeout=300,
+    )
+    assert "not set" not in result.stderr and "invalid config" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "GpuCluster-gpu-cluster" in result.stderr + result.stdout
