@@ -242,11 +242,27 @@ def parse_transport(log: str) -> dict[str, str]:
 
 
 def allreduce(connection, inventory, nodes, interface: str, code_dir: str, mb: float, gpus: bool) -> str:
-    """bench_allreduce.py across `nodes` from the head node; with GPUs, NCCL logs its choices."""
+    """bench_allreduce.py across `nodes` from the head node; with GPUs, NCCL logs its choices. On an
+    EFA cluster first as `fab train` runs it, the OFI plugin required (NCCL_NET=OFI): if that fails
+    (the plugin did not load), again as NCCL would choose on its own, so the verdict names what it
+    fell back to and `fab train` refuses it."""
+    from . import remote
+
+    efa = bool(inventory.extra.get("efa_cards"))
+    try:
+        return _allreduce(connection, inventory, nodes, interface, code_dir, mb, gpus, allow_tcp=not efa)
+    except remote.RemoteError:
+        if not efa:
+            raise
+        return _allreduce(connection, inventory, nodes, interface, code_dir, mb, gpus, allow_tcp=True)
+
+
+def _allreduce(
+    connection, inventory, nodes, interface: str, code_dir: str, mb: float, gpus: bool, allow_tcp: bool
+) -> str:
     from . import launch, remote
 
-    # Not forced onto the plugin: the check sees which network NCCL picks on its own (fab train forces it).
-    prefix = launch.mpirun_prefix(inventory, nodes, interface, allow_tcp=True)
+    prefix = launch.mpirun_prefix(inventory, nodes, interface, allow_tcp=allow_tcp)
     if gpus:
         prefix += ["-x", "NCCL_DEBUG=INFO", "-x", "NCCL_DEBUG_SUBSYS=INIT,NET"]
     argv = prefix + [inventory.python, f"{code_dir}/bench_allreduce.py", "--mb", str(mb)]

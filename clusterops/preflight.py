@@ -350,7 +350,9 @@ def run_preflight(
     checks = [who]
     if not who.ok:
         return checks, []
-    checks.append(Check("region", bool(region), region or "none: set AWS_REGION or `aws configure`"))
+    checks.append(
+        Check("region", bool(region), region or "none: set AWS_REGION (the CDK CLI reads it first) or `aws configure`")
+    )
     if not region:
         return checks, []
     ec2 = clients["ec2"]

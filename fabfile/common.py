@@ -52,6 +52,9 @@ def aws_session(region=None):
     import boto3
     from botocore.exceptions import BotoCoreError
 
+    # The region the CDK CLI deploys to: AWS_REGION, then AMAZON_REGION, before botocore's own
+    # AWS_DEFAULT_REGION and profile (aws-cdk's region lookup), so preflight pins for that region.
+    region = region or os.environ.get("AWS_REGION") or os.environ.get("AMAZON_REGION") or None
     try:
         session = boto3.session.Session(region_name=region)
         session.get_credentials()

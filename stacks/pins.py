@@ -8,7 +8,8 @@
     release, so the template holds the id `fab preflight` pinned (`ami_context_key`) or `-c ami_id`.
 Each refusal is one line that says what to run. It is an `UnpinnedError`: app.py turns it into an
 error annotation, which fails `cdk synth`/`diff`/`deploy` but not `cdk destroy` (the CLI runs the app
-for destroy too, and tearing a cluster down must never need the deploy's `-c` values again).
+for destroy too, and tearing a cluster down must never need the deploy's `-c` values again, but a
+non-default `cluster_name` or `stack_name`, which names the stack).
 """
 
 from __future__ import annotations

@@ -13,7 +13,14 @@ from conftest import REPO
 
 from stacks.bootstrap import render_user_data
 
-OVERLAID = ["/data", "/etc/gpu-cluster", "/etc/systemd/system", "/var/lib/gpu-cluster", "/opt/gpu-cluster"]
+OVERLAID = [
+    "/data",
+    "/etc/gpu-cluster",
+    "/etc/systemd/system",
+    "/var/lib/gpu-cluster",
+    "/opt/gpu-cluster",
+    "/run/gpu-cluster",
+]
 STANDINS = REPO / "tests" / "standins"
 # What a bare AMI lacks, and the bootstrap installs (the apt-get stand-in links them back in).
 INSTALLABLE = ("docker", "nvidia-ctk", "mount.nfs4")
@@ -53,7 +60,7 @@ def host_paths():
 class Sandbox:
     def __init__(self, root: Path, bare: bool = False):
         self.root = root
-        for name in ("efs", "etc-gpu-cluster", "systemd", "state", "opt", "work", "bin"):
+        for name in ("efs", "etc-gpu-cluster", "systemd", "state", "opt", "work", "bin", "run"):
             (root / name).mkdir()
         (root / "image-context").write_text("s3://cdk-assets/abc.zip abc123\n")
         for standin in STANDINS.iterdir():
@@ -79,6 +86,7 @@ class Sandbox:
             "/etc/systemd/system": self.root / "systemd",
             "/var/lib/gpu-cluster": self.root / "state",
             "/opt/gpu-cluster": self.root / "opt",
+            "/run/gpu-cluster": self.root / "run",
             "/usr/local/sbin": self.root / "work",
         }
         if (self.root / "efs-mounted").exists():  # the machine keeps /data mounted between runs

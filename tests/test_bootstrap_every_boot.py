@@ -186,6 +186,16 @@ def test_a_failed_bootstrap_stops_its_own_node_after_a_grace_period_unless_kept(
     assert "systemctl stop gpu-cluster-failed-stop.timer" in sandbox.calls()[before:]
 
 
+def test_a_failed_rerun_on_a_node_that_bootstrapped_schedules_no_stop(sandbox):
+    """Found by a read of the real path: a node that signalled success has its watchdog and alarm;
+    a bootstrap run again by hand that fails (a transient error) must not stop it 45 min later,
+    perhaps in the middle of a run."""
+    (sandbox.root / "state" / "signalled").touch()  # it signalled SUCCESS once (mark_ready's marker)
+    assert sandbox.run(FAIL_DOCKER_BUILD="1").returncode != 0  # a step run again fails
+    assert not [c for c in sandbox.calls() if c.startswith("systemd-run")]
+    assert "its watchdog still applies" in (sandbox.root / "state" / "bootstrap.log").read_text()
+
+
 def test_the_scheduled_command_survives_shell_quoting(sandbox):
     """The stand-in stores what systemd-run would run; it must be one runnable command line."""
     assert sandbox.run(FAIL_S3="1").returncode != 0

@@ -33,7 +33,14 @@ def test_a_gpu_node_publishes_the_custom_metrics_the_estimate_counts():
 
 
 def test_the_stack_creates_the_alarms_key_and_dashboard_the_estimate_counts():
-    config = ClusterConfig.from_context({"nodes": "3", "ssh_cidr": "203.0.113.7/32", "availability_zone": "us-east-1a"})
+    config = ClusterConfig.from_context(
+        {
+            "nodes": "3",
+            "ssh_cidr": "203.0.113.7/32",
+            "availability_zone": "us-east-1a",
+            "ami_id": "ami-0123456789abcdef0",
+        }
+    )
     template = Template.from_stack(GpuClusterStack(cdk_app(), "Guards", config=config))
     assert len(template.find_resources("AWS::CloudWatch::Alarm")) == 3  # one per node
     assert len(template.find_resources("AWS::KMS::Key")) == 1  # the flow-log group's

@@ -11,7 +11,9 @@ from stacks.config import ClusterConfig, alarm_minutes
 
 
 def _template(**context) -> Template:
-    config = ClusterConfig.from_context({"ssh_cidr": "203.0.113.0/24", "cluster_name": "tc", **context})
+    config = ClusterConfig.from_context(
+        {"ssh_cidr": "203.0.113.0/24", "cluster_name": "tc", "ami_id": "ami-0123456789abcdef0", **context}
+    )
     return Template.from_stack(GpuClusterStack(cdk.App(), "Cluster", config=config))
 
 

@@ -190,3 +190,42 @@ def test_the_link_rounds_cover_every_ordered_pair_once_with_one_stream_out_and_i
     assert len(batches) == n - 1 and sorted(pairs) == sorted((a, b) for a in names for b in names if a != b)
     for batch in batches:
         assert sorted(src for src, _ in batch) == sorted(names) == sorted(dst for _, dst in batch)
+
+
+class _Result:
+    def __init__(self, exited: int, out: str):
+        self.exited, self.stdout, self.stderr = exited, out, ""
+
+
+class _HeadNode:
+    """The head node's connection as far as the all-reduce uses it: each command line is kept; a
+    command that forces NCCL's OFI network fails as NCCL does when the plugin did not load."""
+
+    def __init__(self, plugin_loads: bool):
+        self.plugin_loads, self.commands = plugin_loads, []
+
+    def run(self, command, **_):
+        self.commands.append(command)
+        if "NCCL_NET=OFI" in command and not self.plugin_loads:
+            return _Result(1, "NCCL WARN Error: network OFI not found.\nncclInvalidUsage")
+        return _Result(0, "busbw 10.0 Gbit/s")
+
+
+@pytest.mark.parametrize("plugin_loads", [True, False])
+def test_fab_check_runs_the_all_reduce_as_fab_train_does_on_efa(plugin_loads):
+    """Found by a read of the real path: `fab check` ran NCCL unforced while `fab train` forces the
+    OFI plugin (NCCL_NET=OFI), so an image whose default plugin is another (NGC images set
+    NCCL_NET_PLUGIN) read as sockets and train was refused although the forced path works. Now the
+    check runs the forced line first; only when it fails (NCCL: "network OFI not found") does it run
+    again unforced, so the verdict names the fallback."""
+    efa = inventory(nodes=2)
+    efa.extra["efa_cards"] = 4
+    head = _HeadNode(plugin_loads)
+    output = linkcheck.allreduce(head, efa, efa.nodes, "ens32", "/code", 64, gpus=True)
+    assert "busbw" in output
+    assert "NCCL_NET=OFI" in head.commands[0]
+    assert len(head.commands) == (1 if plugin_loads else 2)
+    assert "NCCL_NET=OFI" not in head.commands[-1] or plugin_loads
+    plain = _HeadNode(plugin_loads=False)
+    linkcheck.allreduce(plain, inventory(nodes=2), inventory(nodes=2).nodes, "ens5", "/code", 64, gpus=True)
+    assert len(plain.commands) == 1 and "NCCL_NET" not in plain.commands[0]

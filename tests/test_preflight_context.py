@@ -103,3 +103,18 @@ def test_the_ami_is_pinned_once_and_replaced_only_on_request(quiet_region, tmp_p
         in refreshed.stdout
     )
     assert json.loads((tmp_path / "cdk.context.json").read_text())[key] == "ami-0bbbbbbbbbbbbbbb2"
+
+
+def test_preflight_uses_the_region_the_cdk_cli_deploys_to(monkeypatch):
+    """Found by a read of the real path: the CDK CLI takes AWS_REGION (then AMAZON_REGION) before
+    AWS_DEFAULT_REGION and the profile (aws-cdk's region lookup); botocore reads only
+    AWS_DEFAULT_REGION. With both set differently, preflight pinned the AZ and AMI under the other
+    region and synth kept refusing."""
+    from fabfile.common import aws_session
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    assert aws_session().region_name == "eu-west-1"
+    monkeypatch.delenv("AWS_REGION")
+    assert aws_session().region_name == "us-east-1"
+    assert aws_session("ap-south-1").region_name == "ap-south-1"

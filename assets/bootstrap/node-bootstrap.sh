@@ -35,6 +35,7 @@ UNITS=/etc/systemd/system
 DOCKER_DROPIN=$UNITS/docker.service.d/gpu-cluster-data.conf
 SELF=/usr/local/sbin/gpu-cluster-bootstrap
 KEEP_RUNNING=$STATE_DIR/keep-running
+FAILED_STOP_MARKER=/run/gpu-cluster/failed-stop  # gone at a reboot, like the transient timer it marks
 FAILED_STOP_MINUTES=45
 IMDS=http://169.254.169.254/latest
 STEP=$MODE
@@ -70,10 +71,13 @@ on_error() {  # runs where the command failed: the main shell or a subshell of i
 # A failed node has no watchdog and no alarm (created after SUCCESS): with `cdk deploy --no-rollback`
 # it would bill on. It stops itself later, time enough to log in and read the log, unless kept.
 schedule_failed_stop() {
-  [[ -f $STATE_DIR/failed-stop ]] && return 0
+  # A node that once signalled success has its watchdog and alarm: a failed re-run by hand stops nothing.
+  [[ -f $STATE_DIR/signalled ]] && { log "this node bootstrapped before: its watchdog still applies"; return 0; }
+  [[ -f $FAILED_STOP_MARKER ]] && return 0
   systemd-run --unit=gpu-cluster-failed-stop --on-active="${FAILED_STOP_MINUTES}min" \
     --description="GPU cluster: stop this node, its bootstrap failed" "$SELF" "$ENV_FILE" stop-failed
-  touch "$STATE_DIR/failed-stop"
+  install -d -m 0755 "${FAILED_STOP_MARKER%/*}"
+  touch "$FAILED_STOP_MARKER"
   log "this node stops itself in $FAILED_STOP_MINUTES min; to keep it: sudo touch $KEEP_RUNNING"
 }
 
@@ -86,9 +90,9 @@ stop_failed() {
 }
 
 cancel_failed_stop() {  # a bootstrap that succeeds after a failed one (run again by hand)
-  [[ -f $STATE_DIR/failed-stop ]] || return 0
+  [[ -f $FAILED_STOP_MARKER ]] || return 0
   systemctl stop gpu-cluster-failed-stop.timer || true
-  rm -f "$STATE_DIR/failed-stop"
+  rm -f "$FAILED_STOP_MARKER"
   log "the scheduled stop is cancelled"
 }
 
