@@ -1,0 +1,58 @@
+"""The synthesized templates of five configurations, as the app builds them, normalised only where
+a template must change with the code it ships (the image context's asset hash and tag). Issue 20's
+renovation keeps these byte-identical; a change to the stack on purpose regenerates them:
+
+    .venv/bin/python tests/templates_golden.py     # rewrite tests/golden/*.template.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GOLDEN = HERE / "golden"
+PINS = {"availability_zone": "us-east-1a", "ami_id": "ami-0123456789abcdef0"}
+CONFIGS = {
+    "default": {"ssh_cidr": "203.0.113.7/32"},
+    "ssm-private": {"access": "ssm", "private_subnet": "true"},
+    "p4d": {"access": "ssm", "private_subnet": "true", "instance_type": "p4d.24xlarge"},
+    "spot": {"ssh_cidr": "203.0.113.7/32", "spot": "true", "instance_type": "g5.12xlarge"},
+    "eight-nodes": {"ssh_cidr": "203.0.113.7/32", "nodes": "8"},
+}
+_ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
+_CONTEXT_TAG = re.compile(r"(\.zip )[0-9a-f]{16}\b")
+
+
+def synthesize(name: str) -> str:
+    """One configuration's template through the app's own path (stacks.pins.synth_config, cdk.json's
+    feature flags), as normalised JSON text."""
+    sys.path.insert(0, str(HERE.parent))
+    import aws_cdk
+    from stacks.cluster_stack import GpuClusterStack
+    from stacks.pins import synth_config
+
+    context = json.loads((HERE.parent / "cdk.json").read_text())["context"]
+    app = aws_cdk.App(context=context)
+    config = synth_config({**PINS, **CONFIGS[name]}, region=None)
+    stack = GpuClusterStack(app, f"GpuCluster-{config.cluster_name}", config=config)
+    template = app.synth().get_stack_by_name(stack.stack_name).template
+    text = json.dumps(template, indent=1, sort_keys=True)
+    return _CONTEXT_TAG.sub(r"\1<tag>", _ASSET_HASH.sub("<asset-hash>", text)) + "\n"
+
+
+def golden(name: str) -> Path:
+    return GOLDEN / f"{name}.template.json"
+
+
+if __name__ == "__main__":
+    import os
+
+    # jsii on the pinned Node in node_modules, as conftest sets it for the tests
+    os.environ["PATH"] = f"{HERE.parent / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
+    GOLDEN.mkdir(exist_ok=True)
+    for config_name in CONFIGS:
+        golden(config_name).write_text(synthesize(config_name))
+        print(f"wrote {golden(config_name)}")
