@@ -31,6 +31,7 @@ def synthesize(name: str) -> str:
     feature flags), as normalised JSON text."""
     sys.path.insert(0, str(HERE.parent))
     import aws_cdk
+
     from stacks.cluster_stack import GpuClusterStack
     from stacks.pins import synth_config
 
