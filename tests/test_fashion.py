@@ -256,3 +256,14 @@ def test_the_package_is_installed_by_setup_and_by_the_image():
     installed = " ".join(re.findall(r"apt-get install ([^&\n]*)", dockerfile)).split()
     assert fashion.PACKAGE in installed
     assert "fashion-mnist" in (REPO / "fabfile" / "cluster.py").read_text().split("def data(")[0][-800:]
+
+
+def test_fab_shows_the_runs_top1_and_nothing_unmeasured():
+    """What `fab train --follow` prints at the end (report.summary_lines): an image run's top-1, and
+    no `eval_loss: None` for a synthetic run, which evaluates nothing (issue 23 §10)."""
+    from clusterops.report import summary_lines
+
+    measured = "\n".join(summary_lines({"steps": 40, "eval_loss": 1.672, "top1": 34.0, "top5": 88.5, "bleu": None}))
+    assert "top1: 34" in measured and "top5: 88.5" in measured and "None" not in measured
+    synthetic = "\n".join(summary_lines({"steps": 3, "eval_loss": None, "top1": None, "top5": None}))
+    assert "None" not in synthetic and "eval_loss" not in synthetic and "steps: 3" in synthetic
