@@ -59,15 +59,15 @@ def summary_lines(summary: dict) -> list[str]:
         "eval_loss",
         "bleu",
         "exact_match",
+        "top1",
+        "top5",
         "checkpoint_mb",
         "ended",
     )
-    return [
-        f"  {key:>16}: {summary[key]:.4g}"
-        if isinstance(summary.get(key), float)
-        else f"  {key:>16}: {summary.get(key)}"
+    return [  # only what the run measured: a synthetic run has no eval, its eval keys are None
+        f"  {key:>16}: {summary[key]:.4g}" if isinstance(summary[key], float) else f"  {key:>16}: {summary[key]}"
         for key in keys
-        if key in summary
+        if summary.get(key) is not None
     ]
 
 

@@ -164,7 +164,8 @@ def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
 @task(
     help={
         "dataset": "numbers (offline, default), ding (real sentences from Debian's trans-de-en), "
-        "wmt16-en-de (downloads ~1.5 GB) or imagenet (check/stage)",
+        "wmt16-en-de (downloads ~1.5 GB), fashion-mnist (real images from Debian's dataset-fashion-mnist, "
+        "resnet-small's default) or imagenet (check/stage)",
         "extra": 'more prepare.py arguments, quoted, e.g. "--stage-to /opt/dlami/nvme/imagenet"',
         "all_nodes": "run on every node (imagenet --stage-to: each node's own disk)",
     }

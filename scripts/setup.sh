@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# trans-de-en: the Ding dictionary (GPL-2+), read by `prepare.py ding`; its text stays out of the repository.
+# trans-de-en: the Ding dictionary (GPL-2+), read by `prepare.py ding`; dataset-fashion-mnist: Zalando's
+# Fashion-MNIST images (MIT), read by `prepare.py fashion-mnist`. Neither's data enters the repository.
 APT_PACKAGES=(openssh-server openssh-client openmpi-bin iproute2 util-linux procps psmisc shellcheck unzip iperf3
-  trans-de-en)
+  trans-de-en dataset-fashion-mnist)
 missing=()
 for package in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")

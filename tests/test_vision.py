@@ -115,7 +115,9 @@ def test_lr_is_scaled_with_the_global_batch(image_folder, tmp_path):
 
 
 def test_synthetic_mode_needs_no_data(tmp_path):
-    train(
+    """Synthetic data has no eval set: the log says only what was measured (issue 23 §10: it
+    printed `eval_loss None | top1 None`)."""
+    result = train(
         tmp_path / "no-data",
         tmp_path / "run",
         "--recipe",
@@ -128,6 +130,7 @@ def test_synthetic_mode_needs_no_data(tmp_path):
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["top1"] is None and summary["objects_per_s"] > 0
+    assert "None" not in result.stdout and "eval_loss" not in result.stdout
 
 
 def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):

@@ -182,9 +182,10 @@ RECIPES = {
         precision="fp16",
         vision=dict(arch="resnet50"),
     ),
-    # A small ResNet at 32 px for CPU runs and tests (an image folder or --synthetic).
+    # A small ResNet at 32 px for CPU runs and tests: Fashion-MNIST (prepare.py fashion-mnist), any
+    # image folder, or --synthetic.
     "resnet-small": dict(
-        data="/data/imagenet-small",
+        data="/data/datasets/fashion-mnist",
         max_steps=300,
         batch_per_gpu=32,
         warmup_steps=30,

@@ -3,6 +3,7 @@
     python prepare.py numbers --out /data/datasets/numbers
     python prepare.py ding --out /data/datasets/ding
     python prepare.py wmt16-en-de --out /data/datasets/wmt16-en-de
+    python prepare.py fashion-mnist --out /data/datasets/fashion-mnist
     python prepare.py imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
@@ -10,6 +11,10 @@
 per sentence, with disjoint train/valid/test splits. Used by tests and the local demo.
 `ding`: ~20,000 real English->German example sentences from Debian's trans-de-en dictionary
 (see ding.py; `apt-get install trans-de-en` first), split by a hash of the English text.
+`fashion-mnist`: 70,000 real 28x28 product images in 10 classes from Debian's dataset-fashion-mnist
+(see fashion.py; `apt-get install dataset-fashion-mnist` first), written as an ImageFolder of JPEGs
+(train/ and val/ by class) that the ResNet recipes' loader reads; --train-per-class/--val-per-class
+take a smaller, balanced subset.
 `wmt16-en-de`: the WMT16 corpora and test sets as the original recipe downloads them (see wmt16.py),
 a 32k shared BPE vocabulary and binary shards; resumable. `imagenet`: checks the train/val folder
 layout and optionally stages it onto local disk (see imagenet.py).
@@ -154,6 +159,35 @@ def prepare_wmt16(args: argparse.Namespace) -> None:
     print(f"{out}: {sizes['train']} train, {sizes['valid']} valid, {sizes['test']} test pairs")
 
 
+def prepare_fashion(args: argparse.Namespace) -> None:
+    import fashion
+
+    out, source = Path(args.out), Path(args.source)
+    per_class = {"train": args.train_per_class, "val": args.val_per_class}
+    try:
+        request = {"dataset": "fashion-mnist", "version": fashion.version(source), "per_class": per_class}
+        meta_path = out / "meta.json"
+        if meta_path.exists() and json.loads(meta_path.read_text()).get("request") == request:
+            print(f"{out}: already prepared")
+            return
+        fashion.load_split(source, "val")  # a damaged package fails here, before anything is written
+    except (fashion.MissingPackage, fashion.FormatError) as error:
+        sys.exit(f"error: {error}")
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path.unlink(missing_ok=True)  # the folders change first; a stop before the new meta means redo
+    print(f"writing Fashion-MNIST {request['version']} as JPEGs into {out}", flush=True)
+    counts = fashion.write(out, source, per_class)
+    meta = {
+        "request": request,
+        "source": str(source),
+        "license": "MIT",
+        "classes": list(fashion.FOLDERS),
+        "sizes": counts,
+    }
+    atomic_write_bytes(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    print(f"{out}: {counts['train']} train, {counts['val']} val images in {len(fashion.FOLDERS)} classes")
+
+
 def prepare_imagenet(args: argparse.Namespace) -> None:
     import imagenet
 
@@ -222,6 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     wmt.add_argument("--out", required=True)
     wmt.add_argument("--vocab", type=int, default=32_000)
     wmt.add_argument("--mirror", help="base URL holding the same archive names (offline mirror)")
+    fashion = sub.add_parser("fashion-mnist", help="real 28x28 images from Debian's dataset-fashion-mnist")
+    fashion.add_argument("--out", required=True)
+    fashion.add_argument("--source", default="/usr/share/datasets/fashion-mnist", help="the package's IDX files")
+    fashion.add_argument("--train-per-class", type=int, help="first N train images of each class (default all 6,000)")
+    fashion.add_argument("--val-per-class", type=int, help="first N val images of each class (default all 1,000)")
     images = sub.add_parser("imagenet", help="check an ImageNet folder, optionally stage it locally")
     images.add_argument("--source", required=True, help="folder with train/ and val/")
     images.add_argument("--stage-to", help="copy onto this local directory (e.g. NVMe)")
@@ -239,6 +278,11 @@ def _prepare(args: argparse.Namespace) -> None:
         return prepare_wmt16(args)
     if args.dataset == "imagenet":
         return prepare_imagenet(args)
+    if args.dataset == "fashion-mnist":
+        for name in ("train_per_class", "val_per_class"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                sys.exit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        return prepare_fashion(args)
     for name in ("train", "valid", "test", "max_numbers", "max_digits", "vocab"):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

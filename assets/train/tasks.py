@@ -167,8 +167,7 @@ class ImageTask:
         if c.vision.synthetic:
             return {"eval_loss": None, "top1": None, "top5": None}
         self.model.eval()
-        count = min(c.eval_samples, len(self.val))
-        mine = list(range(self.info.rank, count, self.info.world_size))
+        mine = eval_indices(c.eval_samples, len(self.val))[self.info.rank :: self.info.world_size]
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, top1, top5, images
         for start in range(0, len(mine), c.eval_batch):
             images, labels = load_batch(
@@ -187,6 +186,14 @@ class ImageTask:
 
     def checkpoint_extras(self) -> dict:
         return {"classes": getattr(self, "train", None) and self.train.classes}
+
+
+def eval_indices(count: int, total: int) -> list[int]:
+    """`count` images spread evenly over the val set: its files are sorted by class, so its first
+    `count` would hold the first classes only."""
+    if count >= total:
+        return list(range(total))
+    return [i * total // count for i in range(count)]
 
 
 def make_task(config: TrainConfig, info: distributed.DistInfo, device: torch.device):

@@ -11,7 +11,7 @@ One process per GPU (per CPU slot locally). The same command works under mpirun,
         python train.py --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
 
     python train.py --recipe resnet50 --data /data/imagenet --run-dir /data/runs/r50   # or --synthetic
-    python train.py --recipe resnet-small --data /data/imagenet-small --run-dir /tmp/rs
+    python train.py --recipe resnet-small --data /data/datasets/fashion-mnist --run-dir /tmp/rs
 
 (`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
 good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
             + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in summary.items()
-                if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "checkpoint_mb")
+                if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "top1", "checkpoint_mb")
+                and v is not None
             )
         )
     except FileNotFoundError as error:

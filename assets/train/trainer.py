@@ -448,10 +448,12 @@ class Trainer:
             for kind, lines in texts.items():  # translation: hypotheses, references, sources
                 text = "".join(line + "\n" for line in lines)
                 atomic_write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt", lambda f, t=text: f.write(t.encode()))
-            self.log(
-                f"eval step {self.step} | "
-                + " | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
-            )
+            measured = {k: v for k, v in result.items() if v is not None}  # synthetic data: nothing
+            if measured:
+                self.log(
+                    f"eval step {self.step} | "
+                    + " | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in measured.items())
+                )
             self.scalars({f"eval/{k}": v for k, v in result.items()})
         return result
 
