@@ -23,7 +23,7 @@ CONFIGS = {
     "eight-nodes": {"ssh_cidr": "203.0.113.7/32", "nodes": "8"},
 }
 _ASSET_HASH = re.compile(r"\b[0-9a-f]{64}\b")
-_CONTEXT_TAG = re.compile(r"(\.zip )[0-9a-f]{16}\b")
+_CONTEXT_TAG = re.compile(r'(")( )[0-9a-f]{16}"')  # the image tag after the context URL, a part of its Fn::Join
 
 
 def synthesize(name: str) -> str:
@@ -41,7 +41,7 @@ def synthesize(name: str) -> str:
     stack = GpuClusterStack(app, f"GpuCluster-{config.cluster_name}", config=config)
     template = app.synth().get_stack_by_name(stack.stack_name).template
     text = json.dumps(template, indent=1, sort_keys=True)
-    return _CONTEXT_TAG.sub(r"\1<tag>", _ASSET_HASH.sub("<asset-hash>", text)) + "\n"
+    return _CONTEXT_TAG.sub(r'\1\2<tag>"', _ASSET_HASH.sub("<asset-hash>", text)) + "\n"
 
 
 def golden(name: str) -> Path:
