@@ -3,6 +3,7 @@
 progress file) as a ratio to a bare PyTorch loop on the same model and the same batches.
 
     .venv/bin/python scripts/bench_train_loop.py [--steps 60] [--rounds 3]
+    .venv/bin/python scripts/bench_train_loop.py --task images [--steps 30] [--workers N]
 
 The bare loop gets its batches pre-built as tensors (no data work), so the ratio is conservative.
 Rounds alternate trainer/bare in one process (this machine is noisy); the median ratio is printed.
@@ -93,11 +94,116 @@ def time_bare(config: TrainConfig, trainer_data: DataSet) -> float:
     return (time.perf_counter() - started) / (len(batches) - 1)
 
 
+# --- images (issue 21 §3): the synchronous float32 host pipeline against imagepipe.py, in Trainer.fit's
+# own train_step, on Fashion-MNIST (28 px JPEGs) and on generated ImageNet-sized JPEGs. ---------------
+
+
+def image_folders(tmp: Path) -> dict[str, tuple[Path, int]]:
+    """Data set name -> (folder, image size): Fashion-MNIST (if its package is installed) at 32 px,
+    and 400x300 generated JPEGs (ImageNet's typical size, photo-like gradients) cropped to 64 px."""
+    from PIL import Image
+
+    folders = {}
+    try:
+        prepare.main(
+            ["fashion-mnist", "--out", str(tmp / "fashion"), "--train-per-class", "200", "--val-per-class", "1"]
+        )
+        folders["fashion-mnist 28px -> 32"] = (tmp / "fashion", 32)
+    except SystemExit as error:
+        print(f"fashion-mnist skipped: {error}")
+    generated = tmp / "generated"
+    for split, count in (("train", 160), ("val", 2)):
+        for label in range(4):
+            (generated / split / f"c{label}").mkdir(parents=True)
+            for i in range(count):
+                gradient = Image.linear_gradient("L").resize((400, 300)).rotate(i * 7 + label * 90)
+                image = Image.merge("RGB", (gradient, gradient.transpose(Image.Transpose.FLIP_LEFT_RIGHT), gradient))
+                image.save(generated / split / f"c{label}" / f"{i}.jpg", quality=90)
+    folders["generated 400x300 -> 64"] = (generated, 64)
+    return folders
+
+
+def image_config(data: Path, run_dir: str, size: int, workers: int, batch: int):
+    from config import build_parser, config_from_args
+
+    argv = ["--recipe", "resnet-small", "--data", str(data), "--run-dir", run_dir, "--image-size", str(size)]
+    argv += ["--batch-per-gpu", str(batch), "--workers", str(workers), "--eval-every", "1000000"]
+    return config_from_args(build_parser("").parse_args(argv + ["--checkpoint-every", "1000000"]))
+
+
+def synchronous_batches(task):
+    """The pipeline before issue 21 §3: decode and normalise as float32 in the training process
+    (2 threads, the recipe's old setting), a blocking copy, no prefetch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vision import load_batch
+
+    c, pool = task.config, ThreadPoolExecutor(max_workers=2)
+
+    def batches(step):
+        out = []
+        for micro in range(c.grad_accum):
+            position = step * c.grad_accum + micro
+            indices = global_batch_indices(position, c.batch_per_gpu, len(task.train), c.seed)
+            images, labels = load_batch(task.train, indices, c.vision.image_size, True, c.seed * 7919 + position, pool)
+            out.append((images.to(task.device), labels.to(task.device)))
+        return out
+
+    return batches
+
+
+def time_image_steps(config, synchronous: bool, steps: int) -> dict:
+    """Data wait and step time (the trainer's own breakdown), and the loader alone in images/s."""
+    trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+    task = trainer.task
+    batches = synchronous_batches(task) if synchronous else task.batches
+    task.batches = batches
+    for _ in range(3):  # warm-up: workers started, first batches decoded
+        trainer.train_step()
+    trainer.timer.resolve()
+    for _ in range(steps):
+        trainer.train_step()
+    parts = trainer.timer.resolve()
+    wait = statistics.mean(p["data_s"] for p in parts)
+    step = statistics.mean(p["step_s"] for p in parts)
+    batches(10_000)  # the loader alone: restart at a far position, time batches with no compute
+    started = time.perf_counter()
+    for position in range(10_001, 10_001 + steps):
+        batches(position)
+    alone = steps * config.batch_per_gpu / (time.perf_counter() - started)
+    return {"wait": wait, "step": step, "alone": alone, "consumes": config.batch_per_gpu / (step - wait)}
+
+
+def bench_images(args: argparse.Namespace) -> None:
+    from imagepipe import workers_for
+
+    torch.set_num_threads(1)
+    workers = workers_for(args.workers)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (folder, size) in image_folders(Path(tmp)).items():
+            for label, synchronous in (("before: sync float32", True), (f"after: {workers} worker(s), uint8", False)):
+                config = image_config(folder, f"{tmp}/run-{len(rows)}", size, 0 if synchronous else args.workers, 32)
+                rows.append((name, label, time_image_steps(config, synchronous, args.steps)))
+    print(f"\nresnet-small (ResNet-18 width 16), batch 32, 1 compute thread, {args.steps} steps, CPU")
+    print("| data set | pipeline | data wait / step | step | loader alone | step consumes |")
+    print("|---|---|---|---|---|---|")
+    for name, label, r in rows:
+        print(
+            f"| {name} | {label} | {100 * r['wait'] / r['step']:.1f}% ({1000 * r['wait']:.1f} ms) | "
+            f"{1000 * r['step']:.0f} ms | {r['alone']:.0f} img/s | {r['consumes']:.0f} img/s |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--task", choices=["text", "images"], default="text")
+    parser.add_argument("--workers", type=int, default=-1, help="images: decode processes (-1: from the CPUs)")
     args = parser.parse_args()
+    if args.task == "images":
+        return bench_images(args)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "numbers"

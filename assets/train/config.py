@@ -51,7 +51,9 @@ class VisionConfig:
     base_lr: float = 0.256
     momentum: float = 0.875
     weight_decay: float = 3.0517578125e-05
-    workers: int = 8
+    # Decoding processes per rank: -1 derives them from the node's CPUs and ranks (imagepipe.workers_for),
+    # 0 decodes in the training process.
+    workers: int = -1
 
     def validate(self) -> None:
         from vision import ARCHS
@@ -63,7 +65,12 @@ class VisionConfig:
         _check(self.base_lr > 0, "base_lr", self.base_lr, "a positive number (per 256 images)")
         _check(0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "0 or a positive number")
-        _check(self.workers >= 1, "workers", self.workers, "a positive whole number")
+        _check(
+            self.workers >= -1,
+            "workers",
+            self.workers,
+            "-1 (from the node's CPUs), 0 (in the training process) or more",
+        )
 
 
 @dataclass
@@ -203,7 +210,6 @@ RECIPES = {
             base_lr=0.4,
             momentum=0.9,
             weight_decay=5e-4,
-            workers=2,
         ),
     ),
 }
@@ -284,6 +290,7 @@ RESUMABLE_CHANGES = {
     "dist_timeout_s",
     "target_metric",
     "beam",
+    "workers",  # how images are decoded, not which: the batches are the same (test_imagepipe.py)
 }
 
 

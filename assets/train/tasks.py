@@ -5,7 +5,6 @@ units it is normalised by, optimizer, LR schedule, evaluation."""
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import distributed
@@ -86,17 +85,27 @@ class ImageTask:
     metric = "top1"
 
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
+        from imagepipe import TrainStream, workers_for
         from vision import ImageFolder, ResNet
 
         self.config, self.info, self.device = config, info, device
         v = config.vision
+        # Decoded in worker processes into pinned memory, normalised on the device (imagepipe.py).
+        self.workers, self.pin = workers_for(v.workers), device.type == "cuda"
         if not v.synthetic:
             self.train = ImageFolder(Path(config.data) / "train")
             self.val = ImageFolder(Path(config.data) / "val", classes=self.train.classes)
             v.num_classes = len(self.train.classes)
+            self.stream = TrainStream(
+                self.train, v.image_size, config.batch_per_gpu, info.world_size, info.rank, config.seed
+            )
+            self.stream.configure(self.workers, self.pin)
         torch.manual_seed(config.seed)
         self.model = ResNet(v.arch, v.num_classes, v.width).to(device, memory_format=torch.channels_last)
-        self.pool = ThreadPoolExecutor(max_workers=v.workers)
+        # Under autocast the first convolution runs in the AMP dtype: hand it that dtype (half the bytes).
+        amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
+        self.input_dtype = amp if amp is not None and device.type == "cuda" else torch.float32
+        self._eval_loader = None
         self._synthetic: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def optimizer(self) -> torch.optim.Optimizer:
@@ -116,25 +125,16 @@ class ImageTask:
         return warmup_cosine_lr(step, c.warmup_steps, c.max_steps, c.vision.base_lr * global_batch / 256)
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
-        from vision import load_batch
+        from imagepipe import to_device
 
-        c, v, world = self.config, self.config.vision, self.info.world_size
+        c = self.config
         out: list[tuple[torch.Tensor, ...]] = []
         for micro in range(c.grad_accum):
-            position = step * c.grad_accum + micro
-            if v.synthetic:
+            if c.vision.synthetic:
                 out.append(self._synthetic_batch())
                 continue
-            indices = global_batch_indices(position, c.batch_per_gpu * world, len(self.train), c.seed)
-            images, labels = load_batch(
-                self.train,
-                rank_slice(indices, self.info.rank, world),
-                v.image_size,
-                True,
-                c.seed * 7919 + position,
-                self.pool,
-            )
-            out.append((images.to(self.device), labels.to(self.device)))
+            batch = self.stream.get(step * c.grad_accum + micro)
+            out.append(to_device(batch, self.device, self.input_dtype))
         return out
 
     def _synthetic_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,20 +161,16 @@ class ImageTask:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        from vision import load_batch
+        from imagepipe import to_device
 
         c = self.config
         if c.vision.synthetic:
             return {"eval_loss": None, "top1": None, "top5": None}
         self.model.eval()
-        mine = eval_indices(c.eval_samples, len(self.val))[self.info.rank :: self.info.world_size]
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, top1, top5, images
-        for start in range(0, len(mine), c.eval_batch):
-            images, labels = load_batch(
-                self.val, mine[start : start + c.eval_batch], c.vision.image_size, False, 0, self.pool
-            )
-            logits = self.model(images.to(self.device)).float()
-            labels = labels.to(self.device)
+        for batch in self._val_loader():
+            images, labels = to_device(batch, self.device)
+            logits = self.model(images).float()
             top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
             totals[0] += F.cross_entropy(logits, labels, reduction="sum")
             totals[1] += top5[:, 0].eq(labels).sum()
@@ -183,6 +179,19 @@ class ImageTask:
         loss, top1, top5, images_seen = distributed.all_reduce_sum(totals).tolist()
         images_seen = max(images_seen, 1.0)
         return {"eval_loss": loss / images_seen, "top1": 100 * top1 / images_seen, "top5": 100 * top5 / images_seen}
+
+    def _val_loader(self):
+        """This rank's share of the eval subset, decoded by its own persistent workers (kept between
+        evaluations: the subset is the same each time)."""
+        from imagepipe import Samples, loader
+
+        if self._eval_loader is None:
+            c = self.config
+            mine = eval_indices(c.eval_samples, len(self.val))[self.info.rank :: self.info.world_size]
+            keys = [[(i, 0) for i in mine[start : start + c.eval_batch]] for start in range(0, len(mine), c.eval_batch)]
+            samples = Samples(self.val, c.vision.image_size, train=False)
+            self._eval_loader = loader(samples, keys, self.workers, self.pin, c.seed)
+        return self._eval_loader
 
     def checkpoint_extras(self) -> dict:
         return {"classes": getattr(self, "train", None) and self.train.classes}

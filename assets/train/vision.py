@@ -1,5 +1,6 @@
-"""ResNet (He et al. 2016, torchvision's layout and parameter count) and an ImageNet-folder pipeline
-with deterministic per-sample augmentation (RandomResizedCrop + flip), decoded by PIL in threads."""
+"""ResNet (He et al. 2016, torchvision's layout and parameter count), the ImageNet folder and its
+deterministic per-sample augmentation (RandomResizedCrop + flip) decoded by PIL in uint8; the
+DataLoader pipeline around it is imagepipe.py."""
 
 from __future__ import annotations
 
@@ -143,7 +144,9 @@ def _random_resized_crop(width: int, height: int, rng: random.Random) -> tuple[i
     return (width - side) // 2, (height - side) // 2, (width + side) // 2, (height + side) // 2
 
 
-def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
+def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
+    """One image as uint8 HWC (size x size x 3): train, the seeded RandomResizedCrop box resized and a
+    seeded flip; eval, the short side resized to size/0.875 and the centre crop. All in uint8 (PIL)."""
     from PIL import Image
 
     with Image.open(path) as source:
@@ -153,7 +156,7 @@ def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
             image = image.resize((size, size), Image.Resampling.BILINEAR, box=_random_resized_crop(*image.size, rng))
             if rng.random() < 0.5:
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        else:  # resize the short side to size/0.875, centre crop
+        else:
             scale = size / 0.875 / min(image.size)
             image = image.resize(
                 (max(size, round(image.width * scale)), max(size, round(image.height * scale))),
@@ -161,13 +164,19 @@ def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
             )
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
-    return (pixels.permute(2, 0, 1).float() / 255.0 - MEAN) / STD
+        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
+
+
+def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
+    """decode(), normalised as float32 CHW on the host: the pipeline before issue 21 §3, kept for
+    scripts/bench_train_loop.py's "before" column (and as a readable reference)."""
+    return (decode(path, size, train, seed).permute(2, 0, 1).float() / 255.0 - MEAN) / STD
 
 
 def load_batch(
     folder: ImageFolder, indices: Sequence[int], size: int, train: bool, seed: int, pool: ThreadPoolExecutor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The synchronous float32 host batch (before issue 21 §3); the trainer uses imagepipe.py."""
     images = list(pool.map(lambda i: load_image(folder.samples[i][0], size, train, seed * 1_000_003 + i), indices))
     labels = torch.tensor([folder.samples[i][1] for i in indices])
     return torch.stack(images).contiguous(memory_format=torch.channels_last), labels

@@ -1,0 +1,163 @@
+"""Issue 21 §3, images: decoding in DataLoader worker processes, prefetched while the step computes,
+uint8 on the host and normalised on the device, each rank its own shard, and a resume (mid-epoch,
+with workers) that sees the batches of a run that never stopped."""
+
+import json
+import random
+import time
+
+import checkpoint
+import imagepipe
+import pytest
+import torch
+from imagepipe import Samples, TrainStream, to_device, train_keys, workers_for
+from test_training import final_params, losses, train
+from vision import ImageFolder, load_image
+
+COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """3 colour classes, 8 train and 4 val JPEGs each, of varied sizes."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("pipe")
+    rng = random.Random(1)
+    for split, count in (("train", 8), ("val", 4)):
+        for index, color in enumerate(COLORS):
+            directory = root / split / f"c{index}"
+            directory.mkdir(parents=True)
+            for i in range(count):
+                size = (rng.randint(36, 60), rng.randint(36, 60))
+                pixels = bytes(
+                    max(0, min(255, c + rng.randint(-40, 40))) for _ in range(size[0] * size[1]) for c in color
+                )
+                Image.frombytes("RGB", size, pixels).save(directory / f"{i}.jpg", quality=90)
+    return root
+
+
+def _batches(stream: TrainStream, positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [stream.get(p) for p in positions]
+
+
+def test_host_batches_are_uint8_and_the_device_normalises_them_as_the_host_did(folder):
+    """uint8 NHWC on the host (a quarter of float32's bytes to pin and copy); to_device gives what
+    the float32 host pipeline gave (load_image), channels-last."""
+    train_set = ImageFolder(folder / "train")
+    stream = TrainStream(train_set, 32, batch_per_rank=4, world=1, rank=0, seed=3)
+    images, labels = stream.get(0)
+    assert images.dtype == torch.uint8 and images.shape == (4, 32, 32, 3) and labels.dtype == torch.int64
+    on_device, device_labels = to_device((images, labels), torch.device("cpu"))
+    keys = next(train_keys(len(train_set), 4, 1, 0, 3, 0))
+    host = torch.stack([load_image(train_set.samples[i][0], 32, True, seed) for i, seed in keys])
+    assert torch.allclose(on_device, host, atol=1e-5) and torch.equal(device_labels, labels)
+    assert on_device.is_contiguous(memory_format=torch.channels_last) and on_device.dtype == torch.float32
+    assert to_device((images, labels), torch.device("cpu"), torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_workers_give_the_in_process_batches_and_a_restart_mid_epoch_continues_them(folder):
+    """The same samples, order and augmentations with 2 worker processes as with none, and from a
+    stream started at position 4 (24 images, 8 a batch: mid-way through the second epoch) as from
+    one that ran through. DataLoader returns batches in sampler order (in_order=True, its default:
+    torch/utils/data/dataloader.py), and each key carries its augmentation seed."""
+    train_set = ImageFolder(folder / "train")
+    in_process = TrainStream(train_set, 32, batch_per_rank=8, world=1, rank=0, seed=5)
+    workers = TrainStream(train_set, 32, batch_per_rank=8, world=1, rank=0, seed=5)
+    workers.configure(workers=2, pin=False)
+    whole = _batches(in_process, range(7))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole, _batches(workers, range(7))))
+    restarted = TrainStream(train_set, 32, batch_per_rank=8, world=1, rank=0, seed=5)
+    restarted.configure(workers=2, pin=False)
+    tail = _batches(restarted, range(4, 7))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[4:], tail))
+    assert not torch.equal(whole[1][0], whole[4][0])  # epochs differ (a new permutation, new crops)
+
+
+def test_each_rank_reads_its_own_shard_and_every_rank_the_same_number_of_batches():
+    """DistributedSampler's semantics (torch/utils/data/distributed.py: disjoint per-rank subsets of
+    equal size): per position, the ranks' shards are equally many and, in rank order, exactly the
+    global batch (a batch that spans two epochs may hold an image of each epoch's permutation)."""
+    from data import global_batch_indices
+
+    ranks = [train_keys(20, 4, 3, rank, 7, 0) for rank in range(3)]
+    for position in range(12):  # 12 x 12 images: across several epochs of 20
+        shards = [[i for i, _ in next(keys)] for keys in ranks]
+        assert [len(s) for s in shards] == [4, 4, 4]
+        assert sum(shards, []) == global_batch_indices(position, 12, 20, 7)
+        if position == 0:
+            assert len(set(sum(shards, []))) == 12  # within an epoch: no image on two ranks
+
+
+def test_auto_workers_share_the_nodes_cpus_between_its_ranks(monkeypatch):
+    monkeypatch.setattr(imagepipe.os, "sched_getaffinity", lambda pid: set(range(48)))
+    assert workers_for(-1, {"LOCAL_WORLD_SIZE": "4"}) == 11  # torchrun: 48 CPUs, 4 GPUs
+    assert workers_for(-1, {"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == 5  # mpirun
+    assert workers_for(-1, {}) == 47 and workers_for(0, {}) == 0 and workers_for(3, {}) == 3
+    monkeypatch.setattr(imagepipe.os, "sched_getaffinity", lambda pid: {0})
+    assert workers_for(-1, {"LOCAL_WORLD_SIZE": "2"}) == 1
+
+
+def test_starting_a_loader_leaves_the_global_rng_alone(folder):
+    """A DataLoader iterator draws its workers' base seed from the global RNG unless given a
+    generator (torch/utils/data/dataloader.py, _BaseDataLoaderIter.__init__): that would shift the
+    trainer's per-step dropout draws after a resume."""
+    stream = TrainStream(ImageFolder(folder / "train"), 32, batch_per_rank=2, world=1, rank=0, seed=0)
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    stream.get(0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+class _SlowSamples(Samples):
+    """Decoding that takes 20 ms an image (sleeping: the test measures overlap, not CPU)."""
+
+    def __getitem__(self, key):
+        time.sleep(0.02)
+        return super().__getitem__(key)
+
+
+def _waits(workers: int, train_set: ImageFolder) -> list[float]:
+    stream = TrainStream(train_set, 32, batch_per_rank=4, world=1, rank=0, seed=0)
+    stream.samples = _SlowSamples(train_set, 32, train=True)
+    stream.configure(workers=workers, pin=False)
+    waits = []
+    for position in range(5):
+        started = time.perf_counter()
+        stream.get(position)
+        waits.append(time.perf_counter() - started)
+        time.sleep(0.2)  # the step's compute
+    return waits[1:]  # the first batch is decoded before anything can overlap it
+
+
+def test_worker_processes_decode_the_next_batches_while_the_step_computes(folder):
+    """With workers the wait for a batch after the first is the queue's (near 0): the decoding
+    (4 x 20 ms a batch) happened during the previous steps' compute; in the training process it
+    is paid at every step."""
+    train_set = ImageFolder(folder / "train")
+    synchronous, prefetched = _waits(0, train_set), _waits(2, train_set)
+    print(f"mean wait: in process {250 * sum(synchronous):.0f} ms, 2 workers {250 * sum(prefetched):.0f} ms")
+    assert min(synchronous) >= 0.075 and sum(prefetched) < 0.25 * sum(synchronous)
+
+
+def test_a_resume_mid_epoch_with_workers_gives_the_run_that_never_stopped(folder, tmp_path):
+    """resnet-small on 24 images, 8 a step (3 steps an epoch), 8 steps (the cosine LR schedule
+    depends on the run's length, so both runs are 8 steps long): decoding in the training process,
+    against 2 worker processes with the run then put back to its step-5 checkpoint (mid-way through
+    the second epoch) and resumed with 1 worker (a setting a resume may change). The same losses and
+    bit-identical weights: the same samples, order and crops."""
+    run = ["--recipe", "resnet-small", "--batch-per-gpu", "8", "--eval-every", "1000", "--eval-samples", "6"]
+    run += ["--warmup-steps", "2", "--log-every", "1", "--max-steps", "8", "--checkpoint-every", "5"]
+    whole = train(folder, tmp_path / "whole", *run, "--workers", "0")
+    first = train(folder, tmp_path / "split", *run, "--workers", "2")
+    assert losses(first.stdout) == losses(whole.stdout)
+    for later in checkpoint.list_steps(tmp_path / "split")[1:]:
+        later.unlink()  # as if the run had stopped after step 5
+    second = train(folder, tmp_path / "split", *run, "--workers", "1")
+    assert "resuming from" in second.stdout and "at step 5" in second.stdout
+    resumed = losses(second.stdout)
+    assert sorted(resumed) == [6, 7, 8] and resumed == {s: v for s, v in losses(whole.stdout).items() if s > 5}
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "split")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "split" / "summary.json").read_text())["top1"] is not None
