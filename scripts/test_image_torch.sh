@@ -44,4 +44,4 @@ if [[ $got != "$want_python $want_torch $want_numpy" ]]; then
 fi
 echo "image-torch: the training program's tests on Python/torch/numpy $got (as $tag)"
 mapfile -t modules < <(grep -v '^#' tests/trainer_tests.txt | grep .)
-GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -m "not cluster" "${modules[@]}" "$@"
+GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "$@"
