@@ -6,7 +6,7 @@ export CDK_DISABLE_CLI_TELEMETRY := true
 export AWS_EC2_METADATA_DISABLED := true
 export PATH := $(CURDIR)/.venv/bin:$(CURDIR)/node_modules/.bin:$(PATH)
 
-.PHONY: setup demo test synth lint lock clean
+.PHONY: setup demo test test-image-torch synth lint lock clean
 
 setup:
 	@bash scripts/setup.sh
@@ -14,9 +14,15 @@ setup:
 demo: setup
 	bash scripts/demo.sh 2
 
-test: setup  # everything else on two workers, then the emulated cluster alone (it needs the CPU)
+# make test: everything else on two workers, then the emulated cluster alone (it needs the CPU), then the
+# training program's tests again on the training image's Python, torch and numpy (test-image-torch).
+test: setup
 	python -m pytest -n 2 --dist loadgroup -m "not cluster"
 	python -m pytest -m cluster
+	bash scripts/test_image_torch.sh
+
+test-image-torch: setup  # the training program's tests on the image's torch (stacks/images.py); env cached per lock
+	bash scripts/test_image_torch.sh
 
 # Offline synth pins what `fab preflight` would (synth refuses to guess the AZ or the AMI) and a
 # documentation address (RFC 5737) as ssh_cidr: a template to read and lint, not one to deploy.
@@ -35,6 +41,9 @@ lint: setup  # ruff (lint and format), mypy, shellcheck, cfn-lint on the synthes
 lock:  # after editing a requirements file: pin every package, transitive ones included, with hashes
 	.venv/bin/uv pip compile requirements-dev.txt --generate-hashes --find-links /opt/wheels \
 	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header -o requirements.lock
+	.venv/bin/uv pip compile requirements-image.txt --generate-hashes \
+	  --python-version $$(.venv/bin/python -c 'from stacks import images; print(images.default().python)') \
+	  --python-platform x86_64-manylinux_2_28 --no-header -o requirements-image.lock
 
 clean:
 	rm -rf cdk.out .pytest_cache runs

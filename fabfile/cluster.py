@@ -11,6 +11,7 @@ from fabric import task
 from invoke.exceptions import Exit
 
 from clusterops import health, launch, linkcheck, remote, report, supervise
+from stacks import images
 
 from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
 
@@ -75,7 +76,7 @@ def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
     if json:
         print(health.as_json(verdicts, fit_to_train=fit, problems=problems, link=link, training=training))
     else:
-        _print_check(verdicts, interfaces, facts, link, training, problems)
+        _print_check(verdicts, interfaces, facts, link, training, problems, _cluster_image(inv))
     if not fit:
         bad = [f"{h.node} ({'; '.join(h.reasons)})" for h in verdicts if h.verdict == "bad"]
         raise Exit("error: not fit to train: " + "; ".join(bad + problems), code=1)
@@ -125,7 +126,15 @@ def _links(link) -> dict:
     return {(p["src"], p["dst"]): p["gbit"] for p in (link or {}).get("pairs", [])}
 
 
-def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
+def _cluster_image(inv) -> str:
+    """The image the nodes were built from: the inventory's, else cdk.json's `image` context, else the default."""
+    import json as json_module
+
+    context = json_module.loads(Path("cdk.json").read_text()).get("context", {}) if Path("cdk.json").is_file() else {}
+    return inv.extra.get("image") or context.get("image") or images.DEFAULT_IMAGE
+
+
+def _print_check(verdicts, interfaces, facts, link, training, problems, image=images.DEFAULT_IMAGE) -> None:
     rows = [
         {
             "node": h.node,
@@ -144,6 +153,7 @@ def _print_check(verdicts, interfaces, facts, link, training, problems) -> None:
         row["driver"] = gpus[0]["driver"] if gpus else None
     if reachable:
         print(report.versions_line(reachable)[1])
+        print(images.compare_nodes(image, reachable))
     if link:
         pairs = ", ".join(f"{p['src']}->{p['dst']} {p['gbit']:.2f}" for p in link["pairs"])
         slow = ", ".join(f"{p['src']}->{p['dst']}" for p in link["slow_pairs"]) or "none"

@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from .images import DEFAULT_IMAGE
 from .instance_types import AMI_PARAMETERS, INSTANCE_TYPES, InstanceType
 
-DEFAULT_IMAGE = "nvcr.io/nvidia/pytorch:24.12-py3"
 MAX_NODES = 64
 # The idle alarm evaluates 1-minute heartbeats over idle_minutes + a grace (the watchdog stops the
 # cluster first); CloudWatch: period x evaluation periods may not exceed one day.

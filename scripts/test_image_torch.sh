@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The training program's tests (tests/trainer_tests.txt) a second time, in an environment matching the
+# training image: its Python, torch and numpy (stacks/images.py), pinned with hashes in
+# requirements-image.lock. The environment (~3 GB: PyPI's torch is a CUDA build, which runs on CPU) is
+# built outside the checkout, once per lock: ~/.cache/gpu-cluster/image-env-<lock hash>, reused while the
+# lock is unchanged; older ones are removed once a new one is complete.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+lock=requirements-image.lock
+cache=${GPU_CLUSTER_CACHE:-$HOME/.cache/gpu-cluster}
+env_dir="$cache/image-env-$(sha256sum "$lock" | cut -c1-16)"
+read -r tag want_python want_torch want_numpy < <(.venv/bin/python -c \
+  'from stacks import images; r = images.default(); print(r.tag, r.python, r.torch_pypi, r.numpy)')
+
+find_python() {  # the image's Python: pyenv's build on this kind of machine, else one on PATH
+  local candidate
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want_python".*/bin/python"$want_python" \
+    "$(command -v "python$want_python" || true)"; do
+    [[ -x $candidate ]] && "$candidate" -c 'import venv' 2>/dev/null && { echo "$candidate"; return; }
+  done
+  echo "error: no Python $want_python (the $tag image's) found: pyenv install $want_python, or put python$want_python on PATH" >&2
+  return 1
+}
+
+if [[ ! -f $env_dir/.complete ]]; then
+  python=$(find_python)
+  echo "image-torch: building $env_dir from $lock with $python (downloads ~3 GB once)"
+  start=$SECONDS
+  rm -rf "$env_dir"
+  mkdir -p "$cache"
+  "$python" -m venv "$env_dir"
+  .venv/bin/uv pip sync -q --python "$env_dir/bin/python" "$lock"
+  touch "$env_dir/.complete"  # last: an interrupted build is started over, never reused
+  echo "image-torch: built in $((SECONDS - start)) s ($(du -sh "$env_dir" | cut -f1))"
+  find "$cache" -maxdepth 1 -name 'image-env-*' ! -path "$env_dir" -exec rm -rf {} +
+fi
+
+got=$("$env_dir/bin/python" -c 'import platform, torch, numpy
+print(".".join(platform.python_version_tuple()[:2]), torch.__version__.split("+")[0], numpy.__version__)')
+if [[ $got != "$want_python $want_torch $want_numpy" ]]; then
+  echo "error: $env_dir has Python/torch/numpy $got, the $tag row wants $want_python $want_torch $want_numpy: delete it and rerun" >&2
+  exit 1
+fi
+echo "image-torch: the training program's tests on Python/torch/numpy $got (as $tag)"
+mapfile -t modules < <(grep -v '^#' tests/trainer_tests.txt | grep .)
+GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "$@"
