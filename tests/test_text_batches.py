@@ -164,3 +164,24 @@ def test_an_explicit_precision_wins_and_the_settings_line_says_which_and_why():
     assert config.precision == "auto"
     config.precision, why = choose_precision(config.precision, "cpu", None, False)
     assert "precision fp32 (auto: no CUDA device)" in settings_line(config, why)
+
+
+def test_the_prefetcher_builds_each_step_once_in_order_and_raises_what_the_build_raised():
+    """A step asked for twice (the start-of-run compression probe, then the step) is built once; the
+    next one is already under way; a build's error reaches the trainer's thread."""
+    from sampler import Prefetcher
+
+    built = []
+
+    def build(step):
+        built.append(step)
+        if step == 9:
+            raise ValueError("shard 9 unreadable")
+        return step * 10
+
+    loader = Prefetcher(build)
+    assert [loader.get(0), loader.get(0), loader.get(1), loader.get(5)] == [0, 0, 10, 50]
+    loader.pool.shutdown(wait=True)
+    assert built == [0, 1, 2, 5, 6]
+    with pytest.raises(ValueError, match="shard 9"):
+        Prefetcher(build).get(9)

@@ -100,7 +100,8 @@ class PairDataset:
 
     def lengths(self) -> tuple[np.ndarray, np.ndarray]:
         """(source, target) token counts of every pair, before truncation."""
-        return tuple(np.concatenate([np.diff(off) for _, off in store]) for store in (self.src, self.tgt))  # type: ignore[return-value]
+        src, tgt = (np.concatenate([np.diff(off) for _, off in store]) for store in (self.src, self.tgt))
+        return src, tgt
 
     def _get(self, store, index: int, limit: int) -> np.ndarray:
         shard = bisect.bisect_right(self.starts, index) - 1

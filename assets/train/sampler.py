@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -133,12 +133,10 @@ class Prefetcher(Generic[T]):
     def __init__(self, build: Callable[[int], T]):
         self.build = build
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batches")
-        self.ahead: Optional[tuple[int, Future]] = None
+        self.made: dict[int, Future] = {}  # the step last asked for and the one after it
 
     def get(self, step: int) -> T:
-        if self.ahead is not None and self.ahead[0] == step:
-            current = self.ahead[1]
-        else:
-            current = self.pool.submit(self.build, step)
-        self.ahead = (step + 1, self.pool.submit(self.build, step + 1))
+        current = self.made.get(step) or self.pool.submit(self.build, step)
+        following = self.made.get(step + 1) or self.pool.submit(self.build, step + 1)
+        self.made = {step: current, step + 1: following}  # asked twice (a start-of-run probe): built once
         return current.result()
