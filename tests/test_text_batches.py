@@ -185,3 +185,14 @@ def test_the_prefetcher_builds_each_step_once_in_order_and_raises_what_the_build
     assert built == [0, 1, 2, 5, 6]
     with pytest.raises(ValueError, match="shard 9"):
         Prefetcher(build).get(9)
+
+
+def test_transformer_base_batches_by_tokens_and_the_numbers_toy_by_sentences():
+    from config import build_parser, config_from_args
+
+    def batching(*argv):
+        return config_from_args(build_parser("").parse_args(list(argv))).batching
+
+    assert batching("--recipe", "transformer-base") == "tokens"
+    assert batching("--recipe", "transformer-tiny") == "sentences"
+    assert batching("--recipe", "transformer-tiny", "--batching", "tokens") == "tokens"

@@ -80,7 +80,7 @@ def relative_diff(a: dict, b: dict, init: dict) -> float:
 
 # Adam's first steps move a parameter by ~lr * g/(|g|+eps) whatever |g| is; with the published eps
 # (1e-9) the float noise on exactly-zero gradients (attention key biases) becomes lr-sized steps.
-EQUIVALENCE = ["--max-steps", "4", "--adam-eps", "1e-6"]
+EQUIVALENCE = ["--max-steps", "4", "--adam-eps", "1e-6", "--batching", "tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +109,12 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
 
 
 def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_data, tmp_path):
-    """Token buckets (the default): the resume at step 6 is in the middle of epoch 0 (about 700 steps of
+    """Token buckets: the resume at step 6 is in the middle of epoch 0 (about 700 steps of
     batch 8 in 6,000 pairs; test_text_batches checks the sampler across an epoch boundary)."""
-    whole = train(numbers_data, tmp_path / "whole", "--max-steps", "12", "--batch-per-gpu", "8", "--dropout", "0.1")
-    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", "--batch-per-gpu", "8", "--dropout", "0.1")
-    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", "--batch-per-gpu", "8", "--dropout", "0.1")
+    tokens = ["--batch-per-gpu", "8", "--dropout", "0.1", "--batching", "tokens"]
+    whole = train(numbers_data, tmp_path / "whole", "--max-steps", "12", *tokens)
+    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", *tokens)
+    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", *tokens)
     assert "resuming from" in second.stdout and "at step 6" in second.stdout
     assert re.search(r"batches: up to \d+ tokens per micro-batch .*; (\d{3}) batches in epoch 0", first.stdout)
     split = {**losses(first.stdout), **losses(second.stdout)}

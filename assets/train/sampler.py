@@ -20,8 +20,9 @@ from typing import Callable, Generic, TypeVar
 import numpy as np
 import torch
 
-# Sorting within chunks of ~100 batches keeps most of a full sort's padding saving (torchtext's
-# BucketIterator pool and OpenSeq2Seq use the same idea) while batches still mix the data set.
+# Sorting within chunks of some batches' worth (torchtext's BucketIterator pool, OpenSeq2Seq; fairseq
+# sorts the whole set) trades padding against how alike in length, so in content, a batch's pairs
+# are. Ding pads 6.5% at 100 batches, 9.4% at 40 (README, *Text input pipeline*).
 CHUNK_BATCHES = 100
 
 
