@@ -103,23 +103,27 @@ class PairDataset:
         src, tgt = (np.concatenate([np.diff(off) for _, off in store]) for store in (self.src, self.tgt))
         return src, tgt
 
-    def _get(self, store, index: int, limit: int) -> np.ndarray:
+    def _ids(self, store, index: int, limit: int) -> np.ndarray:
         shard = bisect.bisect_right(self.starts, index) - 1
         flat, offsets = store[shard]
         local = index - self.starts[shard]
         start = int(offsets[local])
         return flat[start : min(int(offsets[local + 1]), start + limit)]
 
+    def _get(self, store, index: int) -> list[int]:
+        """A side's stored ids, untruncated."""
+        return self._ids(store, index, 2**62).tolist()
+
     def source(self, index: int) -> list[int]:
-        return self._get(self.src, index, self.max_len - 1).tolist() + [EOS]
+        return self._ids(self.src, index, self.max_len - 1).tolist() + [EOS]
 
     def target(self, index: int) -> list[int]:
-        return self._get(self.tgt, index, self.max_len - 2).tolist()
+        return self._ids(self.tgt, index, self.max_len - 2).tolist()
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS."""
-        src = [self._get(self.src, i, self.max_len - 1) for i in indices]
-        tgt = [self._get(self.tgt, i, self.max_len - 2) for i in indices]
+        src = [self._ids(self.src, i, self.max_len - 1) for i in indices]
+        tgt = [self._ids(self.tgt, i, self.max_len - 2) for i in indices]
         return _padded(src, after=EOS), _padded(tgt, before=BOS), _padded(tgt, after=EOS)
 
 
