@@ -215,7 +215,8 @@ def ratio(args, data: Path, tmp: str) -> None:
         )
     print(
         f"training-loop throughput / bare PyTorch loop: median {statistics.median(ratios):.3f} "
-        f"(target >= 0.95) over {args.rounds} rounds of {args.steps} steps, batch 64 as tokens, 1 thread"
+        f"(target >= 0.95) over {args.rounds} rounds of {args.steps} steps, batch 64 "
+        "(the recipe's sentence batches), 1 thread"
     )
 
 
