@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
-"""Throughput of the training loop (Trainer.fit: data, AMP/scaler, LR schedule, clipping, TensorBoard,
-progress file) as a ratio to a bare PyTorch loop on the same model and the same batches.
+"""The translation input pipeline before and after token batching, then the training loop's
+throughput as a ratio to a bare PyTorch loop.
 
-    .venv/bin/python scripts/bench_train_loop.py [--steps 60] [--rounds 3]
+    .venv/bin/python scripts/bench_train_loop.py [--pairs 4500000] [--steps 40] [--rounds 3]
     .venv/bin/python scripts/bench_train_loop.py --task images [--steps 30] [--workers N]
 
-The bare loop gets its batches pre-built as tensors (no data work), so the ratio is conservative.
-Rounds alternate trainer/bare in one process (this machine is noisy); the median ratio is printed.
+Pipeline (one run, the same model and data, 1 thread): `before` is the old path, reimplemented
+here: a torch.randperm over all pairs at every step and rows padded one by one to the longest of 64
+random pairs, built synchronously; `after` is the trainer's own (tasks.TranslationTask): token
+buckets (sampler.py), the permutation drawn once per epoch, built a step ahead on a thread. Data:
+the Ding sentences (`apt-get install trans-de-en`; the numbers data set without it) repeated in
+memory to --pairs pairs (4.5M: WMT16 en-de's size). Printed per path: the data wait (the trainer's
+step breakdown) as a share of the step, the loader's tokens/s alone against the tokens/s the step
+consumes, and the padded share of the batches' tokens.
+
+Ratio: Trainer.train_step against a bare loop on the same model and batches, pre-built as tensors
+(no data work), so the ratio is conservative; rounds alternate (this machine is noisy).
 """
 
 import argparse
@@ -19,14 +28,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "assets" / "train"))
 
+import numpy as np  # noqa: E402
 import prepare  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from config import RECIPES, ModelConfig, TrainConfig  # noqa: E402
-from data import PAD, DataSet, global_batch_indices  # noqa: E402
+from data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from model import Transformer  # noqa: E402
-from tasks import transformer_lr  # noqa: E402
+from tasks import TranslationTask, transformer_lr  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 
@@ -48,6 +58,107 @@ def tiny_config(data: str, run_dir: str, steps: int) -> TrainConfig:
     )
 
 
+def dataset(tmp: str) -> tuple[Path, str]:
+    """A prepared data set (Ding when its package is installed, else numbers) and its name."""
+    out = Path(tmp) / "data"
+    try:
+        prepare.main(["ding", "--out", str(out), "--vocab", "2000"])
+        return out, "Ding"
+    except SystemExit:  # trans-de-en not installed
+        prepare.main(["numbers", "--out", str(out), "--train", "5000", "--valid", "50", "--test", "50"])
+        return out, "numbers"
+
+
+def repeated(pairs: PairDataset, size: int) -> PairDataset:
+    """`pairs` repeated in memory until it holds `size` pairs (one shard)."""
+    copies = -(-size // len(pairs))
+    big = PairDataset.__new__(PairDataset)
+    big.max_len = pairs.max_len
+    stores = []
+    for store in (pairs.src, pairs.tgt):
+        flat = np.concatenate([f for f, _ in store])
+        lengths = np.concatenate([np.diff(o) for _, o in store])
+        lengths = np.tile(lengths, copies)[:size]
+        offsets = np.zeros(size + 1, dtype=np.int64)
+        offsets[1:] = lengths.cumsum()
+        stores.append([(np.tile(flat, copies)[: offsets[-1]], offsets)])
+    big.src, big.tgt = stores
+    big.sizes, big.starts = [size], [0, size]
+    return big
+
+
+def old_batches(pairs: PairDataset, batch: int, seed: int):
+    """The path before token batching: randperm over every pair at each step, rows padded one by one."""
+
+    def build(step: int) -> list[tuple[torch.Tensor, ...]]:
+        indices = global_batch_indices(step, batch, len(pairs), seed)
+        src = [pairs.source(i) for i in indices]
+        tgt = [pairs.target(i) for i in indices]
+        return [(_pad(src), _pad([[BOS] + t for t in tgt]), _pad([t + [EOS] for t in tgt]))]
+
+    return build
+
+
+def tokens(batches) -> int:
+    return sum(int(b[0].ne(PAD).sum() + b[2].ne(PAD).sum()) for b in batches)
+
+
+def measure(trainer: Trainer, build, steps: int) -> dict:
+    """The loader alone over `steps` steps, then `steps` training steps (after one warm-up)."""
+    started, real, pads, total = time.perf_counter(), 0, 0, 0
+    for step in range(steps):
+        batches = build(step)
+        real += tokens(batches)
+        for batch in batches:
+            pad, count = padded_fraction(batch)
+            pads, total = pads + pad, total + count
+    loader_s = time.perf_counter() - started
+    trainer.train_step()
+    trainer.timer.resolve()
+    for _ in range(steps):
+        trainer.train_step()
+    parts = trainer.timer.resolve()
+    step_s = sum(p["step_s"] for p in parts) / len(parts)
+    data_s = sum(p["data_s"] for p in parts) / len(parts)
+    return {
+        "step_ms": 1000 * step_s,
+        "wait": data_s / step_s,
+        "loader": real / loader_s,
+        "consumed": real / steps / step_s,
+        "padded": pads / total,
+    }
+
+
+def pipeline(args, data: Path, name: str, tmp: str) -> None:
+    rows = {}
+    for path in ("before", "after"):
+        config = tiny_config(str(data), f"{tmp}/{path}", 10**6)
+        config.batching = "tokens" if path == "after" else "sentences"
+        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        task = trainer.task
+        task.data.train = repeated(task.data.train, args.pairs)
+        if path == "after":
+            started = time.perf_counter()
+            task.sampler, task.budget, notes = task._sampler()
+            print(f"{notes[0]}: epoch 0 drawn and packed in {time.perf_counter() - started:.2f} s")
+            build = task._host_batches
+        else:
+            build = old_batches(task.data.train, config.batch_per_gpu, config.seed)
+            task.batches = lambda step, build=build: build(step)  # what TranslationTask.batches did
+        rows[path] = measure(trainer, build, args.steps)
+    print(
+        f"\n{name} sentences repeated to {args.pairs:,} pairs; transformer-tiny, batch 64 (after: as tokens), "
+        f"1 thread, {args.steps} steps\n"
+    )
+    print("| path | ms/step | data wait / step | loader alone, tokens/s | step consumes, tokens/s | padded tokens |")
+    print("|---|---|---|---|---|---|")
+    for path, r in rows.items():
+        print(
+            f"| {path} | {r['step_ms']:.0f} | {r['wait']:.1%} | {r['loader']:,.0f} | {r['consumed']:,.0f} "
+            f"| {r['padded']:.1%} |"
+        )
+
+
 def time_trainer(config: TrainConfig) -> float:
     trainer = Trainer(config, DistInfo(), torch.device("cpu"))
     trainer.train_step()  # warm-up, as for the bare loop
@@ -60,17 +171,15 @@ def time_trainer(config: TrainConfig) -> float:
     return (time.perf_counter() - started) / (config.max_steps - 1)
 
 
-def time_bare(config: TrainConfig, trainer_data: DataSet) -> float:
+def time_bare(config: TrainConfig) -> float:
+    task = TranslationTask(config, DistInfo(), torch.device("cpu"))  # for its batches only
     torch.manual_seed(config.seed)
-    model = Transformer(config.model, trainer_data.tokenizer.vocab_size)
+    model = Transformer(config.model, task.data.tokenizer.vocab_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=config.adam_betas, eps=config.adam_eps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: transformer_lr(s + 1, config.model.d_model, config.warmup_steps, config.lr_scale)
     )
-    batches = [
-        trainer_data.train.batch(global_batch_indices(s, config.batch_per_gpu, len(trainer_data.train), config.seed))
-        for s in range(config.max_steps)
-    ]
+    batches = [task._host_batches(s)[0] for s in range(config.max_steps)]
 
     def step(src, tgt_in, tgt_out):
         loss = F.cross_entropy(
@@ -92,6 +201,24 @@ def time_bare(config: TrainConfig, trainer_data: DataSet) -> float:
     for batch in batches[1:]:
         step(*batch)
     return (time.perf_counter() - started) / (len(batches) - 1)
+
+
+def ratio(args, data: Path, tmp: str) -> None:
+    ratios = []
+    for round_ in range(args.rounds):
+        config = tiny_config(str(data), f"{tmp}/run{round_}", args.steps)
+        trainer_s = time_trainer(config)
+        bare_s = time_bare(tiny_config(str(data), f"{tmp}/bare{round_}", args.steps))
+        ratios.append(bare_s / trainer_s)
+        print(
+            f"round {round_ + 1}: trainer {trainer_s * 1000:.1f} ms/step, bare {bare_s * 1000:.1f} ms/step, "
+            f"throughput ratio {ratios[-1]:.3f}"
+        )
+    print(
+        f"training-loop throughput / bare PyTorch loop: median {statistics.median(ratios):.3f} "
+        f"(target >= 0.95) over {args.rounds} rounds of {args.steps} steps, batch 64 "
+        "(the recipe's sentence batches), 1 thread"
+    )
 
 
 # --- images (issue 21 §3): the synchronous float32 host pipeline against imagepipe.py, in Trainer.fit's
@@ -197,8 +324,9 @@ def bench_images(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=4_500_000, help="pairs in memory (WMT16 en-de: ~4.5M)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3, help="trainer / bare loop rounds (0: none)")
     parser.add_argument("--task", choices=["text", "images"], default="text")
     parser.add_argument("--workers", type=int, default=-1, help="images: decode processes (-1: from the CPUs)")
     args = parser.parse_args()
@@ -206,23 +334,11 @@ def main() -> None:
         return bench_images(args)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "numbers"
-        prepare.main(["numbers", "--out", str(data), "--train", "5000", "--valid", "50", "--test", "50"])
-        ratios = []
-        for round_ in range(args.rounds):
-            config = tiny_config(str(data), f"{tmp}/run{round_}", args.steps)
-            trainer_s = time_trainer(config)
-            bare_config = tiny_config(str(data), f"{tmp}/bare{round_}", args.steps)
-            bare_s = time_bare(bare_config, DataSet(data, bare_config.model.max_len))
-            ratios.append(bare_s / trainer_s)
-            print(
-                f"round {round_ + 1}: trainer {trainer_s * 1000:.1f} ms/step, bare {bare_s * 1000:.1f} ms/step, "
-                f"throughput ratio {ratios[-1]:.3f}"
-            )
-    print(
-        f"training-loop throughput / bare PyTorch loop: median {statistics.median(ratios):.3f} "
-        f"(target >= 0.95) over {args.rounds} rounds of {args.steps} steps, batch 64, 1 thread"
-    )
+        data, name = dataset(tmp)
+        pipeline(args, data, name, tmp)
+        if args.rounds:
+            print()
+            ratio(args, data, tmp)
 
 
 if __name__ == "__main__":

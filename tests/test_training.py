@@ -80,13 +80,15 @@ def relative_diff(a: dict, b: dict, init: dict) -> float:
 
 # Adam's first steps move a parameter by ~lr * g/(|g|+eps) whatever |g| is; with the published eps
 # (1e-9) the float noise on exactly-zero gradients (attention key biases) becomes lr-sized steps.
-EQUIVALENCE = ["--max-steps", "4", "--adam-eps", "1e-6"]
+EQUIVALENCE = ["--max-steps", "4", "--adam-eps", "1e-6", "--batching", "tokens"]
 
 
 @pytest.fixture(scope="module")
 def single_reference(numbers_data, tmp_path_factory):
+    """One process taking both ranks' token buckets of every step as two micro-batches (sampler.py:
+    a step's buckets depend on world size x accumulation only)."""
     run = tmp_path_factory.mktemp("single")
-    train(numbers_data, run, *EQUIVALENCE, "--batch-per-gpu", "16")
+    train(numbers_data, run, *EQUIVALENCE, "--batch-per-gpu", "8", "--grad-accum", "2")
     return final_params(run), initial_params(run)
 
 
@@ -107,10 +109,14 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
 
 
 def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_data, tmp_path):
-    whole = train(numbers_data, tmp_path / "whole", "--max-steps", "12", "--batch-per-gpu", "8", "--dropout", "0.1")
-    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", "--batch-per-gpu", "8", "--dropout", "0.1")
-    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", "--batch-per-gpu", "8", "--dropout", "0.1")
+    """Token buckets: the resume at step 6 is in the middle of epoch 0 (about 700 steps of
+    batch 8 in 6,000 pairs; test_text_batches checks the sampler across an epoch boundary)."""
+    tokens = ["--batch-per-gpu", "8", "--dropout", "0.1", "--batching", "tokens"]
+    whole = train(numbers_data, tmp_path / "whole", "--max-steps", "12", *tokens)
+    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", *tokens)
+    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", *tokens)
     assert "resuming from" in second.stdout and "at step 6" in second.stdout
+    assert re.search(r"batches: up to \d+ tokens per micro-batch .*; (\d{3}) batches in epoch 0", first.stdout)
     split = {**losses(first.stdout), **losses(second.stdout)}
     assert split == losses(whole.stdout) and len(split) == 12
     a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "split")
@@ -233,10 +239,23 @@ def test_missing_data_says_how_to_prepare_it(tmp_path):
     assert result.returncode == 2 and "prepare.py numbers --out" in result.stderr
 
 
-def test_gradient_accumulation_equals_the_larger_batch(numbers_data, tmp_path, single_reference):
-    train(numbers_data, tmp_path, *EQUIVALENCE, "--batch-per-gpu", "8", "--grad-accum", "2")
-    reference, init = single_reference
-    assert relative_diff(final_params(tmp_path), reference, init) < 2e-5
+def test_gradient_accumulation_equals_the_larger_batch(numbers_data, tmp_path):
+    """In sentences (token buckets of a larger budget are other buckets: a fixed batch is what
+    accumulation must reproduce)."""
+    train(numbers_data, tmp_path / "large", *EQUIVALENCE, "--batching", "sentences", "--batch-per-gpu", "16")
+    train(
+        numbers_data,
+        tmp_path / "accum",
+        *EQUIVALENCE,
+        "--batching",
+        "sentences",
+        "--batch-per-gpu",
+        "8",
+        "--grad-accum",
+        "2",
+    )
+    init = initial_params(tmp_path / "large")
+    assert relative_diff(final_params(tmp_path / "accum"), final_params(tmp_path / "large"), init) < 2e-5
 
 
 def test_fp16_autocast_with_grad_scaler_trains(numbers_data, tmp_path):
@@ -312,6 +331,7 @@ def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path
 def test_a_resumed_run_keeps_its_saved_settings_and_refuses_a_different_one(numbers_data, tmp_path):
     first = train(numbers_data, tmp_path, "--max-steps", "3", "--grad-compression", "fp16", "--lr-scale", "0.5")
     assert "gradient compression fp16, lr scale 0.5" in first.stdout
+    assert "precision fp32 (auto: no CUDA device)" in first.stdout  # mixed precision only on GPUs
     # Resumed with fewer flags: the run's own settings, not the recipe's defaults.
     resumed = train(numbers_data, tmp_path, "--max-steps", "5")
     assert "resuming with the run's saved settings" in resumed.stdout

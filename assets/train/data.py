@@ -6,11 +6,13 @@ A data set directory holds `spm.model`, `train-NNNNN.pt` shards, `valid.pt`, `te
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 from model import BOS, EOS, PAD
 
@@ -80,38 +82,70 @@ def write_pairs(path: Path, src_ids: list[list[int]], tgt_ids: list[list[int]]) 
 
 
 class PairDataset:
-    """Token-id pairs held as flat tensors plus offsets (a few bytes per token)."""
+    """Token-id pairs held as flat arrays plus offsets (a few bytes per token)."""
 
     def __init__(self, paths: Sequence[Path], max_len: int):
         if not paths:
             raise FileNotFoundError("no shards")
         parts = [torch.load(p, weights_only=True) for p in paths]
         self.max_len = max_len
-        self.src = [(part["src"], part["src_off"]) for part in parts]
-        self.tgt = [(part["tgt"], part["tgt_off"]) for part in parts]
+        # numpy views of the loaded tensors: slicing one costs ~0.2 us, a tensor's ~2 us.
+        self.src = [(part["src"].numpy(), part["src_off"].numpy()) for part in parts]
+        self.tgt = [(part["tgt"].numpy(), part["tgt_off"].numpy()) for part in parts]
         self.sizes = [len(part["src_off"]) - 1 for part in parts]
         self.starts = torch.tensor([0] + self.sizes).cumsum(0).tolist()
 
     def __len__(self) -> int:
         return self.starts[-1]
 
-    def _get(self, store, index: int) -> list[int]:
-        shard = next(i for i in range(len(self.sizes)) if index < self.starts[i + 1])
+    def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source, target) token counts of every pair, before truncation."""
+        src, tgt = (np.concatenate([np.diff(off) for _, off in store]) for store in (self.src, self.tgt))
+        return src, tgt
+
+    def _ids(self, store, index: int, limit: int) -> np.ndarray:
+        shard = bisect.bisect_right(self.starts, index) - 1
         flat, offsets = store[shard]
         local = index - self.starts[shard]
-        return flat[offsets[local] : offsets[local + 1]].tolist()
+        start = int(offsets[local])
+        return flat[start : min(int(offsets[local + 1]), start + limit)]
+
+    def _get(self, store, index: int) -> list[int]:
+        """A side's stored ids, untruncated."""
+        return self._ids(store, index, 2**62).tolist()
 
     def source(self, index: int) -> list[int]:
-        return self._get(self.src, index)[: self.max_len - 1] + [EOS]
+        return self._ids(self.src, index, self.max_len - 1).tolist() + [EOS]
 
     def target(self, index: int) -> list[int]:
-        return self._get(self.tgt, index)[: self.max_len - 2]
+        return self._ids(self.tgt, index, self.max_len - 2).tolist()
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS."""
-        src = [self.source(i) for i in indices]
-        tgt = [self.target(i) for i in indices]
-        return (_pad(src), _pad([[BOS] + t for t in tgt]), _pad([t + [EOS] for t in tgt]))
+        src = [self._ids(self.src, i, self.max_len - 1) for i in indices]
+        tgt = [self._ids(self.tgt, i, self.max_len - 2) for i in indices]
+        return _padded(src, after=EOS), _padded(tgt, before=BOS), _padded(tgt, after=EOS)
+
+
+def _padded(rows: list[np.ndarray], before: int | None = None, after: int | None = None) -> torch.Tensor:
+    """The rows, each with `before` in front or `after` behind it, padded with PAD to the longest."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    out = np.full((len(rows), int(lengths.max(initial=0)) + 1), PAD, dtype=np.int64)
+    shift = 1 if before is not None else 0
+    mask = np.arange(out.shape[1] - shift) < lengths[:, None]
+    out[:, shift:][mask] = np.concatenate(rows) if rows else []
+    if before is not None:
+        out[:, 0] = before
+    if after is not None:
+        out[np.arange(len(rows)), lengths] = after
+    return torch.from_numpy(out)
+
+
+def padded_fraction(batch: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(PAD tokens, all tokens) of a (src, tgt_in, tgt_out) batch's source and target tensors."""
+    src, _, tgt_out = batch
+    total = src.numel() + tgt_out.numel()
+    return total - int(src.ne(PAD).sum() + tgt_out.ne(PAD).sum()), total
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:

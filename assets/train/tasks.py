@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 
 import distributed
+import numpy as np
 import torch
 import torch.nn.functional as F
 from config import TrainConfig
 from data import PAD, DataSet, global_batch_indices, rank_slice
+from sampler import Prefetcher, SentenceBatches, TokenBuckets, pair_costs, token_budget
 
 
 def transformer_lr(step: int, d_model: int, warmup: int, scale: float) -> float:
@@ -38,6 +40,43 @@ class TranslationTask:
         self.data = DataSet(config.data, config.model.max_len)
         torch.manual_seed(config.seed)  # the same initial weights for any world size
         self.model = Transformer(config.model, self.data.tokenizer.vocab_size).to(device)
+        self.sampler, self.budget, self.notes = self._sampler()
+        self.loader = Prefetcher(self._host_batches)
+
+    def _sampler(self) -> tuple[TokenBuckets | SentenceBatches, int, list[str]]:
+        """The sampler, the token budget per micro-batch (0 for sentences) and what to log about it."""
+        c, world = self.config, self.info.world_size
+        if c.batching == "sentences":
+            return SentenceBatches(len(self.data.train), c.batch_per_gpu * world, c.seed), 0, []
+        src, tgt = self.data.train.lengths()
+        costs = pair_costs(src, tgt, c.model.max_len)
+        budget = token_budget(c.batch_per_gpu, costs, c.max_tokens)
+        key = (costs * (c.model.max_len + 1) + np.minimum(src, c.model.max_len)) * (c.model.max_len + 1)
+        sampler = TokenBuckets(costs, key + np.minimum(tgt, c.model.max_len), budget, c.seed)
+        source = (
+            f"--max-tokens {c.max_tokens}"
+            if c.max_tokens
+            else (f"--batch-per-gpu {c.batch_per_gpu} x {costs.mean():.1f} mean tokens per pair")
+        )
+        note = (
+            f"batches: up to {budget} tokens per micro-batch ({source}), sorted by length within chunks "
+            f"of {sampler.chunk} pairs; {len(sampler.epoch(0))} batches in epoch 0"
+        )
+        return sampler, budget, [note]
+
+    def _host_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro-batches of `step`, on the host (pinned for an asynchronous copy to a GPU)."""
+        c, world, rank = self.config, self.info.world_size, self.info.rank
+        out = []
+        for micro in range(c.grad_accum):
+            if isinstance(self.sampler, TokenBuckets):
+                batch = self.data.train.batch(self.sampler.bucket((step * world + rank) * c.grad_accum + micro))
+            else:
+                batch = self.data.train.batch(
+                    rank_slice(self.sampler.indices(step * c.grad_accum + micro), rank, world)
+                )
+            out.append(tuple(t.pin_memory() for t in batch) if self.device.type == "cuda" else batch)
+        return out
 
     def optimizer(self) -> torch.optim.Optimizer:
         c = self.config
@@ -48,15 +87,8 @@ class TranslationTask:
         return transformer_lr(step, c.model.d_model, c.warmup_steps, c.lr_scale)
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
-        c, world = self.config, self.info.world_size
-        out: list[tuple[torch.Tensor, ...]] = []
-        for micro in range(c.grad_accum):
-            indices = global_batch_indices(
-                step * c.grad_accum + micro, c.batch_per_gpu * world, len(self.data.train), c.seed
-            )
-            mine = rank_slice(indices, self.info.rank, world)
-            out.append(tuple(t.to(self.device) for t in self.data.train.batch(mine)))
-        return out
+        """Built one step ahead on a thread (sampler.Prefetcher); copied without blocking."""
+        return [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in self.loader.get(step)]
 
     def units(self, batch) -> torch.Tensor:
         return batch[2].ne(PAD).sum()  # target tokens, counted on the device

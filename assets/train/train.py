@@ -23,7 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import distributed  # noqa: E402
-from config import ConfigError, build_parser, config_from_args, resume_config, settings_line  # noqa: E402
+from config import (  # noqa: E402
+    ConfigError,
+    build_parser,
+    config_from_args,
+    resolve_precision,
+    resume_config,
+    settings_line,
+)
 
 
 def effective_config(args):
@@ -69,6 +76,7 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     info, device = distributed.setup(timeout_s=config.dist_timeout_s)
+    precision_why = resolve_precision(config, device) if config.precision == "auto" else ""
     world_batch = config.batch_per_gpu * config.grad_accum * info.world_size
     if args.keep_global_batch and world_batch != args.keep_global_batch:
         print(
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
     if info.is_main:
         print(
             ("resuming with the run's saved " if resumed else "")
-            + settings_line(config)
+            + settings_line(config, precision_why)
             + "".join(f"; changed {change}" for change in changes),
             flush=True,
         )

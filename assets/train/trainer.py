@@ -16,7 +16,7 @@ import breakdown
 import checkpoint
 import distributed
 import torch
-from config import TrainConfig
+from config import TrainConfig, resolve_precision
 from data import atomic_write_bytes
 from tasks import make_task
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -159,9 +159,12 @@ class Trainer:
         self.config, self.info, self.device = config, info, device
         self.run_dir = Path(config.run_dir)
         self.task = make_task(config, info, device)
+        for note in getattr(self.task, "notes", []):
+            self.log(note)
         self.model = self.task.model
         self.optimizer = self.task.optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self.task.lr_factor(s + 1))
+        resolve_precision(config, device)  # `auto` (train.py resolves it first, to print why)
         self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
         self.step = 0
