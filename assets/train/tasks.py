@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from config import TrainConfig
-from data import PAD, DataSet, global_batch_indices, rank_slice
+from data import PAD, DataSet, rank_slice
 from sampler import Prefetcher, SentenceBatches, TokenBuckets, pair_costs, token_budget
 
 
