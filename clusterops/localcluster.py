@@ -26,6 +26,9 @@ from typing import Mapping
 from assets.contract import CONTAINER_SSH_PORT
 
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
+from .localdata import describe_data, unfetched_runs
+
+__all__ = ["describe_data", "unfetched_runs"]  # re-exported: the fab tasks read them here
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRYPOINT = REPO / "assets" / "docker" / "entrypoint.sh"
@@ -252,16 +255,20 @@ def _make_network(spec: LocalSpec) -> None:
     _run("ip", "addr", "add", f"{spec.bridge_ip}/{spec.prefix}", "dev", spec.bridge)
     _run("ip", "link", "set", spec.bridge, "up")
     for rank in range(spec.nodes):
-        netns, veth = spec.netns(rank), spec.host_veth(rank)
-        _run("ip", "netns", "add", netns)
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
-        _run("ip", "link", "set", veth, "master", spec.bridge, "up")
-        _run("ip", "-n", netns, "addr", "add", f"{spec.node_ip(rank)}/{spec.prefix}", "dev", "eth0")
-        _run("ip", "-n", netns, "link", "set", "eth0", "up")
-        _run("ip", "-n", netns, "link", "set", "lo", "up")
-        if spec.link:
-            _cap(veth, spec.link)
-            _cap("eth0", spec.link, netns)
+        _make_node_network(spec, rank)
+
+
+def _make_node_network(spec: LocalSpec, rank: int) -> None:
+    netns, veth = spec.netns(rank), spec.host_veth(rank)
+    _run("ip", "netns", "add", netns)
+    _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+    _run("ip", "link", "set", veth, "master", spec.bridge, "up")
+    _run("ip", "-n", netns, "addr", "add", f"{spec.node_ip(rank)}/{spec.prefix}", "dev", "eth0")
+    _run("ip", "-n", netns, "link", "set", "eth0", "up")
+    _run("ip", "-n", netns, "link", "set", "lo", "up")
+    if spec.link:
+        _cap(veth, spec.link)
+        _cap("eth0", spec.link, netns)
 
 
 def node_cpus(rank: int, nodes: int, cpus: list[int]) -> list[int]:
@@ -345,30 +352,6 @@ def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory
     )
     inventory.save(inventory_path)
     return inventory
-
-
-def describe_data(shared: Path) -> str:
-    """What the shared /data holds, in a few words: data sets and runs (unfetched ones marked)."""
-    datasets = sorted(p.name for p in (shared / "datasets").glob("*") if p.is_dir())
-    runs = sorted(p.name for p in (shared / "runs").glob("*") if p.is_dir())
-    unfetched = set(unfetched_runs(shared))
-    parts = []
-    if datasets:
-        parts.append(f"data sets {', '.join(datasets)}")
-    if runs:
-        parts.append("runs " + ", ".join(r + (" (not fetched)" if r in unfetched else "") for r in runs))
-    return "; ".join(parts) or "no data sets or runs"
-
-
-def unfetched_runs(shared: Path) -> list[str]:
-    """Runs whose newest files were never brought home by `fab fetch` (it leaves .fetched)."""
-    found = []
-    for run in sorted(p for p in (shared / "runs").glob("*") if p.is_dir()):
-        marker = run / ".fetched"
-        newest = max((f.stat().st_mtime for f in run.rglob("*") if f.is_file() and f != marker), default=0)
-        if not marker.exists() or marker.stat().st_mtime < newest:
-            found.append(run.name)
-    return found
 
 
 def _save_record(spec: LocalSpec, record: dict) -> None:

@@ -7,7 +7,7 @@ import time
 from fabric import task
 from invoke import Collection
 
-from clusterops import localcluster
+from clusterops import localcluster, localrepair
 
 from .common import ERRORS, fail, inventory_path, whole_number
 
@@ -21,10 +21,13 @@ from .common import ERRORS, fail, inventory_path, whole_number
         "name": "cluster name (default local)",
         "subnet": "node addresses (default 10.213.0.0/24)",
         "replace": "replace a running cluster of that name, deleting its /data",
+        "repair": "restart the dead nodes of the running cluster NAME, keeping /data (its recorded options stay)",
     },
 )
-def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.0/24", replace=False):
+def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.0/24", replace=False, repair=False):
     """Start an emulated cluster on this machine (root): namespaces, sshd on 4444, shared /data."""
+    if repair:
+        return _repair(c, name, replace)
     spec = localcluster.LocalSpec(
         name=name, nodes=whole_number(nodes, "--nodes"), slots=whole_number(slots, "--slots"), link=link, subnet=subnet
     )
@@ -40,10 +43,39 @@ def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.
     )
 
 
-@task(name="down", help={"name": "cluster name (default local)"})
-def local_down(c, name="local"):
+def _repair(c, name: str, replace: bool) -> None:
+    if replace:
+        raise fail(localcluster.LocalClusterError("--repair keeps /data, --replace deletes it: give one"))
+    started = time.perf_counter()
+    try:
+        restarted = localrepair.repair(name, inventory_path(c))
+    except ERRORS as error:
+        raise fail(error) from None
+    if restarted:
+        seconds = time.perf_counter() - started
+        print(f"local cluster {name}: {', '.join(restarted)} restarted in {seconds:.2f} s, /data kept")
+    else:
+        print(f"local cluster {name}: every node answers; nothing to repair")
+
+
+@task(
+    name="down",
+    help={
+        "name": "cluster name (default local)",
+        "yes": "delete /data even if it holds runs not fetched since they changed",
+    },
+)
+def local_down(c, name="local", yes=False):
     """Stop the emulated cluster: no namespace, bridge, process or mount is left behind."""
     unfetched = localcluster.unfetched_runs(localcluster.STATE_ROOT / name / "shared")
+    if unfetched and not yes and (localcluster.STATE_ROOT / name / "cluster.json").exists():
+        # like `local.up` without --replace: nothing is deleted until the user says so
+        raise fail(
+            localcluster.LocalClusterError(
+                f"local cluster {name}'s /data holds runs never fetched or changed since: {', '.join(unfetched)}; "
+                f"`fab fetch --run NAME` each, or `fab local.down --yes` deletes them"
+            )
+        )
     try:
         removed = localcluster.down(name, inventory_path(c))
     except localcluster.NothingToDo as nothing:
@@ -52,11 +84,10 @@ def local_down(c, name="local"):
     except ERRORS as error:
         raise fail(error) from None
     if unfetched:
-        print(
-            f"deleted with /data, never fetched: runs {', '.join(unfetched)} "
-            "(next time: `fab fetch --run NAME` before `fab local.down`)"
-        )
-    print(f"local cluster {name} down ({len(removed)} namespace(s)/bridge removed)")
+        print(f"deleted with /data, never fetched or changed since: runs {', '.join(unfetched)}")
+    namespaces = [r for r in removed if r.startswith("gc-")]  # down() also lists the bridge (gcbr-...)
+    bridge = " and the bridge" if len(namespaces) < len(removed) else ""
+    print(f"local cluster {name} down ({len(namespaces)} node namespace(s){bridge} removed)")
 
 
 local = Collection("local", local_up, local_down)

@@ -175,6 +175,12 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
             "the run goes on: `fab logs --follow` picks it up again (`fab status` first)",
             code=1,
         ) from None
+    except KeyboardInterrupt:  # Invoke exits 1 without a word on it (invoke/program.py); the run goes on
+        raise Exit(
+            f"stopped following {rdir}; the run goes on (on AWS, billed): "
+            "`fab logs --follow` re-attaches, `fab stop` ends it",
+            code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
+        ) from None
     print(report.run_line(rdir, state))
     for line in report.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
         print(line)

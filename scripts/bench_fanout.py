@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fab --list (process start-up, no SSH): {baseline:.2f} s")
             medians = measure(full, sizes, args.repeat, ["status"], workdir)
         finally:
-            fab(["local.down", "--name", args.name], full)
+            fab(["local.down", "--name", args.name, "--yes"], full)  # a benchmark keeps no run
     first = sizes[0]
     for count in sizes[1:]:
         print(f"{count} nodes / {first} node(s): {medians[count] / medians[first]:.2f}x")

@@ -98,7 +98,7 @@ def main() -> None:
                 for cap in caps
             ]
         finally:
-            fab(env, "local.down", "--name", args.name)
+            fab(env, "local.down", "--name", args.name, "--yes")  # a benchmark keeps no run
     bound_s = bound["avg_step_time_s"]
     print(f"transformer-base, batch {args.batch}/rank, {args.steps} steps, 2 nodes at {args.link}")
     print(f"{'mode':<16} {'ms/step':>8} {'x bound':>8} {'exposed':>8} {'payload MB':>10} {'buckets':>8}")

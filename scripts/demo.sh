@@ -9,7 +9,7 @@ LINK=${2:-}
 export PATH=$PWD/.venv/bin:$PATH
 
 fab local.up --nodes "$NODES" ${LINK:+--link "$LINK"}
-trap 'fab local.down' EXIT
+trap 'fab local.down --yes' EXIT  # the demo's run is fetched; on failure or Ctrl-C it goes too
 fab status
 fab data --dataset numbers
 fab train --recipe transformer-tiny --follow

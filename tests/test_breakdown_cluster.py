@@ -22,7 +22,7 @@ def capped_pair(tmp_path_factory):
         prepare_numbers(cluster, "--train 20000 --valid 200 --test 100")
         yield cluster
     finally:
-        cluster.fab("local.down", "--name", "tbreak", check=False)
+        cluster.fab("local.down", "--name", "tbreak", "--yes", check=False)
 
 
 def test_the_breakdown_sums_to_the_step_time_and_shows_exposed_communication(capped_pair):

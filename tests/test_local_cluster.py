@@ -115,7 +115,7 @@ def prepare_numbers(cluster: Cluster, extra: str) -> None:
 
 
 def _stop(cluster: Cluster):
-    cluster.fab("local.down", "--name", cluster.name, check=False)
+    cluster.fab("local.down", "--name", cluster.name, "--yes", check=False)
 
 
 @pytest.fixture(scope="module", params=[3], ids=lambda n: f"{n}-nodes")
@@ -518,8 +518,10 @@ def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
         "rate 1Gbit"
         in subprocess.run(["tc", "qdisc", "show", "dev", "gcv-td-0"], capture_output=True, text=True).stdout
     )  # nor the cap dropped
-    down = cluster.fab("local.down", "--name", "td").stdout
-    assert "never fetched: runs unsaved" in down
+    refused = cluster.fab("local.down", "--name", "td", check=False)  # issue 23 §4: not without --yes
+    assert refused.returncode == 1 and "unsaved" in refused.stderr and "--yes" in refused.stderr
+    down = cluster.fab("local.down", "--name", "td", "--yes").stdout
+    assert "never fetched or changed since: runs unsaved" in down
     assert not [
         n
         for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

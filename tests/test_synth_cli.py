@@ -210,6 +210,24 @@ def test_bad_context_stops_synth_with_one_line(args, key, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["-c", "nodez=3"], "error: unknown context key 'nodez': did you mean 'nodes'?"),
+        (["-c", "instancetype=g5.xlarge"], "error: unknown context key 'instancetype': did you mean 'instance_type'?"),
+    ],
+)
+def test_a_misspelt_context_key_stops_synth_with_the_closest_key(args, expected, tmp_path):
+    """The CDK ignores a context key nothing reads (CDK Developer Guide, "Context values": the app reads
+    what it asks for), so `-c nodez=3` built the default 2 nodes without a word (issue 23 §11)."""
+    pinned = ["-c", "ssh_cidr=203.0.113.7/32", *PINS]
+    result = cdk("synth", "-q", "-o", str(tmp_path), *pinned, *args, cwd=_app_without_cache(tmp_path))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [expected], result.stderr[-2000:]
+    assert not list(tmp_path.glob("*.template.json"))
+
+
+@pytest.mark.parametrize(
     "args, key",
     [
         # access=ssh (the default) that nothing may reach (issue 19 §5)
