@@ -86,12 +86,14 @@ def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
     ClusterConfig it parses to, validated the same way; bad values are one line."""
     from clusterops import cdkcontext
     from stacks.config import ClusterConfig, ConfigError
+    from stacks.contextkeys import UnknownContextKeyError, check_context_keys, settings_keys
 
     try:
         given = cdkcontext.parse_cli(cli) | {k: str(v) for k, v in overrides.items() if v is not None}
+        check_context_keys(given, settings_keys(Path("cdk.json"), Path.home() / ".cdk.json"))  # as synth does
         context = cdkcontext.merged(Path("cdk.json"), context_file(), given)
         return context, ClusterConfig.from_context(context)
-    except (cdkcontext.ContextError, ConfigError) as error:
+    except (cdkcontext.ContextError, ConfigError, UnknownContextKeyError) as error:
         raise Exit(f"error: {error}", code=1) from None
 
 

@@ -51,3 +51,13 @@ def test_a_key_like_no_other_lists_what_the_app_reads_in_one_line():
     text = str(raised.value)
     assert text.startswith("unknown context key 'zzz': this app reads ") and "\n" not in text
     assert "nodes" in text and "stack_name" in text
+
+
+def test_preflight_refuses_the_misspelt_key_synth_would_refuse():
+    """`fab preflight -c nodez=3` checked the default 2 nodes without a word; it reads the context
+    `cdk deploy` sees, so it refuses what synth refuses, before any AWS call."""
+    from conftest import run_fab
+
+    result = run_fab("preflight", "-c", "nodez=3")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == ["error: unknown context key 'nodez': did you mean 'nodes'?"]
