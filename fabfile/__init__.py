@@ -9,8 +9,9 @@ One module per concern; this file only builds the collection (Invoke's "namespac
 import sys
 from pathlib import Path
 
-# Invoke puts fabfile/ itself on sys.path (its modules would shadow top-level names such as `aws`);
-# the tasks import the project's packages (clusterops, stacks, assets) from the checkout instead.
+# Invoke puts fabfile/ itself on sys.path (its modules would shadow top-level names such as `aws`), which
+# no install undoes. And the checkout that holds this fabfile goes first: the editable install (setup.sh)
+# serves one checkout, and worktrees that share its venv must still run their own clusterops and stacks.
 _PACKAGE_DIR, _PROJECT_DIR = str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)
 sys.path[:] = [_PROJECT_DIR] + [entry for entry in sys.path if entry not in (_PACKAGE_DIR, _PROJECT_DIR)]
 

@@ -21,10 +21,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from clusterops.inventory import Inventory
 
-from clusterops.inventory import Inventory  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def fab(args: list[str], inventory: Path) -> float:

@@ -17,14 +17,12 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from clusterops import localcluster
 
-from clusterops import localcluster  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 MODES = ("none", "fp16", "bf16", "powersgd")
 QUIET = "--eval-every 100000 --eval-samples 1 --checkpoint-every 100000 --log-every 4 --dropout 0"

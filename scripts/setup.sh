@@ -21,16 +21,19 @@ fi
 
 # Python: exactly the lock (every transitive package pinned with hashes), installed by uv.
 # `make lock` regenerates it from the requirements files. torch is the CPU wheel on this disk.
+# Then the project itself, editable and offline (setuptools comes from the lock): after the sync, which
+# removes every package the lock does not name, this one included.
 UV_VERSION=0.13.9
 stamp=.venv/.requirements.sha
-want=$(sha256sum requirements.lock | cut -d' ' -f1)
+want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-  echo "setup: python venv (.venv) from requirements.lock"
+  echo "setup: python venv (.venv) from requirements.lock, the project editable"
   [[ -x .venv/bin/python ]] || python3 -m venv .venv
   [[ $(.venv/bin/uv --version 2>/dev/null) == "uv $UV_VERSION"* ]] \
     || .venv/bin/pip install -q --disable-pip-version-check "uv==$UV_VERSION"
   find_links=(); [[ -d /opt/wheels ]] && find_links=(--find-links /opt/wheels)
   .venv/bin/uv pip sync -q --python .venv/bin/python "${find_links[@]}" requirements.lock
+  .venv/bin/uv pip install -q --python .venv/bin/python --offline --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 

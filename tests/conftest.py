@@ -18,7 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DIR = REPO / "assets" / "train"
 AUTOSTOP_DIR = REPO / "assets" / "autostop"
-for path in (REPO, TRAIN_DIR, AUTOSTOP_DIR):
+# stacks, clusterops, fabfile and assets come from the editable install (scripts/setup.sh). The training
+# program and the watchdog run on the nodes as plain scripts whose modules import one another by bare
+# name (`import config`, `import busy_signals`), so the tests import them the same way, from their dirs.
+for path in (TRAIN_DIR, AUTOSTOP_DIR):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

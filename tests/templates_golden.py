@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,7 +28,6 @@ _CONTEXT_TAG = re.compile(r'(")( )[0-9a-f]{16}"')  # the image tag after the con
 def synthesize(name: str) -> str:
     """One configuration's template through the app's own path (stacks.pins.synth_config, cdk.json's
     feature flags), as normalised JSON text."""
-    sys.path.insert(0, str(HERE.parent))
     import aws_cdk
 
     from stacks.cluster_stack import GpuClusterStack
