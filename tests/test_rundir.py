@@ -1,0 +1,225 @@
+"""The run-directory module (assets/cluster_node/rundir.py): every record round-trips, and reads what
+today's writers write, made by calling those writers (launcher.sh's status function, supervise.py,
+spotwatch, the autostop heartbeat, fab train's launch files); the atomic write; the tolerant reads;
+the protocol table names every file."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import autostop
+import pytest
+import spotwatch
+from conftest import REPO
+from test_launch import inventory
+
+from assets.cluster_node import launchfiles, protocol, rundir
+from clusterops import launch, supervise
+
+HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
+
+SAMPLES = [
+    rundir.RunStatus(state="failed", exit_code=None, reason="watchdog: hang", time="2025-01-01T00:00:00Z", head="n0"),
+    rundir.Progress(step=3, max_steps=10, time=1.5, world_size=2, loss=None, avg_step_time_s=0.2, ended="max_steps"),
+    rundir.Summary(recipe="transformer-tiny", steps=30, checkpoint_mb=None, extra={"bleu": 12.5, "best_bleu": 13.0}),
+    rundir.Restart(
+        time="2025-01-01T00:00:00Z",
+        kind="died",
+        reason="rank 2 exited",
+        nodes_before=("a", "b"),
+        nodes_after=("a",),
+        dropped={"b": "unreachable"},
+        rejoined=(),
+        resume_step=None,
+        global_batch=16,
+        batch_per_gpu=8,
+        grad_accum=2,
+        max_batch_per_gpu=8,
+    ),
+    rundir.Hang(time=1.25, rank=None, evidence="no rank wrote a heartbeat"),
+    rundir.Interruption(noticed="2025-01-01T00:00:00Z", node=1, host="10.0.0.2", action="stop", action_time=""),
+    rundir.NodeHeartbeat(time=5.0, busy=("run r: step moved",)),
+    rundir.BusyMarker(what="prepare.py numbers", time=5.0),
+]
+
+
+def test_every_record_has_a_sample_and_survives_a_round_trip_through_a_file(tmp_path):
+    assert {type(s) for s in SAMPLES} == set(rundir.RECORDS)
+    for sample in SAMPLES:
+        path = tmp_path / "record.json"
+        rundir.write_record(path, sample)
+        assert rundir.read_record(path, type(sample)) == sample
+        assert type(sample).from_json(json.loads(json.dumps(sample.to_json()))) == sample
+
+
+def test_unknown_keys_survive_and_a_wrong_type_or_a_missing_key_is_refused():
+    status = rundir.RunStatus.from_json(
+        {"state": "failed", "exit_code": 0, "reason": "r", "time": "t", "head": "h", "resume": "fab train --run r"}
+    )
+    assert status.extra == {"resume": "fab train --run r"} and status.to_json()["resume"] == "fab train --run r"
+    with pytest.raises(rundir.RecordError, match="missing reason"):
+        rundir.RunStatus.from_json({"state": "running", "exit_code": None, "time": "t", "head": "h"})
+    with pytest.raises(rundir.RecordError, match="step: int expected"):
+        rundir.Progress.from_json({"step": "3"})
+    with pytest.raises(rundir.RecordError, match="int expected"):
+        rundir.Progress.from_json({"step": True})
+
+
+def _shell_functions(script: Path, *names: str) -> str:
+    text = script.read_text()
+    return "\n".join(re.search(rf"^{name}\(\) {{.*?^}}$", text, re.M | re.S).group(0) for name in names)
+
+
+@pytest.mark.parametrize("args", [("running", "null", "launched"), ("failed", "137", 'it said "no" | x')])
+def test_run_status_reads_what_launcher_sh_status_writes(tmp_path, args):
+    functions = _shell_functions(REPO / "clusterops" / "launcher.sh", "now", "status")
+    script = f'RUN_DIR={tmp_path}; PYTHON={sys.executable}\n{functions}\nstatus "$@"\n'
+    subprocess.run(["bash", "-c", script, "status", *args], check=True)
+    written = json.loads((tmp_path / rundir.RUN_STATUS).read_text())
+    status = rundir.read_record(tmp_path / rundir.RUN_STATUS, rundir.RunStatus)
+    assert status is not None and status.to_json() == written
+    assert (status.state, status.reason) == (args[0], args[2]) and status.state in rundir.STATES
+    assert status.exit_code == (None if args[1] == "null" else int(args[1]))
+
+
+def _plan_run(run: Path, hosts: list[str]) -> Path:
+    (run / "launch.env").write_text(f"HOSTS='{' '.join(hosts)}'\nSLOTS=1\nMAX_RESTARTS=2\nMIN_NODES=1\n")
+    (run / "hostfile").write_text(launch.hostfile([], 1) + "".join(f"{h} slots=1\n" for h in hosts))
+    (run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
+    (run / "command.json").write_text(json.dumps(["mpirun", "-np", "2", "-x", f"MASTER_ADDR={hosts[0]}", "python"]))
+    (run / "command.sh").write_text("export HWLOC_COMPONENTS=-gl\nexec true\n")
+    (run / "probes").mkdir()
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "step_00000020.pt").write_bytes(b"x")
+    (run / "probes" / hosts[0]).write_text(HEALTHY)
+    return run
+
+
+def test_restarts_read_what_supervise_plan_appends(tmp_path):
+    run = _plan_run(tmp_path, ["10.0.0.1", "10.0.0.2"])
+    assert supervise.plan(run, "died", "rank 1 exited on signal 9")[0]
+    (run / "probes" / "10.0.0.2").write_text(HEALTHY)
+    assert supervise.plan(run, "hang", "rank 0 stopped")[0]
+    written = json.loads((run / rundir.RESTARTS).read_text())
+    restarts = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
+    assert [r.to_json() for r in restarts] == written and len(restarts) == 2
+    assert restarts[0].dropped == {"10.0.0.2": "unreachable"} and restarts[0].resume_step == 20
+    assert restarts[1].rejoined == ("10.0.0.2",) and restarts[1].kind == "hang"
+    # The hostfile supervise.py rewrote, as launchfiles reads it.
+    assert launchfiles.parse_hostfile((run / rundir.HOSTFILE).read_text()) == (("10.0.0.1", 1), ("10.0.0.2", 1))
+    assert launchfiles.read_argv(run / rundir.COMMAND_JSON)[0] == "mpirun"
+
+
+def test_hangs_read_what_supervise_hang_appends(tmp_path, capsys):
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / "rank0").write_text("7 4242 node0\n")
+    assert supervise.main(["hang", str(tmp_path)]) == 0
+    assert supervise.main(["hang", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / rundir.HANGS).read_text())
+    hangs = rundir.read_list(tmp_path / rundir.HANGS, rundir.Hang)
+    assert [h.to_json() for h in hangs] == written and hangs[0].rank == 0 and "step 7" in hangs[0].evidence
+    # The heartbeat file supervise.py read, as the module reads it.
+    beat = rundir.RankBeat.from_text((tmp_path / "ranks" / "rank0").read_text())
+    assert beat == rundir.RankBeat(7, 4242, "node0") and beat.to_text() == "7 4242 node0\n"
+
+
+def test_interruptions_read_what_spotwatch_records_and_append_keeps_its_shape(tmp_path):
+    run = rundir.run_dir(tmp_path, "r")
+    run.mkdir(parents=True)
+    (tmp_path / rundir.RUNS / rundir.ACTIVE).write_text(str(run) + "\n")
+    (run / rundir.PROGRESS).write_text(json.dumps({"step": 12}))
+    notice = spotwatch.Notice("stop", "2025-01-01T00:02:00Z")
+    spotwatch.handle(notice, tmp_path, "1", "i-0abc", now=time.time(), host="10.0.0.2")
+    spotwatch.handle(notice, tmp_path, "x", None, now=time.time())
+    path = run / rundir.INTERRUPTIONS
+    written = json.loads(path.read_text())
+    entries = rundir.read_list(path, rundir.Interruption)
+    assert [e.to_json() for e in entries] == written
+    assert (entries[0].node, entries[0].host, entries[0].step) == (1, "10.0.0.2", 12) and entries[1].node == "x"
+    assert (run / rundir.STOP).read_text().startswith(rundir.URGENT_STOP_WORD + ":")
+    # The module's append writes the same bytes spotwatch.record would.
+    theirs, ours = tmp_path / "theirs", tmp_path / "ours"
+    for folder in (theirs, ours):
+        folder.mkdir()
+    for entry in entries:
+        spotwatch.record(theirs, entry.to_json())
+        rundir.append(ours / rundir.INTERRUPTIONS, entry, lock=ours / rundir.INTERRUPTIONS_LOCK)
+    assert (ours / rundir.INTERRUPTIONS).read_text() == (theirs / rundir.INTERRUPTIONS).read_text()
+
+
+def test_node_heartbeats_read_what_autostop_shares(tmp_path):
+    autostop.share(tmp_path, "2", 123.5, ["run r: step moved"])
+    path = rundir.node_json(tmp_path, rundir.HEARTBEAT_DIR, 2)
+    beat = rundir.read_record(path, rundir.NodeHeartbeat)
+    assert beat == rundir.NodeHeartbeat(time=123.5, busy=("run r: step moved",))
+    assert beat.to_json() == json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("then_stop", [False, True])
+def test_launch_env_reads_and_rewrites_exactly_what_fab_train_writes(then_stop):
+    environ = {"AWS_ENDPOINT_URL": "http://localhost:5000", "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}
+    local = inventory(nodes=3, gpus=2, source="local")
+    local.extra["controller_ip"] = "10.213.0.1"
+    text = launch.launch_env(local, launch.TrainRequest(then_stop=then_stop, max_restarts=2), environ)
+    env = launchfiles.LaunchEnv.from_text(text)
+    assert env.to_text() == text
+    assert env.hosts == ("10.42.0.5", "10.42.0.6", "10.42.0.7") and env.slots == 2 and env.max_restarts == 2
+    assert env.then_stop == then_stop and (env.aws.get("AWS_ENDPOINT_URL") == "http://10.213.0.1:5000") == then_stop
+    # supervise.py's own parser agrees with the record on every key it reads.
+    settings = {k: v for k, v in (line.split("=", 1) for line in text.splitlines())}
+    assert env.start_seconds == int(settings["START_SECONDS"].strip("'"))
+
+
+def test_hostfile_round_trips_what_fab_train_writes():
+    nodes = inventory(nodes=2).nodes
+    text = launch.hostfile(nodes, 4)
+    hosts = launchfiles.parse_hostfile(text)
+    assert hosts == (("10.42.0.5", 4), ("10.42.0.6", 4))
+    assert launchfiles.format_hostfile([h for h, _ in hosts], 4) == text
+
+
+def test_a_missing_or_partly_written_file_reads_as_the_default(tmp_path):
+    path = tmp_path / rundir.PROGRESS
+    assert rundir.read_json(path, {}) == {} and rundir.read_record(path, rundir.Progress) is None
+    path.write_text('{"step": 3, "max_st')  # a writer that was not atomic, cut short
+    assert rundir.read_json(path, {}) == {} and rundir.read_record(path, rundir.Progress) is None
+    path.write_text("")
+    assert rundir.read_json(path) is None
+    path.write_text('{"step": 3}')  # what the tests' fixtures and an old trainer leave
+    assert rundir.read_record(path, rundir.Progress) == rundir.Progress(step=3)
+    lst = tmp_path / rundir.HANGS
+    lst.write_text(json.dumps([{"time": 1, "rank": 0, "evidence": "e"}, {"rank": 1}, "junk"]))
+    assert rundir.read_list(lst, rundir.Hang) == (rundir.Hang(time=1.0, rank=0, evidence="e"),)
+    lst.write_text("{}")
+    assert rundir.read_list(lst, rundir.Hang) == ()
+
+
+def test_writes_are_atomic_and_leave_no_temp_file_behind(tmp_path, monkeypatch):
+    path = tmp_path / rundir.RUN_STATUS
+    rundir.write_record(path, SAMPLES[0])
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError, match="disk gone"):
+        rundir.write_json(path, {"state": "finished"})
+    assert synced and rundir.read_record(path, rundir.RunStatus) == SAMPLES[0]  # the old file, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [rundir.RUN_STATUS]
+
+
+def test_the_protocol_table_lists_every_name_the_module_defines():
+    table = protocol.protocol_table()
+    names = {k: v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str)}
+    names.pop("URGENT_STOP_WORD")  # a word in STOP, not a file
+    assert len(names) > 40
+    missing = [k for k, v in names.items() if v not in table]
+    assert not missing, missing
+    rows = table.splitlines()
+    assert rows[0] == "| name | writer | readers | format |" and len(rows) == len(protocol.FILES) + 2
+    for row in protocol.FILES:
+        assert row.record is None or row.record in {r.__name__ for r in rundir.RECORDS}
