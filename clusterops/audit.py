@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from botocore.exceptions import ClientError
 
-from assets.contract import CLUSTER_TAG, RETAIN_TAG, parameter_prefix
+from cluster_node.contract import CLUSTER_TAG, RETAIN_TAG, parameter_prefix
 
 from .cost import HOURS_PER_MONTH, TABLE, offline_price
 from .leftover import KEPT, Leftover

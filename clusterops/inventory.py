@@ -15,7 +15,7 @@ from typing import Optional
 
 from botocore.exceptions import ClientError, WaiterError
 
-from assets.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
+from cluster_node.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
 
 DEFAULT_INVENTORY = Path(".cluster/inventory.json")
 DEFAULT_OUTPUTS = Path("cdk-outputs.json")

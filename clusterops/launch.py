@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from assets.contract import CONTAINER_SSH_PORT
+from cluster_node.contract import CONTAINER_SSH_PORT
 
 from .inventory import Inventory, Node
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from assets.contract import CONTAINER_SSH_PORT
+from cluster_node.contract import CONTAINER_SSH_PORT
 
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
 from .localdata import describe_data, unfetched_runs

@@ -11,7 +11,7 @@ import json
 import socket
 from pathlib import Path
 
-from assets.contract import CONTAINER_SSH_PORT
+from cluster_node.contract import CONTAINER_SSH_PORT
 
 from . import localcluster as lc
 

@@ -72,7 +72,7 @@ class GpuClusterStack(Stack):
             CfnOutput(self, name, value=value)
 
     def _outputs(self, config: ClusterConfig) -> dict:
-        """What `fab inventory` reads (assets/contract.py OUTPUT_KEYS names them)."""
+        """What `fab inventory` reads (assets/cluster_node OUTPUT_KEYS names them)."""
         instances = self.nodes.instances
         public = not config.private_subnet
         outputs = {

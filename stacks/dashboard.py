@@ -12,8 +12,8 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from constructs import Construct
 
-from assets.contract import METRIC_NAMESPACE as NODE_NAMESPACE
-from assets.contract import dashboard_name
+from cluster_node.contract import METRIC_NAMESPACE as NODE_NAMESPACE
+from cluster_node.contract import dashboard_name
 
 # What the watchdog (assets/autostop/autostop.py) publishes per node, dimension InstanceId.
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))

@@ -38,7 +38,7 @@ from aws_cdk import (
 )
 from constructs import Construct
 
-from assets.contract import (
+from cluster_node.contract import (
     CLUSTER_TAG,
     METRIC_NAMESPACE,
     RANK_TAG,

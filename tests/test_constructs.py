@@ -641,8 +641,8 @@ def test_efa_on_where_it_cannot_work_is_one_line(context, words):
 
 
 def test_the_stack_outputs_are_what_the_inventory_reads():
-    """One list of output keys (assets/contract.py) for the stack and the inventory."""
-    from assets.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
+    """One list of output keys (assets/cluster_node) for the stack and the inventory."""
+    from cluster_node.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
 
     outputs = set(_cluster().find_outputs("*"))
     assert outputs == set(OUTPUT_KEYS)

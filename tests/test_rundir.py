@@ -19,7 +19,7 @@ import spotwatch
 from conftest import REPO
 from test_launch import inventory
 
-from assets.cluster_node import launchfiles, protocol, rundir
+from cluster_node import launchfiles, protocol, rundir
 from clusterops import launch, supervise
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})

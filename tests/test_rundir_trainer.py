@@ -16,7 +16,7 @@ import train
 import trainer
 from test_training import train as run_trainer
 
-from assets.cluster_node import rundir
+from cluster_node import rundir
 
 
 def _progress_writer(run: Path, step: int) -> SimpleNamespace:

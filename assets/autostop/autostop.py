@@ -36,9 +36,9 @@ import busy_signals as signals
 import idle_state
 from busy_signals import GPU_BUSY_PERCENT, STEP_WINDOW_S
 
-# The names every layer shares (assets/contract.py; /workspace/contract.py in the image).
+# The names every layer shares (assets/cluster_node/contract.py; /workspace/cluster_node in the image).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from contract import CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE  # noqa: E402
+from cluster_node.contract import CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE  # noqa: E402
 
 NAMESPACE = METRIC_NAMESPACE  # stacks/nodes.py alarms on it, the role may publish only to it
 METRIC = "Busy"
