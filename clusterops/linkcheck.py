@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Optional, Sequence
 
-from .health import SLOW_LINK_SHARE
+from cluster_node.health import SLOW_LINK_SHARE
 
 IPERF_PORT = 5201  # iperf3's own default
 SOCKET_PORT = 5202

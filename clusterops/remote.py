@@ -23,7 +23,7 @@ from .inventory import Inventory, Node
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "launcher.sh"
 # Beside the launcher in the run directory: its restart decisions (stdlib only) and the node verdicts.
-SUPERVISOR_FILES = (HERE / "supervise.py", HERE / "health.py")
+SUPERVISOR_FILES = (HERE / "supervise.py", HERE.parent / "assets" / "cluster_node" / "health.py")
 q = shlex.quote
 
 

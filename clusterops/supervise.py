@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 try:
-    from . import health
+    from cluster_node import health
 except ImportError:  # on the head node: a plain script beside health.py
     import health  # type: ignore[no-redef]
 
