@@ -12,10 +12,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import prepare
-import train
 import trainer
 from test_training import train as run_trainer
 
+import train
 from cluster_node import rundir
 
 
