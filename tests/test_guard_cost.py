@@ -2,7 +2,7 @@
 the watchdog publishes, priced from the price table (clusterops/prices.json: CloudWatch pricing,
 us-east-1: $0.30 per custom metric-month, $0.10 per standard alarm-month, $3 per dashboard-month,
 $0.01 per 1,000 PutMetricData requests; AWS KMS pricing: $1 per key-month; Amazon VPC pricing:
-public IPv4 $0.005/h), and the README's "Cost safety" quoting the same figures."""
+public IPv4 $0.005/h), and docs/operations.md's "Cost safety" quoting the same figures."""
 
 import re
 
@@ -57,9 +57,9 @@ def test_a_private_subnet_counts_its_nat_gateways_public_ip():
     assert private.network_usd_per_month == pytest.approx(hourly * 730)
 
 
-def test_the_readme_quotes_these_figures():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Cost safety") : text.index("### Picking `access` and `efa`")]
+def test_the_operations_doc_quotes_these_figures():
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text[text.index("## Cost safety") : text.index("## Picking `access` and `efa`")]
     running, standing = cost.guards_usd_per_month(2)
     assert f"${running:.2f} per node-month of running" in section
     assert f"${standing:.2f} a month for the default 2 nodes while the stack exists, stopped or not" in section
