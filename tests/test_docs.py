@@ -1,0 +1,139 @@
+"""The README and docs/ hold together: the protocol table in docs/architecture.md is the one
+cluster_node.protocol renders, every relative link (and its #anchor) resolves, every section of the old
+one-page README survives under some heading, and the README's two commands stay what CI and the Makefile run."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = [REPO / "README.md", *DOCS]
+
+
+def _docs_protocol():
+    spec = importlib.util.spec_from_file_location("docs_protocol", REPO / "scripts" / "docs_protocol.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_architecture_docs_protocol_table_is_the_one_the_package_renders():
+    from cluster_node.protocol import protocol_table
+
+    docs_protocol = _docs_protocol()
+    text = (REPO / "docs" / "architecture.md").read_text()
+    _, table, _ = docs_protocol.split(text)
+    assert table == protocol_table(), "run `python scripts/docs_protocol.py` to regenerate docs/architecture.md's table"
+    assert docs_protocol.main(["--check"]) == 0
+
+
+def test_the_check_mode_names_a_stale_table(tmp_path):
+    docs_protocol = _docs_protocol()
+    stale = tmp_path / "architecture.md"
+    stale.write_text(f"# x\n\n{docs_protocol.BEGIN} -->\n| old |\n{docs_protocol.END}\n")
+    assert docs_protocol.main(["--check", "--doc", str(stale)]) == 1
+    assert docs_protocol.main(["--doc", str(stale)]) == 0
+    assert docs_protocol.main(["--check", "--doc", str(stale)]) == 0
+
+
+def _prose(text: str) -> str:
+    """The page without fenced code blocks and inline code (links there are examples, not links)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: markup dropped, lower case, punctuation but - and _ removed,
+    spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    anchors = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = _slug(heading)
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_the_slug_rule_matches_githubs_for_our_headings():
+    assert _slug("`fab check --json`") == "fab-check---json"
+    assert _slug("The image's torch") == "the-images-torch"
+    assert (
+        _slug("Configuration (`-c key=value`, or `cdk.json` context)") == "configuration--c-keyvalue-or-cdkjson-context"
+    )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _prose(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: outside the repository
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+            broken.append(f"{target}: no heading with that anchor")
+    assert not broken, f"{page.name}: {broken}"
+
+
+# The headings of the one-page README before it moved to docs/ (issue 20 item 7): each must survive.
+OLD_SECTIONS = (
+    "Quick start",
+    "Layout",
+    "Cost safety",
+    "Picking `access` and `efa`",
+    "Spot nodes",
+    "Configuration (`-c key=value`, or `cdk.json` context)",
+    "Deploy readiness: what was verified offline, what only a real deploy can verify",
+    "First real cluster: a checklist",
+    "Text input pipeline",
+    "Real data",
+    "The image's torch",
+    "Is the network the bottleneck?",
+    "When nodes fail",
+    "`fab check --json`",
+    "Tests",
+    "Measured (2-core machine; relative figures, one run each)",
+    "Not yet",
+)
+
+
+def test_every_section_of_the_old_readme_survives_under_a_heading():
+    headings = set()
+    for page in PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        headings |= set(re.findall(r"^#{1,6} (.+)$", text, flags=re.M))
+    assert [s for s in OLD_SECTIONS if s not in headings] == []
+    tasks = (REPO / "docs" / "tasks.md").read_text()
+    assert tasks.startswith("# The tasks (`fab --list`)")
+    assert "## The commands" in (REPO / "docs" / "operations.md").read_text()  # the old "On AWS" block
+
+
+def test_the_readmes_two_commands_are_the_makefiles_and_ci_runs_the_test_command():
+    readme = (REPO / "README.md").read_text()
+    block = (
+        "```\n"
+        "make demo    # set-up, then the main job on an emulated 2-node cluster\n"
+        "make test    # set-up, then every test\n"
+        "```\n"
+    )
+    assert block in readme
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^demo: setup$", makefile, flags=re.M) and re.search(r"^test: setup$", makefile, flags=re.M)
+    assert re.search(r"^make test$", (REPO / ".ci" / "run").read_text(), flags=re.M)
+
+
+def test_the_readme_stays_a_ten_minute_read():
+    words = len(_prose((REPO / "README.md").read_text()).split())
+    assert words <= 2000, f"README.md has {words} words of prose; move detail to docs/"
