@@ -14,7 +14,7 @@ from invoke.exceptions import Exit
 from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import preflight as checks
-from clusterops import remote, report
+from clusterops import remote, terminal
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
@@ -319,7 +319,7 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False, forc
         }
         for x in leftovers
     ]
-    print(report.table(rows, ["kind", "id", "detail", "usd_per_month"]))
+    print(terminal.table(rows, ["kind", "id", "detail", "usd_per_month"]))
     print(
         f"total: {audits.monthly_total(leftovers)} in {session.region_name} "
         f"(instance prices: {costs.TABLE['region']} offline table of {costs.TABLE['date']})"

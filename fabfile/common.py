@@ -9,7 +9,7 @@ from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from clusterops import launch, localcluster, remote, report
+from clusterops import launch, localcluster, remote, terminal
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
@@ -42,7 +42,7 @@ def aws_errors(what: str = "AWS"):
     try:
         yield
     except ClientError as error:
-        raise Exit(f"error: {what}: {report.aws_error(error)}", code=1) from None
+        raise Exit(f"error: {what}: {terminal.aws_error(error)}", code=1) from None
     except BotoCoreError as error:
         raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 

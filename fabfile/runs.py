@@ -11,7 +11,7 @@ from fabric import task
 from invoke.exceptions import Exit, ThreadException
 
 from clusterops import cost as costs
-from clusterops import health, launch, remote, report, supervise
+from clusterops import health, launch, remote, supervise, terminal
 from clusterops.inventory import Inventory
 
 from .aws import efs_io_rate, kept_price
@@ -126,15 +126,6 @@ def _refuse_tcp(conn, inv: Inventory, nodes) -> None:
         raise Exit(refusal, code=1)
 
 
-def _code_dir(c, inv: Inventory) -> str:
-    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
-    with head(inv) as conn:
-        synced = f"{inv.data_dir}/code/train"
-        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
-            return synced
-    return inv.code_dir
-
-
 def _projector(inv: Inventory):
     """On AWS: print once what the run will cost (nodes and EFS I/O), as soon as its step time is
     known; "unknown" where no price is known, never an exception after the run has started."""
@@ -181,8 +172,8 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
             "`fab logs --follow` re-attaches, `fab stop` ends it",
             code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
         ) from None
-    print(report.run_line(rdir, state))
-    for line in report.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
+    print(terminal.run_line(rdir, state))
+    for line in terminal.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
         print(line)
     if status_.get("state") != "finished":
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
