@@ -144,7 +144,9 @@ def run_scale(
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
-            rdir, _ = remote.start_training(connection, inventory, one, code_dir)
+            rdir, _ = remote.start_training(
+                connection, inventory, remote.plan_launch(connection, inventory, one, code_dir)
+            )
             status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
             summary = remote.read_json(connection, f"{rdir}/summary.json")
             if status.get("state") != "finished" or not summary:

@@ -7,13 +7,12 @@ import shlex
 import time
 from pathlib import Path
 
-from fabric import task
 from invoke.exceptions import Exit
 
 from clusterops import health, launch, linkcheck, remote, supervise, terminal
 from stacks import images
 
-from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
+from .common import ERRORS, head, load_inventory, number, task, training_code_dir, whole_number
 
 
 @task
@@ -185,10 +184,7 @@ def _print_check(verdicts, interfaces, facts, link, training, problems, image=im
 def data(c, dataset="numbers", extra="", all_nodes=False):
     """Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = load_inventory(c)
-    try:
-        argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
-    except ERRORS as error:
-        raise fail(error) from None
+    argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
     for node in inv.nodes if all_nodes else [inv.head]:
         with remote.connect(inv, node) as conn:
             result = conn.run(shlex.join(argv), in_stream=False, warn=True)
@@ -233,10 +229,7 @@ def tensorboard(c, port="6006", stop=False):
                 f"error: local port {local_port} is in use (another `fab tensorboard`?): close it or pass --port N",
                 code=1,
             )
-        try:
-            remote.ensure_tensorboard(conn, inv)
-        except ERRORS as error:
-            raise fail(error) from None
+        remote.ensure_tensorboard(conn, inv)
         with conn.forward_local(local_port, remote_port=remote.TENSORBOARD_PORT, remote_host="127.0.0.1"):
             print(f"TensorBoard: http://localhost:{local_port} (Ctrl-C to close the tunnel)")
             try:
