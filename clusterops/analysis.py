@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
-from . import bottleneck, launch, plots, remote, report, scaling
+from . import bottleneck, launch, plots, remote, scaling, terminal
 from .inventory import Inventory
 from .linkcheck import link_file
 
@@ -123,7 +123,7 @@ RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "precision", "co
 def runs_table(runs: Sequence[dict], usd_per_node_hour: Optional[float], slots: int) -> str:
     rows = [run_row(run, usd_per_node_hour, slots) for run in runs]
     columns = RUN_COLUMNS + (["cost"] if usd_per_node_hour is not None else [])
-    return report.table(rows, columns) if rows else "no runs yet: start one with `fab train`"
+    return terminal.table(rows, columns) if rows else "no runs yet: start one with `fab train`"
 
 
 def run_scale(
@@ -144,7 +144,9 @@ def run_scale(
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
-            rdir, _ = remote.start_training(connection, inventory, one, code_dir)
+            rdir, _ = remote.start_training(
+                connection, inventory, remote.plan_launch(connection, inventory, one, code_dir)
+            )
             status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
             summary = remote.read_json(connection, f"{rdir}/summary.json")
             if status.get("state") != "finished" or not summary:

@@ -95,6 +95,19 @@ def check_nodes(inventory: Inventory, request: TrainRequest) -> list[Node]:
     return nodes
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A launch decided once on the laptop and passed down: the (validated) request, the nodes it
+    starts on, the head node's interface, the program's directory on the nodes and, from `fab train`,
+    the quick health verdicts the nodes passed."""
+
+    request: TrainRequest
+    nodes: tuple[Node, ...]
+    interface: str
+    code_dir: str
+    verdicts: tuple = ()
+
+
 def default_dataset(recipe: str) -> str:
     return {
         "transformer-tiny": "numbers",
@@ -176,8 +189,14 @@ def mpirun_prefix(
     return argv
 
 
-def mpirun_argv(inventory: Inventory, request: TrainRequest, interface: str, code_dir: str) -> list[str]:
-    nodes = inventory.select(request.nodes, request.exclude)
+def mpirun_argv(
+    inventory: Inventory,
+    request: TrainRequest,
+    interface: str,
+    code_dir: str,
+    nodes: Optional[Sequence[Node]] = None,  # a LaunchPlan's; else selected from the request
+) -> list[str]:
+    nodes = inventory.select(request.nodes, request.exclude) if nodes is None else nodes
     rdir = run_dir(inventory, request.run_name)
     dataset = request.dataset or default_dataset(request.recipe)
     argv = mpirun_prefix(
@@ -265,8 +284,13 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
     return {k: (endpoint if k == "AWS_ENDPOINT_URL" else environ[k]) for k in EMULATOR_VARIABLES if k in environ}
 
 
-def launch_env(inventory: Inventory, request: TrainRequest, environ: Optional[dict] = None) -> str:
-    nodes = inventory.select(request.nodes, request.exclude)
+def launch_env(
+    inventory: Inventory,
+    request: TrainRequest,
+    environ: Optional[dict] = None,
+    nodes: Optional[Sequence[Node]] = None,  # a LaunchPlan's; else selected from the request
+) -> str:
+    nodes = inventory.select(request.nodes, request.exclude) if nodes is None else nodes
     values = {
         "HOSTS": " ".join(n.private_ip for n in nodes),
         "SSH_CONFIG": inventory.cluster_ssh_config,

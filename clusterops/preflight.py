@@ -23,7 +23,7 @@ from stacks.instance_types import INSTANCE_TYPES
 from . import cdkcontext
 from . import cost as costs
 from .cdkcontext import cache_offerings
-from .report import aws_error
+from .terminal import aws_error
 
 # EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
 # EC2 docs): On-Demand P is one bucket; Spot P5 has its own, apart from P4, P3 and P2.

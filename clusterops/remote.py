@@ -375,15 +375,20 @@ def check_training(connection: Connection, inventory: Inventory, prefix: list[st
 # ---------------------------------------------------------------- training
 
 
-def start_training(
+def plan_launch(
     connection: Connection, inventory: Inventory, request: launch.TrainRequest, code_dir: str
-) -> tuple[str, int]:
-    """Write hostfile, env and command into the run directory and start the launcher detached.
-    Returns the run directory and the log's size before this launch (where its output starts)."""
+) -> launch.LaunchPlan:
+    """A launch with no health check (`fab scale`'s runs; `fab train` plans its own, checked)."""
     request.validate()
     nodes = launch.check_nodes(inventory, request)
+    return launch.LaunchPlan(request, tuple(nodes), detect_interface(connection, inventory.head), code_dir)
+
+
+def start_training(connection: Connection, inventory: Inventory, plan: launch.LaunchPlan) -> tuple[str, int]:
+    """Write hostfile, env and command into the run directory and start the launcher detached, as
+    planned. Returns the run directory and the log's size before this launch (where its output starts)."""
+    request, nodes = plan.request, list(plan.nodes)
     ensure_idle(connection, inventory)
-    interface = detect_interface(connection, inventory.head)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.data_path(inventory, dataset)
     ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
@@ -395,8 +400,8 @@ def start_training(
         f"mkdir -p {q(rdir)} && cd {q(rdir)} && rm -f STOP FORCED run-status.json restarts.json hangs.json",
     )
     write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
-    write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ)))
-    argv = launch.mpirun_argv(inventory, request, interface, code_dir)
+    write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ), nodes))
+    argv = launch.mpirun_argv(inventory, request, plan.interface, plan.code_dir, nodes)
     write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
     write_file(connection, f"{rdir}/command.json", json.dumps(argv))
     write_file(connection, f"{rdir}/probe.sh", health.probe_script(inventory.python, inventory.data_dir))

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from . import report
+from . import terminal
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def table(points: Sequence[Point]) -> str:
     columns = ["nodes", "ranks", "step_ms", "objects/s", "speedup", "efficiency", "exposed_comm", "repeats"]
     return (
         "weak scaling: fixed batch per GPU; speedup = throughput / the smallest point's x its nodes; "
-        "± is half the spread over repeats\n" + report.table(rows, columns)
+        "± is half the spread over repeats\n" + terminal.table(rows, columns)
     )
 
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fabric import task
 from invoke.exceptions import Exit
 
 from clusterops import analysis, launch
-from clusterops import cost as costs
 
-from .aws import kept_price
-from .common import ERRORS, fail, head, load_inventory, number, run_dir, settings, training_code_dir, whole_number
+from .common import head, load_inventory, node_price, number, run_dir, settings, task, training_code_dir, whole_number
 
 
 @task(help={"run": "run name (default: the active or latest run)"})
@@ -21,11 +18,8 @@ def report(c, run=None):
     what-if predictions (fp16/bf16/PowerSGD, larger batch, faster links), each with its model.
     Writes report.md and PNG plots into the run directory (`fab fetch` brings them home)."""
     inv = load_inventory(c)
-    try:
-        with head(inv) as conn:
-            print("\n".join(analysis.report_run(conn, inv, run_dir(conn, inv, run))))
-    except ERRORS as error:
-        raise fail(error) from None
+    with head(inv) as conn:
+        print("\n".join(analysis.report_run(conn, inv, run_dir(conn, inv, run))))
 
 
 @task
@@ -33,15 +27,9 @@ def runs(c):
     """A table of the cluster's runs: state, steps, step time, objects/s, precision, compression,
     nodes, BLEU or top-1, wall time and, where the instance is priced, cost."""
     inv = load_inventory(c)
-    price = None
-    if inv.source == "aws":
-        known = kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
-        price = known.usd_per_hour
-    try:
-        with head(inv) as conn:
-            print(analysis.runs_table(analysis.list_runs(conn, inv), price, inv.gpus_per_node))
-    except ERRORS as error:
-        raise fail(error) from None
+    price = node_price(inv).usd_per_hour if inv.source == "aws" else None
+    with head(inv) as conn:
+        print(analysis.runs_table(analysis.list_runs(conn, inv), price, inv.gpus_per_node))
 
 
 def node_counts(text: str, available: int) -> list[int]:
@@ -89,15 +77,12 @@ def scale(
     repeats = whole_number(repeat, "--repeat")
     if not repeats or repeats < 1:
         raise Exit(f"error: invalid --repeat {repeat!r}: at least 1", code=1)
-    try:
-        request.validate()
-        code_dir = training_code_dir(inv)
-        with head(inv) as conn:
-            points = analysis.run_scale(conn, inv, request, counts, repeats, code_dir)
-            local = Path(dest or f"runs/scale-{recipe}")
-            written = analysis.write_scale(conn, inv, recipe, points, local)
-    except ERRORS as error:
-        raise fail(error) from None
+    request.validate()
+    code_dir = training_code_dir(inv)
+    with head(inv) as conn:
+        points = analysis.run_scale(conn, inv, request, counts, repeats, code_dir)
+        local = Path(dest or f"runs/scale-{recipe}")
+        written = analysis.write_scale(conn, inv, recipe, points, local)
     from clusterops import scaling
 
     print(scaling.table(points))

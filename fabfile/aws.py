@@ -8,13 +8,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from fabric import task
 from invoke.exceptions import Exit
 
 from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import preflight as checks
-from clusterops import remote, report
+from clusterops import remote, terminal
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
@@ -26,7 +25,17 @@ from clusterops.inventory import (
     stop_nodes,
 )
 
-from .common import ERRORS, aws_errors, aws_session, cluster_config, fail, head, inventory_path, load_inventory
+from .common import (
+    aws_errors,
+    aws_session,
+    cluster_config,
+    efs_io_rate,
+    head,
+    inventory_path,
+    kept_price,
+    load_inventory,
+    task,
+)
 
 if TYPE_CHECKING:
     from stacks.config import ClusterConfig
@@ -50,13 +59,6 @@ def pricing_client(session):
     )
 
 
-def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.Price]:
-    """The price `fab inventory` kept, if it is for this type."""
-    if inv is None or inv.usd_per_hour is None or inv.instance_type != instance_type:
-        return None
-    return costs.Price(inv.usd_per_hour, inv.price_source)
-
-
 def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
     """The AZ the inventory's nodes run in (Spot prices are per AZ); None without AWS nodes."""
     from clusterops.inventory import describe
@@ -66,19 +68,6 @@ def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
         return None
     zones = [i["Placement"]["AvailabilityZone"] for i in describe(session.client("ec2"), ids).values()]
     return zones[0] if zones else None
-
-
-def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
-    """EFS Elastic-throughput dollars per hour at the last hour's rate; None when unknown."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    if inv.source != "aws" or not inv.file_system_id:
-        return None
-    try:
-        cloudwatch = (session or aws_session(inv.region)).client("cloudwatch")
-        return costs.efs_io_usd_per_hour(cloudwatch, inv.file_system_id)
-    except (BotoCoreError, ClientError):
-        return None
 
 
 def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
@@ -229,13 +218,10 @@ def _spent(session, inv: Inventory, price: costs.Price) -> None:
 
 
 def _on_instances(c, what: str, action):
-    """action(inventory, ec2) with the inventory's region; AWS and inventory errors as one line."""
+    """action(inventory, ec2) with the inventory's region; AWS errors as one line."""
     inv = load_inventory(c)
     with aws_errors(f"fab {what}"):
-        try:
-            return action(inv, aws_session(inv.region).client("ec2"))
-        except ERRORS as error:
-            raise fail(error) from None
+        return action(inv, aws_session(inv.region).client("ec2"))
 
 
 @task
@@ -319,7 +305,7 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False, forc
         }
         for x in leftovers
     ]
-    print(report.table(rows, ["kind", "id", "detail", "usd_per_month"]))
+    print(terminal.table(rows, ["kind", "id", "detail", "usd_per_month"]))
     print(
         f"total: {audits.monthly_total(leftovers)} in {session.region_name} "
         f"(instance prices: {costs.TABLE['region']} offline table of {costs.TABLE['date']})"
@@ -355,33 +341,30 @@ def _refuse_live_stack(cloudformation, cluster: str) -> None:
 )
 def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
     """Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
-    try:
-        if not from_aws and not Path(outputs).exists() and stack:
-            print(f"no {outputs}: describing stack {stack} instead")
-            from_aws = True
-        if from_aws:
-            if not stack:
-                raise InventoryError("--from-aws needs --stack NAME")
-            session = aws_session()
-            name, outs = stack, stack_outputs_from_aws(stack, session)
-        else:
-            name, outs = stack_outputs_from_file(Path(outputs))
-            if stack and stack != name:
-                raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
-            session = aws_session(outs.get("Region"))
-        target = inventory_path(c)
-        with aws_errors("fab inventory"):
-            inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
-            price, _ = costs.node_price(
-                session.client("ec2"),
-                pricing_client(session),
-                inv.instance_type,
-                inv.region or session.region_name or "us-east-1",
-                inv.spot,
-                nodes_zone(session, inv) if inv.spot else None,
-            )
-    except ERRORS as error:
-        raise fail(error) from None
+    if not from_aws and not Path(outputs).exists() and stack:
+        print(f"no {outputs}: describing stack {stack} instead")
+        from_aws = True
+    if from_aws:
+        if not stack:
+            raise InventoryError("--from-aws needs --stack NAME")
+        session = aws_session()
+        name, outs = stack, stack_outputs_from_aws(stack, session)
+    else:
+        name, outs = stack_outputs_from_file(Path(outputs))
+        if stack and stack != name:
+            raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
+        session = aws_session(outs.get("Region"))
+    target = inventory_path(c)
+    with aws_errors("fab inventory"):
+        inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
+        price, _ = costs.node_price(
+            session.client("ec2"),
+            pricing_client(session),
+            inv.instance_type,
+            inv.region or session.region_name or "us-east-1",
+            inv.spot,
+            nodes_zone(session, inv) if inv.spot else None,
+        )
     inv = replace(inv, usd_per_hour=price.usd_per_hour, price_source=price.source)
     inv.save(target)
     print(

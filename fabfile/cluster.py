@@ -7,13 +7,12 @@ import shlex
 import time
 from pathlib import Path
 
-from fabric import task
 from invoke.exceptions import Exit
 
-from clusterops import health, launch, linkcheck, remote, report, supervise
+from clusterops import health, launch, linkcheck, remote, supervise, terminal
 from stacks import images
 
-from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
+from .common import ERRORS, head, load_inventory, number, task, training_code_dir, whole_number
 
 
 @task
@@ -22,10 +21,12 @@ def status(c):
     inv = load_inventory(c)
     with remote.Connections(inv) as connections:
         rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node), connections)
-        print(report.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus", "training", "error"]))
+        print(
+            terminal.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus", "training", "error"])
+        )
         overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
-        print(report.run_line(*overview))
+        print(terminal.run_line(*overview))
         for line in supervise.history_lines(overview[1]["restarts"]):
             print(line)
     if inv.extra.get("dashboard_url"):
@@ -146,13 +147,13 @@ def _print_check(verdicts, interfaces, facts, link, training, problems, image=im
         }
         for h in verdicts
     ]
-    print(report.table(rows, ["node", "verdict", "interface", "gpus", "transport", "reasons"]))
+    print(terminal.table(rows, ["node", "verdict", "interface", "gpus", "transport", "reasons"]))
     reachable = [{"node": n, **{k: f.get(k) for k in ("torch", "cuda", "nccl")}} for n, f in facts.items() if f]
     for row in reachable:
         gpus = facts[row["node"]]["gpus"]
         row["driver"] = gpus[0]["driver"] if gpus else None
     if reachable:
-        print(report.versions_line(reachable)[1])
+        print(terminal.versions_line(reachable)[1])
         print(images.compare_nodes(image, reachable))
     if link:
         pairs = ", ".join(f"{p['src']}->{p['dst']} {p['gbit']:.2f}" for p in link["pairs"])
@@ -183,10 +184,7 @@ def _print_check(verdicts, interfaces, facts, link, training, problems, image=im
 def data(c, dataset="numbers", extra="", all_nodes=False):
     """Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = load_inventory(c)
-    try:
-        argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
-    except ERRORS as error:
-        raise fail(error) from None
+    argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
     for node in inv.nodes if all_nodes else [inv.head]:
         with remote.connect(inv, node) as conn:
             result = conn.run(shlex.join(argv), in_stream=False, warn=True)
@@ -231,10 +229,7 @@ def tensorboard(c, port="6006", stop=False):
                 f"error: local port {local_port} is in use (another `fab tensorboard`?): close it or pass --port N",
                 code=1,
             )
-        try:
-            remote.ensure_tensorboard(conn, inv)
-        except ERRORS as error:
-            raise fail(error) from None
+        remote.ensure_tensorboard(conn, inv)
         with conn.forward_local(local_port, remote_port=remote.TENSORBOARD_PORT, remote_host="127.0.0.1"):
             print(f"TensorBoard: http://localhost:{local_port} (Ctrl-C to close the tunnel)")
             try:
@@ -276,7 +271,7 @@ def monitor(c, interval="2", count="0"):
             )
             print(time.strftime("%H:%M:%S"))
             columns = ["node", "cpu", "gpu_util", "rx_mbit", "rx_link", "tx_mbit", "tx_link", "error"]
-            print(report.table(rows, columns))
+            print(terminal.table(rows, columns))
             taken += 1
 
 

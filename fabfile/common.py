@@ -1,22 +1,61 @@
-"""Helpers shared by the fab tasks: settings, inventory, connections, one-line errors."""
+"""Helpers shared by the fab tasks: the task decorator (one error boundary), settings, inventory,
+connections, prices, one-line errors."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shlex
+import socket
 from pathlib import Path
+from typing import Optional
 
+import fabric
 from invoke.exceptions import Exit
+from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
-from clusterops import launch, localcluster, remote, report
+from clusterops import cost as costs
+from clusterops import launch, localcluster, remote, terminal
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
+# A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
+# timeout at connect_timeout), or a failed handshake, host key or login (SSHException).
+SSH_ERRORS = (NoValidConnectionsError, socket.timeout, SSHException)
 
 
 def fail(error: Exception) -> Exit:
     return Exit(f"error: {error}", code=1)
+
+
+def error_boundary(function):
+    """Every task's one error boundary: the errors the library raises on purpose, and a node SSH
+    cannot reach, become one line `error: ...` and exit code 1; anything else stays a traceback."""
+
+    @functools.wraps(function)
+    def bounded(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except ERRORS as error:
+            raise fail(error) from None
+        except SSH_ERRORS as error:
+            detail = str(error) or type(error).__name__
+            raise Exit(f"error: SSH: {detail} (`fab status` shows which nodes answer)", code=1) from None
+
+    bounded.error_boundary = True  # type: ignore[attr-defined]
+    return bounded
+
+
+def has_error_boundary(task) -> bool:
+    return bool(getattr(task.body, "error_boundary", False))
+
+
+def task(*args, **kwargs):
+    """fabric.task behind error_boundary: `@task` or `@task(help=...)`."""
+    if len(args) == 1 and callable(args[0]) and not kwargs:
+        return fabric.task(error_boundary(args[0]))
+    return lambda function: fabric.task(*args, **kwargs)(error_boundary(function))
 
 
 def number(value, flag: str, kind=float):
@@ -42,7 +81,7 @@ def aws_errors(what: str = "AWS"):
     try:
         yield
     except ClientError as error:
-        raise Exit(f"error: {what}: {report.aws_error(error)}", code=1) from None
+        raise Exit(f"error: {what}: {terminal.aws_error(error)}", code=1) from None
     except BotoCoreError as error:
         raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 
@@ -152,10 +191,40 @@ def cluster_config(**overrides):
         raise fail(error) from None
 
 
-def training_code_dir(inv: Inventory) -> str:
+def code_dir_on(conn, inv: Inventory) -> str:
     """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
-    with head(inv) as conn:
-        synced = f"{inv.data_dir}/code/train"
-        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
-            return synced
+    synced = f"{inv.data_dir}/code/train"
+    if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
+        return synced
     return inv.code_dir
+
+
+def training_code_dir(inv: Inventory) -> str:
+    """code_dir_on, over a connection of its own."""
+    with head(inv) as conn:
+        return code_dir_on(conn, inv)
+
+
+def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.Price]:
+    """The price `fab inventory` kept, if it is for this type."""
+    if inv is None or inv.usd_per_hour is None or inv.instance_type != instance_type:
+        return None
+    return costs.Price(inv.usd_per_hour, inv.price_source)
+
+
+def node_price(inv: Inventory) -> costs.Price:
+    """The inventory's node price: the one `fab inventory` kept, else the offline table's."""
+    return kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
+
+
+def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
+    """EFS Elastic-throughput dollars per hour at the last hour's rate; None when unknown."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if inv.source != "aws" or not inv.file_system_id:
+        return None
+    try:
+        cloudwatch = (session or aws_session(inv.region)).client("cloudwatch")
+        return costs.efs_io_usd_per_hour(cloudwatch, inv.file_system_id)
+    except (BotoCoreError, ClientError):
+        return None

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 
-from fabric import task
 from invoke import Collection
 
 from clusterops import localcluster, localrepair
 
-from .common import ERRORS, fail, inventory_path, whole_number
+from .common import fail, inventory_path, task, whole_number
 
 
 @task(
@@ -32,10 +31,7 @@ def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.
         name=name, nodes=whole_number(nodes, "--nodes"), slots=whole_number(slots, "--slots"), link=link, subnet=subnet
     )
     started = time.perf_counter()
-    try:
-        inv = localcluster.up(spec, inventory_path(c), replace=replace)
-    except ERRORS as error:
-        raise fail(error) from None
+    inv = localcluster.up(spec, inventory_path(c), replace=replace)
     print(
         f"local cluster {name}: {len(inv.nodes)} node(s) "
         f"{', '.join(n.private_ip for n in inv.nodes)} up in {time.perf_counter() - started:.2f} s"
@@ -47,10 +43,7 @@ def _repair(c, name: str, replace: bool) -> None:
     if replace:
         raise fail(localcluster.LocalClusterError("--repair keeps /data, --replace deletes it: give one"))
     started = time.perf_counter()
-    try:
-        restarted = localrepair.repair(name, inventory_path(c))
-    except ERRORS as error:
-        raise fail(error) from None
+    restarted = localrepair.repair(name, inventory_path(c))
     if restarted:
         seconds = time.perf_counter() - started
         print(f"local cluster {name}: {', '.join(restarted)} restarted in {seconds:.2f} s, /data kept")
@@ -81,8 +74,6 @@ def local_down(c, name="local", yes=False):
     except localcluster.NothingToDo as nothing:
         print(nothing)
         return
-    except ERRORS as error:
-        raise fail(error) from None
     if unfetched:
         print(f"deleted with /data, never fetched or changed since: runs {', '.join(unfetched)}")
     namespaces = [r for r in removed if r.startswith("gc-")]  # down() also lists the bridge (gcbr-...)

@@ -7,15 +7,24 @@ import shlex
 from pathlib import Path
 
 import paramiko
-from fabric import task
 from invoke.exceptions import Exit, ThreadException
 
 from clusterops import cost as costs
-from clusterops import health, launch, remote, report, supervise
+from clusterops import health, launch, remote, supervise, terminal
 from clusterops.inventory import Inventory
 
-from .aws import efs_io_rate, kept_price
-from .common import ERRORS, fail, head, load_inventory, number, run_dir, settings, training_code_dir, whole_number
+from .common import (
+    code_dir_on,
+    efs_io_rate,
+    head,
+    load_inventory,
+    node_price,
+    number,
+    run_dir,
+    settings,
+    task,
+    whole_number,
+)
 
 
 @task(
@@ -87,26 +96,31 @@ def train(
         allow_tcp=allow_tcp,
         extra_args=tuple(shlex.split(extra)),
     )
-    try:
-        request.validate()
-        chosen = inv.select(request.nodes, request.exclude)
-        _refuse_bad_nodes(inv, chosen)
-        code_dir = training_code_dir(inv)
-        with head(inv) as conn:
-            if not allow_tcp:
-                _refuse_tcp(conn, inv, chosen)
-            rdir, log_offset = remote.start_training(conn, inv, request, code_dir)
-            print(f"started {request.run_name} in {rdir} on {len(chosen)} node(s) ({code_dir})")
-            if follow:
-                _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
-    except ERRORS as error:
-        raise fail(error) from None
+    request.validate()
+    nodes = launch.check_nodes(inv, request)  # the one selection; everything below gets the plan
+    verdicts = _refuse_bad_nodes(inv, nodes)
+    with head(inv) as conn:
+        plan = _plan(conn, inv, request, nodes, verdicts)
+        rdir, log_offset = remote.start_training(conn, inv, plan)
+        print(f"started {request.run_name} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
+        if follow:
+            _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
 
 
-def _refuse_bad_nodes(inv: Inventory, nodes) -> None:
+def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -> launch.LaunchPlan:
+    """The launch decided once, on one connection to the head node: where the program is, that the
+    transport `fab check` found is fit (unless --allow-tcp), the head node's interface."""
+    if not request.allow_tcp:
+        _refuse_tcp(conn, inv, nodes)
+    interface = remote.detect_interface(conn, inv.head)
+    return launch.LaunchPlan(request, tuple(nodes), interface, code_dir_on(conn, inv), tuple(verdicts))
+
+
+def _refuse_bad_nodes(inv: Inventory, nodes) -> list:
     """The quick health check (reachable, /data writable, versions, GPUs): one line naming a bad node
     and how to train without it; degraded nodes are a warning."""
-    for verdict in health.quick(inv, nodes):
+    verdicts = health.quick(inv, nodes)
+    for verdict in verdicts:
         if verdict.verdict == "bad":
             rank = next(n.rank for n in nodes if n.name == verdict.node)
             raise Exit(
@@ -116,6 +130,7 @@ def _refuse_bad_nodes(inv: Inventory, nodes) -> None:
             )
         if verdict.verdict == "degraded":
             print(f"warning: {verdict.node} is degraded: {'; '.join(verdict.reasons)}")
+    return verdicts
 
 
 def _refuse_tcp(conn, inv: Inventory, nodes) -> None:
@@ -126,21 +141,12 @@ def _refuse_tcp(conn, inv: Inventory, nodes) -> None:
         raise Exit(refusal, code=1)
 
 
-def _code_dir(c, inv: Inventory) -> str:
-    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
-    with head(inv) as conn:
-        synced = f"{inv.data_dir}/code/train"
-        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
-            return synced
-    return inv.code_dir
-
-
 def _projector(inv: Inventory):
     """On AWS: print once what the run will cost (nodes and EFS I/O), as soon as its step time is
     known; "unknown" where no price is known, never an exception after the run has started."""
     if inv.source != "aws":
         return None
-    price = kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
+    price = node_price(inv)
     hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
     printed: list[str] = []
 
@@ -181,48 +187,51 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
             "`fab logs --follow` re-attaches, `fab stop` ends it",
             code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
         ) from None
-    print(report.run_line(rdir, state))
-    for line in report.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
+    print(terminal.run_line(rdir, state))
+    for line in terminal.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
         print(line)
     if status_.get("state") != "finished":
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
 
 
-@task(help={"run": "run name (default: the active or latest run)", "follow": "keep streaming"})
+@task(
+    help={"run": "run name (default: the active or latest run)", "follow": "keep streaming"},
+)
 def logs(c, run=None, follow=False):
     """Print a run's log (train.log on /data); --follow streams it until the run ends."""
     inv = load_inventory(c)
-    try:
-        with head(inv) as conn:
-            rdir = run_dir(conn, inv, run)
-            if follow:
-                _follow(conn, rdir, node=inv.head.name)
-            else:
-                remote.follow_log(conn, rdir, follow=False)
-    except ERRORS as error:
-        raise fail(error) from None
+    with head(inv) as conn:
+        rdir = run_dir(conn, inv, run)
+        if follow:
+            _follow(conn, rdir, node=inv.head.name)
+        else:
+            remote.follow_log(conn, rdir, follow=False)
 
 
-@task(help={"run": "run name (default: the active run)", "force": "kill instead of checkpoint-and-exit"})
+@task(
+    help={
+        "run": "run name (default: the active run)",
+        "force": "kill instead of checkpoint-and-exit",
+    },
+)
 def stop(c, run=None, force=False):
     """Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
     inv = load_inventory(c)
-    try:
-        with head(inv) as conn:
-            rdir = run_dir(conn, inv, run) if run else remote.active_run(conn, inv)
-            if not rdir:
-                raise remote.RemoteError("no run is going")
-            if force:
-                remote.force_stop(conn, inv, rdir)
-                print(f"killed {rdir}")
-            else:
-                result = remote.request_stop(conn, rdir)
-                print(f"stopped {rdir}: {result.get('state')} {result.get('reason', '')}")
-    except ERRORS as error:
-        raise fail(error) from None
+    with head(inv) as conn:
+        rdir = run_dir(conn, inv, run) if run else remote.active_run(conn, inv)
+        if not rdir:
+            raise remote.RemoteError("no run is going")
+        if force:
+            remote.force_stop(conn, inv, rdir)
+            print(f"killed {rdir}")
+        else:
+            result = remote.request_stop(conn, rdir)
+            print(f"stopped {rdir}: {result.get('state')} {result.get('reason', '')}")
 
 
-@task(help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"})
+@task(
+    help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"},
+)
 def fetch(c, run=None, dest="runs"):
     """Checkpoint, config, vocabulary, summary.json, eval texts and `fab report`'s report into ./runs/NAME/."""
     inv = load_inventory(c)

@@ -9,7 +9,7 @@ import checkpoint
 import pytest
 from test_training import train
 
-from clusterops import report
+from clusterops import terminal
 
 
 class FakeEvent:
@@ -91,7 +91,7 @@ def test_durations_and_the_eta_in_fab_status():
 
     assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
     progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
-    line = report.run_line("/runs/r", {"status": {"state": "running"}, "progress": progress, "summary": {}})
+    line = terminal.run_line("/runs/r", {"status": {"state": "running"}, "progress": progress, "summary": {}})
     assert "step 300/600 | 100 ms/step | ETA 2m10s" in line
 
 

@@ -259,9 +259,9 @@ def test_the_package_is_installed_by_setup_and_by_the_image():
 
 
 def test_fab_shows_the_runs_top1_and_nothing_unmeasured():
-    """What `fab train --follow` prints at the end (report.summary_lines): an image run's top-1, and
+    """What `fab train --follow` prints at the end (terminal.summary_lines): an image run's top-1, and
     no `eval_loss: None` for a synthetic run, which evaluates nothing (issue 23 §10)."""
-    from clusterops.report import summary_lines
+    from clusterops.terminal import summary_lines
 
     measured = "\n".join(summary_lines({"steps": 40, "eval_loss": 1.672, "top1": 34.0, "top5": 88.5, "bleu": None}))
     assert "top1: 34" in measured and "top5: 88.5" in measured and "None" not in measured

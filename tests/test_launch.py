@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from clusterops import launch, remote, report
+from clusterops import launch, remote, terminal
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
 
 
@@ -110,13 +110,13 @@ def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
 
 def test_versions_line_names_every_version_that_differs_and_where():
     same = [dict(node=f"node{i}", torch="2.13.0", cuda="13.0", nccl="2.27.7", driver="580.65.06") for i in range(3)]
-    assert report.versions_line(same) == (
+    assert terminal.versions_line(same) == (
         True,
         "versions: torch 2.13.0, CUDA 13.0, NCCL 2.27.7, driver 580.65.06 on all 3 nodes",
     )
     differ = [dict(row) for row in same]
     differ[2].update(torch="2.6.0", driver="570.133.20")
-    ok, line = report.versions_line(differ)
+    ok, line = terminal.versions_line(differ)
     assert not ok and "\n" not in line
     assert line == (
         "versions differ between nodes: torch 2.13.0 on node0,node1 vs 2.6.0 on node2; "
@@ -124,7 +124,7 @@ def test_versions_line_names_every_version_that_differs_and_where():
     )
     cpu = [dict(node="node0", torch="2.13.0+cpu", cuda=None, nccl=None, driver=None)] * 2
     assert (
-        report.versions_line(cpu)[1] == "versions: torch 2.13.0+cpu, CUDA none, NCCL none, driver none on all 2 nodes"
+        terminal.versions_line(cpu)[1] == "versions: torch 2.13.0+cpu, CUDA none, NCCL none, driver none on all 2 nodes"
     )
 
 
@@ -266,17 +266,17 @@ def test_every_cluster_task_without_an_inventory_says_what_to_run(task, tmp_path
 
 
 def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
-    from clusterops import report
+    from clusterops import terminal
 
     running = {"state": "running", "time": "2026-01-01T00:00:00Z"}
     start = 1767225600.0  # 2026-01-01T00:00:00Z
     quiet = {"status": running, "progress": {"step": 40, "max_steps": 100, "time": start}, "summary": {}}
-    assert "no progress for 10 min" in report.run_line("/data/runs/r", quiet, now=start + 600)
-    assert "no progress" not in report.run_line("/data/runs/r", quiet, now=start + 30)
+    assert "no progress for 10 min" in terminal.run_line("/data/runs/r", quiet, now=start + 600)
+    assert "no progress" not in terminal.run_line("/data/runs/r", quiet, now=start + 30)
     never = {"status": running, "progress": {}, "summary": {}}
-    assert "no step yet after 16 min" in report.run_line("/data/runs/r", never, now=start + 960)
+    assert "no step yet after 16 min" in terminal.run_line("/data/runs/r", never, now=start + 960)
     ended = {"status": {"state": "finished"}, "progress": quiet["progress"], "summary": {}}
-    assert "no progress" not in report.run_line("/data/runs/r", ended, now=start + 6000)
+    assert "no progress" not in terminal.run_line("/data/runs/r", ended, now=start + 6000)
 
 
 def test_train_help_is_help_and_lists_every_recipe():

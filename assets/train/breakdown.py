@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from stepmodel import ring_wire_bytes  # noqa: F401 - the step model's, for trainer.py's wire bytes
 
 PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
 
@@ -134,11 +135,6 @@ def timed_hook(hook: Callable, timer: StepTimer) -> Callable:
         return hook(state, bucket)
 
     return wrapper
-
-
-def ring_wire_bytes(payload_bytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of `payload_bytes`."""
-    return 2 * (world_size - 1) / world_size * payload_bytes if world_size > 1 else 0.0
 
 
 def mean_parts(steps: list[dict]) -> dict:

@@ -1,4 +1,4 @@
-"""Plain-text tables and run summaries for the terminal."""
+"""Plain-text tables and run summaries for the terminal: the lines the fab tasks print."""
 
 from __future__ import annotations
 

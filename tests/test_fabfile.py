@@ -1,0 +1,198 @@
+"""The fab tasks as a whole (issue 20 item 4): one error boundary for every task, no task module
+importing another, `fab train` planning its launch once. Driven through
+Fabric's own program (the `fab` CLI's parser and executor), in this process: no cluster, no network."""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO
+from invoke.exceptions import Exit
+
+import fabfile
+from clusterops import health, launch, remote
+from clusterops.inventory import Inventory, Node, SshSettings
+
+TASKS = sorted(fabfile.ns.task_names)
+TASK_MODULES = sorted(p for p in (REPO / "fabfile").glob("*.py") if p.name not in ("__init__.py", "common.py"))
+
+
+def fab(*argv: str) -> int:
+    """`fab ARGV` through Fabric's program: its exit code (0 when it returned)."""
+    from fabric.main import make_program
+
+    try:
+        make_program().run(["fab", *argv])
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # closed again on return: a connection there is refused
+
+
+@pytest.fixture
+def unreachable(tmp_path, monkeypatch):
+    """An inventory whose one node refuses SSH (a node that is down, an sshd that died)."""
+    (tmp_path / "known_hosts").write_text("")
+    Inventory(
+        cluster="gone",
+        source="local",
+        nodes=[Node(rank=0, name="node0", public_ip="127.0.0.1", private_ip="127.0.0.1")],
+        gpus_per_node=1,
+        ssh=SshSettings("root", closed_port(), str(tmp_path / "key"), str(tmp_path / "known_hosts")),
+        data_dir=str(tmp_path / "data"),
+    ).save(tmp_path / "inventory.json")
+    monkeypatch.setenv("GPU_CLUSTER_INVENTORY", str(tmp_path / "inventory.json"))
+    monkeypatch.chdir(REPO)
+    return tmp_path
+
+
+# status reports an unreachable node in its table (exit 0); ssh hands over to the ssh client; the rest
+# never open a connection to a node.
+NOT_ON_NODES = {"status", "ssh", "preflight", "cost", "audit", "release-spot", "inventory", "start", "stop-cluster"}
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t not in NOT_ON_NODES and not t.startswith("local.")])
+def test_a_node_that_refuses_ssh_is_one_line_and_exit_1_for_every_task(task, unreachable, capsys):
+    code = fab(task)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_task_has_the_error_boundary(task):
+    from fabfile import common
+
+    assert common.has_error_boundary(fabfile.ns[task]), f"{task} is not behind common.error_boundary"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "InventoryError",
+        "LaunchError",
+        "RemoteError",
+        "LocalClusterError",
+        "NoValidConnectionsError",
+        "SSHException",
+    ],
+)
+def test_the_boundary_turns_each_known_error_into_one_line(error):
+    from paramiko.ssh_exception import NoValidConnectionsError, SSHException
+
+    from clusterops.inventory import InventoryError
+    from clusterops.localcluster import LocalClusterError
+    from fabfile.common import error_boundary
+
+    errors = {
+        "InventoryError": InventoryError("the inventory is broken"),
+        "LaunchError": launch.LaunchError("the launch is broken"),
+        "RemoteError": remote.RemoteError("the node said no"),
+        "LocalClusterError": LocalClusterError("the local cluster is broken"),
+        "NoValidConnectionsError": NoValidConnectionsError({("127.0.0.1", 1): ConnectionRefusedError()}),
+        "SSHException": SSHException("Server '[127.0.0.1]:4444' not found in known_hosts"),
+    }
+
+    def body(c):
+        raise errors[error]
+
+    with pytest.raises(Exit) as raised:
+        error_boundary(body)(None)
+    assert raised.value.code == 1 and raised.value.message.startswith("error: ")
+    assert len(raised.value.message.splitlines()) == 1
+
+
+def test_the_boundary_leaves_a_bug_a_traceback():
+    from fabfile.common import error_boundary
+
+    def body(c):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        error_boundary(body)(None)
+
+
+@pytest.mark.parametrize("module", TASK_MODULES, ids=lambda p: p.name)
+def test_no_task_module_imports_another(module):
+    """Shared helpers live in fabfile/common.py or clusterops, never in a task module."""
+    for node in ast.walk(ast.parse(module.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level > 0:  # from .x import ..., from . import x
+            names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+        elif (node.module or "").startswith("fabfile"):
+            parts = node.module.split(".")
+            names = parts[1:2] if len(parts) > 1 else [a.name for a in node.names]
+        else:
+            continue
+        assert names == ["common"], f"{module.name}:{node.lineno} imports fabfile {names}"
+
+
+class FakeConnection:
+    """Just enough of a Fabric connection for `fab train` on a prepared cluster; counts its openings."""
+
+    opened = 0
+
+    def __init__(self, ip: str):
+        FakeConnection.opened += 1
+        self.ip, self.host, self.is_connected = ip, ip, True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def run(self, command: str, **kwargs):
+        out = ""
+        if command.startswith("ip -o -4 addr show"):
+            out = f"2: eth0    inet {self.ip}/24 brd 10.0.0.255 scope global eth0\n"
+        elif "meta.json" in command:
+            out = "ok\n"
+        elif command.startswith("stat -c"):
+            out = "0\n"
+        elif command.startswith("cat ") and "run-status.json" in command:
+            out = json.dumps({"state": "starting"})
+        return SimpleNamespace(stdout=out, stderr="", exited=0)
+
+
+def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, capsys):
+    counts = {"select": 0, "quick": 0, "interface": 0}
+    select, detect = Inventory.select, remote.detect_interface
+
+    def counted_select(self, *args, **kwargs):
+        counts["select"] += 1
+        return select(self, *args, **kwargs)
+
+    def counted_interface(conn, node):
+        counts["interface"] += 1
+        return detect(conn, node)
+
+    def quick(inv, nodes):
+        counts["quick"] += 1
+        return [health.NodeHealth(node=n.name, verdict="ok", reasons=[], notes=[], details={}) for n in nodes]
+
+    FakeConnection.opened = 0
+    monkeypatch.setattr(Inventory, "select", counted_select)
+    monkeypatch.setattr(remote, "detect_interface", counted_interface)
+    monkeypatch.setattr(health, "quick", quick)
+    monkeypatch.setattr(remote, "connect", lambda inv, node: FakeConnection(node.private_ip))
+    monkeypatch.setattr(remote, "write_file", lambda conn, path, text, mode=0o644: None)
+    assert fab("train", "--steps", "3") == 0, capsys.readouterr().err
+    assert counts == {"select": 1, "quick": 1, "interface": 1}
+    assert FakeConnection.opened == 1  # one connection to the head node for the whole launch
+    assert "started transformer-tiny" in capsys.readouterr().out
+
+
+def test_the_launch_plan_carries_what_the_launch_needs():
+    fields = set(launch.LaunchPlan.__dataclass_fields__)
+    assert {"request", "nodes", "interface", "code_dir", "verdicts"} <= fields
