@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import shlex
 import socket
@@ -51,11 +52,45 @@ def has_error_boundary(task) -> bool:
     return bool(getattr(task.body, "error_boundary", False))
 
 
+def _allow_optional_positionals() -> None:
+    """`fab report RUN` as well as `fab report`: Invoke's positional arguments are all required
+    (pyinvoke/invoke#159, open), so a missing optional one gets "" at the end of its task's arguments
+    instead of Invoke's "did not receive required positional arguments". A bare word after such a task
+    is taken as its run name, as Invoke takes any positional argument."""
+    from invoke.parser.parser import ParseMachine
+
+    complete = ParseMachine.complete_context
+    if getattr(complete, "optional_positionals", False):
+        return
+
+    def complete_context(self) -> None:
+        for argument in self.context.missing_positional_args if self.context else ():
+            if argument.name in OPTIONAL_POSITIONALS:
+                argument.set_value("", cast=False)
+        complete(self)
+
+    complete_context.optional_positionals = True  # type: ignore[attr-defined]
+    ParseMachine.complete_context = complete_context  # type: ignore[method-assign]
+
+
+OPTIONAL_POSITIONALS = ("run",)  # a task may take these by position (`fab logs RUN`) or as `--run RUN`
+_allow_optional_positionals()
+
+
 def task(*args, **kwargs):
-    """fabric.task behind error_boundary: `@task` or `@task(help=...)`."""
+    """fabric.task behind error_boundary: `@task` or `@task(help=...)`. A task with a `run` parameter
+    takes the run name by position too (`fab report RUN`); "" means none was given."""
     if len(args) == 1 and callable(args[0]) and not kwargs:
-        return fabric.task(error_boundary(args[0]))
-    return lambda function: fabric.task(*args, **kwargs)(error_boundary(function))
+        return task()(args[0])
+
+    def decorate(function):
+        return fabric.task(*args, positional=_positionals(function), **kwargs)(error_boundary(function))
+
+    return decorate
+
+
+def _positionals(function) -> list[str]:
+    return [name for name in OPTIONAL_POSITIONALS if name in inspect.signature(function).parameters]
 
 
 def number(value, flag: str, kind=float):

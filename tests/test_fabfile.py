@@ -196,3 +196,30 @@ def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, c
 def test_the_launch_plan_carries_what_the_launch_needs():
     fields = set(launch.LaunchPlan.__dataclass_fields__)
     assert {"request", "nodes", "interface", "code_dir", "verdicts"} <= fields
+
+
+@pytest.mark.parametrize(
+    "argv, task, run",
+    [
+        (["report", "r1"], "report", "r1"),
+        (["report"], "report", ""),
+        (["report", "--run", "r2"], "report", "r2"),
+        (["logs", "r3", "--follow"], "logs", "r3"),
+        (["logs", "--follow"], "logs", ""),
+        (["fetch", "r4", "--dest", "out"], "fetch", "r4"),
+        (["stop", "r5"], "stop", "r5"),
+        (["train", "r6", "--steps", "10"], "train", "r6"),
+    ],
+)
+def test_a_run_name_is_taken_by_position_or_by_flag_and_may_be_left_out(argv, task, run):
+    """Invoke's positional arguments are all required (pyinvoke/invoke#159): `fab report` must still
+    mean the latest run while `fab report RUN` names one."""
+    from fabric.main import make_program
+    from invoke.parser import Parser
+
+    import fabfile
+
+    contexts = fabfile.ns.to_contexts() if hasattr(fabfile, "ns") else make_program().collection.to_contexts()
+    parsed = Parser(contexts=contexts).parse_argv(argv)
+    assert parsed[0].name == task
+    assert parsed[0].args["run"].value == run
