@@ -271,7 +271,7 @@ def monitor(c, interval="2", count="0"):
             rows = remote.on_all(
                 inv,
                 inv.nodes,
-                lambda conn, node: remote.sample_node(conn, node, interval, inv.python, link_gbit),
+                lambda conn, node: remote.sample_node(conn, inv, node, interval, link_gbit),
                 connections,
             )
             print(time.strftime("%H:%M:%S"))

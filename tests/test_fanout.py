@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def nodes_via_proxy(tmp_path):
             proxy_command=f"{PROXY} --hosts {tmp_path / 'hosts.json'} --log {log} %h %p",
         ),
         data_dir=str(tmp_path / "data"),
+        python=sys.executable,  # the node programs (cluster_node) from the checkout, as on the emulated cluster
+        code_dir=str(REPO / "assets" / "train"),
     )
     inventory.save(tmp_path / "inventory.json")
     yield tmp_path / "inventory.json", log
