@@ -61,6 +61,7 @@ PROVIDERS = {
     "ssh": "openssh-client",
     "sshd": "openssh-server",
     "ip": "iproute2",
+    "ss": "iproute2",  # the watchdog's SSH connection signal (busy_signals)
     "pgrep": "procps",
     "pkill": "procps",
     "iperf3": "iperf3",
@@ -238,7 +239,7 @@ def _sent_commands(path) -> list[str]:
 
 
 def _run_commands(path) -> list[str]:
-    """The command of each run([COMMAND, ...]) call (cluster_node.tools) in a node program."""
+    """The command of each run([COMMAND, ...]) call in a node program (tools.run, subprocess.run)."""
     commands = []
     for node in ast.walk(ast.parse(path.read_text())):
         if (

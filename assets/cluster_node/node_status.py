@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 from . import rundir
-from .tools import have, run
+from .tools import have, is_mountpoint, run
 
 
 def gpu_rows() -> Optional[list[list[int]]]:
@@ -33,7 +32,7 @@ def training_processes() -> int:
 def status(data: Path, name: str) -> dict:
     return {
         "ready": (data / rundir.CLUSTER / rundir.READY_DIR / name).is_file(),
-        "mounted": os.path.ismount(data),
+        "mounted": is_mountpoint(data),
         "gpus": gpu_rows(),
         "training": training_processes(),
     }

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import rundir
-from .tools import have, run
+from .tools import have, is_mountpoint, run
 
 XID = re.compile(r"NVRM: Xid \([^)]*\): ([0-9]+)")
 
@@ -114,7 +114,7 @@ def facts(data: Path) -> dict:
     return {
         "time": time.time(),
         "hostname": socket.gethostname().split(".")[0],
-        "mounted": os.path.ismount(data),
+        "mounted": is_mountpoint(data),
         "writable": writable(data),
         "free_gb": free_gb(data),
         "gpus": found,

@@ -3,8 +3,11 @@ every `run([...])` call in this package to check the image provides each command
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Optional, Sequence
 
 
@@ -30,3 +33,20 @@ def run(argv: Sequence[str], timeout: Optional[float] = None, merge: bool = Fals
         out = expired.stdout
         return 124, out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
     return done.returncode, done.stdout
+
+
+def is_mountpoint(path: Path) -> bool:
+    """`path` is a mount point, as mountpoint(1) says: listed in /proc/self/mountinfo (a bind mount from
+    the same file system too, which os.path.ismount misses: the emulated nodes' /data is one)."""
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as handle:
+            # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped (proc(5)).
+            points = {_unescape(line.split()[4]) for line in handle if len(line.split()) > 4}
+    except OSError:
+        return os.path.ismount(target)
+    return target in points
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
