@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shlex
 from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from clusterops import launch, localcluster, remote, report
+from clusterops import launch, localcluster, nodecmd, remote, report
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
@@ -155,7 +156,7 @@ def cluster_config(**overrides):
 def training_code_dir(inv: Inventory) -> str:
     """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
     with head(inv) as conn:
-        synced = f"{inv.data_dir}/code/train"
+        synced = posixpath.join(nodecmd.synced_root(inv), "train")
         if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
             return synced
     return inv.code_dir

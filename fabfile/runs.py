@@ -126,15 +126,6 @@ def _refuse_tcp(conn, inv: Inventory, nodes) -> None:
         raise Exit(refusal, code=1)
 
 
-def _code_dir(c, inv: Inventory) -> str:
-    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
-    with head(inv) as conn:
-        synced = f"{inv.data_dir}/code/train"
-        if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
-            return synced
-    return inv.code_dir
-
-
 def _projector(inv: Inventory):
     """On AWS: print once what the run will cost (nodes and EFS I/O), as soon as its step time is
     known; "unknown" where no price is known, never an exception after the run has started."""
