@@ -34,7 +34,7 @@ LINTED := stacks clusterops fabfile app.py tests scripts assets
 lint: setup  # ruff (lint and format), mypy, shellcheck, cfn-lint on the synthesized template
 	ruff check $(LINTED)
 	ruff format --check $(LINTED)
-	mypy --explicit-package-bases stacks clusterops fabfile app.py assets/train assets/autostop assets/cluster_node
+	mypy --explicit-package-bases stacks clusterops fabfile app.py assets/train assets/cluster_node
 	shellcheck $$(git ls-files '*.sh')
 	cdk synth --no-notices -q -o cdk.out $(SYNTH_CONTEXT) && cfn-lint cdk.out/*.template.json
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
-from . import bottleneck, launch, plots, remote, scaling, terminal
+from . import bottleneck, launch, nodecmd, plots, remote, scaling, terminal
 from .inventory import Inventory
 from .linkcheck import link_file
 
@@ -61,27 +61,9 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
     return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
 
 
-# One round trip for every run: the head node's python reads each run's JSON files.
-RUNS_SCRIPT = r"""
-import json, sys
-from pathlib import Path
-def load(path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-rows = []
-for run in sorted(Path(sys.argv[1]).glob("*/")):
-    if (run / "command.sh").exists() or (run / "summary.json").exists():
-        rows.append({"run": run.name, **{name: load(run / (name.replace("_", "-") + ".json"))
-                     for name in ("progress", "summary", "config", "run_status")}})
-print(json.dumps(rows))
-"""
-
-
 def list_runs(connection: Connection, inventory: Inventory) -> list[dict]:
-    """Every run on /data: its run-status, progress, summary and config."""
-    out = remote.sh(connection, f"{q(inventory.python)} -c {q(RUNS_SCRIPT)} {q(inventory.data_dir + '/runs')}")
+    """Every run on /data: its run-status, progress, summary and config (one round trip)."""
+    out = remote.sh(connection, nodecmd.node_command(inventory, "runs", "list", "--data", inventory.data_dir))
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -205,7 +205,7 @@ def efs_io_usd_per_hour(cloudwatch, file_system_id: str, now: Optional[datetime]
     return efs_io_usd(*efs_io_gb(cloudwatch, file_system_id, now - timedelta(hours=1), now))
 
 
-# What the watchdog publishes per GPU node (assets/autostop/autostop.py publish: Busy, GPUUtilization,
+# What the watchdog publishes per GPU node (cluster_node/autostop/watchdog.py publish: Busy, GPUUtilization,
 # GPUMemoryUsedPercent), once a minute in one PutMetricData call.
 GUARD_METRICS_PER_NODE = 3
 PUTS_PER_NODE_MONTH = 60 * HOURS_PER_MONTH

@@ -17,64 +17,12 @@ from cluster_node.health import (  # noqa: F401  (the verdict names, for the tas
     parse_probe,
 )
 
-# Runs on the node (bash + the node's python): one JSON line of facts. See probe_script().
-# nvidia-smi --query-gpu fields (NVIDIA's nvidia-smi manual, `--help-query-gpu`): name, driver_version and
-# ecc.errors.uncorrected.volatile.total ("[N/A]" where the GPU has no ECC). Xids are the driver's
-# "NVRM: Xid (PCI:0000:01:00): 79, ..." kernel-log lines (dmesg, else the kernel journal). DCGM's quick
-# diagnostic (`dcgmi diag -r 1`, exit status non-zero on a failed test) runs only where dcgmi exists.
-PROBE = r"""
-data=__DATA__
-smi=absent; gpus=""
-if command -v nvidia-smi >/dev/null 2>&1; then
-  if gpus=$(nvidia-smi --query-gpu=name,driver_version,ecc.errors.uncorrected.volatile.total \
-            --format=csv,noheader 2>&1); then smi=ok; else smi="failed: $(echo "$gpus" | head -n 1)"; gpus=""; fi
-  gpus=$(echo "$gpus" | paste -sd';')
-fi
-xid_source="not available"; klog=""
-if klog=$(dmesg 2>/dev/null); then xid_source=dmesg
-elif klog=$(journalctl -k -q --no-pager 2>/dev/null); then xid_source="kernel journal"; fi
-xids=$(echo "$klog" | grep -oE 'NVRM: Xid \([^)]*\): [0-9]+' | grep -oE '[0-9]+$' | sort -u | paste -sd, || true)
-dcgm="not available"
-if command -v dcgmi >/dev/null 2>&1; then
-  if out=$(timeout 120 dcgmi diag -r 1 2>&1); then dcgm=pass
-  elif echo "$out" | grep -qi connect; then dcgm="not available (no DCGM host engine)"
-  else dcgm="fail: $(echo "$out" | grep -i fail | head -n 1)"; fi
-fi
-mounted=no; mountpoint -q "$data" && mounted=yes
-writable=no; probe="$data/.cluster/health.$(hostname).$$"
-mkdir -p "$data/.cluster" 2>/dev/null && echo ok > "$probe" 2>/dev/null && rm -f "$probe" && writable=yes
-free_kb=$(df -Pk "$data" 2>/dev/null | awk 'NR == 2 {print $4}')
-__PYTHON__ - "$gpus" "$xids" "$mounted" "$writable" "${free_kb:-0}" "$smi" "$xid_source" "$dcgm" <<'PY'
-import json, socket, sys, time
-gpus, xids, mounted, writable, free_kb, smi, xid_source, dcgm = sys.argv[1:]
-facts = {"time": time.time(), "hostname": socket.gethostname().split(".")[0], "mounted": mounted == "yes",
-         "writable": writable == "yes", "free_gb": int(free_kb) / 1e6, "gpus": [], "nvidia_smi": smi,
-         "xids": [int(x) for x in xids.split(",") if x], "xid_source": xid_source, "dcgm": dcgm}
-for row in filter(None, gpus.split(";")):
-    name, driver, ecc = (part.strip() for part in row.split(",")[:3])
-    facts["gpus"].append({"name": name, "driver": driver, "ecc_uncorrected": int(ecc) if ecc.isdigit() else None})
-try:
-    if facts["gpus"]:  # NCCL's version needs torch and CUDA loaded
-        import torch
-        facts["torch"] = torch.__version__
-        facts["cuda"] = torch.version.cuda
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
-    else:  # no GPU: torch's build facts without loading it (1-2 s on a busy node, before every launch)
-        import importlib.util, pathlib
-        build = {}
-        exec((pathlib.Path(importlib.util.find_spec("torch").origin).parent / "version.py").read_text(), build)
-        facts["torch"], facts["cuda"], facts["nccl"] = build["__version__"], build["cuda"], None
-except Exception as error:  # a broken torch is a finding, not a crash
-    facts["torch"] = f"unusable: {error}"
-print(json.dumps(facts))
-PY
-"""
+from .nodecmd import node_command
 
 
-def probe_script(python: str, data_dir: str) -> str:
-    import shlex
-
-    return PROBE.replace("__DATA__", shlex.quote(data_dir)).replace("__PYTHON__", shlex.quote(python))
+def probe_command(inventory, code_dir: Optional[str] = None) -> str:
+    """The one line that prints a node's facts (cluster_node.probe)."""
+    return node_command(inventory, "probe", "--data", inventory.data_dir, code_dir=code_dir)
 
 
 def transport_file(inventory) -> str:
@@ -115,9 +63,11 @@ def probe_nodes(inventory, nodes) -> tuple[dict[str, Optional[dict]], dict[str, 
     only to the verdict "unreachable") and the interface holding its private address."""
     from . import remote
 
+    command = probe_command(inventory)
+
     def one(connection, node) -> dict:
         before = time.time()
-        facts = parse_probe(remote.sh(connection, probe_script(inventory.python, inventory.data_dir), timeout=180))
+        facts = parse_probe(remote.sh(connection, command, timeout=180))
         facts["skew_s"] = clock_skew(facts["time"], before, time.time())
         return {"facts": facts, "interface": remote.detect_interface(connection, node)}
 

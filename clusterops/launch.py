@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 from cluster_node.contract import CONTAINER_SSH_PORT
 
 from .inventory import Inventory, Node
+from .nodecmd import node_command
 
 RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
 DATASETS = ("numbers", "ding", "wmt16-en-de", "fashion-mnist", "imagenet")
@@ -310,7 +310,7 @@ def launch_env(
         values.update(
             THEN_STOP="1",
             CLUSTER_NAME=inventory.cluster,
-            AUTOSTOP=posixpath.join(posixpath.dirname(inventory.code_dir), "autostop", "autostop.py"),
+            AUTOSTOP=node_command(inventory, "autostop.watchdog"),  # the launcher adds --stop-now
             **({"AWS_REGION": inventory.region} if inventory.region else {}),
             **emulator_env(inventory, environ or {}),
         )

@@ -155,7 +155,8 @@ finish() {  # finish STATE EXIT_CODE REASON: --then-stop's stop request first, s
   # log before the status tells a follower the run is over
   if [[ ${THEN_STOP:-0} == 1 ]]; then
     export CLUSTER_NAME AWS_REGION AWS_ENDPOINT_URL AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_DEFAULT_REGION
-    "$PYTHON" "$AUTOSTOP" --stop-now >> "$LOG" 2>&1 || echo "$(now) launcher: --then-stop failed" >> "$LOG"
+    # AUTOSTOP: the watchdog's one-line command (PYTHONPATH=ROOT python -m cluster_node.autostop.watchdog)
+    bash -c "$AUTOSTOP --stop-now" >> "$LOG" 2>&1 || echo "$(now) launcher: --then-stop failed" >> "$LOG"
   fi
   status "$@"
 }

@@ -15,69 +15,11 @@ from typing import Optional, Sequence
 
 from cluster_node.health import SLOW_LINK_SHARE
 
+from .nodecmd import node_command
+
 IPERF_PORT = 5201  # iperf3's own default
 SOCKET_PORT = 5202
 q = shlex.quote
-
-# The fallback: a receiver that accepts `streams` connections and counts what arrives after `omit`
-# seconds (TCP's ramp-up), and a sender that writes 1 MiB blocks on each for omit + seconds. The
-# receiver's figure is the one reported.
-SOCKET_SERVER = r"""
-import json, socket, sys, threading, time
-port, omit = int(sys.argv[1]), float(sys.argv[2])
-streams = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-counted, firsts, lasts, lock = [0], [], [], threading.Lock()
-def drain(conn, start):
-    with conn:
-        while True:
-            chunk = conn.recv(1 << 20)
-            if not chunk:
-                break
-            now = time.monotonic()
-            if now - start >= omit:
-                with lock:
-                    counted[0] += len(chunk)
-                    firsts.append(now) if not firsts else None
-                    lasts.append(now)
-with socket.create_server(("0.0.0.0", port), backlog=streams) as server:
-    server.settimeout(30)
-    threads, start = [], None
-    for _ in range(streams):
-        conn, _ = server.accept()
-        start = start or time.monotonic()
-        threads.append(threading.Thread(target=drain, args=(conn, start)))
-        threads[-1].start()
-    for thread in threads:
-        thread.join()
-seconds = (max(lasts) - min(firsts)) if lasts else 0.0
-print(json.dumps({"gbit": counted[0] * 8 / seconds / 1e9 if seconds > 0 else 0.0, "streams": streams}))
-"""
-SOCKET_CLIENT = r"""
-import socket, sys, threading, time
-host, port, total = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-streams = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-def connect():
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return socket.create_connection((host, port), timeout=5)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-conns = [connect() for _ in range(streams)]
-block = b"\0" * (1 << 20)
-end = time.monotonic() + total
-def send(conn):
-    with conn:
-        while time.monotonic() < end:
-            conn.sendall(block)
-threads = [threading.Thread(target=send, args=(c,)) for c in conns]
-for thread in threads:
-    thread.start()
-for thread in threads:
-    thread.join()
-"""
 
 # NCCL's socket transport (src/transport/net_socket.cc, ncclSocketGetNsockNthread): NCCL_SOCKET_NTHREADS
 # x NCCL_NSOCKS_PERTHREAD connections per peer; unset, 2 x 8 on AWS's ENA (PCI vendor 0x1d0f), else 1 x 1;
@@ -115,10 +57,10 @@ def refused(iperf_json: str) -> bool:
     return "unable to connect" in iperf_json
 
 
-def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str, streams: int = 1) -> tuple[float, str, int]:
+def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, inventory, streams: int = 1) -> tuple[float, str, int]:
     """(Gbit/s from src to dst over `streams` TCP streams, the tool that measured it, the streams it
     used): Fabric connections, the server started on dst first. An iperf3 run that never connects
-    falls back to the socket test for that pair."""
+    falls back to the socket test for that pair (cluster_node.linktest)."""
     if tool == "iperf3":
         server = dst.run(
             f"timeout {seconds + 30} iperf3 -s -1 -p {IPERF_PORT}", asynchronous=True, hide=True, warn=True
@@ -133,9 +75,9 @@ def pair_rate(src, dst, dst_ip: str, seconds: int, tool: str, python: str, strea
             time.sleep(0.1)
         dst.run(f"pkill -f -- {q('[i]perf3 -s -1 -p ' + str(IPERF_PORT))} || true", hide=True, warn=True)
         server.join()
-    serve = f"timeout {seconds + 30} {q(python)} -c {q(SOCKET_SERVER)} {SOCKET_PORT} 0.5 {streams}"
+    serve = node_command(inventory, "linktest", "serve", SOCKET_PORT, 0.5, streams, timeout=seconds + 30)
     server = dst.run(serve, asynchronous=True, hide=True, warn=True)
-    client = f"{q(python)} -c {q(SOCKET_CLIENT)} {q(dst_ip)} {SOCKET_PORT} {seconds + 0.5} {streams}"
+    client = node_command(inventory, "linktest", "send", dst_ip, SOCKET_PORT, seconds + 0.5, streams)
     src.run(client, hide=True, in_stream=False)
     found = json.loads(server.join().stdout.strip().splitlines()[-1])
     return found["gbit"], "python-socket", found["streams"]
@@ -150,7 +92,7 @@ def rounds(names: Sequence[str]) -> list[list[tuple[str, str]]]:
 
 
 def matrix(
-    connections: dict, addresses: dict[str, str], seconds: int, tool: str, python: str, streams: int = 1
+    connections: dict, addresses: dict[str, str], seconds: int, tool: str, inventory, streams: int = 1
 ) -> list[dict]:
     """Every ordered pair of nodes over `streams` TCP streams, a round at a time (see rounds), in the
     nodes' order."""
@@ -158,7 +100,7 @@ def matrix(
 
     def rate(pair: tuple[str, str]) -> tuple[float, str, int]:
         src, dst = pair
-        return pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, python, streams)
+        return pair_rate(connections[src], connections[dst], addresses[dst], seconds, tool, inventory, streams)
 
     for connection in connections.values():
         connection.open()  # before the threads share them
@@ -301,7 +243,7 @@ def measure(
         tool = "iperf3" if everywhere else "python-socket"
         addresses = {node.name: node.private_ip for node in nodes}
         count = stream_count(head, interface, streams)
-        pairs = matrix(connections, addresses, seconds, tool, inventory.python, count)
+        pairs = matrix(connections, addresses, seconds, tool, inventory, count)
         output = allreduce(head, inventory, nodes, interface, code_dir, mb, gpus)
         efa = bool(inventory.extra.get("efa_cards"))
         link = summary(pairs, parse_busbw(output), [n.name for n in nodes], tool, efa=efa)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import paramiko
 from fabric import Connection
 
-from . import health, launch
+from . import health, launch, nodecmd
 from .inventory import Inventory, Node
 
 HERE = Path(__file__).resolve().parent
@@ -138,80 +138,31 @@ def detect_interface(connection: Connection, node: Node) -> str:
 
 # ---------------------------------------------------------------- status
 
-NODE_PROBE = r"""
-ready=no; [ -f {data}/.cluster/ready/{name} ] && ready=yes
-mounted=no; mountpoint -q {data} && mounted=yes
-gpus=none
-if command -v nvidia-smi >/dev/null; then
-  gpus=$(nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits | paste -sd';')
-fi
-training=$(pgrep -fc -- '[t]rain\.py --recipe' || true)
-echo "$ready|$mounted|$gpus|$training"
-"""
-
 
 def node_status(connection: Connection, inventory: Inventory, node: Node) -> dict:
-    out = sh(connection, NODE_PROBE.format(data=q(inventory.data_dir), name=q(node.name))).strip()
-    ready, mounted, gpus, training = out.split("|")
-    if gpus == "none":
+    command = nodecmd.node_command(inventory, "node_status", "--data", inventory.data_dir, "--name", node.name)
+    found = json.loads(sh(connection, command).strip().splitlines()[-1])
+    rows = found["gpus"]
+    if rows is None:
         gpu_text = "none (CPU)"
     else:
-        rows = [g.split(",") for g in gpus.split(";")]
-        gpu_text = f"{len(rows)}: " + " ".join(f"{int(u)}% {int(m)}/{int(t)}MiB" for u, m, t in rows)
+        gpu_text = f"{len(rows)}: " + " ".join(f"{u}% {m}/{t}MiB" for u, m, t in rows)
     return {
-        "bootstrap": ready,
+        "bootstrap": "yes" if found["ready"] else "no",
         "container": "up",
-        "data": mounted,
+        "data": "yes" if found["mounted"] else "no",
         "gpus": gpu_text,
-        "training": f"{training} proc" if training != "0" else "no",
+        "training": f"{found['training']} proc" if found["training"] else "no",
     }
 
 
-# Per node, not per host: CPU is the time of the processes in this node's network namespace (one
-# namespace per emulated node; on AWS the container shares the host's, so it is the host's).
-MONITOR_SCRIPT = r"""
-import os, subprocess, sys, time
-iface, interval = sys.argv[1], float(sys.argv[2])
-mine = os.readlink("/proc/self/ns/net")
-def net():
-    for line in open("/proc/net/dev"):
-        name, _, rest = line.partition(":")
-        if name.strip() == iface:
-            fields = rest.split()
-            return int(fields[0]), int(fields[8])
-    return 0, 0
-def cpu_ticks():  # pid -> CPU ticks so far, for this namespace's processes
-    ticks = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.readlink(f"/proc/{pid}/ns/net") == mine:
-                fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
-                ticks[pid] = int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            pass
-    return ticks
-(rx0, tx0), before, t0 = net(), cpu_ticks(), time.monotonic()
-time.sleep(interval)
-(rx1, tx1), after, t1 = net(), cpu_ticks(), time.monotonic()
-# Per process: one that ended in between must not subtract its whole life (a new pid counts from 0).
-used = sum(max(0, n - before.get(pid, 0)) for pid, n in after.items())
-try:
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=10).stdout.split()
-except OSError:
-    gpu = []
-cores = used / os.sysconf("SC_CLK_TCK") / (t1 - t0)
-print(rx1 - rx0, tx1 - tx0, t1 - t0, f"{cores:.2f}", os.cpu_count(), "/".join(gpu) or "none")
-"""
-
-
 def sample_node(
-    connection: Connection, node: Node, interval: float, python: str = "python3", link_gbit: Optional[float] = None
+    connection: Connection, inventory: Inventory, node: Node, interval: float, link_gbit: Optional[float] = None
 ) -> dict:
     """One node over `interval` seconds: CPU cores its processes used, GPU utilisation, and network
     rx/tx on the cluster interface in Mbit/s and as a share of the measured link (when known)."""
     iface = detect_interface(connection, node)
-    out = sh(connection, f"{q(python)} -c {q(MONITOR_SCRIPT)} {q(iface)} {float(interval)}").split()
+    out = sh(connection, nodecmd.node_command(inventory, "sample", iface, float(interval))).split()
     rx, tx, seconds = int(out[0]), int(out[1]), float(out[2])
     rx_mbit, tx_mbit = rx * 8 / seconds / 1e6, tx * 8 / seconds / 1e6
     share = lambda mbit: f"{mbit / (link_gbit * 1000):.0%}" if link_gbit else "n/a"
@@ -255,36 +206,14 @@ def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     return out.rstrip("/") or None
 
 
-# active_run, else latest_run, and run_state's four files: one round trip instead of seven.
-RUN_OVERVIEW = r"""
-run=$(cat {active} 2>/dev/null)
-if [ -z "$run" ] || ! kill -0 "$(cat "$run/launcher.pid" 2>/dev/null)" 2>/dev/null; then
-  run=$(ls -1dt {data}/runs/*/ 2>/dev/null | head -n 1); run=${{run%/}}
-fi
-echo "$run"
-for name in run-status progress summary restarts; do
-  echo "{marker}"; [ -n "$run" ] && cat "$run/$name.json" 2>/dev/null
-done
-true
-"""
-
-
 def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, dict]]:
-    """The active (else latest) run and its run_state, or None when there is no run yet."""
-    marker = "--8<-- gpu-cluster --8<--"
-    script = RUN_OVERVIEW.format(active=q(launch.active_file(inventory)), data=q(inventory.data_dir), marker=marker)
-    run, *texts = sh(connection, script).split(marker + "\n")
-    if not run.strip():
+    """The active (else latest) run and its run_state, or None when there is no run yet: one round
+    trip instead of seven (cluster_node.runs overview)."""
+    command = nodecmd.node_command(inventory, "runs", "overview", "--data", inventory.data_dir)
+    found = json.loads(sh(connection, command).strip().splitlines()[-1])
+    if not found["run"]:
         return None
-    parsed = []
-    for text in texts:
-        try:
-            parsed.append(json.loads(text) if text.strip() else {})
-        except ValueError:
-            parsed.append({})
-    state = dict(zip(("status", "progress", "summary", "restarts"), parsed))
-    state["restarts"] = state.get("restarts") or []
-    return run.strip(), state
+    return found["run"], {key: found[key] for key in ("status", "progress", "summary", "restarts")}
 
 
 # On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc
@@ -320,22 +249,6 @@ def ensure_tensorboard(
 
 
 # ---------------------------------------------------------------- check
-
-VERSIONS_SCRIPT = """import json, torch
-cuda = torch.cuda.is_available()
-nccl = torch.cuda.nccl.version() if cuda else None
-print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
-                  "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}))"""
-
-
-def node_versions(connection: Connection, inventory: Inventory) -> dict:
-    """torch, the CUDA it was built for, NCCL (when a GPU is visible) and the GPU driver; None if absent."""
-    versions = json.loads(sh(connection, f"{q(inventory.python)} -c {q(VERSIONS_SCRIPT)}").strip().splitlines()[-1])
-    driver = sh(
-        connection, "nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true"
-    ).strip()
-    return {**versions, "driver": driver or None}
-
 
 _EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): \S")
 
@@ -404,7 +317,7 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     argv = launch.mpirun_argv(inventory, request, plan.interface, plan.code_dir, nodes)
     write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
     write_file(connection, f"{rdir}/command.json", json.dumps(argv))
-    write_file(connection, f"{rdir}/probe.sh", health.probe_script(inventory.python, inventory.data_dir))
+    write_file(connection, f"{rdir}/probe.sh", health.probe_command(inventory, plan.code_dir) + "\n")
     for path in SUPERVISOR_FILES:
         write_file(connection, f"{rdir}/{path.name}", path.read_text())
     write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)

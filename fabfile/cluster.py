@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 import time
 from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from clusterops import health, launch, linkcheck, remote, supervise, terminal
+import cluster_node
+from clusterops import health, launch, linkcheck, nodecmd, remote, supervise, terminal
 from stacks import images
 
 from .common import ERRORS, head, load_inventory, number, task, training_code_dir, whole_number
@@ -199,20 +201,27 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
 
 @task(help={"source": "local directory with train.py (default assets/train)"})
 def sync(c, source="assets/train"):
-    """Copy the training program (or your own directory) to /data/code/train; train then uses it."""
+    """Copy the training program (or your own directory) to /data/code/train and the node package beside
+    it (/data/code/cluster_node); train then uses them."""
     inv = load_inventory(c)
     src = Path(source)
     if not (src / "train.py").is_file():
         raise Exit(f"error: --source {source!r} has no train.py", code=1)
-    target = f"{inv.data_dir}/code/train"
+    root = nodecmd.synced_root(inv)
     with head(inv) as conn:
-        remote.sh(conn, f"mkdir -p {shlex.quote(target)}")
-        files = [p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-        for path in files:
-            rel = path.relative_to(src).as_posix()
-            remote.sh(conn, f"mkdir -p {shlex.quote(str(Path(target, rel).parent))}")
-            conn.put(str(path), f"{target}/{rel}")
-    print(f"synced {len(files)} file(s) to {target}")
+        count = _put_tree(conn, src, posixpath.join(root, "train"))
+        count += _put_tree(conn, Path(cluster_node.__file__).parent, posixpath.join(root, "cluster_node"))
+    print(f"synced {count} file(s) to {root}")
+
+
+def _put_tree(conn, src: Path, target: str) -> int:
+    """Every file under `src` (no bytecode) to `target` on the node; how many."""
+    files = [p for p in sorted(src.rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    folders = sorted({posixpath.join(target, p.relative_to(src).parent.as_posix()) for p in files} | {target})
+    remote.sh(conn, "mkdir -p " + " ".join(shlex.quote(posixpath.normpath(f)) for f in folders))
+    for path in files:
+        conn.put(str(path), posixpath.join(target, path.relative_to(src).as_posix()))
+    return len(files)
 
 
 @task(help={"port": "local port (default 6006)", "stop": "stop the head node's TensorBoard instead"})
@@ -266,7 +275,7 @@ def monitor(c, interval="2", count="0"):
             rows = remote.on_all(
                 inv,
                 inv.nodes,
-                lambda conn, node: remote.sample_node(conn, node, interval, inv.python, link_gbit),
+                lambda conn, node: remote.sample_node(conn, inv, node, interval, link_gbit),
                 connections,
             )
             print(time.strftime("%H:%M:%S"))

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import inspect
 import os
+import posixpath
 import shlex
 import socket
 from pathlib import Path
@@ -17,7 +18,7 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from clusterops import cost as costs
-from clusterops import launch, localcluster, remote, terminal
+from clusterops import launch, localcluster, nodecmd, remote, terminal
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
@@ -228,7 +229,7 @@ def cluster_config(**overrides):
 
 def code_dir_on(conn, inv: Inventory) -> str:
     """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
-    synced = f"{inv.data_dir}/code/train"
+    synced = posixpath.join(nodecmd.synced_root(inv), "train")
     if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
         return synced
     return inv.code_dir

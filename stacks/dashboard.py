@@ -12,12 +12,12 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from constructs import Construct
 
+from cluster_node.contract import BUSY_METRIC as HEARTBEAT_METRIC
 from cluster_node.contract import METRIC_NAMESPACE as NODE_NAMESPACE
 from cluster_node.contract import dashboard_name
 
-# What the watchdog (assets/autostop/autostop.py) publishes per node, dimension InstanceId.
+# What the watchdog (cluster_node/autostop/watchdog.py) publishes per node, dimension InstanceId.
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))
-HEARTBEAT_METRIC = "Busy"
 PERIOD = Duration.minutes(1)
 
 

@@ -39,6 +39,7 @@ from aws_cdk import (
 from constructs import Construct
 
 from cluster_node.contract import (
+    BUSY_METRIC,
     CLUSTER_TAG,
     METRIC_NAMESPACE,
     RANK_TAG,
@@ -53,9 +54,9 @@ from .node_launch import attach_launch_template
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
-# The autostop watchdog's heartbeat (assets/autostop/autostop.py publishes it once a minute).
+# The autostop watchdog's heartbeat (cluster_node/autostop/watchdog.py publishes it once a minute).
 HEARTBEAT_NAMESPACE = METRIC_NAMESPACE
-HEARTBEAT_METRIC = "Busy"
+HEARTBEAT_METRIC = BUSY_METRIC
 HEARTBEAT_PERIOD = Duration.minutes(1)
 
 

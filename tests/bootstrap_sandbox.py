@@ -68,9 +68,10 @@ class Sandbox:
                 (root / "bin" / standin.name).symlink_to(standin)
         (root / "fstab").write_text("# original fstab\nUUID=abc / ext4 defaults 0 1\n")
         with zipfile.ZipFile(root / "context.zip", "w") as archive:
-            for part in ("docker", "autostop"):
-                for path in (REPO / "assets" / part).iterdir():
-                    archive.write(path, f"{part}/{path.name}")
+            for part in ("docker", "cluster_node"):
+                for path in sorted((REPO / "assets" / part).rglob("*")):
+                    if path.is_file() and "__pycache__" not in path.parts:
+                        archive.write(path, f"{part}/{path.relative_to(REPO / 'assets' / part).as_posix()}")
         # The user-data exactly as the stack renders it, with plain values for the tokens.
         (root / "user-data.sh").write_text("#!/bin/bash\n" + render_user_data(ENV))
 

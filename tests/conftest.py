@@ -17,13 +17,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DIR = REPO / "assets" / "train"
-AUTOSTOP_DIR = REPO / "assets" / "autostop"
-# stacks, clusterops, fabfile and assets come from the editable install (scripts/setup.sh). The training
-# program and the watchdog run on the nodes as plain scripts whose modules import one another by bare
-# name (`import config`, `import busy_signals`), so the tests import them the same way, from their dirs.
-for path in (TRAIN_DIR, AUTOSTOP_DIR):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+# stacks, clusterops, fabfile, assets and cluster_node come from the editable install (scripts/setup.sh).
+# The training program runs on the nodes as plain scripts whose modules import one another by bare name
+# (`import config`), so the tests import them the same way, from their dir.
+if str(TRAIN_DIR) not in sys.path:
+    sys.path.insert(0, str(TRAIN_DIR))
 
 OFFLINE_ENV = {
     "CDK_DISABLE_VERSION_CHECK": "1",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from invoke.exceptions import Exit
 
-from clusterops import analysis, bottleneck, remote, scaling
+from clusterops import analysis, bottleneck, scaling
 from fabfile.analysis import node_counts
 
 # The shape the trainer writes (summary.json of a 2-node transformer-tiny run, trimmed).
@@ -86,12 +86,14 @@ def test_runs_table_compares_runs_at_a_glance():
 
 
 def test_the_runs_script_reads_every_run_directory(tmp_path):
-    run = tmp_path / "tiny"
-    run.mkdir()
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
     (run / "summary.json").write_text(json.dumps(SUMMARY))
     (run / "run-status.json").write_text('{"state": "finished"}')
-    (tmp_path / "scale-transformer-tiny").mkdir()  # a scale series, not a run
-    out = subprocess.run([sys.executable, "-c", analysis.RUNS_SCRIPT, str(tmp_path)], capture_output=True, text=True)
+    (tmp_path / "runs" / "scale-transformer-tiny").mkdir()  # a scale series, not a run
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster_node.runs", "list", "--data", str(tmp_path)], capture_output=True, text=True
+    )
     rows = json.loads(out.stdout)
     assert [r["run"] for r in rows] == ["tiny"] and rows[0]["run_status"] == {"state": "finished"}
 
@@ -129,7 +131,7 @@ def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes()
         time.sleep(1.0)
         before, started = _cpu_ticks(busy.pid), time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-c", remote.MONITOR_SCRIPT, "lo", "1.0"], capture_output=True, text=True, check=True
+            [sys.executable, "-m", "cluster_node.sample", "lo", "1.0"], capture_output=True, text=True, check=True
         ).stdout.split()
         busy_cores = (_cpu_ticks(busy.pid) - before) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - started)
     finally:

@@ -10,17 +10,17 @@ import sys
 import time
 from typing import Optional
 
-import autostop
 import aws_cdk as cdk
 import boto3
-import busy_signals as signals
 import prepare
 import pytest
-from autostop import Observation, Watchdog, decide
 from aws_cdk.assertions import Match, Template
-from conftest import AUTOSTOP_DIR, REPO, moto_instances, tool_env
-from idle_state import IdleState
+from conftest import REPO, moto_instances, tool_env
 
+from cluster_node.autostop import busy_signals as signals
+from cluster_node.autostop import watchdog as autostop
+from cluster_node.autostop.idle_state import IdleState
+from cluster_node.autostop.watchdog import Observation, Watchdog, decide
 from clusterops import launch
 from clusterops.inventory import Inventory, Node, SshSettings
 from stacks.cluster_stack import GpuClusterStack
@@ -334,7 +334,7 @@ def test_the_watchdog_loop_publishes_its_heartbeat_and_stops_an_idle_cluster(aws
     progress.write_text(json.dumps({"step": 120}))
     os.utime(progress, (time.time() - 3600, time.time() - 3600))  # stuck for an hour
     result = subprocess.run(
-        [sys.executable, str(AUTOSTOP_DIR / "autostop.py"), "--data", str(tmp_path), "--interval", "0.2"]
+        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(tmp_path), "--interval", "0.2"]
         + ["--pts", str(tmp_path / "no-terminals")],
         capture_output=True,
         text=True,
@@ -435,11 +435,11 @@ def test_then_stop_stops_the_cluster_from_a_session_without_aws_variables(
 def test_without_any_region_nothing_is_stopped_and_it_says_why_in_one_line(aws_env):
     env = launcher_env(aws_env, "http://127.0.0.1:1")
     result = subprocess.run(
-        [sys.executable, str(AUTOSTOP_DIR / "autostop.py"), "--stop-now"],
+        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--stop-now"],
         capture_output=True,
         text=True,
         timeout=60,
-        env=dict(env, CLUSTER_NAME="x"),
+        env=dict(env, CLUSTER_NAME="x", PYTHONPATH=str(REPO / "assets")),  # as nodecmd's line sets it
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

@@ -24,11 +24,11 @@ import threading
 import time
 from pathlib import Path
 
-import autostop
 import pytest
-from autostop import Sources
 from conftest import REPO
 
+from cluster_node.autostop import watchdog as autostop
+from cluster_node.autostop.watchdog import Sources
 from clusterops import launch
 from clusterops.inventory import Inventory, Node, SshSettings
 

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs
 
 import boto3
-from conftest import AUTOSTOP_DIR, moto_instances, tool_env
+from conftest import moto_instances, tool_env
 
 IDLE_S = 12.0  # IDLE_MINUTES=0.2
 
@@ -40,7 +40,7 @@ def heartbeat_values(instance: str, since: float) -> list[float]:
 
 def start_watchdog(data, cluster: str, instance: str, aws_env: dict, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(AUTOSTOP_DIR / "autostop.py"), "--data", str(data), "--interval", "0.2"]
+        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(data), "--interval", "0.2"]
         + ["--pts", str(data / "no-terminals")],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def _sshd_config(tmp: Path, port: int) -> Path:
     config.write_text(
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {tmp / 'host'}\nAuthorizedKeysFile {tmp / 'authorized_keys'}\n"
         f"PidFile {tmp / 'sshd.pid'}\nStrictModes no\nUsePAM no\nUseDNS no\nPasswordAuthentication no\n"
-        "PermitRootLogin prohibit-password\nMaxStartups 64:30:128\n"
+        "PermitRootLogin prohibit-password\nMaxStartups 64:30:128\nSubsystem sftp internal-sftp\n"  # as the image's
     )
     return config
 
@@ -82,6 +83,8 @@ def nodes_via_proxy(tmp_path):
             proxy_command=f"{PROXY} --hosts {tmp_path / 'hosts.json'} --log {log} %h %p",
         ),
         data_dir=str(tmp_path / "data"),
+        python=sys.executable,  # the node programs (cluster_node) from the checkout, as on the emulated cluster
+        code_dir=str(REPO / "assets" / "train"),
     )
     inventory.save(tmp_path / "inventory.json")
     yield tmp_path / "inventory.json", log
@@ -129,3 +132,15 @@ def test_run_overview_matches_the_step_by_step_probes(nodes_via_proxy):
         (run / "summary.json").write_text("{not json")
         latest = remote.active_run(conn, inventory) or remote.latest_run(conn, inventory)
         assert remote.run_overview(conn, inventory) == (latest, remote.run_state(conn, latest))
+
+
+def test_sync_ships_the_node_package_beside_the_training_program(nodes_via_proxy):
+    """/data/code becomes a package root like /workspace: train/ and cluster_node/ side by side."""
+    path, _ = nodes_via_proxy
+    result = run_fab("sync", GPU_CLUSTER_INVENTORY=str(path))
+    assert result.returncode == 0, result.stderr
+    code = Path(Inventory.load(path).data_dir) / "code"
+    assert (code / "train" / "train.py").is_file() and (code / "cluster_node" / "probe.py").is_file()
+    assert (code / "cluster_node" / "autostop" / "watchdog.py").is_file()
+    assert not list(code.rglob("__pycache__")), "no bytecode of the laptop's Python on the nodes"
+    assert f"to {code}" in result.stdout

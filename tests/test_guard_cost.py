@@ -6,11 +6,11 @@ public IPv4 $0.005/h), and docs/operations.md's "Cost safety" quoting the same f
 
 import re
 
-import autostop
 import pytest
 from aws_cdk.assertions import Template
 from conftest import REPO, cdk_app
 
+from cluster_node.autostop import watchdog as autostop
 from clusterops import cost
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig

@@ -1,11 +1,15 @@
 """Node health verdicts on recorded probe facts, and the probe itself run on this machine."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from conftest import REPO
+from test_launch import inventory
 
 from clusterops import health
 
@@ -91,10 +95,14 @@ def test_a_cpu_node_says_gpu_checks_are_not_available():
     assert found[0].verdict == "ok" and not found[0].reasons and "not available" in found[0].notes[0]
 
 
+def _inventory(python: str, data: Path):
+    """The checkout's package (REPO/assets, as on the emulated cluster), `python` and `data`."""
+    return dataclasses.replace(inventory(), python=python, data_dir=str(data), code_dir=str(REPO / "assets" / "train"))
+
+
 def test_the_probe_runs_and_reports_this_machine(tmp_path):
-    out = subprocess.run(
-        ["bash", "-c", health.probe_script(sys.executable, str(tmp_path))], capture_output=True, text=True, timeout=60
-    )
+    command = health.probe_command(_inventory(sys.executable, tmp_path))
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     found = health.parse_probe(out.stdout)
     assert found["writable"] is True and found["mounted"] is False and found["free_gb"] > 0
     assert found["torch"].startswith("2.") and found["gpus"] == []
@@ -120,8 +128,10 @@ def _probe_with_fakes(tmp_path, ecc="0", xid="13", smi=FAKE_SMI) -> dict:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ECC": ecc, "XID": xid}
-    script = health.probe_script(shutil.which("python3", path="/usr/bin:/bin") or sys.executable, str(tmp_path))
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    command = health.probe_command(
+        _inventory(shutil.which("python3", path="/usr/bin:/bin") or sys.executable, tmp_path)
+    )
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, env=env)
     return {**health.parse_probe(out.stdout), "mounted": True}  # tmp_path is no mount point
 
 

@@ -1,7 +1,7 @@
 """The training image provides every command that the node-side scripts run inside the container:
-launcher.sh, entrypoint.sh and the shell commands the fab tasks send (the status and monitor probes,
-...). A command is either in the NGC PyTorch base (Ubuntu's essential tools, python, its Open MPI),
-put there by the NVIDIA runtime, or installed by assets/docker/Dockerfile."""
+launcher.sh, entrypoint.sh, the shell commands the fab tasks send and the commands the node programs
+(cluster_node) run through tools.run. A command is either in the NGC PyTorch base (Ubuntu's essential
+tools, python, its Open MPI), put there by the NVIDIA runtime, or installed by assets/docker/Dockerfile."""
 
 import ast
 import re
@@ -22,6 +22,8 @@ TRAIN_REQUIREMENTS = REPO / "assets" / "train" / "requirements.txt"
 
 BASE = "NGC base"
 RUNTIME = "NVIDIA container runtime (--gpus)"
+OPTIONAL = "optional: run only where present, its absence is a finding (cluster_node.probe)"
+NODE_PACKAGE = REPO / "assets" / "cluster_node"  # its programs run commands through tools.run([...])
 # Command -> where it comes from in the container: BASE, RUNTIME or the apt package that installs it.
 PROVIDERS = {
     **dict.fromkeys(
@@ -53,9 +55,13 @@ PROVIDERS = {
     **dict.fromkeys(["awk", "grep", "sed", "hostname", "mountpoint", "setsid"], BASE),  # essential packages
     **dict.fromkeys(["python", "python3", "pip", "mpirun"], BASE),  # the NGC PyTorch image itself
     "nvidia-smi": RUNTIME,
+    "dmesg": BASE,  # util-linux, essential
+    "journalctl": OPTIONAL,  # the kernel log where dmesg is not allowed
+    "dcgmi": OPTIONAL,  # DCGM's diagnostic, where a DCGM install provides it
     "ssh": "openssh-client",
     "sshd": "openssh-server",
     "ip": "iproute2",
+    "ss": "iproute2",  # the watchdog's SSH connection signal (busy_signals)
     "pgrep": "procps",
     "pkill": "procps",
     "iperf3": "iperf3",
@@ -232,6 +238,22 @@ def _sent_commands(path) -> list[str]:
     return commands
 
 
+def _run_commands(path) -> list[str]:
+    """The command of each run([COMMAND, ...]) call in a node program (tools.run, subprocess.run)."""
+    commands = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "run"
+            and node.args
+            and isinstance(node.args[0], (ast.List, ast.Tuple))
+            and node.args[0].elts
+            and isinstance(node.args[0].elts[0], ast.Constant)
+        ):
+            commands.append(node.args[0].elts[0].value)
+    return commands
+
+
 def container_commands() -> dict[str, set[str]]:
     """Command -> the files that call it inside the container."""
     found: dict[str, set[str]] = {}
@@ -241,6 +263,9 @@ def container_commands() -> dict[str, set[str]]:
     texts.append((Path("command.sh"), launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/c"))))
     for path, text in texts:
         for word in command_words(text):
+            found.setdefault(word, set()).add(path.name)
+    for path in sorted(NODE_PACKAGE.rglob("*.py")):
+        for word in _run_commands(path):
             found.setdefault(word, set()).add(path.name)
     return found
 
@@ -260,8 +285,9 @@ def test_the_scan_sees_the_commands_it_must_see():
         "command -v nvidia-smi >/dev/null && nvidia-smi | paste -sd/"
     ) == {"ip", "pgrep", "hostname", "timeout", "ssh", "pkill", "nvidia-smi", "paste"}
     found = container_commands()
-    assert {"ip", "pgrep", "pkill", "sshd", "ssh", "mountpoint", "awk", "timeout", "setsid", "mpirun"} <= set(found)
+    assert {"ip", "pgrep", "pkill", "sshd", "ssh", "awk", "timeout", "setsid", "mpirun"} <= set(found)
     assert "node-bootstrap.sh" in found["pgrep"]
+    assert "node_status.py" in found["pgrep"] and "probe.py" in found["dmesg"] and "probe.py" in found["dcgmi"]
 
 
 def test_every_command_run_in_the_container_is_in_the_image():
@@ -273,7 +299,7 @@ def test_every_command_run_in_the_container_is_in_the_image():
     missing = {
         word: PROVIDERS[word]
         for word in found
-        if PROVIDERS[word] not in (BASE, RUNTIME)
+        if PROVIDERS[word] not in (BASE, RUNTIME, OPTIONAL)
         and PROVIDERS[word] not in packages
         and PROVIDERS[word].removeprefix("pip: ") not in pip_packages
     }

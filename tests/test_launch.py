@@ -202,7 +202,7 @@ def test_known_hosts_pins_each_node_exactly(tmp_path):
 def test_then_stop_env_names_the_cluster_and_the_watchdog_next_to_the_program():
     env = launch.launch_env(inventory(), launch.TrainRequest(then_stop=True), {"AWS_SECRET_ACCESS_KEY": "real"})
     assert "THEN_STOP=1\n" in env and "CLUSTER_NAME=c\n" in env
-    assert "AUTOSTOP=/workspace/autostop/autostop.py\n" in env
+    assert "AUTOSTOP='PYTHONPATH=/workspace python -m cluster_node.autostop.watchdog'\n" in env
     assert "AWS_" not in env  # real nodes use their instance role; nothing secret goes to /data
     assert "THEN_STOP" not in launch.launch_env(inventory(), launch.TrainRequest())
 

@@ -96,9 +96,9 @@ def test_iperf3_json_from_a_real_run_on_loopback():
 def test_the_socket_fallback_measures_loopback_over_several_streams():
     port = str(_free_port())
     server = subprocess.Popen(
-        [sys.executable, "-c", linkcheck.SOCKET_SERVER, port, "0.2", "3"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "cluster_node.linktest", "serve", port, "0.2", "3"], stdout=subprocess.PIPE, text=True
     )
-    subprocess.run([sys.executable, "-c", linkcheck.SOCKET_CLIENT, "127.0.0.1", port, "0.7", "3"], check=True)
+    subprocess.run([sys.executable, "-m", "cluster_node.linktest", "send", "127.0.0.1", port, "0.7", "3"], check=True)
     out, _ = server.communicate(timeout=30)
     assert json.loads(out)["gbit"] > 0.1 and json.loads(out)["streams"] == 3
 

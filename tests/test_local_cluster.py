@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import AUTOSTOP_DIR, REPO, TRAIN_DIR, moto_instances, serve_imds, tool_env
+from conftest import REPO, TRAIN_DIR, moto_instances, serve_imds, tool_env
 
 from clusterops import localcluster
 from clusterops.inventory import Inventory, write_known_hosts
@@ -425,7 +425,7 @@ def test_a_spot_notice_mid_run_checkpoints_in_the_notice_window_and_the_run_goes
     netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(1)
     with serve_imds(controller) as imds:
         watcher = subprocess.Popen(
-            ["ip", "netns", "exec", netns, sys.executable, str(AUTOSTOP_DIR / "spotwatch.py")]
+            ["ip", "netns", "exec", netns, sys.executable, "-m", "cluster_node.spotwatch"]
             + ["--data", str(pair.shared), "--interval", "1"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

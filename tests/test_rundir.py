@@ -13,13 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-import autostop
 import pytest
-import spotwatch
 from conftest import REPO
 from test_launch import inventory
 
-from cluster_node import launchfiles, protocol, rundir
+from cluster_node import launchfiles, protocol, rundir, spotwatch
+from cluster_node.autostop import watchdog as autostop
 from clusterops import launch, supervise
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})

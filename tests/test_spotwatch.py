@@ -10,8 +10,9 @@ import urllib.request
 
 import checkpoint
 import pytest
-import spotwatch
-from conftest import AUTOSTOP_DIR, TRAIN_DIR, tool_env
+from conftest import TRAIN_DIR, tool_env
+
+from cluster_node import spotwatch
 
 NOTICE = {"action": "stop", "time": "2026-11-22T08:22:00Z"}
 
@@ -143,7 +144,7 @@ def test_a_notice_mid_run_checkpoints_at_the_stop_step_and_the_run_resumes_there
     ]
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     watcher = subprocess.Popen(
-        [sys.executable, str(AUTOSTOP_DIR / "spotwatch.py"), "--data", str(tmp_path), "--interval", "0.2"],
+        [sys.executable, "-m", "cluster_node.spotwatch", "--data", str(tmp_path), "--interval", "0.2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -7,6 +7,7 @@ RANK_TAG = "gpu-cluster:rank"  # on each instance
 RETAIN_TAG = "gpu-cluster:retain"  # on an EFS kept by retain_data=true (fab audit keeps it)
 CONTAINER_SSH_PORT = 4444  # the training container's sshd (assets/docker/sshd_config)
 METRIC_NAMESPACE = "GpuCluster/Autostop"  # the watchdog's heartbeat and GPU metrics
+BUSY_METRIC = "Busy"  # the heartbeat: 1 busy, 0 idle; each node's idle alarm watches it
 
 
 def parameter_prefix(cluster_name: str) -> str:

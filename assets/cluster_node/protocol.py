@@ -64,7 +64,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.MPIRUN_PID, "pid on the head node", "launcher.sh", "fab stop --force"),
     _run(rd.TRAIN_LOG, "text, appended", "mpirun, launcher.sh, spotwatch", "fab logs/fetch, launcher.sh"),
     _run(rd.LAUNCHER_LOG, "text", "the launcher's own output", "people"),
-    _run(rd.PROBE_SH, "bash: the health probe", "fab train (upload)", "launcher.sh"),
+    _run(rd.PROBE_SH, "one line: python -m cluster_node.probe", "fab train (upload)", "launcher.sh"),
     _run(rd.LAUNCHER_SH, "bash: the launcher", "fab train (upload)", "setsid on the head"),
     _run(rd.SUPERVISE_PY, "Python: restart decisions", "fab train (upload)", "launcher.sh"),
     _run(rd.HEALTH_PY, "Python: probe verdicts", "fab train (upload)", "supervise.py"),
@@ -95,7 +95,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_MD}", "Markdown", "fab scale", "people"),
     _at("cluster", rd.SSH_DIR, "the cluster's SSH identity", "cluster-identity.sh", "entrypoint.sh, mpirun, launcher"),
     _at("cluster", rd.SSH_LOCK, "flock", "cluster-identity.sh", "cluster-identity.sh"),
-    _at("cluster", f"{rd.READY_DIR}/{rd.NODE_MARK}", "empty marker", "node-bootstrap.sh", "fab status"),
+    _at("cluster", f"{rd.READY_DIR}/{rd.NODE_MARK}", "empty marker", "node-bootstrap.sh", "node_status (fab status)"),
     _at("cluster", f"{rd.HEARTBEAT_DIR}/{rd.NODE_JSON}", "JSON NodeHeartbeat", "autostop", "autostop (the others)"),
     _at("cluster", f"{rd.AUTOSTOP_DIR}/{rd.NODE_JSON}", "JSON idle_state.IdleState", "autostop", "autostop"),
     _at("cluster", rd.AUTOSTOP_LOG, "text", "autostop", "people"),
@@ -104,7 +104,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("cluster", f"{rd.BUSY_DIR}/{rd.BUSY_MARKER}", "JSON BusyMarker", "prepare.py", "autostop"),
     _at("cluster", rd.LINK_JSON, "JSON (linkcheck.summary)", "fab check", "fab report, fab check"),
     _at("cluster", rd.TRANSPORT_JSON, "JSON (health.transport_verdict)", "fab check", "fab train"),
-    _at("cluster", rd.HEALTH_PROBE_FILE, "the probe's write test", "probe", "probe"),
+    _at("cluster", rd.HEALTH_PROBE_FILE, "the probe's write test", "cluster_node.probe", "cluster_node.probe"),
 )
 
 _WHERE = {"run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{rd.CLUSTER}/"}

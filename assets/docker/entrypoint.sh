@@ -55,20 +55,21 @@ chmod 0600 "$RUNTIME_DIR/authorized_keys"
   session_setenv
 } > "$RUNTIME_DIR/sshd_config"
 
-# The autostop watchdog runs on every node (see assets/autostop/autostop.py): each publishes its
-# own heartbeat, so a dead head node cannot leave the others running. Restarted if it dies; exit 0
-# means it stopped the cluster (or autostop is off).
-if [[ ${IDLE_MINUTES:-0} != 0 && -f /workspace/autostop/autostop.py ]]; then
+# The autostop watchdog runs on every node (see cluster_node/autostop/watchdog.py; the image's
+# PYTHONPATH=/workspace finds the package): each publishes its own heartbeat, so a dead head node
+# cannot leave the others running. Restarted if it dies; exit 0 means it stopped the cluster (or
+# autostop is off).
+if [[ ${IDLE_MINUTES:-0} != 0 && -f /workspace/cluster_node/autostop/watchdog.py ]]; then
   (
-    until python /workspace/autostop/autostop.py --data "$DATA_DIR"; do sleep 60; done
+    until python -m cluster_node.autostop.watchdog --data "$DATA_DIR"; do sleep 60; done
   ) >> "$DATA_DIR/.cluster/autostop-node${NODE_RANK:-0}.log" 2>&1 &
 fi
 
-# Spot nodes: the interruption watcher (assets/autostop/spotwatch.py) polls the instance metadata
+# Spot nodes: the interruption watcher (cluster_node/spotwatch.py) polls the instance metadata
 # and, on EC2's two-minute notice, makes the active run checkpoint at once. Restarted if it dies.
-if [[ ${SPOT:-false} == true && -f /workspace/autostop/spotwatch.py ]]; then
+if [[ ${SPOT:-false} == true && -f /workspace/cluster_node/spotwatch.py ]]; then
   (
-    until python /workspace/autostop/spotwatch.py --data "$DATA_DIR"; do sleep 5; done
+    until python -m cluster_node.spotwatch --data "$DATA_DIR"; do sleep 5; done
   ) >> "$DATA_DIR/.cluster/spot-node${NODE_RANK:-0}.log" 2>&1 &
 fi
 

@@ -21,6 +21,8 @@ from data import atomic_write_bytes
 from tasks import make_task
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cluster_node.rundir import URGENT_STOP_WORD
+
 
 def compress_hook(dtype: torch.dtype):
     """A DDP comm hook that all-reduces gradients in `dtype` (fp16/bf16), on NCCL and on gloo
@@ -102,7 +104,7 @@ def _register_comm_hook(ddp: DDP, config: TrainConfig, timer: breakdown.StepTime
 
 # RUN_DIR/STOP (`fab stop`) ends the run after an eval and a checkpoint; a STOP whose first word is
 # "now" (the Spot interruption watcher's) checkpoints at once and skips the eval: the notice is 2 min.
-URGENT_STOP = "now"
+URGENT_STOP = URGENT_STOP_WORD
 
 
 def _urgent(stop_file: Path) -> bool:

@@ -18,6 +18,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from .. import rundir
+
 GPU_BUSY_PERCENT = 5.0
 STEP_WINDOW_S = 15 * 60  # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
 MARKER_FRESH_S = 5 * 60  # prepare.py refreshes its marker every minute
@@ -40,7 +42,7 @@ def _mtime(path: Path) -> float:
 
 def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional[float]]:
     """(step, age in seconds) of the newest run's progress.json; (None, None) without a run going."""
-    progress = max((data_dir / "runs").glob("*/progress.json"), key=_mtime, default=None)
+    progress = max((data_dir / rundir.RUNS).glob(f"*/{rundir.PROGRESS}"), key=_mtime, default=None)
     if progress is None:
         return None, None
     try:
@@ -55,7 +57,7 @@ def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional
 def _start_limit(run: Path) -> float:
     """The launcher's START_SECONDS for this run (its launch.env), else its default."""
     try:
-        for line in (run / "launch.env").read_text().splitlines():
+        for line in (run / rundir.LAUNCH_ENV).read_text().splitlines():
             if line.startswith("START_SECONDS="):
                 return float(line.split("=", 1)[1].strip("'\" "))
     except (OSError, ValueError):
@@ -67,22 +69,22 @@ def launched_run(data_dir: Path, now: float) -> tuple[bool, Optional[str]]:
     """(a run is marked live, why it is busy while it starts). `fab train` writes runs/.active before
     it starts the launcher; the launcher writes run-status.json ("running", later its end), recreates
     RUN_DIR/ranks at each attempt's start and removes .active when the run is over."""
-    active = data_dir / "runs" / ".active"
+    active = rundir.active_file(data_dir)
     try:
         named = active.read_text().strip()
     except OSError:
         return False, None
-    run = data_dir / "runs" / Path(named).name
+    run = rundir.run_dir(data_dir, Path(named).name)
     if not named or not run.is_dir():
         return False, None
     try:
-        state = json.loads((run / "run-status.json").read_text()).get("state")
+        state = json.loads((run / rundir.RUN_STATUS).read_text()).get("state")
     except (OSError, ValueError):
         state = "running"  # fab train starts the launcher right after writing .active
     if state != "running":
         return False, None
-    started = max(_mtime(active), _mtime(run / "ranks"))
-    if _mtime(run / "progress.json") >= started:
+    started = max(_mtime(active), _mtime(run / rundir.RANKS))
+    if _mtime(run / rundir.PROGRESS) >= started:
         return True, None  # a step of this attempt: the step signal speaks
     age = now - started
     if age > _start_limit(run) + START_GRACE_S:
@@ -124,7 +126,7 @@ def gpu_processes() -> tuple[int, ...]:
 def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
     """Data-preparation markers refreshed in the last MARKER_FRESH_S (a killed prepare.py's goes stale)."""
     found = []
-    for marker in sorted((data_dir / ".cluster" / "busy").glob("*.json")):
+    for marker in sorted((data_dir / rundir.CLUSTER / rundir.BUSY_DIR).glob("*.json")):
         try:
             if now - _mtime(marker) <= MARKER_FRESH_S:
                 found.append(json.loads(marker.read_text()).get("what", marker.stem))

@@ -3,18 +3,18 @@
 Every minute it decides whether the cluster is busy -- a training step advanced in the last 15
 minutes, a launched run has not reached its first step yet, a GPU is busy or holds a process, a data
 set is being prepared, a terminal had input or an SSH connection carried traffic in the last 30
-minutes (assets/autostop/busy_signals.py says each) -- on this node or on any other (nodes share what
+minutes (cluster_node/autostop/busy_signals.py says each) -- on this node or on any other (nodes share what
 they see in /data/.cluster/heartbeat/). It then
   * publishes this node's heartbeat, Busy = 1 or 0, to CloudWatch (namespace GpuCluster/Autostop,
     dimension InstanceId); a CloudWatch alarm per node stops the node when the heartbeat has said
     idle, or nothing at all, for IDLE_MINUTES + 30 minutes: the net for a watchdog that died;
   * stops every instance of the cluster itself once the cluster has been idle for IDLE_MINUTES. A
     stop that fails is logged and retried, further apart each time; the heartbeat keeps saying idle.
-The idle clock is kept on /data (assets/autostop/idle_state.py): a restarted watchdog resumes it.
+The idle clock is kept on /data (cluster_node/autostop/idle_state.py): a restarted watchdog resumes it.
 The node role may stop only instances tagged gpu-cluster:name=CLUSTER_NAME.
 
-    CLUSTER_NAME=c IDLE_MINUTES=60 NODE_RANK=0 python autostop.py [--data /data]
-    CLUSTER_NAME=c python autostop.py --stop-now     # fab train --then-stop
+    CLUSTER_NAME=c IDLE_MINUTES=60 NODE_RANK=0 python -m cluster_node.autostop.watchdog [--data /data]
+    CLUSTER_NAME=c python -m cluster_node.autostop.watchdog --stop-now     # fab train --then-stop
 
 The region comes from AWS_REGION / AWS_DEFAULT_REGION, else from the instance identity document
 (IMDSv2): an SSH session in the container has no AWS variables, and botocore does not ask IMDS.
@@ -27,24 +27,21 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import busy_signals as signals
-import idle_state
-from busy_signals import GPU_BUSY_PERCENT, STEP_WINDOW_S
-
-# The names every layer shares (assets/cluster_node/contract.py; /workspace/cluster_node in the image).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cluster_node.contract import CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE  # noqa: E402
+from .. import rundir
+from ..contract import BUSY_METRIC, CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE
+from ..imds import instance_identity
+from . import busy_signals as signals
+from . import idle_state
+from .busy_signals import GPU_BUSY_PERCENT, STEP_WINDOW_S
 
 NAMESPACE = METRIC_NAMESPACE  # stacks/nodes.py alarms on it, the role may publish only to it
-METRIC = "Busy"
+METRIC = BUSY_METRIC
 STARTUP_BUSY_SAMPLES = 2  # after a boot report busy briefly: the alarm leaves ALARM and re-arms
 RETRY_FIRST_S, RETRY_MAX_S = 60.0, 30 * 60.0  # a refused stop: again after 1, 2, 4 ... 30 min
-IMDS_URL = os.environ.get("AUTOSTOP_IMDS_URL", "http://169.254.169.254")
 
 
 @dataclass(frozen=True)
@@ -118,7 +115,7 @@ class Sources:
 def observe(
     data_dir: Path, now: float, sources: Optional[Sources] = None, memory: Optional[dict] = None
 ) -> Observation:
-    """This node's signals (assets/autostop/busy_signals.py). memory: what the signals with a memory
+    """This node's signals (cluster_node/autostop/busy_signals.py). memory: what the signals with a memory
     (SSH byte counters, GPU processes) kept from the previous call; updated in place."""
     sources, memory = sources or Sources(), memory if memory is not None else {}
     step, age = signals.latest_progress(data_dir, now)
@@ -145,18 +142,19 @@ def observe(
 
 def share(data_dir: Path, rank: str, now: float, reasons: list[str]) -> None:
     """Write this node's own reasons where the other nodes read them (atomically)."""
-    folder = data_dir / ".cluster" / "heartbeat"
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".node{rank}.json.tmp"
+    path = rundir.node_json(data_dir, rundir.HEARTBEAT_DIR, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"time": now, "busy": reasons}))
-    os.replace(tmp, folder / f"node{rank}.json")
+    os.replace(tmp, path)
 
 
 def peer_reasons(data_dir: Path, rank: str, now: float, fresh_s: float) -> list[str]:
     """The other nodes' own reasons, from heartbeats written in the last fresh_s seconds."""
     reasons = []
-    for path in sorted((data_dir / ".cluster" / "heartbeat").glob("node*.json")):
-        if path.stem == f"node{rank}":
+    folder = rundir.node_json(data_dir, rundir.HEARTBEAT_DIR, rank).parent
+    for path in sorted(folder.glob(rundir.NODE_JSON.format(rank="*"))):
+        if path.name == rundir.NODE_JSON.format(rank=rank):
             continue
         try:
             beat = json.loads(path.read_text())
@@ -168,27 +166,6 @@ def peer_reasons(data_dir: Path, rank: str, now: float, fresh_s: float) -> list[
 
 
 # ---------------------------------------------------------------- AWS
-
-
-def imds_get(path: str, base: str = IMDS_URL, timeout: float = 2.0) -> bytes:
-    """GET an instance-metadata path through IMDSv2 (a session token first, then the path with it).
-    Raises OSError (urllib.error.HTTPError for a status such as 404) when there is no answer."""
-    token_request = urllib.request.Request(
-        f"{base}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"}
-    )
-    with urllib.request.urlopen(token_request, timeout=timeout) as response:
-        token = response.read().decode()
-    request = urllib.request.Request(f"{base}{path}", headers={"X-aws-ec2-metadata-token": token})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read()
-
-
-def instance_identity(base: str = IMDS_URL, timeout: float = 2.0) -> dict:
-    """The instance identity document through IMDSv2 (region, instanceId), {} off EC2."""
-    try:
-        return json.loads(imds_get("/latest/dynamic/instance-identity/document", base, timeout))
-    except (OSError, ValueError):
-        return {}
 
 
 def where_am_i(environ: dict, identity: Callable[[], dict] = instance_identity) -> tuple[Optional[str], Optional[str]]:
@@ -237,7 +214,7 @@ def log(message: str, data_dir: Optional[Path] = None) -> None:
     line = f"{time.strftime('%FT%TZ', time.gmtime())} autostop: {message}"
     print(line, flush=True)
     if data_dir is not None:
-        with open(data_dir / ".cluster" / "autostop.log", "a") as handle:
+        with open(data_dir / rundir.CLUSTER / rundir.AUTOSTOP_LOG, "a") as handle:
             handle.write(line + "\n")
 
 

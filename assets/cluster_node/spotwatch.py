@@ -8,7 +8,7 @@ file `fab stop` uses: RUN_DIR/STOP, here with the first word "now" so the traine
 records the interruption in RUN_DIR/interruptions.json (resume the run with `fab train --run NAME`);
 and logs it, also into the run's train.log. Each notice is acted on once.
 
-    NODE_RANK=1 python spotwatch.py [--data /data] [--interval 5]
+    NODE_RANK=1 python -m cluster_node.spotwatch [--data /data] [--interval 5]
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import autostop
+from . import rundir
+from .autostop.watchdog import where_am_i
+from .imds import IMDS_URL, imds_get, instance_identity
 
 ACTION_PATH = "/latest/meta-data/spot/instance-action"
 POLL_S = 5.0
-URGENT_STOP = "now"  # assets/train/trainer.py: a STOP starting with it checkpoints without the eval
+URGENT_STOP = rundir.URGENT_STOP_WORD  # the trainer: a STOP starting with it checkpoints without the eval
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,11 @@ class Notice:
     time: str  # when EC2 will act, UTC
 
 
-def instance_action(base: str = autostop.IMDS_URL, timeout: float = 2.0) -> Optional[Notice]:
+def instance_action(base: str = IMDS_URL, timeout: float = 2.0) -> Optional[Notice]:
     """The planned interruption, None when there is none (404). Raises OSError or ValueError when the
     metadata service does not answer or answers something else."""
     try:
-        item = json.loads(autostop.imds_get(ACTION_PATH, base, timeout))
+        item = json.loads(imds_get(ACTION_PATH, base, timeout))
     except urllib.error.HTTPError as error:
         if error.code == 404:
             return None
@@ -55,18 +57,18 @@ def active_run(data_dir: Path) -> Optional[Path]:
     """The run directory runs/.active names (the head node writes its own path into it; the run is
     found by name under data_dir, so this works wherever /data is mounted)."""
     try:
-        named = (data_dir / "runs" / ".active").read_text().strip()
+        named = rundir.active_file(data_dir).read_text().strip()
     except OSError:
         return None
-    run = data_dir / "runs" / Path(named).name if named else None
+    run = rundir.run_dir(data_dir, Path(named).name) if named else None
     return run if run is not None and run.is_dir() else None
 
 
 def record(run_dir: Path, entry: dict) -> list[dict]:
     """Append to RUN_DIR/interruptions.json under a lock (nodes may be noticed together; EFS
     supports POSIX locks) and replace the file atomically. Returns all entries."""
-    path = run_dir / "interruptions.json"
-    with open(run_dir / ".interruptions.lock", "w") as lock:
+    path = run_dir / rundir.INTERRUPTIONS
+    with open(run_dir / rundir.INTERRUPTIONS_LOCK, "w") as lock:
         fcntl.lockf(lock, fcntl.LOCK_EX)
         try:
             entries = json.loads(path.read_text())
@@ -81,7 +83,7 @@ def record(run_dir: Path, entry: dict) -> list[dict]:
 
 def _step(run_dir: Path) -> Optional[int]:
     try:
-        return int(json.loads((run_dir / "progress.json").read_text())["step"])
+        return int(json.loads((run_dir / rundir.PROGRESS).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -97,7 +99,7 @@ def handle(
     if run is None:
         return f"{what}; no run going"
     step = _step(run)
-    (run / "STOP").write_text(f"{URGENT_STOP}: {what}\n")
+    (run / rundir.STOP).write_text(f"{URGENT_STOP}: {what}\n")
     record(
         run,
         {
@@ -111,7 +113,7 @@ def handle(
         },
     )
     line = f"{what}; asked {run.name} to checkpoint now (last step {step}); resume: fab train --run {run.name}"
-    with open(run / "train.log", "a") as log:
+    with open(run / rundir.TRAIN_LOG, "a") as log:
         log.write(f"{time.strftime('%FT%TZ', time.gmtime(now))} {line}\n")
     return line
 
@@ -162,10 +164,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--data", default="/data")
     parser.add_argument("--interval", type=float, default=POLL_S, help="seconds between polls")
     args = parser.parse_args(argv)
-    _, instance_id = autostop.where_am_i(dict(os.environ))
+    _, instance_id = where_am_i(dict(os.environ))
     # The identity document's privateIp: the address fab train's hostfile names this node by.
-    host = os.environ.get("PRIVATE_IP") or autostop.instance_identity().get("privateIp")
-    print(f"spot: watching {autostop.IMDS_URL}{ACTION_PATH} every {args.interval:g} s", flush=True)
+    host = os.environ.get("PRIVATE_IP") or instance_identity().get("privateIp")
+    print(f"spot: watching {IMDS_URL}{ACTION_PATH} every {args.interval:g} s", flush=True)
     watch(Watcher(Path(args.data), os.environ.get("NODE_RANK", "0"), instance_id, host=host), args.interval)
     return 0
 

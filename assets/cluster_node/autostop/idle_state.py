@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .. import rundir
+
 MAX_GAP_S = 10 * 60  # a longer silence within one boot: nobody watched, the clock starts again
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -26,7 +28,7 @@ def boot_id(path: Path = BOOT_ID) -> str:
 
 
 def state_path(data_dir: Path, rank: str) -> Path:
-    return data_dir / ".cluster" / "autostop" / f"node{rank}.json"
+    return rundir.node_json(data_dir, rundir.AUTOSTOP_DIR, rank)
 
 
 @dataclass
