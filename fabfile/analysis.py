@@ -14,7 +14,9 @@ from .common import head, load_inventory, node_price, number, run_dir, settings,
 
 @task(help={"run": "run name (default: the active or latest run)"})
 def report(c, run=None):
-    """The verdict on one run: compute-, communication-, input-bound or mixed, with the evidence and
+    """The verdict on one run: compute-, communication- or input-bound.
+
+    The verdict on one run: compute-, communication-, input-bound or mixed, with the evidence and
     what-if predictions (fp16/bf16/PowerSGD, larger batch, faster links), each with its model.
     Writes report.md and PNG plots into the run directory (`fab fetch` brings them home)."""
     inv = load_inventory(c)
@@ -24,7 +26,9 @@ def report(c, run=None):
 
 @task
 def runs(c):
-    """A table of the cluster's runs: state, steps, step time, objects/s, precision, compression,
+    """A table of the cluster's runs: state, steps, speed, result, cost.
+
+    A table of the cluster's runs: state, steps, step time, objects/s, precision, compression,
     nodes, BLEU or top-1, wall time and, where the instance is priced, cost."""
     inv = load_inventory(c)
     price = node_price(inv).usd_per_hour if inv.source == "aws" else None
@@ -57,7 +61,9 @@ def node_counts(text: str, available: int) -> list[int]:
 def scale(
     c, recipe=None, nodes="1,2", steps="30", repeat="2", batch_per_gpu=None, grad_compression=None, extra="", dest=None
 ):
-    """Short runs on 1..N nodes of this cluster: a weak-scaling table (step time, objects/s, speedup,
+    """Short runs on 1..N nodes: a weak-scaling table and its plot.
+
+    Short runs on 1..N nodes of this cluster: a weak-scaling table (step time, objects/s, speedup,
     efficiency, exposed-comm share, spread over repeats) and its plot."""
     import shlex
 

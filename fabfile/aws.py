@@ -98,7 +98,9 @@ def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
     },
 )
 def preflight(c, context=None, nodes=None, instance_type=None, request_quota=False, spot=False, refresh_ami=False):
-    """Before `cdk deploy`: credentials, region, CDK bootstrap, AZ and subnet, vCPU quota, AMI (pinned),
+    """Check credentials, CDK bootstrap, quota, AZ and AMI before `cdk deploy`.
+
+    Before `cdk deploy`: credentials, region, CDK bootstrap, AZ and subnet, vCPU quota, AMI (pinned),
     launch permission."""
     values, config = deploy_config(context or [], nodes=nodes, instance_type=instance_type)
     session = aws_session()
@@ -152,7 +154,9 @@ def _positive(name: str, value) -> Optional[float]:
     }
 )
 def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=False):
-    """$/hour of the cluster, storage and EFS I/O, the running job's projection, what was spent."""
+    """The cluster's $/hour, the running job's projection and what was spent.
+
+    $/hour of the cluster, storage and EFS I/O, the running job's projection, what was spent."""
     size, passes = _positive("dataset_gb", dataset_gb), _positive("epochs", epochs)
     inv = Inventory.load(inventory_path(c)) if inventory_path(c).exists() else None
     aws = inv is not None and inv.source == "aws"
@@ -226,7 +230,9 @@ def _on_instances(c, what: str, action):
 
 @task
 def start(c):
-    """Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
+    """Start the cluster's stopped nodes and refresh the inventory.
+
+    Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
     fresh = _on_instances(c, "start", start_and_refresh)
     fresh.save(inventory_path(c))
     print(
@@ -237,7 +243,9 @@ def start(c):
 
 @task
 def stop_cluster(c):
-    """Stop every node now (EBS and EFS keep billing, instance-store NVMe is erased); `fab start` restarts."""
+    """Stop every node now; `fab start` brings them back.
+
+    Stop every node now (EBS and EFS keep billing, instance-store NVMe is erased); `fab start` restarts."""
     stopped = _on_instances(c, "stop-cluster", stop_nodes)
     print(f"stopping {', '.join(stopped) or 'nothing (no node was running)'}; `fab start` brings them back")
 
@@ -254,7 +262,9 @@ def _cluster_and_session(c, cluster: Optional[str]):
 
 @task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)"})
 def release_spot(c, cluster=None):
-    """Before `cdk destroy` of a Spot cluster: cancel its persistent Spot requests (else EC2 launches a
+    """Cancel a Spot cluster's persistent requests before `cdk destroy`.
+
+    Before `cdk destroy` of a Spot cluster: cancel its persistent Spot requests (else EC2 launches a
     new node for each one CloudFormation terminates). Running nodes run on until destroyed."""
     name, session = _cluster_and_session(c, cluster)
     ec2 = session.client("ec2")
@@ -279,7 +289,9 @@ def release_spot(c, cluster=None):
     }
 )
 def audit(c, cluster=None, delete=False, yes=False, include_retained=False, force=False):
-    """Anything left of the cluster, with its monthly cost; --delete removes it in dependency order
+    """Anything left of the cluster and its monthly cost; --delete removes it.
+
+    Anything left of the cluster, with its monthly cost; --delete removes it in dependency order
     (not while its stack exists: `cdk destroy` first)."""
     name, session = _cluster_and_session(c, cluster)
     clients = {k: session.client(k) for k in AUDIT_CLIENTS}
@@ -340,7 +352,9 @@ def _refuse_live_stack(cloudformation, cluster: str) -> None:
     }
 )
 def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_file=None):
-    """Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
+    """Build .cluster/inventory.json from the deploy's outputs and EC2.
+
+    Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
     if not from_aws and not Path(outputs).exists() and stack:
         print(f"no {outputs}: describing stack {stack} instead")
         from_aws = True

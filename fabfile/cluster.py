@@ -19,7 +19,9 @@ from .common import ERRORS, head, load_inventory, number, task, training_code_di
 
 @task
 def status(c):
-    """Per node, in parallel: reachable, bootstrap, container, /data, GPUs, training; then the run."""
+    """Per node: reachable, bootstrap, container, /data, GPUs; then the run.
+
+    Per node, in parallel: reachable, bootstrap, container, /data, GPUs, training; then the run."""
     inv = load_inventory(c)
     with remote.Connections(inv) as connections:
         rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node), connections)
@@ -50,7 +52,9 @@ def status(c):
     }
 )
 def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
-    """A health verdict per node (ok / degraded / bad, with reasons): GPUs, ECC, Xid, versions, /data,
+    """A health verdict per node, then the links, the all-reduce and a few steps.
+
+    A health verdict per node (ok / degraded / bad, with reasons): GPUs, ECC, Xid, versions, /data,
     clock; then the TCP link between every pair, the all-reduce bus bandwidth against it, the NCCL
     transport and a few real training steps. Exit code 0 only when fit to train (no bad node)."""
     inv = load_inventory(c)
@@ -184,7 +188,9 @@ def _print_check(verdicts, interfaces, facts, link, training, problems, image=im
     }
 )
 def data(c, dataset="numbers", extra="", all_nodes=False):
-    """Prepare a data set on /data from the head node (prepare.py), or on every node."""
+    """Prepare a data set on /data, from the head node or on every node.
+
+    Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = load_inventory(c)
     argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
     for node in inv.nodes if all_nodes else [inv.head]:
@@ -201,7 +207,9 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
 
 @task(help={"source": "local directory with train.py (default assets/train)"})
 def sync(c, source="assets/train"):
-    """Copy the training program (or your own directory) to /data/code/train and the node package beside
+    """Copy the training program and the node package to /data/code.
+
+    Copy the training program (or your own directory) to /data/code/train and the node package beside
     it (/data/code/cluster_node); train then uses them."""
     inv = load_inventory(c)
     src = Path(source)
@@ -226,7 +234,9 @@ def _put_tree(conn, src: Path, target: str) -> int:
 
 @task(help={"port": "local port (default 6006)", "stop": "stop the head node's TensorBoard instead"})
 def tensorboard(c, port="6006", stop=False):
-    """TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
+    """TensorBoard on the head node, through an SSH tunnel.
+
+    TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
     inv = load_inventory(c)
     local_port = whole_number(port, "--port")
     with head(inv) as conn:
@@ -261,7 +271,9 @@ def _port_free(port: int) -> bool:
 
 @task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
 def monitor(c, interval="2", count="0"):
-    """Per node, sampled live: CPU cores its processes use, GPU utilisation, network rx/tx in Mbit/s
+    """Live, per node: CPU, GPU utilisation, network against the link.
+
+    Per node, sampled live: CPU cores its processes use, GPU utilisation, network rx/tx in Mbit/s
     and as a share of the link `fab check` measured."""
     from clusterops import analysis
 

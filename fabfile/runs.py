@@ -73,7 +73,9 @@ def train(
     hang_seconds=None,
     allow_tcp=False,
 ):
-    """Start mpirun across the nodes, detached on the head node, with a watchdog."""
+    """Start a run across the nodes, supervised on the head node.
+
+    Start mpirun across the nodes, detached on the head node, with a watchdog."""
     inv = load_inventory(c)
     defaults = settings(c)
     request = launch.TrainRequest(
@@ -198,7 +200,9 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
     help={"run": "run name (default: the active or latest run)", "follow": "keep streaming"},
 )
 def logs(c, run=None, follow=False):
-    """Print a run's log (train.log on /data); --follow streams it until the run ends."""
+    """Print a run's log; --follow streams it until the run ends.
+
+    Print a run's log (train.log on /data); --follow streams it until the run ends."""
     inv = load_inventory(c)
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)
@@ -215,7 +219,9 @@ def logs(c, run=None, follow=False):
     },
 )
 def stop(c, run=None, force=False):
-    """Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
+    """Stop a run at its next step, with a checkpoint (--force kills it).
+
+    Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
     inv = load_inventory(c)
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run) if run else remote.active_run(conn, inv)
@@ -233,7 +239,9 @@ def stop(c, run=None, force=False):
     help={"run": "run name (default: the latest)", "dest": "local directory (default ./runs)"},
 )
 def fetch(c, run=None, dest="runs"):
-    """Checkpoint, config, vocabulary, summary.json, eval texts and `fab report`'s report into ./runs/NAME/."""
+    """Bring a run's checkpoint, summary, evals and report to ./runs/NAME.
+
+    Checkpoint, config, vocabulary, summary.json, eval texts and `fab report`'s report into ./runs/NAME/."""
     inv = load_inventory(c)
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)

@@ -75,6 +75,16 @@ def test_every_task_has_the_error_boundary(task):
     assert common.has_error_boundary(fabfile.ns[task]), f"{task} is not behind common.error_boundary"
 
 
+@pytest.mark.parametrize("task", TASKS)
+def test_every_tasks_summary_in_fab_list_is_a_whole_sentence(task):
+    """`fab --list` shows a docstring's first line only (invoke.util.helpline): it must be a whole
+    sentence, not the first 100 characters of a wrapped paragraph (issue 23 §13)."""
+    from invoke.util import helpline
+
+    line = helpline(fabfile.ns[task].body)
+    assert line and line.endswith(".") and len(line) <= 80, f"{task}: {line!r}"
+
+
 @pytest.mark.parametrize(
     "error",
     [
