@@ -24,7 +24,7 @@ from .common import fail, inventory_path, task, whole_number
     },
 )
 def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.0/24", replace=False, repair=False):
-    """Start an emulated cluster on this machine (root): namespaces, sshd on 4444, shared /data."""
+    """Start an emulated cluster on this machine (root): namespaces, sshd, /data."""
     if repair:
         return _repair(c, name, replace)
     spec = localcluster.LocalSpec(
@@ -59,7 +59,7 @@ def _repair(c, name: str, replace: bool) -> None:
     },
 )
 def local_down(c, name="local", yes=False):
-    """Stop the emulated cluster: no namespace, bridge, process or mount is left behind."""
+    """Stop the emulated cluster, leaving no namespace, mount or process behind."""
     unfetched = localcluster.unfetched_runs(localcluster.STATE_ROOT / name / "shared")
     if unfetched and not yes and (localcluster.STATE_ROOT / name / "cluster.json").exists():
         # like `local.up` without --replace: nothing is deleted until the user says so
