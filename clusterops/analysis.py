@@ -151,7 +151,7 @@ def write_scale(connection: Connection, inventory: Inventory, recipe: str, point
     """scale.json, scale.md and scaling.png locally and into the series directory on /data."""
     local_dir.mkdir(parents=True, exist_ok=True)
     speedups, spreads = scaling.speedups(points)
-    table = scaling.table(points)
+    table = scaling.table(points, scaling.shared_cores(inventory.source))
     record = {"recipe": recipe, "points": [point.__dict__ for point in points]}
     (local_dir / "scale.json").write_text(json.dumps(record, indent=2))
     (local_dir / "scale.md").write_text(f"# Scaling: {recipe}\n\n```\n{table}\n```\n\n![scaling](scaling.png)\n")

@@ -7,9 +7,10 @@ shared machine is not a figure.
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from . import terminal
 
@@ -47,17 +48,21 @@ def point_from_summaries(nodes: int, summaries: Sequence[dict]) -> Point:
     )
 
 
-def table(points: Sequence[Point]) -> str:
+def table(points: Sequence[Point], shared_cores: Optional[int] = None) -> str:
+    """The weak-scaling table. `shared_cores`: the emulated cluster's ranks all run on this machine's
+    cores; where they outnumber them, the table says its speedups understate a real cluster's."""
     base = next((p for p in points if p.nodes == min(q.nodes for q in points)), None)
+    repeated = any(len(p.objects_per_s) > 1 for p in points)
     rows = []
     for point in points:
         speedup = point.throughput / base.throughput * base.nodes if base and base.throughput else 0.0
+        spread = f" ± {point.spread / 2:.0f}" if len(point.objects_per_s) > 1 else ""
         rows.append(
             {
                 "nodes": point.nodes,
                 "ranks": point.ranks,
                 "step_ms": f"{statistics.median(point.step_s) * 1000:.0f}",
-                "objects/s": f"{point.throughput:.0f} ± {point.spread / 2:.0f}",
+                "objects/s": f"{point.throughput:.0f}{spread}",
                 "speedup": f"{speedup:.2f}x",
                 "efficiency": f"{speedup / point.nodes:.0%}",
                 "exposed_comm": f"{statistics.median(point.exposed_share):.0%}" if point.exposed_share else "n/a",
@@ -65,10 +70,24 @@ def table(points: Sequence[Point]) -> str:
             }
         )
     columns = ["nodes", "ranks", "step_ms", "objects/s", "speedup", "efficiency", "exposed_comm", "repeats"]
-    return (
-        "weak scaling: fixed batch per GPU; speedup = throughput / the smallest point's x its nodes; "
-        "± is half the spread over repeats\n" + terminal.table(rows, columns)
+    spread_note = (
+        "± is half the spread over repeats" if repeated else "one repeat each: no spread (--repeat 2 gives one)"
     )
+    lines = [
+        f"weak scaling: fixed batch per GPU; speedup = throughput / the smallest point's x its nodes; {spread_note}"
+    ]
+    crowded = [p.ranks for p in points if shared_cores and p.ranks > shared_cores]
+    if crowded:
+        lines.append(
+            f"note: {max(crowded)} ranks share this machine's {shared_cores} cores (emulated cluster): each rank "
+            "computes slower than alone, so these speedups understate a real cluster's"
+        )
+    return "\n".join(lines) + "\n" + terminal.table(rows, columns)
+
+
+def shared_cores(source: str) -> Optional[int]:
+    """The cores every rank shares: this machine's on the emulated cluster, none on AWS."""
+    return os.cpu_count() if source == "local" else None
 
 
 def speedups(points: Sequence[Point]) -> tuple[list[float], list[float]]:

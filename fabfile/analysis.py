@@ -91,5 +91,5 @@ def scale(
         written = analysis.write_scale(conn, inv, recipe, points, local)
     from clusterops import scaling
 
-    print(scaling.table(points))
+    print(scaling.table(points, scaling.shared_cores(inv.source)))
     print(f"written: {', '.join(str(p) for p in written)} (and {analysis.scale_dir(inv, recipe)}/ on the cluster)")

@@ -155,3 +155,17 @@ def test_each_emulated_node_gets_its_own_cpus(nodes, cpus, slices):
     from clusterops.localcluster import node_cpus
 
     assert [node_cpus(rank, nodes, cpus) for rank in range(nodes)] == slices
+
+
+def test_the_scale_table_shows_no_spread_for_one_repeat_and_notes_crowded_cores():
+    """`fab scale --repeat 1` printed "± 0" (no spread was measured), and 3 ranks on a 2-core machine
+    looked like poor scaling with no word why (issue 23 §13)."""
+    from clusterops import scaling
+
+    points = [scaling.Point(1, 1, [0.10], [100.0], []), scaling.Point(3, 3, [0.20], [150.0], [])]
+    text = scaling.table(points, shared_cores=2)
+    assert "±" not in text.split("\n", 2)[-1] and "one repeat each" in text
+    assert "3 ranks share this machine's 2 cores" in text
+    repeated = [scaling.Point(1, 1, [0.1, 0.1], [100.0, 110.0], []), scaling.Point(2, 2, [0.1, 0.1], [190.0, 200.0], [])]
+    text = scaling.table(repeated, shared_cores=None)
+    assert "105 ± 5" in text and "note:" not in text
