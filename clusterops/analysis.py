@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
+from cluster_node import rundir
+
 from . import bottleneck, launch, nodecmd, plots, remote, scaling, terminal
 from .inventory import Inventory
 from .linkcheck import link_file
@@ -46,19 +48,50 @@ def scale_dir(inventory: Inventory, recipe: str) -> str:
 
 
 def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> list[str]:
-    """The verdict screen for one run; report.md and its PNGs are written into the run directory."""
-    summary = remote.read_json(connection, f"{run_dir}/summary.json")
+    """The verdict screen for one run; report.md and its PNGs are written into the run directory. A run
+    without summary.json (failed, stopped hard, still running) is reported up to its last logged step."""
+    summary = remote.read_json(connection, f"{run_dir}/{rundir.SUMMARY}")
+    heading: list[str] = []
     if not summary:
-        raise remote.RemoteError(f"{run_dir} has no summary.json yet: the run has not ended (`fab logs --follow`)")
-    if not summary.get("breakdown"):
+        summary, heading = measured_so_far(connection, run_dir)
+    elif not summary.get("breakdown"):
         raise remote.RemoteError(f"{run_dir}/summary.json has no step breakdown (a run from an older trainer)")
     link = remote.read_json(connection, link_file(inventory))
     scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
     with tempfile.TemporaryDirectory() as tmp:
-        lines, written = bottleneck.write_report(Path(run_dir).name, summary, link, tmp, scale)
+        lines, written = bottleneck.write_report(
+            Path(run_dir).name, summary, link, tmp, scale, what_ifs=not heading, heading=heading
+        )
         for path in written:
             connection.put(str(path), f"{run_dir}/{path.name}")
     return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
+
+
+def measured_so_far(connection: Connection, run_dir: str) -> tuple[dict, list[str]]:
+    """A summary-shaped record from the last progress.json of a run that wrote no summary, and the line
+    saying so; one line naming the state when the run logged no step at all."""
+    status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    state, name = status.get("state") or "running", Path(run_dir).name
+    reason = f" ({status['reason']})" if status.get("reason") else ""
+    if not progress.get("breakdown"):
+        raise remote.RemoteError(f"run {name} is {state}{reason} and logged no step yet: nothing measured to report")
+    world = progress.get("world_size") or 1
+    summary = {
+        "recipe": config.get("recipe", ""),
+        "grad_compression": config.get("grad_compression", "none"),
+        "world_size": world,
+        "global_batch": (config.get("batch_per_gpu") or 0) * world * (config.get("grad_accum") or 1),
+        "avg_step_time_s": progress.get("avg_step_time_s"),
+        # progress.json's interval breakdown carries no wire bytes: the what-ifs need the run's summary
+        "breakdown": {"wire_bytes": 0.0, "grad_bytes": 0.0, **progress["breakdown"]},
+    }
+    line = (
+        f"run {name} is {state}{reason}: measured up to step {progress.get('step')}/{progress.get('max_steps')} "
+        "(its last log; no summary.json, so no what-ifs)"
+    )
+    return summary, [line, ""]
 
 
 def list_runs(connection: Connection, inventory: Inventory) -> list[dict]:

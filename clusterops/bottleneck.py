@@ -8,7 +8,7 @@ runs the same code on the node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from assets.train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
     Breakdown,
@@ -91,7 +91,8 @@ def report_lines(
     v = verdict(b, rate)
     lines = [f"# Run {name}: {v.kind}", "", v.evidence, ""]
     lines += [f"- {line}" for line in evidence_lines(summary, b, link)]
-    lines += ["", "| what if | step | objects/s | vs now | model |", "|---|---|---|---|---|"]
+    if predictions:
+        lines += ["", "| what if | step | objects/s | vs now | model |", "|---|---|---|---|---|"]
     for p in predictions:
         lines.append(
             f"| {p.name} | {p.step_s * 1000:.0f} ms | {p.objects_per_s:.0f} | {p.speedup_over(b):.2f}x | {p.model} |"
@@ -117,7 +118,13 @@ def predictions_for(b: Breakdown, rate: Optional[float]) -> list[Prediction]:
 
 
 def write_report(
-    name: str, summary: dict, link: Optional[dict], out_dir, scale: Optional[dict] = None
+    name: str,
+    summary: dict,
+    link: Optional[dict],
+    out_dir,
+    scale: Optional[dict] = None,
+    what_ifs: bool = True,
+    heading: Sequence[str] = (),
 ) -> tuple[list[str], list]:
     """report.md, breakdown.png (and scaling.png when a `fab scale` series exists) into out_dir;
     returns the screen's lines and the paths written."""
@@ -127,8 +134,8 @@ def write_report(
 
     out_dir = Path(out_dir)
     b = Breakdown.from_summary(summary)
-    predictions = predictions_for(b, link_rate(link))
-    lines = report_lines(name, summary, link, predictions, b)
+    predictions = predictions_for(b, link_rate(link)) if what_ifs else []
+    lines = [*heading, *report_lines(name, summary, link, predictions, b)]
     rows = [("measured", dict(zip(("data", "compute", "exposed", "optimizer", "other"), _parts(b))))]
     rows += [(p.name, dict(p.parts)) for p in predictions[1:] if "batch" not in p.name]  # same batch only
     written = [plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")]

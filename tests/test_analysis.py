@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from invoke.exceptions import Exit
+from test_launch import inventory
 
 from clusterops import analysis, bottleneck, scaling
 from fabfile.analysis import node_counts
@@ -166,6 +168,40 @@ def test_the_scale_table_shows_no_spread_for_one_repeat_and_notes_crowded_cores(
     text = scaling.table(points, shared_cores=2)
     assert "±" not in text.split("\n", 2)[-1] and "one repeat each" in text
     assert "3 ranks share this machine's 2 cores" in text
-    repeated = [scaling.Point(1, 1, [0.1, 0.1], [100.0, 110.0], []), scaling.Point(2, 2, [0.1, 0.1], [190.0, 200.0], [])]
+    repeated = [
+        scaling.Point(1, 1, [0.1, 0.1], [100.0, 110.0], []),
+        scaling.Point(2, 2, [0.1, 0.1], [190.0, 200.0], []),
+    ]
     text = scaling.table(repeated, shared_cores=None)
     assert "105 ± 5" in text and "note:" not in text
+
+
+def test_report_on_a_failed_run_reports_what_it_measured_up_to_its_end(tmp_path, monkeypatch):
+    """`fab report` on a failed run said "the run has not ended" (issue 23 §8): a run that wrote no
+    summary.json is reported from its last progress record, with its state; one that logged no step
+    gets one line naming its state."""
+    import shutil
+
+    from clusterops import analysis, remote
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "run-status.json").write_text(json.dumps({"state": "failed", "reason": "node1 unreachable"}))
+    (run / "config.json").write_text(json.dumps({"recipe": "transformer-tiny", "batch_per_gpu": 8, "grad_accum": 1}))
+    monkeypatch.setattr(
+        remote, "read_json", lambda _c, path: json.loads(Path(path).read_text()) if Path(path).exists() else None
+    )
+
+    class Put:
+        def put(self, local, target):
+            shutil.copy(local, target)
+
+    with pytest.raises(remote.RemoteError, match="r1 is failed \\(node1 unreachable\\) and logged no step"):
+        analysis.report_run(Put(), replace(inventory(), data_dir=str(tmp_path)), str(run))
+    parts = {"data_s": 0.01, "compute_s": 0.05, "comm_exposed_s": 0.04, "optimizer_s": 0.0, "other_s": 0.0}
+    progress = {"step": 55, "max_steps": 300, "world_size": 2, "avg_step_time_s": 0.1, "breakdown": parts}
+    (run / "progress.json").write_text(json.dumps(progress))
+    lines = analysis.report_run(Put(), replace(inventory(), data_dir=str(tmp_path)), str(run))
+    assert lines[0].startswith("run r1 is failed (node1 unreachable): measured up to step 55/300")
+    assert any("exposed communication 40%" in line for line in lines)
+    assert (run / "report.md").exists() and "what if" not in (run / "report.md").read_text()
