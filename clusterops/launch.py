@@ -18,6 +18,7 @@ DATASETS = ("numbers", "ding", "wmt16-en-de", "fashion-mnist", "imagenet")
 PRECISIONS = ("fp32", "fp16", "bf16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
 
@@ -65,7 +66,7 @@ class TrainRequest:
         if self.recipe not in RECIPES:
             raise LaunchError(f"invalid --recipe {self.recipe!r}: one of {', '.join(RECIPES)}")
         if not _RUN_NAME.match(self.run_name):
-            raise LaunchError(f"invalid --run {self.run_name!r}: letters, digits, '.', '_' or '-'")
+            raise LaunchError(f"invalid --run {self.run_name!r}: {NAME_RULE}")
         for name in ("steps", "batch_per_gpu"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -84,7 +85,7 @@ class TrainRequest:
             if getattr(self, name) <= 0:
                 raise LaunchError(f"invalid --{name.replace('_', '-')} {getattr(self, name)}: a positive number")
         if self.dataset is not None and not _RUN_NAME.match(self.dataset):
-            raise LaunchError(f"invalid --dataset {self.dataset!r}")
+            raise LaunchError(f"invalid --dataset {self.dataset!r}: {NAME_RULE}")
 
 
 def check_nodes(inventory: Inventory, request: TrainRequest) -> list[Node]:

@@ -335,3 +335,12 @@ def test_an_efa_launch_selects_the_ofi_plugin_so_that_a_missing_one_is_an_error(
     assert not [word for word in plain if word.startswith(("NCCL_NET=", "NCCL_NET_PLUGIN="))]
     # --allow-tcp: the user chose sockets, so nothing forces the plugin.
     assert not [w for w in _efa_argv(allow_tcp=True) if w.startswith(("NCCL_NET=", "NCCL_NET_PLUGIN="))]
+
+
+@pytest.mark.parametrize("name", ["-dash", ".hidden", "x" * 65, "a b"])
+def test_a_bad_run_name_is_refused_with_the_rule_it_breaks(name):
+    """`--run -dash` was refused with "letters, digits, '.', '_' or '-'", a rule it satisfies (issue 23
+    §8): the message states the whole rule, the first character's part included."""
+    with pytest.raises(launch.LaunchError, match="a letter or digit first") as refused:
+        launch.TrainRequest(recipe="transformer-tiny", run=name).validate()
+    assert "\n" not in str(refused.value)
