@@ -423,11 +423,11 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
         "scaling.png",
     ]
     checkpoints = f"{q(run_dir)}/checkpoints"
-    chosen = sh(
-        connection,
-        f"ls -1 {checkpoints}/best.pt 2>/dev/null || "
-        f"ls -1 {checkpoints}/step_*.pt 2>/dev/null | sort | tail -n 1 || true",
-    ).strip()
+    newest = f"ls -1 {checkpoints}/step_*.pt 2>/dev/null | sort | tail -n 1"
+    # A live run: its newest checkpoint (best.pt is an earlier eval's); an ended one: the best.
+    live = (read_json(connection, f"{run_dir}/run-status.json") or {}).get("state") in (None, "running")
+    pick = newest if live else f"ls -1 {checkpoints}/best.pt 2>/dev/null || {newest}"
+    chosen = sh(connection, f"{pick} || true").strip()
     if chosen:
         wanted.append(chosen[len(run_dir) + 1 :])
     last_eval = sh(connection, f"ls -1 {q(run_dir)}/eval/ 2>/dev/null | sort | tail -n 3 || true").split()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 from pathlib import Path
@@ -250,3 +251,25 @@ def fetch(c, run=None, dest="runs"):
     print(
         f"fetched {len(files)} file(s) into {target}/" + (f" (the earlier copy is now {previous}/)" if previous else "")
     )
+    print(checkpoint_line(files, target))
+
+
+def checkpoint_line(files: list[Path], target: Path) -> str:
+    """Which checkpoint came, or why none did (a run younger than its first checkpoint)."""
+    chosen = [f for f in files if f.suffix == ".pt"]
+    if chosen:
+        return f"checkpoint: {chosen[0].relative_to(target)}"
+    config = read_local_json(target / "config.json")
+    every = config.get("checkpoint_every")
+    return (
+        "no checkpoint yet"
+        + (f": the run writes one every {every} steps" if every else "")
+        + (" (`fab stop` checkpoints at the next step)")
+    )
+
+
+def read_local_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

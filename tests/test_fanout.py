@@ -144,3 +144,25 @@ def test_sync_ships_the_node_package_beside_the_training_program(nodes_via_proxy
     assert (code / "cluster_node" / "autostop" / "watchdog.py").is_file()
     assert not list(code.rglob("__pycache__")), "no bytecode of the laptop's Python on the nodes"
     assert f"to {code}" in result.stdout
+
+
+def test_fetch_during_a_run_brings_its_newest_checkpoint_or_says_there_is_none(nodes_via_proxy, tmp_path):
+    """`fab fetch` during a run fetched no checkpoint and said nothing (issue 23 §9): a live run's newest
+    checkpoint comes (best.pt is an earlier eval's); a run younger than its first checkpoint says so."""
+    path, _ = nodes_via_proxy
+    inventory = Inventory.load(path)
+    run = Path(inventory.data_dir) / "runs" / "live"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run-status.json").write_text(json.dumps({"state": "running"}))
+    (run / "config.json").write_text(json.dumps({"checkpoint_every": 100}))
+    dest = tmp_path / "home"
+    result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
+    assert result.returncode == 0, result.stderr
+    assert "no checkpoint yet: the run writes one every 100 steps" in result.stdout
+    for name in ("best.pt", "step_00000100.pt", "step_00000200.pt"):
+        (run / "checkpoints" / name).write_bytes(name.encode())
+    result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
+    assert "checkpoint: checkpoints/step_00000200.pt" in result.stdout, result.stdout + result.stderr
+    (run / "run-status.json").write_text(json.dumps({"state": "finished"}))
+    result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
+    assert "checkpoint: checkpoints/best.pt" in result.stdout, result.stdout + result.stderr
