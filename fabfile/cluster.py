@@ -14,7 +14,7 @@ import cluster_node
 from clusterops import health, launch, linkcheck, nodecmd, remote, supervise, terminal
 from stacks import images
 
-from .common import ERRORS, head, load_inventory, number, task, training_code_dir, whole_number
+from .common import ERRORS, head, load_inventory, number, progress, task, training_code_dir, whole_number
 
 
 @task
@@ -65,6 +65,7 @@ def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
     if count is not None and not 1 <= count <= linkcheck.MAX_SOCKETS:
         raise Exit(f"error: invalid --streams {streams!r}: 1 to {linkcheck.MAX_SOCKETS}", code=1)
     say = (lambda *a, **k: None) if json else print
+    progress(f"check: probing {len(inv.nodes)} node(s): GPUs, Xid, ECC, versions, /data, clock ...")
     facts, interfaces = health.probe_nodes(inv, inv.nodes)
     reachable = [node for node in inv.nodes if facts[node.name] is not None]
     problems: list[str] = []
@@ -101,6 +102,11 @@ def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say):
             remote.ensure_idle(conn, inv)
             interface = interfaces[nodes[0].name]
             if len(nodes) > 1:
+                pairs = len(nodes) * (len(nodes) - 1)
+                progress(
+                    f"check: the link between {pairs} node pair(s), {per_pair or 2} s each, then a "
+                    f"{payload or 64:g} MB all-reduce across {len(nodes)} nodes ..."
+                )
                 link, output = linkcheck.measure(
                     inv, nodes, interface, code_dir, per_pair or 2, payload or 64, gpus, streams
                 )
@@ -111,6 +117,7 @@ def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say):
             if not gpus:
                 transport = {n.name: "gloo (no NCCL)" for n in nodes}
             prefix = launch.mpirun_prefix(inv, nodes, interface)
+            progress(f"check: a few training steps across {len(nodes)} node(s) ...")
             training = remote.check_training(conn, inv, prefix, code_dir)
     except (*ERRORS, ValueError, OSError) as error:
         problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
@@ -194,6 +201,7 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
     inv = load_inventory(c)
     argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
     for node in inv.nodes if all_nodes else [inv.head]:
+        progress(f"data: preparing {dataset} on {node.name} (prepare.py; a data set already there is reused) ...")
         with remote.connect(inv, node) as conn:
             result = conn.run(shlex.join(argv), in_stream=False, warn=True)
         if result.exited != 0:

@@ -10,6 +10,7 @@ import os
 import posixpath
 import shlex
 import socket
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -92,6 +93,11 @@ def task(*args, **kwargs):
 
 def _positionals(function) -> list[str]:
     return [name for name in OPTIONAL_POSITIONALS if name in inspect.signature(function).parameters]
+
+
+def progress(line: str) -> None:
+    """A wait over a few seconds is announced before it starts (stderr: `--json` keeps stdout clean)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def number(value, flag: str, kind=float):

@@ -21,6 +21,7 @@ from .common import (
     load_inventory,
     node_price,
     number,
+    progress,
     run_dir,
     settings,
     task,
@@ -232,6 +233,7 @@ def stop(c, run=None, force=False):
             remote.force_stop(conn, inv, rdir)
             print(f"killed {rdir}")
         else:
+            progress(f"stop: asked {rdir} to checkpoint at its next step and end; waiting for it (up to 120 s) ...")
             result = remote.request_stop(conn, rdir)
             print(f"stopped {rdir}: {result.get('state')} {result.get('reason', '')}")
 

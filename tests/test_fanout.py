@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -166,3 +167,22 @@ def test_fetch_during_a_run_brings_its_newest_checkpoint_or_says_there_is_none(n
     (run / "run-status.json").write_text(json.dumps({"state": "finished"}))
     result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
     assert "checkpoint: checkpoints/best.pt" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_long_wait_is_announced_before_it_starts(nodes_via_proxy):
+    """`fab check` printed nothing for 19 s and `fab stop` for 12 s (issue 23 §12): each wait says what
+    it waits for before it starts, on stderr, so `--json` output stays clean."""
+    path, _ = nodes_via_proxy
+    inventory = Inventory.load(path)
+    result = run_fab("check", "--quick", "--json", GPU_CLUSTER_INVENTORY=str(path))
+    assert result.stderr.startswith(f"check: probing {NODES} node(s)"), result.stderr
+    assert json.loads(result.stdout)["nodes"], result.stdout
+    run = Path(inventory.data_dir) / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "run-status.json").write_text(json.dumps({"state": "running"}))
+    ends = threading.Timer(1.5, lambda: (run / "run-status.json").write_text(json.dumps({"state": "finished"})))
+    ends.start()
+    result = run_fab("stop", "r1", GPU_CLUSTER_INVENTORY=str(path))
+    ends.join()
+    assert "stop: asked" in result.stderr and "waiting for it" in result.stderr, result.stderr
+    assert (run / "STOP").exists() and "stopped" in result.stdout, result.stdout
