@@ -145,7 +145,7 @@ gpus=none
 if command -v nvidia-smi >/dev/null; then
   gpus=$(nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total --format=csv,noheader,nounits | paste -sd';')
 fi
-training=$(pgrep -fc -- '[t]rain\.py --recipe' || true)
+training=$(pgrep -fc -- '[t]rain\.train --recipe' || true)
 echo "$ready|$mounted|$gpus|$training"
 """
 

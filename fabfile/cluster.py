@@ -201,20 +201,27 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
 
 @task(help={"source": "local directory with train.py (default assets/train)"})
 def sync(c, source="assets/train"):
-    """Copy the training program (or your own directory) to /data/code/train; train then uses it."""
+    """Copy the training program (or your own directory) to /data/code/train, and the node package beside it
+    (the trainer imports cluster_node); train then runs them with PYTHONPATH=/data/code."""
     inv = load_inventory(c)
     src = Path(source)
     if not (src / "train.py").is_file():
         raise Exit(f"error: --source {source!r} has no train.py", code=1)
     target = f"{inv.data_dir}/code/train"
+    node_package = Path(__file__).resolve().parent.parent / "assets" / "cluster_node"
     with head(inv) as conn:
-        remote.sh(conn, f"mkdir -p {shlex.quote(target)}")
-        files = [p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-        for path in files:
-            rel = path.relative_to(src).as_posix()
-            remote.sh(conn, f"mkdir -p {shlex.quote(str(Path(target, rel).parent))}")
-            conn.put(str(path), f"{target}/{rel}")
-    print(f"synced {len(files)} file(s) to {target}")
+        count = _upload(conn, src, target) + _upload(conn, node_package, f"{inv.data_dir}/code/cluster_node")
+    print(f"synced {count} file(s) to {target} and beside it")
+
+
+def _upload(conn, src: Path, target: str) -> int:
+    remote.sh(conn, f"mkdir -p {shlex.quote(target)}")
+    files = [p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    for path in files:
+        rel = path.relative_to(src).as_posix()
+        remote.sh(conn, f"mkdir -p {shlex.quote(str(Path(target, rel).parent))}")
+        conn.put(str(path), f"{target}/{rel}")
+    return len(files)
 
 
 @task(help={"port": "local port (default 6006)", "stop": "stop the head node's TensorBoard instead"})

@@ -20,24 +20,21 @@ Ratio: Trainer.train_step against a bare loop on the same model and batches, pre
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "assets" / "train"))
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import prepare  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from config import RECIPES, ModelConfig, TrainConfig  # noqa: E402
-from data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction  # noqa: E402
-from distributed import DistInfo  # noqa: E402
-from model import Transformer  # noqa: E402
-from tasks import TranslationTask, transformer_lr  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from train import prepare
+from train.config import RECIPES, ModelConfig, TrainConfig
+from train.data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction
+from train.distributed import DistInfo
+from train.model import Transformer
+from train.tasks import TranslationTask, transformer_lr
+from train.trainer import Trainer
 
 
 def tiny_config(data: str, run_dir: str, steps: int) -> TrainConfig:
@@ -251,7 +248,7 @@ def image_folders(tmp: Path) -> dict[str, tuple[Path, int]]:
 
 
 def image_config(data: Path, run_dir: str, size: int, workers: int, batch: int):
-    from config import build_parser, config_from_args
+    from train.config import build_parser, config_from_args
 
     argv = ["--recipe", "resnet-small", "--data", str(data), "--run-dir", run_dir, "--image-size", str(size)]
     argv += ["--batch-per-gpu", str(batch), "--workers", str(workers), "--eval-every", "1000000"]
@@ -263,7 +260,7 @@ def synchronous_batches(task):
     (2 threads, the recipe's old setting), a blocking copy, no prefetch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vision import load_batch
+    from train.vision import load_batch
 
     c, pool = task.config, ThreadPoolExecutor(max_workers=2)
 
@@ -302,7 +299,7 @@ def time_image_steps(config, synchronous: bool, steps: int) -> dict:
 
 
 def bench_images(args: argparse.Namespace) -> None:
-    from imagepipe import workers_for
+    from train.imagepipe import workers_for
 
     torch.set_num_threads(1)
     workers = workers_for(args.workers)

@@ -18,10 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DIR = REPO / "assets" / "train"
 AUTOSTOP_DIR = REPO / "assets" / "autostop"
-# stacks, clusterops, fabfile and assets come from the editable install (scripts/setup.sh). The training
-# program and the watchdog run on the nodes as plain scripts whose modules import one another by bare
-# name (`import config`, `import busy_signals`), so the tests import them the same way, from their dirs.
-for path in (TRAIN_DIR, AUTOSTOP_DIR):
+# stacks, clusterops, fabfile, cluster_node and train come from the editable install (scripts/setup.sh). The
+# watchdog runs on the nodes as plain scripts whose modules import one another by bare name
+# (`import busy_signals`), so the tests import them the same way, from their dir.
+for path in (AUTOSTOP_DIR,):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
@@ -72,7 +72,7 @@ def checkout_stays_clean():
 @pytest.fixture(scope="session")
 def numbers_data(tmp_path_factory) -> Path:
     """A small numbers data set, prepared once per session by the real prepare.py."""
-    import prepare
+    from train import prepare
 
     out = tmp_path_factory.mktemp("numbers")
     prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100", "--vocab", "400"])

@@ -4,14 +4,10 @@ step and the file it resumed from, as JSON."""
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "assets" / "train"))
-
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
-from config import build_parser, config_from_args  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from train import checkpoint, distributed
+from train.config import build_parser, config_from_args
+from train.trainer import Trainer
 
 info, device = distributed.setup(timeout_s=60)
 if info.rank == 1:

@@ -11,12 +11,10 @@ import signal
 from pathlib import Path
 from types import SimpleNamespace
 
-import prepare
-import trainer
 from test_training import train as run_trainer
 
-import train
 from cluster_node import rundir
+from train import prepare, train, trainer
 
 
 def _progress_writer(run: Path, step: int) -> SimpleNamespace:

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from data import atomic_write_bytes
+
+from train.data import atomic_write_bytes
 
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 

@@ -56,7 +56,7 @@ class VisionConfig:
     workers: int = -1
 
     def validate(self) -> None:
-        from vision import ARCHS
+        from train.vision import ARCHS
 
         _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
         _check(self.width >= 8, "width", self.width, "at least 8")

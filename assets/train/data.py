@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from model import BOS, EOS, PAD
+
+from train.model import BOS, EOS, PAD
 
 SHARD_PAIRS = 500_000
 
@@ -184,7 +185,7 @@ class DataSet:
         if not meta_path.exists():
             raise FileNotFoundError(
                 f"no prepared data set in {self.root} (meta.json missing); run "
-                f"`python prepare.py numbers --out {self.root}` or `fab data`"
+                f"`python -m train.prepare numbers --out {self.root}` or `fab data`"
             )
         self.meta = json.loads(meta_path.read_text())
         self.tokenizer = Tokenizer(self.root / "spm.model")

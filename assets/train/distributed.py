@@ -54,7 +54,7 @@ def setup(timeout_s: float = 300.0) -> tuple[DistInfo, torch.device]:
         device = torch.device("cpu")
     backend = backend_for(device)
     if os.environ.get("TRAIN_STRICT_DEVICE", "") not in ("", "0"):
-        import strict_device
+        from train import strict_device
 
         strict_device.install(device)
     if info.world_size > 1:

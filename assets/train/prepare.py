@@ -1,10 +1,10 @@
 """Prepare a data set for train.py.
 
-    python prepare.py numbers --out /data/datasets/numbers
-    python prepare.py ding --out /data/datasets/ding
-    python prepare.py wmt16-en-de --out /data/datasets/wmt16-en-de
-    python prepare.py fashion-mnist --out /data/datasets/fashion-mnist
-    python prepare.py imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
+    python -m train.prepare numbers --out /data/datasets/numbers
+    python -m train.prepare ding --out /data/datasets/ding
+    python -m train.prepare wmt16-en-de --out /data/datasets/wmt16-en-de
+    python -m train.prepare fashion-mnist --out /data/datasets/fashion-mnist
+    python -m train.prepare imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
 ("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
+from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 
 def number_phrase(value: int, lang: str) -> str:
@@ -124,7 +124,7 @@ def prepare_numbers(args: argparse.Namespace) -> None:
 
 
 def prepare_ding(args: argparse.Namespace) -> None:
-    import ding
+    from train import ding
 
     out, source = Path(args.out), Path(args.source)
     try:
@@ -144,7 +144,7 @@ def prepare_ding(args: argparse.Namespace) -> None:
 
 
 def prepare_wmt16(args: argparse.Namespace) -> None:
-    import wmt16
+    from train import wmt16
 
     out = Path(args.out)
     request = {"dataset": "wmt16-en-de", "vocab": args.vocab}
@@ -160,7 +160,7 @@ def prepare_wmt16(args: argparse.Namespace) -> None:
 
 
 def prepare_fashion(args: argparse.Namespace) -> None:
-    import fashion
+    from train import fashion
 
     out, source = Path(args.out), Path(args.source)
     per_class = {"train": args.train_per_class, "val": args.val_per_class}
@@ -189,7 +189,7 @@ def prepare_fashion(args: argparse.Namespace) -> None:
 
 
 def prepare_imagenet(args: argparse.Namespace) -> None:
-    import imagenet
+    from train import imagenet
 
     source = Path(args.source)
     try:

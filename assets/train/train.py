@@ -2,16 +2,16 @@
 
 One process per GPU (per CPU slot locally). The same command works under mpirun, torchrun or alone:
 
-    python prepare.py numbers --out /data/datasets/numbers
-    python train.py --recipe transformer-tiny --data /data/datasets/numbers --run-dir /data/runs/tiny
-    torchrun --standalone --nproc-per-node 2 train.py --recipe transformer-tiny \
+    python -m train.prepare numbers --out /data/datasets/numbers
+    python -m train.train --recipe transformer-tiny --data /data/datasets/numbers --run-dir /data/runs/tiny
+    torchrun --standalone --nproc-per-node 2 -m train.train --recipe transformer-tiny \
         --data /data/datasets/numbers --run-dir /data/runs/tiny --max-steps 500
     mpirun -H 10.0.0.5:1,10.0.0.6:1 -np 2 -bind-to none -map-by slot \
         -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 \
-        python train.py --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
+        python -m train.train --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
 
-    python train.py --recipe resnet50 --data /data/imagenet --run-dir /data/runs/r50   # or --synthetic
-    python train.py --recipe resnet-small --data /data/datasets/fashion-mnist --run-dir /tmp/rs
+    python -m train.train --recipe resnet50 --data /data/imagenet --run-dir /data/runs/r50   # or --synthetic
+    python -m train.train --recipe resnet-small --data /data/datasets/fashion-mnist --run-dir /tmp/rs
 
 (`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
 good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.
@@ -20,10 +20,8 @@ good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import distributed  # noqa: E402
-from config import (  # noqa: E402
+from train import distributed
+from train.config import (
     ConfigError,
     build_parser,
     config_from_args,
@@ -92,7 +90,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     try:
-        from trainer import Trainer
+        from train.trainer import Trainer
 
         trainer = Trainer(config, info, device)
         watchable(trainer, Path(config.run_dir), info.rank)

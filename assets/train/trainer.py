@@ -11,15 +11,13 @@ import signal
 import time
 from pathlib import Path
 
-import autocompress
-import breakdown
-import checkpoint
-import distributed
 import torch
-from config import TrainConfig, resolve_precision
-from data import atomic_write_bytes
-from tasks import make_task
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train import autocompress, breakdown, checkpoint, distributed
+from train.config import TrainConfig, resolve_precision
+from train.data import atomic_write_bytes
+from train.tasks import make_task
 
 
 def compress_hook(dtype: torch.dtype):
