@@ -7,7 +7,7 @@ throughput as a ratio to a bare PyTorch loop.
 
 Pipeline (one run, the same model and data, 1 thread): `before` is the old path, reimplemented
 here: a torch.randperm over all pairs at every step and rows padded one by one to the longest of 64
-random pairs, built synchronously; `after` is the trainer's own (tasks.TranslationTask): token
+random pairs, built synchronously; `after` is the trainer's own (recipes.TranslationTask): token
 buckets (sampler.py), the permutation drawn once per epoch, built a step ahead on a thread. Data:
 the Ding sentences (`apt-get install trans-de-en`; the numbers data set without it) repeated in
 memory to --pairs pairs (4.5M: WMT16 en-de's size). Printed per path: the data wait (the trainer's
@@ -33,7 +33,8 @@ from train.config import RECIPES, ModelConfig, TrainConfig
 from train.data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction
 from train.distributed import DistInfo
 from train.model import Transformer
-from train.tasks import TranslationTask, transformer_lr
+from train.recipes import TranslationTask, transformer_lr
+from train.train import compose
 from train.trainer import Trainer
 
 
@@ -131,7 +132,7 @@ def pipeline(args, data: Path, name: str, tmp: str) -> None:
     for path in ("before", "after"):
         config = tiny_config(str(data), f"{tmp}/{path}", 10**6)
         config.batching = "tokens" if path == "after" else "sentences"
-        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        trainer = compose(config, DistInfo(), torch.device("cpu"))
         task = trainer.task
         task.data.train = repeated(task.data.train, args.pairs)
         if path == "after":
@@ -157,7 +158,7 @@ def pipeline(args, data: Path, name: str, tmp: str) -> None:
 
 
 def time_trainer(config: TrainConfig) -> float:
-    trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
     trainer.train_step()  # warm-up, as for the bare loop
     config.max_steps += 1
     started = time.perf_counter()
@@ -278,7 +279,7 @@ def synchronous_batches(task):
 
 def time_image_steps(config, synchronous: bool, steps: int) -> dict:
     """Data wait and step time (the trainer's own breakdown), and the loader alone in images/s."""
-    trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
     task = trainer.task
     batches = synchronous_batches(task) if synchronous else task.batches
     task.batches = batches

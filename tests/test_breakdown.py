@@ -86,7 +86,7 @@ def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_d
 
 
 def test_durations_and_the_eta_in_fab_status():
-    from train.trainer import duration
+    from train.breakdown import duration
 
     assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
     progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
@@ -147,13 +147,13 @@ def test_the_units_all_reduce_runs_while_the_first_forward_does(numbers_data, tm
 
     from train.config import build_parser, config_from_args
     from train.distributed import DistInfo
-    from train.trainer import Trainer
+    from train.train import compose
 
     args = ["--data", str(numbers_data), "--run-dir", str(tmp_path / "run"), "--recipe", "transformer-tiny"]
     config = config_from_args(build_parser("t").parse_args([*args, "--d-model", "32", "--ffn", "64"]))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        trainer = compose(config, DistInfo(), torch.device("cpu"))
         events = []
         original_all_reduce, original_loss = dist.all_reduce, trainer.task.loss_sum
 

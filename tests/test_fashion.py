@@ -191,7 +191,7 @@ def test_resnet_small_learns_real_images_on_two_ranks(fashion_data, tmp_path, la
 def test_a_subset_of_the_val_set_spans_its_classes(tmp_path):
     """eval_samples below the val set's size must not be its first N files: the folder is sorted by
     class, so a prefix would score one class only."""
-    from train.tasks import eval_indices
+    from train.recipes import eval_indices
 
     picked = eval_indices(100, 1000)
     assert len(picked) == 100 and len(set(picked)) == 100 and max(picked) >= 990

@@ -16,7 +16,7 @@ import torch
 from train.config import TrainConfig, choose_precision, settings_line
 from train.data import BOS, EOS, PAD, DataSet, padded_fraction
 from train.distributed import DistInfo
-from train.tasks import TranslationTask
+from train.recipes import TranslationTask
 
 MAX_LEN = 64
 

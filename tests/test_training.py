@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, TRAIN_DIR, tool_env
 
 from train import checkpoint, strict_device
-from train.tasks import transformer_lr
+from train.recipes import transformer_lr
 
 SMALL = [
     "--recipe",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_training import train
 
-from train.tasks import warmup_cosine_lr
+from train.recipes import warmup_cosine_lr
 from train.vision import ResNet, _random_resized_crop, load_image
 
 COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 220, 40)]
@@ -137,7 +137,7 @@ def test_synthetic_mode_needs_no_data(tmp_path):
 def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
     from train.config import build_parser, config_from_args
     from train.distributed import DistInfo
-    from train.tasks import ImageTask
+    from train.recipes import ImageTask
 
     config = config_from_args(
         build_parser("").parse_args(
@@ -168,4 +168,4 @@ def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
 
 def test_missing_image_folder_is_one_clear_error(tmp_path):
     result = train(tmp_path / "none", tmp_path / "run", "--recipe", "resnet-small", check=False)
-    assert result.returncode == 2 and "prepare.py imagenet --source" in result.stderr
+    assert result.returncode == 2 and "python -m train.prepare imagenet --source" in result.stderr
