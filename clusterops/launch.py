@@ -10,13 +10,10 @@ from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from cluster_node.contract import CONTAINER_SSH_PORT
+from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
 
-RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
-DATASETS = ("numbers", "ding", "wmt16-en-de", "fashion-mnist", "imagenet")
-PRECISIONS = ("fp32", "fp16", "bf16")
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
@@ -95,17 +92,8 @@ def check_nodes(inventory: Inventory, request: TrainRequest) -> list[Node]:
     return nodes
 
 
-def default_dataset(recipe: str) -> str:
-    return {
-        "transformer-tiny": "numbers",
-        "transformer-base": "wmt16-en-de",
-        "resnet50": "imagenet",
-        "resnet-small": "fashion-mnist",  # real images that `fab data` prepares offline
-    }[recipe]
-
-
 def data_path(inventory: Inventory, dataset: str) -> str:
-    return f"{inventory.data_dir}/datasets/{dataset}"
+    return dataset_dir(dataset, inventory.data_dir)
 
 
 def hostfile(nodes: Sequence[Node], slots: int) -> str:

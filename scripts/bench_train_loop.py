@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from train import prepare
-from train.config import RECIPES, ModelConfig, TrainConfig
+from train.catalog import RECIPES
+from train.config import ModelConfig, TrainConfig
 from train.data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction
 from train.distributed import DistInfo
 from train.model import Transformer

@@ -210,7 +210,7 @@ def test_every_recipe_defaults_to_a_data_set_fab_data_prepares():
     rejects. Each recipe's default data set is one `fab data --dataset` accepts, and train.py's
     own default for the recipe is the same directory."""
     from clusterops import launch
-    from train.config import RECIPES
+    from train.catalog import RECIPES
 
     for recipe in launch.RECIPES:
         assert launch.default_dataset(recipe) in launch.DATASETS, recipe

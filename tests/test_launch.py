@@ -341,3 +341,17 @@ def test_an_efa_launch_selects_the_ofi_plugin_so_that_a_missing_one_is_an_error(
     assert not [word for word in plain if word.startswith(("NCCL_NET=", "NCCL_NET_PLUGIN="))]
     # --allow-tcp: the user chose sockets, so nothing forces the plugin.
     assert not [w for w in _efa_argv(allow_tcp=True) if w.startswith(("NCCL_NET=", "NCCL_NET_PLUGIN="))]
+
+
+def test_recipes_datasets_precisions_and_compressions_are_the_training_packages_lists():
+    """One list per concept, in train.catalog: fab's choices are the trainer's, and each recipe's default
+    data directory is the one `fab data` prepares (ImageNet included)."""
+    from train import catalog
+    from train.config import build_parser, config_from_args
+
+    assert (launch.RECIPES, launch.DATASETS) == (catalog.RECIPES, catalog.DATASETS)
+    assert (launch.PRECISIONS, launch.COMPRESSIONS) == (catalog.PRECISIONS, catalog.COMPRESSIONS)
+    for recipe in catalog.RECIPES:
+        config = config_from_args(build_parser("").parse_args(["--recipe", recipe]))
+        assert config.data == launch.data_path(inventory(), launch.default_dataset(recipe)), recipe
+    assert catalog.dataset_dir("imagenet") == "/data/datasets/imagenet"

@@ -4,7 +4,7 @@
     python -m train.prepare ding --out /data/datasets/ding
     python -m train.prepare wmt16-en-de --out /data/datasets/wmt16-en-de
     python -m train.prepare fashion-mnist --out /data/datasets/fashion-mnist
-    python -m train.prepare imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
+    python -m train.prepare imagenet --source /data/datasets/imagenet --stage-to /opt/dlami/nvme/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
 ("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers

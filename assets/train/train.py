@@ -10,7 +10,7 @@ One process per GPU (per CPU slot locally). The same command works under mpirun,
         -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 \
         python -m train.train --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
 
-    python -m train.train --recipe resnet50 --data /data/imagenet --run-dir /data/runs/r50   # or --synthetic
+    python -m train.train --recipe resnet50 --data /data/datasets/imagenet --run-dir /data/runs/r50   # or --synthetic
     python -m train.train --recipe resnet-small --data /data/datasets/fashion-mnist --run-dir /tmp/rs
 
 Run from the directory that holds this package, or with it on PYTHONPATH (the image sets /workspace;
