@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from cluster_node import rundir
 from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 
@@ -212,12 +213,12 @@ def busy_marker(directory: Optional[str], what: str, every: float = 60.0) -> Ite
     if not directory:
         yield
         return
-    path = Path(directory) / f"{socket.gethostname()}-{os.getpid()}.json"
+    path = Path(directory) / rundir.BUSY_MARKER.format(host=socket.gethostname(), pid=os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
     done = threading.Event()
 
     def write() -> None:
-        atomic_write_bytes(path, lambda f: f.write(json.dumps({"what": what, "time": time.time()}).encode()))
+        rundir.write_record(path, rundir.BusyMarker(what=what, time=time.time()))
 
     def refresh() -> None:
         while not done.wait(every):
