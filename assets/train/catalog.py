@@ -5,6 +5,7 @@ precisions and the gradient compression modes."""
 from __future__ import annotations
 
 from pathlib import PurePosixPath
+from typing import Any
 
 DATA_DIR = "/data"  # the shared file system on the nodes (clusterops.inventory's data_dir)
 DATASETS = ("numbers", "ding", "wmt16-en-de", "fashion-mnist", "imagenet")
@@ -28,7 +29,7 @@ def default_dataset(recipe: str) -> str:
 
 
 # Each recipe's overrides of TrainConfig's defaults; `data` is its default data set's directory.
-RECIPES = {
+RECIPES: dict[str, dict[str, Any]] = {
     # The published transformer-base (Vaswani et al.; OpenSeq2Seq's "transformer" LR policy).
     "transformer-base": dict(data=dataset_dir("wmt16-en-de")),
     # The same code at toy size: CPU runs, tests and the local demo (numbers data set). Sentence batches:

@@ -121,7 +121,7 @@ class PairDataset:
     def target(self, index: int) -> list[int]:
         return self._ids(self.tgt, index, self.max_len - 2).tolist()
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS."""
         src = [self._ids(self.src, i, self.max_len - 1) for i in indices]
         tgt = [self._ids(self.tgt, i, self.max_len - 2) for i in indices]

@@ -134,7 +134,8 @@ class ImageTask:
             )
             self.stream.configure(self.workers, self.pin)
         torch.manual_seed(config.seed)
-        self.model = ResNet(v.arch, v.num_classes, v.width).to(device, memory_format=torch.channels_last)
+        self.model = ResNet(v.arch, v.num_classes, v.width)
+        self.model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in the stub
         # Under autocast the first convolution runs in the AMP dtype: hand it that dtype (half the bytes).
         amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
         self.input_dtype = amp if amp is not None and device.type == "cuda" else torch.float32

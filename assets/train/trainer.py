@@ -9,7 +9,7 @@ import resource
 import signal
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -64,7 +64,9 @@ class Trainer:
         self.wire = breakdown.AllReduceCounter()
         self.step_parts: list[dict] = []  # this process's steps, resolved at log intervals
         self.bucket_cap_mb = config.bucket_cap_mb
-        self.ddp, self.calibration, self.auto_compression = None, None, None
+        self.ddp: Optional[DDP] = None
+        self.calibration: Optional[dict] = None
+        self.auto_compression: Optional[dict] = None
         if info.world_size > 1:
             self._distribute()
         self.writer = self.wandb = None
@@ -85,8 +87,8 @@ class Trainer:
         if self.auto_compression:
             self.log(f"--grad-compression auto: {config.grad_compression}: {self.auto_compression['why']}")
         device_ids = [device] if device.type == "cuda" else None
-        self.ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=config.bucket_cap_mb)
-        commhooks.register(self.ddp, config, self.timer)
+        self.ddp = ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=config.bucket_cap_mb)
+        commhooks.register(ddp, config, self.timer)
         self.wire.install()
 
     def log(self, message: str) -> None:
