@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from assets.train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
+from train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
     Breakdown,
     Prediction,
     comm_seconds,

@@ -9,14 +9,11 @@ from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from cluster_node.contract import CONTAINER_SSH_PORT
+from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
 from .nodecmd import node_command
 
-RECIPES = ("transformer-base", "transformer-tiny", "resnet50", "resnet-small")
-DATASETS = ("numbers", "ding", "wmt16-en-de", "fashion-mnist", "imagenet")
-PRECISIONS = ("fp32", "fp16", "bf16")
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
 _IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
@@ -109,17 +106,8 @@ class LaunchPlan:
     verdicts: tuple = ()
 
 
-def default_dataset(recipe: str) -> str:
-    return {
-        "transformer-tiny": "numbers",
-        "transformer-base": "wmt16-en-de",
-        "resnet50": "imagenet",
-        "resnet-small": "fashion-mnist",  # real images that `fab data` prepares offline
-    }[recipe]
-
-
 def data_path(inventory: Inventory, dataset: str) -> str:
-    return f"{inventory.data_dir}/datasets/{dataset}"
+    return dataset_dir(dataset, inventory.data_dir)
 
 
 def hostfile(nodes: Sequence[Node], slots: int) -> str:
@@ -190,6 +178,23 @@ def mpirun_prefix(
     return argv
 
 
+def package_root(code_dir: str) -> str:
+    """The directory holding the training package `train` (code_dir is that package's own directory:
+    /workspace/train in the image, /data/code/train after `fab sync`, REPO/assets/train locally)."""
+    return posixpath.dirname(code_dir.rstrip("/"))
+
+
+def rank_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:
+    """mpirun's program part for `python -m train.MODULE`: `-x` (Open MPI mpirun(1)) hands the ranks the
+    package root on PYTHONPATH, as the image's ENV does, so a `fab sync` copy is the one they import."""
+    return ["-x", f"PYTHONPATH={package_root(code_dir)}", inventory.python, "-m", f"train.{module}"]
+
+
+def node_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:
+    """`python -m train.MODULE` run over SSH on one node, with the package root on PYTHONPATH."""
+    return ["env", f"PYTHONPATH={package_root(code_dir)}", inventory.python, "-m", f"train.{module}"]
+
+
 def mpirun_argv(
     inventory: Inventory,
     request: TrainRequest,
@@ -203,7 +208,7 @@ def mpirun_argv(
     argv = mpirun_prefix(
         inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile", allow_tcp=request.allow_tcp
     )
-    argv += [inventory.python, f"{code_dir}/train.py", "--recipe", request.recipe]
+    argv += [*rank_program(inventory, code_dir, "train"), "--recipe", request.recipe]
     argv += ["--data", data_path(inventory, dataset), "--run-dir", rdir]
     options: tuple[tuple[str, object], ...] = (
         ("--max-steps", request.steps),
@@ -225,12 +230,11 @@ def check_dir(inventory: Inventory) -> str:
 
 
 def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
-    """`fab check`'s training steps: prepare.py for a tiny numbers set, then train.py for CHECK_STEPS
+    """`fab check`'s training steps: train.prepare for a tiny numbers set, then train.train for CHECK_STEPS
     steps and an eval (every collective the trainer uses), both in check_dir."""
     scratch = check_dir(inventory)
     prepare = [
-        inventory.python,
-        f"{code_dir}/prepare.py",
+        *node_program(inventory, code_dir, "prepare"),
         "numbers",
         "--out",
         f"{scratch}/numbers",
@@ -244,8 +248,7 @@ def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[st
         "200",
     ]
     train = [
-        inventory.python,
-        f"{code_dir}/train.py",
+        *rank_program(inventory, code_dir, "train"),
         "--recipe",
         "transformer-tiny",
         "--data",
@@ -329,11 +332,11 @@ def command_script(argv: Sequence[str]) -> str:
 
 
 def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:
-    """The prepare.py command for `fab data`."""
+    """The train.prepare command for `fab data`."""
     if dataset not in DATASETS:
         raise LaunchError(f"invalid --dataset {dataset!r}: one of {', '.join(DATASETS)}")
     # The marker keeps the autostop watchdog from stopping the cluster during a long preparation.
-    argv = [inventory.python, f"{code_dir}/prepare.py", "--busy-dir", f"{inventory.data_dir}/.cluster/busy", dataset]
+    argv = [*node_program(inventory, code_dir, "prepare"), "--busy-dir", f"{inventory.data_dir}/.cluster/busy", dataset]
     if dataset == "imagenet":
         if "--source" not in extra_args:
             argv += ["--source", data_path(inventory, dataset)]

@@ -184,7 +184,7 @@ def parse_transport(log: str) -> dict[str, str]:
 
 
 def allreduce(connection, inventory, nodes, interface: str, code_dir: str, mb: float, gpus: bool) -> str:
-    """bench_allreduce.py across `nodes` from the head node; with GPUs, NCCL logs its choices. On an
+    """train.bench_allreduce across `nodes` from the head node; with GPUs, NCCL logs its choices. On an
     EFA cluster first as `fab train` runs it, the OFI plugin required (NCCL_NET=OFI): if that fails
     (the plugin did not load), again as NCCL would choose on its own, so the verdict names what it
     fell back to and `fab train` refuses it."""
@@ -207,7 +207,7 @@ def _allreduce(
     prefix = launch.mpirun_prefix(inventory, nodes, interface, allow_tcp=allow_tcp)
     if gpus:
         prefix += ["-x", "NCCL_DEBUG=INFO", "-x", "NCCL_DEBUG_SUBSYS=INIT,NET"]
-    argv = prefix + [inventory.python, f"{code_dir}/bench_allreduce.py", "--mb", str(mb)]
+    argv = prefix + [*launch.rank_program(inventory, code_dir, "bench_allreduce"), "--mb", str(mb)]
     result = connection.run("timeout 300 " + shlex.join(argv), hide=True, warn=True, in_stream=False)
     if result.exited != 0:
         raise remote.RemoteError(

@@ -152,7 +152,7 @@ def node_status(connection: Connection, inventory: Inventory, node: Node) -> dic
         "container": "up",
         "data": "yes" if found["mounted"] else "no",
         "gpus": gpu_text,
-        "training": f"{found['training']} proc" if found["training"] else "no",
+        "training": f"{found['training']} rank(s)" if found["training"] else "no",
     }
 
 

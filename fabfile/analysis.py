@@ -8,6 +8,8 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 from clusterops import analysis, launch
+from clusterops import cost as costs
+from train import catalog
 
 from .common import head, load_inventory, node_price, number, run_dir, settings, task, training_code_dir, whole_number
 
@@ -48,12 +50,12 @@ def node_counts(text: str, available: int) -> list[int]:
 
 @task(
     help={
-        "recipe": f"one of {', '.join(launch.RECIPES)} (fabric.yaml default)",
+        "recipe": f"one of {', '.join(catalog.RECIPES)} (fabric.yaml default)",
         "nodes": "node counts, e.g. 1,2,4 (default 1,2)",
         "steps": "steps per run (default 30; the first 5 are not timed)",
         "repeat": "runs per node count (default 2): the spread is shown",
         "batch_per_gpu": "batch per GPU, fixed across node counts (weak scaling)",
-        "grad_compression": "none, fp16, bf16 or powersgd",
+        "grad_compression": catalog.either(catalog.COMPRESSIONS),
         "extra": "more train.py arguments, quoted",
         "dest": "local directory for scale.json, scale.md and scaling.png (default ./runs/scale-RECIPE)",
     }

@@ -13,6 +13,7 @@ from invoke.exceptions import Exit, ThreadException
 from clusterops import cost as costs
 from clusterops import health, launch, remote, supervise, terminal
 from clusterops.inventory import Inventory
+from train import catalog
 
 from .common import (
     code_dir_on,
@@ -32,12 +33,12 @@ from .common import (
 @task(
     auto_shortflags=False,  # no -h: help must stay help
     help={
-        "recipe": f"one of {', '.join(launch.RECIPES)} (fabric.yaml default: transformer-tiny)",
+        "recipe": f"one of {', '.join(catalog.RECIPES)} (fabric.yaml default: transformer-tiny)",
         "run": "run name (default: the recipe); the same name resumes that run",
         "steps": "max steps",
         "batch_per_gpu": "batch per GPU (per slot locally)",
-        "precision": "fp32, fp16 or bf16",
-        "grad_compression": "none, fp16, bf16, powersgd or auto (the mode `fab report`'s model predicts fastest)",
+        "precision": catalog.either(catalog.PRECISIONS),
+        "grad_compression": catalog.either(catalog.COMPRESSIONS) + " (auto: what `fab report`'s model finds fastest)",
         "nodes": "use the first K nodes (of those not excluded)",
         "exclude": "leave these nodes out: ranks or names, comma-separated (e.g. 1,2 or node1)",
         "dataset": "data set under /data/datasets",

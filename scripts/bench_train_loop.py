@@ -7,7 +7,7 @@ throughput as a ratio to a bare PyTorch loop.
 
 Pipeline (one run, the same model and data, 1 thread): `before` is the old path, reimplemented
 here: a torch.randperm over all pairs at every step and rows padded one by one to the longest of 64
-random pairs, built synchronously; `after` is the trainer's own (tasks.TranslationTask): token
+random pairs, built synchronously; `after` is the trainer's own (recipes.TranslationTask): token
 buckets (sampler.py), the permutation drawn once per epoch, built a step ahead on a thread. Data:
 the Ding sentences (`apt-get install trans-de-en`; the numbers data set without it) repeated in
 memory to --pairs pairs (4.5M: WMT16 en-de's size). Printed per path: the data wait (the trainer's
@@ -20,24 +20,23 @@ Ratio: Trainer.train_step against a bare loop on the same model and batches, pre
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "assets" / "train"))
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import prepare  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from config import RECIPES, ModelConfig, TrainConfig  # noqa: E402
-from data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction  # noqa: E402
-from distributed import DistInfo  # noqa: E402
-from model import Transformer  # noqa: E402
-from tasks import TranslationTask, transformer_lr  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from train import prepare
+from train.catalog import RECIPES
+from train.config import ModelConfig, TrainConfig
+from train.data import BOS, EOS, PAD, PairDataset, _pad, global_batch_indices, padded_fraction
+from train.distributed import DistInfo
+from train.model import Transformer
+from train.recipes import TranslationTask, transformer_lr
+from train.train import compose
+from train.trainer import Trainer
 
 
 def tiny_config(data: str, run_dir: str, steps: int) -> TrainConfig:
@@ -134,7 +133,7 @@ def pipeline(args, data: Path, name: str, tmp: str) -> None:
     for path in ("before", "after"):
         config = tiny_config(str(data), f"{tmp}/{path}", 10**6)
         config.batching = "tokens" if path == "after" else "sentences"
-        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        trainer = compose(config, DistInfo(), torch.device("cpu"))
         task = trainer.task
         task.data.train = repeated(task.data.train, args.pairs)
         if path == "after":
@@ -160,7 +159,7 @@ def pipeline(args, data: Path, name: str, tmp: str) -> None:
 
 
 def time_trainer(config: TrainConfig) -> float:
-    trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
     trainer.train_step()  # warm-up, as for the bare loop
     config.max_steps += 1
     started = time.perf_counter()
@@ -251,7 +250,7 @@ def image_folders(tmp: Path) -> dict[str, tuple[Path, int]]:
 
 
 def image_config(data: Path, run_dir: str, size: int, workers: int, batch: int):
-    from config import build_parser, config_from_args
+    from train.config import build_parser, config_from_args
 
     argv = ["--recipe", "resnet-small", "--data", str(data), "--run-dir", run_dir, "--image-size", str(size)]
     argv += ["--batch-per-gpu", str(batch), "--workers", str(workers), "--eval-every", "1000000"]
@@ -263,7 +262,7 @@ def synchronous_batches(task):
     (2 threads, the recipe's old setting), a blocking copy, no prefetch."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vision import load_batch
+    from train.vision import load_batch
 
     c, pool = task.config, ThreadPoolExecutor(max_workers=2)
 
@@ -281,7 +280,7 @@ def synchronous_batches(task):
 
 def time_image_steps(config, synchronous: bool, steps: int) -> dict:
     """Data wait and step time (the trainer's own breakdown), and the loader alone in images/s."""
-    trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
     task = trainer.task
     batches = synchronous_batches(task) if synchronous else task.batches
     task.batches = batches
@@ -302,7 +301,7 @@ def time_image_steps(config, synchronous: bool, steps: int) -> dict:
 
 
 def bench_images(args: argparse.Namespace) -> None:
-    from imagepipe import workers_for
+    from train.imagepipe import workers_for
 
     torch.set_num_threads(1)
     workers = workers_for(args.workers)

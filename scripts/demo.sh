@@ -16,5 +16,5 @@ fab train --recipe transformer-tiny --follow
 fab fetch
 echo "translate with the fetched model:"
 echo "four thousand two hundred and seventy-one, twelve" \
-  | python assets/train/translate.py runs/transformer-tiny/checkpoints/best.pt \
+  | python -m train.translate runs/transformer-tiny/checkpoints/best.pt \
       --vocabulary runs/transformer-tiny/spm.model

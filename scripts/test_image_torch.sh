@@ -44,4 +44,6 @@ if [[ $got != "$want_python $want_torch $want_numpy" ]]; then
 fi
 echo "image-torch: the training program's tests on Python/torch/numpy $got (as $tag)"
 mapfile -t modules < <(grep -v '^#' tests/trainer_tests.txt | grep .)
-GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "$@"
+# The repository is not installed there: the packages come from the checkout, as the image puts /workspace
+# on PYTHONPATH.
+PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "$@"

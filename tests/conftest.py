@@ -16,12 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN_DIR = REPO / "assets" / "train"
-# stacks, clusterops, fabfile, assets and cluster_node come from the editable install (scripts/setup.sh).
-# The training program runs on the nodes as plain scripts whose modules import one another by bare name
-# (`import config`), so the tests import them the same way, from their dir.
-if str(TRAIN_DIR) not in sys.path:
-    sys.path.insert(0, str(TRAIN_DIR))
+# stacks, clusterops, fabfile, cluster_node and train come from the editable install (scripts/setup.sh).
 
 OFFLINE_ENV = {
     "CDK_DISABLE_VERSION_CHECK": "1",
@@ -70,7 +65,7 @@ def checkout_stays_clean():
 @pytest.fixture(scope="session")
 def numbers_data(tmp_path_factory) -> Path:
     """A small numbers data set, prepared once per session by the real prepare.py."""
-    import prepare
+    from train import prepare
 
     out = tmp_path_factory.mktemp("numbers")
     prepare.main(["numbers", "--out", str(out), "--train", "6000", "--valid", "200", "--test", "100", "--vocab", "400"])

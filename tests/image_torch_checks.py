@@ -7,14 +7,14 @@ import platform
 import subprocess
 import sys
 
-import checkpoint
 import numpy
 import pytest
 import torch
-from conftest import REPO, TRAIN_DIR, tool_env
+from conftest import REPO, tool_env
 from test_training import SMALL, losses
 
 from stacks import images
+from train import checkpoint
 
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
 
@@ -29,7 +29,7 @@ def test_this_environment_has_the_images_python_torch_and_numpy():
 
 def _train(python, data, run_dir, steps, *args):
     result = subprocess.run(
-        [str(python), str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL]
+        [str(python), "-m", "train.train", "--data", str(data), "--run-dir", str(run_dir), *SMALL]
         + ["--max-steps", str(steps), "--batch-per-gpu", "8", "--checkpoint-every", "3", *args],
         capture_output=True,
         text=True,

@@ -4,20 +4,16 @@ step and the file it resumed from, as JSON."""
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "assets" / "train"))
-
-import checkpoint  # noqa: E402
-import distributed  # noqa: E402
-from config import build_parser, config_from_args  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from train import checkpoint, distributed
+from train.config import build_parser, config_from_args
+from train.train import compose
 
 info, device = distributed.setup(timeout_s=60)
 if info.rank == 1:
     listing = checkpoint.list_steps
     checkpoint.list_steps = lambda run_dir: listing(run_dir)[:-1]
 config = config_from_args(build_parser("").parse_args(sys.argv[1:]))
-trainer = Trainer(config, info, device)
+trainer = compose(config, info, device)
 print(json.dumps({"rank": info.rank, "step": trainer.step, "path": trainer.resumed_from}), flush=True)
 distributed.teardown()

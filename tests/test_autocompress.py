@@ -2,12 +2,11 @@
 
 import json
 
-import autocompress
 import pytest
-import stepmodel
 import torch
 
 from clusterops import bottleneck
+from train import autocompress, stepmodel
 
 MB = 1e6
 CALIBRATION = {

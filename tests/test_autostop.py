@@ -12,7 +12,6 @@ from typing import Optional
 
 import aws_cdk as cdk
 import boto3
-import prepare
 import pytest
 from aws_cdk.assertions import Match, Template
 from conftest import REPO, moto_instances, tool_env
@@ -25,6 +24,7 @@ from clusterops import launch
 from clusterops.inventory import Inventory, Node, SshSettings
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ALARM_GRACE_MINUTES, MAX_IDLE_MINUTES, ClusterConfig, alarm_minutes
+from train import prepare
 
 MIN = 60.0
 
@@ -231,7 +231,8 @@ def test_fab_data_passes_the_marker_directory():
         ssh=SshSettings("root", 4444, "/k", "/kh"),
     )
     argv = launch.prepare_argv(inv, "imagenet", "/workspace/train", ["--stage-to", "/opt/dlami/nvme/imagenet"])
-    assert argv[2:4] == ["--busy-dir", "/data/.cluster/busy"] and argv[4] == "imagenet"
+    assert argv[:5] == ["env", "PYTHONPATH=/workspace", "python", "-m", "train.prepare"]
+    assert argv[5:7] == ["--busy-dir", "/data/.cluster/busy"] and argv[7] == "imagenet"
 
 
 # ---------------------------------------------------------------- issue items 2 and 8: the template

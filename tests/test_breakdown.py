@@ -4,12 +4,11 @@
 import json
 import re
 
-import breakdown
-import checkpoint
 import pytest
 from test_training import train
 
 from clusterops import terminal
+from train import breakdown, checkpoint
 
 
 class FakeEvent:
@@ -87,7 +86,7 @@ def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_d
 
 
 def test_durations_and_the_eta_in_fab_status():
-    from trainer import duration
+    from train.breakdown import duration
 
     assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
     progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
@@ -112,8 +111,8 @@ def payload(numbers_data, run_dir, compression, *args) -> float:
 
 
 def model_parameters(run_dir) -> list:
-    from config import ModelConfig
-    from model import Transformer
+    from train.config import ModelConfig
+    from train.model import Transformer
 
     state = checkpoint.load_latest(run_dir)
     vocab = state["model"]["embed.weight"].shape[0]
@@ -145,15 +144,16 @@ def test_the_units_all_reduce_runs_while_the_first_forward_does(numbers_data, tm
     waited for only once the first micro-batch's loss exists."""
     import torch
     import torch.distributed as dist
-    from config import build_parser, config_from_args
-    from distributed import DistInfo
-    from trainer import Trainer
+
+    from train.config import build_parser, config_from_args
+    from train.distributed import DistInfo
+    from train.train import compose
 
     args = ["--data", str(numbers_data), "--run-dir", str(tmp_path / "run"), "--recipe", "transformer-tiny"]
     config = config_from_args(build_parser("t").parse_args([*args, "--d-model", "32", "--ffn", "64"]))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        trainer = Trainer(config, DistInfo(), torch.device("cpu"))
+        trainer = compose(config, DistInfo(), torch.device("cpu"))
         events = []
         original_all_reduce, original_loss = dist.all_reduce, trainer.task.loss_sum
 

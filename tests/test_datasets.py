@@ -8,11 +8,10 @@ import json
 import tarfile
 import threading
 
-import imagenet
-import prepare
 import pytest
-import wmt16
-from data import DataSet
+
+from train import imagenet, prepare, wmt16
+from train.data import DataSet
 
 
 def test_numbers_splits_are_disjoint_and_the_example_is_right(numbers_data):
@@ -66,7 +65,7 @@ def _sgm(lines: list[str]) -> str:
 
 
 def _corpus(prefix: str, count: int) -> tuple[str, str]:
-    from prepare import number_phrase
+    from train.prepare import number_phrase
 
     english = "".join(f"{prefix} has {number_phrase(i, 'en')} houses\n" for i in range(count))
     german = "".join(f"{prefix} hat {number_phrase(i, 'de')} Häuser\n" for i in range(count))
@@ -270,7 +269,7 @@ def _ding_archives(pairs):
 def test_the_real_wmt16_preparation_on_real_text_keeps_every_pair_aligned(tmp_path):
     """wmt16.py (the code that prepares the 4.5M pairs) on archives in the real layouts, filled with
     Ding sentences: line i of train.de is the translation of line i of train.en, none lost or shifted."""
-    import ding
+    from train import ding
 
     pairs = ding.load()[:6600]
     files, expected = _ding_archives(pairs)

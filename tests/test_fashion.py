@@ -13,12 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fashion
-import prepare
 import pytest
 import torch
 from test_training import train
-from vision import ImageFolder, load_image
+
+from train import fashion, prepare
+from train.vision import ImageFolder, load_image
 
 # 300 train images per class (3,000), the first 50 of each class of the package's t10k test set (500).
 TRAIN_PER_CLASS, VAL_PER_CLASS = 300, 50
@@ -191,7 +191,7 @@ def test_resnet_small_learns_real_images_on_two_ranks(fashion_data, tmp_path, la
 def test_a_subset_of_the_val_set_spans_its_classes(tmp_path):
     """eval_samples below the val set's size must not be its first N files: the folder is sorted by
     class, so a prefix would score one class only."""
-    from tasks import eval_indices
+    from train.recipes import eval_indices
 
     picked = eval_indices(100, 1000)
     assert len(picked) == 100 and len(set(picked)) == 100 and max(picked) >= 990
@@ -209,9 +209,8 @@ def test_every_recipe_defaults_to_a_data_set_fab_data_prepares():
     """Issue 23 §10: `fab train --recipe resnet-small` pointed at imagenet-small, which `fab data`
     rejects. Each recipe's default data set is one `fab data --dataset` accepts, and train.py's
     own default for the recipe is the same directory."""
-    from config import RECIPES
-
     from clusterops import launch
+    from train.catalog import RECIPES
 
     for recipe in launch.RECIPES:
         assert launch.default_dataset(recipe) in launch.DATASETS, recipe

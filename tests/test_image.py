@@ -359,7 +359,7 @@ def test_the_image_has_the_source_of_every_data_set_fab_data_prepares_offline():
     """`fab data` runs prepare.py in the container on the head node: the `ding` data set reads
     Debian's trans-de-en there, so the image must install that package (Ubuntu, under the NGC base,
     ships it in universe as Debian does)."""
-    import ding
+    from train import ding
 
     assert ding.PACKAGE in image_apt_packages()
 

@@ -6,13 +6,13 @@ import json
 import random
 import time
 
-import checkpoint
-import imagepipe
 import pytest
 import torch
-from imagepipe import Samples, TrainStream, to_device, train_keys, workers_for
 from test_training import final_params, losses, train
-from vision import ImageFolder, load_image
+
+from train import checkpoint, imagepipe
+from train.imagepipe import Samples, TrainStream, to_device, train_keys, workers_for
+from train.vision import ImageFolder, load_image
 
 COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220)]
 
@@ -78,7 +78,7 @@ def test_each_rank_reads_its_own_shard_and_every_rank_the_same_number_of_batches
     """DistributedSampler's semantics (torch/utils/data/distributed.py: disjoint per-rank subsets of
     equal size): per position, the ranks' shards are equally many and, in rank order, exactly the
     global batch (a batch that spans two epochs may hold an image of each epoch's permutation)."""
-    from data import global_batch_indices
+    from train.data import global_batch_indices
 
     ranks = [train_keys(20, 4, 3, rank, 7, 0) for rank in range(3)]
     for position in range(12):  # 12 x 12 images: across several epochs of 20

@@ -35,7 +35,7 @@ def test_mpirun_line_for_the_whole_cluster():
         assert f"-x {export}" in line
     assert "--mca oob_tcp_if_include ens5" in line
     assert line.endswith(
-        "python /workspace/train/train.py --recipe transformer-base --data "
+        "-x PYTHONPATH=/workspace python -m train.train --recipe transformer-base --data "
         "/data/datasets/wmt16-en-de --run-dir /data/runs/transformer-base"
     )
 
@@ -51,11 +51,15 @@ def test_mpirun_line_with_options_and_a_subset_of_nodes():
         nodes=2,
         extra_args=("--label-smoothing", "0.2"),
     )
-    argv = launch.mpirun_argv(inventory(), request, "eth0", "/code")
+    argv = launch.mpirun_argv(inventory(), request, "eth0", "/code/train")
     assert argv[argv.index("-np") + 1] == "8"
-    tail = argv[argv.index("/code/train.py") :]
+    tail = argv[argv.index("PYTHONPATH=/code") - 1 :]
     assert tail == [
-        "/code/train.py",
+        "-x",
+        "PYTHONPATH=/code",
+        "python",
+        "-m",
+        "train.train",
         "--recipe",
         "transformer-tiny",
         "--data",
@@ -79,9 +83,9 @@ def test_mpirun_line_with_options_and_a_subset_of_nodes():
 
 def test_values_are_quoted_in_the_command_script():
     request = launch.TrainRequest(extra_args=("--run-note", "it's; rm -rf /"))
-    script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir"))
+    script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir/train"))
     assert script.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun ")
-    assert shlex.split(script)[-1] == "it's; rm -rf /" and "'/code dir/train.py'" in script
+    assert shlex.split(script)[-1] == "it's; rm -rf /" and "'PYTHONPATH=/code dir' python -m train.train" in script
 
 
 def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program():
@@ -93,18 +97,20 @@ def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program
     request = launch.TrainRequest(recipe="transformer-base", nodes=2)
     train = launch.mpirun_argv(inv, request, "ens5", "/workspace/train")
     with_hostfile = launch.mpirun_prefix(inv, inv.nodes[:2], "ens5", hostfile="/data/runs/transformer-base/hostfile")
-    assert train[: len(with_hostfile)] == with_hostfile and train[len(with_hostfile)] == inv.python
+    assert train[: len(with_hostfile)] == with_hostfile
+    assert train[len(with_hostfile) :][:5] == ["-x", "PYTHONPATH=/workspace", inv.python, "-m", "train.train"]
 
 
 def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
-    from config import build_parser, config_from_args
+    from train.config import build_parser, config_from_args
 
     inv = inventory()
-    prepare, train = launch.check_argvs(inv, "/code")
-    assert prepare[:3] == ["python", "/code/prepare.py", "numbers"] and prepare[4] == "/data/runs/.check/numbers"
-    assert train[:2] == ["python", "/code/train.py"]
-    config = config_from_args(build_parser("").parse_args(train[2:]))
-    assert config.run_dir.startswith(launch.check_dir(inv) + "/") and config.data == prepare[4]
+    prepare, train = launch.check_argvs(inv, "/code/train")
+    assert prepare[:6] == ["env", "PYTHONPATH=/code", "python", "-m", "train.prepare", "numbers"]
+    assert prepare[7] == "/data/runs/.check/numbers"
+    assert train[:5] == ["-x", "PYTHONPATH=/code", "python", "-m", "train.train"]
+    config = config_from_args(build_parser("").parse_args(train[5:]))
+    assert config.run_dir.startswith(launch.check_dir(inv) + "/") and config.data == prepare[7]
     assert config.max_steps == launch.CHECK_STEPS and config.eval_every == launch.CHECK_STEPS
 
 
@@ -344,3 +350,17 @@ def test_a_bad_run_name_is_refused_with_the_rule_it_breaks(name):
     with pytest.raises(launch.LaunchError, match="a letter or digit first") as refused:
         launch.TrainRequest(recipe="transformer-tiny", run=name).validate()
     assert "\n" not in str(refused.value)
+
+
+def test_recipes_datasets_precisions_and_compressions_are_the_training_packages_lists():
+    """One list per concept, in train.catalog: fab's choices are the trainer's, and each recipe's default
+    data directory is the one `fab data` prepares (ImageNet included)."""
+    from train import catalog
+    from train.config import build_parser, config_from_args
+
+    assert (launch.RECIPES, launch.DATASETS) == (catalog.RECIPES, catalog.DATASETS)
+    assert (launch.PRECISIONS, launch.COMPRESSIONS) == (catalog.PRECISIONS, catalog.COMPRESSIONS)
+    for recipe in catalog.RECIPES:
+        config = config_from_args(build_parser("").parse_args(["--recipe", recipe]))
+        assert config.data == launch.data_path(inventory(), launch.default_dataset(recipe)), recipe
+    assert catalog.dataset_dir("imagenet") == "/data/datasets/imagenet"

@@ -167,7 +167,7 @@ def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster, tmp
     assert "stop requested" in stopped
     step = cluster.progress("stoptest")["step"]
     assert (cluster.run_dir("stoptest") / "checkpoints" / f"step_{step:08d}.pt").exists()
-    assert not cluster.processes(0, r"[t]rain\.py") and not cluster.processes(cluster.nodes - 1, r"[t]rain\.py")
+    assert not cluster.processes(0, r"[t]rain\.train") and not cluster.processes(cluster.nodes - 1, r"[t]rain\.train")
     out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 3), "--follow", "--extra", QUICK).stdout
     assert f"at step {step}" in out and f"run ended at step {step + 3}" in out
     assert "starting a new run" not in out  # the log shown starts at this launch
@@ -399,7 +399,8 @@ def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
     translated = subprocess.run(
         [
             "python",
-            str(TRAIN_DIR / "translate.py"),
+            "-m",
+            "train.translate",
             str(run / "checkpoints" / "best.pt"),
             "--vocabulary",
             str(run / "spm.model"),
@@ -471,21 +472,21 @@ def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
         status, seconds = pair.wait_for_end("cuttest", timeout=90)
         print(f"cut link: watchdog ended the run after {seconds:.1f} s: {status['reason']}")
         assert status["state"] == "failed" and "unreachable" in status["reason"]
-        assert not pair.processes(0, r"[t]rain\.py|mpirun")
+        assert not pair.processes(0, r"[t]rain\.train|mpirun")
         # Cut off, node1's rank gives up on its collective timeout (10 s here).
         deadline = time.monotonic() + 60
-        while pair.processes(1, r"[t]rain\.py") and time.monotonic() < deadline:
+        while pair.processes(1, r"[t]rain\.train") and time.monotonic() < deadline:
             time.sleep(1)
-        assert not pair.processes(1, r"[t]rain\.py")
+        assert not pair.processes(1, r"[t]rain\.train")
         # Its MPI daemon can only be reached once the link is back: the launcher keeps trying.
         localcluster.set_link("tf", 1, up_=True)
         healed = time.monotonic()
         while (
-            pair.processes(1, r"[t]rain\.py|orted|prted") or pair.processes(0, r"[l]auncher\.sh")
+            pair.processes(1, r"[t]rain\.train|orted|prted") or pair.processes(0, r"[l]auncher\.sh")
         ) and time.monotonic() - healed < 60:
             time.sleep(1)
         assert not pair.processes(0, r"[l]auncher\.sh")
-        leftovers = pair.processes(1, r"[t]rain\.py|orted|prted")
+        leftovers = pair.processes(1, r"[t]rain\.train|orted|prted")
         print(f"cut link: node1 clean {time.monotonic() - healed:.0f} s after the link came back")
         assert not leftovers, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in leftovers]
     finally:
@@ -560,9 +561,9 @@ def test_force_stop_kills_the_run_on_every_node(pair):
     status, seconds = pair.wait_for_end("forcetest", timeout=30)
     assert status["state"] == "failed" and status["reason"] == "stopped by fab stop --force"
     deadline = time.monotonic() + 15
-    while any(pair.processes(r, r"[t]rain\.py|orted|mpirun") for r in range(2)) and time.monotonic() < deadline:
+    while any(pair.processes(r, r"[t]rain\.train|orted|mpirun") for r in range(2)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(pair.processes(r, r"[t]rain\.py|orted|mpirun") for r in range(2))
+    assert not any(pair.processes(r, r"[t]rain\.train|orted|mpirun") for r in range(2))
 
 
 def test_then_stop_sends_the_stop_request_when_the_run_ends(pair, aws_env):

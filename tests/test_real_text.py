@@ -15,11 +15,11 @@ import sys
 import tarfile
 from pathlib import Path
 
-import ding
-import prepare
 import pytest
-from evaluate import bleu
 from test_training import train
+
+from train import ding, prepare
+from train.evaluate import bleu
 
 # The smallest recipe that shows it on 2 CPU cores: transformer-tiny (d_model 128, 2+2 layers).
 SHORT = [

@@ -12,12 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAIN_DIR
+from conftest import REPO
 
 from clusterops import health, launch, supervise
-
-sys.path.insert(0, str(TRAIN_DIR))
-import config as train_config  # noqa: E402
+from train import config as train_config
 
 HEALTHY = json.dumps(
     {"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": [], "torch": "2"}

@@ -94,7 +94,7 @@ def test_a_stopped_rank_is_a_hang_within_the_window_with_stacks_and_the_rank_nam
     trio.fab("train", "--run", "hang", "--steps", "30", *RESTARTING, "--extra", TINY)
     trio.wait_for_step("hang", 20)
     step_time = trio.progress("hang")["avg_step_time_s"]
-    [victim] = trio.processes(1, r"[t]rain\.py --recipe")
+    [victim] = trio.processes(1, r"[t]rain\.train --recipe")
     old_pid = _beat(trio, "hang")[1]
     os.kill(victim, signal.SIGSTOP)
     detected = _wait_for_log(trio, "hang", "watchdog: hang")
@@ -124,7 +124,7 @@ def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_che
     for _ in range(2):
         done = _restarts(trio, "used")
         _wait_for_beat(trio, "used", (done[-1]["resume_step"] + 12) if done else 12, not_pid=old_pid)
-        [victim] = trio.processes(1, r"[t]rain\.py --recipe")
+        [victim] = trio.processes(1, r"[t]rain\.train --recipe")
         old_pid = _beat(trio, "used")[1]
         os.kill(victim, signal.SIGKILL)
         if not _restarts(trio, "used"):

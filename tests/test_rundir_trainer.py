@@ -1,6 +1,6 @@
 """The run-directory records against the files the training program writes: progress.json from the
 trainer's own writer (both shapes), summary.json and progress.json from a real two-step run, the rank
-heartbeat train.py's watchable writes, and prepare.py's busy marker. Runs on the image's torch too
+heartbeat the trainer's callback writes, and prepare.py's busy marker. Runs on the image's torch too
 (tests/trainer_tests.txt)."""
 
 from __future__ import annotations
@@ -8,32 +8,24 @@ from __future__ import annotations
 import faulthandler
 import json
 import signal
-from pathlib import Path
-from types import SimpleNamespace
 
-import prepare
-import trainer
+import torch
 from test_training import train as run_trainer
 
-import train
 from cluster_node import rundir
-
-
-def _progress_writer(run: Path, step: int) -> SimpleNamespace:
-    info = SimpleNamespace(is_main=True, world_size=2)
-    return SimpleNamespace(info=info, step=step, config=SimpleNamespace(max_steps=10), run_dir=run)
+from train import callbacks, distributed, prepare
+from train.config import build_parser, config_from_args
+from train.train import compose
 
 
 def test_progress_reads_both_shapes_the_trainer_writes(tmp_path):
-    fake = _progress_writer(tmp_path, 4)
+    writer = callbacks.ProgressFile(tmp_path, max_steps=10, world_size=2)
     path = tmp_path / rundir.PROGRESS
-    trainer.Trainer._write_progress(
-        fake, loss=2.5, avg_step_time_s=0.1, breakdown={"data_s": 0.01}, elapsed_s=1.0, eta_s=0.6
-    )
+    writer.on_progress(4, dict(loss=2.5, avg_step_time_s=0.1, breakdown={"data_s": 0.01}, elapsed_s=1.0, eta_s=0.6))
     logged = rundir.read_record(path, rundir.Progress)
     assert logged is not None and logged.to_json() == json.loads(path.read_text()) and not logged.extra
     assert (logged.step, logged.max_steps, logged.world_size, logged.ended) == (4, 10, 2, None)
-    trainer.Trainer._write_progress(fake, loss=None, avg_step_time_s=0.1, ended="max_steps")
+    writer.on_progress(4, dict(loss=None, avg_step_time_s=0.1, ended="max_steps"))
     final = rundir.read_record(path, rundir.Progress)
     assert final is not None and final.to_json() == json.loads(path.read_text())
     assert final.loss is None and final.ended == "max_steps" and "loss" in final.to_json()
@@ -49,22 +41,40 @@ def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     assert (tmp_path / rundir.CONFIG).is_file() and rundir.checkpoint(tmp_path, 2).is_file()
 
 
-def test_the_rank_heartbeat_is_what_watchable_writes(tmp_path):
-    fake = SimpleNamespace(step=0)
-
-    def step():
-        fake.step += 1
-
-    fake.train_step = step
+def test_the_rank_heartbeat_is_what_the_heartbeat_callback_writes(tmp_path):
+    beat = callbacks.RankHeartbeat(tmp_path, 3)
+    beat.on_step(1)
+    beat.on_step(2)
+    text = rundir.rank_beat(tmp_path, 3).read_text()
+    assert rundir.RankBeat.from_text(text).step == 2 and rundir.RankBeat.from_text(text).to_text() == text
     try:
-        train.watchable(fake, tmp_path, 3)
-        fake.train_step()
-        fake.train_step()
+        callbacks.stacks_on_sigusr2(tmp_path, 3)
     finally:
         faulthandler.unregister(signal.SIGUSR2)
-    beat = rundir.RankBeat.from_text(rundir.rank_beat(tmp_path, 3).read_text())
-    assert beat.step == 2 and beat.to_text() == rundir.rank_beat(tmp_path, 3).read_text()
     assert (tmp_path / rundir.STACKS / rundir.RANK_STACK.format(rank=3)).exists()
+
+
+def test_the_trainer_calls_its_callbacks_each_step_and_at_log_steps_and_the_end(numbers_data, tmp_path):
+    """The heartbeat and progress are callbacks the composition root (train.py) hands the trainer."""
+
+    class Recorder(callbacks.Callback):
+        def __init__(self):
+            self.steps, self.progress = [], []
+
+        def on_step(self, step):
+            self.steps.append(step)
+
+        def on_progress(self, step, values):
+            self.progress.append((step, values.get("ended")))
+
+    args = ["--recipe", "transformer-tiny", "--data", str(numbers_data), "--run-dir", str(tmp_path)]
+    args += ["--max-steps", "3", "--log-every", "2", "--batch-per-gpu", "4", "--eval-samples", "4"]
+    config = config_from_args(build_parser("").parse_args(args))
+    recorder = Recorder()
+    trainer = compose(config, distributed.DistInfo(), torch.device("cpu"), [recorder])
+    trainer.fit()
+    assert recorder.steps == [1, 2, 3]
+    assert recorder.progress == [(1, None), (2, None), (3, "max_steps")]
 
 
 def test_the_busy_marker_is_what_prepare_writes(tmp_path):

@@ -8,11 +8,11 @@ import time
 import urllib.error
 import urllib.request
 
-import checkpoint
 import pytest
-from conftest import TRAIN_DIR, tool_env
+from conftest import tool_env
 
 from cluster_node import spotwatch
+from train import checkpoint
 
 NOTICE = {"action": "stop", "time": "2026-11-22T08:22:00Z"}
 
@@ -133,7 +133,8 @@ def test_a_notice_mid_run_checkpoints_at_the_stop_step_and_the_run_resumes_there
     env = tool_env(OMP_NUM_THREADS="1", AUTOSTOP_IMDS_URL=fake_imds.url, NODE_RANK="1", INSTANCE_ID="i-0spot")
     argv = [
         sys.executable,
-        str(TRAIN_DIR / "train.py"),
+        "-m",
+        "train.train",
         "--data",
         str(numbers_data),
         "--run-dir",

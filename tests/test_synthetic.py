@@ -2,7 +2,8 @@
 --max-steps (fab train --steps) still wins (issue 19 §10: the full 56,300-step ResNet-50 schedule on
 2 x p4d.24xlarge is hours of two ~$33/h nodes for a throughput figure)."""
 
-from config import RECIPES, SYNTHETIC_STEPS, build_parser, config_from_args, settings_line
+from train.catalog import RECIPES
+from train.config import SYNTHETIC_STEPS, build_parser, config_from_args, settings_line
 
 
 def _config(*args: str):

@@ -12,16 +12,17 @@ torch.cuda.is_bf16_supported(including_emulation=True) also says yes on a V100 t
 import numpy as np
 import pytest
 import torch
-from config import TrainConfig, choose_precision, settings_line
-from data import BOS, EOS, PAD, DataSet, padded_fraction
-from distributed import DistInfo
-from tasks import TranslationTask
+
+from train.config import TrainConfig, choose_precision, settings_line
+from train.data import BOS, EOS, PAD, DataSet, padded_fraction
+from train.distributed import DistInfo
+from train.recipes import TranslationTask
 
 MAX_LEN = 64
 
 
 def _task(data, *, world=1, rank=0, accum=1, seed=1234, batch=16, batching="tokens") -> TranslationTask:
-    from config import ModelConfig
+    from train.config import ModelConfig
 
     config = TrainConfig(
         recipe="transformer-tiny",
@@ -115,7 +116,7 @@ def test_a_resumed_task_gives_the_batches_the_uninterrupted_one_gives(numbers_da
 def test_sentence_batching_keeps_the_old_samples_with_one_permutation_per_epoch(numbers_data):
     """--batching sentences (and runs saved before token batching) see the pairs
     data.global_batch_indices always gave."""
-    from data import global_batch_indices, rank_slice
+    from train.data import global_batch_indices, rank_slice
 
     task = _task(numbers_data, world=2, rank=1, batching="sentences", batch=1000)
     data = task.data.train
@@ -169,7 +170,7 @@ def test_an_explicit_precision_wins_and_the_settings_line_says_which_and_why():
 def test_the_prefetcher_builds_each_step_once_in_order_and_raises_what_the_build_raised():
     """A step asked for twice (the start-of-run compression probe, then the step) is built once; the
     next one is already under way; a build's error reaches the trainer's thread."""
-    from sampler import Prefetcher
+    from train.sampler import Prefetcher
 
     built = []
 
@@ -188,7 +189,7 @@ def test_the_prefetcher_builds_each_step_once_in_order_and_raises_what_the_build
 
 
 def test_transformer_base_batches_by_tokens_and_the_numbers_toy_by_sentences():
-    from config import build_parser, config_from_args
+    from train.config import build_parser, config_from_args
 
     def batching(*argv):
         return config_from_args(build_parser("").parse_args(list(argv))).batching

@@ -5,12 +5,12 @@ import re
 import subprocess
 import sys
 
-import checkpoint
 import pytest
-import strict_device
 import torch
 from conftest import REPO, TRAIN_DIR, tool_env
-from tasks import transformer_lr
+
+from train import checkpoint, strict_device
+from train.recipes import transformer_lr
 
 SMALL = [
     "--recipe",
@@ -41,7 +41,7 @@ def train(data, run_dir, *args, procs=1, check=True, strict=True):
     launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
     strict_env = {strict_device.ENV: "1"} if procs > 1 and strict else {}
     result = subprocess.run(
-        [*launcher, str(TRAIN_DIR / "train.py"), "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
+        [*launcher, "-m", "train.train", "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -62,8 +62,8 @@ def final_params(run_dir) -> dict:
 
 def initial_params(run_dir) -> dict:
     """The weights before step 1: the trainer seeds with config.seed before building the model."""
-    from config import ModelConfig
-    from model import Transformer
+    from train.config import ModelConfig
+    from train.model import Transformer
 
     state = checkpoint.load_latest(run_dir)
     torch.manual_seed(state["config"]["seed"])
@@ -236,7 +236,7 @@ def test_bad_configs_are_rejected_in_one_line(numbers_data, tmp_path, args, flag
 
 def test_missing_data_says_how_to_prepare_it(tmp_path):
     result = train(tmp_path / "nothing", tmp_path / "run", check=False)
-    assert result.returncode == 2 and "prepare.py numbers --out" in result.stderr
+    assert result.returncode == 2 and "python -m train.prepare numbers --out" in result.stderr
 
 
 def test_gradient_accumulation_equals_the_larger_batch(numbers_data, tmp_path):
@@ -266,9 +266,9 @@ def test_fp16_autocast_with_grad_scaler_trains(numbers_data, tmp_path):
 
 
 def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data):
-    from config import ModelConfig
-    from data import DataSet
-    from model import Transformer
+    from train.config import ModelConfig
+    from train.data import DataSet
+    from train.model import Transformer
 
     data = DataSet(numbers_data, 64)
     torch.manual_seed(0)
@@ -287,7 +287,8 @@ def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path
     result = subprocess.run(
         [
             sys.executable,
-            str(TRAIN_DIR / "train.py"),
+            "-m",
+            "train.train",
             "--data",
             str(numbers_data),
             "--run-dir",
@@ -309,7 +310,8 @@ def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path
     without = subprocess.run(
         [
             sys.executable,
-            str(TRAIN_DIR / "train.py"),
+            "-m",
+            "train.train",
             "--data",
             str(numbers_data),
             "--run-dir",
@@ -366,8 +368,9 @@ def test_strict_device_mode_rejects_a_collective_tensor_made_without_a_device():
 
 
 def test_gpu_ranks_get_gloo_for_cpu_tensors_besides_nccl():
-    import distributed
     from torch.distributed.distributed_c10d import BackendConfig
+
+    from train import distributed
 
     gpu = BackendConfig(distributed.backend_for(torch.device("cuda", 0))).get_device_backend_map()
     assert gpu == {"cpu": "gloo", "cuda": "nccl"}
@@ -397,6 +400,8 @@ def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp
         f"{strict_device.ENV}=1",
         "OMP_NUM_THREADS=1",
         "GLOO_SOCKET_IFNAME=lo",
+        sys.executable,
+        str(REPO / "tests" / "mpirun_exports.py"),  # mpirun's -x PYTHONPATH=...
         *TORCHRUN,
         "2",
         "--no-python",

@@ -6,9 +6,10 @@ import random
 
 import pytest
 import torch
-from tasks import warmup_cosine_lr
 from test_training import train
-from vision import ResNet, _random_resized_crop, load_image
+
+from train.recipes import warmup_cosine_lr
+from train.vision import ResNet, _random_resized_crop, load_image
 
 COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 220, 40)]
 
@@ -134,9 +135,9 @@ def test_synthetic_mode_needs_no_data(tmp_path):
 
 
 def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
-    from config import build_parser, config_from_args
-    from distributed import DistInfo
-    from tasks import ImageTask
+    from train.config import build_parser, config_from_args
+    from train.distributed import DistInfo
+    from train.recipes import ImageTask
 
     config = config_from_args(
         build_parser("").parse_args(
@@ -167,4 +168,4 @@ def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
 
 def test_missing_image_folder_is_one_clear_error(tmp_path):
     result = train(tmp_path / "none", tmp_path / "run", "--recipe", "resnet-small", check=False)
-    assert result.returncode == 2 and "prepare.py imagenet --source" in result.stderr
+    assert result.returncode == 2 and "python -m train.prepare imagenet --source" in result.stderr

@@ -24,9 +24,17 @@ def gpu_rows() -> Optional[list[list[int]]]:
 
 
 def training_processes() -> int:
-    # The bracket keeps the pattern from matching a shell that carries it; pgrep -c prints 0 on none.
-    _, out = run(["pgrep", "-fc", "--", r"[t]rain\.py --recipe"])
-    return int(out.strip() or 0)
+    """The trainer's ranks on this node: python processes running `-m train.train` (not mpirun or a
+    shell whose command line carries the same words)."""
+    count = 0
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue  # the process ended while we looked
+        if Path(argv[0].decode(errors="replace")).name.startswith("python") and b"train.train" in argv[1:4]:
+            count += 1
+    return count
 
 
 def status(data: Path, name: str) -> dict:

@@ -42,13 +42,16 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(
         rd.PROGRESS,
         "JSON Progress",
-        "trainer (rank 0)",
+        "train.callbacks.ProgressFile (rank 0)",
         "launcher.sh, supervise.py, fab, autostop, spotwatch",
         rd.Progress,
     ),
     _run(rd.SUMMARY, "JSON Summary", "trainer (rank 0)", "fab status/runs/report/fetch, local cluster", rd.Summary),
     _run(
-        rd.CONFIG, "JSON TrainConfig.to_dict()", "trainer (rank 0)", "train.py (resume), supervise.py, fab runs/fetch"
+        rd.CONFIG,
+        "JSON TrainConfig.to_dict()",
+        "train.train.compose (rank 0)",
+        "train.train (resume), supervise.py, fab",
     ),
     _run(rd.RESTARTS, "JSON list of Restart", "supervise.py plan", "supervise.py, fab status/logs", rd.Restart),
     _run(rd.HANGS, "JSON list of Hang", "supervise.py hang", "tests", rd.Hang),
@@ -68,11 +71,13 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.LAUNCHER_SH, "bash: the launcher", "fab train (upload)", "setsid on the head"),
     _run(rd.SUPERVISE_PY, "Python: restart decisions", "fab train (upload)", "launcher.sh"),
     _run(rd.HEALTH_PY, "Python: probe verdicts", "fab train (upload)", "supervise.py"),
-    _run(f"{rd.RANKS}/{rd.RANK_BEAT}", "`STEP PID HOST` (RankBeat); mtime", "train.py (every rank)", _SUPERVISOR),
+    _run(
+        f"{rd.RANKS}/{rd.RANK_BEAT}", "`STEP PID HOST` (RankBeat); mtime", "train.callbacks (every rank)", _SUPERVISOR
+    ),
     _run(
         f"{rd.STACKS}/{rd.RANK_STACK}",
         "faulthandler stacks on SIGUSR2",
-        "train.py (every rank)",
+        "train.callbacks (every rank)",
         "supervise.py, people",
     ),
     _run(f"{rd.STACKS}/{rd.HOST_STATES}", "`PID STATE` lines", "launcher.sh (hang)", "supervise.py"),
@@ -80,9 +85,12 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.HANG_STACKS, "the attempt's stacks/ after a hang", "launcher.sh (mv)", "people"),
     _run(f"{rd.PROBES}/HOST", "probe output, JSON on the last line", "launcher.sh", "supervise.py plan"),
     _run(
-        f"{rd.CHECKPOINTS}/{rd.CHECKPOINT}", "torch state", "checkpoint.py (rank 0)", "trainer, supervise.py, fab fetch"
+        f"{rd.CHECKPOINTS}/{rd.CHECKPOINT}",
+        "torch state",
+        "train.checkpoint (rank 0)",
+        "trainer, supervise.py, fab fetch",
     ),
-    _run(f"{rd.CHECKPOINTS}/{rd.BEST_CHECKPOINT}", "torch state", "checkpoint.py (rank 0)", "fab fetch"),
+    _run(f"{rd.CHECKPOINTS}/{rd.BEST_CHECKPOINT}", "torch state", "train.checkpoint (rank 0)", "fab fetch"),
     _run(rd.TENSORBOARD, "TensorBoard events", "trainer (rank 0)", "fab tensorboard"),
     _run(rd.EVAL, "eval texts", "trainer (rank 0)", "fab fetch"),
     _run(rd.REPORT_MD, "Markdown", "fab report", "fab fetch"),

@@ -216,7 +216,7 @@ class RunStatus(Record):
 
 @dataclass(frozen=True)
 class Progress(Record):
-    """progress.json: rank 0's latest logged step (trainer._write_progress), and once more at the end."""
+    """progress.json: rank 0's latest logged step (train.callbacks.ProgressFile), and once more at the end."""
 
     FILE: ClassVar[str] = PROGRESS
     step: int = _key("int", required=True)
@@ -322,7 +322,7 @@ class BusyMarker(Record):
 
 @dataclass(frozen=True)
 class RankBeat:
-    """ranks/rankN: `STEP PID HOST` of the rank's last finished step (train.py watchable); its mtime is
+    """ranks/rankN: `STEP PID HOST` of the rank's last finished step (train.callbacks.RankHeartbeat); its mtime is
     the time of that step."""
 
     step: int

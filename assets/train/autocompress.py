@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import stepmodel
+from train import stepmodel
 
 MARGIN = 0.05  # leave plain fp32 gradients only for a predicted gain above the measurement's noise
 CHOICES = ("none", "fp16", "bf16", "powersgd")
@@ -140,8 +140,9 @@ def auto_breakdown(
 def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
     """Before DDP is built, on every rank: the calibration (recorded in summary.json for `fab report`)
     and, with --grad-compression auto, rank 0's choice for all (config.grad_compression is set)."""
-    import distributed
     import torch
+
+    from train import distributed
 
     c, info, model = trainer.config, trainer.info, trainer.model
     # PowerSGD runs in the same DDP buckets as plain gradients (the trainer's serialized_hook).

@@ -2,15 +2,12 @@
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
 
-import distributed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from train import distributed
 
 
 def main() -> None:

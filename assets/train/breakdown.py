@@ -147,3 +147,25 @@ def critical_rank(per_rank: list[dict]) -> int:
     communication is the network's; a faster rank's also holds the wait for this one (on shared or
     uneven CPUs, enough to call a compute-bound run mixed)."""
     return max(range(len(per_rank)), key=lambda r: per_rank[r].get("data_s", 0.0) + per_rank[r].get("compute_s", 0.0))
+
+
+def duration(seconds: float) -> str:
+    """45s, 2m10s, 3h05m"""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def parts_line(parts: dict) -> str:
+    """data 1 | compute 300 | comm 50 | opt 20 | other 5 ms"""
+    names = {
+        "data_s": "data",
+        "compute_s": "compute",
+        "comm_exposed_s": "comm",
+        "optimizer_s": "opt",
+        "other_s": "other",
+    }
+    return " ".join(f"{name} {parts.get(key, 0.0) * 1000:.0f}" for key, name in names.items()) + " ms"

@@ -9,22 +9,28 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from data import atomic_write_bytes
 
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
+from cluster_node import rundir
+from train.data import atomic_write_bytes
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / rundir.CHECKPOINTS
+
+
+def _is_step(name: str) -> bool:
+    """A step checkpoint's name (rundir.CHECKPOINT), not best.pt nor a writer's temp file."""
+    digits = re.sub(r"\D", "", name)
+    return bool(digits) and name == rundir.CHECKPOINT.format(step=int(digits))
 
 
 def save(run_dir: str | os.PathLike, step: int, state: dict, keep: int, best: bool = False) -> Path:
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:08d}.pt"
+    path = rundir.checkpoint(Path(run_dir), step)
     atomic_write_bytes(path, lambda f: torch.save(state, f))
     if best:
-        atomic_write_bytes(directory / "best.pt", lambda f: f.write(path.read_bytes()))
+        atomic_write_bytes(directory / rundir.BEST_CHECKPOINT, lambda f: f.write(path.read_bytes()))
     for old in list_steps(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
     for stale in directory.glob(".*.tmp.*"):  # left by a writer that was killed mid-write
@@ -36,7 +42,7 @@ def list_steps(run_dir: str | os.PathLike) -> list[Path]:
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+    return sorted(p for p in directory.iterdir() if _is_step(p.name))
 
 
 def load_latest(run_dir: str | os.PathLike, log=print) -> Optional[dict]:

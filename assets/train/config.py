@@ -1,4 +1,5 @@
-"""Named recipes and their validated configs; every field can be overridden from the command line."""
+"""The validated training configuration: a named recipe (catalog.py) and every field overridable from the
+command line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from train.catalog import COMPRESSIONS, PRECISIONS, RECIPES, dataset_dir, either
 
 
 class ConfigError(ValueError):
@@ -56,7 +59,7 @@ class VisionConfig:
     workers: int = -1
 
     def validate(self) -> None:
-        from vision import ARCHS
+        from train.vision import ARCHS
 
         _check(self.arch in ARCHS, "arch", self.arch, f"one of {', '.join(ARCHS)}")
         _check(self.width >= 8, "width", self.width, "at least 8")
@@ -76,7 +79,7 @@ class VisionConfig:
 @dataclass
 class TrainConfig:
     recipe: str = "transformer-base"
-    data: str = "/data/datasets/wmt16-en-de"
+    data: str = dataset_dir("wmt16-en-de")
     run_dir: str = "/data/runs/default"
     max_steps: int = 50_000
     batch_per_gpu: int = 128
@@ -115,17 +118,11 @@ class TrainConfig:
         _check(self.max_steps > 0, "max_steps", self.max_steps, "a positive whole number")
         _check(self.batch_per_gpu > 0, "batch_per_gpu", self.batch_per_gpu, "a positive whole number")
         _check(self.grad_accum > 0, "grad_accum", self.grad_accum, "a positive whole number")
-        _check(
-            self.precision in ("auto", "fp32", "fp16", "bf16"), "precision", self.precision, "auto, fp32, fp16 or bf16"
-        )
+        precisions = ("auto", *PRECISIONS)
+        _check(self.precision in precisions, "precision", self.precision, either(precisions))
         _check(self.batching in ("tokens", "sentences"), "batching", self.batching, "tokens or sentences")
         _check(self.max_tokens >= 0, "max_tokens", self.max_tokens, "0 (from --batch-per-gpu) or a positive number")
-        _check(
-            self.grad_compression in ("none", "fp16", "bf16", "powersgd", "auto"),
-            "grad_compression",
-            self.grad_compression,
-            "none, fp16, bf16, powersgd or auto",
-        )
+        _check(self.grad_compression in COMPRESSIONS, "grad_compression", self.grad_compression, either(COMPRESSIONS))
         _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
         _check(self.lr_scale > 0, "lr_scale", self.lr_scale, "a positive number")
         _check(0 < self.adam_eps < 1, "adam_eps", self.adam_eps, "a small positive number")
@@ -160,69 +157,6 @@ class TrainConfig:
         values["adam_betas"] = tuple(values["adam_betas"])
         values.setdefault("batching", "sentences")  # runs saved before token batching keep their samples
         return cls(model=model, vision=vision, **values)
-
-
-RECIPES = {
-    # The published transformer-base (Vaswani et al.; OpenSeq2Seq's "transformer" LR policy).
-    "transformer-base": {},
-    # The same code at toy size: CPU runs, tests and the local demo (numbers data set). Sentence batches:
-    # in the numbers set a pair's length fixes its content, and length-bucketed batches cut the BLEU
-    # after 200 steps from ~85 to ~33 (README, *Text input pipeline*); --batching tokens to compare.
-    "transformer-tiny": dict(
-        data="/data/datasets/numbers",
-        batching="sentences",
-        max_steps=600,
-        batch_per_gpu=64,
-        lr_scale=1.0,
-        warmup_steps=200,
-        label_smoothing=0.1,
-        log_every=50,
-        eval_every=200,
-        eval_samples=300,
-        checkpoint_every=100,
-        clip_grad=1.0,
-        model=dict(d_model=128, layers=2, heads=4, ffn=512, dropout=0.1, max_len=128, pre_norm=True),
-    ),
-    # ResNet-50 on ImageNet (NVIDIA DeepLearningExamples' recipe: SGD with momentum, LR 0.256 per 256
-    # images scaled with the global batch, warm-up then cosine, label smoothing, channels-last, AMP).
-    "resnet50": dict(
-        data="/data/imagenet",
-        max_steps=56_300,
-        batch_per_gpu=256,
-        warmup_steps=5_000,
-        label_smoothing=0.1,
-        log_every=100,
-        eval_every=5_000,
-        eval_samples=50_000,
-        eval_batch=256,
-        checkpoint_every=2_500,
-        precision="fp16",
-        vision=dict(arch="resnet50"),
-    ),
-    # A small ResNet at 32 px for CPU runs and tests: Fashion-MNIST (prepare.py fashion-mnist), any
-    # image folder, or --synthetic.
-    "resnet-small": dict(
-        data="/data/datasets/fashion-mnist",
-        max_steps=300,
-        batch_per_gpu=32,
-        warmup_steps=30,
-        label_smoothing=0.1,
-        log_every=20,
-        eval_every=100,
-        eval_samples=500,
-        eval_batch=64,
-        checkpoint_every=100,
-        vision=dict(
-            arch="resnet18",
-            width=16,
-            image_size=32,
-            num_classes=10,
-            base_lr=0.4,
-            momentum=0.9,
-            weight_decay=5e-4,
-        ),
-    ),
-}
 
 
 def _parse_bool(text: str) -> bool:

@@ -14,7 +14,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from model import BOS, EOS, PAD
+
+from train.model import BOS, EOS, PAD
 
 SHARD_PAIRS = 500_000
 
@@ -120,7 +121,7 @@ class PairDataset:
     def target(self, index: int) -> list[int]:
         return self._ids(self.tgt, index, self.max_len - 2).tolist()
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS."""
         src = [self._ids(self.src, i, self.max_len - 1) for i in indices]
         tgt = [self._ids(self.tgt, i, self.max_len - 2) for i in indices]
@@ -184,7 +185,7 @@ class DataSet:
         if not meta_path.exists():
             raise FileNotFoundError(
                 f"no prepared data set in {self.root} (meta.json missing); run "
-                f"`python prepare.py numbers --out {self.root}` or `fab data`"
+                f"`python -m train.prepare numbers --out {self.root}` or `fab data`"
             )
         self.meta = json.loads(meta_path.read_text())
         self.tokenizer = Tokenizer(self.root / "spm.model")

@@ -54,7 +54,7 @@ def setup(timeout_s: float = 300.0) -> tuple[DistInfo, torch.device]:
         device = torch.device("cpu")
     backend = backend_for(device)
     if os.environ.get("TRAIN_STRICT_DEVICE", "") not in ("", "0"):
-        import strict_device
+        from train import strict_device
 
         strict_device.install(device)
     if info.world_size > 1:
@@ -116,3 +116,23 @@ def all_gather_objects(obj):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+class HostCopy:
+    """A device tensor's values on the host without stalling the device queue: on GPUs an async copy
+    into pinned memory, waited for only when read."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.is_cuda:
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import distributed
 import torch
 import torch.nn.functional as F
-from config import TrainConfig
-from data import PAD, DataSet
+
+from train import distributed
+from train.config import TrainConfig
+from train.data import PAD, DataSet
 
 
 def bleu(hypotheses: list[str], references: list[str]) -> float:
@@ -20,7 +21,7 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
 
 
 def translate(model, tokens: list[list[int]], batch: int, beam: int, device) -> list[list[int]]:
-    from data import _pad
+    from train.data import _pad
 
     out = []
     for start in range(0, len(tokens), batch):

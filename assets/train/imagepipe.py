@@ -16,9 +16,10 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-from data import global_batch_indices, rank_slice
 from torch.utils.data import DataLoader, Dataset
-from vision import MEAN, STD, ImageFolder, decode
+
+from train.data import global_batch_indices, rank_slice
+from train.vision import MEAN, STD, ImageFolder, decode
 
 # Batches each worker keeps decoded ahead of the step (DataLoader's prefetch_factor; 2 is its default).
 PREFETCH = 2

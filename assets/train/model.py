@@ -8,7 +8,8 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from config import ModelConfig
+
+from train.config import ModelConfig
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 warnings.filterwarnings("ignore", message="enable_nested_tensor is True")

@@ -1,10 +1,10 @@
 """Prepare a data set for train.py.
 
-    python prepare.py numbers --out /data/datasets/numbers
-    python prepare.py ding --out /data/datasets/ding
-    python prepare.py wmt16-en-de --out /data/datasets/wmt16-en-de
-    python prepare.py fashion-mnist --out /data/datasets/fashion-mnist
-    python prepare.py imagenet --source /data/imagenet --stage-to /opt/dlami/nvme/imagenet
+    python -m train.prepare numbers --out /data/datasets/numbers
+    python -m train.prepare ding --out /data/datasets/ding
+    python -m train.prepare wmt16-en-de --out /data/datasets/wmt16-en-de
+    python -m train.prepare fashion-mnist --out /data/datasets/fashion-mnist
+    python -m train.prepare imagenet --source /data/datasets/imagenet --stage-to /opt/dlami/nvme/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
 ("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers
@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
+from cluster_node import rundir
+from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 
 def number_phrase(value: int, lang: str) -> str:
@@ -124,7 +125,7 @@ def prepare_numbers(args: argparse.Namespace) -> None:
 
 
 def prepare_ding(args: argparse.Namespace) -> None:
-    import ding
+    from train import ding
 
     out, source = Path(args.out), Path(args.source)
     try:
@@ -144,7 +145,7 @@ def prepare_ding(args: argparse.Namespace) -> None:
 
 
 def prepare_wmt16(args: argparse.Namespace) -> None:
-    import wmt16
+    from train import wmt16
 
     out = Path(args.out)
     request = {"dataset": "wmt16-en-de", "vocab": args.vocab}
@@ -160,7 +161,7 @@ def prepare_wmt16(args: argparse.Namespace) -> None:
 
 
 def prepare_fashion(args: argparse.Namespace) -> None:
-    import fashion
+    from train import fashion
 
     out, source = Path(args.out), Path(args.source)
     per_class = {"train": args.train_per_class, "val": args.val_per_class}
@@ -189,7 +190,7 @@ def prepare_fashion(args: argparse.Namespace) -> None:
 
 
 def prepare_imagenet(args: argparse.Namespace) -> None:
-    import imagenet
+    from train import imagenet
 
     source = Path(args.source)
     try:
@@ -212,12 +213,12 @@ def busy_marker(directory: Optional[str], what: str, every: float = 60.0) -> Ite
     if not directory:
         yield
         return
-    path = Path(directory) / f"{socket.gethostname()}-{os.getpid()}.json"
+    path = Path(directory) / rundir.BUSY_MARKER.format(host=socket.gethostname(), pid=os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
     done = threading.Event()
 
     def write() -> None:
-        atomic_write_bytes(path, lambda f: f.write(json.dumps({"what": what, "time": time.time()}).encode()))
+        rundir.write_record(path, rundir.BusyMarker(what=what, time=time.time()))
 
     def refresh() -> None:
         while not done.wait(every):

@@ -1,5 +1,5 @@
-"""The step-time model behind `fab report`'s what-ifs and `--grad-compression auto` (one copy: the
-node imports it from the image, the controller as assets.train.stepmodel). Standard library only.
+"""The step-time model behind `fab report`'s what-ifs and `--grad-compression auto` (one copy,
+`train.stepmodel`, on the nodes and in the controller). Standard library only.
 
 Per optimizer step (seconds; every input measured, none assumed):
     step = data + compute + exposed + optimizer + other

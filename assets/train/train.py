@@ -2,29 +2,33 @@
 
 One process per GPU (per CPU slot locally). The same command works under mpirun, torchrun or alone:
 
-    python prepare.py numbers --out /data/datasets/numbers
-    python train.py --recipe transformer-tiny --data /data/datasets/numbers --run-dir /data/runs/tiny
-    torchrun --standalone --nproc-per-node 2 train.py --recipe transformer-tiny \
+    python -m train.prepare numbers --out /data/datasets/numbers
+    python -m train.train --recipe transformer-tiny --data /data/datasets/numbers --run-dir /data/runs/tiny
+    torchrun --standalone --nproc-per-node 2 -m train.train --recipe transformer-tiny \
         --data /data/datasets/numbers --run-dir /data/runs/tiny --max-steps 500
     mpirun -H 10.0.0.5:1,10.0.0.6:1 -np 2 -bind-to none -map-by slot \
         -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 \
-        python train.py --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
+        python -m train.train --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
 
-    python train.py --recipe resnet50 --data /data/imagenet --run-dir /data/runs/r50   # or --synthetic
-    python train.py --recipe resnet-small --data /data/datasets/fashion-mnist --run-dir /tmp/rs
+    python -m train.train --recipe resnet50 --data /data/datasets/imagenet --run-dir /data/runs/r50   # or --synthetic
+    python -m train.train --recipe resnet-small --data /data/datasets/fashion-mnist --run-dir /tmp/rs
 
-(`fab train` builds that mpirun line for you.) Re-running the same command resumes from the newest
+Run from the directory that holds this package, or with it on PYTHONPATH (the image sets /workspace;
+`fab train` builds that mpirun line for you, with -x PYTHONPATH). Re-running the same command resumes from the newest
 good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and exits cleanly.
 """
 
+import json
 import sys
 from pathlib import Path
+from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import distributed  # noqa: E402
-from config import (  # noqa: E402
+from cluster_node import rundir
+from train import distributed
+from train.callbacks import Callback, ProgressFile, RankHeartbeat, stacks_on_sigusr2
+from train.config import (
     ConfigError,
+    TrainConfig,
     build_parser,
     config_from_args,
     resolve_precision,
@@ -37,35 +41,49 @@ def effective_config(args):
     """The flags on the recipe for a new run; for a run directory that holds one, its saved
     configuration (a resumed run keeps its settings). Returns (config, changes, resumed)."""
     config = config_from_args(args)
-    saved = Path(config.run_dir) / "config.json"
+    saved = Path(config.run_dir) / rundir.CONFIG
     if not saved.exists():
         return config, [], False
-    import json
-
     config, changes = resume_config(json.loads(saved.read_text()), args)
     return config, changes, True
 
 
-def watchable(trainer, run_dir: Path, rank: int) -> None:
-    """For the launcher's hang watchdog: RUN_DIR/ranks/rankN holds this rank's last finished step
-    and pid; SIGUSR2 appends this rank's Python stacks to RUN_DIR/stacks/rankN.txt."""
-    import faulthandler
-    import os
-    import signal
-    import socket
+def compose(config: TrainConfig, info: distributed.DistInfo, device, callbacks: Sequence[Callback] = ()):
+    """The composition root: the recipe's task (model, data, loss, eval), its optimizer and LR schedule,
+    handed to the Trainer with the callbacks; then rank 0 records the effective configuration (after the
+    trainer resolved `auto` precision and compression) in config.json, which a resume reads."""
+    import torch
 
-    for sub in ("ranks", "stacks"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    faulthandler.register(signal.SIGUSR2, file=open(run_dir / "stacks" / f"rank{rank}.txt", "a"), all_threads=True)
-    beat, step = run_dir / "ranks" / f"rank{rank}", trainer.train_step
-    origin = f"{os.getpid()} {socket.gethostname()}"
+    from train.recipes import make_task
+    from train.trainer import Trainer
 
-    def train_step():
-        out = step()
-        beat.write_text(f"{trainer.step} {origin}\n")
-        return out
+    task = make_task(config, info, device)
+    optimizer = task.optimizer()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: task.lr_factor(s + 1))
+    trainer = Trainer(config, info, device, task, optimizer, scheduler, callbacks)
+    if info.is_main:
+        rundir.write_json(Path(config.run_dir) / rundir.CONFIG, config.to_dict(), indent=2)
+    return trainer
 
-    trainer.train_step = train_step
+
+def reporting(config: TrainConfig, info: distributed.DistInfo) -> list[Callback]:
+    """For the supervisor's hang watchdog: every rank's heartbeat (and its stacks on SIGUSR2); rank 0's
+    progress.json."""
+    run_dir = Path(config.run_dir)
+    stacks_on_sigusr2(run_dir, info.rank)
+    callbacks: list[Callback] = [RankHeartbeat(run_dir, info.rank)]
+    if info.is_main:
+        callbacks.append(ProgressFile(run_dir, config.max_steps, info.world_size))
+    return callbacks
+
+
+def _summary_line(summary: dict) -> str:
+    shown = ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "top1", "checkpoint_mb")
+    return "summary: " + ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in summary.items()
+        if k in shown and v is not None
+    )
 
 
 def main(argv=None) -> int:
@@ -92,21 +110,9 @@ def main(argv=None) -> int:
             flush=True,
         )
     try:
-        from trainer import Trainer
-
-        trainer = Trainer(config, info, device)
-        watchable(trainer, Path(config.run_dir), info.rank)
+        trainer = compose(config, info, device, reporting(config, info))
         trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
-        summary = trainer.fit()
-        trainer.log(
-            "summary: "
-            + ", ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in summary.items()
-                if k in ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "top1", "checkpoint_mb")
-                and v is not None
-            )
-        )
+        trainer.log(_summary_line(trainer.fit()))
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

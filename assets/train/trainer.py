@@ -3,169 +3,53 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import resource
 import signal
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
-import autocompress
-import breakdown
-import checkpoint
-import distributed
 import torch
-from config import TrainConfig, resolve_precision
-from data import atomic_write_bytes
-from tasks import make_task
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cluster_node.rundir import URGENT_STOP_WORD
-
-
-def compress_hook(dtype: torch.dtype):
-    """A DDP comm hook that all-reduces gradients in `dtype` (fp16/bf16), on NCCL and on gloo
-    (PyTorch's own bf16 hook insists on NCCL)."""
-    import torch.distributed as dist
-
-    def hook(state, bucket):
-        buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(dist.get_world_size())
-        future = dist.all_reduce(compressed, async_op=True).get_future()
-
-        def decompress(fut):
-            buffer.copy_(fut.value()[0])
-            return buffer
-
-        return future.then(decompress)
-
-    return hook
-
-
-def serialized_hook(hook):
-    """`hook` with each bucket's collectives started only once the previous bucket's have finished.
-    PowerSGD all-reduces its P and Q from future callbacks and waits there: with two buckets in flight
-    on gloo, the ranks hang at the first compressed step (what forced one bucket, pytorch#58467).
-    Chained, every rank issues the same collectives in the same order, and buckets still overlap the
-    rest of the backward pass."""
-    tail: list = [None]
-
-    def serialized(state, bucket):
-        previous = tail[0]
-        if previous is None:
-            future = hook(state, bucket)
-        else:
-            future = torch.futures.Future()
-
-            def finish(done):
-                try:
-                    future.set_result(done.wait())
-                except Exception as error:  # noqa: BLE001 - handed to DDP through the future
-                    future.set_exception(error)
-
-            def start(done):
-                try:
-                    done.wait()
-                    hook(state, bucket).then(finish)
-                except Exception as error:  # noqa: BLE001
-                    future.set_exception(error)
-
-            previous.then(start)
-        tail[0] = None if bucket.is_last() else future
-        return future
-
-    return serialized
-
-
-def _register_comm_hook(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
-    """The mode's hook (a Python all-reduce hook for none), timed for the step breakdown."""
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if config.grad_compression in ("fp16", "bf16"):
-        dtype = torch.float16 if config.grad_compression == "fp16" else torch.bfloat16
-        ddp.register_comm_hook(None, breakdown.timed_hook(compress_hook(dtype), timer))
-    elif config.grad_compression == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=config.powersgd_rank,
-            start_powerSGD_iter=2,
-            use_error_feedback=True,
-            warm_start=True,
-        )
-        hook = powerSGD_hook.powerSGD_hook
-        if dist.get_backend() == "gloo":
-            hook = serialized_hook(hook)
-        ddp.register_comm_hook(state, breakdown.timed_hook(hook, timer))
-    else:
-        ddp.register_comm_hook(None, breakdown.timed_hook(default_hooks.allreduce_hook, timer))
-
+from cluster_node import rundir
+from train import autocompress, breakdown, checkpoint, commhooks, distributed
+from train.callbacks import Callback
+from train.config import TrainConfig, resolve_precision
 
 # RUN_DIR/STOP (`fab stop`) ends the run after an eval and a checkpoint; a STOP whose first word is
-# "now" (the Spot interruption watcher's) checkpoints at once and skips the eval: the notice is 2 min.
-URGENT_STOP = URGENT_STOP_WORD
+# rundir.URGENT_STOP_WORD (the Spot watcher's) checkpoints at once and skips the eval: the notice is 2 min.
 
 
 def _urgent(stop_file: Path) -> bool:
     try:
-        return re.match(rf"\s*{URGENT_STOP}\b", stop_file.read_text()) is not None
+        return re.match(rf"\s*{rundir.URGENT_STOP_WORD}\b", stop_file.read_text()) is not None
     except OSError:  # removed meanwhile
         return False
 
 
-class HostCopy:
-    """A device tensor's values on the host without stalling the device queue: on GPUs an async copy
-    into pinned memory, waited for only when read."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.event = None
-        if tensor.is_cuda:
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = tensor
-
-    def values(self) -> list:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
-def duration(seconds: float) -> str:
-    """45s, 2m10s, 3h05m"""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _parts_line(parts: dict) -> str:
-    """data 1 | compute 300 | comm 50 | opt 20 | other 5 ms"""
-    names = {
-        "data_s": "data",
-        "compute_s": "compute",
-        "comm_exposed_s": "comm",
-        "optimizer_s": "opt",
-        "other_s": "other",
-    }
-    return " ".join(f"{name} {parts.get(key, 0.0) * 1000:.0f}" for key, name in names.items()) + " ms"
-
-
 class Trainer:
-    def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
+    """The loop around a recipe's task. train.py composes it: the task (model, batches, loss, eval), the
+    optimizer, the LR schedule and the callbacks are built there and handed in."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        info: distributed.DistInfo,
+        device: torch.device,
+        task,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        callbacks: Sequence[Callback] = (),
+    ):
         self.config, self.info, self.device = config, info, device
         self.run_dir = Path(config.run_dir)
-        self.task = make_task(config, info, device)
+        self.task, self.model = task, task.model
+        self.optimizer, self.scheduler, self.callbacks = optimizer, scheduler, list(callbacks)
         for note in getattr(self.task, "notes", []):
             self.log(note)
-        self.model = self.task.model
-        self.optimizer = self.task.optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: self.task.lr_factor(s + 1))
         resolve_precision(config, device)  # `auto` (train.py resolves it first, to print why)
         self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
         self.scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
@@ -176,32 +60,36 @@ class Trainer:
         self.urgent_stop = False
         self.fit_started = time.time()
         self._resume()
-        self.ddp = None
         self.timer = breakdown.StepTimer(breakdown.clock_for(device))
         self.wire = breakdown.AllReduceCounter()
         self.step_parts: list[dict] = []  # this process's steps, resolved at log intervals
         self.bucket_cap_mb = config.bucket_cap_mb
-        self.calibration, self.auto_compression = None, None
+        self.ddp: Optional[DDP] = None
+        self.calibration: Optional[dict] = None
+        self.auto_compression: Optional[dict] = None
         if info.world_size > 1:
-            self.calibration, self.auto_compression = autocompress.start_of_run(self)
-            if self.auto_compression:
-                self.log(f"--grad-compression auto: {config.grad_compression}: {self.auto_compression['why']}")
-            bucket_mb = config.bucket_cap_mb
-            self.ddp = DDP(self.model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb)
-            _register_comm_hook(self.ddp, config, self.timer)
-            self.wire.install()
+            self._distribute()
         self.writer = self.wandb = None
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(
-                self.run_dir / "config.json", lambda f: f.write(json.dumps(config.to_dict(), indent=2).encode())
-            )
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.writer = SummaryWriter(str(self.run_dir / rundir.TENSORBOARD))
             self.wandb = self._start_wandb()
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+
+    def _distribute(self) -> None:
+        """Calibrate (and choose the --grad-compression auto mode), then wrap the model in DDP with the
+        mode's comm hook (commhooks.py) and count the all-reduced bytes."""
+        config, device = self.config, self.device
+        self.calibration, self.auto_compression = autocompress.start_of_run(self)
+        if self.auto_compression:
+            self.log(f"--grad-compression auto: {config.grad_compression}: {self.auto_compression['why']}")
+        device_ids = [device] if device.type == "cuda" else None
+        self.ddp = ddp = DDP(self.model, device_ids=device_ids, bucket_cap_mb=config.bucket_cap_mb)
+        commhooks.register(ddp, config, self.timer)
+        self.wire.install()
 
     def log(self, message: str) -> None:
         if self.info.is_main:
@@ -279,8 +167,9 @@ class Trainer:
         batches = self.task.batches(self.step)
         self.timer.mark("data")
         stop, urgent = self.stop_requested, False
-        if self.info.is_main and (self.run_dir / "STOP").exists():
-            stop, urgent = True, _urgent(self.run_dir / "STOP")
+        stop_file = self.run_dir / rundir.STOP
+        if self.info.is_main and stop_file.exists():
+            stop, urgent = True, _urgent(stop_file)
         counts = torch.zeros(3, device=self.device)  # units (exact below 2**24), stop, stop without eval
         for batch in batches:
             counts[0] += self.task.units(batch)
@@ -300,7 +189,7 @@ class Trainer:
                 loss_sum = self.task.loss_sum(module, batch)
                 if flags is None:
                     wait_counts()
-                    flags = HostCopy(counts)
+                    flags = distributed.HostCopy(counts)
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
             self.wire.armed = last
@@ -336,16 +225,9 @@ class Trainer:
         pending.clear()
         return losses[-1]
 
-    def _write_progress(self, **values) -> None:
-        if self.info.is_main:
-            record = dict(
-                values,
-                step=self.step,
-                max_steps=self.config.max_steps,
-                time=time.time(),
-                world_size=self.info.world_size,
-            )
-            atomic_write_bytes(self.run_dir / "progress.json", lambda f: f.write(json.dumps(record).encode()))
+    def _progress(self, **values) -> None:
+        for callback in self.callbacks:
+            callback.on_progress(self.step, values)
 
     def _memory_mb(self) -> float:
         if self.device.type == "cuda":
@@ -365,6 +247,8 @@ class Trainer:
         while self.step < c.max_steps:
             tick = time.perf_counter()
             loss_sum, units, stop = self.train_step()
+            for callback in self.callbacks:
+                callback.on_step(self.step)
             step_times.append(time.perf_counter() - tick)
             pending.append((self.step, loss_sum, units))
             self._log_step(pending, step_times, global_batch)
@@ -383,7 +267,7 @@ class Trainer:
             if stop:
                 ended = "stop requested" + (" (checkpoint now, no eval)" if self.urgent_stop else "")
                 if self.info.is_main:
-                    (self.run_dir / "STOP").unlink(missing_ok=True)
+                    (self.run_dir / rundir.STOP).unlink(missing_ok=True)
                 break
             if reached:
                 ended = f"target {metric} {c.target_metric} reached"
@@ -413,10 +297,10 @@ class Trainer:
             self.log(
                 f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
                 f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
-                f"{global_batch / step_time:.0f} objects/s | {_parts_line(parts)} | "
-                f"elapsed {duration(elapsed)} | ETA {duration(eta)}"
+                f"{global_batch / step_time:.0f} objects/s | {breakdown.parts_line(parts)} | "
+                f"elapsed {breakdown.duration(elapsed)} | ETA {breakdown.duration(eta)}"
             )
-            self._write_progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
+            self._progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
 
     def _interval_breakdown(self) -> dict:
         """The critical rank's mean parts over the steps since the last call (all ranks call it: one
@@ -448,11 +332,11 @@ class Trainer:
         result = self.task.evaluate()
         texts = {k: result.pop(k) for k in list(result) if isinstance(result[k], list)}
         if self.info.is_main:
-            eval_dir = self.run_dir / "eval"
+            eval_dir = self.run_dir / rundir.EVAL
             eval_dir.mkdir(exist_ok=True)
             for kind, lines in texts.items():  # translation: hypotheses, references, sources
                 text = "".join(line + "\n" for line in lines)
-                atomic_write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt", lambda f, t=text: f.write(t.encode()))
+                rundir.write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt", text.encode())
             measured = {k: v for k, v in result.items() if v is not None}  # synthetic data: nothing
             if measured:
                 self.log(
@@ -488,8 +372,9 @@ class Trainer:
             "auto_compression": self.auto_compression,
         }
         if self.info.is_main:
-            atomic_write_bytes(self.run_dir / "summary.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
-            self._write_progress(loss=None, avg_step_time_s=avg, ended=ended)
+            rundir.write_json(self.run_dir / rundir.SUMMARY, summary, indent=2)
+        self._progress(loss=None, avg_step_time_s=avg, ended=ended)  # after the summary, as readers expect
+        if self.info.is_main:
             if self.writer:
                 self.writer.close()
             if self.wandb:

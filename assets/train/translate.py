@@ -1,20 +1,19 @@
 """Translate lines from stdin with a checkpoint:
 
-echo "four thousand two hundred and seventy-one" | python translate.py RUN_DIR/checkpoints/best.pt
+echo "four thousand two hundred and seventy-one" | python -m train.translate RUN_DIR/checkpoints/best.pt
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import checkpoint  # noqa: E402
-import torch  # noqa: E402
-from config import TrainConfig  # noqa: E402
-from data import EOS, Tokenizer  # noqa: E402
-from evaluate import translate  # noqa: E402
-from model import Transformer  # noqa: E402
+from train import checkpoint
+from train.config import TrainConfig
+from train.data import EOS, Tokenizer
+from train.evaluate import translate
+from train.model import Transformer
 
 
 def main(argv=None) -> int:

@@ -112,8 +112,8 @@ class ImageFolder:
         root = Path(root)
         if not root.is_dir():
             raise FileNotFoundError(
-                f"no image folder {root}: prepare one with `python prepare.py fashion-mnist --out DATA` "
-                "(fab data --dataset fashion-mnist) or check yours with `python prepare.py imagenet --source DIR`"
+                f"no image folder {root}: prepare one with `python -m train.prepare fashion-mnist --out DATA` "
+                "(fab data --dataset fashion-mnist) or check yours with `python -m train.prepare imagenet --source DIR`"
             )
         self.classes = list(classes) if classes else sorted(p.name for p in root.iterdir() if p.is_dir())
         index = {name: i for i, name in enumerate(self.classes)}

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
+from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 ARCHIVES = {
     "europarl": "http://www.statmt.org/europarl/v7/de-en.tgz",

@@ -7,13 +7,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import distributed
 import numpy as np
 import torch
 import torch.nn.functional as F
-from config import TrainConfig
-from data import PAD, DataSet, rank_slice
-from sampler import Prefetcher, SentenceBatches, TokenBuckets, pair_costs, token_budget
+
+from train import distributed
+from train.config import TrainConfig
+from train.data import PAD, DataSet, rank_slice
+from train.sampler import Prefetcher, SentenceBatches, TokenBuckets, pair_costs, token_budget
 
 
 def transformer_lr(step: int, d_model: int, warmup: int, scale: float) -> float:
@@ -34,7 +35,7 @@ class TranslationTask:
     metric = "bleu"
 
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
-        from model import Transformer
+        from train.model import Transformer
 
         self.config, self.info, self.device = config, info, device
         self.data = DataSet(config.data, config.model.max_len)
@@ -104,7 +105,7 @@ class TranslationTask:
         )
 
     def evaluate(self) -> dict:
-        from evaluate import evaluate
+        from train.evaluate import evaluate
 
         return evaluate(self.model, self.data, self.config, self.info, self.device)
 
@@ -117,8 +118,8 @@ class ImageTask:
     metric = "top1"
 
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
-        from imagepipe import TrainStream, workers_for
-        from vision import ImageFolder, ResNet
+        from train.imagepipe import TrainStream, workers_for
+        from train.vision import ImageFolder, ResNet
 
         self.config, self.info, self.device = config, info, device
         v = config.vision
@@ -133,7 +134,8 @@ class ImageTask:
             )
             self.stream.configure(self.workers, self.pin)
         torch.manual_seed(config.seed)
-        self.model = ResNet(v.arch, v.num_classes, v.width).to(device, memory_format=torch.channels_last)
+        self.model = ResNet(v.arch, v.num_classes, v.width)
+        self.model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in the stub
         # Under autocast the first convolution runs in the AMP dtype: hand it that dtype (half the bytes).
         amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(config.precision)
         self.input_dtype = amp if amp is not None and device.type == "cuda" else torch.float32
@@ -157,7 +159,7 @@ class ImageTask:
         return warmup_cosine_lr(step, c.warmup_steps, c.max_steps, c.vision.base_lr * global_batch / 256)
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
-        from imagepipe import to_device
+        from train.imagepipe import to_device
 
         c = self.config
         out: list[tuple[torch.Tensor, ...]] = []
@@ -193,7 +195,7 @@ class ImageTask:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        from imagepipe import to_device
+        from train.imagepipe import to_device
 
         c = self.config
         if c.vision.synthetic:
@@ -215,7 +217,7 @@ class ImageTask:
     def _val_loader(self):
         """This rank's share of the eval subset, decoded by its own persistent workers (kept between
         evaluations: the subset is the same each time)."""
-        from imagepipe import Samples, loader
+        from train.imagepipe import Samples, loader
 
         if self._eval_loader is None:
             c = self.config

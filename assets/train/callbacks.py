@@ -1,0 +1,60 @@
+"""What the trainer reports while it runs, as callbacks the composition root (train.py) hands it: the rank
+heartbeat the supervisor's hang watchdog reads, and rank 0's progress.json. File names and records are
+cluster_node.rundir's."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster_node import rundir
+
+
+class Callback:
+    """Called by Trainer.fit: on_step after every optimizer step (every rank), on_progress at each log
+    step and once at the end with the values progress.json records (every rank; `ended` only at the end)."""
+
+    def on_step(self, step: int) -> None:
+        pass
+
+    def on_progress(self, step: int, values: dict[str, Any]) -> None:
+        pass
+
+
+class RankHeartbeat(Callback):
+    """RUN_DIR/ranks/rankN: this rank's last finished step, pid and host; its mtime is that step's time.
+    Not atomic (a write per step; the readers skip a line that does not parse)."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.path = rundir.rank_beat(Path(run_dir), rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.pid, self.host = os.getpid(), socket.gethostname()
+
+    def on_step(self, step: int) -> None:
+        self.path.write_text(rundir.RankBeat(step, self.pid, self.host).to_text())
+
+
+class ProgressFile(Callback):
+    """RUN_DIR/progress.json (rank 0's callback): the latest logged step, and the end record."""
+
+    def __init__(self, run_dir: Path, max_steps: int, world_size: int):
+        self.path = Path(run_dir) / rundir.PROGRESS
+        self.max_steps, self.world_size = max_steps, world_size
+
+    def on_progress(self, step: int, values: dict[str, Any]) -> None:
+        record = rundir.Progress(
+            step=step, max_steps=self.max_steps, time=time.time(), world_size=self.world_size, **values
+        )
+        rundir.write_record(self.path, record)
+
+
+def stacks_on_sigusr2(run_dir: Path, rank: int) -> None:
+    """SIGUSR2 appends this rank's Python stacks to RUN_DIR/stacks/rankN.txt (the hang watchdog sends it)."""
+    path = Path(run_dir) / rundir.STACKS / rundir.RANK_STACK.format(rank=rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    faulthandler.register(signal.SIGUSR2, file=open(path, "a"), all_threads=True)  # noqa: SIM115 - kept open

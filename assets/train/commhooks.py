@@ -1,0 +1,88 @@
+"""DDP communication hooks for --grad-compression: fp16/bf16 all-reduce, PowerSGD (serialized on gloo),
+or a plain all-reduce, each timed for the step breakdown."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train import breakdown
+from train.config import TrainConfig
+
+
+def compress_hook(dtype: torch.dtype):
+    """A DDP comm hook that all-reduces gradients in `dtype` (fp16/bf16), on NCCL and on gloo
+    (PyTorch's own bf16 hook insists on NCCL)."""
+    import torch.distributed as dist
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size())
+        future = dist.all_reduce(compressed, async_op=True).get_future()
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return hook
+
+
+def serialized_hook(hook):
+    """`hook` with each bucket's collectives started only once the previous bucket's have finished.
+    PowerSGD all-reduces its P and Q from future callbacks and waits there: with two buckets in flight
+    on gloo, the ranks hang at the first compressed step (what forced one bucket, pytorch#58467).
+    Chained, every rank issues the same collectives in the same order, and buckets still overlap the
+    rest of the backward pass."""
+    tail: list = [None]
+
+    def serialized(state, bucket):
+        previous = tail[0]
+        if previous is None:
+            future = hook(state, bucket)
+        else:
+            future = torch.futures.Future()
+
+            def finish(done):
+                try:
+                    future.set_result(done.wait())
+                except Exception as error:  # noqa: BLE001 - handed to DDP through the future
+                    future.set_exception(error)
+
+            def start(done):
+                try:
+                    done.wait()
+                    hook(state, bucket).then(finish)
+                except Exception as error:  # noqa: BLE001
+                    future.set_exception(error)
+
+            previous.then(start)
+        tail[0] = None if bucket.is_last() else future
+        return future
+
+    return serialized
+
+
+def register(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
+    """The mode's hook (a Python all-reduce hook for none), timed for the step breakdown."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if config.grad_compression in ("fp16", "bf16"):
+        dtype = torch.float16 if config.grad_compression == "fp16" else torch.bfloat16
+        ddp.register_comm_hook(None, breakdown.timed_hook(compress_hook(dtype), timer))
+    elif config.grad_compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=2,
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        hook = powerSGD_hook.powerSGD_hook
+        if dist.get_backend() == "gloo":
+            hook = serialized_hook(hook)
+        ddp.register_comm_hook(state, breakdown.timed_hook(hook, timer))
+    else:
+        ddp.register_comm_hook(None, breakdown.timed_hook(default_hooks.allreduce_hook, timer))
