@@ -12,7 +12,7 @@ from cluster_node.contract import CONTAINER_SSH_PORT
 from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
-from .nodecmd import node_command
+from .nodecmd import node_command, package_root
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
@@ -176,12 +176,6 @@ def mpirun_prefix(
     for key, value in exports.items():
         argv += ["-x", f"{key}={value}"]
     return argv
-
-
-def package_root(code_dir: str) -> str:
-    """The directory holding the training package `train` (code_dir is that package's own directory:
-    /workspace/train in the image, /data/code/train after `fab sync`, REPO/assets/train locally)."""
-    return posixpath.dirname(code_dir.rstrip("/"))
 
 
 def rank_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:

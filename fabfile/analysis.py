@@ -8,7 +8,6 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 from clusterops import analysis, launch
-from clusterops import cost as costs
 from train import catalog
 
 from .common import head, load_inventory, node_price, number, run_dir, settings, task, training_code_dir, whole_number
