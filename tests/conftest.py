@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TRAIN_DIR = REPO / "assets" / "train"
 # stacks, clusterops, fabfile, cluster_node and train come from the editable install (scripts/setup.sh).
 
 OFFLINE_ENV = {

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from stepmodel import ring_wire_bytes  # noqa: F401 - the step model's, for trainer.py's wire bytes
+
+from train.stepmodel import ring_wire_bytes  # noqa: F401 - the step model's, for trainer.py's wire bytes
 
 PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
 
