@@ -14,6 +14,7 @@ from assets.train.stepmodel import (  # noqa: F401 - the model's names, for the 
     Breakdown,
     Prediction,
     comm_seconds,
+    hidden_seconds,
     powersgd_wire_bytes,
     ring_wire_bytes,
     what_ifs,
