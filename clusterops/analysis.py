@@ -12,6 +12,8 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
+from cluster_node import rundir as rd
+
 from . import bottleneck, launch, plots, remote, scaling, terminal
 from .inventory import Inventory
 from .linkcheck import link_file
@@ -59,6 +61,18 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
         for path in written:
             connection.put(str(path), f"{run_dir}/{path.name}")
     return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
+
+
+def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> dict:
+    """What `fab plan` reads from a run: summary.json, config.json, its eval lines (train.log) and the
+    link (measured by `fab check`, else a local cluster's cap)."""
+    log = remote.sh(connection, f"grep -a '^eval step ' {q(run_dir + '/' + rd.TRAIN_LOG)} || true")
+    return {
+        "summary": remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {},
+        "config": remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {},
+        "eval_log": log,
+        "link": measured_link_gbit(connection, inventory),
+    }
 
 
 # One round trip for every run: the head node's python reads each run's JSON files.

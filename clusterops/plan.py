@@ -31,6 +31,10 @@ GPU_TFLOPS = {"T4": 65.0, "V100": 125.0, "A100": 312.0, "L4": 121.0, "L40S": 362
 CPU = "cpu"  # what a run on the emulated cluster ran on
 
 
+class PlanError(ValueError):
+    """What the plan cannot be made from, in one line."""
+
+
 @dataclass(frozen=True)
 class Base:
     """What the plan starts from: one measured run, or a given step time as all compute."""
@@ -57,6 +61,13 @@ class Offer:
     price_source: str
     link_gbit: Optional[float]
     link_source: str
+    machine_cpus: int = 0  # the emulated cluster: the machine's CPUs, which its nodes split
+
+
+def cpu_share(nodes: int, cpus: int) -> float:
+    """CPUs the busiest emulated node gets (localcluster.node_cpus: an equal slice each, one CPU
+    shared round-robin when there are more nodes than CPUs)."""
+    return float(cpus // nodes) if nodes <= cpus else 1.0 / -(-nodes // cpus)
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,22 @@ class Estimate:
     def usd_total(self) -> Optional[float]:
         parts = (self.usd_nodes, self.usd_storage, self.usd_io)
         return None if any(part is None for part in parts) else sum(parts)  # type: ignore[misc]
+
+
+def base_from_run(name: str, summary: dict, gpu: str, ranks_per_node: int, link: tuple) -> Base:
+    """The plan's base from a finished run's summary.json and the link (rate, where it comes from)."""
+    if not summary.get("breakdown"):
+        raise PlanError(f"run {name} has no summary.json breakdown (not finished, or an older trainer)")
+    b = Breakdown.from_summary(summary)
+    where = f"run {name}: {b.world_size} rank(s) on {gpu}, {b.step * 1e3:.0f} ms/step as measured"
+    return Base(b, gpu, ranks_per_node, link[0], f"{where}; link {link[1]}")
+
+
+def base_from_step(step_s: float, grad_mb: float, gpu: str, instance_type: str, objects: float = 1.0) -> Base:
+    """A given step time on one node of `instance_type`: all compute, `grad_mb` MB of fp32 gradients."""
+    b = Breakdown(0.0, step_s, 0.0, 0.0, 0.0, 0.0, grad_mb * 1e6, 1, objects)
+    where = f"given: {step_s * 1e3:.0f} ms/step on 1 {instance_type} rank, {grad_mb:g} MB of gradients"
+    return Base(b, gpu, 1, None, where)
 
 
 def speed_factor(base: Base, offer: Offer) -> tuple[Optional[float], str]:
@@ -115,7 +142,7 @@ def step_at(base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1
     compute, data = b.compute * share / speed, b.data * share
     wire = ring_wire_bytes(payload_bytes(b), ranks)
     if ranks > 1 and wire and not link_gbit:
-        raise ValueError("no link rate to price the all-reduce: run `fab check`, or give --link-gbit")
+        raise PlanError("no link rate to price the all-reduce: run `fab check`, or give --link-gbit")
     comm = wire * 8 / (link_gbit * 1e9) if ranks > 1 and wire else 0.0
     slow, hidden, why = 1.0, 0.0, "none hidden (1-rank base)"
     if b.world_size > 1 and base.link_gbit and b.wire_bytes:
@@ -134,16 +161,17 @@ def step_at(base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1
     return step, model
 
 
-def estimate(
-    base: Base, offer: Offer, nodes: int, steps: int, storage: Storage, spot_note: str = ""
-) -> Estimate:
+def estimate(base: Base, offer: Offer, nodes: int, steps: int, storage: Storage, spot_note: str = "") -> Estimate:
     """One (type, N): step, time, and dollars for nodes, storage and EFS I/O, each with its model."""
     speed, speed_why = speed_factor(base, offer)
+    if speed is not None and offer.machine_cpus:  # the emulated cluster: N nodes split the machine's CPUs
+        share, was = cpu_share(nodes, offer.machine_cpus), cpu_share(base.nodes, offer.machine_cpus)
+        speed, speed_why = speed * share / was, f"{share:g} CPU(s) per node against {was:g} in the run"
     if speed is None:
         return Estimate(offer.instance_type, nodes, None, None, None, None, None, (), speed_why)
     try:
         step, model = step_at(base, nodes * offer.gpus_per_node, offer.link_gbit, speed)
-    except ValueError as error:
+    except PlanError as error:
         return Estimate(offer.instance_type, nodes, None, None, None, None, None, (), str(error))
     hours = steps * step / 3600
     price = offer.usd_per_hour
@@ -215,22 +243,25 @@ def parse_metric(text: str) -> tuple[str, float]:
     """`bleu=60` -> ("bleu", 60.0); one line naming the form otherwise."""
     found = re.fullmatch(r"([a-z_0-9]+)=(-?\d+(?:\.\d+)?)", (text or "").strip())
     if not found:
-        raise ValueError(f"invalid --metric {text!r}: NAME=VALUE, e.g. bleu=60 or top1=0.8")
+        raise PlanError(f"invalid --metric {text!r}: NAME=VALUE, e.g. bleu=60 or top1=0.8")
     return found.group(1), float(found.group(2))
 
 
 def steps_to(curve: Sequence[tuple[int, dict[str, float]]], metric: str, target: float) -> tuple[int, str]:
     """The first evaluated step that reached the target (a loss: at or below it), with its model;
-    ValueError when the curve never did (not extrapolated)."""
+    PlanError when the curve never did (not extrapolated)."""
     lower = "loss" in metric
     seen = [(step, values[metric]) for step, values in curve if metric in values]
     if not seen:
-        raise ValueError(f"the run's eval curve has no {metric!r} (it has: {_names(curve)})")
+        raise PlanError(f"the run's eval curve has no {metric!r} (it has: {_names(curve)})")
     for step, value in seen:
         if (value <= target) if lower else (value >= target):
-            return step, f"{metric} {value:g} at step {step}, the first of {len(seen)} evaluation(s) to reach {target:g}"
+            return (
+                step,
+                f"{metric} {value:g} at step {step}, the first of {len(seen)} evaluation(s) to reach {target:g}",
+            )
     best = (min if lower else max)(seen, key=lambda sv: sv[1])
-    raise ValueError(
+    raise PlanError(
         f"the run never reached {metric} {target:g} (best {best[1]:g} at step {best[0]} of {seen[-1][0]}): "
         "not extrapolated; train longer, then plan from that run"
     )
