@@ -14,7 +14,7 @@ from fabric import Connection
 
 from cluster_node import rundir as rd
 
-from . import bottleneck, launch, plots, remote, scaling, terminal
+from . import bottleneck, launch, plots, remote, scaling, terminal, verify
 from .inventory import Inventory
 from .linkcheck import link_file
 
@@ -56,11 +56,47 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
         raise remote.RemoteError(f"{run_dir}/summary.json has no step breakdown (a run from an older trainer)")
     link = remote.read_json(connection, link_file(inventory))
     scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
+    scored = verify.lines(remote.read_json(connection, f"{run_dir}/{rd.PREDICTIONS}") or [])
     with tempfile.TemporaryDirectory() as tmp:
-        lines, written = bottleneck.write_report(Path(run_dir).name, summary, link, tmp, scale)
+        lines, written = bottleneck.write_report(Path(run_dir).name, summary, link, tmp, scale, scored)
         for path in written:
             connection.put(str(path), f"{run_dir}/{path.name}")
     return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
+
+
+def verify_run(
+    connection: Connection, inventory: Inventory, run_dir: str, mode: str, request: launch.TrainRequest, code_dir: str
+) -> list[str]:
+    """`fab report --verify MODE`: the model's step for MODE from this run, a short run that makes
+    the change, the pair kept in the run's predictions.json; the lines to print."""
+    summary = remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {}
+    if not summary.get("breakdown"):
+        raise remote.RemoteError(f"{run_dir} has no summary.json breakdown: the run has not ended")
+    config = remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {}
+    slots = inventory.gpus_per_node if inventory.source == "aws" else 1
+    try:
+        predicted, model = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
+        one = verify.replaced(request, verify.changes(config, summary, mode, slots), f"{Path(run_dir).name}-verify")
+    except verify.VerifyError as error:
+        raise remote.RemoteError(str(error)) from None
+    one.validate()
+    rdir = launch.run_dir(inventory, one.run_name)
+    remote.sh(connection, f"rm -rf {q(rdir)}")
+    rdir, _ = remote.start_training(connection, inventory, remote.plan_launch(connection, inventory, one, code_dir))
+    status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
+    measured = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}") or {}
+    if status.get("state") != "finished" or not measured.get("avg_step_time_s"):
+        raise remote.RemoteError(f"the {mode} run {status.get('state')}: {status.get('reason')} (see {rdir}/train.log)")
+    pairs = (remote.read_json(connection, f"{run_dir}/{rd.PREDICTIONS}") or []) + [
+        verify.pair(mode, predicted, model, measured["avg_step_time_s"], one.run_name)
+    ]
+    remote.write_file(connection, f"{run_dir}/{rd.PREDICTIONS}", json.dumps(pairs, indent=2))
+    last = pairs[-1]
+    return [
+        f"{mode}: predicted {predicted * 1e3:.0f} ms/step ({model}), measured {last['measured_s'] * 1e3:.0f} ms "
+        f"in {one.run_name}: error {last['error']:+.0%}",
+        *verify.lines(pairs),
+    ]
 
 
 def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> dict:

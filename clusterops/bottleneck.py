@@ -8,9 +8,10 @@ runs the same code on the node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from assets.train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
+    MODES,
     Breakdown,
     Prediction,
     comm_seconds,
@@ -118,7 +119,7 @@ def predictions_for(b: Breakdown, rate: Optional[float]) -> list[Prediction]:
 
 
 def write_report(
-    name: str, summary: dict, link: Optional[dict], out_dir, scale: Optional[dict] = None
+    name: str, summary: dict, link: Optional[dict], out_dir, scale: Optional[dict] = None, scored: Sequence[str] = ()
 ) -> tuple[list[str], list]:
     """report.md, breakdown.png (and scaling.png when a `fab scale` series exists) into out_dir;
     returns the screen's lines and the paths written."""
@@ -129,7 +130,7 @@ def write_report(
     out_dir = Path(out_dir)
     b = Breakdown.from_summary(summary)
     predictions = predictions_for(b, link_rate(link))
-    lines = report_lines(name, summary, link, predictions, b)
+    lines = report_lines(name, summary, link, predictions, b) + list(scored)
     rows = [("measured", dict(zip(("data", "compute", "exposed", "optimizer", "other"), _parts(b))))]
     rows += [(p.name, dict(p.parts)) for p in predictions[1:] if "batch" not in p.name]  # same batch only
     written = [plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")]

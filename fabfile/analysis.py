@@ -26,14 +26,36 @@ from .common import (
 )
 
 
-@task(help={"run": "run name (default: the active or latest run)"})
-def report(c, run=None):
+@task(
+    help={
+        "run": "run name (default: the active or latest run)",
+        "verify": "score one what-if: a short run with MODE (none, fp16, bf16, powersgd, batchx2, batchx4, nodes=K)",
+    }
+)
+def report(c, run=None, verify=None):
     """The verdict on one run: compute-, communication-, input-bound or mixed, with the evidence and
     what-if predictions (fp16/bf16/PowerSGD, larger batch, faster links), each with its model.
-    Writes report.md and PNG plots into the run directory (`fab fetch` brings them home)."""
+    Writes report.md and PNG plots into the run directory (`fab fetch` brings them home). With
+    --verify MODE, first runs that what-if for 20 steps and keeps predicted vs measured in the run."""
     inv = load_inventory(c)
+    code_dir = training_code_dir(inv) if verify else ""
     with head(inv) as conn:
-        print("\n".join(analysis.report_run(conn, inv, run_dir(conn, inv, run))))
+        rdir = run_dir(conn, inv, run)
+        if verify:
+            print("\n".join(analysis.verify_run(conn, inv, rdir, verify, _base_request(c), code_dir)))
+        print("\n".join(analysis.report_run(conn, inv, rdir)))
+
+
+def _base_request(c) -> launch.TrainRequest:
+    """The fabric.yaml settings every short run takes (as `fab scale`'s)."""
+    import shlex
+
+    return launch.TrainRequest(
+        master_port=whole_number(settings(c)["master_port"], "master_port"),
+        stall_minutes=number(settings(c)["stall_minutes"], "stall_minutes"),
+        start_minutes=number(settings(c)["start_minutes"], "start_minutes"),
+        extra_args=tuple(shlex.split("--eval-samples 16 --eval-every 100000 --checkpoint-every 100000 --log-every 10")),
+    )
 
 
 @task

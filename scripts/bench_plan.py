@@ -5,7 +5,7 @@ run; the error is predicted / measured - 1 (issue 22: within 20%).
 
     .venv/bin/python scripts/bench_plan.py [--steps 30] [--batch 12] [--link 1gbit]
 
-Needs root. Brings up its own 3-node cluster (--name, default planbench) and takes it down at the
+Needs root. Brings up its own 3-node cluster (--name, default planb) and takes it down at the
 end, holding the machine's one-cluster lock meanwhile (clusterops/onecluster.py; --wait-lock waits).
 """
 
@@ -78,9 +78,8 @@ def errors(summaries: dict, link: str) -> list[str]:
             e = planning.estimate(base, local, nodes, 1, planning.Storage())
             measured = summary["avg_step_time_s"]
             assert e.step_s is not None, e.refused
-            lines.append(
-                f"{source} node  {nodes:>5} {e.step_s * 1e3:>9.0f} {measured * 1e3:>9.0f} {e.step_s / measured - 1:>+7.0%}"
-            )
+            error = e.step_s / measured - 1
+            lines.append(f"{source} node  {nodes:>5} {e.step_s * 1e3:>9.0f} {measured * 1e3:>9.0f} {error:>+7.0%}")
     return lines
 
 
@@ -90,7 +89,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=12, help="the global batch (divisible by 1, 2 and 3)")
     parser.add_argument("--link", default="1gbit")
-    parser.add_argument("--name", default="planbench")
+    parser.add_argument("--name", default="planb")
     parser.add_argument("--subnet", default="10.213.61.0/24")
     parser.add_argument("--save", help="write the runs' summaries into this JSON file")
     parser.add_argument("--wait-lock", action="store_true", help="wait for another emulated cluster run to end")
