@@ -56,7 +56,7 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
         raise remote.RemoteError(f"{run_dir}/summary.json has no step breakdown (a run from an older trainer)")
     link = remote.read_json(connection, link_file(inventory))
     scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
-    scored = verify.lines(remote.read_json(connection, f"{run_dir}/{rd.PREDICTIONS}") or [])
+    scored = verify.lines(_pairs(connection, run_dir))
     with tempfile.TemporaryDirectory() as tmp:
         lines, written = bottleneck.write_report(Path(run_dir).name, summary, link, tmp, scale, scored)
         for path in written:
@@ -87,7 +87,7 @@ def verify_run(
     measured = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}") or {}
     if status.get("state") != "finished" or not measured.get("avg_step_time_s"):
         raise remote.RemoteError(f"the {mode} run {status.get('state')}: {status.get('reason')} (see {rdir}/train.log)")
-    pairs = (remote.read_json(connection, f"{run_dir}/{rd.PREDICTIONS}") or []) + [
+    pairs = _pairs(connection, run_dir) + [
         verify.pair(mode, predicted, model, measured["avg_step_time_s"], one.run_name)
     ]
     remote.write_file(connection, f"{run_dir}/{rd.PREDICTIONS}", json.dumps(pairs, indent=2))
@@ -109,6 +109,12 @@ def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> d
         "eval_log": log,
         "link": measured_link_gbit(connection, inventory),
     }
+
+
+def _pairs(connection: Connection, run_dir: str) -> list[dict]:
+    """The run's kept predicted-vs-measured pairs (predictions.json, a JSON list)."""
+    pairs = remote.read_json(connection, f"{run_dir}/{rd.PREDICTIONS}")
+    return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
 
 
 # One round trip for every run: the head node's python reads each run's JSON files.

@@ -92,8 +92,8 @@ class Estimate:
 
     @property
     def usd_total(self) -> Optional[float]:
-        parts = (self.usd_nodes, self.usd_storage, self.usd_io)
-        return None if any(part is None for part in parts) else sum(parts)  # type: ignore[misc]
+        parts = [part for part in (self.usd_nodes, self.usd_storage, self.usd_io) if part is not None]
+        return sum(parts) if len(parts) == 3 else None
 
 
 def base_from_run(name: str, summary: dict, gpu: str, ranks_per_node: int, link: tuple) -> Base:
@@ -143,7 +143,7 @@ def step_at(base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1
     wire = ring_wire_bytes(payload_bytes(b), ranks)
     if ranks > 1 and wire and not link_gbit:
         raise PlanError("no link rate to price the all-reduce: run `fab check`, or give --link-gbit")
-    comm = wire * 8 / (link_gbit * 1e9) if ranks > 1 and wire else 0.0
+    comm = wire * 8 / (link_gbit * 1e9) if ranks > 1 and wire and link_gbit else 0.0
     slow, hidden, why = 1.0, 0.0, "none hidden (1-rank base)"
     if b.world_size > 1 and base.link_gbit and b.wire_bytes:
         slow = comm_seconds(b, base.link_gbit) / (b.wire_bytes * 8 / (base.link_gbit * 1e9))

@@ -224,7 +224,8 @@ def _offer(inv, name: str, base, link, spot: bool):
     from stacks.instance_types import lookup
 
     gpu = _gpu(inv, name)
-    gpus = lookup(name).gpus if lookup(name) else 1  # the emulated cluster: one rank per node
+    known = lookup(name)
+    gpus = known.gpus if known else 1  # the emulated cluster: one rank per node
     rate, where = (link, "given") if link else (base.link_gbit, "the base run's")
     if gpu == planning.CPU:
         cpus = len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs

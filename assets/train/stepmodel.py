@@ -139,7 +139,12 @@ def compression_what_if(b: Breakdown, link_gbit: float, mode: str):
         tail = pipelined(comm * ratio, work, 1.0 if alone else buckets)
         shape = "no overlap (one bucket)" if alone else "same overlap"
         return _predict(
-            "powersgd", b, f"wire bytes x {ratio:.3f}{cost}, {shape}", comm=tail, hidden=0.0 if alone else hidden, **base
+            "powersgd",
+            b,
+            f"wire bytes x {ratio:.3f}{cost}, {shape}",
+            comm=tail,
+            hidden=0.0 if alone else hidden,
+            **base,
         )
     ratio = WIRE_RATIO[mode] / WIRE_RATIO.get(b.compression, 1.0)
     name = "none" if mode == "none" else f"{mode} gradients"
