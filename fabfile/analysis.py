@@ -1,4 +1,4 @@
-"""Tasks that answer "where does the time go?": report, runs, scale."""
+"""Tasks that answer "where does the time go?" and "what will it take?": report (--verify), runs, scale, plan."""
 
 from __future__ import annotations
 
