@@ -173,10 +173,15 @@ def plan(
         print(f"{o.instance_type}: {o.gpus_per_node} x {o.gpu} per node, link {o.link_source}; price {o.price_source}")
     print(terminal.table(planning.table_rows(estimates, limit), list(planning.table_rows(estimates, limit)[0])))
     best = planning.cheapest(estimates, limit)
+    timed = [e for e in estimates if e.hours is not None]
+    if best is None and not timed:
+        return
     if best is None:
         print("no priced plan meets the deadline" if limit else "no priced plan (prices unknown)")
-        return
-    print(f"cheapest{f' within {limit:g} h' if limit else ''}: {best.nodes} x {best.instance_type}")
+        best = min(timed, key=lambda e: e.hours or 0.0)
+        print(f"fastest: {best.nodes} x {best.instance_type}")
+    else:
+        print(f"cheapest{f' within {limit:g} h' if limit else ''}: {best.nodes} x {best.instance_type}")
     print("\n".join(f"  {figure}: {model}" for figure, model in best.models))
 
 
