@@ -12,9 +12,9 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
-from cluster_node import rundir
+from cluster_node import rundir as rd
 
-from . import bottleneck, launch, nodecmd, plots, remote, scaling, terminal
+from . import bottleneck, launch, nodecmd, plots, remote, scaling, terminal, verify
 from .inventory import Inventory
 from .linkcheck import link_file
 
@@ -50,7 +50,7 @@ def scale_dir(inventory: Inventory, recipe: str) -> str:
 def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> list[str]:
     """The verdict screen for one run; report.md and its PNGs are written into the run directory. A run
     without summary.json (failed, stopped hard, still running) is reported up to its last logged step."""
-    summary = remote.read_json(connection, f"{run_dir}/{rundir.SUMMARY}")
+    summary = remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}")
     heading: list[str] = []
     if not summary:
         summary, heading = measured_so_far(connection, run_dir)
@@ -58,9 +58,10 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
         raise remote.RemoteError(f"{run_dir}/summary.json has no step breakdown (a run from an older trainer)")
     link = remote.read_json(connection, link_file(inventory))
     scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
+    scored = verify.lines(_pairs(connection, run_dir))
     with tempfile.TemporaryDirectory() as tmp:
         lines, written = bottleneck.write_report(
-            Path(run_dir).name, summary, link, tmp, scale, what_ifs=not heading, heading=heading
+            Path(run_dir).name, summary, link, tmp, scale, scored, what_ifs=not heading, heading=heading
         )
         for path in written:
             connection.put(str(path), f"{run_dir}/{path.name}")
@@ -70,9 +71,9 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
 def measured_so_far(connection: Connection, run_dir: str) -> tuple[dict, list[str]]:
     """A summary-shaped record from the last progress.json of a run that wrote no summary, and the line
     saying so; one line naming the state when the run logged no step at all."""
-    status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
-    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
-    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    status = remote.read_json(connection, f"{run_dir}/{rd.RUN_STATUS}") or {}
+    progress = remote.read_json(connection, f"{run_dir}/{rd.PROGRESS}") or {}
+    config = remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {}
     state, name = status.get("state") or "running", Path(run_dir).name
     reason = f" ({status['reason']})" if status.get("reason") else ""
     if not progress.get("breakdown"):
@@ -92,6 +93,59 @@ def measured_so_far(connection: Connection, run_dir: str) -> tuple[dict, list[st
         "(its last log; no summary.json, so no what-ifs)"
     )
     return summary, [line, ""]
+
+
+def verify_run(
+    connection: Connection, inventory: Inventory, run_dir: str, mode: str, request: launch.TrainRequest, code_dir: str
+) -> list[str]:
+    """`fab report --verify MODE`: the model's step for MODE from this run, a short run that makes
+    the change, the pair kept in the run's predictions.json; the lines to print."""
+    summary = remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {}
+    if not summary.get("breakdown"):
+        raise remote.RemoteError(f"{run_dir} has no summary.json breakdown: the run has not ended")
+    config = remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {}
+    slots = inventory.gpus_per_node if inventory.source == "aws" else 1
+    try:
+        predicted, model = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
+        one = verify.replaced(request, verify.changes(config, summary, mode, slots), f"{Path(run_dir).name}-verify")
+    except verify.VerifyError as error:
+        raise remote.RemoteError(str(error)) from None
+    one.validate()
+    rdir = launch.run_dir(inventory, one.run_name)
+    remote.sh(connection, f"rm -rf {q(rdir)}")
+    rdir, _ = remote.start_training(connection, inventory, remote.plan_launch(connection, inventory, one, code_dir))
+    status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
+    measured = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}") or {}
+    if status.get("state") != "finished" or not measured.get("avg_step_time_s"):
+        raise remote.RemoteError(f"the {mode} run {status.get('state')}: {status.get('reason')} (see {rdir}/train.log)")
+    pairs = _pairs(connection, run_dir) + [
+        verify.pair(mode, predicted, model, measured["avg_step_time_s"], one.run_name)
+    ]
+    remote.write_file(connection, f"{run_dir}/{rd.PREDICTIONS}", json.dumps(pairs, indent=2))
+    last = pairs[-1]
+    return [
+        f"{mode}: predicted {predicted * 1e3:.0f} ms/step ({model}), measured {last['measured_s'] * 1e3:.0f} ms "
+        f"in {one.run_name}: error {last['error']:+.0%}",
+        *verify.lines(pairs),
+    ]
+
+
+def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> dict:
+    """What `fab plan` reads from a run: summary.json, config.json, its eval lines (train.log) and the
+    link (measured by `fab check`, else a local cluster's cap)."""
+    log = remote.sh(connection, f"grep -a '^eval step ' {q(run_dir + '/' + rd.TRAIN_LOG)} || true")
+    return {
+        "summary": remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {},
+        "config": remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {},
+        "eval_log": log,
+        "link": measured_link_gbit(connection, inventory),
+    }
+
+
+def _pairs(connection: Connection, run_dir: str) -> list[dict]:
+    """The run's kept predicted-vs-measured pairs (predictions.json, a JSON list)."""
+    pairs = remote.read_json(connection, f"{run_dir}/{rd.PREDICTIONS}")
+    return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
 
 
 def list_runs(connection: Connection, inventory: Inventory) -> list[dict]:

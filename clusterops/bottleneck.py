@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
+    MODES,
     Breakdown,
     Prediction,
     comm_seconds,
+    hidden_seconds,
     powersgd_wire_bytes,
     ring_wire_bytes,
     what_ifs,
@@ -123,6 +125,7 @@ def write_report(
     link: Optional[dict],
     out_dir,
     scale: Optional[dict] = None,
+    scored: Sequence[str] = (),
     what_ifs: bool = True,
     heading: Sequence[str] = (),
 ) -> tuple[list[str], list]:
@@ -135,7 +138,7 @@ def write_report(
     out_dir = Path(out_dir)
     b = Breakdown.from_summary(summary)
     predictions = predictions_for(b, link_rate(link)) if what_ifs else []
-    lines = [*heading, *report_lines(name, summary, link, predictions, b)]
+    lines = [*heading, *report_lines(name, summary, link, predictions, b), *scored]
     rows = [("measured", dict(zip(("data", "compute", "exposed", "optimizer", "other"), _parts(b))))]
     rows += [(p.name, dict(p.parts)) for p in predictions[1:] if "batch" not in p.name]  # same batch only
     written = [plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")]

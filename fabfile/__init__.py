@@ -40,6 +40,7 @@ ns = Collection(
     analysis.report,
     analysis.runs,
     analysis.scale,
+    analysis.plan,
     cluster.ssh,
     local.local,
 )

@@ -1,28 +1,64 @@
-"""Tasks that answer "where does the time go?": report, runs, scale."""
+"""Tasks that answer "where does the time go?" and "what will it take?": report (--verify), runs, scale, plan."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from clusterops import analysis, launch
+from clusterops import analysis, launch, terminal
 from train import catalog
 
-from .common import head, load_inventory, node_price, number, run_dir, settings, task, training_code_dir, whole_number
+from .common import (
+    aws_errors,
+    aws_session,
+    head,
+    kept_price,
+    load_inventory,
+    node_price,
+    number,
+    run_dir,
+    settings,
+    task,
+    training_code_dir,
+    whole_number,
+)
 
 
-@task(help={"run": "run name (default: the active or latest run)"})
-def report(c, run=None):
+@task(
+    help={
+        "run": "run name (default: the active or latest run)",
+        "verify": "score one what-if: a short run with MODE (none, fp16, bf16, powersgd, batchx2, batchx4, nodes=K)",
+    }
+)
+def report(c, run=None, verify=None):
     """The verdict on one run: compute-, communication- or input-bound.
 
     The verdict on one run: compute-, communication-, input-bound or mixed, with the evidence and
     what-if predictions (fp16/bf16/PowerSGD, larger batch, faster links), each with its model.
-    Writes report.md and PNG plots into the run directory (`fab fetch` brings them home)."""
+    Writes report.md and PNG plots into the run directory (`fab fetch` brings them home). With
+    --verify MODE, first runs that what-if for 20 steps and keeps predicted vs measured in the run."""
     inv = load_inventory(c)
+    code_dir = training_code_dir(inv) if verify else ""
     with head(inv) as conn:
-        print("\n".join(analysis.report_run(conn, inv, run_dir(conn, inv, run))))
+        rdir = run_dir(conn, inv, run)
+        if verify:
+            print("\n".join(analysis.verify_run(conn, inv, rdir, verify, _base_request(c), code_dir)))
+        print("\n".join(analysis.report_run(conn, inv, rdir)))
+
+
+def _base_request(c) -> launch.TrainRequest:
+    """The fabric.yaml settings every short run takes (as `fab scale`'s)."""
+    import shlex
+
+    return launch.TrainRequest(
+        master_port=whole_number(settings(c)["master_port"], "master_port"),
+        stall_minutes=number(settings(c)["stall_minutes"], "stall_minutes"),
+        start_minutes=number(settings(c)["start_minutes"], "start_minutes"),
+        extra_args=tuple(shlex.split("--eval-samples 16 --eval-every 100000 --checkpoint-every 100000 --log-every 10")),
+    )
 
 
 @task
@@ -94,3 +130,137 @@ def scale(
 
     print(scaling.table(points, scaling.shared_cores(inv.source)))
     print(f"written: {', '.join(str(p) for p in written)} (and {analysis.scale_dir(inv, recipe)}/ on the cluster)")
+
+
+@task(
+    help={
+        "run": "the measured run to plan from (default: the active or latest run)",
+        "steps": "the target: optimizer steps (default: the run's --steps)",
+        "metric": "the target: NAME=VALUE the run's eval curve reached, e.g. bleu=60 or top1=0.8",
+        "step_s": "plan from this step time (seconds, 1 node of the first --types) instead of a run",
+        "grad_mb": "with --step-s: fp32 gradient MB per step (for the all-reduce; default 0)",
+        "types": "instance types, comma-separated (default: this cluster's)",
+        "max_nodes": "plan N = 1..this (default 4)",
+        "deadline": "hours, e.g. 3 or 3h: the cheapest N and type within it",
+        "spot": "price nodes at the Spot price in effect (AWS credentials)",
+        "link_gbit": "the link between nodes (default: the run's, measured by `fab check`)",
+        "read_gb": "GB read from EFS over the run (data set x epochs; default 0)",
+        "efs_gb": "GB stored on EFS (default 0)",
+        "root_gb": "root volume GB per node (default 200, the stack's)",
+    }
+)
+def plan(
+    c, run=None, steps=None, metric=None, step_s=None, grad_mb="0", types=None, max_nodes="4", deadline=None,
+    spot=False, link_gbit=None, read_gb="0", efs_gb="0", root_gb="200",
+):  # fmt: skip
+    """Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
+    time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
+    from clusterops import plan as planning
+
+    inv = load_inventory(c)
+    names = [t.strip() for t in (types or inv.instance_type).split(",") if t.strip()]
+    try:
+        with head(inv) as conn:
+            inputs = analysis.plan_inputs(conn, inv, run_dir(conn, inv, run)) if (run or not step_s) else {}
+        base = _plan_base(inv, inputs, step_s, grad_mb, names[0], run)
+        target, target_model = _plan_target(inputs, steps, metric)
+        link = number(link_gbit, "--link-gbit") if link_gbit else None
+        offers = [_offer(inv, name, base, link, bool(spot)) for name in names]
+        storage = planning.Storage(
+            number(root_gb, "--root-gb"), number(efs_gb, "--efs-gb"), number(read_gb, "--read-gb"),
+            _checkpoint_gb(inputs, target),
+        )  # fmt: skip
+    except planning.PlanError as error:
+        raise Exit(f"error: {error}", code=1) from None
+    limit = _hours(deadline)
+    estimates = planning.plan(base, offers, whole_number(max_nodes, "--max-nodes"), target, storage)
+    print(f"from {base.source}")
+    print(f"target: {target} steps ({target_model}); fixed global batch across N")
+    for o in offers:
+        print(f"{o.instance_type}: {o.gpus_per_node} x {o.gpu} per node, link {o.link_source}; price {o.price_source}")
+    print(terminal.table(planning.table_rows(estimates, limit), list(planning.table_rows(estimates, limit)[0])))
+    best = planning.cheapest(estimates, limit)
+    timed = [e for e in estimates if e.hours is not None]
+    if best is None and not timed:
+        return
+    if best is None:
+        print("no priced plan meets the deadline" if limit else "no priced plan (prices unknown)")
+        best = min(timed, key=lambda e: e.hours or 0.0)
+        print(f"fastest: {best.nodes} x {best.instance_type}")
+    else:
+        print(f"cheapest{f' within {limit:g} h' if limit else ''}: {best.nodes} x {best.instance_type}")
+    print("\n".join(f"  {figure}: {model}" for figure, model in best.models))
+
+
+def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
+    from clusterops import plan as planning
+
+    if step_s:
+        gpu = _gpu(inv, first_type)
+        return planning.base_from_step(number(step_s, "--step-s"), number(grad_mb, "--grad-mb"), gpu, first_type)
+    slots = inv.gpus_per_node if inv.source == "aws" else 1
+    return planning.base_from_run(
+        run or "latest", inputs["summary"], _gpu(inv, inv.instance_type), slots, inputs["link"]
+    )
+
+
+def _plan_target(inputs, steps, metric):
+    from clusterops import plan as planning
+
+    if steps:
+        return whole_number(steps, "--steps"), "given"
+    if metric:
+        name, value = planning.parse_metric(metric)
+        return planning.steps_to(planning.eval_curve(inputs.get("eval_log", "")), name, value)
+    max_steps = (inputs.get("config") or {}).get("max_steps")
+    if not max_steps:
+        raise planning.PlanError("no target: give --steps N or --metric NAME=VALUE")
+    return int(max_steps), "the run's --steps"
+
+
+def _gpu(inv, instance_type: str) -> str:
+    from clusterops import plan as planning
+    from stacks.instance_types import lookup
+
+    if instance_type == inv.instance_type and inv.source != "aws":
+        return planning.CPU
+    known = lookup(instance_type)
+    if known is None:
+        raise planning.PlanError(f"unknown instance type {instance_type!r}")
+    return known.gpu
+
+
+def _offer(inv, name: str, base, link, spot: bool):
+    from clusterops import cost as costs
+    from clusterops import plan as planning
+    from stacks.instance_types import lookup
+
+    gpu = _gpu(inv, name)
+    known = lookup(name)
+    gpus = known.gpus if known else 1  # the emulated cluster: one rank per node
+    rate, where = (link, "given") if link else (base.link_gbit, "the base run's")
+    if gpu == planning.CPU:
+        cpus = len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
+        return planning.Offer(name, gpu, gpus, None, "the emulated cluster: no price", rate, where, cpus)
+    price = kept_price(inv, name) or costs.offline_price(name, inv.region or "us-east-1")
+    if spot:
+        with aws_errors("Spot price"):
+            ec2 = aws_session(inv.region).client("ec2")
+            price, _ = costs.node_price(ec2, None, name, inv.region or "us-east-1", spot=True)
+    return planning.Offer(name, gpu, gpus, price.usd_per_hour, price.source, rate, where)
+
+
+def _checkpoint_gb(inputs, steps: int) -> float:
+    """GB the run writes to EFS in checkpoints: the run's checkpoint size x how often it saves."""
+    size = (inputs.get("summary") or {}).get("checkpoint_mb") or 0.0
+    every = (inputs.get("config") or {}).get("checkpoint_every") or 0
+    return size * (steps // every) / 1000 if every else 0.0
+
+
+def _hours(text):
+    if not text:
+        return None
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(h|m|min)?", str(text).strip())
+    if not found:
+        raise Exit(f"error: invalid --deadline {text!r}: hours, e.g. 3 or 3h, or 90m", code=1)
+    return float(found.group(1)) / (60 if found.group(2) in ("m", "min") else 1)

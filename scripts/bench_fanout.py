@@ -4,9 +4,11 @@
 One emulated cluster of the largest size is brought up once; each size N gets an inventory restricted
 to its first N nodes (same machine, same sshd's: only the fan-out differs). Each size runs the real
 `fab status` as a subprocess `--repeat` times; the median is reported with its ratio to the smallest.
-Needs root, and the shared cluster lock when other sessions use the machine:
+Needs root. It holds the machine's one-cluster lock while its cluster is up (clusterops/onecluster.py:
+/tmp/emulated-cluster.lock or GPU_CLUSTER_LOCK) and refuses in one line when another run holds it
+(--wait-lock waits):
 
-    flock /work/helpers/cluster.lock .venv/bin/python scripts/bench_fanout.py
+    .venv/bin/python scripts/bench_fanout.py
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from clusterops import onecluster
 from clusterops.inventory import Inventory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,8 +66,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per size; the median counts (default 3)")
     parser.add_argument("--name", default="hfan", help="cluster name (default hfan)")
     parser.add_argument("--subnet", default="10.213.232.0/24")
+    parser.add_argument("--wait-lock", action="store_true", help="wait for another emulated cluster run to end")
     args = parser.parse_args(argv)
     sizes = sorted({int(s) for s in args.sizes.split(",")})
+    try:
+        with onecluster.held(wait=args.wait_lock):
+            medians = run_all(args, sizes)
+    except onecluster.ClusterBusy as busy:
+        print(busy, file=sys.stderr)
+        return 1
+    first = sizes[0]
+    for count in sizes[1:]:
+        print(f"{count} nodes / {first} node(s): {medians[count] / medians[first]:.2f}x")
+    return 0
+
+
+def run_all(args, sizes: list[int]) -> dict[int, float]:
+    """Up at the largest size, `fab status` at each, down."""
     with tempfile.TemporaryDirectory(prefix="bench-fanout-") as tmp:
         workdir = Path(tmp)
         full = workdir / "inventory.json"
@@ -76,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             medians = measure(full, sizes, args.repeat, ["status"], workdir)
         finally:
             fab(["local.down", "--name", args.name, "--yes"], full)  # a benchmark keeps no run
-    first = sizes[0]
-    for count in sizes[1:]:
-        print(f"{count} nodes / {first} node(s): {medians[count] / medians[first]:.2f}x")
-    return 0
+    return medians
 
 
 if __name__ == "__main__":

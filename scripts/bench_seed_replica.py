@@ -3,11 +3,14 @@
 vocabulary) at a small batch on 2 nodes whose links are capped (1 Gbit), for every gradient
 compression mode, against the 1-node no-communication bound measured in the same run.
 
-    flock /work/helpers/cluster.lock .venv/bin/python scripts/bench_seed_replica.py [--steps 12]
+    .venv/bin/python scripts/bench_seed_replica.py [--steps 12] [--save seed.json]
 
-Brings up its own cluster (--name, default seedrep) and takes it down at the end. Step times
-are the trainer's summary.json means (its first steps are skipped there); the exposed share and the
-payload come from the summary's breakdown.
+Needs root. Brings up its own cluster (--name, default seedrep) and takes it down at the end; it
+holds the machine's one-cluster lock meanwhile (clusterops/onecluster.py: /tmp/emulated-cluster.lock
+or GPU_CLUSTER_LOCK) and refuses in one line when another run holds it (--wait-lock waits). Step
+times are the trainer's summary.json means (its first steps are skipped there); the exposed share
+and the payload come from the summary's breakdown. Last, the step model's what-ifs from the `none`
+run (its breakdown and the link cap) against each mode's measured step: the model's error here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from clusterops import localcluster
+from clusterops import analysis, bottleneck, localcluster, onecluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,6 +59,22 @@ def row(name: str, summary: dict, bound_s: float) -> str:
     )
 
 
+def model_errors(results: list, link: str) -> list[str]:
+    """Each compression mode's step as predicted from the `none` run's breakdown, against its own."""
+    measured = {name: summary for name, summary in results}
+    if "none" not in measured or not measured["none"].get("breakdown"):
+        return ["no `none` run: no predictions to score"]
+    base = bottleneck.Breakdown.from_summary(measured["none"])
+    predicted = {p.name.split()[0]: p for p in bottleneck.what_ifs(base, analysis.tc_rate_gbit(link) or 1.0)}
+    lines = [f"{'mode':<10} {'predicted':>9} {'measured':>9} {'ratio':>6}  model"]
+    for mode, summary in measured.items():
+        if mode != "none" and mode in predicted:
+            step = summary["avg_step_time_s"]
+            p = predicted[mode]
+            lines.append(f"{mode:<10} {p.step_s * 1000:>9.0f} {step * 1000:>9.0f} {p.step_s / step:>6.2f}  {p.model}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -65,7 +84,29 @@ def main() -> None:
     parser.add_argument("--subnet", default="10.213.60.0/24")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--bucket-caps", default="25", help="DDP bucket sizes in MB to try per mode, e.g. 5,25,100")
+    parser.add_argument("--save", help="write every run's summary.json into this JSON file")
+    parser.add_argument("--wait-lock", action="store_true", help="wait for another emulated cluster run to end")
     args = parser.parse_args()
+    try:
+        with onecluster.held(wait=args.wait_lock):
+            bound, results = run_all(args)
+    except onecluster.ClusterBusy as busy:
+        raise SystemExit(str(busy)) from None
+    if args.save:
+        Path(args.save).write_text(json.dumps({"bound": bound, "runs": results, "link": args.link}, indent=2))
+    bound_s = bound["avg_step_time_s"]
+    print(f"transformer-base, batch {args.batch}/rank, {args.steps} steps, 2 nodes at {args.link}")
+    print(f"{'mode':<16} {'ms/step':>8} {'x bound':>8} {'exposed':>8} {'payload MB':>10} {'buckets':>8}")
+    print(row("1 node (bound)", bound, bound_s))
+    for mode, summary in results:
+        print(row(mode, summary, bound_s))
+    best = min(results, key=lambda r: r[1]["avg_step_time_s"])
+    print(f"best: {best[0]} at {best[1]['avg_step_time_s'] / bound_s:.2f}x the bound (goal <= 1.25x)")
+    print("\n".join(model_errors(results, args.link)))
+
+
+def run_all(args) -> tuple[dict, list]:
+    """Up, data, the 1-node bound and every mode (x bucket cap) on 2 nodes, down."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GPU_CLUSTER_INVENTORY=f"{tmp}/inv.json")
         env["PATH"] = f"{REPO / '.venv' / 'bin'}:{env.get('PATH', '')}"
@@ -97,14 +138,7 @@ def main() -> None:
             ]
         finally:
             fab(env, "local.down", "--name", args.name, "--yes")  # a benchmark keeps no run
-    bound_s = bound["avg_step_time_s"]
-    print(f"transformer-base, batch {args.batch}/rank, {args.steps} steps, 2 nodes at {args.link}")
-    print(f"{'mode':<16} {'ms/step':>8} {'x bound':>8} {'exposed':>8} {'payload MB':>10} {'buckets':>8}")
-    print(row("1 node (bound)", bound, bound_s))
-    for mode, summary in results:
-        print(row(mode, summary, bound_s))
-    best = min(results, key=lambda r: r[1]["avg_step_time_s"])
-    print(f"best: {best[0]} at {best[1]['avg_step_time_s'] / bound_s:.2f}x the bound (goal <= 1.25x)")
+    return bound, results
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.TENSORBOARD, "TensorBoard events", "trainer (rank 0)", "fab tensorboard"),
     _run(rd.EVAL, "eval texts", "trainer (rank 0)", "fab fetch"),
     _run(rd.REPORT_MD, "Markdown", "fab report", "fab fetch"),
+    _run(rd.PREDICTIONS, "JSON list: predicted vs measured step", "fab report --verify", "fab report"),
     _run(rd.BREAKDOWN_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.SCALING_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.FETCHED, "empty marker", "fab fetch", "fab local.down"),

@@ -55,6 +55,7 @@ BEST_CHECKPOINT = "best.pt"
 TENSORBOARD = "tensorboard"
 EVAL = "eval"
 REPORT_MD = "report.md"
+PREDICTIONS = "predictions.json"  # fab report --verify: predicted vs measured pairs
 BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
 FETCHED = ".fetched"

@@ -6,8 +6,12 @@ Per optimizer step (seconds; every input measured, none assumed):
     comm  = max(wire_bytes / link_rate, exposed)      all-reduce time if nothing overlapped it
     hidden = clamp(comm - exposed, 0, compute)        what backward already hid
 A what-if changes one input and recomputes:
-    compression (fp16/bf16/PowerSGD): wire bytes x ratio (+ its measured compression time);
-        exposed' = max(0, comm' - hidden)
+    compression (fp16/bf16/PowerSGD): wire bytes x ratio, and its measured compression work W runs in
+        the DDP comm hook bucket by bucket as backward produces them: bucket k's work overlaps bucket
+        k-1's wire time, so over B buckets the all-reduce's side takes
+        tail(comm', W) = max(comm', W) + min(comm', W) / B, and backward hides what it hid before:
+        exposed' = max(0, tail(comm', W) - hidden)
+        (the base run's own work is in its tail too: hidden = tail(comm, W_base) - exposed)
     faster link: comm x (rate / rate')
     batch x s or accumulation x k: data and compute x s (x k); comm once per optimizer step
 A mode that runs in one DDP bucket overlaps nothing: hidden' = 0.
@@ -37,6 +41,7 @@ class Breakdown:
     objects_per_step: float
     compression: str = "none"
     single_bucket: bool = False
+    buckets: float = 0.0  # DDP buckets per step as measured (0: not counted, taken as 1)
     # Measured on the node, when it was (seconds per step): each mode's own compression work.
     overheads: dict = field(default_factory=dict)
     powersgd_wire_bytes: Optional[float] = None
@@ -62,6 +67,7 @@ class Breakdown:
             objects_per_step=summary["global_batch"],
             compression=summary.get("grad_compression", "none"),
             single_bucket=bool(b.get("single_bucket", False)),
+            buckets=float(b.get("buckets") or 0.0),
             overheads=dict(calibration.get("overhead_s") or {}),
             powersgd_wire_bytes=calibration.get("powersgd_wire_bytes"),
             powersgd_single_bucket=bool(calibration.get("powersgd_single_bucket", False)),
@@ -111,24 +117,39 @@ def _predict(name, b: Breakdown, model: str, *, data, compute, comm, hidden, obj
     return Prediction(name, step, objects / step if step else 0.0, model, parts)
 
 
+def pipelined(comm: float, work: float, buckets: float) -> float:
+    """The all-reduce's side of a step whose hook does `work` seconds of compression over `buckets`
+    buckets: each bucket's work overlaps the previous bucket's wire time (one bucket: in series)."""
+    return max(comm, work) + min(comm, work) / max(1.0, round(buckets))
+
+
 def compression_what_if(b: Breakdown, link_gbit: float, mode: str):
     """The step under gradient compression `mode` (None when its wire bytes are unknown)."""
-    comm, hidden = comm_seconds(b, link_gbit), hidden_seconds(b, link_gbit)
-    extra = b.overheads.get(mode, 0.0) - b.overheads.get(b.compression, 0.0)
-    base = dict(data=b.data, compute=b.compute, objects=b.objects_per_step, extra=extra)
-    cost = f", {extra * 1000:+.0f} ms compression" if extra else ""
+    comm, work = comm_seconds(b, link_gbit), b.overheads.get(mode, 0.0)
+    buckets = 1.0 if b.single_bucket else max(1.0, b.buckets)
+    own = pipelined(comm, b.overheads.get(b.compression, 0.0), buckets)
+    hidden = 0.0 if b.single_bucket else min(max(own - b.exposed, 0.0), b.compute)
+    base = dict(data=b.data, compute=b.compute, objects=b.objects_per_step)
+    cost = f", {work * 1000:.0f} ms compression pipelined over {buckets:.0f} bucket(s)" if work else ""
     if mode == "powersgd":
         if b.powersgd_wire_bytes is None or not b.wire_bytes:
             return None
         ratio = b.powersgd_wire_bytes / b.wire_bytes
-        overlap = 0.0 if b.powersgd_single_bucket else hidden
-        shape = "no overlap (one bucket)" if b.powersgd_single_bucket else "same overlap"
+        alone = b.powersgd_single_bucket
+        tail = pipelined(comm * ratio, work, 1.0 if alone else buckets)
+        shape = "no overlap (one bucket)" if alone else "same overlap"
         return _predict(
-            "powersgd", b, f"wire bytes x {ratio:.3f}{cost}, {shape}", comm=comm * ratio, hidden=overlap, **base
+            "powersgd",
+            b,
+            f"wire bytes x {ratio:.3f}{cost}, {shape}",
+            comm=tail,
+            hidden=0.0 if alone else hidden,
+            **base,
         )
     ratio = WIRE_RATIO[mode] / WIRE_RATIO.get(b.compression, 1.0)
     name = "none" if mode == "none" else f"{mode} gradients"
-    return _predict(name, b, f"wire bytes x {ratio:g}{cost}, same overlap", comm=comm * ratio, hidden=hidden, **base)
+    tail = pipelined(comm * ratio, work, buckets)
+    return _predict(name, b, f"wire bytes x {ratio:g}{cost}, same overlap", comm=tail, hidden=hidden, **base)
 
 
 def what_ifs(b: Breakdown, link_gbit: float) -> list[Prediction]:

@@ -1,0 +1,70 @@
+"""`fab report --verify`: which short run scores which what-if, the prediction it is scored against,
+and the report's section of kept pairs."""
+
+import pytest
+
+from clusterops import verify
+from clusterops.bottleneck import ring_wire_bytes
+
+MB = 1e6
+SUMMARY = {
+    "recipe": "transformer-tiny",
+    "world_size": 2,
+    "global_batch": 24,
+    "grad_compression": "none",
+    "breakdown": {
+        "data_s": 0.01,
+        "compute_s": 0.5,
+        "comm_exposed_s": 0.75,
+        "optimizer_s": 0.02,
+        "other_s": 0.02,
+        "wire_bytes": ring_wire_bytes(100 * MB, 2),
+        "grad_bytes": 100 * MB,
+        "buckets": 4,
+    },
+}
+CONFIG = {"recipe": "transformer-tiny", "batch_per_gpu": 12}
+
+
+def test_modes_name_one_change_each():
+    assert verify.parse_mode("fp16") == ("compression", None)
+    assert verify.parse_mode("batchx2") == ("batch", 2)
+    assert verify.parse_mode("nodes=3") == ("nodes", 3)
+    with pytest.raises(verify.VerifyError, match="batchx2, batchx4, nodes=K"):
+        verify.parse_mode("int8")
+
+
+def test_the_short_run_keeps_the_runs_settings_but_the_one_change():
+    assert verify.changes(CONFIG, SUMMARY, "fp16", 1) == {
+        "recipe": "transformer-tiny",
+        "steps": verify.VERIFY_STEPS,
+        "batch_per_gpu": 12,
+        "grad_compression": "fp16",
+        "nodes": 2,
+    }
+    assert verify.changes(CONFIG, SUMMARY, "batchx2", 1)["batch_per_gpu"] == 24
+    assert verify.changes(CONFIG, SUMMARY, "nodes=3", 1) | {} == {
+        **verify.changes(CONFIG, SUMMARY, "none", 1),
+        "nodes": 3,
+        "batch_per_gpu": 8,
+    }
+    with pytest.raises(verify.VerifyError, match="does not split over 5"):
+        verify.changes(CONFIG, SUMMARY, "nodes=5", 1)
+
+
+def test_the_prediction_is_the_reports_what_if_or_the_plans_step():
+    fp16, model = verify.predict(SUMMARY, 1.0, "fp16", 1)
+    assert fp16 == pytest.approx(1.3 - 0.75 + 0.4 - 0.05)
+    assert "wire bytes x 0.5" in model
+    one, model = verify.predict(SUMMARY, 1.0, "nodes=1", 1)
+    assert one == pytest.approx(0.01 * 2 + 0.5 * 2 + 0.04)
+    with pytest.raises(verify.VerifyError, match="PowerSGD needs its calibration"):
+        verify.predict(SUMMARY, 1.0, "powersgd", 1)
+
+
+def test_the_report_shows_every_pair_and_the_mean_error():
+    pairs = [verify.pair("fp16", 1.1, "m", 1.0, "a-verify"), verify.pair("nodes=1", 0.9, "m", 1.0, "a-verify")]
+    text = "\n".join(verify.lines(pairs))
+    assert "| fp16 | 1100 ms | 1000 ms | +10% | a-verify |" in text
+    assert "mean absolute error 10% over 2 prediction(s)" in text
+    assert verify.lines([]) == []
