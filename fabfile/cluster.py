@@ -10,7 +10,8 @@ from pathlib import Path
 from fabric import task
 from invoke.exceptions import Exit
 
-from clusterops import health, launch, linkcheck, remote, report, supervise
+from cluster_node import restart_plan
+from clusterops import health, launch, linkcheck, remote, report
 from stacks import images
 
 from .common import ERRORS, fail, head, load_inventory, number, training_code_dir, whole_number
@@ -26,7 +27,7 @@ def status(c):
         overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
         print(report.run_line(*overview))
-        for line in supervise.history_lines(overview[1]["restarts"]):
+        for line in restart_plan.history_lines(overview[1]["restarts"]):
             print(line)
     if inv.extra.get("dashboard_url"):
         print(f"dashboard: {inv.extra['dashboard_url']}")

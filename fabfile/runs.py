@@ -10,8 +10,9 @@ import paramiko
 from fabric import task
 from invoke.exceptions import Exit, ThreadException
 
+from cluster_node import restart_plan
 from clusterops import cost as costs
-from clusterops import health, launch, remote, report, supervise
+from clusterops import health, launch, remote, report
 from clusterops.inventory import Inventory
 
 from .aws import efs_io_rate, kept_price
@@ -182,8 +183,10 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
             code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
         ) from None
     print(report.run_line(rdir, state))
-    for line in report.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
+    for line in report.summary_lines(state["summary"]) + restart_plan.history_lines(state["restarts"]):
         print(line)
+    if status_.get("resume"):  # a Spot notice ended it: the checkpoint is on /data
+        print(f"resume with: {status_['resume']}")
     if status_.get("state") != "finished":
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
 
