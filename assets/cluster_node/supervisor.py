@@ -22,7 +22,7 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from . import hang, restart_plan, rundir
 from . import spec as specs
@@ -58,16 +58,19 @@ def action_epoch(entry: rundir.Interruption) -> Optional[float]:
 
 class Supervisor:
     """`launcher` starts, waits for and ends mpirun (nodes.Mpirun); `nodes` acts on the nodes
-    (nodes.Nodes); `clock` and `ssh_ok` feed the observer. Tests pass fakes for all of them."""
+    (nodes.Nodes); `observer(run, spec, ssh_ok, clock)` makes each attempt's observer. Tests pass fakes."""
 
-    def __init__(self, run: Path, spec: RunSpec, launcher, nodes, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, run: Path, spec: RunSpec, launcher, nodes, clock: Callable[[], float] = time.time, observer=Observer
+    ):
         self.run, self.spec, self.launcher, self.nodes, self.clock = run, spec, launcher, nodes, clock
+        self.make_observer = observer
         self.state = State.STARTING
         self.code: int = 0
         self.reason, self.kind = "", ""
         self.resume: Optional[str] = None
         self.unreached: set[str] = set()
-        self.observer: Optional[Observer] = None
+        self.observer: Optional[Any] = None
         self.attempts = 0
 
     # ------------------------------------------------------------ records
@@ -117,7 +120,7 @@ class Supervisor:
         for name in (rundir.RANKS, rundir.STACKS):
             _remove_tree(self.run / name)
             (self.run / name).mkdir()
-        self.observer = Observer(self.run, self.spec, self.nodes.ssh_ok, self.clock)
+        self.observer = self.make_observer(self.run, self.spec, self.nodes.ssh_ok, self.clock)
         self.launcher.start(self.spec)
         self.state = State.STARTING
 
