@@ -66,3 +66,15 @@ def supervise(run: Path, ssh: str = ANSWERING_SSH, timeout: float = 60, env: Opt
 
 def status(run: Path) -> dict:
     return json.loads((run / rundir.RUN_STATUS).read_text())
+
+
+def supervisor_process(run: Path) -> subprocess.Popen:
+    """The supervisor started as `fab train` starts it, not waited for (an answering ssh on PATH)."""
+    bin_dir = run / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "ssh").write_text(ANSWERING_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    path = f"{bin_dir}:{STANDINS}:{os.environ['PATH']}"
+    pythonpath = f"{REPO / 'assets'}:{os.environ.get('PYTHONPATH', '')}"
+    env = dict(os.environ, PATH=path, PYTHONPATH=pythonpath)
+    return subprocess.Popen([sys.executable, "-m", "cluster_node.supervisor", str(run)], env=env)

@@ -619,7 +619,6 @@ def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_envir
         # Each rank writes its own file on /data: two >4 KB lines through mpirun's stdout can interleave.
         to_file = f"import sys, socket; sys.stdout = open('{inventory.data_dir}/env-' + socket.gethostname(), 'w')"
         argv = argv[: argv.index(inventory.python)] + [inventory.python, "-c", f"{to_file}; {IMAGE_ENV_PROBE}"]
-        argv[argv.index("--hostfile") : argv.index("--hostfile") + 2] = ["-H", "node0:1,node1:1"]
         with remote.connect(inventory, inventory.head) as conn:
             out = remote.sh(conn, "timeout 120 " + shlex.join(argv))
         shared = localcluster.STATE_ROOT / "te" / "shared"
