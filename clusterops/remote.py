@@ -399,9 +399,9 @@ def start_training(
     log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/' + rundir.TRAIN_LOG)} 2>/dev/null || echo 0"))
     # The supervisor outlives this connection (setsid, nohup); it finds cluster_node through PYTHONPATH
     # (the image's or fab sync's root, the checkout's on the emulated cluster: spec.root).
-    supervise = f"PYTHONPATH={q(spec.root)} {q(inventory.python)} -m cluster_node.supervisor {q(rdir)}"
+    supervise = f"{q(inventory.python)} -m cluster_node.supervisor {q(rdir)}"
     log = q(f"{rdir}/{rundir.LAUNCHER_LOG}")
-    sh(connection, f"setsid nohup {supervise} > {log} 2>&1 < /dev/null &")
+    sh(connection, f"PYTHONPATH={q(spec.root)} setsid nohup {supervise} > {log} 2>&1 < /dev/null &")
     for _ in range(50):
         if read_json(connection, f"{rdir}/{rundir.RUN_STATUS}"):
             return rdir, log_offset
