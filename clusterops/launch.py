@@ -1,18 +1,18 @@
-"""Pure functions that build what `fab train` sends to the head node: hostfile, mpirun line, env."""
+"""Pure functions that build what `fab train` sends to the head node: the run spec (and its mpirun line)."""
 
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from cluster_node.contract import CONTAINER_SSH_PORT
+from cluster_node.spec import Limits, RunSpec, ThenStop
 from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
-from .nodecmd import node_command, package_root
+from .nodecmd import package_root
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
@@ -110,10 +110,6 @@ def data_path(inventory: Inventory, dataset: str) -> str:
     return dataset_dir(dataset, inventory.data_dir)
 
 
-def hostfile(nodes: Sequence[Node], slots: int) -> str:
-    return "".join(f"{node.private_ip} slots={slots}\n" for node in nodes)
-
-
 def parse_interface(ip_addr_output: str, address: str) -> str:
     """The interface holding `address`, from `ip -o -4 addr show` output."""
     for line in ip_addr_output.splitlines():
@@ -131,26 +127,13 @@ def active_file(inventory: Inventory) -> str:
     return f"{inventory.data_dir}/runs/.active"
 
 
-def mpirun_prefix(
-    inventory: Inventory,
-    nodes: Sequence[Node],
-    interface: str,
-    master_port: int = 29500,
-    hostfile: Optional[str] = None,
-    allow_tcp: bool = False,
-) -> list[str]:
-    """mpirun and its options, up to the program: one rank per GPU slot of `nodes` (listed in
-    `hostfile`, else given with -H), the interface for OpenMPI, NCCL and gloo, the rendezvous; on an
-    EFA cluster the OFI plugin, required unless `allow_tcp`."""
-    ranks = len(nodes) * inventory.gpus_per_node
-    placement = (
-        ["--hostfile", hostfile]
-        if hostfile
-        else ["-H", ",".join(f"{node.private_ip}:{inventory.gpus_per_node}" for node in nodes)]
-    )
+def _mpirun_parts(
+    inventory: Inventory, nodes: Sequence[Node], interface: str, master_port: int, allow_tcp: bool
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """mpirun's options and the ranks' exports: the interface for OpenMPI, NCCL and gloo, the
+    rendezvous on the first node; on an EFA cluster the OFI plugin, required unless `allow_tcp`."""
     # fmt: off
-    argv = [
-        "mpirun", "--allow-run-as-root", "-np", str(ranks), *placement,
+    options = (
         "-bind-to", "none", "-map-by", "slot",
         "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
         "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
@@ -158,7 +141,7 @@ def mpirun_prefix(
         # a partition means no one can reach them to clean up.
         "--mca", "oob_tcp_keepalive_time", "10", "--mca", "oob_tcp_keepalive_intvl", "5",
         "--mca", "oob_tcp_keepalive_probes", "3",
-    ]
+    )
     # fmt: on
     exports = {
         "MASTER_ADDR": nodes[0].private_ip,
@@ -173,9 +156,7 @@ def mpirun_prefix(
     }
     if inventory.extra.get("efa_cards") and not allow_tcp:
         exports.update(EFA_ENVIRONMENT)
-    for key, value in exports.items():
-        argv += ["-x", f"{key}={value}"]
-    return argv
+    return options, exports
 
 
 def rank_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:
@@ -189,20 +170,44 @@ def node_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:
     return ["env", f"PYTHONPATH={package_root(code_dir)}", inventory.python, "-m", f"train.{module}"]
 
 
-def mpirun_argv(
+def run_spec(
     inventory: Inventory,
-    request: TrainRequest,
+    nodes: Sequence[Node],
     interface: str,
-    code_dir: str,
-    nodes: Optional[Sequence[Node]] = None,  # a LaunchPlan's; else selected from the request
+    program: Sequence[str] = (),
+    master_port: int = 29500,
+    allow_tcp: bool = False,
+    **more,
+) -> RunSpec:
+    """One rank per GPU slot of `nodes`, `program` on each; `more`: RunSpec's other fields (fab train's
+    run, limits, then-stop). Its argv() is the one mpirun line of fab train, fab check and every restart."""
+    options, exports = _mpirun_parts(inventory, nodes, interface, master_port, allow_tcp)
+    hosts = tuple(node.private_ip for node in nodes)
+    values = dict(run="", attempt=1, supervisor_host=inventory.head.private_ip, pool=hosts)
+    values.update(ssh_config=inventory.cluster_ssh_config, active_file=active_file(inventory))
+    values.update(python=inventory.python, process_env=dict(LAUNCH_ENVIRONMENT))
+    return RunSpec(
+        **{**values, **more},
+        hosts=hosts,
+        slots=inventory.gpus_per_node,
+        env=exports,
+        mpirun_options=options,
+        program=tuple(program),
+    )
+
+
+def mpirun_prefix(
+    inventory: Inventory, nodes: Sequence[Node], interface: str, master_port: int = 29500, allow_tcp: bool = False
 ) -> list[str]:
-    nodes = inventory.select(request.nodes, request.exclude) if nodes is None else nodes
+    """mpirun and its options, up to the program (fab check's all-reduce and training steps)."""
+    return run_spec(inventory, nodes, interface, (), master_port, allow_tcp).argv()
+
+
+def program_argv(inventory: Inventory, request: TrainRequest, code_dir: str) -> list[str]:
+    """`-x PYTHONPATH=ROOT python -m train.train` and its arguments for `request`."""
     rdir = run_dir(inventory, request.run_name)
     dataset = request.dataset or default_dataset(request.recipe)
-    argv = mpirun_prefix(
-        inventory, nodes, interface, request.master_port, hostfile=f"{rdir}/hostfile", allow_tcp=request.allow_tcp
-    )
-    argv += [*rank_program(inventory, code_dir, "train"), "--recipe", request.recipe]
+    argv = [*rank_program(inventory, code_dir, "train"), "--recipe", request.recipe]
     argv += ["--data", data_path(inventory, dataset), "--run-dir", rdir]
     options: tuple[tuple[str, object], ...] = (
         ("--max-steps", request.steps),
@@ -214,6 +219,64 @@ def mpirun_argv(
         if given is not None:
             argv += [flag, str(given)]
     return argv + list(request.extra_args)
+
+
+def limits(request: TrainRequest) -> Limits:
+    return Limits(
+        stall=float(int(request.stall_minutes * 60)),
+        start=float(int(request.start_minutes * 60)),
+        # A poll every 5 s, or often enough to see a short hang window three times over.
+        poll=float(min(5, max(1, int(request.hang_seconds // 3)))),
+        hang_floor=float(int(request.hang_seconds)),
+        max_restarts=request.max_restarts,
+        min_nodes=request.min_nodes or 1,
+    )
+
+
+def resume_command(request: TrainRequest) -> tuple[str, ...]:
+    """The `fab train` that resumes this run (a Spot notice's final status prints it)."""
+    command = ["fab", "train", "--recipe", request.recipe, "--run", request.run_name]
+    for flag, given in (("--steps", request.steps), ("--dataset", request.dataset)):
+        if given is not None:
+            command += [flag, str(given)]
+    if request.max_restarts:
+        command += ["--max-restarts", str(request.max_restarts)]
+    return tuple(command)
+
+
+def train_spec(
+    inventory: Inventory,
+    request: TrainRequest,
+    interface: str,
+    code_dir: str,
+    environ: Optional[dict] = None,
+    nodes: Optional[Sequence[Node]] = None,  # a LaunchPlan's; else selected from the request
+) -> RunSpec:
+    """What `fab train` writes to RUN_DIR/spec.json: attempt 1 of the run."""
+    nodes = inventory.select(request.nodes, request.exclude) if nodes is None else nodes
+    return run_spec(
+        inventory,
+        nodes,
+        interface,
+        program_argv(inventory, request, code_dir),
+        request.master_port,
+        request.allow_tcp,
+        run=run_dir(inventory, request.run_name),
+        root=package_root(code_dir),
+        resume=resume_command(request),
+        limits=limits(request),
+        then_stop=then_stop(inventory, request, environ or {}),
+    )
+
+
+def mpirun_argv(
+    inventory: Inventory,
+    request: TrainRequest,
+    interface: str,
+    code_dir: str,
+    nodes: Optional[Sequence[Node]] = None,
+) -> list[str]:
+    return train_spec(inventory, request, interface, code_dir, nodes=nodes).argv()
 
 
 CHECK_STEPS = 3
@@ -282,47 +345,19 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
     return {k: (endpoint if k == "AWS_ENDPOINT_URL" else environ[k]) for k in EMULATOR_VARIABLES if k in environ}
 
 
-def launch_env(
-    inventory: Inventory,
-    request: TrainRequest,
-    environ: Optional[dict] = None,
-    nodes: Optional[Sequence[Node]] = None,  # a LaunchPlan's; else selected from the request
-) -> str:
-    nodes = inventory.select(request.nodes, request.exclude) if nodes is None else nodes
-    values = {
-        "HOSTS": " ".join(n.private_ip for n in nodes),
-        "SSH_CONFIG": inventory.cluster_ssh_config,
-        "ACTIVE_FILE": active_file(inventory),
-        "STALL_SECONDS": str(int(request.stall_minutes * 60)),
-        "START_SECONDS": str(int(request.start_minutes * 60)),
-        # A poll every 5 s, or often enough to see a short hang window three times over.
-        "POLL_SECONDS": str(min(5, max(1, int(request.hang_seconds // 3)))),
-        "PYTHON": inventory.python,
-        "SLOTS": str(inventory.gpus_per_node),
-        "MAX_RESTARTS": str(request.max_restarts),
-        "MIN_NODES": str(request.min_nodes or 1),
-        "HANG_FLOOR": str(int(request.hang_seconds)),
-    }
-    if request.then_stop:
-        # The launcher runs in an SSH session: no AWS variables there, so the region travels here.
-        values.update(
-            THEN_STOP="1",
-            CLUSTER_NAME=inventory.cluster,
-            AUTOSTOP=node_command(inventory, "autostop.watchdog"),  # the launcher adds --stop-now
-            **({"AWS_REGION": inventory.region} if inventory.region else {}),
-            **emulator_env(inventory, environ or {}),
-        )
-    return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())
+def then_stop(inventory: Inventory, request: TrainRequest, environ: dict) -> Optional[ThenStop]:
+    """--then-stop: the autostop watchdog's --stop-now, with the region and cluster it needs (the
+    supervisor runs in an SSH session: no AWS variables there, so they travel in the spec)."""
+    if not request.then_stop:
+        return None
+    env = {"CLUSTER_NAME": inventory.cluster, **({"AWS_REGION": inventory.region} if inventory.region else {})}
+    env.update(emulator_env(inventory, environ), PYTHONPATH=package_root(inventory.code_dir))
+    return ThenStop((inventory.python, "-m", "cluster_node.autostop.watchdog", "--stop-now"), env)
 
 
 # Open MPI's hwloc probes X displays at start-up: display :N is TCP port 6000+N, so a TensorBoard on
 # 6006 made `orte_init` block in XOpenDisplay. Its GL component is what probes; leave it out.
 LAUNCH_ENVIRONMENT = {"HWLOC_COMPONENTS": "-gl"}
-
-
-def command_script(argv: Sequence[str]) -> str:
-    exports = "".join(f"export {key}={shlex.quote(value)}\n" for key, value in LAUNCH_ENVIRONMENT.items())
-    return exports + "exec " + shlex.join(argv) + "\n"
 
 
 def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:

@@ -17,13 +17,11 @@ from typing import Callable, Optional
 import paramiko
 from fabric import Connection
 
+from cluster_node import rundir
+
 from . import health, launch, nodecmd
 from .inventory import Inventory, Node
 
-HERE = Path(__file__).resolve().parent
-LAUNCHER = HERE / "launcher.sh"
-# Beside the launcher in the run directory: its restart decisions (stdlib only) and the node verdicts.
-SUPERVISOR_FILES = (HERE / "supervise.py", HERE.parent / "assets" / "cluster_node" / "health.py")
 q = shlex.quote
 
 
@@ -298,37 +296,32 @@ def plan_launch(
 
 
 def start_training(connection: Connection, inventory: Inventory, plan: launch.LaunchPlan) -> tuple[str, int]:
-    """Write hostfile, env and command into the run directory and start the launcher detached, as
-    planned. Returns the run directory and the log's size before this launch (where its output starts)."""
-    request, nodes = plan.request, list(plan.nodes)
+    """Write the run spec into the run directory and start the supervisor detached, as planned.
+    Returns the run directory and the log's size before this launch (where its output starts)."""
+    request = plan.request
     ensure_idle(connection, inventory)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.data_path(inventory, dataset)
     ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
     if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
-    rdir = launch.run_dir(inventory, request.run_name)
-    sh(
-        connection,
-        f"mkdir -p {q(rdir)} && cd {q(rdir)} && rm -f STOP FORCED run-status.json restarts.json hangs.json",
-    )
-    write_file(connection, f"{rdir}/hostfile", launch.hostfile(nodes, inventory.gpus_per_node))
-    write_file(connection, f"{rdir}/launch.env", launch.launch_env(inventory, request, dict(os.environ), nodes))
-    argv = launch.mpirun_argv(inventory, request, plan.interface, plan.code_dir, nodes)
-    write_file(connection, f"{rdir}/command.sh", launch.command_script(argv))
-    write_file(connection, f"{rdir}/command.json", json.dumps(argv))
-    write_file(connection, f"{rdir}/probe.sh", health.probe_command(inventory, plan.code_dir) + "\n")
-    for path in SUPERVISOR_FILES:
-        write_file(connection, f"{rdir}/{path.name}", path.read_text())
-    write_file(connection, f"{rdir}/launcher.sh", LAUNCHER.read_text(), mode=0o755)
+    spec = launch.train_spec(inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes)
+    rdir = spec.run
+    stale = [rundir.STOP, rundir.FORCED, rundir.RUN_STATUS, rundir.RESTARTS, rundir.HANGS, rundir.SPEC]
+    sh(connection, f"mkdir -p {q(rdir)}/{rundir.SPECS} && cd {q(rdir)} && rm -f {' '.join(stale)} {rundir.SPECS}/*")
+    text = json.dumps(spec.to_json(), indent=1)
+    write_file(connection, f"{rdir}/{rundir.SPECS}/{rundir.SPEC_ATTEMPT.format(n=1)}", text)
+    write_file(connection, f"{rdir}/{rundir.SPEC}", text)
+    write_file(connection, f"{rdir}/{rundir.PROBE_SH}", health.probe_command(inventory, plan.code_dir) + "\n")
     write_file(connection, launch.active_file(inventory), rdir + "\n")
-    log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/train.log')} 2>/dev/null || echo 0"))
-    sh(
-        connection,
-        f"setsid nohup bash {q(rdir + '/launcher.sh')} {q(rdir)} > {q(rdir + '/launcher.log')} 2>&1 < /dev/null &",
-    )
+    log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/' + rundir.TRAIN_LOG)} 2>/dev/null || echo 0"))
+    # The supervisor outlives this connection (setsid, nohup); it finds cluster_node through PYTHONPATH
+    # (the image's or fab sync's root, the checkout's on the emulated cluster: spec.root).
+    supervise = f"{q(inventory.python)} -m cluster_node.supervisor {q(rdir)}"
+    log = q(f"{rdir}/{rundir.LAUNCHER_LOG}")
+    sh(connection, f"PYTHONPATH={q(spec.root)} setsid nohup {supervise} > {log} 2>&1 < /dev/null &")
     for _ in range(50):
-        if read_json(connection, f"{rdir}/run-status.json"):
+        if read_json(connection, f"{rdir}/{rundir.RUN_STATUS}"):
             return rdir, log_offset
         time.sleep(0.1)
     raise RemoteError(f"the launcher did not start; see {rdir}/launcher.log")
@@ -380,7 +373,8 @@ def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> d
 
 
 def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
-    """Kill mpirun and the ranks; the launcher survives to record the end (reason: FORCED)."""
+    """Kill mpirun and the ranks; the supervisor survives to record the end (reason: FORCED), and
+    launches no further attempt."""
     sh(connection, f"touch {q(run_dir + '/FORCED')}")
     sh(connection, f'kill -TERM "$(cat {q(run_dir + "/mpirun.pid")} 2>/dev/null)" 2>/dev/null || true')
     for node in inventory.nodes:

@@ -11,7 +11,8 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 import cluster_node
-from clusterops import health, launch, linkcheck, nodecmd, remote, supervise, terminal
+from cluster_node import restart_plan
+from clusterops import health, launch, linkcheck, nodecmd, remote, terminal
 from stacks import images
 
 from .common import ERRORS, head, load_inventory, number, progress, task, training_code_dir, whole_number
@@ -31,7 +32,7 @@ def status(c):
         overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
         print(terminal.run_line(*overview))
-        for line in supervise.history_lines(overview[1]["restarts"]):
+        for line in restart_plan.history_lines(overview[1]["restarts"]):
             print(line)
     if inv.extra.get("dashboard_url"):
         print(f"dashboard: {inv.extra['dashboard_url']}")

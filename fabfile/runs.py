@@ -10,8 +10,9 @@ from pathlib import Path
 import paramiko
 from invoke.exceptions import Exit, ThreadException
 
+from cluster_node import restart_plan
 from clusterops import cost as costs
-from clusterops import health, launch, remote, supervise, terminal
+from clusterops import health, launch, remote, terminal
 from clusterops.inventory import Inventory
 from train import catalog
 
@@ -193,8 +194,10 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
             code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
         ) from None
     print(terminal.run_line(rdir, state))
-    for line in terminal.summary_lines(state["summary"]) + supervise.history_lines(state["restarts"]):
+    for line in terminal.summary_lines(state["summary"]) + restart_plan.history_lines(state["restarts"]):
         print(line)
+    if status_.get("resume"):  # a Spot notice ended it: the checkpoint is on /data
+        print(f"resume with: {status_['resume']}")
     if status_.get("state") != "finished":
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
 

@@ -3,6 +3,7 @@ alarm as the template defines it (evaluated on the recorded heartbeat), the stop
 heartbeat against a moto server, the region from instance metadata, and --then-stop from the
 environment the launcher really has (an SSH session: no AWS variables)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ import boto3
 import pytest
 from aws_cdk.assertions import Match, Template
 from conftest import REPO, moto_instances, tool_env
+from supervisor_fixture import supervise, write_spec
 
+from cluster_node import spec
 from cluster_node.autostop import busy_signals as signals
 from cluster_node.autostop import watchdog as autostop
 from cluster_node.autostop.idle_state import IdleState
@@ -396,7 +399,7 @@ def launcher_env(aws_env: dict, imds_url: str) -> dict:
 def test_then_stop_stops_the_cluster_from_a_session_without_aws_variables(
     aws_env, tmp_path, imds, inventory_region, imds_url
 ):
-    """The real launcher.sh and launch.env, as `fab train --then-stop` writes them for an AWS cluster."""
+    """The real supervisor and spec, as `fab train --then-stop` writes them for an AWS cluster."""
     cluster = f"thenstop-{inventory_region or 'imds'}"
     ids = moto_instances(2, cluster)
     inv = Inventory(
@@ -412,17 +415,12 @@ def test_then_stop_stops_the_cluster_from_a_session_without_aws_variables(
     )
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
-    env_text = launch.launch_env(inv, launch.TrainRequest(then_stop=True), dict(os.environ))
-    assert "AWS_DEFAULT_REGION" not in env_text and "AWS_SECRET" not in env_text
-    (run / "launch.env").write_text(env_text + "POLL_SECONDS=0.2\nCLEANUP_SECONDS=0\n")
-    (run / "command.sh").write_text("echo 'run ended at step 10'\n")
-    result = subprocess.run(
-        ["bash", str(REPO / "clusterops" / "launcher.sh"), str(run)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=launcher_env(aws_env, imds if imds_url == "imds" else imds_url),
-    )
+    written = launch.train_spec(inv, launch.TrainRequest(run="r", then_stop=True), "lo", inv.code_dir, dict(os.environ))
+    assert written.then_stop is not None
+    assert "AWS_DEFAULT_REGION" not in written.then_stop.env and "AWS_SECRET_ACCESS_KEY" not in written.then_stop.env
+    run_spec = write_spec(run, ["bash", "-c", "echo 'run ended at step 10'"], ["127.0.0.1"], poll=0.2, cleanup=0.0)
+    spec.write(run, dataclasses.replace(run_spec, then_stop=written.then_stop))
+    result = supervise(run, env=launcher_env(aws_env, imds if imds_url == "imds" else imds_url), timeout=120)
     log = (run / "train.log").read_text()
     assert result.returncode == 0 and f"autostop: run ended; stopping {sorted(ids)}" in log, log
     states = {

@@ -14,6 +14,7 @@ Contracts:
   * `fab train` names the run in runs/.active before it starts the launcher (clusterops/remote.py);
     the launcher ends an attempt with no step within START_SECONDS (clusterops/launcher.sh)."""
 
+import dataclasses
 import os
 import re
 import shutil
@@ -26,7 +27,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from supervisor_fixture import supervisor_process, write_spec
 
+from cluster_node import spec
 from cluster_node.autostop import watchdog as autostop
 from cluster_node.autostop.watchdog import Sources
 from clusterops import launch
@@ -57,7 +60,7 @@ def free_port() -> int:
 
 
 def test_a_launched_run_is_busy_from_its_launch_until_its_first_step_within_the_start_limit(tmp_path):
-    """The real launcher.sh, with the launch.env `fab train` writes; the command has no step for 4 s."""
+    """The real supervisor, with the spec `fab train` writes; the command has no step for 4 s."""
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
     inv = Inventory(
@@ -70,19 +73,22 @@ def test_a_launched_run_is_busy_from_its_launch_until_its_first_step_within_the_
         code_dir=str(REPO / "assets" / "train"),
         data_dir=str(tmp_path),
     )
-    env_text = launch.launch_env(inv, launch.TrainRequest(), dict(os.environ))
-    (run / "launch.env").write_text(env_text + "POLL_SECONDS=30\nCLEANUP_SECONDS=0\n")
-    (run / "command.sh").write_text("sleep 4; echo 'run ended at step 0'\n")
+    written = launch.train_spec(inv, launch.TrainRequest(run="r1"), "lo", inv.code_dir, dict(os.environ))
+    limits = {**written.limits.__dict__, "poll": 30.0, "cleanup": 0.0}
+    program = ["bash", "-c", "sleep 4; echo 'run ended at step 0'"]
+    spec.write(
+        run, dataclasses.replace(write_spec(run, program, ["127.0.0.1"], **limits), active_file=written.active_file)
+    )
     quiet = Sources(pts=tmp_path / "no-pts", ssh_port=free_port())
     (tmp_path / "runs" / ".active").write_text(f"{run}\n")  # what fab train writes first
     assert any("launched" in r for r in reasons(tmp_path, time.time(), quiet))  # before the launcher starts
-    launcher = subprocess.Popen(["bash", str(REPO / "clusterops" / "launcher.sh"), str(run)])
+    launcher = supervisor_process(run)
     try:
         wait_for((run / "run-status.json").exists)
         now = time.time()
         assert any("run r1 launched 0 min ago, no step yet" in r for r in reasons(tmp_path, now, quiet))
         # Bounded: past the launcher's own START_SECONDS (15 min) and a minute, it is no reason.
-        assert "START_SECONDS=900" in env_text
+        assert written.limits.start == 900 and spec.read(run).limits.start == 900
         assert not any("launched" in r for r in reasons(tmp_path, now + 17 * MIN, quiet))
     finally:
         assert launcher.wait(timeout=60) == 0

@@ -1,7 +1,8 @@
 """The training image provides every command that the node-side scripts run inside the container:
-launcher.sh, entrypoint.sh, the shell commands the fab tasks send and the commands the node programs
-(cluster_node) run through tools.run. A command is either in the NGC PyTorch base (Ubuntu's essential
-tools, python, its Open MPI), put there by the NVIDIA runtime, or installed by assets/docker/Dockerfile."""
+the supervisor and the other node programs (cluster_node: the argv they run through tools.run and
+subprocess), entrypoint.sh and the shell commands the fab tasks send. A command is either in the NGC
+PyTorch base (Ubuntu's essential tools, python, its Open MPI), put there by the NVIDIA runtime, or
+installed by assets/docker/Dockerfile."""
 
 import ast
 import re
@@ -14,7 +15,8 @@ from test_launch import inventory
 from clusterops import launch
 
 DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
-SCRIPTS = [REPO / "clusterops" / "launcher.sh", REPO / "assets" / "docker" / "entrypoint.sh"]
+SCRIPTS = [REPO / "assets" / "docker" / "entrypoint.sh"]
+SUPERVISOR = [REPO / "assets" / "cluster_node" / "nodes.py", REPO / "assets" / "cluster_node" / "hang.py"]
 BOOTSTRAP = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"  # its `docker exec CONTAINER COMMAND`s
 # Python files whose `sh(connection, "...")` commands run in the container (fab connects to it).
 SENDERS = [*sorted((REPO / "clusterops").glob("*.py")), *sorted((REPO / "fabfile").glob("*.py"))]
@@ -259,8 +261,13 @@ def container_commands() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     texts = [(p, p.read_text()) for p in SCRIPTS] + [(p, c) for p in SENDERS for c in _sent_commands(p)]
     texts += [(BOOTSTRAP, m) for m in re.findall(r"docker exec \S+ ([^;|&\n]+)", BOOTSTRAP.read_text())]
-    request = launch.TrainRequest(recipe="transformer-tiny")  # command.sh, run by launcher.sh
-    texts.append((Path("command.sh"), launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/c"))))
+    request = launch.TrainRequest(recipe="transformer-tiny")  # the spec's mpirun line, run by the supervisor
+    texts.append((Path("spec.json"), shlex.join(launch.mpirun_argv(inventory(), request, "eth0", "/c"))))
+    # The supervisor's commands (cluster_node/nodes.py, hang.py): argv lists and ssh's one-line commands.
+    for path in SUPERVISOR:
+        source = path.read_text()
+        texts += [(path, word) for word in re.findall(r'\[\s*"([\w.-]+)",', source)]
+        texts += [(path, line) for line in re.findall(r'f?"(pkill [^"]*)"', source)]
     for path, text in texts:
         for word in command_words(text):
             found.setdefault(word, set()).add(path.name)
@@ -285,7 +292,7 @@ def test_the_scan_sees_the_commands_it_must_see():
         "command -v nvidia-smi >/dev/null && nvidia-smi | paste -sd/"
     ) == {"ip", "pgrep", "hostname", "timeout", "ssh", "pkill", "nvidia-smi", "paste"}
     found = container_commands()
-    assert {"ip", "pgrep", "pkill", "sshd", "ssh", "awk", "timeout", "setsid", "mpirun"} <= set(found)
+    assert {"ip", "pgrep", "pkill", "sshd", "ssh", "py-spy", "timeout", "setsid", "mpirun"} <= set(found)
     assert "node-bootstrap.sh" in found["pgrep"]
     assert "probe.py" in found["dmesg"] and "probe.py" in found["dcgmi"]
 

@@ -1,9 +1,11 @@
-"""Unit tests: hostfile and mpirun command building, interface detection, train request validation."""
+"""Unit tests: the run spec and its mpirun command, interface detection, train request validation."""
 
+import json
 import shlex
 
 import pytest
 
+from cluster_node.spec import RunSpec
 from clusterops import launch, remote, terminal
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
 
@@ -21,15 +23,17 @@ def inventory(nodes=3, gpus=4, source="aws") -> Inventory:
     )
 
 
-def test_hostfile_has_one_line_per_node_with_gpu_slots_in_rank_order():
-    assert launch.hostfile(inventory().nodes, 4) == "10.42.0.5 slots=4\n10.42.0.6 slots=4\n10.42.0.7 slots=4\n"
+def test_the_spec_places_one_rank_per_gpu_slot_of_each_node_in_rank_order():
+    spec = launch.train_spec(inventory(), launch.TrainRequest(), "ens5", "/workspace/train")
+    assert spec.hosts == ("10.42.0.5", "10.42.0.6", "10.42.0.7") and spec.slots == 4
+    assert spec.argv()[4:6] == ["-H", "10.42.0.5:4,10.42.0.6:4,10.42.0.7:4"]
 
 
 def test_mpirun_line_for_the_whole_cluster():
     argv = launch.mpirun_argv(inventory(), launch.TrainRequest(recipe="transformer-base"), "ens5", "/workspace/train")
     line = shlex.join(argv)
     assert argv[:4] == ["mpirun", "--allow-run-as-root", "-np", "12"]
-    assert "--hostfile /data/runs/transformer-base/hostfile -bind-to none -map-by slot" in line
+    assert "-H 10.42.0.5:4,10.42.0.6:4,10.42.0.7:4 -bind-to none -map-by slot" in line
     assert "--mca plm_rsh_args '-F /data/.cluster/ssh/config'" in line
     for export in ("MASTER_ADDR=10.42.0.5", "MASTER_PORT=29500", "NCCL_SOCKET_IFNAME=ens5", "GLOO_SOCKET_IFNAME=ens5"):
         assert f"-x {export}" in line
@@ -77,15 +81,17 @@ def test_mpirun_line_with_options_and_a_subset_of_nodes():
         "--label-smoothing",
         "0.2",
     ]
-    env = launch.launch_env(inventory(), request)
-    assert "HOSTS='10.42.0.5 10.42.0.6'\n" in env and "STALL_SECONDS=600\n" in env
+    spec = launch.train_spec(inventory(), request, "eth0", "/code")
+    assert spec.pool == ("10.42.0.5", "10.42.0.6") and spec.limits.stall == 600
 
 
-def test_values_are_quoted_in_the_command_script():
+def test_values_pass_through_the_spec_as_argv_words_no_shell_between():
     request = launch.TrainRequest(extra_args=("--run-note", "it's; rm -rf /"))
-    script = launch.command_script(launch.mpirun_argv(inventory(), request, "eth0", "/code dir/train"))
-    assert script.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun ")
-    assert shlex.split(script)[-1] == "it's; rm -rf /" and "'PYTHONPATH=/code dir' python -m train.train" in script
+    spec = launch.train_spec(inventory(), request, "eth0", "/code dir/train")
+    assert spec.process_env == {"HWLOC_COMPONENTS": "-gl"} and spec.argv()[0] == "mpirun"
+    again = RunSpec.from_json(json.loads(json.dumps(spec.to_json())))
+    assert again == spec and again.argv()[-1] == "it's; rm -rf /"
+    assert "PYTHONPATH=/code dir python -m train.train" in " ".join(again.argv())
 
 
 def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program():
@@ -96,9 +102,9 @@ def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program
     assert prefix[-2:] == ["-x", "OMP_NUM_THREADS=4"] and "MASTER_PORT=29600" in prefix
     request = launch.TrainRequest(recipe="transformer-base", nodes=2)
     train = launch.mpirun_argv(inv, request, "ens5", "/workspace/train")
-    with_hostfile = launch.mpirun_prefix(inv, inv.nodes[:2], "ens5", hostfile="/data/runs/transformer-base/hostfile")
-    assert train[: len(with_hostfile)] == with_hostfile
-    assert train[len(with_hostfile) :][:5] == ["-x", "PYTHONPATH=/workspace", inv.python, "-m", "train.train"]
+    prefix = launch.mpirun_prefix(inv, inv.nodes[:2], "ens5")
+    assert train[: len(prefix)] == prefix
+    assert train[len(prefix) :][:5] == ["-x", "PYTHONPATH=/workspace", inv.python, "-m", "train.train"]
 
 
 def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
@@ -206,11 +212,11 @@ def test_known_hosts_pins_each_node_exactly(tmp_path):
 
 
 def test_then_stop_env_names_the_cluster_and_the_watchdog_next_to_the_program():
-    env = launch.launch_env(inventory(), launch.TrainRequest(then_stop=True), {"AWS_SECRET_ACCESS_KEY": "real"})
-    assert "THEN_STOP=1\n" in env and "CLUSTER_NAME=c\n" in env
-    assert "AUTOSTOP='PYTHONPATH=/workspace python -m cluster_node.autostop.watchdog'\n" in env
-    assert "AWS_" not in env  # real nodes use their instance role; nothing secret goes to /data
-    assert "THEN_STOP" not in launch.launch_env(inventory(), launch.TrainRequest())
+    stop = launch.then_stop(inventory(), launch.TrainRequest(then_stop=True), {"AWS_SECRET_ACCESS_KEY": "real"})
+    assert stop is not None and stop.env == {"CLUSTER_NAME": "c", "PYTHONPATH": "/workspace"}
+    assert stop.argv[1:] == ("-m", "cluster_node.autostop.watchdog", "--stop-now")
+    assert not any(k.startswith("AWS_") for k in stop.env)  # real nodes use their instance role; nothing secret
+    assert launch.then_stop(inventory(), launch.TrainRequest(), {}) is None
 
 
 def test_an_emulated_cluster_reaches_an_emulator_endpoint_through_its_bridge():

@@ -1,47 +1,23 @@
-"""clusterops/launcher.sh run for real on this machine (no cluster): the status it writes is JSON
-whatever the failure said, and its start-up deadline ends a run that never reaches a step."""
+"""The supervisor (python -m cluster_node.supervisor) run for real on this machine (no cluster): the
+status it writes is JSON whatever the failure said, and its start-up deadline ends a run that never reaches a step."""
 
 import io
-import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from supervisor_fixture import status, supervise, write_spec
 
 from clusterops import remote
 
 HOSTILE = 'error: bad "quote" \\back\\slash\ttab {"json": 1}'
 
 
-def _launch(run_dir: Path, command: str, **env: str) -> dict:
-    values = {
-        "HOSTS": "10.0.0.1",
-        "SSH_CONFIG": "/dev/null",
-        "ACTIVE_FILE": str(run_dir / "active"),
-        "POLL_SECONDS": "1",
-        "CLEANUP_SECONDS": "0",
-        "PYTHON": sys.executable,
-        **env,
-    }
-    (run_dir / "launch.env").write_text("".join(f"{k}={v}\n" for k, v in values.items()))
-    (run_dir / "command.sh").write_text(command)
-    # Every node answers: a stand-in ssh (the watchdog's reachability check) that succeeds.
-    bin_dir = run_dir / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text("#!/bin/sh\nexit 0\n")
-    (bin_dir / "ssh").chmod(0o755)
-    subprocess.run(
-        ["bash", str(REPO / "clusterops" / "launcher.sh"), str(run_dir)],
-        timeout=60,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"),
-    )
-    return json.loads((run_dir / "run-status.json").read_text())
+def _launch(run_dir: Path, command: str, **limits: float) -> dict:
+    write_spec(run_dir, ["bash", "-c", command], **limits)
+    supervise(run_dir)
+    return status(run_dir)
 
 
 def test_a_failure_reason_with_quotes_backslashes_and_tabs_is_valid_json(tmp_path):
@@ -53,7 +29,7 @@ def test_a_failure_reason_with_quotes_backslashes_and_tabs_is_valid_json(tmp_pat
 
 def test_a_run_that_never_reaches_a_step_fails_at_the_start_up_deadline(tmp_path):
     started = time.monotonic()
-    status = _launch(tmp_path, "sleep 30\n", START_SECONDS="1")
+    status = _launch(tmp_path, "sleep 30\n", start=1)
     assert time.monotonic() - started < 20
     assert status["state"] == "failed" and "no training step within 1 s" in status["reason"]
 

@@ -464,6 +464,47 @@ def test_a_spot_notice_mid_run_checkpoints_in_the_notice_window_and_the_run_goes
     assert f"resuming from /data/runs/spottest/checkpoints/step_{record['resume_step']:08d}.pt" in log
 
 
+def test_a_spot_notice_on_the_supervisors_node_ends_the_run_resumable_before_the_action_time(pair):
+    """The same notice, for node0, where the supervisor runs (design §3.4): no relaunch from a node that
+    is going; the checkpoint lands, the final status (failed, kind spot, resumable, with the command
+    that resumes) is written before the action time, runs/.active is gone; `fab logs --follow` ends
+    with that status instead of a lost connection."""
+    controller = json.loads(pair.inventory.read_text())["extra"]["controller_ip"]
+    netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(0)
+    with serve_imds(controller) as imds:
+        watcher = subprocess.Popen(
+            ["ip", "netns", "exec", netns, sys.executable, "-m", "cluster_node.spotwatch"]
+            + ["--data", str(pair.shared), "--interval", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=tool_env(AUTOSTOP_IMDS_URL=imds.url, NODE_RANK="0", INSTANCE_ID="i-0node0"),
+        )
+        try:
+            pair.fab("train", "--run", "spothead", "--steps", "3000", "--max-restarts", "1", "--extra", QUICK)
+            pair.wait_for_step("spothead", 10)
+            noticed = time.time()
+            imds.instance_action = {
+                "action": "stop",
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(noticed + 120)),
+            }
+            status, seconds = pair.wait_for_end("spothead", timeout=120)
+        finally:
+            watcher.kill()
+            watcher.communicate()
+    run = pair.run_dir("spothead")
+    newest = max((run / "checkpoints").glob("step_*.pt"))
+    written = newest.stat().st_mtime - noticed
+    print(f"spot notice on the supervisor's node: checkpoint {newest.name} written {written:.1f} s after it, ")
+    print(f"final status {seconds:.1f} s after it")
+    assert 0 <= written < 90 and seconds < 90, (written, seconds)
+    assert status["state"] == "failed" and status["kind"] == "spot" and "resumable" in status["reason"], status
+    assert status["resume"].startswith("fab train --recipe transformer-tiny --run spothead"), status
+    assert not (run / "restarts.json").exists() and not (pair.shared / "runs" / ".active").exists()
+    followed = pair.fab("logs", "--run", "spothead", "--follow", check=False, timeout=60)
+    assert f"resume with: {status['resume']}" in followed.stdout, followed.stdout + followed.stderr
+
+
 def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
     pair.fab("train", "--run", "cuttest", "--steps", "5000", "--extra", QUICK.replace("timeout-s 30", "timeout-s 10"))
     pair.wait_for_step("cuttest", 1)  # running its collectives: the watchdog needs no checkpoint
@@ -620,7 +661,6 @@ def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_envir
         # Each rank writes its own file on /data: two >4 KB lines through mpirun's stdout can interleave.
         to_file = f"import sys, socket; sys.stdout = open('{inventory.data_dir}/env-' + socket.gethostname(), 'w')"
         argv = argv[: argv.index(inventory.python)] + [inventory.python, "-c", f"{to_file}; {IMAGE_ENV_PROBE}"]
-        argv[argv.index("--hostfile") : argv.index("--hostfile") + 2] = ["-H", "node0:1,node1:1"]
         with remote.connect(inventory, inventory.head) as conn:
             out = remote.sh(conn, "timeout 120 " + shlex.join(argv))
         shared = localcluster.STATE_ROOT / "te" / "shared"

@@ -1,20 +1,19 @@
-"""fab train --max-restarts without a cluster: the restart decisions (clusterops/supervise.py), the
-trainer's --keep-global-batch, and the real launcher.sh restarting a job on the nodes a stand-in ssh
+"""fab train --max-restarts without a cluster: the restart decisions (cluster_node.restart_plan, hang), the
+trainer's --keep-global-batch, and the real supervisor restarting a job on the nodes a stand-in ssh
 still reaches."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from supervisor_fixture import status, supervise, write_spec
 
-from clusterops import health, launch, supervise
+from cluster_node import hang, restart_plan, spec
+from clusterops import health, launch
 from train import config as train_config
 
 HEALTHY = json.dumps(
@@ -23,67 +22,71 @@ HEALTHY = json.dumps(
 
 
 def test_rebalance_keeps_the_global_batch_with_micro_batches_no_larger_than_before():
-    assert supervise.rebalance(24, 2, 8) == (6, 2)  # 3 ranks x 8 -> 2 ranks x 6 x 2
-    assert supervise.rebalance(24, 3, 8) == (8, 1)  # the node rejoined: back to the original shape
-    assert supervise.rebalance(24, 5, 8) is None  # 24 does not split over 5 ranks
+    assert restart_plan.rebalance(24, 2, 8) == (6, 2)  # 3 ranks x 8 -> 2 ranks x 6 x 2
+    assert restart_plan.rebalance(24, 3, 8) == (8, 1)  # the node rejoined: back to the original shape
+    assert restart_plan.rebalance(24, 5, 8) is None  # 24 does not split over 5 ranks
 
 
-def _run_dir(tmp_path: Path, hosts: list[str], restarts: int = 1, min_nodes: int = 1) -> Path:
-    (tmp_path / "launch.env").write_text(
-        f"HOSTS='{' '.join(hosts)}'\nSLOTS=1\nMAX_RESTARTS={restarts}\nMIN_NODES={min_nodes}\n"
-    )
-    (tmp_path / "hostfile").write_text("".join(f"{h} slots=1\n" for h in hosts))
+def _run_dir(tmp_path: Path, hosts: list[str], restarts: int = 1, min_nodes: int = 1) -> tuple[Path, spec.RunSpec]:
+    program = ["python", "train.py", "--batch-per-gpu", "8"]
+    run_spec = write_spec(tmp_path, program, hosts, max_restarts=restarts, min_nodes=min_nodes)
     (tmp_path / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
-    argv = ["mpirun", "-np", "3", "-x", f"MASTER_ADDR={hosts[0]}", "python", "train.py", "--batch-per-gpu", "8"]
-    (tmp_path / "command.json").write_text(json.dumps(argv))
-    (tmp_path / "command.sh").write_text("export HWLOC_COMPONENTS=-gl\nexec true\n")
     (tmp_path / "probes").mkdir()
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step_00000020.pt").write_bytes(b"x")
-    return tmp_path
+    return tmp_path, run_spec
+
+
+def _plan(run: Path, run_spec: spec.RunSpec, kind: str, reason: str, since: float = 0.0):
+    """restart_plan.plan, and what the supervisor does with a restart: the entry appended, the spec kept."""
+    plan = restart_plan.plan(run, run_spec, kind, reason, since=since)
+    if plan.spec is not None and plan.record is not None:
+        restart_plan.rundir.append(run / "restarts.json", plan.record)
+    return plan.spec is not None, plan.line, plan.spec or run_spec
 
 
 def test_plan_drops_the_unreachable_node_and_rewrites_the_job_for_the_rest(tmp_path):
-    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
     for host in ("10.0.0.1", "10.0.0.2"):
         (run / "probes" / host).write_text(HEALTHY + "\n")
     (run / "probes" / "10.0.0.3").write_text("")  # ssh failed: no output
-    restart, line = supervise.plan(run, "died", "rank 2 exited on signal 9")
+    restart, line, run_spec = _plan(run, run_spec, "died", "rank 2 exited on signal 9")
     assert restart, line
     assert "restart 1/1 on 2 node(s)" in line and "from step 20" in line
-    assert (run / "hostfile").read_text() == "10.0.0.1 slots=1\n10.0.0.2 slots=1\n"
-    command = (run / "command.sh").read_text()
-    assert command.startswith("export HWLOC_COMPONENTS=-gl\nexec mpirun -np 2 ")
+    assert run_spec.hosts == ("10.0.0.1", "10.0.0.2") and run_spec.process_env == {"HWLOC_COMPONENTS": "-gl"}
+    command = " ".join(run_spec.argv())
+    assert command.startswith("mpirun --allow-run-as-root -np 2 -H 10.0.0.1:1,10.0.0.2:1 ")
     assert "--batch-per-gpu 6" in command and "--grad-accum 2 --keep-global-batch 24" in command
     [record] = json.loads((run / "restarts.json").read_text())
     assert record["dropped"] == {"10.0.0.3": "unreachable"} and record["resume_step"] == 20
     assert record["nodes_after"] == ["10.0.0.1", "10.0.0.2"] and record["kind"] == "died"
     # Restarts are used up: the next failure gives up, and says why.
-    restart, line = supervise.plan(run, "died", "again")
+    restart, line, _ = _plan(run, run_spec, "died", "again")
     assert not restart and line == "restarts exhausted (1/1)"
 
 
 def test_a_node_that_is_healthy_again_rejoins_at_the_next_restart(tmp_path):
-    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"], restarts=2)
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"], restarts=2)
     (run / "probes" / "10.0.0.1").write_text(HEALTHY)
     (run / "probes" / "10.0.0.2").write_text(HEALTHY)
-    assert supervise.plan(run, "died", "node 3 lost")[0]
+    restart, _, run_spec = _plan(run, run_spec, "died", "node 3 lost")
+    assert restart
     (run / "probes" / "10.0.0.3").write_text(HEALTHY)
-    restart, line = supervise.plan(run, "hang", "rank 0 stopped")
+    restart, line, run_spec = _plan(run, run_spec, "hang", "rank 0 stopped")
     assert restart, line
     second = json.loads((run / "restarts.json").read_text())[-1]
     assert second["rejoined"] == ["10.0.0.3"] and (second["batch_per_gpu"], second["grad_accum"]) == (8, 1)
-    assert "-np 3" in (run / "command.sh").read_text()
-    assert "rejoined 10.0.0.3" in supervise.history_lines(json.loads((run / "restarts.json").read_text()))[1]
+    assert "-np 3" in " ".join(run_spec.argv())
+    assert "rejoined 10.0.0.3" in restart_plan.history_lines(json.loads((run / "restarts.json").read_text()))[1]
 
 
 def test_plan_gives_up_below_min_nodes_and_on_a_bad_node_verdict(tmp_path):
-    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2"], min_nodes=2)
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2"], min_nodes=2)
     (run / "probes" / "10.0.0.1").write_text(HEALTHY)
     (run / "probes" / "10.0.0.2").write_text(HEALTHY.replace('"mounted": true', '"mounted": false'))
-    restart, line = supervise.plan(run, "died", "x")
+    restart, line, _ = _plan(run, run_spec, "died", "x")
     assert not restart and "1 healthy node(s) left, --min-nodes 2" in line and "/data is not mounted" in line
-    assert not (run / "restarts.json").exists() and "-np 3" not in (run / "command.sh").read_text()
+    assert not (run / "restarts.json").exists() and spec.read(run) == run_spec
 
 
 def _notice(run: Path, host: str, noticed: float) -> None:
@@ -93,24 +96,25 @@ def _notice(run: Path, host: str, noticed: float) -> None:
 
 
 def test_a_spot_notice_leaves_its_node_out_of_the_restart_while_it_still_answers(tmp_path):
-    run = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    hosts = run_spec.hosts
     for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
         (run / "probes" / host).write_text(HEALTHY)  # the noticed node is healthy for two more minutes
     (run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1, "max_steps": 100}))
     (run / "progress.json").write_text(json.dumps({"step": 20}))
     attempt_started = time.time() - 30
     _notice(run, "10.0.0.2", noticed=attempt_started - 60)  # an earlier attempt's: not this one's
-    assert supervise.spot_ended(run, attempt_started) is None
+    assert restart_plan.spot_ended(run, hosts, attempt_started) is None
     _notice(run, "10.0.0.2", noticed=attempt_started + 10)
-    why = supervise.spot_ended(run, attempt_started)
+    why = restart_plan.spot_ended(run, hosts, attempt_started)
     assert why == "spot notice: 10.0.0.2: Spot stop at T+2min"
-    restart, line = supervise.plan(run, "spot", why, since=attempt_started)
+    restart, line, _ = _plan(run, run_spec, "spot", why, since=attempt_started)
     assert restart and "restart 1/1 on 2 node(s) 10.0.0.1 10.0.0.3 from step 20" in line, line
     [record] = json.loads((run / "restarts.json").read_text())
     assert record["kind"] == "spot" and record["dropped"] == {"10.0.0.2": "Spot stop at T+2min"}
     # A run that reached its last step is done, notice or not.
     (run / "progress.json").write_text(json.dumps({"step": 100}))
-    assert supervise.spot_ended(run, attempt_started) is None
+    assert restart_plan.spot_ended(run, hosts, attempt_started) is None
 
 
 def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
@@ -121,7 +125,7 @@ def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
         (tmp_path / "stacks" / f"rank{rank}.txt").write_text("" if rank == 1 else 'File "trainer.py", line 1\n')
     (tmp_path / "stacks" / "states.10.0.0.2").write_text("200 T\n")
     (tmp_path / "stacks" / "states.10.0.0.1").write_text("100 S\n300 S\n")
-    rank, evidence = supervise.behind(tmp_path)
+    rank, evidence = hang.behind(tmp_path)
     assert rank == 1 and "pid 200 on node1" in evidence and "(stopped)" in evidence and "no stack dump" in evidence
 
 
@@ -142,11 +146,11 @@ def test_negative_restarts_and_min_nodes_are_refused():
         launch.TrainRequest(min_nodes=0).validate()
 
 
-# ---------------------------------------------------------------- the real launcher.sh
+# ---------------------------------------------------------------- the real supervisor
 
 STANDIN_SSH = """#!/bin/bash
-# ssh -F CONFIG [-o X]... HOST COMMAND...: HOST is dead, or answers; a script on stdin (the probe,
-# the stack collection) runs here. Nothing else does: cleanup's pkill must not touch this machine.
+# ssh -F CONFIG [-o X]... HOST COMMAND...: HOST is dead, or answers; a script on stdin (the probe)
+# runs here. Nothing else does: cleanup's pkill must not touch this machine.
 while [[ $1 == -* ]]; do shift 2; done
 host=$1; shift
 [[ $host == "$DEAD_HOST" ]] && exit 255
@@ -154,8 +158,9 @@ host=$1; shift
 exit 0
 """
 
-FAKE_TRAINER = """import json, pathlib, sys, time
-run = pathlib.Path(sys.argv[1]); args = sys.argv[2:]
+FAKE_TRAINER = """import json, os, pathlib, sys, time
+run = pathlib.Path(sys.argv[1])
+args = ["-np", os.environ["MPIRUN_NP"], "MASTER_ADDR=" + os.environ["MASTER_ADDR"], *sys.argv[2:]]
 (run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
 (run / "checkpoints").mkdir(exist_ok=True); (run / "checkpoints" / "step_00000010.pt").write_bytes(b"x")
 print("args:", " ".join(args), flush=True)
@@ -167,36 +172,14 @@ print("run ended at step 20: max_steps")
 """
 
 
-def _launcher(run: Path, first_args: list[str], dead: str = "h2", keep_trainer: bool = False, **env: str) -> dict:
-    bin_dir = run / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(STANDIN_SSH)
-    (bin_dir / "ssh").chmod(0o755)
+def _launcher(run: Path, first_args: list[str], dead: str = "h2", keep_trainer: bool = False, **limits) -> dict:
     if not keep_trainer:
         (run / "fake.py").write_text(FAKE_TRAINER)
-    argv = [sys.executable, str(run / "fake.py"), str(run), "-np", "2", "MASTER_ADDR=h1", *first_args]
-    (run / "command.json").write_text(json.dumps(argv))
-    (run / "command.sh").write_text("exec " + " ".join(argv) + "\n")
-    (run / "hostfile").write_text("h1 slots=1\nh2 slots=1\n")
     (run / "probe.sh").write_text(f"echo '{HEALTHY}'\n")
-    for path in remote_files():
-        (run / path.name).write_text(path.read_text())
-    values = dict(HOSTS="'h1 h2'", SSH_CONFIG="/dev/null", ACTIVE_FILE=str(run / "active"), POLL_SECONDS="1")
-    values.update(CLEANUP_SECONDS="0", PYTHON=sys.executable, SLOTS="1", MAX_RESTARTS="1", MIN_NODES="1")
-    (run / "launch.env").write_text("".join(f"{k}={v}\n" for k, v in {**values, **env}.items()))
-    subprocess.run(
-        ["bash", str(REPO / "clusterops" / "launcher.sh"), str(run)],
-        timeout=60,
-        capture_output=True,
-        env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", DEAD_HOST=dead),
-    )
-    return json.loads((run / "run-status.json").read_text())
-
-
-def remote_files() -> tuple[Path, ...]:
-    from clusterops import remote
-
-    return remote.SUPERVISOR_FILES
+    program = [sys.executable, str(run / "fake.py"), str(run), *first_args]
+    write_spec(run, program, ["h1", "h2"], **{"max_restarts": 1, **limits})
+    supervise(run, STANDIN_SSH, DEAD_HOST=dead)
+    return status(run)
 
 
 def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path):
@@ -235,7 +218,7 @@ def test_the_launcher_goes_on_without_a_node_whose_spot_notice_ended_the_attempt
 
 def test_without_restarts_a_spot_notice_ends_the_run_finished_for_a_resume_by_hand(tmp_path):
     (tmp_path / "fake.py").write_text(SPOT_TRAINER)
-    status = _launcher(tmp_path, [], dead="none", keep_trainer=True, MAX_RESTARTS="0")
+    status = _launcher(tmp_path, [], dead="none", keep_trainer=True, max_restarts=0)
     assert status["state"] == "finished" and "stop requested" in status["reason"], status
     assert not (tmp_path / "restarts.json").exists()
 
@@ -245,12 +228,12 @@ def test_the_launcher_sees_mpirun_end_at_once_not_at_its_next_poll(tmp_path):
     every run; a 30 s poll here would show it."""
     (tmp_path / "fake.py").write_text(SPOT_TRAINER)
     started = time.monotonic()
-    status = _launcher(tmp_path, [], dead="none", keep_trainer=True, MAX_RESTARTS="0", POLL_SECONDS="30")
+    status = _launcher(tmp_path, [], dead="none", keep_trainer=True, max_restarts=0, poll=30)
     assert status["state"] == "finished" and time.monotonic() - started < 15
 
 
 def test_the_launcher_ends_a_hang_after_the_window_and_names_the_rank(tmp_path):
-    status = _launcher(tmp_path, ["--sleep", "50"], HANG_FLOOR="2", MAX_RESTARTS="0", dead="none")
+    status = _launcher(tmp_path, ["--sleep", "50"], hang_floor=2, max_restarts=0, dead="none")
     assert status["state"] == "failed", status
     assert "watchdog: hang: no rank finished a step for" in status["reason"] and "(window 2 s)" in status["reason"]
     assert "rank 0 (pid 1 on n0) is behind: step 10" in status["reason"] and "hang-stacks-1" in status["reason"]

@@ -1,5 +1,5 @@
 """The run-directory module (assets/cluster_node/rundir.py): every record round-trips, and reads what
-today's writers write, made by calling those writers (launcher.sh's status function, supervise.py,
+today's writers write, made by calling those writers (the supervisor, restart_plan, hang,
 spotwatch, the autostop heartbeat, fab train's launch files); the atomic write; the tolerant reads;
 the protocol table names every file."""
 
@@ -8,18 +8,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from supervisor_fixture import write_spec
 from test_launch import inventory
 
-from cluster_node import launchfiles, protocol, rundir, spotwatch
+from cluster_node import hang, protocol, restart_plan, rundir, spec, spotwatch
 from cluster_node.autostop import watchdog as autostop
-from clusterops import launch, supervise
+from cluster_node.supervisor import Supervisor
+from clusterops import launch
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
 
@@ -59,9 +58,9 @@ def test_every_record_has_a_sample_and_survives_a_round_trip_through_a_file(tmp_
 
 def test_unknown_keys_survive_and_a_wrong_type_or_a_missing_key_is_refused():
     status = rundir.RunStatus.from_json(
-        {"state": "failed", "exit_code": 0, "reason": "r", "time": "t", "head": "h", "resume": "fab train --run r"}
+        {"state": "failed", "exit_code": 0, "reason": "r", "time": "t", "head": "h", "handoff": "node1"}
     )
-    assert status.extra == {"resume": "fab train --run r"} and status.to_json()["resume"] == "fab train --run r"
+    assert status.extra == {"handoff": "node1"} and status.to_json()["handoff"] == "node1"
     with pytest.raises(rundir.RecordError, match="missing reason"):
         rundir.RunStatus.from_json({"state": "running", "exit_code": None, "time": "t", "head": "h"})
     with pytest.raises(rundir.RecordError, match="step: int expected"):
@@ -75,55 +74,50 @@ def _shell_functions(script: Path, *names: str) -> str:
     return "\n".join(re.search(rf"^{name}\(\) {{.*?^}}$", text, re.M | re.S).group(0) for name in names)
 
 
-@pytest.mark.parametrize("args", [("running", "null", "launched"), ("failed", "137", 'it said "no" | x')])
-def test_run_status_reads_what_launcher_sh_status_writes(tmp_path, args):
-    functions = _shell_functions(REPO / "clusterops" / "launcher.sh", "now", "status")
-    script = f'RUN_DIR={tmp_path}; PYTHON={sys.executable}\n{functions}\nstatus "$@"\n'
-    subprocess.run(["bash", "-c", script, "status", *args], check=True)
+@pytest.mark.parametrize("args", [("running", None, "launched"), ("failed", 137, 'it said "no" | x')])
+def test_run_status_reads_what_the_supervisor_writes(tmp_path, args):
+    sup = Supervisor(tmp_path, write_spec(tmp_path, ["true"]), None, None)
+    sup.status(*args)
     written = json.loads((tmp_path / rundir.RUN_STATUS).read_text())
     status = rundir.read_record(tmp_path / rundir.RUN_STATUS, rundir.RunStatus)
     assert status is not None and status.to_json() == written
     assert (status.state, status.reason) == (args[0], args[2]) and status.state in rundir.STATES
-    assert status.exit_code == (None if args[1] == "null" else int(args[1]))
+    assert status.exit_code == args[1] and status.live == ("starting" if args[0] == "running" else None)
 
 
-def _plan_run(run: Path, hosts: list[str]) -> Path:
-    (run / "launch.env").write_text(f"HOSTS='{' '.join(hosts)}'\nSLOTS=1\nMAX_RESTARTS=2\nMIN_NODES=1\n")
-    (run / "hostfile").write_text(launch.hostfile([], 1) + "".join(f"{h} slots=1\n" for h in hosts))
-    (run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
-    (run / "command.json").write_text(json.dumps(["mpirun", "-np", "2", "-x", f"MASTER_ADDR={hosts[0]}", "python"]))
-    (run / "command.sh").write_text("export HWLOC_COMPONENTS=-gl\nexec true\n")
-    (run / "probes").mkdir()
-    (run / "checkpoints").mkdir()
-    (run / "checkpoints" / "step_00000020.pt").write_bytes(b"x")
-    (run / "probes" / hosts[0]).write_text(HEALTHY)
-    return run
-
-
-def test_restarts_read_what_supervise_plan_appends(tmp_path):
-    run = _plan_run(tmp_path, ["10.0.0.1", "10.0.0.2"])
-    assert supervise.plan(run, "died", "rank 1 exited on signal 9")[0]
-    (run / "probes" / "10.0.0.2").write_text(HEALTHY)
-    assert supervise.plan(run, "hang", "rank 0 stopped")[0]
-    written = json.loads((run / rundir.RESTARTS).read_text())
-    restarts = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
+def test_restarts_read_what_restart_plan_appends(tmp_path):
+    run_spec = write_spec(tmp_path, ["python"], ["10.0.0.1", "10.0.0.2"], max_restarts=2)
+    (tmp_path / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_00000020.pt").write_bytes(b"x")
+    (tmp_path / "probes" / "10.0.0.1").write_text(HEALTHY)
+    for kind, reason in (("died", "rank 1 exited on signal 9"), ("hang", "rank 0 stopped")):
+        plan = restart_plan.plan(tmp_path, run_spec, kind, reason)
+        assert plan.spec is not None and plan.record is not None
+        rundir.append(tmp_path / rundir.RESTARTS, plan.record)
+        spec.write(tmp_path, plan.spec)
+        run_spec = plan.spec
+        (tmp_path / "probes" / "10.0.0.2").write_text(HEALTHY)
+    written = json.loads((tmp_path / rundir.RESTARTS).read_text())
+    restarts = rundir.read_list(tmp_path / rundir.RESTARTS, rundir.Restart)
     assert [r.to_json() for r in restarts] == written and len(restarts) == 2
     assert restarts[0].dropped == {"10.0.0.2": "unreachable"} and restarts[0].resume_step == 20
     assert restarts[1].rejoined == ("10.0.0.2",) and restarts[1].kind == "hang"
-    # The hostfile supervise.py rewrote, as launchfiles reads it.
-    assert launchfiles.parse_hostfile((run / rundir.HOSTFILE).read_text()) == (("10.0.0.1", 1), ("10.0.0.2", 1))
-    assert launchfiles.read_argv(run / rundir.COMMAND_JSON)[0] == "mpirun"
+    # The spec the supervisor wrote, as the module reads it; every attempt's is kept.
+    assert spec.read(tmp_path) == run_spec and run_spec.hosts == ("10.0.0.1", "10.0.0.2")
+    assert spec.read(tmp_path).argv()[0] == "mpirun" and rundir.spec_record(tmp_path, 3).exists()
 
 
-def test_hangs_read_what_supervise_hang_appends(tmp_path, capsys):
+def test_hangs_read_what_hang_record_appends(tmp_path):
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "rank0").write_text("7 4242 node0\n")
-    assert supervise.main(["hang", str(tmp_path)]) == 0
-    assert supervise.main(["hang", str(tmp_path)]) == 0
+    hang.record(tmp_path, 1.0)
+    hang.record(tmp_path, 2.0)
     written = json.loads((tmp_path / rundir.HANGS).read_text())
     hangs = rundir.read_list(tmp_path / rundir.HANGS, rundir.Hang)
     assert [h.to_json() for h in hangs] == written and hangs[0].rank == 0 and "step 7" in hangs[0].evidence
-    # The heartbeat file supervise.py read, as the module reads it.
+    # The heartbeat file hang.py read, as the module reads it.
     beat = rundir.RankBeat.from_text((tmp_path / "ranks" / "rank0").read_text())
     assert beat == rundir.RankBeat(7, 4242, "node0") and beat.to_text() == "7 4242 node0\n"
 
@@ -161,26 +155,17 @@ def test_node_heartbeats_read_what_autostop_shares(tmp_path):
 
 
 @pytest.mark.parametrize("then_stop", [False, True])
-def test_launch_env_reads_and_rewrites_exactly_what_fab_train_writes(then_stop):
+def test_the_spec_reads_exactly_what_fab_train_writes(then_stop):
     environ = {"AWS_ENDPOINT_URL": "http://localhost:5000", "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t"}
     local = inventory(nodes=3, gpus=2, source="local")
     local.extra["controller_ip"] = "10.213.0.1"
-    text = launch.launch_env(local, launch.TrainRequest(then_stop=then_stop, max_restarts=2), environ)
-    env = launchfiles.LaunchEnv.from_text(text)
-    assert env.to_text() == text
-    assert env.hosts == ("10.42.0.5", "10.42.0.6", "10.42.0.7") and env.slots == 2 and env.max_restarts == 2
-    assert env.then_stop == then_stop and (env.aws.get("AWS_ENDPOINT_URL") == "http://10.213.0.1:5000") == then_stop
-    # supervise.py's own parser agrees with the record on every key it reads.
-    settings = {k: v for k, v in (line.split("=", 1) for line in text.splitlines())}
-    assert env.start_seconds == int(settings["START_SECONDS"].strip("'"))
-
-
-def test_hostfile_round_trips_what_fab_train_writes():
-    nodes = inventory(nodes=2).nodes
-    text = launch.hostfile(nodes, 4)
-    hosts = launchfiles.parse_hostfile(text)
-    assert hosts == (("10.42.0.5", 4), ("10.42.0.6", 4))
-    assert launchfiles.format_hostfile([h for h, _ in hosts], 4) == text
+    request = launch.TrainRequest(then_stop=then_stop, max_restarts=2)
+    written = launch.train_spec(local, request, "eth0", "/code/train", environ)
+    run_spec = spec.RunSpec.from_json(json.loads(json.dumps(written.to_json())))
+    assert run_spec == written and run_spec.hosts == ("10.42.0.5", "10.42.0.6", "10.42.0.7") and run_spec.slots == 2
+    assert run_spec.limits.max_restarts == 2 and (run_spec.then_stop is not None) == then_stop
+    if then_stop:
+        assert run_spec.then_stop.env["AWS_ENDPOINT_URL"] == "http://10.213.0.1:5000"  # type: ignore[union-attr]
 
 
 def test_a_missing_or_partly_written_file_reads_as_the_default(tmp_path):

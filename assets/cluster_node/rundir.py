@@ -27,10 +27,9 @@ RESTARTS = "restarts.json"
 HANGS = "hangs.json"
 INTERRUPTIONS = "interruptions.json"
 INTERRUPTIONS_LOCK = ".interruptions.lock"
-COMMAND_SH = "command.sh"
-COMMAND_JSON = "command.json"
-LAUNCH_ENV = "launch.env"
-HOSTFILE = "hostfile"
+SPEC = "spec.json"  # the next (or current) attempt's RunSpec (cluster_node.spec)
+SPECS = "specs"  # specs/attempt-N.json: every attempt's spec, for the record
+SPEC_ATTEMPT = "attempt-{n}.json"
 STOP = "STOP"
 FORCED = "FORCED"
 LAUNCHER_PID = "launcher.pid"
@@ -38,9 +37,6 @@ MPIRUN_PID = "mpirun.pid"
 TRAIN_LOG = "train.log"
 LAUNCHER_LOG = "launcher.log"
 PROBE_SH = "probe.sh"
-LAUNCHER_SH = "launcher.sh"
-SUPERVISE_PY = "supervise.py"
-HEALTH_PY = "health.py"
 RANKS = "ranks"
 RANK_BEAT = "rank{rank}"  # ranks/rankN
 STACKS = "stacks"
@@ -101,6 +97,10 @@ def active_file(data_dir: Union[str, os.PathLike]) -> Path:
 
 def rank_beat(run: Path, rank: int) -> Path:
     return run / RANKS / RANK_BEAT.format(rank=rank)
+
+
+def spec_record(run: Path, attempt: int) -> Path:
+    return run / SPECS / SPEC_ATTEMPT.format(n=attempt)
 
 
 def checkpoint(run: Path, step: int) -> Path:
@@ -205,7 +205,7 @@ class Record:
 
 @dataclass(frozen=True)
 class RunStatus(Record):
-    """run-status.json: the supervisor's verdict on the run (launcher.sh `status`)."""
+    """run-status.json: the supervisor's verdict on the run (cluster_node.supervisor)."""
 
     FILE: ClassVar[str] = RUN_STATUS
     state: str = _key("str", required=True)  # one of STATES
@@ -213,6 +213,9 @@ class RunStatus(Record):
     reason: str = _key("str", required=True)
     time: str = _key("str", required=True)  # ISO UTC, whole seconds
     head: str = _key("str", required=True)  # hostname of the node that wrote it
+    live: Optional[str] = _key("str")  # the supervisor's State while `state` is running
+    kind: Optional[str] = _key("str")  # why it ended: spot, hang, died, ... (absent on a clean end)
+    resume: Optional[str] = _key("str")  # the command that resumes a run a Spot notice ended
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ class Summary(Record):
 
 @dataclass(frozen=True)
 class Restart(Record):
-    """One entry of restarts.json (supervise.plan)."""
+    """One entry of restarts.json (restart_plan.plan)."""
 
     FILE: ClassVar[str] = RESTARTS
     time: str = _key("str", required=True)  # ISO UTC
@@ -281,7 +284,7 @@ class Restart(Record):
 
 @dataclass(frozen=True)
 class Hang(Record):
-    """One entry of hangs.json (supervise.py hang)."""
+    """One entry of hangs.json (hang.record)."""
 
     FILE: ClassVar[str] = HANGS
     time: float = _key("float", required=True)  # epoch s (the other records keep ISO times)
@@ -368,7 +371,7 @@ def write_record(path: Path, record: Record, indent: Optional[int] = None) -> No
 
 def read_list(path: Path, kind: type[R]) -> tuple[R, ...]:
     """A list file's entries (restarts, hangs, interruptions); () when missing or unreadable; an entry
-    that is not the record is skipped (as supervise.interrupted skips it)."""
+    that is not the record is skipped (as restart_plan.notices skips it)."""
     value = read_json(path, [])
     out = []
     for entry in value if isinstance(value, list) else []:

@@ -47,11 +47,11 @@ def overview(data: Path) -> dict:
 
 
 def listing(data: Path) -> list[dict]:
-    """One row per run directory (one with a command.sh or a summary.json; scale series are not runs)."""
+    """One row per run directory (one with a spec.json or a summary.json; scale series are not runs)."""
     names = {"progress": rundir.PROGRESS, "summary": rundir.SUMMARY, "config": rundir.CONFIG}
     rows = []
     for run in sorted((data / rundir.RUNS).glob("*/")):
-        if (run / rundir.COMMAND_SH).exists() or (run / rundir.SUMMARY).exists():
+        if (run / rundir.SPEC).exists() or (run / rundir.SUMMARY).exists():
             row = {key: rundir.read_json(run / name, {}) for key, name in names.items()}
             rows.append({"run": run.name, **row, "run_status": rundir.read_json(run / rundir.RUN_STATUS, {})})
     return rows

@@ -55,14 +55,11 @@ def latest_progress(data_dir: Path, now: float) -> tuple[Optional[int], Optional
 
 
 def _start_limit(run: Path) -> float:
-    """The launcher's START_SECONDS for this run (its launch.env), else its default."""
+    """The supervisor's start limit for this run (its spec.json, limits.start), else its default."""
     try:
-        for line in (run / rundir.LAUNCH_ENV).read_text().splitlines():
-            if line.startswith("START_SECONDS="):
-                return float(line.split("=", 1)[1].strip("'\" "))
-    except (OSError, ValueError):
-        pass
-    return START_DEFAULT_S
+        return float(json.loads((run / rundir.SPEC).read_text())["limits"]["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return START_DEFAULT_S
 
 
 def launched_run(data_dir: Path, now: float) -> tuple[bool, Optional[str]]:

@@ -1,0 +1,115 @@
+"""What the supervisor does on the attempt's nodes, over the cluster's ssh (the run's ssh config): check
+that a node answers, end a run's leftovers, collect stacks, run the health probe, and mpirun itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Callable, Iterable, Optional
+
+from . import rundir
+from .spec import RunSpec
+
+
+class Nodes:
+    def __init__(self, run: Path, spec: RunSpec):
+        self.run, self.spec = run, spec
+
+    def _ssh(self, host: str, *command: str) -> list[str]:
+        return ["ssh", "-F", self.spec.ssh_config, "-o", "ConnectTimeout=5", host, *command]
+
+    def _call(self, argv: list[str], timeout: float, stdin: Optional[IO] = None, stdout: Optional[IO] = None) -> bool:
+        try:
+            out, into = stdout or subprocess.DEVNULL, stdin or subprocess.DEVNULL
+            done = subprocess.run(argv, stdin=into, stdout=out, stderr=subprocess.DEVNULL, timeout=timeout)
+            return done.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    def ssh_ok(self, host: str) -> bool:
+        return self._call(self._ssh(host, "true"), 15)
+
+    def cleanup(self, host: str) -> bool:
+        """This run's ranks and the MPI daemons on `host` (one run at a time per cluster)."""
+        # [-]: the pattern must not match the remote shell that runs pkill
+        kill = f"pkill -KILL -f -- '[-]-run-dir {self.run}'; pkill -KILL -x orted; pkill -KILL -x prted; true"
+        return self._call(self._ssh(host, kill), 15)
+
+    def _each(self, hosts: Iterable[str], one: Callable[[str], object]) -> None:
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            list(pool.map(one, hosts))
+
+    def collect_stacks(self, hosts: Iterable[str]) -> None:
+        """Every rank's Python stack (cluster_node.hang dump on each node of the attempt)."""
+        env = f"PYTHONPATH={self.spec.root}" if self.spec.root else "PYTHONPATH=."
+
+        def one(host: str) -> None:
+            with open(self.run / rundir.STACKS / rundir.HOST_STATES.format(host=host), "w") as out:
+                dump = self._ssh(host, "env", env, self.spec.python, "-m", "cluster_node.hang", "dump", str(self.run))
+                self._call(dump, 15, stdout=out)
+
+        self._each(hosts, one)
+        time.sleep(2)  # faulthandler writes from a signal handler: give the ranks a moment
+
+    def probe_all(self) -> None:
+        """The health probe (probe.sh, written by fab train) on every node of the pool, in parallel."""
+        probes = self.run / rundir.PROBES
+        probes.mkdir(exist_ok=True)
+        for old in probes.iterdir():
+            old.unlink()
+
+        def one(host: str) -> None:
+            with open(self.run / rundir.PROBE_SH) as script, open(probes / host, "w") as out:
+                self._call(self._ssh(host, "bash", "-s"), 30, stdin=script, stdout=out)
+
+        self._each(self.spec.pool, one)
+
+    def then_stop(self, log: IO) -> bool:
+        """--then-stop: stop the cluster's instances now."""
+        stop = self.spec.then_stop
+        if stop is None:
+            return True
+        env = {**os.environ, **stop.env}
+        try:
+            done = subprocess.run(list(stop.argv), env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+            return done.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+
+class Mpirun:
+    """The attempt's mpirun, a child of the supervisor; its pid in mpirun.pid for `fab stop --force`."""
+
+    def __init__(self, run: Path):
+        self.run = run
+        self.process: Optional[subprocess.Popen] = None
+
+    def start(self, spec: RunSpec) -> None:
+        with open(self.run / rundir.TRAIN_LOG, "ab") as log:
+            env = {**os.environ, **spec.process_env}
+            self.process = subprocess.Popen(
+                spec.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
+        (self.run / rundir.MPIRUN_PID).write_text(f"{self.process.pid}\n")
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """mpirun's exit code (as a shell reports it: 128 + signal) once it ended, within `timeout` s."""
+        assert self.process is not None
+        try:
+            code = self.process.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
+        return 128 - code if code < 0 else code
+
+    def end(self) -> int:
+        """TERM, up to 5 s, KILL; the exit code."""
+        assert self.process is not None
+        self.process.terminate()
+        code = self.wait(5)
+        if code is None:
+            self.process.kill()
+            code = self.wait(60)
+        return 137 if code is None else code

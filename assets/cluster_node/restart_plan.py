@@ -1,0 +1,153 @@
+"""After a failed attempt: restart on the healthy nodes of the run's pool, or give up (the decisions that
+were clusterops/supervise.py `plan` and `spot`). Pure given the run directory's files: the probes, the
+Spot notices, config.json, restarts.json, the checkpoints."""
+
+from __future__ import annotations
+
+import calendar
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from . import health, rundir
+from .spec import Batch, RunSpec
+
+
+def last_checkpoint_step(run: Path) -> Optional[int]:
+    pattern = re.compile(r"step_(\d+)\.pt$")
+    steps = [int(m.group(1)) for p in (run / rundir.CHECKPOINTS).glob("step_*.pt") if (m := pattern.match(p.name))]
+    return max(steps) if steps else None
+
+
+def rebalance(global_batch: int, ranks: int, max_per_rank: int) -> Optional[tuple[int, int]]:
+    """(batch per rank, accumulation) giving `global_batch` over `ranks` with micro-batches of at
+    most `max_per_rank`; None when the global batch does not split evenly over the ranks."""
+    if global_batch % ranks:
+        return None
+    share = global_batch // ranks
+    for accum in range(1, share + 1):
+        if share % accum == 0 and share // accum <= max_per_rank:
+            return share // accum, accum
+    return None
+
+
+def judge(run: Path, hosts: Iterable[str], gpus_per_node: int) -> dict[str, list[str]]:
+    """host -> reasons it must not train (empty: healthy), from RUN_DIR/probes/HOST (probe output)."""
+    facts: dict[str, Optional[dict]] = {}
+    for host in hosts:
+        try:
+            facts[host] = health.parse_probe((run / rundir.PROBES / host).read_text())
+        except (OSError, ValueError, IndexError):
+            facts[host] = None
+    verdicts = health.assess(facts, gpus_per_node if any(f and f["gpus"] for f in facts.values()) else 0, None)
+    return {v.node: (v.reasons if v.verdict == "bad" else []) for v in verdicts}
+
+
+def noticed_at(entry: rundir.Interruption) -> Optional[int]:
+    try:
+        return calendar.timegm(time.strptime(entry.noticed, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return None
+
+
+def notices(run: Path, since: float) -> dict[str, rundir.Interruption]:
+    """host -> its Spot notice, of those the nodes' watchers recorded (interruptions.json, spotwatch) at
+    or after `since` (epoch s; the record keeps whole seconds)."""
+    out = {}
+    for entry in rundir.read_list(run / rundir.INTERRUPTIONS, rundir.Interruption):
+        when = noticed_at(entry)
+        if entry.host and when is not None and when >= int(since):
+            out[entry.host] = entry
+    return out
+
+
+def notice_line(entry: rundir.Interruption) -> str:
+    return f"Spot {entry.action or 'interruption'} at {entry.action_time or 'an unknown time'}"
+
+
+def spot_ended(run: Path, hosts: Iterable[str], since: float) -> Optional[str]:
+    """Why to restart an attempt on `hosts` that ended cleanly, but early, because one of them got a
+    Spot notice since `since` (its watcher asked the trainer to checkpoint now); None otherwise."""
+    current = set(hosts)
+    hit = {host: notice_line(e) for host, e in notices(run, since).items() if host in current}
+    progress = rundir.read_record(run / rundir.PROGRESS, rundir.Progress)
+    config = rundir.read_json(run / rundir.CONFIG, {}) or {}
+    if not hit or (progress.step if progress else 0) >= config.get("max_steps", float("inf")):
+        return None
+    return "spot notice: " + "; ".join(f"{host}: {why}" for host, why in hit.items())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A restart: the next spec and the restarts.json entry; or a refusal (spec None, line says why)."""
+
+    line: str
+    spec: Optional[RunSpec] = None
+    record: Optional[rundir.Restart] = None
+
+
+def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Union[tuple[int, int], str]:
+    """(global batch, largest micro-batch) the run keeps, or why there is nothing to resume."""
+    config = rundir.read_json(run / rundir.CONFIG, {})
+    if not config:
+        return "no config.json: the run never started training, nothing to resume"
+    if history:
+        return history[-1].global_batch, history[0].max_batch_per_gpu
+    return config["batch_per_gpu"] * config["grad_accum"] * len(spec.hosts) * spec.slots, config["batch_per_gpu"]
+
+
+def plan(run: Path, spec: RunSpec, kind: str, reason: str, since: float = 0.0, now: Optional[float] = None) -> Plan:
+    """Restart on the healthy nodes of the pool, the same global batch; after a Spot notice (kind spot)
+    the noticed nodes are left out too: they still answer, for two minutes."""
+    history = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
+    allowed = spec.limits.max_restarts
+    if len(history) >= allowed:
+        return Plan(f"restarts exhausted ({len(history)}/{allowed})")
+    kept = _batch(run, spec, history)
+    if isinstance(kept, str):
+        return Plan(kept)
+    global_batch, max_per_rank = kept
+    verdicts = judge(run, spec.pool, spec.slots)
+    if kind == "spot":
+        for host, entry in notices(run, since).items():
+            verdicts[host] = [*verdicts.get(host, []), notice_line(entry)]
+    healthy = tuple(h for h in spec.pool if not verdicts.get(h))
+    dropped = {h: "; ".join(verdicts[h]) for h in spec.pool if verdicts.get(h)}
+    if len(healthy) < spec.limits.min_nodes:
+        return Plan(f"{len(healthy)} healthy node(s) left, --min-nodes {spec.limits.min_nodes} (dropped: {dropped})")
+    split = rebalance(global_batch, len(healthy) * spec.slots, max_per_rank)
+    if split is None:
+        return Plan(f"the global batch {global_batch} does not split evenly over {len(healthy) * spec.slots} ranks")
+    record = rundir.Restart(
+        time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        kind=kind,
+        reason=reason,
+        nodes_before=spec.hosts,
+        nodes_after=healthy,
+        dropped=dropped,
+        rejoined=tuple(h for h in healthy if h not in spec.hosts),
+        resume_step=last_checkpoint_step(run),
+        global_batch=global_batch,
+        batch_per_gpu=split[0],
+        grad_accum=split[1],
+        max_batch_per_gpu=max_per_rank,
+    )
+    line = (
+        f"restart {len(history) + 1}/{allowed} on {len(healthy)} node(s) {' '.join(healthy)} from step "
+        f"{record.resume_step}, batch {split[0]}/rank x accumulation {split[1]} (global {global_batch})"
+        + (f"; dropped {dropped}" if dropped else "")
+    )
+    return Plan(line, spec.restart(healthy, Batch(split[0], split[1], global_batch)), record)
+
+
+def history_lines(restarts: list[dict]) -> list[str]:
+    """restarts.json for people: one line per restart."""
+    return [
+        f"  restart {i}: {r['time']} {r['kind']}: {r['reason'][:160]}; resumed at step {r['resume_step']} on "
+        f"{len(r['nodes_after'])} node(s) {' '.join(r['nodes_after'])}"
+        + (f", dropped {', '.join(r['dropped'])}" if r["dropped"] else "")
+        + (f", rejoined {', '.join(r['rejoined'])}" if r["rejoined"] else "")
+        for i, r in enumerate(restarts, 1)
+    ]

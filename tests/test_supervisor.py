@@ -1,0 +1,239 @@
+"""cluster_node.supervisor without a cluster or a process: one test per transition of its table (design
+§3.2), a Supervisor fed scripted observations, a fake mpirun and fake nodes; the issue's named cases: a hang,
+a lost node, restarts used up, a stop and a forced stop during a restart, a Spot notice on its own node."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from supervisor_fixture import write_spec
+
+from cluster_node import rundir, spec
+from cluster_node.observe import Observation
+from cluster_node.supervisor import State, Supervisor
+
+HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
+NOW = 1_800_000_000.0
+
+
+class FakeMpirun:
+    def __init__(self, exits: list[Optional[int]]):
+        self.exits, self.starts, self.ended = list(exits), [], 0
+
+    def start(self, run_spec: spec.RunSpec) -> None:
+        self.starts.append(run_spec)
+
+    def wait(self, timeout: float) -> Optional[int]:
+        return self.exits.pop(0) if self.exits else None
+
+    def end(self) -> int:
+        self.ended += 1
+        return 143
+
+
+class FakeNodes:
+    def __init__(self, run: Path):
+        self.run, self.calls = run, []
+
+    def ssh_ok(self, host: str) -> bool:
+        return True
+
+    def cleanup(self, host: str) -> bool:
+        self.calls.append(("cleanup", host))
+        return True
+
+    def collect_stacks(self, hosts) -> None:
+        self.calls.append(("stacks", tuple(hosts)))
+
+    def probe_all(self) -> None:
+        self.calls.append(("probe",))
+        (self.run / "probes").mkdir(exist_ok=True)
+        for host in ("h1", "h2"):
+            (self.run / "probes" / host).write_text(HEALTHY)
+
+    def then_stop(self, log) -> bool:
+        self.calls.append(("then_stop", (self.run / "run-status.json").read_text()))
+        return True
+
+
+class Script:
+    """Each attempt's observer: the scripted observations, one per poll; then nothing new."""
+
+    def __init__(self, *observations: Observation, notice: Optional[rundir.Interruption] = None):
+        self.observations, self.notice, self.started = list(observations), notice, NOW - 1
+
+    def __call__(self, run, run_spec, ssh_ok, clock):
+        return self
+
+    def observe(self, exited: Optional[int]) -> Observation:
+        obs = self.observations.pop(0) if self.observations else Observation(NOW)
+        return Observation(**{**obs.__dict__, "exited": exited, "own_notice": self.notice})
+
+    def own_notice(self) -> Optional[rundir.Interruption]:
+        return self.notice
+
+
+def _supervisor(tmp_path: Path, exits, script: Script, restarts: int = 0, then_stop: bool = False):
+    run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"], max_restarts=restarts)
+    if then_stop:
+        run_spec = spec.RunSpec(**{**run_spec.__dict__, "then_stop": spec.ThenStop(("stop",))})
+    (tmp_path / "active").write_text(f"{tmp_path}\n")
+    (tmp_path / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_00000030.pt").write_bytes(b"x")
+    mpirun, nodes = FakeMpirun(exits), FakeNodes(tmp_path)
+    return Supervisor(tmp_path, run_spec, mpirun, nodes, clock=lambda: NOW, observer=script), mpirun, nodes
+
+
+def _status(run: Path) -> dict:
+    return json.loads((run / "run-status.json").read_text())
+
+
+def test_row1_2_the_first_attempt_starts_and_its_first_step_makes_it_running(tmp_path):
+    sup, mpirun, _ = _supervisor(tmp_path, [None], Script(Observation(NOW, first_step=True)))
+    sup.launch()
+    assert sup.state == State.STARTING and mpirun.starts[0].attempt == 1
+    assert sup.step() == State.RUNNING
+
+
+def test_row3_no_step_before_the_start_limit_ends_the_attempt(tmp_path):
+    sup, mpirun, _ = _supervisor(tmp_path, [None], Script(Observation(NOW, start_timeout=True)))
+    assert sup.run_all() == 143 and mpirun.ended == 1
+    status = _status(tmp_path)
+    assert status["state"] == "failed" and status["reason"].startswith("watchdog: no training step within 900 s")
+
+
+def test_row4_a_hang_collects_stacks_names_the_rank_and_keeps_them(tmp_path):
+    sup, mpirun, nodes = _supervisor(tmp_path, [None], Script(Observation(NOW, first_step=True, hang=(70, 60))))
+    (tmp_path / "ranks").mkdir()
+    sup.launch()
+    (tmp_path / "ranks" / "rank0").write_text("12 7 n0\n")
+    sup.state = sup.step()
+    assert sup.state == State.STOPPING and ("stacks", ("h1", "h2")) in nodes.calls
+    assert "hang: no rank finished a step for 70 s (window 60 s); rank 0 (pid 7 on n0) is behind" in sup.reason
+    assert (tmp_path / "hang-stacks-1").is_dir() and json.loads((tmp_path / "hangs.json").read_text())[0]["rank"] == 0
+    assert sup.step() == State.FAILED and mpirun.ended == 1
+
+
+def test_row5_progress_that_stalls_ends_the_attempt_as_a_hang(tmp_path):
+    sup, _, _ = _supervisor(tmp_path, [None], Script(Observation(NOW, first_step=True, stall=700)))
+    sup.run_all()
+    assert _status(tmp_path)["reason"] == "watchdog: no training progress for 700 s"
+
+
+def test_row6_11_14_a_lost_node_ends_the_attempt_and_the_run_goes_on_without_it(tmp_path):
+    script = Script(Observation(NOW, unreachable="h2"))
+    sup, mpirun, nodes = _supervisor(tmp_path, [None, 0], script, restarts=1)
+    (tmp_path / "train.log").write_text("run ended at step 40: max_steps\n")
+    nodes.probe_all = lambda: (tmp_path / "probes").mkdir() or (tmp_path / "probes" / "h1").write_text(HEALTHY)
+    assert sup.run_all() == 0
+    second = mpirun.starts[1]
+    assert second.attempt == 2 and second.hosts == ("h1",) and second.env["MASTER_ADDR"] == "h1"
+    assert second.batch == spec.Batch(8, 2, 16) and spec.read(tmp_path) == second
+    assert (tmp_path / "specs" / "attempt-1.json").exists() and (tmp_path / "specs" / "attempt-2.json").exists()
+    [restart] = json.loads((tmp_path / "restarts.json").read_text())
+    assert restart["dropped"] == {"h2": "unreachable"} and restart["resume_step"] == 30
+    assert "watchdog: node h2 unreachable for 2+ s; restart 1/1" in (tmp_path / "train.log").read_text()
+    assert _status(tmp_path)["state"] == "finished" and ("cleanup", "h2") in nodes.calls
+
+
+def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):
+    sup, mpirun, _ = _supervisor(tmp_path, [143], Script(), restarts=1)
+    (tmp_path / "FORCED").touch()
+    sup.run_all()
+    assert _status(tmp_path)["reason"] == "stopped by fab stop --force" and len(mpirun.starts) == 1
+
+
+def test_row8_a_clean_end_is_finished_with_the_trainers_last_line(tmp_path):
+    sup, _, _ = _supervisor(tmp_path, [0], Script())
+    (tmp_path / "train.log").write_text("x\n[1,0]<stdout>:run ended at step 50: max_steps\n")
+    assert sup.run_all() == 0
+    status = _status(tmp_path)
+    assert status["state"] == "finished" and status["reason"] == "run ended at step 50: max_steps"
+    assert not (tmp_path / "active").exists()
+
+
+def _notice(run: Path, host: str, action_time: str = "") -> rundir.Interruption:
+    entry = rundir.Interruption(node=0 if host == "h1" else 1, host=host, action="stop", noticed="")
+    entry = rundir.Interruption(**{**entry.__dict__, "action_time": action_time})
+    entry = rundir.Interruption(**{**entry.__dict__, "noticed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    rundir.append(run / "interruptions.json", entry)
+    return entry
+
+
+def test_row9_a_spot_notice_on_another_node_restarts_without_it(tmp_path):
+    script = Script()
+    script.started = 0  # the notice came during the attempt
+    sup, mpirun, _ = _supervisor(tmp_path, [0, 0], script, restarts=1)
+    _notice(tmp_path, "h2")
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 30}))
+    sup.run_all()
+    assert [s.hosts for s in mpirun.starts] == [("h1", "h2"), ("h1",)]
+    assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "spot"
+
+
+def test_row10_a_rank_that_dies_fails_the_run_without_restarts(tmp_path):
+    sup, _, nodes = _supervisor(tmp_path, [1], Script())
+    (tmp_path / "train.log").write_text("RuntimeError: boom\n")
+    assert sup.run_all() == 1
+    status = _status(tmp_path)
+    assert (status["state"], status["reason"], status["kind"]) == ("failed", "RuntimeError: boom", "died")
+    assert ("cleanup", "h1") in nodes.calls
+
+
+def test_row12_a_forced_stop_during_a_restart_launches_nothing(tmp_path):
+    sup, mpirun, nodes = _supervisor(tmp_path, [1], Script(), restarts=2)
+    nodes.probe_all = lambda: (tmp_path / "FORCED").touch()  # fab stop --force while the nodes are probed
+    sup.run_all()
+    assert len(mpirun.starts) == 1 and _status(tmp_path)["reason"] == "stopped by fab stop --force"
+
+
+def test_row13_a_stop_during_a_restart_ends_the_run_at_its_checkpoint(tmp_path):
+    sup, mpirun, _ = _supervisor(tmp_path, [1], Script(), restarts=2)
+    (tmp_path / "STOP").touch()
+    sup.run_all()
+    status = _status(tmp_path)
+    assert len(mpirun.starts) == 1 and status["state"] == "finished"
+    assert status["reason"].startswith("stopped during a restart at checkpoint 30")
+
+
+def test_row15_restarts_used_up_fail_the_run_and_say_why(tmp_path):
+    sup, mpirun, _ = _supervisor(tmp_path, [1, 1], Script(), restarts=1)
+    (tmp_path / "train.log").write_text("RuntimeError: boom\n")
+    sup.run_all()
+    status = _status(tmp_path)
+    assert len(mpirun.starts) == 2 and status["state"] == "failed"
+    assert "RuntimeError: boom" in status["reason"] and status["reason"].endswith("; restarts exhausted (1/1)")
+
+
+def test_row16_a_spot_notice_for_its_own_node_ends_resumable_and_never_relaunches(tmp_path):
+    action = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW + 120))
+    notice = rundir.Interruption(node=0, host="h1", action="stop", action_time=action, noticed="x")
+    # The trainer checkpointed (spotwatch wrote STOP now) and mpirun ended by itself.
+    sup, mpirun, _ = _supervisor(tmp_path, [None, 0], Script(notice=notice), restarts=2)
+    sup.run_all()
+    status = _status(tmp_path)
+    assert len(mpirun.starts) == 1 and mpirun.ended == 0 and status["state"] == "failed"
+    assert status["kind"] == "spot" and status["resume"] == f"fab train --run {tmp_path.name}"
+    assert status["reason"].startswith(f"spot: node0 (h1) will stop at {action}; checkpoint step 30; resumable")
+    assert not (tmp_path / "active").exists()
+
+
+def test_row16_mpirun_still_going_near_the_action_time_is_ended(tmp_path):
+    action = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW + 20))  # inside the 30 s margin
+    notice = rundir.Interruption(node=0, host="h1", action="terminate", action_time=action, noticed="x")
+    sup, mpirun, _ = _supervisor(tmp_path, [None, None], Script(notice=notice))
+    sup.run_all()
+    status = _status(tmp_path)
+    assert mpirun.ended == 1 and status["state"] == "finished" and status["exit_code"] == 143
+    assert "--exclude 0 --extra '--batch-per-gpu 8 --grad-accum 2 --keep-global-batch 16'" in status["resume"]
+
+
+def test_row17_then_stop_runs_before_the_final_status(tmp_path):
+    sup, _, nodes = _supervisor(tmp_path, [0], Script(), then_stop=True)
+    sup.run_all()
+    [(_, status_then)] = [c for c in nodes.calls if c[0] == "then_stop"]
+    assert json.loads(status_then)["state"] == "running" and _status(tmp_path)["state"] == "finished"
