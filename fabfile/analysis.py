@@ -153,7 +153,9 @@ def plan(
     c, run=None, steps=None, metric=None, step_s=None, grad_mb="0", types=None, max_nodes="4", deadline=None,
     spot=False, link_gbit=None, read_gb="0", efs_gb="0", root_gb="200",
 ):  # fmt: skip
-    """Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
+    """Time and dollars to a target, per node count and type, before paying.
+
+    Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
     time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
     from clusterops import plan as planning
 
