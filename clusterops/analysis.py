@@ -160,7 +160,7 @@ def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> di
     step_s = summary.get("avg_step_time_s") or progress.get("avg_step_time_s")
     world = summary.get("world_size") or progress.get("world_size")
     nodes = max(1, world // max(1, slots)) if world else None
-    wall = summary.get("wall_time_s")
+    wall = run_wall(run) or summary.get("wall_time_s")
     quality = (
         f"BLEU {summary['bleu']:.1f}"
         if summary.get("bleu") is not None
@@ -184,6 +184,18 @@ def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> di
         "wall": (f"{wall:.0f} s" if wall < 120 else f"{wall / 60:.1f} min") if wall else "",
         "cost": cost or "n/a",
     }
+
+
+def run_wall(run: dict) -> Optional[float]:
+    """The run's wall time over every segment (each `fab train` that started or resumed it), from its
+    segments.json; None for a run that has none (the trainer's summary has the last segment's)."""
+    segments = [s for s in run.get("segments") or [] if isinstance(s, dict)]
+    spans = [
+        s["ended"] - s["started"]
+        for s in segments
+        if all(isinstance(s.get(k), (int, float)) for k in ("started", "ended"))
+    ]
+    return sum(spans) if spans else None
 
 
 RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "precision", "compression", "nodes", "quality", "wall"]

@@ -45,6 +45,7 @@ class TrainRequest:
     nodes: Optional[int] = None
     exclude: tuple[str, ...] = ()  # ranks or names of nodes to leave out
     dataset: Optional[str] = None
+    data: Optional[str] = None  # the data set's path on the nodes: a resumed run's saved one (clusterops.resume)
     master_port: int = 29500
     stall_minutes: float = 10.0
     start_minutes: float = 15.0
@@ -205,10 +206,18 @@ def mpirun_prefix(
 
 def program_argv(inventory: Inventory, request: TrainRequest, code_dir: str) -> list[str]:
     """`-x PYTHONPATH=ROOT python -m train.train` and its arguments for `request`."""
-    rdir = run_dir(inventory, request.run_name)
-    dataset = request.dataset or default_dataset(request.recipe)
-    argv = [*rank_program(inventory, code_dir, "train"), "--recipe", request.recipe]
-    argv += ["--data", data_path(inventory, dataset), "--run-dir", rdir]
+    return [*rank_program(inventory, code_dir, "train"), *trainer_args(inventory, request)]
+
+
+def request_data(inventory: Inventory, request: TrainRequest) -> str:
+    """Where the run's data set is on the nodes."""
+    return request.data or data_path(inventory, request.dataset or default_dataset(request.recipe))
+
+
+def trainer_args(inventory: Inventory, request: TrainRequest) -> list[str]:
+    """train.train's arguments for `request` (what clusterops.resume checks with the trainer's parser)."""
+    argv = ["--recipe", request.recipe, "--data", request_data(inventory, request)]
+    argv += ["--run-dir", run_dir(inventory, request.run_name)]
     options: tuple[tuple[str, object], ...] = (
         ("--max-steps", request.steps),
         ("--batch-per-gpu", request.batch_per_gpu),

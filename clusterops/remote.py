@@ -10,14 +10,13 @@ import shutil
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
 import paramiko
 from fabric import Connection
-
-from cluster_node import rundir
 
 from . import health, launch, nodecmd
 from .inventory import Inventory, Node
@@ -301,30 +300,24 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     request = plan.request
     ensure_idle(connection, inventory)
     dataset = request.dataset or launch.default_dataset(request.recipe)
-    data_path = launch.data_path(inventory, dataset)
+    data_path = launch.request_data(inventory, request)
     ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
     if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
     spec = launch.train_spec(inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes)
-    rdir = spec.run
-    stale = [rundir.STOP, rundir.FORCED, rundir.RUN_STATUS, rundir.RESTARTS, rundir.HANGS, rundir.SPEC]
-    sh(connection, f"mkdir -p {q(rdir)}/{rundir.SPECS} && cd {q(rdir)} && rm -f {' '.join(stale)} {rundir.SPECS}/*")
-    text = json.dumps(spec.to_json(), indent=1)
-    write_file(connection, f"{rdir}/{rundir.SPECS}/{rundir.SPEC_ATTEMPT.format(n=1)}", text)
-    write_file(connection, f"{rdir}/{rundir.SPEC}", text)
-    write_file(connection, f"{rdir}/{rundir.PROBE_SH}", health.probe_command(inventory, plan.code_dir) + "\n")
-    write_file(connection, launch.active_file(inventory), rdir + "\n")
-    log_offset = int(sh(connection, f"stat -c %s {q(rdir + '/' + rundir.TRAIN_LOG)} 2>/dev/null || echo 0"))
-    # The supervisor outlives this connection (setsid, nohup); it finds cluster_node through PYTHONPATH
-    # (the image's or fab sync's root, the checkout's on the emulated cluster: spec.root).
-    supervise = f"{q(inventory.python)} -m cluster_node.supervisor {q(rdir)}"
-    log = q(f"{rdir}/{rundir.LAUNCHER_LOG}")
-    sh(connection, f"PYTHONPATH={q(spec.root)} setsid nohup {supervise} > {log} 2>&1 < /dev/null &")
-    for _ in range(50):
-        if read_json(connection, f"{rdir}/{rundir.RUN_STATUS}"):
-            return rdir, log_offset
-        time.sleep(0.1)
-    raise RemoteError(f"the launcher did not start; see {rdir}/launcher.log")
+    # The claim and the start are one step on the head node (cluster_node.start): two launches at once
+    # give one run and one refusal. The payload travels as a file in the head's /tmp, not on /data.
+    payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"
+    probe = health.probe_command(inventory, plan.code_dir)
+    write_file(connection, payload, json.dumps({"spec": spec.to_json(), "probe": probe}))
+    out = sh(connection, nodecmd.node_command(inventory, "start", payload, code_dir=plan.code_dir), check=False)
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise RemoteError(f"the launch on {inventory.head.name} answered {out.strip()[-300:]!r}") from None
+    if "run" not in result:
+        raise RemoteError(result.get("refused") or result.get("error") or str(result))
+    return result["run"], int(result["log_offset"])
 
 
 def follow_log(

@@ -29,6 +29,8 @@ def _quiet_seconds(status: dict, progress: dict, now: float) -> Optional[float]:
 def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
     status, progress, summary = state["status"], state["progress"], state["summary"]
     parts = [f"run {run_dir}: {status.get('state', 'unknown')}"]
+    if status.get("state") == "stopped":
+        parts[0] += f" (resumable: {resume_hint(run_dir)})"
     quiet = _quiet_seconds(status, progress, time.time() if now is None else now)
     if quiet is not None and quiet > QUIET_AFTER_S:
         parts.append(
@@ -48,6 +50,11 @@ def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
     if summary.get("bleu") is not None and status.get("state") != "running":
         parts.append(f"BLEU {summary['bleu']:.1f}")
     return " | ".join(parts)
+
+
+def resume_hint(run_dir: str) -> str:
+    """How a stopped run goes on: the same name, its saved settings (clusterops.resume)."""
+    return f"`fab train --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}` continues from its checkpoint"
 
 
 def summary_lines(summary: dict) -> list[str]:

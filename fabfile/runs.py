@@ -12,7 +12,7 @@ from invoke.exceptions import Exit, ThreadException
 
 from cluster_node import restart_plan
 from clusterops import cost as costs
-from clusterops import health, launch, remote, terminal
+from clusterops import health, launch, remote, resume, terminal
 from clusterops.inventory import Inventory
 from train import catalog
 
@@ -100,17 +100,35 @@ def train(
         min_nodes=whole_number(min_nodes, "--min-nodes"),
         hang_seconds=60.0 if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
         allow_tcp=allow_tcp,
-        extra_args=tuple(shlex.split(extra)),
+        extra_args=_split(extra),
     )
     request.validate()
-    nodes = launch.check_nodes(inv, request)  # the one selection; everything below gets the plan
-    verdicts = _refuse_bad_nodes(inv, nodes)
+    flags = dict(recipe=recipe, max_restarts=max_restarts, min_nodes=min_nodes, hang_seconds=hang_seconds)
+    flags.update(stall_minutes=stall_minutes, start_minutes=start_minutes, master_port=master_port)
+    _launch(inv, request, {name for name, value in flags.items() if value is not None}, follow)
+
+
+def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follow: bool) -> None:
+    """A run that exists resumes with its saved settings (`given`: the flags typed, which may differ);
+    the trainer's flags are checked with its own parser before anything starts."""
     with head(inv) as conn:
-        plan = _plan(conn, inv, request, nodes, verdicts)
+        saved = resume.saved(conn, inv, request.run_name)
+        request = resume.resumed(request, given, saved, inv) if saved else request
+        resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+        nodes = launch.check_nodes(inv, request)  # the one selection; everything below gets the plan
+        plan = _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes))
         rdir, log_offset = remote.start_training(conn, inv, plan)
-        print(f"started {request.run_name} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
+        how = f"resumed {request.run_name} with its saved settings" if saved else f"started {request.run_name}"
+        print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
         if follow:
             _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
+
+
+def _split(extra: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(extra))
+    except ValueError as error:  # an unclosed quote
+        raise Exit(f"error: invalid --extra {extra!r}: {error}", code=1) from None
 
 
 def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -> launch.LaunchPlan:
@@ -198,7 +216,7 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
         print(line)
     if status_.get("resume"):  # a Spot notice ended it: the checkpoint is on /data
         print(f"resume with: {status_['resume']}")
-    if status_.get("state") != "finished":
+    if status_.get("state") not in ("finished", "stopped"):
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
 
 
@@ -214,8 +232,8 @@ def logs(c, run=None, follow=False):
         rdir = run_dir(conn, inv, run)
         if follow:
             _follow(conn, rdir, node=inv.head.name)
-        else:
-            remote.follow_log(conn, rdir, follow=False)
+        elif remote.follow_log(conn, rdir, follow=False).get("state") == "stopped":
+            print(f"run {rdir}: stopped (resumable: {terminal.resume_hint(rdir)})")
 
 
 @task(
@@ -239,7 +257,10 @@ def stop(c, run=None, force=False):
         else:
             progress(f"stop: asked {rdir} to checkpoint at its next step and end; waiting for it (up to 120 s) ...")
             result = remote.request_stop(conn, rdir)
-            print(f"stopped {rdir}: {result.get('state')} {result.get('reason', '')}")
+            if result.get("state") == "stopped":
+                print(f"stopped {rdir}: {result.get('reason', '')}; resumable: {terminal.resume_hint(rdir)}")
+            else:  # it ended on its own meanwhile
+                print(f"{rdir} ended: {result.get('state')} {result.get('reason', '')}")
 
 
 @task(

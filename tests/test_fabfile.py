@@ -173,6 +173,8 @@ class FakeConnection:
             out = "0\n"
         elif command.startswith("cat ") and "run-status.json" in command:
             out = json.dumps({"state": "starting"})
+        elif "cluster_node.start" in command:  # the claim and start on the head node
+            out = json.dumps({"run": "/data/runs/transformer-tiny", "log_offset": 0})
         return SimpleNamespace(stdout=out, stderr="", exited=0)
 
 

@@ -44,6 +44,7 @@ SAMPLES = [
     rundir.Interruption(noticed="2025-01-01T00:00:00Z", node=1, host="10.0.0.2", action="stop", action_time=""),
     rundir.NodeHeartbeat(time=5.0, busy=("run r: step moved",)),
     rundir.BusyMarker(what="prepare.py numbers", time=5.0),
+    rundir.Segment(started=1.0, ended=61.0, state="stopped"),
 ]
 
 

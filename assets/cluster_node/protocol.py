@@ -93,7 +93,9 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.BREAKDOWN_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.SCALING_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.FETCHED, "empty marker", "fab fetch", "fab local.down"),
+    _run(rd.SEGMENTS, "JSON list of Segment", "supervisor (at its end)", "fab runs (wall time)", rd.Segment),
     _at("runs", rd.ACTIVE, "the head's run path", "fab train; removed by the supervisor", "fab, autostop, spotwatch"),
+    _at("head", rd.LAUNCH_LOCK, "empty; flock while a launch starts", "cluster_node.start", "cluster_node.start"),
     _at("runs", rd.CHECK_RUN, "fab check's run directory", "fab check", "fab check"),
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_JSON}", "JSON", "fab scale", "fab scale"),
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_MD}", "Markdown", "fab scale", "people"),
@@ -113,7 +115,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("cluster", rd.HEALTH_PROBE_FILE, "the probe's write test", "cluster_node.probe", "cluster_node.probe"),
 )
 
-_WHERE = {"run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{rd.CLUSTER}/"}
+_WHERE = {"head": "", "run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{rd.CLUSTER}/"}
 
 
 def protocol_table(files: Iterable[ProtocolFile] = FILES) -> str:

@@ -55,6 +55,7 @@ PREDICTIONS = "predictions.json"  # fab report --verify: predicted vs measured p
 BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
 FETCHED = ".fetched"
+SEGMENTS = "segments.json"  # one entry per supervisor (a `fab train` launch or resume) that ended
 
 # ---------------------------------------------------------------- names: DATA/runs/ beside the runs
 
@@ -83,7 +84,8 @@ LINK_JSON = "link.json"
 TRANSPORT_JSON = "transport.json"
 HEALTH_PROBE_FILE = "health.{host}.{pid}"
 
-STATES = ("running", "finished", "failed")  # run-status.json's `state`
+STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
+LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
 
 
@@ -153,7 +155,7 @@ class RecordError(ValueError):
 
 
 _TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "node": (int, str)}
-_TYPES.update({"list": (list, tuple), "dict": (dict,)})
+_TYPES |= {"list": (list, tuple), "dict": (dict,)}
 
 
 def _key(kind: str, required: bool = False, null: bool = False, default: Any = None) -> Any:
@@ -345,16 +347,17 @@ class RankBeat:
         return f"{self.step} {self.pid} {self.host}\n"
 
 
-RECORDS: tuple[type[Record], ...] = (
-    RunStatus,
-    Progress,
-    Summary,
-    Restart,
-    Hang,
-    Interruption,
-    NodeHeartbeat,
-    BusyMarker,
-)
+@dataclass(frozen=True)
+class Segment(Record):
+    """One entry of segments.json: a supervisor's stretch of the run, from its start to its final status."""
+
+    FILE: ClassVar[str] = SEGMENTS
+    started: float = _key("float", required=True)  # epoch s
+    ended: float = _key("float", required=True)
+    state: str = _key("str", required=True)
+
+
+RECORDS = (RunStatus, Progress, Summary, Restart, Hang, Interruption, NodeHeartbeat, BusyMarker, Segment)
 
 
 def read_record(path: Path, kind: type[R], default: Optional[R] = None) -> Optional[R]:
@@ -370,8 +373,8 @@ def write_record(path: Path, record: Record, indent: Optional[int] = None) -> No
 
 
 def read_list(path: Path, kind: type[R]) -> tuple[R, ...]:
-    """A list file's entries (restarts, hangs, interruptions); () when missing or unreadable; an entry
-    that is not the record is skipped (as restart_plan.notices skips it)."""
+    """A list file's entries (restarts, hangs, interruptions, segments); () when missing or unreadable; an
+    entry that is not the record is skipped (as restart_plan.notices skips it)."""
     value = read_json(path, [])
     out = []
     for entry in value if isinstance(value, list) else []:
@@ -382,13 +385,12 @@ def read_list(path: Path, kind: type[R]) -> tuple[R, ...]:
     return tuple(out)
 
 
-LIST_INDENT = {RESTARTS: 2, HANGS: 2, INTERRUPTIONS: 1}  # as today's writers indent them
+LIST_INDENT = {RESTARTS: 2, HANGS: 2, INTERRUPTIONS: 1, SEGMENTS: 1}  # as today's writers indent them
 
 
 def append(path: Path, record: Record, lock: Optional[Path] = None) -> tuple[dict, ...]:
-    """Append `record` to the list file and replace it atomically; under `fcntl.lockf` on `lock` when
-    several nodes may append at once (interruptions.json). Entries that do not parse are kept as they
-    are. Returns every entry."""
+    """Append `record` to the list file and replace it atomically; under `fcntl.lockf` on `lock` when several
+    nodes may append at once (interruptions.json). Entries that do not parse are kept. Returns every entry."""
     with contextlib.ExitStack() as stack:
         if lock is not None:
             fcntl.lockf(stack.enter_context(open(lock, "w")), fcntl.LOCK_EX)

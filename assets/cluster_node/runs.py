@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from . import rundir
 
 
-def _alive(run: Path) -> bool:
+def alive(run: Path) -> bool:
     """The run's launcher runs (on this node: launcher.pid is a head-node pid)."""
     try:
         os.kill(int((run / rundir.LAUNCHER_PID).read_text().strip()), 0)
@@ -29,7 +29,7 @@ def current(data: Path) -> Optional[Path]:
         active = rundir.active_file(data).read_text().strip()
     except OSError:
         active = ""
-    if active and _alive(Path(active)):
+    if active and alive(Path(active)):
         return Path(active)
     runs = [p for p in (data / rundir.RUNS).glob("*") if p.is_dir() and not p.name.startswith(".")]
     return max(runs, key=lambda p: p.stat().st_mtime, default=None)
@@ -53,6 +53,7 @@ def listing(data: Path) -> list[dict]:
     for run in sorted((data / rundir.RUNS).glob("*/")):
         if (run / rundir.SPEC).exists() or (run / rundir.SUMMARY).exists():
             row = {key: rundir.read_json(run / name, {}) for key, name in names.items()}
+            row |= {"segments": rundir.read_json(run / rundir.SEGMENTS, []) or []}
             rows.append({"run": run.name, **row, "run_status": rundir.read_json(run / rundir.RUN_STATUS, {})})
     return rows
 

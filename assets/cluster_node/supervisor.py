@@ -72,6 +72,7 @@ class Supervisor:
         self.unreached: set[str] = set()
         self.observer: Optional[Any] = None
         self.attempts = 0
+        self.started = clock()  # this segment of the run (a resume starts another)
 
     # ------------------------------------------------------------ records
 
@@ -272,7 +273,9 @@ class Supervisor:
                 stopped = self.nodes.then_stop(log)
             if not stopped:
                 self.log("launcher: --then-stop failed")
-        self.status(self.state.value, self.code, self.reason)
+        state = final_state(self.run, self.state, self.reason)
+        self.status(state, self.code, self.reason)
+        rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
         active = Path(self.spec.active_file)
         try:
             if active.read_text().strip() == str(self.run):
@@ -291,6 +294,15 @@ class Supervisor:
                 if self.nodes.cleanup(host):
                     self.log(f"launcher: cleaned up {host} after it came back")
                     self.unreached.discard(host)
+
+
+def final_state(run: Path, state: State, reason: str) -> str:
+    """run-status.json's `state`: `stopped` (resumable with `fab train --run NAME`) for a run that ended on a
+    stop request (fab stop, a Spot notice: the trainer's end record says so) or was stopped during a restart."""
+    ended = (rundir.read_record(run / rundir.PROGRESS, rundir.Progress) or rundir.Progress(step=0)).ended or ""
+    if state == State.FINISHED and (ended.startswith("stop requested") or reason.startswith("stopped during")):
+        return "stopped"
+    return state.value
 
 
 def _nonempty(path: Path) -> bool:

@@ -1,0 +1,90 @@
+"""`fab train` on the laptop, before anything starts: a run that exists resumes with its saved settings
+(config.json: what it trains; spec.json: how it was supervised), and every flag meant for the trainer (fab's
+own and `--extra`) goes through the trainer's own parser and checks, so a bad or conflicting one is one line
+here rather than argparse's usage once per rank and a run marked failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from typing import Any, NoReturn, Optional
+
+from fabric import Connection
+
+from cluster_node import rundir
+
+from . import launch, remote
+from .inventory import Inventory
+
+KEEP = "a resumed run keeps its settings; start a new --run to change them"
+# fab train's flags that only say how the run is supervised, and where spec.json keeps each one.
+LIMITS = {
+    "max_restarts": lambda spec: spec["limits"]["max_restarts"],
+    "min_nodes": lambda spec: spec["limits"]["min_nodes"],
+    "hang_seconds": lambda spec: spec["limits"]["hang_floor"],
+    "stall_minutes": lambda spec: spec["limits"]["stall"] / 60,
+    "start_minutes": lambda spec: spec["limits"]["start"] / 60,
+    "master_port": lambda spec: int(spec["env"]["MASTER_PORT"]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A run's saved settings, read from the head node: config.json (the trainer's) and spec.json."""
+
+    config: dict
+    spec: dict
+
+
+def saved(connection: Connection, inventory: Inventory, run: str) -> Optional[Saved]:
+    """The run's saved settings; None for a new run (no config.json: it never reached its first step)."""
+    rdir = launch.run_dir(inventory, run)
+    config = remote.read_json(connection, f"{rdir}/{rundir.CONFIG}")
+    if not config:
+        return None
+    return Saved(config, remote.read_json(connection, f"{rdir}/{rundir.SPEC}") or {})
+
+
+def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory: Inventory) -> launch.TrainRequest:
+    """The request that resumes the run: its recipe and data, and the limits it had unless given again.
+    A --recipe or --dataset other than the run's is refused (the trainer's own checks take the rest)."""
+    name, recipe, data = request.run_name, run.config.get("recipe"), run.config.get("data")
+    if "recipe" in given and request.recipe != recipe:
+        raise launch.LaunchError(f"--recipe {request.recipe} differs from run {name}'s {recipe}: {KEEP}")
+    if request.dataset is not None and launch.data_path(inventory, request.dataset) != data:
+        raise launch.LaunchError(f"--dataset {request.dataset} differs from run {name}'s data {data}: {KEEP}")
+    kept: dict[str, Any] = {"recipe": recipe, "data": data}
+    for field, read in LIMITS.items():
+        if field not in given:
+            try:
+                kept[field] = read(run.spec)
+            except (KeyError, TypeError, ValueError):
+                continue  # a spec from an older fab: this launch's value
+    extra = tuple(request.extra_args)
+    if (run.config.get("vision") or {}).get("synthetic") and "--synthetic" not in extra:
+        extra += ("--synthetic",)  # the run's data is generated: no data set to look for
+    return dataclasses.replace(request, extra_args=extra, **kept)
+
+
+def _refuse(request: launch.TrainRequest):
+    def error(message: str) -> NoReturn:
+        extra = shlex.join(request.extra_args)
+        raise launch.LaunchError(f"invalid --extra {extra!r}: the trainer refuses it: {message}")
+
+    return error
+
+
+def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved]) -> None:
+    """The trainer's argument line parsed by the trainer's parser, then its configuration checks (a new
+    run's) or its resume checks (a saved run's: train.config.resume_config), on the laptop."""
+    from train.config import ConfigError, build_parser, config_from_args, resume_config
+
+    parser = build_parser("python -m train.train")
+    parser.error = _refuse(request)  # type: ignore[method-assign]  # argparse prints usage and exits
+    args = parser.parse_args(launch.trainer_args(inventory, request))
+    try:
+        resume_config(run.config, args) if run else config_from_args(args)
+    except ConfigError as error:
+        raise launch.LaunchError(f"{error}" + (f" (run {request.run_name})" if run else "")) from None
+    except (KeyError, TypeError) as error:  # a config.json this trainer cannot read
+        raise launch.LaunchError(f"run {request.run_name}'s config.json is not this trainer's: {error}") from None

@@ -1,0 +1,187 @@
+"""The run lifecycle (issue 23, items 1-3 and the bad --extra of 13): two launches at once give one run and
+one refusal; a resume keeps the run's saved settings and a conflicting flag is one line before anything
+starts; a stopped run is `stopped` (resumable), and `fab runs` counts every segment's wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write_spec
+
+from cluster_node import rundir
+from clusterops import analysis, launch, resume
+from clusterops.inventory import Inventory, Node, SshSettings
+
+
+def start_env(tmp_path: Path) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "ssh").write_text(ANSWERING_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{STANDINS}:{os.environ['PATH']}", PYTHONPATH=str(REPO / "assets"))
+
+
+def launch_payload(tmp_path: Path, run: Path, index: int) -> Path:
+    spec = write_spec(run, [sys.executable, "-c", "import time; time.sleep(4)"])
+    for name in (rundir.SPEC, rundir.SPECS):  # as fab leaves the run directory: the start writes them
+        subprocess.run(["rm", "-rf", str(run / name)], check=True)
+    payload = tmp_path / f"payload{index}.json"
+    payload.write_text(json.dumps({"spec": spec.to_json(), "probe": "true"}))
+    return payload
+
+
+def test_two_launches_at_once_give_one_run_and_one_refusal(tmp_path):
+    """Before: `fab train` checked for a running run, then launched, in separate round trips; two at once
+    both started (cluster_node.start did not exist: the check and the start were not one step)."""
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    payloads = [launch_payload(tmp_path, run, i) for i in (1, 2)]
+    lock = tmp_path / "launch.lock"
+    argv = [[sys.executable, "-m", "cluster_node.start", str(p), "--lock", str(lock)] for p in payloads]
+    env = start_env(tmp_path)
+    both = [subprocess.Popen(a, env=env, stdout=subprocess.PIPE, text=True) for a in argv]
+    answers = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in both]
+    started = [a for a in answers if "run" in a]
+    refused = [a["refused"] for a in answers if "refused" in a]
+    assert len(started) == 1 and len(refused) == 1, answers
+    assert refused[0].startswith(f"a run is already going in {run}: ") and "\n" not in refused[0]
+    assert len(list((run / rundir.SPECS).iterdir())) == 1  # the loser wrote nothing
+    assert not payloads[0].exists() and not payloads[1].exists()
+
+
+def test_a_run_ended_by_a_stop_request_is_stopped_and_its_segment_recorded(tmp_path):
+    """Before: a stopped run's state was `finished` (`fab runs`: finished 77/300)."""
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    end = "import json; json.dump(dict(step=77, ended='stop requested'), open('progress.json', 'w'))"
+    write_spec(
+        run,
+        [
+            sys.executable,
+            "-c",
+            f"import os; os.chdir({str(run)!r}); {end}; print('run ended at step 77: stop requested')",
+        ],
+    )
+    assert supervise(run).returncode == 0
+    assert status(run)["state"] == "stopped"
+    (segment,) = rundir.read_list(run / rundir.SEGMENTS, rundir.Segment)
+    assert segment.state == "stopped" and segment.ended >= segment.started
+
+
+def test_runs_shows_stopped_and_the_wall_time_of_every_segment():
+    """Before: the wall column was the last segment's summary.wall_time_s (30 s here)."""
+    run = {
+        "run": "tiny",
+        "summary": {"steps": 77, "wall_time_s": 30.0},
+        "progress": {},
+        "config": {"max_steps": 300},
+        "run_status": {"state": "stopped"},
+        "segments": [
+            {"started": 0.0, "ended": 100.0, "state": "stopped"},
+            {"started": 500.0, "ended": 560.0, "state": "stopped"},
+        ],
+    }
+    row = analysis.run_row(run, None)
+    assert (row["state"], row["steps"], row["wall"]) == ("stopped", "77/300", "2.7 min")
+
+
+def inventory() -> Inventory:
+    return Inventory(
+        cluster="c",
+        source="local",
+        gpus_per_node=1,
+        nodes=[Node(0, "node0", "10.0.0.1", "10.0.0.1")],
+        ssh=SshSettings("root", 4444, "k", "known"),
+        data_dir="/data",
+    )
+
+
+SAVED = resume.Saved(
+    config={"recipe": "transformer-tiny", "data": "/data/datasets/numbers", "max_steps": 300, "batch_per_gpu": 32},
+    spec={
+        "limits": {"max_restarts": 2, "min_nodes": 1, "hang_floor": 90.0, "stall": 600.0, "start": 900.0},
+        "env": {"MASTER_PORT": "29600"},
+    },
+)
+
+
+def saved_config() -> dict:
+    from train.config import build_parser, config_from_args
+
+    args = build_parser("t").parse_args(
+        [
+            "--recipe",
+            "transformer-tiny",
+            "--data",
+            "/data/datasets/numbers",
+            "--run-dir",
+            "/data/runs/tiny",
+            "--max-steps",
+            "300",
+        ]
+    )
+    return config_from_args(args).to_dict()
+
+
+def test_a_resume_takes_the_runs_recipe_data_and_limits_unless_given():
+    """Before: fab filled in fabric.yaml's default recipe and data set and every rank refused them."""
+    request = launch.TrainRequest(recipe="transformer-base", run="tiny")
+    kept = resume.resumed(request, set(), SAVED, inventory())
+    assert (kept.recipe, kept.data, kept.max_restarts, kept.hang_seconds, kept.master_port) == (
+        "transformer-tiny",
+        "/data/datasets/numbers",
+        2,
+        90.0,
+        29600,
+    )
+    given = resume.resumed(
+        launch.TrainRequest(recipe="transformer-base", run="tiny", max_restarts=0), {"max_restarts"}, SAVED, inventory()
+    )
+    assert given.max_restarts == 0
+
+
+@pytest.mark.parametrize(
+    "request_, given, words",
+    [
+        (
+            launch.TrainRequest(recipe="transformer-base", run="tiny"),
+            {"recipe"},
+            "--recipe transformer-base differs from run tiny's transformer-tiny",
+        ),
+        (
+            launch.TrainRequest(run="tiny", dataset="wmt16-en-de"),
+            set(),
+            "--dataset wmt16-en-de differs from run tiny's data",
+        ),
+    ],
+)
+def test_a_resume_with_another_recipe_or_data_set_is_one_line(request_, given, words):
+    with pytest.raises(launch.LaunchError) as refused:
+        resume.resumed(request_, given, SAVED, inventory())
+    assert words in str(refused.value) and "start a new --run" in str(refused.value)
+
+
+def test_the_trainers_own_resume_checks_run_on_the_laptop():
+    """Before: --batch-per-gpu on a resume was refused by every rank, after mpirun started."""
+    saved = resume.Saved(saved_config(), {})
+    request = resume.resumed(launch.TrainRequest(run="tiny", batch_per_gpu=7), set(), saved, inventory())
+    with pytest.raises(launch.LaunchError, match=r"^--batch-per-gpu 7 differs from the run's 64: a resumed run keeps"):
+        resume.check_trainer(inventory(), request, saved)
+    longer = resume.resumed(launch.TrainRequest(run="tiny", steps=600), set(), saved, inventory())
+    resume.check_trainer(inventory(), longer, saved)  # the length may change
+
+
+@pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])
+def test_a_bad_extra_is_one_line_from_the_trainers_parser(extra, capsys):
+    """Before: argparse's usage, once per rank, after mpirun started."""
+    request = launch.TrainRequest(recipe="transformer-tiny", extra_args=extra)
+    with pytest.raises(launch.LaunchError) as refused:
+        resume.check_trainer(inventory(), request, None)
+    assert "\n" not in str(refused.value) and ("lr-scale" in str(refused.value) or "--bogus" in str(refused.value))
+    assert capsys.readouterr().err == ""  # no usage text
