@@ -78,6 +78,8 @@ def attempts(marks: Sequence[Phase]) -> tuple[list[Attempt], float, Optional[flo
     ordered = sorted(marks, key=lambda m: m.time)
     start = next((m.time for m in ordered if m.event == "run"), ordered[0].time if ordered else 0.0)
     done = next((m.time for m in ordered if m.event == "done"), None)
+    if done is None and not any(m.event == "run" for m in ordered):  # the trainer alone, by hand
+        done = next((m.time for m in reversed(ordered) if m.event == "end"), None)
     out: list[Attempt] = []
     for m in ordered:
         if m.event == "launch" or (not out and m.event not in ("run", "done")):

@@ -83,3 +83,15 @@ def test_the_supervisor_marks_the_run_each_launch_the_detection_the_decision_and
     marks = phases.read(tmp_path)
     assert [m.event for m in marks] == ["run", "launch", "detect", "decide", "launch", "done"]
     assert marks[2].kind == "unreachable" and marks[3].step == 30 and marks[3].kind == "unreachable"
+
+
+def test_the_timeline_png_and_the_runs_column(tmp_path):
+    from clusterops import analysis, plots
+
+    acc = goodput.account(_marks())
+    path = plots.goodput_timeline(acc, tmp_path / "goodput.png", "r")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    run = {"run": "r", "summary": {}, "progress": {}, "config": {}, "run_status": {}}
+    run["phases"] = [m.to_json() for m in _marks()]
+    assert analysis.run_row(run, None)["goodput"] == "38%"
+    assert analysis.run_row({**run, "phases": []}, None)["goodput"] == ""

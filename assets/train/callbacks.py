@@ -29,7 +29,6 @@ class Callback:
         """An eval or a checkpoint (rank 0 for a checkpoint, every rank for an eval) took start..end."""
 
 
-
 class RankHeartbeat(Callback):
     """RUN_DIR/ranks/rankN: this rank's last finished step, pid and host; its mtime is that step's time.
     Not atomic (a write per step; the readers skip a line that does not parse)."""
