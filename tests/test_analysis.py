@@ -1,8 +1,8 @@
 """fab report / runs / scale / monitor on real summary shapes, without a cluster."""
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
