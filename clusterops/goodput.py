@@ -182,17 +182,17 @@ def paint(spans: list, start: float, end: float) -> tuple[dict, list]:
     """Each elementary stretch of [start, end] gets the highest-priority label covering it."""
     cuts = sorted({start, end, *(min(max(t, start), end) for _, a, b in spans for t in (a, b))})
     labels: list[Optional[str]] = [None] * (len(cuts) - 1)
-    for label in reversed(LABELS):  # lowest priority first: later paint wins
+    for painted in reversed(LABELS):  # lowest priority first: later paint wins
         for name, a, b in spans:
-            if name != label:
+            if name != painted:
                 continue
             lo, hi = bisect.bisect_left(cuts, max(a, start)), bisect.bisect_left(cuts, min(b, end))
             for i in range(lo, hi):
-                labels[i] = label
+                labels[i] = painted
     totals = {label: 0.0 for label in (*LABELS, "unaccounted")}
     segments: list = []
-    for i, label in enumerate(labels):
-        name, a, b = label or "unaccounted", cuts[i] - start, cuts[i + 1] - start
+    for i, found in enumerate(labels):
+        name, a, b = found or "unaccounted", cuts[i] - start, cuts[i + 1] - start
         totals[name] += b - a
         if segments and segments[-1][0] == name and abs(segments[-1][2] - a) < 1e-9:
             segments[-1] = (name, segments[-1][1], b)
