@@ -12,9 +12,10 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
+from cluster_node import phases
 from cluster_node import rundir as rd
 
-from . import bottleneck, launch, nodecmd, plots, remote, scaling, terminal, verify
+from . import bottleneck, goodput, launch, nodecmd, plots, remote, scaling, terminal, verify
 from .inventory import Inventory
 from .linkcheck import link_file
 
@@ -59,13 +60,23 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
     link = remote.read_json(connection, link_file(inventory))
     scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
     scored = verify.lines(_pairs(connection, run_dir))
+    account = run_account(connection, run_dir)
     with tempfile.TemporaryDirectory() as tmp:
         lines, written = bottleneck.write_report(
             Path(run_dir).name, summary, link, tmp, scale, scored, what_ifs=not heading, heading=heading
         )
+        lines += ["", *goodput.lines(account)]
+        if account is not None:
+            written.append(plots.goodput_timeline(account, Path(tmp) / rd.GOODPUT_PNG, Path(run_dir).name))
         for path in written:
             connection.put(str(path), f"{run_dir}/{path.name}")
     return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
+
+
+def run_account(connection: Connection, run_dir: str) -> Optional[goodput.Account]:
+    """The goodput account of the run's phases.jsonl (None without one)."""
+    text = remote.sh(connection, f"cat {q(run_dir + '/' + rd.PHASES)} 2>/dev/null || true")
+    return goodput.account(phases.parse(text.splitlines()))
 
 
 def measured_so_far(connection: Connection, run_dir: str) -> tuple[dict, list[str]]:
@@ -182,6 +193,7 @@ def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> di
         "nodes": nodes or "",
         "quality": quality,
         "wall": (f"{wall:.0f} s" if wall < 120 else f"{wall / 60:.1f} min") if wall else "",
+        "goodput": goodput.short(goodput.account(parse_phases(run.get("phases") or []))),
         "cost": cost or "n/a",
     }
 
@@ -199,6 +211,11 @@ def run_wall(run: dict) -> Optional[float]:
 
 
 RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "precision", "compression", "nodes", "quality", "wall"]
+RUN_COLUMNS.append("goodput")
+
+
+def parse_phases(rows: Sequence[dict]) -> tuple:
+    return phases.parse(json.dumps(row) for row in rows)
 
 
 def runs_table(runs: Sequence[dict], usd_per_node_hour: Optional[float], slots: int) -> str:

@@ -60,3 +60,50 @@ def scaling_curve(
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+GOODPUT_COLOURS = {
+    "productive": "tab:green",
+    "startup": "tab:blue",
+    "eval": "tab:purple",
+    "checkpoint": "tab:olive",
+    "restart": "tab:red",
+    "recomputed": "tab:orange",
+    "stall": "tab:brown",
+    "shutdown": "tab:grey",
+    "unaccounted": "white",
+}
+INCIDENT_PARTS = (
+    ("detect_s", "detect"),
+    ("decide_s", "decide"),
+    ("relaunch_s", "relaunch"),
+    ("first_step_s", "first step"),
+)
+
+
+def goodput_timeline(account, path: Path, title: str) -> Path:
+    """The run's wall-clock as one bar coloured by cause (clusterops.goodput), and under it one bar per
+    restart: detect -> decide -> relaunch -> first step, with the steps it lost."""
+    plt = _pyplot()
+    rows = 1 + len(account.incidents)
+    figure, axes = plt.subplots(figsize=(10.0, 1.2 + 0.6 * rows))
+    for group, colour in GOODPUT_COLOURS.items():
+        bars = [(a, b - a) for label, a, b in account.segments if label.split(".")[0] == group]
+        if bars:
+            seconds = account.group(group)
+            axes.broken_barh(bars, (rows - 0.4, 0.8), color=colour, label=f"{group} {seconds:.0f} s")
+    for i, incident in enumerate(account.incidents):
+        start, y = incident.at_s, rows - 1 - i
+        for (key, name), colour in zip(INCIDENT_PARTS, ("tab:red", "tab:pink", "tab:cyan", "tab:blue"), strict=True):
+            width = getattr(incident, key)
+            axes.broken_barh([(start, width)], (y - 0.3, 0.6), color=colour, label=name if i == 0 else None)
+            start += width
+        axes.text(start, y, f" {incident.kind}: {incident.steps_lost} steps lost", va="center", fontsize="small")
+    axes.set_yticks([rows - i for i in range(rows)], ["run", *(f"restart {i}" for i in range(1, rows))])
+    axes.set_xlabel("seconds from the run's start")
+    axes.set_title(f"{title}: goodput {account.goodput:.0%} of {account.wall_s:.0f} s")
+    axes.legend(fontsize="x-small", ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

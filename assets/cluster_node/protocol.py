@@ -90,6 +90,13 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.EVAL, "eval texts", "trainer (rank 0)", "fab fetch"),
     _run(rd.REPORT_MD, "Markdown", "fab report", "fab fetch"),
     _run(rd.PREDICTIONS, "JSON list: predicted vs measured step", "fab report --verify", "fab report"),
+    _run(
+        rd.PHASES,
+        "JSON lines of phases.Phase (lockf)",
+        "supervisor; train.train, train.callbacks.PhaseMarks (rank 0)",
+        "fab report/runs/drill (clusterops.goodput)",
+    ),
+    _run(rd.GOODPUT_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.BREAKDOWN_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.SCALING_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.FETCHED, "empty marker", "fab fetch", "fab local.down"),

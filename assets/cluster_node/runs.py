@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import rundir
+from . import phases, rundir
 
 
 def alive(run: Path) -> bool:
@@ -54,6 +54,7 @@ def listing(data: Path) -> list[dict]:
         if (run / rundir.SPEC).exists() or (run / rundir.SUMMARY).exists():
             row = {key: rundir.read_json(run / name, {}) for key, name in names.items()}
             row |= {"segments": rundir.read_json(run / rundir.SEGMENTS, []) or []}
+            row["phases"] = [mark.to_json() for mark in phases.read(run)]  # for fab runs' goodput column
             rows.append({"run": run.name, **row, "run_status": rundir.read_json(run / rundir.RUN_STATUS, {})})
     return rows
 

@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import hang, restart_plan, rundir
+from . import hang, phases, restart_plan, rundir
 from . import spec as specs
 from .nodes import Mpirun, Nodes
 from .observe import Observation, Observer
@@ -98,6 +98,7 @@ class Supervisor:
     def run_all(self) -> int:
         (self.run / rundir.LAUNCHER_PID).write_text(f"{os.getpid()}\n")
         self.status("running", None, "")
+        phases.mark(self.run, "run", self.clock())
         for old in self.run.glob(rundir.HANG_STACKS.format(n="*")):
             _remove_tree(old)
         self.launch()
@@ -113,7 +114,11 @@ class Supervisor:
             return self.stopping()
         exited = self.launcher.wait(self.spec.limits.poll)
         assert self.observer is not None
-        return self.decide(self.observer.observe(exited))
+        state = self.decide(self.observer.observe(exited))
+        if state in (State.STOPPING, State.RESTARTING) or (state == State.FAILED and self.kind):
+            step, beat = phases.last_beat(self.run)
+            phases.mark(self.run, "detect", self.clock(), kind=self.kind or None, step=step, end=beat)
+        return state
 
     def launch(self) -> None:
         self.attempts += 1
@@ -122,6 +127,7 @@ class Supervisor:
             _remove_tree(self.run / name)
             (self.run / name).mkdir()
         self.observer = self.make_observer(self.run, self.spec, self.nodes.ssh_ok, self.clock)
+        phases.mark(self.run, "launch", self.clock())
         self.launcher.start(self.spec)
         self.state = State.STARTING
 
@@ -217,6 +223,7 @@ class Supervisor:
             return State.FAILED
         self.log(f"launcher: {self.reason}; {plan.line}")
         rundir.append(self.run / rundir.RESTARTS, plan.record)
+        phases.mark(self.run, "decide", self.clock(), step=plan.record.resume_step, kind=self.kind or None)
         self.spec = plan.spec
         specs.write(self.run, self.spec)
         self.launch()
@@ -273,6 +280,7 @@ class Supervisor:
                 stopped = self.nodes.then_stop(log)
             if not stopped:
                 self.log("launcher: --then-stop failed")
+        phases.mark(self.run, "done", self.clock(), kind=self.kind or None)
         state = final_state(self.run, self.state, self.reason)
         self.status(state, self.code, self.reason)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))

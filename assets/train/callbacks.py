@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster_node import rundir
+from cluster_node import phases, rundir
 
 
 class Callback:
@@ -24,6 +24,9 @@ class Callback:
 
     def on_progress(self, step: int, values: dict[str, Any]) -> None:
         pass
+
+    def on_interval(self, event: str, start: float, end: float, step: int) -> None:
+        """An eval or a checkpoint (rank 0 for a checkpoint, every rank for an eval) took start..end."""
 
 
 class RankHeartbeat(Callback):
@@ -51,6 +54,25 @@ class ProgressFile(Callback):
             step=step, max_steps=self.max_steps, time=time.time(), world_size=self.world_size, **values
         )
         rundir.write_record(self.path, record)
+
+
+class PhaseMarks(Callback):
+    """RUN_DIR/phases.jsonl (rank 0's callback): the first step, each log step, evals, checkpoints, the end
+    (cluster_node.phases; train.train marks the start-up)."""
+
+    def __init__(self, run_dir: Path):
+        self.run, self.first = Path(run_dir), True
+
+    def on_step(self, step: int) -> None:
+        if self.first:
+            self.first = False
+            phases.mark(self.run, "first_step", step=step)
+
+    def on_progress(self, step: int, values: dict[str, Any]) -> None:
+        phases.mark(self.run, "end" if values.get("ended") else "steps", step=step)
+
+    def on_interval(self, event: str, start: float, end: float, step: int) -> None:
+        phases.mark(self.run, event, start, end=end, step=step)
 
 
 def stacks_on_sigusr2(run_dir: Path, rank: int) -> None:

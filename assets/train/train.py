@@ -20,12 +20,13 @@ good checkpoint in --run-dir. `touch RUN_DIR/STOP` (or SIGUSR1) checkpoints and 
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
-from cluster_node import rundir
+from cluster_node import phases, rundir
 from train import distributed
-from train.callbacks import Callback, ProgressFile, RankHeartbeat, stacks_on_sigusr2
+from train.callbacks import Callback, PhaseMarks, ProgressFile, RankHeartbeat, stacks_on_sigusr2
 from train.config import (
     ConfigError,
     TrainConfig,
@@ -74,6 +75,7 @@ def reporting(config: TrainConfig, info: distributed.DistInfo) -> list[Callback]
     callbacks: list[Callback] = [RankHeartbeat(run_dir, info.rank)]
     if info.is_main:
         callbacks.append(ProgressFile(run_dir, config.max_steps, info.world_size))
+        callbacks.append(PhaseMarks(run_dir))
     return callbacks
 
 
@@ -87,6 +89,7 @@ def _summary_line(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
+    started = time.time()
     args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     try:
         config, changes, resumed = effective_config(args)
@@ -94,6 +97,11 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     info, device = distributed.setup(timeout_s=config.dist_timeout_s)
+    run_dir = Path(config.run_dir)
+    if info.is_main:  # the start-up's phases; a run directory made here is the trainer's own (no fab)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        phases.mark(run_dir, "process", started)
+        phases.mark(run_dir, "rendezvous")
     precision_why = resolve_precision(config, device) if config.precision == "auto" else ""
     world_batch = config.batch_per_gpu * config.grad_accum * info.world_size
     if args.keep_global_batch and world_batch != args.keep_global_batch:
@@ -111,6 +119,8 @@ def main(argv=None) -> int:
         )
     try:
         trainer = compose(config, info, device, reporting(config, info))
+        if info.is_main:
+            phases.mark(run_dir, "ready", step=trainer.step)
         trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
         trainer.log(_summary_line(trainer.fit()))
     except FileNotFoundError as error:

@@ -153,8 +153,14 @@ class Trainer:
 
     def save(self, best: bool = False) -> None:
         if self.info.is_main:
+            start = time.time()
             path = checkpoint.save(self.run_dir, self.step, self._state(), self.config.keep_checkpoints, best=best)
             self.log(f"checkpoint {path}")
+            self._interval("checkpoint", start)
+
+    def _interval(self, event: str, start: float) -> None:
+        for callback in self.callbacks:
+            callback.on_interval(event, start, time.time(), self.step)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One optimizer step with no host synchronisation of its own: the units and stop-flag sum
@@ -329,6 +335,7 @@ class Trainer:
         return result
 
     def run_eval(self) -> dict:
+        start = time.time()
         result = self.task.evaluate()
         texts = {k: result.pop(k) for k in list(result) if isinstance(result[k], list)}
         if self.info.is_main:
@@ -344,6 +351,7 @@ class Trainer:
                     + " | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in measured.items())
                 )
             self.scalars({f"eval/{k}": v for k, v in result.items()})
+        self._interval("eval", start)
         return result
 
     def _summary(self, step_times, global_batch, last_eval, ended, wall) -> dict:

@@ -1,0 +1,97 @@
+"""The goodput account (clusterops/goodput.py) on hand-made phase marks, and the marks' file
+(cluster_node/phases.py): torn lines skipped, concurrent appends whole."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from cluster_node import phases
+from cluster_node.phases import Phase
+from clusterops import goodput
+
+
+def _marks() -> list[Phase]:
+    """A 100 s run: start-up 10 s, steps 0..40 at 1 s/step with a checkpoint at 20 (2 s) and an eval at 10
+    (3 s); a node dies after step 30; restart at step 20; steps 20..40 again, end at 92; done at 100."""
+    m = [Phase(event="run", time=0.0), Phase(event="launch", time=1.0), Phase(event="process", time=3.0)]
+    m += [Phase(event="rendezvous", time=4.0), Phase(event="ready", time=9.0, step=0)]
+    m += [Phase(event="first_step", time=10.0, step=1), Phase(event="steps", time=19.0, step=10)]
+    m += [Phase(event="eval", time=19.0, end=22.0, step=10), Phase(event="steps", time=32.0, step=20)]
+    m += [Phase(event="checkpoint", time=32.0, end=34.0, step=20), Phase(event="steps", time=44.0, step=30)]
+    m += [Phase(event="detect", time=50.0, kind="died", step=30, end=44.0), Phase(event="decide", time=53.0, step=20)]
+    m += [Phase(event="launch", time=53.5), Phase(event="process", time=55.0), Phase(event="rendezvous", time=56.0)]
+    m += [Phase(event="ready", time=60.0, step=20), Phase(event="first_step", time=61.0, step=21)]
+    # a stall: steps 30..40 take 22 s instead of 10
+    m += [Phase(event="steps", time=70.0, step=30), Phase(event="steps", time=92.0, step=40)]
+    m += [Phase(event="end", time=92.0, step=40), Phase(event="done", time=100.0)]
+    return m
+
+
+def test_every_second_of_a_restarted_run_is_accounted_once_and_the_lost_steps_are_those_after_the_checkpoint():
+    acc = goodput.account(_marks())
+    assert acc is not None and acc.wall_s == 100.0 and not acc.running
+    assert sum(acc.phases.values()) == pytest.approx(100.0) and acc.phases["unaccounted"] == 0
+    assert acc.phases["eval"] == 3 and acc.phases["checkpoint"] == 2
+    assert acc.group("startup") == 10.0  # run 0 -> first step 10
+    assert acc.phases["recomputed"] == 10.0  # checkpoint end 34 -> last beat 44
+    [incident] = acc.incidents
+    assert (incident.kind, incident.steps_lost, incident.lost_s) == ("died", 10, 10.0)
+    assert (incident.detect_s, incident.decide_s, incident.relaunch_s, incident.first_step_s) == (6, 3, 7, 1)
+    assert acc.phases["stall"] == pytest.approx(22 - 10 * 1.0)  # median 1 s/step: the excess
+    assert acc.phases["shutdown"] == 8.0
+    # productive: 10..19, 22..32 (34..44 is recomputed), 61..80 (80..92 stalled)
+    assert acc.phases["productive"] == pytest.approx(9 + 10 + 19)
+    assert acc.goodput == pytest.approx(0.38)
+    assert acc.segments[0] == ("startup.launch", 0.0, 3.0)
+    text = "\n".join(goodput.lines(acc))
+    assert "goodput 38%" in text and "restart 1 (died" in text and "10 steps lost" in text
+
+
+def test_a_running_run_is_accounted_up_to_now_and_a_run_without_marks_says_so():
+    acc = goodput.account(_marks()[:8], now=25.0)
+    assert acc is not None and acc.running and acc.wall_s == 25.0 and goodput.short(acc).endswith("*")
+    assert sum(acc.phases.values()) == pytest.approx(25.0)
+    assert goodput.account([]) is None and "no phases.jsonl" in goodput.lines(None)[0]
+
+
+def _append(run, n):
+    for i in range(n):
+        phases.mark(run, "steps", float(i), step=i)
+
+
+def test_marks_from_two_processes_stay_whole_and_a_torn_line_is_skipped(tmp_path):
+    workers = [multiprocessing.Process(target=_append, args=(tmp_path, 300)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    with open(tmp_path / "phases.jsonl", "a") as handle:
+        handle.write('{"event": "steps", "ti')
+    assert len(phases.read(tmp_path)) == 600
+    phases.mark(tmp_path / "missing", "run")  # no directory: swallowed, nothing raised
+
+
+def test_the_supervisor_marks_the_run_each_launch_the_detection_the_decision_and_the_end(tmp_path):
+    from test_supervisor import HEALTHY, NOW, Observation, Script, _supervisor
+
+    sup, _, nodes = _supervisor(tmp_path, [None, 0], Script(Observation(NOW, unreachable="h2")), restarts=1)
+    (tmp_path / "train.log").write_text("run ended at step 40: max_steps\n")
+    nodes.probe_all = lambda: (tmp_path / "probes").mkdir() or (tmp_path / "probes" / "h1").write_text(HEALTHY)
+    assert sup.run_all() == 0
+    marks = phases.read(tmp_path)
+    assert [m.event for m in marks] == ["run", "launch", "detect", "decide", "launch", "done"]
+    assert marks[2].kind == "unreachable" and marks[3].step == 30 and marks[3].kind == "unreachable"
+
+
+def test_the_timeline_png_and_the_runs_column(tmp_path):
+    from clusterops import analysis, plots
+
+    acc = goodput.account(_marks())
+    path = plots.goodput_timeline(acc, tmp_path / "goodput.png", "r")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    run = {"run": "r", "summary": {}, "progress": {}, "config": {}, "run_status": {}}
+    run["phases"] = [m.to_json() for m in _marks()]
+    assert analysis.run_row(run, None)["goodput"] == "38%"
+    assert analysis.run_row({**run, "phases": []}, None)["goodput"] == ""
