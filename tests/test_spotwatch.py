@@ -171,3 +171,16 @@ def test_a_notice_mid_run_checkpoints_at_the_stop_step_and_the_run_resumes_there
     resumed = subprocess.run([*argv[:-1], str(stopped_at + 2)], capture_output=True, text=True, env=env, timeout=120)
     assert f"at step {stopped_at}" in resumed.stdout and f"run ended at step {stopped_at + 2}" in resumed.stdout
     print(f"notice -> checkpoint at step {stopped_at} in {took:.1f} s")
+
+
+def test_an_address_imds_did_not_give_at_start_is_asked_for_again_before_a_notice_is_recorded(tmp_path):
+    """The watcher looked its address up once: an IMDS that did not answer at container start left
+    every notice without a host, so a notice on the head node was never the supervisor's own (a fresh
+    read of the deploy path)."""
+    answers = iter([None, "10.0.0.5"])
+    notices = iter([None, spotwatch.Notice("stop", "2026-11-24T08:00:00Z")])
+    run = a_run(tmp_path, "r1", step=3)
+    watcher = spotwatch.Watcher(tmp_path, "0", "i-0", read=lambda: next(notices), identify=lambda: next(answers))
+    watcher.poll(1.0)
+    watcher.poll(2.0)
+    assert json.loads((run / "interruptions.json").read_text())[0]["host"] == "10.0.0.5"

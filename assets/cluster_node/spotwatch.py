@@ -128,12 +128,16 @@ class Watcher:
         instance_id: Optional[str],
         read: Callable[[], Optional[Notice]] = instance_action,
         host: Optional[str] = None,
+        identify: Callable[[], Optional[str]] = lambda: None,
     ):
         self.data_dir, self.rank, self.instance_id, self.read = data_dir, rank, instance_id, read
-        self.host = host
+        self.host, self.identify = host, identify
         self.handled: Optional[Notice] = None
 
     def poll(self, now: float) -> Optional[str]:
+        # An IMDS that did not answer at start: ask again, else a notice on the head node would be
+        # recorded without the host the supervisor recognises itself by.
+        self.host = self.host or self.identify()
         notice = self.read()
         if notice is None or notice == self.handled:
             return None
@@ -166,9 +170,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     _, instance_id = where_am_i(dict(os.environ))
     # The identity document's privateIp: the address fab train's hostfile names this node by.
-    host = os.environ.get("PRIVATE_IP") or instance_identity().get("privateIp")
+    host = os.environ.get("PRIVATE_IP")
+    identify = lambda: instance_identity().get("privateIp")  # noqa: E731
     print(f"spot: watching {IMDS_URL}{ACTION_PATH} every {args.interval:g} s", flush=True)
-    watch(Watcher(Path(args.data), os.environ.get("NODE_RANK", "0"), instance_id, host=host), args.interval)
+    rank = os.environ.get("NODE_RANK", "0")
+    watch(Watcher(Path(args.data), rank, instance_id, host=host, identify=identify), args.interval)
     return 0
 
 
