@@ -376,3 +376,23 @@ def image_apt_packages() -> set[str]:
     text = DOCKERFILE.read_text().replace("\\\n", " ")
     words = " ".join(re.findall(r"apt-get install ([^&\n]*)", text) + re.findall(r"for package in ([^;]*);", text))
     return set(words.split())
+
+
+def test_the_image_build_imports_every_node_module_the_entrypoint_and_fab_run():
+    """The emulated nodes run the laptop's venv, which finds cluster_node and train whatever PYTHONPATH
+    says: only the image build can catch a wrong COPY, PYTHONPATH or module name (a fresh read of the
+    deploy path). The Dockerfile's smoke import must name every `python -m cluster_node.X` the
+    entrypoint, fab and the supervisor run."""
+    sources = [*(REPO / "clusterops").glob("*.py"), *(REPO / "assets" / "cluster_node").rglob("*.py")]
+    sources.append(REPO / "assets" / "docker" / "entrypoint.sh")
+    run = set()
+    for path in sources:
+        text = path.read_text()
+        run |= set(re.findall(r"""-m["', ]+(cluster_node[.][a-z_.]+[a-z])""", text))
+        run |= {f"cluster_node.{m}" for m in re.findall(r'node_command[(]\s*\w+,\s*"([a-z_.]+)"', text)}
+    dockerfile = DOCKERFILE.read_text()
+    smoke = re.search(r'RUN cd / && python -c "import ([^"]+)"', dockerfile.replace("\\\n", ""))
+    assert smoke, "the Dockerfile has no build-time import of the node modules"
+    imported = {name.strip() for name in smoke.group(1).split(",")}
+    assert run and run <= imported, f"run on the nodes but not imported at build: {sorted(run - imported)}"
+    assert "ENV PYTHONPATH=/workspace${PYTHONPATH:+:${PYTHONPATH}}" in dockerfile
