@@ -305,7 +305,9 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
     if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
-    spec = launch.train_spec(inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes)
+    spec = launch.train_spec(
+        inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
+    )
     rdir = spec.run
     stale = [rundir.STOP, rundir.FORCED, rundir.RUN_STATUS, rundir.RESTARTS, rundir.HANGS, rundir.SPEC]
     sh(connection, f"mkdir -p {q(rdir)}/{rundir.SPECS} && cd {q(rdir)} && rm -f {' '.join(stale)} {rundir.SPECS}/*")
