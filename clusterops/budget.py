@@ -44,17 +44,16 @@ def predict(base: planning.Base, offer: planning.Offer, nodes: int, steps: int, 
     return planning.estimate(base, offer, nodes, steps, planning.Storage(root_gb=0.0, write_gb=write_gb))
 
 
-def refusal(estimate: planning.Estimate, budget_usd: float, margin: float) -> Optional[str]:
+def refusal(estimate: planning.Estimate, steps: int, budget_usd: float, margin: float) -> Optional[str]:
     """One line when the prediction exceeds the budget by more than the margin, else None."""
     total = estimate.usd_total
     if total is None or total <= budget_usd * (1 + margin):
         return None
-    steps_model = dict(estimate.models).get("time", "")
     return (
-        f"fab plan predicts ${total:,.2f} for {steps_model.split(' steps')[0].split('= ')[-1]} steps on "
-        f"{estimate.nodes} x {estimate.instance_type} ({steps_model}), over --budget-usd {budget_usd:g} by more "
-        f"than {margin:.0%}: nothing started; raise the budget, train fewer --steps, or --budget-margin "
-        f"{total / budget_usd - 1:.2f} to start anyway"
+        f"fab plan predicts ${total:,.2f} for {steps} steps on {estimate.nodes} x {estimate.instance_type} "
+        f"({(estimate.hours or 0) * 60:.1f} min at {(estimate.step_s or 0) * 1e3:.0f} ms/step; nodes, storage, "
+        f"EFS I/O), over --budget-usd {budget_usd:g} by more than {margin:.0%}: nothing started; raise the budget, "
+        f"train fewer --steps, or give --budget-margin {total / budget_usd - 1:.2f} to start anyway"
     )
 
 

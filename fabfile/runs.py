@@ -151,14 +151,15 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPla
             estimate = budgets.prediction(
                 inputs, inv.instance_type, inv.source == "aws", len(plan.nodes), steps, price.usd_per_hour, price.source
             )
+            if estimate.usd_total is None:
+                raise planning.PlanError(estimate.refused or "the prices are unknown")
         except planning.PlanError as error:
             why = str(error)
             continue
-        refused = budgets.refusal(estimate, request.budget_usd, request.budget_margin)
+        refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin)
         if refused:
             raise budgets.BudgetError(refused)
-        total = estimate.usd_total or 0.0
-        print(f"budget: ${request.budget_usd:g}; fab plan predicts ${total:,.2f} for {steps} steps (from {base})")
+        print(f"budget: ${request.budget_usd:g}; fab plan predicts ${estimate.usd_total:,.2f} for {steps} steps")
         return dataclasses.replace(plan, budget=budget)
     print(f"budget: ${request.budget_usd:g}, no prediction ({why}): metered on the head node as the run goes")
     return dataclasses.replace(plan, budget=budget)

@@ -80,11 +80,11 @@ OFFER = planning.Offer("local", planning.CPU, 1, 3600.0, "the test's price table
 
 def test_a_prediction_over_budget_and_margin_is_refused_in_one_line():
     estimate = planning.estimate(_base(), OFFER, 1, 100, planning.Storage(root_gb=0))
-    refusal = budgets.refusal(estimate, budget_usd=50.0, margin=0.2)
+    refusal = budgets.refusal(estimate, 100, budget_usd=50.0, margin=0.2)
     assert refusal is not None and "\n" not in refusal
     assert refusal.startswith("fab plan predicts $100.00 for 100 steps on 1 x local")
-    assert "--budget-usd 50" in refusal and "--budget-margin" in refusal
-    assert budgets.refusal(estimate, budget_usd=90.0, margin=0.2) is None  # within the margin: the meter decides
+    assert "(1.7 min at 1000 ms/step" in refusal and "--budget-usd 50 " in refusal and "--budget-margin 1.00" in refusal
+    assert budgets.refusal(estimate, 100, budget_usd=90.0, margin=0.2) is None  # within the margin: the meter decides
 
 
 def test_an_unknown_price_refuses_a_budget():

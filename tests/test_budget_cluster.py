@@ -12,6 +12,8 @@ import re
 import pytest
 from test_local_cluster import QUICK, _start, _stop
 
+from clusterops import localcluster
+
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 USD_PER_NODE_HOUR = 360.0  # $0.10 a node-second: a budget of a few dollars lasts seconds
 
@@ -22,6 +24,7 @@ def priced(tmp_path_factory):
     inventory = json.loads(cluster.inventory.read_text())
     inventory.update(usd_per_hour=USD_PER_NODE_HOUR, price_source="the test's price table")
     cluster.inventory.write_text(json.dumps(inventory))
+    localcluster.set_link_rate(cluster.name, "1gbit", cluster.inventory)  # the link fab plan prices comm at
     yield cluster
     _stop(cluster)
 
