@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from cluster_node.contract import CONTAINER_SSH_PORT
-from cluster_node.spec import Limits, RunSpec, ThenStop
+from cluster_node.spec import Budget, Limits, RunSpec, ThenStop
 from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
@@ -54,6 +54,8 @@ class TrainRequest:
     min_nodes: Optional[int] = None
     hang_seconds: float = 60.0
     allow_tcp: bool = False  # on an EFA cluster: let NCCL fall back to sockets
+    budget_usd: Optional[float] = None  # end the run gracefully when its spend reaches this
+    budget_margin: float = 0.2  # refuse when fab plan predicts more than budget x (1 + margin)
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     @property
@@ -82,6 +84,10 @@ class TrainRequest:
         for name in ("stall_minutes", "start_minutes", "hang_seconds"):
             if getattr(self, name) <= 0:
                 raise LaunchError(f"invalid --{name.replace('_', '-')} {getattr(self, name)}: a positive number")
+        if self.budget_usd is not None and self.budget_usd <= 0:
+            raise LaunchError(f"invalid --budget-usd {self.budget_usd:g}: a positive number of dollars")
+        if self.budget_margin < 0:
+            raise LaunchError(f"invalid --budget-margin {self.budget_margin:g}: 0 or more (0.2 = 20%)")
         if self.dataset is not None and not _RUN_NAME.match(self.dataset):
             raise LaunchError(f"invalid --dataset {self.dataset!r}: {NAME_RULE}")
 
@@ -105,6 +111,7 @@ class LaunchPlan:
     interface: str
     code_dir: str
     verdicts: tuple = ()
+    budget: Optional[Budget] = None  # --budget-usd, priced
 
 
 def data_path(inventory: Inventory, dataset: str) -> str:
@@ -260,6 +267,7 @@ def train_spec(
     code_dir: str,
     environ: Optional[dict] = None,
     nodes: Optional[Sequence[Node]] = None,  # a LaunchPlan's; else selected from the request
+    budget: Optional[Budget] = None,
 ) -> RunSpec:
     """What `fab train` writes to RUN_DIR/spec.json: attempt 1 of the run."""
     nodes = inventory.select(request.nodes, request.exclude) if nodes is None else nodes
@@ -275,6 +283,7 @@ def train_spec(
         resume=resume_command(request),
         limits=limits(request),
         then_stop=then_stop(inventory, request, environ or {}),
+        budget=budget,
     )
 
 

@@ -304,7 +304,9 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
     if "--synthetic" not in request.extra_args and sh(connection, ready).strip() != "ok":
         raise RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
-    spec = launch.train_spec(inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes)
+    spec = launch.train_spec(
+        inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
+    )
     # The claim and the start are one step on the head node (cluster_node.start): two launches at once
     # give one run and one refusal. The payload travels as a file in the head's /tmp, not on /data.
     payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"

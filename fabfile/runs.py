@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shlex
@@ -11,8 +12,10 @@ import paramiko
 from invoke.exceptions import Exit, ThreadException
 
 from cluster_node import restart_plan
+from clusterops import analysis, health, launch, remote, resume, terminal
+from clusterops import budget as budgets
 from clusterops import cost as costs
-from clusterops import health, launch, remote, resume, terminal
+from clusterops import plan as planning
 from clusterops.inventory import Inventory
 from train import catalog
 
@@ -53,6 +56,9 @@ from .common import (
         "min_nodes": "with --max-restarts: give up when fewer healthy nodes remain (default 1)",
         "hang_seconds": "a hang: no step on any rank for max(20 x step time, this) seconds (default 60)",
         "allow_tcp": "on an EFA cluster: train even where `fab check` found NCCL on sockets (no plugin forced)",
+        "budget_usd": "end the run gracefully (checkpoint) when its spend reaches this many dollars; "
+        "refuse to start when `fab plan` predicts more",
+        "budget_margin": "with --budget-usd: refuse only above budget x (1 + this) (default 0.2: fab plan's 20%)",
     },
 )
 def train(
@@ -76,6 +82,8 @@ def train(
     min_nodes=None,
     hang_seconds=None,
     allow_tcp=False,
+    budget_usd=None,
+    budget_margin=None,
 ):
     """Start a run across the nodes, supervised on the head node.
 
@@ -100,6 +108,8 @@ def train(
         min_nodes=whole_number(min_nodes, "--min-nodes"),
         hang_seconds=60.0 if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
         allow_tcp=allow_tcp,
+        budget_usd=None if budget_usd is None else number(budget_usd, "--budget-usd"),
+        budget_margin=budgets.DEFAULT_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
         extra_args=_split(extra),
     )
     request.validate()
@@ -116,7 +126,7 @@ def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follo
         request = resume.resumed(request, given, saved, inv) if saved else request
         resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
         nodes = launch.check_nodes(inv, request)  # the one selection; everything below gets the plan
-        plan = _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes))
+        plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)))
         rdir, log_offset = remote.start_training(conn, inv, plan)
         how = f"resumed {request.run_name} with its saved settings" if saved else f"started {request.run_name}"
         print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
@@ -138,6 +148,39 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
         _refuse_tcp(conn, inv, nodes)
     interface = remote.detect_interface(conn, inv.head)
     return launch.LaunchPlan(request, tuple(nodes), interface, code_dir_on(conn, inv), tuple(verdicts))
+
+
+def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPlan:
+    """--budget-usd: priced as `fab cost` prices the nodes (the price `fab inventory` kept: the Spot price
+    on a Spot cluster) and EFS I/O; refused before anything is written when `fab plan`, from the latest
+    measured run, predicts more than the budget and its margin."""
+    request = plan.request
+    if request.budget_usd is None:
+        return plan
+    price = node_price(inv)
+    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, efs_io_rate(inv) or 0.0)
+    steps = budgets.requested_steps(request.recipe, request.steps)
+    why = "no finished run with a step breakdown"
+    for base in dict.fromkeys([launch.run_dir(inv, request.run_name), remote.latest_run(conn, inv)]):
+        if not base:
+            continue
+        try:
+            inputs = analysis.plan_inputs(conn, inv, base)
+            estimate = budgets.prediction(
+                inputs, inv.instance_type, inv.source == "aws", len(plan.nodes), steps, price.usd_per_hour, price.source
+            )
+            if estimate.usd_total is None:
+                raise planning.PlanError(estimate.refused or "the prices are unknown")
+        except planning.PlanError as error:
+            why = str(error)
+            continue
+        refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin)
+        if refused:
+            raise budgets.BudgetError(refused)
+        print(f"budget: ${request.budget_usd:g}; fab plan predicts ${estimate.usd_total:,.2f} for {steps} steps")
+        return dataclasses.replace(plan, budget=budget)
+    print(f"budget: ${request.budget_usd:g}, no prediction ({why}): metered on the head node as the run goes")
+    return dataclasses.replace(plan, budget=budget)
 
 
 def _refuse_bad_nodes(inv: Inventory, nodes) -> list:

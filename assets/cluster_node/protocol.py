@@ -59,7 +59,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.INTERRUPTIONS_LOCK, "empty; lockf", "spotwatch", "spotwatch"),
     _run(rd.SPEC, "JSON RunSpec (cluster_node.spec)", "fab train; supervisor (restart)", "supervisor, autostop"),
     _run(f"{rd.SPECS}/{rd.SPEC_ATTEMPT}", "JSON RunSpec of attempt N", "fab train; supervisor", "people"),
-    _run(rd.STOP, "empty, or `now: WHY`", "fab stop; spotwatch", "trainer (rank 0)"),
+    _run(rd.STOP, "empty, or `now: WHY`", "fab stop; spotwatch; supervisor (--budget-usd)", "trainer (rank 0)"),
     _run(rd.FORCED, "empty", "fab stop --force", "supervisor"),
     _run(rd.LAUNCHER_PID, "the supervisor's pid on the head node", "supervisor", "fab (kill -0 on the head)"),
     _run(rd.MPIRUN_PID, "pid on the head node", "supervisor", "fab stop --force"),

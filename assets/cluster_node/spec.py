@@ -54,6 +54,17 @@ class ThenStop:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """`fab train --budget-usd`: the spend that ends the run gracefully, priced as `fab cost` projects it
+    (nodes x $/node-hour x time, EFS I/O at its $/hour rate), with the prices fab train found."""
+
+    usd: float
+    usd_per_node_hour: float  # the Spot price in effect on a Spot cluster
+    io_usd_per_hour: float = 0.0
+    source: str = ""  # where the prices come from, one line
+
+
+@dataclass(frozen=True)
 class RunSpec:
     run: str  # the run directory
     attempt: int
@@ -73,6 +84,7 @@ class RunSpec:
     limits: Limits = field(default_factory=Limits)
     batch: Optional[Batch] = None
     then_stop: Optional[ThenStop] = None
+    budget: Optional[Budget] = None
 
     def argv(self) -> list[str]:
         """mpirun -np RANKS -H host:slots,... OPTIONS -x K=V ... PROGRAM [batch flags]."""
@@ -110,6 +122,7 @@ class RunSpec:
             fields["resume"] = tuple(fields.get("resume") or ())
             fields["limits"] = Limits(**fields.get("limits") or {})
             fields["batch"] = Batch(**fields["batch"]) if fields.get("batch") else None
+            fields["budget"] = Budget(**fields["budget"]) if fields.get("budget") else None
             stop = fields.get("then_stop")
             fields["then_stop"] = ThenStop(tuple(stop["argv"]), stop.get("env") or {}) if stop else None
             return cls(**fields)

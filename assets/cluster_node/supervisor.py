@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from . import hang, phases, restart_plan, rundir
 from . import spec as specs
+from .budget import Meter
 from .nodes import Mpirun, Nodes
 from .observe import Observation, Observer
 from .spec import RunSpec
@@ -73,6 +74,8 @@ class Supervisor:
         self.observer: Optional[Any] = None
         self.attempts = 0
         self.started = clock()  # this segment of the run (a resume starts another)
+        self.meter = Meter(spec.budget, clock()) if spec.budget else None
+        self.budget_line = ""  # set once the spend reached --budget-usd and the STOP is written
 
     # ------------------------------------------------------------ records
 
@@ -137,6 +140,10 @@ class Supervisor:
             return self.own_spot(obs.own_notice, obs.exited)
         if obs.exited is not None:
             return self.ended(obs.exited)
+        if self.meter and not self.budget_line:
+            self.budget_line = self.meter.check(self.run, len(self.spec.hosts), self.clock())
+            if self.budget_line:
+                self.log(f"launcher: {self.budget_line}; asked the trainer to checkpoint and end")
         watchdog = self._watchdog(obs)
         if watchdog:
             self.reason, self.kind = watchdog
@@ -181,6 +188,9 @@ class Supervisor:
             if spot:
                 self.resume = shlex.join(self.spec.resume) if self.spec.resume else None
             self.reason = _last(self.run, re.compile(r"run ended at step.*"))
+            if self.budget_line:
+                step = restart_plan.last_checkpoint_step(self.run)
+                self.reason, self.kind = f"{self.budget_line}; checkpoint step {step}", "budget"
             return State.FINISHED
         self.reason, self.kind = _last(self.run, _ERROR), "died"
         return State.RESTARTING if self.spec.limits.max_restarts > 0 else State.FAILED

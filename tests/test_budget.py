@@ -1,0 +1,92 @@
+"""`fab train --budget-usd`: the spend the supervisor meters (nodes x price x time, EFS I/O at a rate:
+clusterops.cost's model), the STOP it writes when the spend reaches the budget, the final status that
+says why; and the laptop's refusal when `fab plan` predicts more than the budget and its margin."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from supervisor_fixture import write_spec
+from test_supervisor import NOW, FakeMpirun, FakeNodes, Script
+
+from cluster_node import spec
+from cluster_node.budget import Meter
+from cluster_node.observe import Observation
+from cluster_node.supervisor import Supervisor
+from clusterops import budget as budgets
+from clusterops import plan as planning
+from clusterops.bottleneck import Breakdown
+
+BUDGET = spec.Budget(usd=10.0, usd_per_node_hour=3600.0, io_usd_per_hour=360.0, source="the test's price table")
+
+
+def test_the_budget_travels_in_the_run_spec(tmp_path):
+    run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"])
+    with_budget = spec.RunSpec(**{**run_spec.__dict__, "budget": BUDGET})
+    spec.write(tmp_path, with_budget)
+    assert spec.read(tmp_path).budget == BUDGET
+
+
+def test_the_meter_prices_nodes_by_the_second_and_efs_io_at_its_rate():
+    meter = Meter(BUDGET, start=NOW)
+    meter.add(nodes=2, now=NOW + 2)  # 2 nodes x 2 s at $1/s + 2 s at $0.1/s
+    assert meter.nodes_usd == pytest.approx(4.0) and meter.io_usd == pytest.approx(0.2) and not meter.reached
+    meter.add(nodes=1, now=NOW + 8)  # a restart on one node: 6 s more at $1/s
+    assert meter.spent == pytest.approx(10.8) and meter.reached
+    line = meter.line(step=42)
+    assert line.startswith("budget: $10.00 reached at step 42 ($10.80 spent: nodes $10.00")
+    assert "EFS I/O $0.80" in line and "the test's price table" in line
+
+
+def _supervisor(tmp_path, exits, clock):
+    run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"])
+    run_spec = spec.RunSpec(**{**run_spec.__dict__, "budget": BUDGET})
+    (tmp_path / "active").write_text(f"{tmp_path}\n")
+    (tmp_path / "checkpoints").mkdir()
+    mpirun = FakeMpirun(exits)
+    return Supervisor(tmp_path, run_spec, mpirun, FakeNodes(tmp_path), clock=clock, observer=Script()), mpirun
+
+
+def test_a_run_that_reaches_its_budget_is_asked_to_checkpoint_and_ends_saying_why(tmp_path):
+    times = iter([NOW, NOW, NOW + 3, NOW + 6] + [NOW + 9] * 20)
+    sup, mpirun = _supervisor(tmp_path, [None, None, 0], lambda: next(times))
+    (tmp_path / "progress.json").write_text(json.dumps({"step": 17, "max_steps": 1000}))
+    sup.launch()
+    sup.state = sup.decide(Observation(NOW + 3, first_step=True))
+    assert not (tmp_path / "STOP").exists()  # $6.30 of $10
+    sup.state = sup.decide(Observation(NOW + 6, first_step=True))
+    stop = (tmp_path / "STOP").read_text()
+    assert stop.startswith("now: budget: $10.00 reached at step 17 ($12.60 spent")  # checkpoint, no eval
+    (tmp_path / "checkpoints" / "step_00000018.pt").write_bytes(b"x")
+    with open(tmp_path / "train.log", "a") as log:
+        log.write("run ended at step 18: stop requested\n")
+    sup.state = sup.decide(Observation(NOW + 9, exited=0))
+    sup.finish()
+    status = json.loads((tmp_path / "run-status.json").read_text())
+    assert status["state"] == "finished" and status["kind"] == "budget"
+    assert status["reason"].startswith("budget: $10.00 reached at step 17 ($12.60 spent: nodes $12.00")
+    assert status["reason"].endswith("; checkpoint step 18")
+    assert "launcher: budget: $10.00 reached at step 17" in (tmp_path / "train.log").read_text()
+
+
+def _base(step_s: float = 1.0) -> planning.Base:
+    b = Breakdown(0.0, step_s, 0.0, 0.0, 0.0, 0.0, 0.0, 1, 1.0)
+    return planning.Base(b, planning.CPU, 1, None, "run base: 1 rank")
+
+
+OFFER = planning.Offer("local", planning.CPU, 1, 3600.0, "the test's price table", 1.0, "given", 0)
+
+
+def test_a_prediction_over_budget_and_margin_is_refused_in_one_line():
+    estimate = planning.estimate(_base(), OFFER, 1, 100, planning.Storage(root_gb=0))
+    refusal = budgets.refusal(estimate, 100, budget_usd=50.0, margin=0.2)
+    assert refusal is not None and "\n" not in refusal
+    assert refusal.startswith("fab plan predicts $100.00 for 100 steps on 1 x local")
+    assert "(1.7 min at 1000 ms/step" in refusal and "--budget-usd 50 " in refusal and "--budget-margin 1.00" in refusal
+    assert budgets.refusal(estimate, 100, budget_usd=90.0, margin=0.2) is None  # within the margin: the meter decides
+
+
+def test_an_unknown_price_refuses_a_budget():
+    with pytest.raises(budgets.BudgetError, match="no price known"):
+        budgets.run_budget(5.0, None, "unknown: not in the offline table", 0.0)

@@ -1,0 +1,49 @@
+"""`fab train --budget-usd` on the emulated cluster, with a price table given here (the inventory's
+kept price, as `fab inventory` keeps the Pricing API's or the Spot price): the supervisor on the head node
+stops the run at its budget with a checkpoint and says why; a run `fab plan` predicts over budget is refused
+and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from test_local_cluster import QUICK, _start, _stop
+
+from clusterops import localcluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+USD_PER_NODE_HOUR = 360.0  # $0.10 a node-second: a budget of a few dollars lasts seconds
+
+
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory):
+    cluster = _start("tbudget", 2, "10.213.150.0/24", tmp_path_factory.mktemp("budget"))
+    inventory = json.loads(cluster.inventory.read_text())
+    inventory.update(usd_per_hour=USD_PER_NODE_HOUR, price_source="the test's price table")
+    cluster.inventory.write_text(json.dumps(inventory))
+    localcluster.set_link_rate(cluster.name, "1gbit", cluster.inventory)  # the link fab plan prices comm at
+    yield cluster
+    _stop(cluster)
+
+
+def test_a_run_stops_at_its_budget_with_a_checkpoint_and_a_run_predicted_over_it_is_refused(priced):
+    out = priced.fab("train", "--run", "budgeted", "--steps", "5000", "--budget-usd", "6", "--follow", "--extra", QUICK)
+    status = priced.run_status("budgeted")
+    assert status["state"] == "finished" and status["kind"] == "budget", status
+    found = re.match(r"budget: \$6\.00 reached at step (\d+) \(\$([\d.]+) spent: nodes \$[\d.]+ = ", status["reason"])
+    assert found and float(found.group(2)) >= 6.0, status["reason"]
+    step = int(re.search(r"checkpoint step (\d+)$", status["reason"]).group(1))
+    assert step >= int(found.group(1)) and (priced.run_dir("budgeted") / "checkpoints" / f"step_{step:08d}.pt").exists()
+    assert "launcher: budget: $6.00 reached at step" in out.stdout
+    print(f"budget run: {status['reason']}")
+
+    runs = sorted(p.name for p in (priced.shared / "runs").iterdir())
+    refused = priced.fab("train", "--run", "toolong", "--steps", "100000", "--budget-usd", "6", check=False)
+    assert refused.returncode == 1, refused.stdout
+    [line] = refused.stderr.strip().splitlines()
+    assert line.startswith("error: fab plan predicts $") and "for 100000 steps on 2 x" in line, line
+    assert sorted(p.name for p in (priced.shared / "runs").iterdir()) == runs  # nothing written, .active neither
+    print(f"refused: {line}")
