@@ -49,18 +49,21 @@ def _supervisor(tmp_path, exits, clock):
 
 
 def test_a_run_that_reaches_its_budget_is_asked_to_checkpoint_and_ends_saying_why(tmp_path):
-    times = iter([NOW, NOW, NOW + 3, NOW + 6] + [NOW + 9] * 20)
-    sup, mpirun = _supervisor(tmp_path, [None, None, 0], lambda: next(times))
+    now = [NOW]  # the supervisor's clock, set before each poll (how often it reads it is its business)
+    sup, mpirun = _supervisor(tmp_path, [None, None, 0], lambda: now[0])
     (tmp_path / "progress.json").write_text(json.dumps({"step": 17, "max_steps": 1000}))
     sup.launch()
+    now[0] = NOW + 3
     sup.state = sup.decide(Observation(NOW + 3, first_step=True))
     assert not (tmp_path / "STOP").exists()  # $6.30 of $10
+    now[0] = NOW + 6
     sup.state = sup.decide(Observation(NOW + 6, first_step=True))
     stop = (tmp_path / "STOP").read_text()
     assert stop.startswith("now: budget: $10.00 reached at step 17 ($12.60 spent")  # checkpoint, no eval
     (tmp_path / "checkpoints" / "step_00000018.pt").write_bytes(b"x")
     with open(tmp_path / "train.log", "a") as log:
         log.write("run ended at step 18: stop requested\n")
+    now[0] = NOW + 9
     sup.state = sup.decide(Observation(NOW + 9, exited=0))
     sup.finish()
     status = json.loads((tmp_path / "run-status.json").read_text())
