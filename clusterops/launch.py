@@ -12,7 +12,7 @@ from cluster_node.spec import Budget, Limits, RunSpec, ThenStop
 from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
-from .nodecmd import package_root
+from .nodecmd import package_root, python_path
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
@@ -170,12 +170,12 @@ def _mpirun_parts(
 def rank_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:
     """mpirun's program part for `python -m train.MODULE`: `-x` (Open MPI mpirun(1)) hands the ranks the
     package root on PYTHONPATH, as the image's ENV does, so a `fab sync` copy is the one they import."""
-    return ["-x", f"PYTHONPATH={package_root(code_dir)}", inventory.python, "-m", f"train.{module}"]
+    return ["-x", f"PYTHONPATH={python_path(inventory, code_dir)}", inventory.python, "-m", f"train.{module}"]
 
 
 def node_program(inventory: Inventory, code_dir: str, module: str) -> list[str]:
     """`python -m train.MODULE` run over SSH on one node, with the package root on PYTHONPATH."""
-    return ["env", f"PYTHONPATH={package_root(code_dir)}", inventory.python, "-m", f"train.{module}"]
+    return ["env", f"PYTHONPATH={python_path(inventory, code_dir)}", inventory.python, "-m", f"train.{module}"]
 
 
 def run_spec(
@@ -279,7 +279,7 @@ def train_spec(
         request.master_port,
         request.allow_tcp,
         run=run_dir(inventory, request.run_name),
-        root=package_root(code_dir),
+        root=python_path(inventory, code_dir),
         resume=resume_command(request),
         limits=limits(request),
         then_stop=then_stop(inventory, request, environ or {}),

@@ -24,6 +24,14 @@ def package_root(code_dir: str) -> str:
     return posixpath.dirname(code_dir.rstrip("/"))
 
 
+def python_path(inventory: Inventory, code_dir: Optional[str] = None) -> str:
+    """PYTHONPATH for the node programs: the root beside `code_dir` (fab sync's /data/code when it made
+    one), then the image's. A /data/code synced by an older fab, with train/ but no cluster_node/, then
+    still finds the image's cluster_node instead of failing every launch."""
+    roots = [package_root(code_dir or inventory.code_dir), package_root(inventory.code_dir)]
+    return ":".join(dict.fromkeys(roots))
+
+
 def node_command(
     inventory: Inventory,
     module: str,
@@ -34,7 +42,7 @@ def node_command(
     """The shell line running `python -m cluster_node.MODULE ARGS` with the package beside `code_dir`
     (default the inventory's: the image's, or the checkout's on the emulated cluster), under
     timeout(1) when given."""
-    root = package_root(code_dir or inventory.code_dir)
+    root = python_path(inventory, code_dir)
     argv = [inventory.python, "-m", f"cluster_node.{module}", *map(str, args)]
     if timeout is not None:
         argv = ["timeout", f"{timeout:g}", *argv]

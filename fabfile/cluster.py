@@ -214,7 +214,7 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
         )
 
 
-@task(help={"source": "local directory with train.py (default assets/train)"})
+@task(help={"source": "the training package's directory: __init__.py and train.py (default assets/train)"})
 def sync(c, source="assets/train"):
     """Copy the training program and the node package to /data/code.
 
@@ -222,8 +222,10 @@ def sync(c, source="assets/train"):
     it (/data/code/cluster_node); train then uses them."""
     inv = load_inventory(c)
     src = Path(source)
-    if not (src / "train.py").is_file():
-        raise Exit(f"error: --source {source!r} has no train.py", code=1)
+    # The ranks run `python -m train.train` from /data/code: the directory must be the package `train`.
+    missing = [name for name in ("__init__.py", "train.py") if not (src / name).is_file()]
+    if missing:
+        raise Exit(f"error: --source {source!r} is not the training package: no {' or '.join(missing)}", code=1)
     root = nodecmd.synced_root(inv)
     with head(inv) as conn:
         count = _put_tree(conn, src, posixpath.join(root, "train"))

@@ -236,3 +236,12 @@ def test_a_run_name_is_taken_by_position_or_by_flag_and_may_be_left_out(argv, ta
     parsed = Parser(contexts=contexts).parse_argv(argv)
     assert parsed[0].name == task
     assert parsed[0].args["run"].value == run
+
+
+def test_sync_refuses_a_directory_that_is_not_the_training_package(tmp_path, unreachable, capsys):
+    """The ranks run `python -m train.train` from /data/code: a script-style directory (train.py, no
+    __init__.py) would fail on every rank, so sync refuses it in one line before connecting."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "train.py").write_text("")
+    assert fab("sync", "--source", str(tmp_path / "mine")) == 1
+    assert "is not the training package: no __init__.py" in capsys.readouterr().err

@@ -57,10 +57,10 @@ def test_mpirun_line_with_options_and_a_subset_of_nodes():
     )
     argv = launch.mpirun_argv(inventory(), request, "eth0", "/code/train")
     assert argv[argv.index("-np") + 1] == "8"
-    tail = argv[argv.index("PYTHONPATH=/code") - 1 :]
+    tail = argv[argv.index("PYTHONPATH=/code:/workspace") - 1 :]
     assert tail == [
         "-x",
-        "PYTHONPATH=/code",
+        "PYTHONPATH=/code:/workspace",
         "python",
         "-m",
         "train.train",
@@ -91,7 +91,7 @@ def test_values_pass_through_the_spec_as_argv_words_no_shell_between():
     assert spec.process_env == {"HWLOC_COMPONENTS": "-gl"} and spec.argv()[0] == "mpirun"
     again = RunSpec.from_json(json.loads(json.dumps(spec.to_json())))
     assert again == spec and again.argv()[-1] == "it's; rm -rf /"
-    assert "PYTHONPATH=/code dir python -m train.train" in " ".join(again.argv())
+    assert "PYTHONPATH=/code dir:/workspace python -m train.train" in " ".join(again.argv())
 
 
 def test_mpirun_prefix_places_one_rank_per_gpu_slot_and_stops_before_the_program():
@@ -112,9 +112,9 @@ def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
 
     inv = inventory()
     prepare, train = launch.check_argvs(inv, "/code/train")
-    assert prepare[:6] == ["env", "PYTHONPATH=/code", "python", "-m", "train.prepare", "numbers"]
+    assert prepare[:6] == ["env", "PYTHONPATH=/code:/workspace", "python", "-m", "train.prepare", "numbers"]
     assert prepare[7] == "/data/runs/.check/numbers"
-    assert train[:5] == ["-x", "PYTHONPATH=/code", "python", "-m", "train.train"]
+    assert train[:5] == ["-x", "PYTHONPATH=/code:/workspace", "python", "-m", "train.train"]
     config = config_from_args(build_parser("").parse_args(train[5:]))
     assert config.run_dir.startswith(launch.check_dir(inv) + "/") and config.data == prepare[7]
     assert config.max_steps == launch.CHECK_STEPS and config.eval_every == launch.CHECK_STEPS
@@ -370,3 +370,17 @@ def test_recipes_datasets_precisions_and_compressions_are_the_training_packages_
         config = config_from_args(build_parser("").parse_args(["--recipe", recipe]))
         assert config.data == launch.data_path(inventory(), launch.default_dataset(recipe)), recipe
     assert catalog.dataset_dir("imagenet") == "/data/datasets/imagenet"
+
+
+def test_a_synced_root_comes_first_and_the_images_is_still_found():
+    """After `fab sync` the ranks, the supervisor and fab's node commands import /data/code first, then
+    the image's /workspace: a /data/code left by an older fab (train/ but no cluster_node/) still finds
+    cluster_node instead of failing every launch (a fresh read of the deploy path)."""
+    from clusterops import nodecmd
+
+    inv = inventory()
+    assert nodecmd.python_path(inv) == "/workspace"
+    assert nodecmd.python_path(inv, "/data/code/train") == "/data/code:/workspace"
+    assert nodecmd.node_command(inv, "probe", code_dir="/data/code/train").startswith(
+        "PYTHONPATH=/data/code:/workspace "
+    )
