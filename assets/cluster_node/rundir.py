@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, TypeVar, Union
 
+from .clusterdir import BUSY_MARKER, NODE_JSON
+
 # ---------------------------------------------------------------- names: DATA/runs/NAME/...
 
 RUNS = "runs"  # DATA/runs: one directory per run
@@ -47,9 +49,11 @@ HANG_STACKS = "hang-stacks-{n}"
 PROBES = "probes"  # probes/HOST
 CHECKPOINTS = "checkpoints"
 CHECKPOINT = "step_{step:08d}.pt"
+CHECKPOINT_GLOB = "step_*.pt"  # every step checkpoint, best.pt excluded
 BEST_CHECKPOINT = "best.pt"
 TENSORBOARD = "tensorboard"
 EVAL = "eval"
+EVAL_TEXT = "step_{step:08d}.{kind}.txt"  # eval/: a KIND (samples, translations) of the eval at STEP
 REPORT_MD = "report.md"
 PREDICTIONS = "predictions.json"  # fab report --verify: predicted vs measured pairs
 BREAKDOWN_PNG = "breakdown.png"
@@ -63,25 +67,6 @@ CHECK_RUN = ".check"  # runs/.check: fab check's all-reduce run
 SCALE_DIR = "scale-{recipe}"  # runs/scale-RECIPE
 SCALE_JSON = "scale.json"
 SCALE_MD = "scale.md"
-
-# ---------------------------------------------------------------- names: DATA/.cluster/...
-
-CLUSTER = ".cluster"
-SSH_DIR = "ssh"
-SSH_LOCK = "ssh.lock"
-READY_DIR = "ready"  # ready/nodeN
-NODE_MARK = "node{rank}"
-HEARTBEAT_DIR = "heartbeat"  # heartbeat/nodeN.json
-AUTOSTOP_DIR = "autostop"  # autostop/nodeN.json
-NODE_JSON = "node{rank}.json"
-AUTOSTOP_LOG = "autostop.log"
-AUTOSTOP_NODE_LOG = "autostop-node{rank}.log"
-SPOT_NODE_LOG = "spot-node{rank}.log"
-BUSY_DIR = "busy"  # busy/HOST-PID.json
-BUSY_MARKER = "{host}-{pid}.json"
-LINK_JSON = "link.json"
-TRANSPORT_JSON = "transport.json"
-HEALTH_PROBE_FILE = "health.{host}.{pid}"
 
 STATES = ("running", "finished", "failed")  # run-status.json's `state`
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
@@ -107,9 +92,13 @@ def checkpoint(run: Path, step: int) -> Path:
     return run / CHECKPOINTS / CHECKPOINT.format(step=step)
 
 
-def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:
-    """DATA/.cluster/FOLDER/nodeN.json, FOLDER = HEARTBEAT_DIR or AUTOSTOP_DIR."""
-    return Path(data_dir) / CLUSTER / folder / NODE_JSON.format(rank=rank)
+def checkpoint_step(path: Path) -> Optional[int]:
+    """The step of a CHECKPOINT file; None for any other name (best.pt, a temp file)."""
+    stem, dot, ext = path.name.partition(".")
+    prefix = CHECKPOINT.split("{")[0]
+    digits = stem[len(prefix) :]
+    ok = stem.startswith(prefix) and digits.isdigit() and dot + ext == ".pt"
+    return int(digits) if ok else None
 
 
 # ---------------------------------------------------------------- atomic read/write
