@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+from cluster_node import clusterdir
 from cluster_node.health import (  # noqa: F401  (the verdict names, for the tasks)
     MAX_CLOCK_SKEW_S,
     SLOW_LINK_SHARE,
@@ -27,7 +28,7 @@ def probe_command(inventory, code_dir: Optional[str] = None) -> str:
 
 def transport_file(inventory) -> str:
     """Where `fab check` keeps its transport verdict for `fab train` (the head node's /data)."""
-    return f"{inventory.data_dir}/.cluster/transport.json"
+    return f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.TRANSPORT_JSON}"
 
 
 def transport_verdict(transport: dict[str, str], expect_efa: bool, checked_at: str) -> dict:

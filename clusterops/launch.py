@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+from cluster_node import rundir
 from cluster_node.contract import CONTAINER_SSH_PORT
 from cluster_node.spec import Limits, RunSpec, ThenStop
 from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
@@ -124,7 +125,7 @@ def run_dir(inventory: Inventory, run_name: str) -> str:
 
 
 def active_file(inventory: Inventory) -> str:
-    return f"{inventory.data_dir}/runs/.active"
+    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.ACTIVE}"
 
 
 def _mpirun_parts(
@@ -283,7 +284,7 @@ CHECK_STEPS = 3
 
 
 def check_dir(inventory: Inventory) -> str:
-    return f"{inventory.data_dir}/runs/.check"
+    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.CHECK_RUN}"
 
 
 def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import paramiko
 from invoke.exceptions import Exit, ThreadException
 
-from cluster_node import restart_plan
+from cluster_node import restart_plan, rundir
 from clusterops import cost as costs
 from clusterops import health, launch, remote, terminal
 from clusterops.inventory import Inventory
@@ -265,7 +265,7 @@ def checkpoint_line(files: list[Path], target: Path) -> str:
     chosen = [f for f in files if f.suffix == ".pt"]
     if chosen:
         return f"checkpoint: {chosen[0].relative_to(target)}"
-    config = read_local_json(target / "config.json")
+    config = read_local_json(target / rundir.CONFIG)
     every = config.get("checkpoint_every")
     return (
         "no checkpoint yet"

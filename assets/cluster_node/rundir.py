@@ -59,6 +59,8 @@ PREDICTIONS = "predictions.json"  # fab report --verify: predicted vs measured p
 BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
 FETCHED = ".fetched"
+# What `fab fetch` takes besides a checkpoint and the last evals (remote._download_run, localdata).
+FETCHED_FILES = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, SCALING_PNG)
 
 # ---------------------------------------------------------------- names: DATA/runs/ beside the runs
 
