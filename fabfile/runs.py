@@ -12,7 +12,7 @@ from invoke.exceptions import Exit, ThreadException
 
 from cluster_node import restart_plan, rundir
 from clusterops import cost as costs
-from clusterops import health, launch, remote, terminal
+from clusterops import health, launch, nodeprobe, remote, terminal
 from clusterops.inventory import Inventory
 from train import catalog
 
@@ -125,7 +125,7 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
 def _refuse_bad_nodes(inv: Inventory, nodes) -> list:
     """The quick health check (reachable, /data writable, versions, GPUs): one line naming a bad node
     and how to train without it; degraded nodes are a warning."""
-    verdicts = health.quick(inv, nodes)
+    verdicts = nodeprobe.quick(inv, nodes)
     for verdict in verdicts:
         if verdict.verdict == "bad":
             rank = next(n.rank for n in nodes if n.name == verdict.node)

@@ -14,7 +14,7 @@ from conftest import REPO
 from invoke.exceptions import Exit
 
 import fabfile
-from clusterops import health, launch, remote
+from clusterops import health, launch, nodeprobe, remote
 from clusterops.inventory import Inventory, Node, SshSettings
 
 TASKS = sorted(fabfile.ns.task_names)
@@ -195,7 +195,7 @@ def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, c
     FakeConnection.opened = 0
     monkeypatch.setattr(Inventory, "select", counted_select)
     monkeypatch.setattr(remote, "detect_interface", counted_interface)
-    monkeypatch.setattr(health, "quick", quick)
+    monkeypatch.setattr(nodeprobe, "quick", quick)
     monkeypatch.setattr(remote, "connect", lambda inv, node: FakeConnection(node.private_ip))
     monkeypatch.setattr(remote, "write_file", lambda conn, path, text, mode=0o644: None)
     assert fab("train", "--steps", "3") == 0, capsys.readouterr().err
