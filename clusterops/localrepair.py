@@ -11,6 +11,7 @@ import json
 import socket
 from pathlib import Path
 
+from cluster_node import clusterdir
 from cluster_node.contract import CONTAINER_SSH_PORT
 
 from . import localcluster as lc
@@ -40,7 +41,7 @@ def repair(name: str, inventory_path: Path) -> list[str]:
         lc._save_record(spec, record)
         restarted.append(f"node{rank}")
     lc._wait_ready(spec, shared)
-    lc._write_inventory(spec, shared / ".cluster" / "ssh", controller, inventory_path)
+    lc._write_inventory(spec, shared / clusterdir.CLUSTER / clusterdir.SSH_DIR, controller, inventory_path)
     return restarted
 
 

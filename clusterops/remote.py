@@ -199,7 +199,7 @@ def run_state(connection: Connection, run_dir: str) -> dict:
 
 
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
-    out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/runs/*/ 2>/dev/null | head -n 1 || true").strip()
+    out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/{rundir.RUNS}/*/ 2>/dev/null | head -n 1 || true").strip()
     return out.rstrip("/") or None
 
 
