@@ -1,9 +1,9 @@
 """The run directory (DATA/runs/NAME) written down once: every file name, a frozen record per JSON file,
-one atomic read/write (DATA/.cluster's names are in clusterdir.py). Stdlib only: the trainer, supervisor and watchers on the nodes
-and fab on the laptop share it. protocol.py tabulates the files (writer, readers, format) for the docs.
-A record's from_json accepts what today's writer writes and keeps unknown keys in `extra` (to_json writes
-them back). Writes: temp file beside the target, fsync, os.replace. Reads: a missing or partly written
-file gives the default; a list entry that does not parse is skipped."""
+one atomic read/write (DATA/.cluster's names are in clusterdir.py). Stdlib only: the trainer, supervisor
+and watchers on the nodes and fab on the laptop share it. protocol.py tabulates the files (writer,
+readers, format) for the docs. A record's from_json accepts what today's writer writes and keeps unknown
+keys in `extra` (to_json writes them back). Writes: temp file beside the target, fsync, os.replace.
+Reads: a missing or partly written file gives the default; a list entry that does not parse is skipped."""
 
 from __future__ import annotations
 
