@@ -415,8 +415,8 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
     chosen = sh(connection, f"{pick} || true").strip()
     if chosen:
         wanted.append(chosen[len(run_dir) + 1 :])
-    last_eval = sh(connection, f"ls -1 {q(run_dir)}/eval/ 2>/dev/null | sort | tail -n 3 || true").split()
-    wanted += [f"eval/{name}" for name in last_eval]
+    last_eval = sh(connection, f"ls -1 {q(run_dir)}/{rundir.EVAL}/ 2>/dev/null | sort | tail -n 3 || true").split()
+    wanted += [f"{rundir.EVAL}/{name}" for name in last_eval]
     config = read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
     fetched = []
     sftp = connection.sftp()
