@@ -20,7 +20,7 @@ from .inventory import Inventory
 from .linkcheck import link_file
 
 q = shlex.quote
-REPORT_FILES = ("report.md", "breakdown.png", "scaling.png")
+REPORT_FILES = (rd.REPORT_MD, rd.BREAKDOWN_PNG, rd.SCALING_PNG)
 
 
 TC_UNITS = {"bit": 1e-9, "kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0, "tbit": 1e3}
@@ -45,7 +45,7 @@ def measured_link_gbit(connection: Connection, inventory: Inventory) -> tuple[Op
 
 
 def scale_dir(inventory: Inventory, recipe: str) -> str:
-    return launch.run_dir(inventory, f"scale-{recipe}")
+    return launch.run_dir(inventory, rd.SCALE_DIR.format(recipe=recipe))
 
 
 def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> list[str]:
@@ -56,9 +56,9 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
     if not summary:
         summary, heading = measured_so_far(connection, run_dir)
     elif not summary.get("breakdown"):
-        raise remote.RemoteError(f"{run_dir}/summary.json has no step breakdown (a run from an older trainer)")
+        raise remote.RemoteError(f"{run_dir}/{rd.SUMMARY} has no step breakdown (a run from an older trainer)")
     link = remote.read_json(connection, link_file(inventory))
-    scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/scale.json")
+    scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/{rd.SCALE_JSON}")
     scored = verify.lines(_pairs(connection, run_dir))
     account = run_account(connection, run_dir)
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +113,7 @@ def verify_run(
     the change, the pair kept in the run's predictions.json; the lines to print."""
     summary = remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {}
     if not summary.get("breakdown"):
-        raise remote.RemoteError(f"{run_dir} has no summary.json breakdown: the run has not ended")
+        raise remote.RemoteError(f"{run_dir} has no {rd.SUMMARY} breakdown: the run has not ended")
     config = remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {}
     slots = inventory.gpus_per_node if inventory.source == "aws" else 1
     try:
@@ -128,7 +128,9 @@ def verify_run(
     status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
     measured = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}") or {}
     if status.get("state") != "finished" or not measured.get("avg_step_time_s"):
-        raise remote.RemoteError(f"the {mode} run {status.get('state')}: {status.get('reason')} (see {rdir}/train.log)")
+        raise remote.RemoteError(
+            f"the {mode} run {status.get('state')}: {status.get('reason')} (see {rdir}/{rd.TRAIN_LOG})"
+        )
     pairs = _pairs(connection, run_dir) + [
         verify.pair(mode, predicted, model, measured["avg_step_time_s"], one.run_name)
     ]
@@ -238,7 +240,7 @@ def run_scale(
     for nodes in node_counts:
         summaries = []
         for attempt in range(1, repeat + 1):
-            name = f"scale-{request.recipe}-n{nodes}-r{attempt}"
+            name = f"{rd.SCALE_DIR.format(recipe=request.recipe)}-n{nodes}-r{attempt}"
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
@@ -246,9 +248,11 @@ def run_scale(
                 connection, inventory, remote.plan_launch(connection, inventory, one, code_dir)
             )
             status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
-            summary = remote.read_json(connection, f"{rdir}/summary.json")
+            summary = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}")
             if status.get("state") != "finished" or not summary:
-                raise remote.RemoteError(f"{name} {status.get('state')}: {status.get('reason')} (see {rdir}/train.log)")
+                raise remote.RemoteError(
+                    f"{name} {status.get('state')}: {status.get('reason')} (see {rdir}/{rd.TRAIN_LOG})"
+                )
             summaries.append(summary)
             say(f"{name}: {summary['avg_step_time_s'] * 1000:.0f} ms/step, {summary['objects_per_s']:.0f} objects/s")
         points.append(scaling.point_from_summaries(nodes, summaries))
@@ -269,11 +273,11 @@ def write_scale(connection: Connection, inventory: Inventory, recipe: str, point
     speedups, spreads = scaling.speedups(points)
     table = scaling.table(points, scaling.shared_cores(inventory.source))
     record = {"recipe": recipe, "points": [point.__dict__ for point in points]}
-    (local_dir / "scale.json").write_text(json.dumps(record, indent=2))
-    (local_dir / "scale.md").write_text(f"# Scaling: {recipe}\n\n```\n{table}\n```\n\n![scaling](scaling.png)\n")
+    (local_dir / rd.SCALE_JSON).write_text(json.dumps(record, indent=2))
+    (local_dir / rd.SCALE_MD).write_text(f"# Scaling: {recipe}\n\n```\n{table}\n```\n\n![scaling]({rd.SCALING_PNG})\n")
     nodes = [p.nodes for p in points]
-    written = [local_dir / "scale.json", local_dir / "scale.md"]
-    written.append(plots.scaling_curve(nodes, speedups, spreads, local_dir / "scaling.png", f"{recipe}: weak scaling"))
+    written = [local_dir / rd.SCALE_JSON, local_dir / rd.SCALE_MD]
+    written.append(plots.scaling_curve(nodes, speedups, spreads, local_dir / rd.SCALING_PNG, f"{recipe}: weak scaling"))
     target = scale_dir(inventory, recipe)
     remote.sh(connection, f"mkdir -p {q(target)}")
     for path in written:

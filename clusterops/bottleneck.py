@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from cluster_node import rundir
 from train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
     MODES,
     Breakdown,
@@ -102,7 +103,7 @@ def report_lines(
     if rate is None:
         lines += [
             "",
-            "No link measurement (no link.json): run `fab check` for the link; compression and link what-ifs "
+            "No link measurement (no {rundir.LINK_JSON}): run `fab check` for the link; compression and link what-ifs "
             "need it. Shown: what the measured exposed time alone predicts.",
         ]
     return lines
@@ -141,8 +142,10 @@ def write_report(
     lines = [*heading, *report_lines(name, summary, link, predictions, b), *scored]
     rows = [("measured", dict(zip(("data", "compute", "exposed", "optimizer", "other"), _parts(b))))]
     rows += [(p.name, dict(p.parts)) for p in predictions[1:] if "batch" not in p.name]  # same batch only
-    written = [plots.breakdown_bars(rows, out_dir / "breakdown.png", f"{name}: ms per step, measured and predicted")]
-    images = ["![step time](breakdown.png)"]
+    written = [
+        plots.breakdown_bars(rows, out_dir / rundir.BREAKDOWN_PNG, f"{name}: ms per step, measured and predicted")
+    ]
+    images = [f"![step time]({rundir.BREAKDOWN_PNG})"]
     if scale and scale.get("points"):
         from . import scaling
 
@@ -150,11 +153,11 @@ def write_report(
         speedups, spreads = scaling.speedups(points)
         title = f"{scale.get('recipe', '')}: weak scaling"
         written.append(
-            plots.scaling_curve([p.nodes for p in points], speedups, spreads, out_dir / "scaling.png", title)
+            plots.scaling_curve([p.nodes for p in points], speedups, spreads, out_dir / rundir.SCALING_PNG, title)
         )
         lines += ["", "## Scaling", "", "```", scaling.table(points), "```"]
-        images.append("![scaling](scaling.png)")
-    report = out_dir / "report.md"
+        images.append(f"![scaling]({rundir.SCALING_PNG})")
+    report = out_dir / rundir.REPORT_MD
     report.write_text("\n".join(lines + [""] + images + [""]))
     return lines, [report] + written
 

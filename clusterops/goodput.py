@@ -10,6 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from cluster_node import rundir
 from cluster_node.phases import Phase
 
 # Highest priority first; GROUPS gives the headline causes the issue names.
@@ -221,7 +222,7 @@ def _s(seconds: float) -> str:
 def lines(acc: Optional[Account]) -> list[str]:
     """The account for a terminal: the goodput, each cause with its parts, one line per restart."""
     if acc is None:
-        return ["goodput: no phases.jsonl (a run from an older supervisor/trainer)"]
+        return [f"goodput: no {rundir.PHASES} (a run from an older supervisor/trainer)"]
     state = " so far" if acc.running else ""
     out = [
         f"goodput {acc.goodput:.0%}{state}: {_s(acc.phases['productive'])} of {_s(acc.wall_s)} wall-clock "

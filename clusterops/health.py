@@ -1,11 +1,11 @@
-"""Node health for `fab check` and `fab train`: run the probe on every node, judge the facts with
-cluster_node.health, and keep the transport verdict `fab train` reads."""
+"""Node health for `fab check` and `fab train`: the probe's command line, the verdict names of
+cluster_node.health, and the transport verdict `fab train` reads. nodeprobe.py runs the probe over SSH."""
 
 from __future__ import annotations
 
-import time
 from typing import Optional, Sequence
 
+from cluster_node import clusterdir
 from cluster_node.health import (  # noqa: F401  (the verdict names, for the tasks)
     MAX_CLOCK_SKEW_S,
     SLOW_LINK_SHARE,
@@ -27,7 +27,7 @@ def probe_command(inventory, code_dir: Optional[str] = None) -> str:
 
 def transport_file(inventory) -> str:
     """Where `fab check` keeps its transport verdict for `fab train` (the head node's /data)."""
-    return f"{inventory.data_dir}/.cluster/transport.json"
+    return f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.TRANSPORT_JSON}"
 
 
 def transport_verdict(transport: dict[str, str], expect_efa: bool, checked_at: str) -> dict:
@@ -56,29 +56,3 @@ def expected_gpus(instance_type: str, gpus_per_node: int) -> tuple[int, Optional
 
     known = lookup(instance_type)
     return (known.gpus, known.gpu) if known else (gpus_per_node, None)
-
-
-def probe_nodes(inventory, nodes) -> tuple[dict[str, Optional[dict]], dict[str, str]]:
-    """Every node's probe facts in parallel (None: unreachable, its error in facts' place is lost
-    only to the verdict "unreachable") and the interface holding its private address."""
-    from . import remote
-
-    command = probe_command(inventory)
-
-    def one(connection, node) -> dict:
-        before = time.time()
-        facts = parse_probe(remote.sh(connection, command, timeout=180))
-        facts["skew_s"] = clock_skew(facts["time"], before, time.time())
-        return {"facts": facts, "interface": remote.detect_interface(connection, node)}
-
-    rows = remote.on_all(inventory, nodes, one)
-    facts = {row["node"]: row.get("facts") if row["reachable"] else None for row in rows}
-    interfaces = {row["node"]: row["interface"] for row in rows if row["reachable"]}
-    return facts, interfaces
-
-
-def quick(inventory, nodes) -> list[NodeHealth]:
-    """The part `fab train` runs first: reachable, /data writable, versions agree, GPU count and model."""
-    facts, _ = probe_nodes(inventory, nodes)
-    count, model = expected_gpus(inventory.instance_type, inventory.gpus_per_node)
-    return assess(facts, count, model)

@@ -15,6 +15,7 @@ from typing import Optional
 
 from botocore.exceptions import ClientError, WaiterError
 
+from cluster_node import clusterdir
 from cluster_node.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
 
 DEFAULT_INVENTORY = Path(".cluster/inventory.json")
@@ -80,7 +81,7 @@ class Inventory:
 
     @property
     def cluster_ssh_config(self) -> str:
-        return f"{self.data_dir}/.cluster/ssh/config"
+        return f"{self.data_dir}/{clusterdir.CLUSTER}/{clusterdir.SSH_DIR}/config"
 
     def select(self, count: Optional[int], exclude: tuple[str, ...] = ()) -> list[Node]:
         """The first `count` nodes (all: None) of those not excluded (ranks or names)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+from cluster_node import clusterdir, rundir
 from cluster_node.contract import CONTAINER_SSH_PORT
 from cluster_node.spec import Budget, Limits, RunSpec, ThenStop
 from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
@@ -128,11 +129,11 @@ def parse_interface(ip_addr_output: str, address: str) -> str:
 
 
 def run_dir(inventory: Inventory, run_name: str) -> str:
-    return f"{inventory.data_dir}/runs/{run_name}"
+    return f"{inventory.data_dir}/{rundir.RUNS}/{run_name}"
 
 
 def active_file(inventory: Inventory) -> str:
-    return f"{inventory.data_dir}/runs/.active"
+    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.ACTIVE}"
 
 
 def _mpirun_parts(
@@ -301,7 +302,7 @@ CHECK_STEPS = 3
 
 
 def check_dir(inventory: Inventory) -> str:
-    return f"{inventory.data_dir}/runs/.check"
+    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.CHECK_RUN}"
 
 
 def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
@@ -383,7 +384,12 @@ def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: 
     if dataset not in DATASETS:
         raise LaunchError(f"invalid --dataset {dataset!r}: one of {', '.join(DATASETS)}")
     # The marker keeps the autostop watchdog from stopping the cluster during a long preparation.
-    argv = [*node_program(inventory, code_dir, "prepare"), "--busy-dir", f"{inventory.data_dir}/.cluster/busy", dataset]
+    argv = [
+        *node_program(inventory, code_dir, "prepare"),
+        "--busy-dir",
+        f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.BUSY_DIR}",
+        dataset,
+    ]
     if dataset == "imagenet":
         if "--source" not in extra_args:
             argv += ["--source", data_path(inventory, dataset)]

@@ -13,6 +13,7 @@ import statistics
 import time
 from typing import Optional, Sequence
 
+from cluster_node import clusterdir
 from cluster_node.health import SLOW_LINK_SHARE
 
 from .nodecmd import node_command
@@ -256,4 +257,4 @@ def measure(
 
 
 def link_file(inventory) -> str:
-    return f"{inventory.data_dir}/.cluster/link.json"
+    return f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.LINK_JSON}"

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from cluster_node import clusterdir
 from cluster_node.contract import CONTAINER_SSH_PORT
 
+from . import localnet
 from .inventory import Inventory, Node, SshSettings, write_known_hosts
 from .localdata import describe_data, unfetched_runs
+from .localnet import LocalClusterError
 
 __all__ = ["describe_data", "unfetched_runs"]  # re-exported: the fab tasks read them here
 
@@ -38,10 +41,6 @@ HOST_BASHRC = os.path.expanduser("~root/.bashrc")
 REQUIRED_TOOLS = ("ip", "tc", "unshare", "nsenter", "taskset", "sshd", "ssh", "ssh-keygen", "mpirun", "mount")
 _RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
 STATE_ROOT = Path(os.environ.get("GPU_CLUSTER_LOCAL_STATE", "/var/tmp/gpu-cluster-local"))
-
-
-class LocalClusterError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -99,13 +98,6 @@ class LocalSpec:
         return STATE_ROOT / self.name
 
 
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise LocalClusterError(f"`{shlex.join(args)}` failed: {result.stderr.strip() or result.stdout.strip()}")
-    return result
-
-
 def preflight() -> None:
     if os.geteuid() != 0:
         raise LocalClusterError(
@@ -117,26 +109,6 @@ def preflight() -> None:
             f"missing tools: {', '.join(missing)}; run `make setup` "
             "(apt: iproute2 openssh-server openmpi-bin util-linux)"
         )
-
-
-def _cap(device: str, rate: str, netns: str | None = None) -> None:
-    prefix = ("ip", "netns", "exec", netns) if netns else ()
-    _run(
-        *prefix,
-        "tc",
-        "qdisc",
-        "replace",
-        "dev",
-        device,
-        "root",
-        "tbf",
-        "rate",
-        rate,
-        "burst",
-        "256kb",
-        "latency",
-        "50ms",
-    )
 
 
 def _wait_for_port(ip: str, port: int, timeout: float) -> None:
@@ -236,9 +208,11 @@ def _prepare_state(spec: LocalSpec) -> dict:
 def _make_identities(spec: LocalSpec, shared: Path, controller: Path) -> Path:
     """The cluster's SSH identity on shared storage, exactly as the AWS bootstrap makes it on EFS,
     the controller's (fab's) key, and the nodes' /etc/hosts and nsswitch.conf."""
-    _run("bash", str(IDENTITY_SCRIPT), str(shared), f"{spec.name}-local")
-    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fab-controller", "-f", str(controller / "id_ed25519"))
-    ssh_dir = shared / ".cluster" / "ssh"
+    localnet.run("bash", str(IDENTITY_SCRIPT), str(shared), f"{spec.name}-local")
+    localnet.run(
+        "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "fab-controller", "-f", str(controller / "id_ed25519")
+    )
+    ssh_dir = shared / clusterdir.CLUSTER / clusterdir.SSH_DIR
     # The script named the host-side path; inside the nodes the shared directory is data_dir.
     config = (ssh_dir / "config").read_text().replace(str(shared), spec.data_dir)
     (ssh_dir / "config").write_text(config)
@@ -251,24 +225,10 @@ def _make_identities(spec: LocalSpec, shared: Path, controller: Path) -> Path:
 
 def _make_network(spec: LocalSpec) -> None:
     """A bridge with an address (fab reaches the nodes through it); per node a namespace and veth."""
-    _run("ip", "link", "add", spec.bridge, "type", "bridge")
-    _run("ip", "addr", "add", f"{spec.bridge_ip}/{spec.prefix}", "dev", spec.bridge)
-    _run("ip", "link", "set", spec.bridge, "up")
+    localnet.make_bridge(spec.bridge, f"{spec.bridge_ip}/{spec.prefix}")
     for rank in range(spec.nodes):
-        _make_node_network(spec, rank)
-
-
-def _make_node_network(spec: LocalSpec, rank: int) -> None:
-    netns, veth = spec.netns(rank), spec.host_veth(rank)
-    _run("ip", "netns", "add", netns)
-    _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
-    _run("ip", "link", "set", veth, "master", spec.bridge, "up")
-    _run("ip", "-n", netns, "addr", "add", f"{spec.node_ip(rank)}/{spec.prefix}", "dev", "eth0")
-    _run("ip", "-n", netns, "link", "set", "eth0", "up")
-    _run("ip", "-n", netns, "link", "set", "lo", "up")
-    if spec.link:
-        _cap(veth, spec.link)
-        _cap("eth0", spec.link, netns)
+        cidr = f"{spec.node_ip(rank)}/{spec.prefix}"
+        localnet.make_node_network(spec.netns(rank), spec.host_veth(rank), spec.bridge, cidr, spec.link)
 
 
 def node_cpus(rank: int, nodes: int, cpus: list[int]) -> list[int]:
@@ -323,9 +283,11 @@ def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, imag
 def _wait_ready(spec: LocalSpec, shared: Path) -> None:
     for rank in range(spec.nodes):
         _wait_for_port(spec.node_ip(rank), CONTAINER_SSH_PORT, timeout=15)
-        ready = shared / ".cluster" / "ready"
+        ready = shared / clusterdir.CLUSTER / clusterdir.READY_DIR
         ready.mkdir(parents=True, exist_ok=True)
-        (ready / f"node{rank}").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ\n", time.gmtime()))
+        (ready / clusterdir.NODE_MARK.format(rank=rank)).write_text(
+            time.strftime("%Y-%m-%dT%H:%M:%SZ\n", time.gmtime())
+        )
 
 
 def _write_inventory(spec: LocalSpec, ssh_dir: Path, controller: Path, inventory_path: Path) -> Inventory:
@@ -377,18 +339,14 @@ def down(name: str, inventory_path: Path | None) -> list[str]:
     removed = []
     for rank in range(spec.nodes):
         netns = spec.netns(rank)
-        if _run("ip", "netns", "pids", netns, check=False).returncode == 0:
-            _kill_namespace(netns)
-            _run("ip", "netns", "delete", netns, check=False)
+        if localnet.remove_node_network(netns, spec.host_veth(rank)):
             removed.append(netns)
-        _run("ip", "link", "delete", spec.host_veth(rank), check=False)
     for pid in record["pids"].values():
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    if _run("ip", "link", "show", spec.bridge, check=False).returncode == 0:
-        _run("ip", "link", "delete", spec.bridge)
+    if localnet.remove_bridge(spec.bridge):
         removed.append(spec.bridge)
     shutil.rmtree(state, ignore_errors=True)
     # rmdir would detach the directory from other clusters' namespaces: only once none is left.
@@ -404,26 +362,11 @@ def down(name: str, inventory_path: Path | None) -> list[str]:
     return removed
 
 
-def _kill_namespace(netns: str) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [int(p) for p in _run("ip", "netns", "pids", netns, check=False).stdout.split()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and _run("ip", "netns", "pids", netns, check=False).stdout.split():
-            time.sleep(0.05)
-
-
 def set_link(name: str, rank: int, up_: bool) -> None:
     """Cut or restore one node's link (tests of the watchdog)."""
     record = json.loads((STATE_ROOT / name / "cluster.json").read_text())
     spec = LocalSpec(**record["spec"])
-    _run("ip", "link", "set", spec.host_veth(rank), "up" if up_ else "down")
+    localnet.run("ip", "link", "set", spec.host_veth(rank), "up" if up_ else "down")
 
 
 def set_link_rate(name: str, rate: str | None, inventory_path: Path | None = None) -> None:
@@ -433,12 +376,7 @@ def set_link_rate(name: str, rate: str | None, inventory_path: Path | None = Non
     spec = LocalSpec(**{**record["spec"], "link": rate})
     spec.validate()
     for rank in range(spec.nodes):
-        for device, netns in ((spec.host_veth(rank), None), ("eth0", spec.netns(rank))):
-            if rate:
-                _cap(device, rate, netns)
-            else:
-                prefix = ("ip", "netns", "exec", netns) if netns else ()
-                _run(*prefix, "tc", "qdisc", "del", "dev", device, "root", check=False)
+        localnet.cap_node(spec.netns(rank), spec.host_veth(rank), rate)
     record["spec"] = spec.__dict__
     record_path.write_text(json.dumps(record, indent=2))
     if inventory_path is not None and inventory_path.exists():

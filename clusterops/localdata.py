@@ -10,33 +10,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# The files `_download_run` (clusterops/remote.py) takes, besides a checkpoint and the last evals.
-FETCHED_FILES = (
-    "config.json",
-    "summary.json",
-    "train.log",
-    "run-status.json",
-    "report.md",
-    "breakdown.png",
-    "scaling.png",
-)
+from cluster_node import rundir
 
 
 def fetched_files(run: Path) -> list[Path]:
     """The files of `run` that `fab fetch` would bring home now."""
-    files = [run / name for name in FETCHED_FILES if (run / name).is_file()]
-    best = run / "checkpoints" / "best.pt"
-    steps = sorted((run / "checkpoints").glob("step_*.pt"))
+    files = [run / name for name in rundir.FETCHED_FILES if (run / name).is_file()]
+    best = run / rundir.CHECKPOINTS / rundir.BEST_CHECKPOINT
+    steps = sorted((run / rundir.CHECKPOINTS).glob(rundir.CHECKPOINT_GLOB))
     files += [best] if best.is_file() else steps[-1:]
-    files += sorted(p for p in (run / "eval").glob("*") if p.is_file())[-3:]
+    files += sorted(p for p in (run / rundir.EVAL).glob("*") if p.is_file())[-3:]
     return files
 
 
 def unfetched_runs(shared: Path) -> list[str]:
     """Runs never fetched, or with a file fetch takes changed since the last fetch."""
     found = []
-    for run in sorted(p for p in (shared / "runs").glob("*") if p.is_dir()):
-        marker = run / ".fetched"
+    for run in sorted(p for p in (shared / rundir.RUNS).glob("*") if p.is_dir()):
+        marker = run / rundir.FETCHED
         fetched_at = marker.stat().st_mtime if marker.exists() else None
         if fetched_at is None or any(f.stat().st_mtime > fetched_at for f in fetched_files(run)):
             found.append(run.name)
@@ -46,7 +37,7 @@ def unfetched_runs(shared: Path) -> list[str]:
 def describe_data(shared: Path) -> str:
     """What the shared /data holds, in a few words: data sets and runs (unfetched ones marked)."""
     datasets = sorted(p.name for p in (shared / "datasets").glob("*") if p.is_dir())
-    runs = sorted(p.name for p in (shared / "runs").glob("*") if p.is_dir())
+    runs = sorted(p.name for p in (shared / rundir.RUNS).glob("*") if p.is_dir())
     unfetched = set(unfetched_runs(shared))
     parts = []
     if datasets:

@@ -11,9 +11,11 @@ import json
 import socket
 from pathlib import Path
 
+from cluster_node import clusterdir
 from cluster_node.contract import CONTAINER_SSH_PORT
 
 from . import localcluster as lc
+from . import localnet
 
 
 def repair(name: str, inventory_path: Path) -> list[str]:
@@ -31,16 +33,17 @@ def repair(name: str, inventory_path: Path) -> list[str]:
         if _answers(spec.node_ip(rank)):
             continue
         netns = spec.netns(rank)
-        if lc._run("ip", "netns", "pids", netns, check=False).returncode == 0:
-            lc._kill_namespace(netns)  # what is left of the dead node (its mounts go with its processes)
+        veth, cidr = spec.host_veth(rank), f"{spec.node_ip(rank)}/{spec.prefix}"
+        if localnet.run("ip", "netns", "pids", netns, check=False).returncode == 0:
+            localnet.kill_namespace(netns)  # what is left of the dead node (its mounts go with its processes)
         else:
-            lc._run("ip", "link", "delete", spec.host_veth(rank), check=False)
-            lc._make_node_network(spec, rank)
+            localnet.run("ip", "link", "delete", veth, check=False)
+            localnet.make_node_network(netns, veth, spec.bridge, cidr, spec.link)
         record["pids"][str(rank)] = lc._start_node(spec, rank, shared, controller, {})
         lc._save_record(spec, record)
         restarted.append(f"node{rank}")
     lc._wait_ready(spec, shared)
-    lc._write_inventory(spec, shared / ".cluster" / "ssh", controller, inventory_path)
+    lc._write_inventory(spec, shared / clusterdir.CLUSTER / clusterdir.SSH_DIR, controller, inventory_path)
     return restarted
 
 

@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from cluster_node import rundir
+
 from .bottleneck import Breakdown, comm_seconds, hidden_seconds, ring_wire_bytes
 from .cost import HOURS_PER_MONTH, TABLE, efs_io_usd
 
@@ -99,7 +101,7 @@ class Estimate:
 def base_from_run(name: str, summary: dict, gpu: str, ranks_per_node: int, link: tuple) -> Base:
     """The plan's base from a finished run's summary.json and the link (rate, where it comes from)."""
     if not summary.get("breakdown"):
-        raise PlanError(f"run {name} has no summary.json breakdown (not finished, or an older trainer)")
+        raise PlanError(f"run {name} has no {rundir.SUMMARY} breakdown (not finished, or an older trainer)")
     b = Breakdown.from_summary(summary)
     where = f"run {name}: {b.world_size} rank(s) on {gpu}, {b.step * 1e3:.0f} ms/step as measured"
     return Base(b, gpu, ranks_per_node, link[0], f"{where}; link {link[1]}")

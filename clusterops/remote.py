@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import paramiko
 from fabric import Connection
 
+from cluster_node import rundir
+
 from . import health, launch, nodecmd
 from .inventory import Inventory, Node
 
@@ -178,9 +180,8 @@ def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     active = sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
     if not active:
         return None
-    alive = sh(
-        connection, f'kill -0 "$(cat {q(active + "/launcher.pid")} 2>/dev/null)" 2>/dev/null && echo yes || echo no'
-    ).strip()
+    pid_file = q(f"{active}/{rundir.LAUNCHER_PID}")
+    alive = sh(connection, f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null && echo yes || echo no').strip()
     return active if alive == "yes" else None
 
 
@@ -191,15 +192,15 @@ def ensure_idle(connection: Connection, inventory: Inventory) -> None:
 
 
 def run_state(connection: Connection, run_dir: str) -> dict:
-    status = read_json(connection, f"{run_dir}/run-status.json") or {}
-    progress = read_json(connection, f"{run_dir}/progress.json") or {}
-    summary = read_json(connection, f"{run_dir}/summary.json") or {}
-    restarts: list = read_json(connection, f"{run_dir}/restarts.json") or []  # type: ignore[assignment]
+    status = read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+    progress = read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    summary = read_json(connection, f"{run_dir}/{rundir.SUMMARY}") or {}
+    restarts: list = read_json(connection, f"{run_dir}/{rundir.RESTARTS}") or []  # type: ignore[assignment]
     return {"status": status, "progress": progress, "summary": summary, "restarts": restarts}
 
 
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
-    out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/runs/*/ 2>/dev/null | head -n 1 || true").strip()
+    out = sh(connection, f"ls -1dt {q(inventory.data_dir)}/{rundir.RUNS}/*/ 2>/dev/null | head -n 1 || true").strip()
     return out.rstrip("/") or None
 
 
@@ -335,11 +336,11 @@ def follow_log(
     """Print train.log from byte `offset` as it grows until the run is no longer running;
     return the run status. on_progress(progress.json) is called on each poll while following."""
     deadline = (time.monotonic() + timeout) if timeout else None
-    log = f"{run_dir}/train.log"
+    log = f"{run_dir}/{rundir.TRAIN_LOG}"
     while True:
-        status = read_json(connection, f"{run_dir}/run-status.json", strict=True) or {}
+        status = read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}", strict=True) or {}
         if on_progress and follow:
-            on_progress(read_json(connection, f"{run_dir}/progress.json") or {})
+            on_progress(read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {})
         chunk = sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
         if chunk:
             out.write(chunk)
@@ -354,10 +355,10 @@ def follow_log(
 
 def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:
     """Graceful stop: the trainer checkpoints at the next step, then exits."""
-    sh(connection, f"touch {q(run_dir + '/STOP')}")
+    sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        status = read_json(connection, f"{run_dir}/run-status.json") or {}
+        status = read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
         if status.get("state") not in (None, "running"):
             return status
         time.sleep(1.0)
@@ -370,8 +371,8 @@ def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> d
 def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
     """Kill mpirun and the ranks; the supervisor survives to record the end (reason: FORCED), and
     launches no further attempt."""
-    sh(connection, f"touch {q(run_dir + '/FORCED')}")
-    sh(connection, f'kill -TERM "$(cat {q(run_dir + "/mpirun.pid")} 2>/dev/null)" 2>/dev/null || true')
+    sh(connection, f"touch {q(f'{run_dir}/{rundir.FORCED}')}")
+    sh(connection, f'kill -TERM "$(cat {q(f"{run_dir}/{rundir.MPIRUN_PID}")} 2>/dev/null)" 2>/dev/null || true')
     for node in inventory.nodes:
         sh(
             connection,
@@ -397,31 +398,23 @@ def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Pa
         shutil.rmtree(previous, ignore_errors=True)
         dest.rename(previous)
     staging.rename(dest)
-    sh(connection, f"touch {q(run_dir + '/.fetched')}")
+    sh(connection, f"touch {q(f'{run_dir}/{rundir.FETCHED}')}")
     return [dest / p.relative_to(staging) for p in fetched], previous
 
 
 def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
-    wanted = [
-        "config.json",
-        "summary.json",
-        "train.log",
-        "run-status.json",
-        "report.md",
-        "breakdown.png",
-        "scaling.png",
-    ]
-    checkpoints = f"{q(run_dir)}/checkpoints"
-    newest = f"ls -1 {checkpoints}/step_*.pt 2>/dev/null | sort | tail -n 1"
+    wanted = list(rundir.FETCHED_FILES)
+    checkpoints = f"{q(run_dir)}/{rundir.CHECKPOINTS}"
+    newest = f"ls -1 {checkpoints}/{rundir.CHECKPOINT_GLOB} 2>/dev/null | sort | tail -n 1"
     # A live run: its newest checkpoint (best.pt is an earlier eval's); an ended one: the best.
-    live = (read_json(connection, f"{run_dir}/run-status.json") or {}).get("state") in (None, "running")
-    pick = newest if live else f"ls -1 {checkpoints}/best.pt 2>/dev/null || {newest}"
+    live = (read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}).get("state") in (None, "running")
+    pick = newest if live else f"ls -1 {checkpoints}/{rundir.BEST_CHECKPOINT} 2>/dev/null || {newest}"
     chosen = sh(connection, f"{pick} || true").strip()
     if chosen:
         wanted.append(chosen[len(run_dir) + 1 :])
-    last_eval = sh(connection, f"ls -1 {q(run_dir)}/eval/ 2>/dev/null | sort | tail -n 3 || true").split()
-    wanted += [f"eval/{name}" for name in last_eval]
-    config = read_json(connection, f"{run_dir}/config.json") or {}
+    last_eval = sh(connection, f"ls -1 {q(run_dir)}/{rundir.EVAL}/ 2>/dev/null | sort | tail -n 3 || true").split()
+    wanted += [f"{rundir.EVAL}/{name}" for name in last_eval]
+    config = read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
     fetched = []
     sftp = connection.sftp()
     for rel in wanted:

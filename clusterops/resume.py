@@ -87,4 +87,4 @@ def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optio
     except ConfigError as error:
         raise launch.LaunchError(f"{error}" + (f" (run {request.run_name})" if run else "")) from None
     except (KeyError, TypeError) as error:  # a config.json this trainer cannot read
-        raise launch.LaunchError(f"run {request.run_name}'s config.json is not this trainer's: {error}") from None
+        raise launch.LaunchError(f"run {request.run_name}'s {rundir.CONFIG} is not this trainer's: {error}") from None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from invoke.exceptions import Exit
 
+from cluster_node import rundir as rd
 from clusterops import analysis, launch, terminal
 from train import catalog
 
@@ -92,7 +93,8 @@ def node_counts(text: str, available: int) -> list[int]:
         "batch_per_gpu": "batch per GPU, fixed across node counts (weak scaling)",
         "grad_compression": catalog.either(catalog.COMPRESSIONS),
         "extra": "more train.py arguments, quoted",
-        "dest": "local directory for scale.json, scale.md and scaling.png (default ./runs/scale-RECIPE)",
+        "dest": f"local directory for {rd.SCALE_JSON}, {rd.SCALE_MD} and {rd.SCALING_PNG}"
+        f" (default ./{rd.RUNS}/{rd.SCALE_DIR.format(recipe='RECIPE')})",
     }
 )
 def scale(
@@ -124,7 +126,7 @@ def scale(
     code_dir = training_code_dir(inv)
     with head(inv) as conn:
         points = analysis.run_scale(conn, inv, request, counts, repeats, code_dir)
-        local = Path(dest or f"runs/scale-{recipe}")
+        local = Path(dest or Path(rd.RUNS, rd.SCALE_DIR.format(recipe=recipe)))
         written = analysis.write_scale(conn, inv, recipe, points, local)
     from clusterops import scaling
 

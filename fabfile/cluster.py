@@ -12,7 +12,7 @@ from invoke.exceptions import Exit
 
 import cluster_node
 from cluster_node import restart_plan
-from clusterops import health, launch, linkcheck, nodecmd, remote, terminal
+from clusterops import health, launch, linkcheck, nodecmd, nodeprobe, remote, terminal
 from stacks import images
 
 from .common import ERRORS, head, load_inventory, number, progress, task, training_code_dir, whole_number
@@ -67,7 +67,7 @@ def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
         raise Exit(f"error: invalid --streams {streams!r}: 1 to {linkcheck.MAX_SOCKETS}", code=1)
     say = (lambda *a, **k: None) if json else print
     progress(f"check: probing {len(inv.nodes)} node(s): GPUs, Xid, ECC, versions, /data, clock ...")
-    facts, interfaces = health.probe_nodes(inv, inv.nodes)
+    facts, interfaces = nodeprobe.probe_nodes(inv, inv.nodes)
     reachable = [node for node in inv.nodes if facts[node.name] is not None]
     problems: list[str] = []
     link, transport, training = None, {}, None

@@ -11,8 +11,8 @@ from pathlib import Path
 import paramiko
 from invoke.exceptions import Exit, ThreadException
 
-from cluster_node import restart_plan
-from clusterops import analysis, health, launch, remote, resume, terminal
+from cluster_node import restart_plan, rundir
+from clusterops import analysis, health, launch, nodeprobe, remote, resume, terminal
 from clusterops import budget as budgets
 from clusterops import cost as costs
 from clusterops import plan as planning
@@ -186,7 +186,7 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPla
 def _refuse_bad_nodes(inv: Inventory, nodes) -> list:
     """The quick health check (reachable, /data writable, versions, GPUs): one line naming a bad node
     and how to train without it; degraded nodes are a warning."""
-    verdicts = health.quick(inv, nodes)
+    verdicts = nodeprobe.quick(inv, nodes)
     for verdict in verdicts:
         if verdict.verdict == "bad":
             rank = next(n.rank for n in nodes if n.name == verdict.node)
@@ -329,7 +329,7 @@ def checkpoint_line(files: list[Path], target: Path) -> str:
     chosen = [f for f in files if f.suffix == ".pt"]
     if chosen:
         return f"checkpoint: {chosen[0].relative_to(target)}"
-    config = read_local_json(target / "config.json")
+    config = read_local_json(target / rundir.CONFIG)
     every = config.get("checkpoint_every")
     return (
         "no checkpoint yet"

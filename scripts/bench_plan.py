@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from cluster_node import rundir
 from clusterops import analysis, localcluster, onecluster
 from clusterops import plan as planning
 
@@ -62,7 +63,7 @@ def run_all(args) -> tuple[dict, str]:
                     ),
                     *("--batch-per-gpu", str(args.batch // nodes), "--follow", "--extra", QUIET),
                 )
-                summaries[nodes] = json.loads((shared / "runs" / run / "summary.json").read_text())
+                summaries[nodes] = json.loads((rundir.run_dir(shared, run) / rundir.SUMMARY).read_text())
             shown = fab(env, "plan", "--run", "plan-n1", "--steps", "1000", "--max-nodes", "3", check=False)
         finally:
             fab(env, "local.down", "--name", args.name, "--yes")  # a benchmark keeps no run

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from cluster_node import rundir
 from clusterops import analysis, bottleneck, localcluster, onecluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def measure(env: dict, shared: Path, run: str, nodes: int, mode: str, args, buck
         *("--steps", str(args.steps), "--batch-per-gpu", str(args.batch), "--grad-compression", mode),
         *("--follow", "--extra", f"{QUIET} --bucket-cap-mb {bucket_mb:g}"),
     )
-    return json.loads((shared / "runs" / run / "summary.json").read_text())
+    return json.loads((rundir.run_dir(shared, run) / rundir.SUMMARY).read_text())
 
 
 def row(name: str, summary: dict, bound_s: float) -> str:
@@ -84,7 +85,7 @@ def main() -> None:
     parser.add_argument("--subnet", default="10.213.60.0/24")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--bucket-caps", default="25", help="DDP bucket sizes in MB to try per mode, e.g. 5,25,100")
-    parser.add_argument("--save", help="write every run's summary.json into this JSON file")
+    parser.add_argument("--save", help=f"write every run's {rundir.SUMMARY} into this JSON file")
     parser.add_argument("--wait-lock", action="store_true", help="wait for another emulated cluster run to end")
     args = parser.parse_args()
     try:

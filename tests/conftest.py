@@ -209,3 +209,20 @@ def serve_imds(host: str = "127.0.0.1"):
 def fake_imds():
     with serve_imds() as server:
         yield server
+
+
+def one_node_inventory(tmp_path: Path, cluster: str, port: int, key: str) -> Path:
+    """tmp_path/inventory.json: one local node at 127.0.0.1:`port`, known_hosts and the data directory in
+    tmp_path (the tests that drive fab against one sshd, or none)."""
+    from clusterops.inventory import Inventory, Node, SshSettings
+
+    path = tmp_path / "inventory.json"
+    Inventory(
+        cluster=cluster,
+        source="local",
+        nodes=[Node(rank=0, name="node0", public_ip="127.0.0.1", private_ip="127.0.0.1")],
+        gpus_per_node=1,
+        ssh=SshSettings("root", port, str(tmp_path / key), str(tmp_path / "known_hosts")),
+        data_dir=str(tmp_path / "data"),
+    ).save(path)
+    return path

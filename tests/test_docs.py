@@ -151,3 +151,37 @@ def test_every_supervisor_transition_in_the_architecture_doc_has_its_unit_test()
     tests = (REPO / "tests" / "test_supervisor.py").read_text()
     covered = {int(n) for name in re.findall(r"def test_row([\d_]+?)_[a-z]", tests) for n in name.split("_") if n}
     assert rows <= covered, f"rows without a test: {sorted(rows - covered)}"
+
+
+MODULE_PACKAGES = {
+    "cluster_node": REPO / "assets" / "cluster_node",
+    "train": REPO / "assets" / "train",
+    "clusterops": REPO / "clusterops",
+    "fabfile": REPO / "fabfile",
+}
+
+
+def _package_modules() -> set[str]:
+    """`package/module.py` for every module of the four packages; an __init__.py only when it holds more
+    than its docstring."""
+    found = set()
+    for package, root in MODULE_PACKAGES.items():
+        for path in root.rglob("*.py"):
+            body = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+            docstring_only = path.name == "__init__.py" and body and body[-1].rstrip().endswith('"""')
+            if path.name != "__init__.py" or not docstring_only:
+                found.add(f"{package}/{path.relative_to(root).as_posix()}")
+    return found
+
+
+def test_where_the_code_lives_names_every_module_once_and_nothing_else():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## Where the code lives", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `((?:cluster_node|train|clusterops|fabfile)/[\w/]+\.py)` \| (.+) \|$", section, re.M)
+    named = [name for name, what in rows if what.strip()]
+    assert len(named) == len(set(named)), "a module named twice"
+    modules = _package_modules()
+    assert {"cluster_node/rundir.py", "fabfile/__init__.py", "cluster_node/autostop/watchdog.py"} <= modules
+    assert "train/__init__.py" not in modules  # a docstring only
+    assert not modules - set(named), f"name these in docs/architecture.md: {sorted(modules - set(named))}"
+    assert not set(named) - modules, f"no such module: {sorted(set(named) - modules)}"

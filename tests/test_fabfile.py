@@ -10,12 +10,12 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, one_node_inventory
 from invoke.exceptions import Exit
 
 import fabfile
-from clusterops import health, launch, remote
-from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops import health, launch, nodeprobe, remote
+from clusterops.inventory import Inventory
 
 TASKS = sorted(fabfile.ns.task_names)
 TASK_MODULES = sorted(p for p in (REPO / "fabfile").glob("*.py") if p.name not in ("__init__.py", "common.py"))
@@ -42,15 +42,8 @@ def closed_port() -> int:
 def unreachable(tmp_path, monkeypatch):
     """An inventory whose one node refuses SSH (a node that is down, an sshd that died)."""
     (tmp_path / "known_hosts").write_text("")
-    Inventory(
-        cluster="gone",
-        source="local",
-        nodes=[Node(rank=0, name="node0", public_ip="127.0.0.1", private_ip="127.0.0.1")],
-        gpus_per_node=1,
-        ssh=SshSettings("root", closed_port(), str(tmp_path / "key"), str(tmp_path / "known_hosts")),
-        data_dir=str(tmp_path / "data"),
-    ).save(tmp_path / "inventory.json")
-    monkeypatch.setenv("GPU_CLUSTER_INVENTORY", str(tmp_path / "inventory.json"))
+    inventory = one_node_inventory(tmp_path, "gone", closed_port(), "key")
+    monkeypatch.setenv("GPU_CLUSTER_INVENTORY", str(inventory))
     monkeypatch.chdir(REPO)
     return tmp_path
 
@@ -197,7 +190,7 @@ def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, c
     FakeConnection.opened = 0
     monkeypatch.setattr(Inventory, "select", counted_select)
     monkeypatch.setattr(remote, "detect_interface", counted_interface)
-    monkeypatch.setattr(health, "quick", quick)
+    monkeypatch.setattr(nodeprobe, "quick", quick)
     monkeypatch.setattr(remote, "connect", lambda inv, node: FakeConnection(node.private_ip))
     monkeypatch.setattr(remote, "write_file", lambda conn, path, text, mode=0o644: None)
     assert fab("train", "--steps", "3") == 0, capsys.readouterr().err

@@ -12,10 +12,10 @@ import threading
 import time
 
 import pytest
-from conftest import REPO, tool_env
+from conftest import REPO, one_node_inventory, tool_env
 from test_fanout import _free_port, _sshd_config, pytestmark  # noqa: F401 - same needs: root and sshd
 
-from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
+from clusterops.inventory import write_known_hosts
 
 
 class Relay:
@@ -78,15 +78,7 @@ def followed(tmp_path):
     run.mkdir(parents=True)
     (run / "run-status.json").write_text(json.dumps({"state": "running"}))
     (run / "train.log").write_text("step 1 loss 2.0\n")
-    Inventory(
-        cluster="follow",
-        source="local",
-        nodes=[Node(rank=0, name="node0", public_ip="127.0.0.1", private_ip="127.0.0.1")],
-        gpus_per_node=1,
-        ssh=SshSettings("root", relay.port, str(tmp_path / "client"), str(tmp_path / "known_hosts")),
-        data_dir=str(tmp_path / "data"),
-    ).save(tmp_path / "inventory.json")
-    yield tmp_path / "inventory.json", relay
+    yield one_node_inventory(tmp_path, "follow", relay.port, "client"), relay
     sshd.terminate()
     sshd.wait(timeout=10)
 

@@ -414,16 +414,12 @@ def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
     assert translated.returncode == 0 and translated.stdout.strip() == "zwölf", translated.stderr
 
 
-def test_a_spot_notice_mid_run_checkpoints_in_the_notice_window_and_the_run_goes_on_without_that_node(pair):
-    """The Spot watcher runs in node1's network namespace against a fake IMDSv2 served on the
-    controller's bridge address (as a node reaches the metadata service), on the shared /data.
-    Mid-run the endpoint starts answering a `stop` notice: the run must checkpoint (no eval) well
-    within EC2's two-minute notice, record the interruption with node1's address (the identity
-    document's privateIp), and, with --max-restarts, go on from that checkpoint on node0 alone at the
-    same global batch while node1 still answers."""
+def _spot_notice_mid_run(pair, rank: int, run: str, steps: int) -> tuple[dict, float, float, str]:
+    """Train `run` with one restart allowed, the Spot watcher in node `rank`'s namespace polling a fake
+    IMDSv2 on the controller's bridge address; at step 10 the endpoint answers a `stop` two minutes
+    ahead. Returns the final status, seconds from the notice to it, the notice time, the watcher's output."""
     controller = json.loads(pair.inventory.read_text())["extra"]["controller_ip"]
-    node0, node1 = (node["private_ip"] for node in json.loads(pair.inventory.read_text())["nodes"])
-    netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(1)
+    netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(rank)
     with serve_imds(controller) as imds:
         watcher = subprocess.Popen(
             ["ip", "netns", "exec", netns, sys.executable, "-m", "cluster_node.spotwatch"]
@@ -431,20 +427,32 @@ def test_a_spot_notice_mid_run_checkpoints_in_the_notice_window_and_the_run_goes
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=tool_env(AUTOSTOP_IMDS_URL=imds.url, NODE_RANK="1", INSTANCE_ID="i-0node1"),
+            env=tool_env(AUTOSTOP_IMDS_URL=imds.url, NODE_RANK=str(rank), INSTANCE_ID=f"i-0node{rank}"),
         )
         try:
-            pair.fab("train", "--run", "spottest", "--steps", "30", "--max-restarts", "1", "--extra", QUICK)
-            pair.wait_for_step("spottest", 10)
+            pair.fab("train", "--run", run, "--steps", str(steps), "--max-restarts", "1", "--extra", QUICK)
+            pair.wait_for_step(run, 10)
             noticed = time.time()
             imds.instance_action = {
                 "action": "stop",
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(noticed + 120)),
             }
-            status, seconds = pair.wait_for_end("spottest", timeout=120)
+            status, seconds = pair.wait_for_end(run, timeout=120)
         finally:
             watcher.kill()
             watched = watcher.communicate()[0]
+    return status, seconds, noticed, watched
+
+
+def test_a_spot_notice_mid_run_checkpoints_in_the_notice_window_and_the_run_goes_on_without_that_node(pair):
+    """The Spot watcher runs in node1's network namespace against a fake IMDSv2 served on the
+    controller's bridge address (as a node reaches the metadata service), on the shared /data.
+    Mid-run the endpoint starts answering a `stop` notice: the run must checkpoint (no eval) well
+    within EC2's two-minute notice, record the interruption with node1's address (the identity
+    document's privateIp), and, with --max-restarts, go on from that checkpoint on node0 alone at the
+    same global batch while node1 still answers."""
+    node0, node1 = (node["private_ip"] for node in json.loads(pair.inventory.read_text())["nodes"])
+    status, seconds, noticed, watched = _spot_notice_mid_run(pair, 1, "spottest", 30)
     run = pair.run_dir("spottest")
     [record] = json.loads((run / "restarts.json").read_text())
     resumed_at = run / "checkpoints" / f"step_{record['resume_step']:08d}.pt"
@@ -469,29 +477,7 @@ def test_a_spot_notice_on_the_supervisors_node_ends_the_run_resumable_before_the
     is going; the checkpoint lands, the final status (failed, kind spot, resumable, with the command
     that resumes) is written before the action time, runs/.active is gone; `fab logs --follow` ends
     with that status instead of a lost connection."""
-    controller = json.loads(pair.inventory.read_text())["extra"]["controller_ip"]
-    netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(0)
-    with serve_imds(controller) as imds:
-        watcher = subprocess.Popen(
-            ["ip", "netns", "exec", netns, sys.executable, "-m", "cluster_node.spotwatch"]
-            + ["--data", str(pair.shared), "--interval", "1"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=tool_env(AUTOSTOP_IMDS_URL=imds.url, NODE_RANK="0", INSTANCE_ID="i-0node0"),
-        )
-        try:
-            pair.fab("train", "--run", "spothead", "--steps", "3000", "--max-restarts", "1", "--extra", QUICK)
-            pair.wait_for_step("spothead", 10)
-            noticed = time.time()
-            imds.instance_action = {
-                "action": "stop",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(noticed + 120)),
-            }
-            status, seconds = pair.wait_for_end("spothead", timeout=120)
-        finally:
-            watcher.kill()
-            watcher.communicate()
+    status, seconds, noticed, _ = _spot_notice_mid_run(pair, 0, "spothead", 3000)
     run = pair.run_dir("spothead")
     newest = max((run / "checkpoints").glob("step_*.pt"))
     written = newest.stat().st_mtime - noticed

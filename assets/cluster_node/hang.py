@@ -35,7 +35,7 @@ def heartbeats(run: Path) -> dict[int, dict]:
 def states(run: Path) -> dict[int, str]:
     """pid -> process state letter, from the `pid state` lines collected per host."""
     out = {}
-    for path in (run / rundir.STACKS).glob("states.*"):
+    for path in (run / rundir.STACKS).glob(rundir.HOST_STATES.format(host="*")):
         for line in path.read_text().splitlines():
             parts = line.split()
             if len(parts) == 2 and parts[0].isdigit():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import rundir
+from . import clusterdir
 from .tools import have, is_mountpoint, run
 
 
@@ -39,7 +39,7 @@ def training_processes() -> int:
 
 def status(data: Path, name: str) -> dict:
     return {
-        "ready": (data / rundir.CLUSTER / rundir.READY_DIR / name).is_file(),
+        "ready": (data / clusterdir.CLUSTER / clusterdir.READY_DIR / name).is_file(),
         "mounted": is_mountpoint(data),
         "gpus": gpu_rows(),
         "training": training_processes(),

@@ -5,7 +5,6 @@ Spot notices, config.json, restarts.json, the checkpoints."""
 from __future__ import annotations
 
 import calendar
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +15,8 @@ from .spec import Batch, RunSpec
 
 
 def last_checkpoint_step(run: Path) -> Optional[int]:
-    pattern = re.compile(r"step_(\d+)\.pt$")
-    steps = [int(m.group(1)) for p in (run / rundir.CHECKPOINTS).glob("step_*.pt") if (m := pattern.match(p.name))]
-    return max(steps) if steps else None
+    steps = [rundir.checkpoint_step(p) for p in (run / rundir.CHECKPOINTS).glob(rundir.CHECKPOINT_GLOB)]
+    return max((step for step in steps if step is not None), default=None)
 
 
 def rebalance(global_batch: int, ranks: int, max_per_rank: int) -> Optional[tuple[int, int]]:

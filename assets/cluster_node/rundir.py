@@ -1,9 +1,9 @@
-"""The run directory (DATA/runs/NAME) and DATA/.cluster, written down once: every file name, a frozen
-record per JSON file, one atomic read/write. Stdlib only: the trainer, supervisor and watchers on the nodes
-and fab on the laptop share it. protocol.py tabulates the files (writer, readers, format) for the docs.
-A record's from_json accepts what today's writer writes and keeps unknown keys in `extra` (to_json writes
-them back). Writes: temp file beside the target, fsync, os.replace. Reads: a missing or partly written
-file gives the default; a list entry that does not parse is skipped."""
+"""The run directory (DATA/runs/NAME) written down once: every file name, a frozen record per JSON file,
+one atomic read/write (DATA/.cluster's names are in clusterdir.py). Stdlib only: the trainer, supervisor
+and watchers on the nodes and fab on the laptop share it. protocol.py tabulates the files (writer,
+readers, format) for the docs. A record's from_json accepts what today's writer writes and keeps unknown
+keys in `extra` (to_json writes them back). Writes: temp file beside the target, fsync, os.replace.
+Reads: a missing or partly written file gives the default; a list entry that does not parse is skipped."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, TypeVar, Union
+
+from .clusterdir import BUSY_MARKER, NODE_JSON
 
 # ---------------------------------------------------------------- names: DATA/runs/NAME/...
 
@@ -47,9 +49,11 @@ HANG_STACKS = "hang-stacks-{n}"
 PROBES = "probes"  # probes/HOST
 CHECKPOINTS = "checkpoints"
 CHECKPOINT = "step_{step:08d}.pt"
+CHECKPOINT_GLOB = "step_*.pt"  # every step checkpoint, best.pt excluded
 BEST_CHECKPOINT = "best.pt"
 TENSORBOARD = "tensorboard"
 EVAL = "eval"
+EVAL_TEXT = "step_{step:08d}.{kind}.txt"  # eval/: a KIND (samples, translations) of the eval at STEP
 REPORT_MD = "report.md"
 PREDICTIONS = "predictions.json"  # fab report --verify: predicted vs measured pairs
 PHASES = "phases.jsonl"  # cluster_node.phases.Phase lines: where the wall-clock went (clusterops.goodput)
@@ -58,6 +62,8 @@ BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
 FETCHED = ".fetched"
 SEGMENTS = "segments.json"  # one entry per supervisor (a `fab train` launch or resume) that ended
+# What `fab fetch` takes besides a checkpoint and the last evals (remote._download_run, localdata).
+FETCHED_FILES = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, SCALING_PNG)
 
 # ---------------------------------------------------------------- names: DATA/runs/ beside the runs
 
@@ -66,25 +72,6 @@ CHECK_RUN = ".check"  # runs/.check: fab check's all-reduce run
 SCALE_DIR = "scale-{recipe}"  # runs/scale-RECIPE
 SCALE_JSON = "scale.json"
 SCALE_MD = "scale.md"
-
-# ---------------------------------------------------------------- names: DATA/.cluster/...
-
-CLUSTER = ".cluster"
-SSH_DIR = "ssh"
-SSH_LOCK = "ssh.lock"
-READY_DIR = "ready"  # ready/nodeN
-NODE_MARK = "node{rank}"
-HEARTBEAT_DIR = "heartbeat"  # heartbeat/nodeN.json
-AUTOSTOP_DIR = "autostop"  # autostop/nodeN.json
-NODE_JSON = "node{rank}.json"
-AUTOSTOP_LOG = "autostop.log"
-AUTOSTOP_NODE_LOG = "autostop-node{rank}.log"
-SPOT_NODE_LOG = "spot-node{rank}.log"
-BUSY_DIR = "busy"  # busy/HOST-PID.json
-BUSY_MARKER = "{host}-{pid}.json"
-LINK_JSON = "link.json"
-TRANSPORT_JSON = "transport.json"
-HEALTH_PROBE_FILE = "health.{host}.{pid}"
 
 STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)
@@ -111,9 +98,13 @@ def checkpoint(run: Path, step: int) -> Path:
     return run / CHECKPOINTS / CHECKPOINT.format(step=step)
 
 
-def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:
-    """DATA/.cluster/FOLDER/nodeN.json, FOLDER = HEARTBEAT_DIR or AUTOSTOP_DIR."""
-    return Path(data_dir) / CLUSTER / folder / NODE_JSON.format(rank=rank)
+def checkpoint_step(path: Path) -> Optional[int]:
+    """The step of a CHECKPOINT file; None for any other name (best.pt, a temp file)."""
+    stem, dot, ext = path.name.partition(".")
+    prefix = CHECKPOINT.split("{")[0]
+    digits = stem[len(prefix) :]
+    ok = stem.startswith(prefix) and digits.isdigit() and dot + ext == ".pt"
+    return int(digits) if ok else None
 
 
 # ---------------------------------------------------------------- atomic read/write

@@ -166,7 +166,7 @@ class Supervisor:
             return f"no training progress for {obs.stall} s", "hang"
         if obs.start_timeout:
             start = int(limits.start)
-            why = f"no training step within {start} s of the start (mpirun or the data load is stuck: see train.log)"
+            why = f"no training step within {start} s of the start (mpirun or the data load is stuck: see {rundir.TRAIN_LOG})"
             return why, "start"
         return None
 

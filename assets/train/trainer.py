@@ -343,7 +343,7 @@ class Trainer:
             eval_dir.mkdir(exist_ok=True)
             for kind, lines in texts.items():  # translation: hypotheses, references, sources
                 text = "".join(line + "\n" for line in lines)
-                rundir.write_bytes(eval_dir / f"step_{self.step:08d}.{kind}.txt", text.encode())
+                rundir.write_bytes(eval_dir / rundir.EVAL_TEXT.format(step=self.step, kind=kind), text.encode())
             measured = {k: v for k, v in result.items() if v is not None}  # synthetic data: nothing
             if measured:
                 self.log(

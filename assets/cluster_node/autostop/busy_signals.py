@@ -14,11 +14,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Optional
 
-from .. import rundir
+from .. import clusterdir, rundir, tools
 
 GPU_BUSY_PERCENT = 5.0
 STEP_WINDOW_S = 15 * 60  # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
@@ -90,15 +89,8 @@ def launched_run(data_dir: Path, now: float) -> tuple[bool, Optional[str]]:
 
 
 def _nvidia_smi(*query: str) -> list[list[str]]:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", *query, "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    code, out = tools.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], timeout=30)
+    if code != 0:
         return []
     return [[v.strip() for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
@@ -123,7 +115,7 @@ def gpu_processes() -> tuple[int, ...]:
 def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
     """Data-preparation markers refreshed in the last MARKER_FRESH_S (a killed prepare.py's goes stale)."""
     found = []
-    for marker in sorted((data_dir / rundir.CLUSTER / rundir.BUSY_DIR).glob("*.json")):
+    for marker in sorted((data_dir / clusterdir.CLUSTER / clusterdir.BUSY_DIR).glob("*.json")):
         try:
             if now - _mtime(marker) <= MARKER_FRESH_S:
                 found.append(json.loads(marker.read_text()).get("what", marker.stem))
@@ -151,15 +143,8 @@ def terminals(now: float, pts: Path = Path("/dev/pts"), window: float = ACTIVITY
 def ssh_connections(port: int) -> dict[str, int]:
     """Established TCP connections to `port` on this host -> bytes received from the peer so far
     (tcp_info's tcpi_bytes_received, which `ss -i` prints as bytes_received; absent while 0)."""
-    try:
-        out = subprocess.run(
-            ["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    code, out = tools.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], timeout=30)
+    if code != 0:
         return {}
     found: dict[str, int] = {}
     key = None

@@ -1,0 +1,31 @@
+"""DATA/.cluster, written down once: the cluster-wide files beside the runs (SSH identity, readiness
+marks, the idle watchdog's and Spot watcher's files, fab check's verdicts). rundir.py has the run directory;
+protocol.py tabulates both."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+CLUSTER = ".cluster"
+SSH_DIR = "ssh"
+SSH_LOCK = "ssh.lock"
+READY_DIR = "ready"  # ready/nodeN
+NODE_MARK = "node{rank}"
+HEARTBEAT_DIR = "heartbeat"  # heartbeat/nodeN.json
+AUTOSTOP_DIR = "autostop"  # autostop/nodeN.json
+NODE_JSON = "node{rank}.json"
+AUTOSTOP_LOG = "autostop.log"
+AUTOSTOP_NODE_LOG = "autostop-node{rank}.log"
+SPOT_NODE_LOG = "spot-node{rank}.log"
+BUSY_DIR = "busy"  # busy/HOST-PID.json
+BUSY_MARKER = "{host}-{pid}.json"
+LINK_JSON = "link.json"
+TRANSPORT_JSON = "transport.json"
+HEALTH_PROBE_FILE = "health.{host}.{pid}"
+
+
+def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:
+    """DATA/.cluster/FOLDER/nodeN.json, FOLDER = HEARTBEAT_DIR or AUTOSTOP_DIR."""
+    return Path(data_dir) / CLUSTER / folder / NODE_JSON.format(rank=rank)

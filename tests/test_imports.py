@@ -1,0 +1,144 @@
+"""The import graph, read from the source (AST), not from what happens to be imported: no cycle between
+modules, and no upward import. The node side (cluster_node) imports only the standard library and
+itself (boto3 in the idle watchdog); the trainer (train) may import cluster_node but nothing of the
+laptop (clusterops, fabfile) or the CDK app (stacks). (test_fabfile checks that no fab task module
+imports another.)"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGES = {"stacks": REPO / "stacks", "clusterops": REPO / "clusterops", "fabfile": REPO / "fabfile"}
+PACKAGES |= {"cluster_node": REPO / "assets" / "cluster_node", "train": REPO / "assets" / "train"}
+LAPTOP = {"stacks", "clusterops", "fabfile"}
+# The node side's imports beyond the standard library, each with why.
+NODE_LIBRARIES = {
+    # the idle watchdog stops the cluster's instances through EC2
+    ("cluster_node.autostop.watchdog", "boto3"),
+    # the health probe reports the torch, CUDA and NCCL the ranks will load (in a try: a broken torch is a finding)
+    ("cluster_node.probe", "torch"),
+}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the five packages and app.py."""
+    found = {"app": REPO / "app.py"}
+    for package, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = [package, *path.relative_to(root).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (never executed)."""
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            guarded |= {id(inner) for inner in ast.walk(node)}
+    return guarded
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """What module `name` imports (function-level imports too: they cycle at call time): the modules of
+    ours by dotted name, anything else by its top-level name."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skip = _type_checking_only(tree)
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            subs = {f"{base}.{alias.name}" for alias in node.names}
+            out |= {sub for sub in subs if sub in known} or {base}
+    return {_ours(target, known) for target in out}
+
+
+def _ours(target: str, known: dict[str, Path]) -> str:
+    """`target` itself when it is one of our modules, its longest known prefix when it names a name in
+    one of them, else its top-level name (a library)."""
+    parts = target.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in known:
+            return ".".join(parts[:end])
+    return parts[0]
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imported(name, path, known) - {name} for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in edges:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_and_resolves_relative_imports():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    known = modules()
+    hang = imported("cluster_node.hang", known["cluster_node.hang"], known)  # from . import rundir
+    watchdog = imported("cluster_node.autostop.watchdog", known["cluster_node.autostop.watchdog"], known)
+    assert "cluster_node.rundir" in hang and "cluster_node.clusterdir" in watchdog  # from .. import clusterdir
+    assert "clusterops.remote" in imported("clusterops.nodeprobe", known["clusterops.nodeprobe"], known)
+
+
+def test_no_import_cycle():
+    assert sys.getrecursionlimit() > len(modules())
+    found = cycles(graph())
+    assert not found, "import cycles (break each by moving the shared piece down):\n" + "\n".join(map(str, found))
+
+
+def test_no_upward_import():
+    libraries = set(sys.stdlib_module_names)
+    edges = graph()
+    assert all(target in edges[name] for name, target in NODE_LIBRARIES), "an allowance no longer needed"
+    bad = []
+    for name, targets in edges.items():
+        top = name.split(".")[0]
+        if top == "cluster_node":
+            bad += [f"{name} -> {t}" for t in targets if t.split(".")[0] not in libraries | {"cluster_node"}]
+        elif top == "train":
+            bad += [f"{name} -> {t}" for t in targets if t.split(".")[0] in LAPTOP]
+    bad = [line for line in bad if tuple(line.split(" -> ")) not in NODE_LIBRARIES]
+    assert not bad, "upward imports (the node side imports the standard library and itself):\n" + "\n".join(sorted(bad))
