@@ -166,7 +166,8 @@ class Supervisor:
             return f"no training progress for {obs.stall} s", "hang"
         if obs.start_timeout:
             start = int(limits.start)
-            why = f"no training step within {start} s of the start (mpirun or the data load is stuck: see {rundir.TRAIN_LOG})"
+            stuck = f"mpirun or the data load is stuck: see {rundir.TRAIN_LOG}"
+            why = f"no training step within {start} s of the start ({stuck})"
             return why, "start"
         return None
 
