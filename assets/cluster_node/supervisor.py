@@ -116,7 +116,9 @@ class Supervisor:
 
     def launch(self) -> None:
         self.attempts += 1
-        self.log(f"launcher: starting on {socket.gethostname()}: {shlex.join(self.spec.argv())}")
+        self.log(self.spec.summary())
+        # The whole line goes to launcher.log (this process's output) and stays rebuildable from specs/.
+        print(f"{now_iso(self.clock())} attempt {self.spec.attempt}: {shlex.join(self.spec.argv())}", flush=True)
         for name in (rundir.RANKS, rundir.STACKS):
             _remove_tree(self.run / name)
             (self.run / name).mkdir()
@@ -139,7 +141,8 @@ class Supervisor:
     def _watchdog(self, obs: Observation) -> Optional[tuple[str, str]]:
         limits = self.spec.limits
         if obs.unreachable:
-            return f"node {obs.unreachable} unreachable for {int(limits.unreachable * limits.poll)}+ s", "unreachable"
+            silent = int(limits.unreachable * limits.poll)
+            return f"{self.spec.name(obs.unreachable)} unreachable (no ssh answer for {silent}+ s)", "unreachable"
         if obs.hang:
             self.nodes.collect_stacks(self.spec.hosts)
             evidence = hang.record(self.run, self.clock())
@@ -175,7 +178,12 @@ class Supervisor:
                 self.resume = shlex.join(self.spec.resume) if self.spec.resume else None
             self.reason = _last(self.run, re.compile(r"run ended at step.*"))
             return State.FINISHED
-        self.reason, self.kind = _last(self.run, _ERROR), "died"
+        lost = [h for h in self.spec.hosts if h in self.unreached]  # the clean-up's ssh did not get through
+        if lost:
+            self.kind = "unreachable"
+            self.reason = f"{self.spec.names_of(lost)} unreachable (mpirun exited with {code})"
+        else:
+            self.reason, self.kind = _last(self.run, _ERROR), "died"
         return State.RESTARTING if self.spec.limits.max_restarts > 0 else State.FAILED
 
     def stopping(self) -> State:
