@@ -43,6 +43,7 @@ def test_a_lost_node_is_named_with_the_lost_steps_and_follow_shows_no_open_mpi_n
         follow.kill()
     print(f"follow ended {time.monotonic() - killed:.1f} s after the kill; {len(out.splitlines())} lines:\n{out}")
     log = (trio.run_dir("lost") / "train.log").read_text()
+    print("\n".join(line for line in log.splitlines() if line.startswith(("checkpoint /", "summary:"))))
     assert follow.returncode == 0, out
     assert "node2 unreachable" in out
     assert "steps since the start" in out and "checkpoints every 100 steps" in out
