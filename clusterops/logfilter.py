@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-_DASHES = re.compile(r"^-{20,}\s*$")  # Open MPI's show_help frame
+# Open MPI's show_help frame: 74 dashes before and after (open-mpi/ompi opal/util/show_help.c, dash_line)
+_DASHES = re.compile(r"^-{20,}\s*$")
 _NOISE = re.compile(
     r"^(\[rank\d+\]:|\[[\w.-]+:\d+\]|Traceback \(most recent call last\)|Connection to \S+ closed"
     r"|mpirun noticed|Primary job\s+terminated|prterun |\s*$)"
