@@ -1,7 +1,8 @@
 """The run's supervisor on the head node: `python -m cluster_node.supervisor RUN_DIR`, started detached by
 `fab train` after it wrote RUN_DIR/spec.json. One loop, observe -> decide -> act (the shape of
 torchelastic's SimpleElasticAgent._invoke_run), over the states below; mpirun is its child. It logs to
-train.log (`launcher:` and `watchdog:` lines) and writes run-status.json: `state` stays running/finished/
+train.log (`launcher:`, `watchdog:` and one short `mpirun:` line per attempt; the whole mpirun line goes
+to its own output, launcher.log) and writes run-status.json: `state` stays running/finished/
 failed for its readers, `live` carries the State while it runs.
 
 A Spot notice for the node the supervisor itself runs on (design §3.4): never relaunch from it. The trainer
