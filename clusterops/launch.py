@@ -195,6 +195,7 @@ def run_spec(
     values = dict(run="", attempt=1, supervisor_host=inventory.head.private_ip, pool=hosts)
     values.update(ssh_config=inventory.cluster_ssh_config, active_file=active_file(inventory))
     values.update(python=inventory.python, process_env=dict(LAUNCH_ENVIRONMENT))
+    values.update(names={node.private_ip: node.name for node in inventory.nodes})
     return RunSpec(
         **{**values, **more},
         hosts=hosts,

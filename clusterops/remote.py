@@ -20,7 +20,7 @@ from fabric import Connection
 
 from cluster_node import rundir
 
-from . import health, launch, nodecmd
+from . import health, launch, logfilter, nodecmd
 from .inventory import Inventory, Node
 
 q = shlex.quote
@@ -337,16 +337,19 @@ def follow_log(
     return the run status. on_progress(progress.json) is called on each poll while following."""
     deadline = (time.monotonic() + timeout) if timeout else None
     log = f"{run_dir}/{rundir.TRAIN_LOG}"
+    # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
+    shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
     while True:
         status = read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}", strict=True) or {}
         if on_progress and follow:
             on_progress(read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {})
         chunk = sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
         if chunk:
-            out.write(chunk)
+            out.write(shown.feed(chunk) if shown else chunk)
             out.flush()
             offset += len(chunk.encode())
         if not follow or status.get("state") not in (None, "running"):
+            out.write(shown.flush() if shown else "")
             return status
         if deadline and time.monotonic() > deadline:
             raise RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")

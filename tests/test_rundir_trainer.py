@@ -83,3 +83,25 @@ def test_the_busy_marker_is_what_prepare_writes(tmp_path):
         marker = rundir.read_record(path, rundir.BusyMarker)
     assert marker is not None and marker.what == "prepare.py numbers"
     assert marker.to_json() == {"what": marker.what, "time": marker.time}
+
+
+def test_progress_is_refreshed_every_few_seconds_between_log_steps_without_a_collective(tmp_path):
+    """fab status read a step and an ETA up to log_every steps old (25 s on the demo): rank 0 now rewrites
+    progress.json from its own clock at least every REFRESH_S, keeping the last logged loss and breakdown
+    (no all-reduce: a callback, rank 0 only)."""
+    now = [1000.0]
+    writer = callbacks.ProgressFile(tmp_path, max_steps=100, world_size=2, clock=lambda: now[0])
+    path = tmp_path / rundir.PROGRESS
+    writer.on_progress(10, dict(loss=2.5, avg_step_time_s=0.5, breakdown={"data_s": 0.01}, elapsed_s=5.0, eta_s=45.0))
+    written = []
+    for step in range(11, 30):
+        now[0] += 0.5
+        writer.on_step(step)
+        record = rundir.read_record(path, rundir.Progress)
+        assert record is not None
+        written.append(record.step)
+        assert now[0] - record.time <= callbacks.REFRESH_S  # never older than that
+    record = rundir.read_record(path, rundir.Progress)
+    assert record.step == written[-1] > 25 and record.loss == 2.5 and record.breakdown == {"data_s": 0.01}
+    assert record.eta_s == (100 - record.step) * 0.5 and record.elapsed_s == 5.0 + (record.time - 1000.0)
+    assert len(set(written)) <= 19 * 0.5 / callbacks.REFRESH_S + 1  # a write every REFRESH_S, not every step

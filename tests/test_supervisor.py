@@ -11,7 +11,7 @@ from typing import Optional
 
 from supervisor_fixture import write_spec
 
-from cluster_node import rundir, spec
+from cluster_node import restart_plan, rundir, spec
 from cluster_node.observe import Observation
 from cluster_node.supervisor import State, Supervisor
 
@@ -78,6 +78,7 @@ class Script:
 
 def _supervisor(tmp_path: Path, exits, script: Script, restarts: int = 0, then_stop: bool = False):
     run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"], max_restarts=restarts)
+    run_spec = spec.RunSpec(**{**run_spec.__dict__, "names": {"h1": "node0", "h2": "node1"}})
     if then_stop:
         run_spec = spec.RunSpec(**{**run_spec.__dict__, "then_stop": spec.ThenStop(("stop",))})
     (tmp_path / "active").write_text(f"{tmp_path}\n")
@@ -136,7 +137,11 @@ def test_row6_11_14_a_lost_node_ends_the_attempt_and_the_run_goes_on_without_it(
     assert (tmp_path / "specs" / "attempt-1.json").exists() and (tmp_path / "specs" / "attempt-2.json").exists()
     [restart] = json.loads((tmp_path / "restarts.json").read_text())
     assert restart["dropped"] == {"h2": "unreachable"} and restart["resume_step"] == 30
-    assert "watchdog: node h2 unreachable for 2+ s; restart 1/1" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "watchdog: node1 unreachable (no ssh answer for 2+ s); restart 1/1 on 1 node(s) node0 from step 30" in log
+    assert "dropped node1 (unreachable)" in log and "{" not in log
+    [shown] = restart_plan.history_lines([restart])
+    assert "resumed from step 30 on 1 node(s) node0, dropped node1" in shown
     assert _status(tmp_path)["state"] == "finished" and ("cleanup", "h2") in nodes.calls
 
 
@@ -237,3 +242,35 @@ def test_row17_then_stop_runs_before_the_final_status(tmp_path):
     sup.run_all()
     [(_, status_then)] = [c for c in nodes.calls if c[0] == "then_stop"]
     assert json.loads(status_then)["state"] == "running" and _status(tmp_path)["state"] == "finished"
+
+
+def test_a_launch_logs_one_short_line_with_the_node_names_and_the_whole_mpirun_line_elsewhere(tmp_path, capsys):
+    sup, _, _ = _supervisor(tmp_path, [None], Script())
+    sup.launch()
+    log = (tmp_path / "train.log").read_text()
+    assert log.endswith(" mpirun: 2 ranks on node0,node1 (spec attempt 1)\n") and "mpirun --allow" not in log
+    assert "attempt 1: mpirun --allow-run-as-root -np 2 -H h1:1,h2:1" in capsys.readouterr().out  # launcher.log
+
+
+def test_a_died_attempt_with_a_node_the_cleanup_cannot_reach_names_that_node(tmp_path):
+    sup, _, nodes = _supervisor(tmp_path, [1], Script(), restarts=1)
+    nodes.cleanup = lambda host: host != "h2"
+    (tmp_path / "train.log").write_text("[rank0]: RuntimeError: gloo ... Connection reset by peer\n")
+    sup.launch()
+    assert sup.step() == State.RESTARTING
+    assert (sup.reason, sup.kind) == ("node1 unreachable (mpirun exited with 1)", "unreachable")
+
+
+def test_the_restart_line_says_what_was_lost_since_the_start_and_why(tmp_path):
+    sup, _, _ = _supervisor(tmp_path, [None], Script(Observation(NOW, unreachable="h2")), restarts=1)
+    sup.launch()
+    (tmp_path / "checkpoints" / "step_00000030.pt").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1, "checkpoint_every": 100}))
+    (tmp_path / "ranks" / "rank0").write_text("55 1 n0\n")
+    (tmp_path / "ranks" / "rank1").write_text("54 2 n1\n")
+    for expected in (State.STOPPING, State.RESTARTING, State.STARTING):
+        sup.state = sup.step()
+        assert sup.state == expected
+    line = (tmp_path / "train.log").read_text().splitlines()[-2]
+    assert "restart 1/1 on 2 node(s) node0 node1 from the start (lost 55 steps since the start: the recipe" in line
+    assert "checkpoints every 100 steps)" in line

@@ -413,3 +413,16 @@ def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp
         line,
     ), line
     assert not (tmp_path / "runs" / ".check").exists()
+
+
+def test_a_checkpoint_at_least_every_n_minutes_besides_the_step_interval(numbers_data, tmp_path):
+    """--checkpoint-minutes bounds the lost work in time: 0.001 min (60 ms) on two ranks with a step interval
+    (1000) the run never reaches. Rank 0's clock decides; the step's existing flag all-reduce carries it."""
+    args = ["--max-steps", "12", "--batch-per-gpu", "4", "--keep-checkpoints", "100", "--checkpoint-minutes", "0.001"]
+    result = train(numbers_data, tmp_path, *args, procs=2)
+    steps = [int(p.name[5:13]) for p in checkpoint.list_steps(tmp_path)]
+    assert len(steps) >= 4 and steps[-1] == 12, (steps, result.stdout[-2000:])
+    assert re.search(r"checkpoint \S+step_00000012\.pt \(\d+\.\d MB in \d+\.\d\d s\)", result.stdout)
+    bad = train(numbers_data, tmp_path / "bad", "--checkpoint-minutes", "-1", check=False)
+    refusal = "error: invalid --checkpoint-minutes -1.0: 0 (steps only) or a positive number of minutes\n"
+    assert bad.returncode == 2 and bad.stderr == refusal

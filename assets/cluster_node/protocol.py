@@ -65,7 +65,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.LAUNCHER_PID, "the supervisor's pid on the head node", "supervisor", "fab (kill -0 on the head)"),
     _run(rd.MPIRUN_PID, "pid on the head node", "supervisor", "fab stop --force"),
     _run(rd.TRAIN_LOG, "text, appended", "mpirun, supervisor, spotwatch", "fab logs/fetch, supervisor"),
-    _run(rd.LAUNCHER_LOG, "text", "the supervisor's own output", "people"),
+    _run(rd.LAUNCHER_LOG, "text", "the supervisor's own output: each attempt's whole mpirun line", "people"),
     _run(rd.PROBE_SH, "one line: python -m cluster_node.probe", "fab train (upload)", "supervisor (ssh HOST bash -s)"),
     _run(
         f"{rd.RANKS}/{rd.RANK_BEAT}", "`STEP PID HOST` (RankBeat); mtime", "train.callbacks (every rank)", _SUPERVISOR

@@ -19,6 +19,35 @@ def last_checkpoint_step(run: Path) -> Optional[int]:
     return max((step for step in steps if step is not None), default=None)
 
 
+def last_step(run: Path) -> Optional[int]:
+    """The attempt's last finished step: the newest rank heartbeat (progress.json lags by up to log_every)."""
+    steps = []
+    for path in (run / rundir.RANKS).glob("rank*"):
+        try:
+            steps.append(rundir.RankBeat.from_text(path.read_text()).step)
+        except (OSError, rundir.RecordError):
+            continue
+    progress = rundir.read_record(run / rundir.PROGRESS, rundir.Progress)
+    return max(steps) if steps else (progress.step if progress else None)
+
+
+def resumes_from(step: Optional[int]) -> str:
+    return "the start" if step is None else f"step {step}"
+
+
+def lost_work(run: Path, resume_step: Optional[int]) -> str:
+    """What a restart from `resume_step` loses, and why: "lost 55 steps since the start: the recipe
+    checkpoints every 100 steps"."""
+    config = rundir.read_json(run / rundir.CONFIG, {}) or {}
+    every, minutes = config.get("checkpoint_every"), config.get("checkpoint_minutes")
+    last = last_step(run)
+    lost = "no steps" if last is None else f"{max(0, last - (resume_step or 0))} steps"
+    since = "the start" if resume_step is None else f"the checkpoint at step {resume_step}"
+    bound = f"the recipe checkpoints every {every} steps" if every else "no checkpoint interval known"
+    bound += f" or {minutes:g} minutes" if minutes else ""
+    return f"lost {lost} since {since}: {bound}"
+
+
 def rebalance(global_batch: int, ranks: int, max_per_rank: int) -> Optional[tuple[int, int]]:
     """(batch per rank, accumulation) giving `global_batch` over `ranks` with micro-batches of at
     most `max_per_rank`; None when the global batch does not split evenly over the ranks."""
@@ -113,8 +142,9 @@ def plan(run: Path, spec: RunSpec, kind: str, reason: str, since: float = 0.0, n
             verdicts[host] = [*verdicts.get(host, []), notice_line(entry)]
     healthy = tuple(h for h in spec.pool if not verdicts.get(h))
     dropped = {h: "; ".join(verdicts[h]) for h in spec.pool if verdicts.get(h)}
+    named = ", ".join(f"{spec.name(h)} ({why})" for h, why in dropped.items())
     if len(healthy) < spec.limits.min_nodes:
-        return Plan(f"{len(healthy)} healthy node(s) left, --min-nodes {spec.limits.min_nodes} (dropped: {dropped})")
+        return Plan(f"{len(healthy)} healthy node(s) left, --min-nodes {spec.limits.min_nodes} (dropped: {named})")
     split = rebalance(global_batch, len(healthy) * spec.slots, max_per_rank)
     if split is None:
         return Plan(f"the global batch {global_batch} does not split evenly over {len(healthy) * spec.slots} ranks")
@@ -131,21 +161,27 @@ def plan(run: Path, spec: RunSpec, kind: str, reason: str, since: float = 0.0, n
         batch_per_gpu=split[0],
         grad_accum=split[1],
         max_batch_per_gpu=max_per_rank,
+        names={h: spec.name(h) for h in spec.pool} if spec.names else None,
     )
+    start, lost = resumes_from(record.resume_step), lost_work(run, record.resume_step)
     line = (
-        f"restart {len(history) + 1}/{allowed} on {len(healthy)} node(s) {' '.join(healthy)} from step "
-        f"{record.resume_step}, batch {split[0]}/rank x accumulation {split[1]} (global {global_batch})"
-        + (f"; dropped {dropped}" if dropped else "")
+        f"restart {len(history) + 1}/{allowed} on {len(healthy)} node(s) {spec.names_of(healthy, ' ')} from {start} "
+        f"({lost}); batch {split[0]}/rank x accumulation {split[1]} (global {global_batch})"
+        + (f"; dropped {named}" if dropped else "")
     )
     return Plan(line, spec.restart(healthy, Batch(split[0], split[1], global_batch)), record)
 
 
 def history_lines(restarts: list[dict]) -> list[str]:
-    """restarts.json for people: one line per restart."""
-    return [
-        f"  restart {i}: {r['time']} {r['kind']}: {r['reason'][:160]}; resumed at step {r['resume_step']} on "
-        f"{len(r['nodes_after'])} node(s) {' '.join(r['nodes_after'])}"
-        + (f", dropped {', '.join(r['dropped'])}" if r["dropped"] else "")
-        + (f", rejoined {', '.join(r['rejoined'])}" if r["rejoined"] else "")
-        for i, r in enumerate(restarts, 1)
-    ]
+    """restarts.json for people: one line per restart, nodes by their inventory names where recorded."""
+    lines = []
+    for i, r in enumerate(restarts, 1):
+        names = r.get("names") or {}
+        after, dropped, rejoined = ([names.get(h, h) for h in r[key]] for key in ("nodes_after", "dropped", "rejoined"))
+        lines.append(
+            f"  restart {i}: {r['time']} {r['kind']}: {r['reason'][:160]}; resumed from "
+            f"{resumes_from(r['resume_step'])} on {len(after)} node(s) {' '.join(after)}"
+            + (f", dropped {', '.join(dropped)}" if dropped else "")
+            + (f", rejoined {', '.join(rejoined)}" if rejoined else "")
+        )
+    return lines

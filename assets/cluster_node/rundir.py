@@ -275,6 +275,7 @@ class Restart(Record):
     batch_per_gpu: int = _key("int", required=True)
     grad_accum: int = _key("int", required=True)
     max_batch_per_gpu: int = _key("int", required=True)
+    names: Optional[Mapping[str, str]] = _key("dict")  # host -> the inventory's name (node2), for people
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,18 @@ class RunSpec:
     batch: Optional[Batch] = None
     then_stop: Optional[ThenStop] = None
     budget: Optional[Budget] = None
+    names: Mapping[str, str] = field(default_factory=dict)  # host -> the inventory's name (node2), for people
+
+    def name(self, host: str) -> str:
+        return self.names.get(host, host)
+
+    def names_of(self, hosts, sep: str = ",") -> str:
+        return sep.join(self.name(host) for host in hosts)
+
+    def summary(self) -> str:
+        """The launch in one line for people (train.log); argv() is the whole line."""
+        ranks = len(self.hosts) * self.slots
+        return f"mpirun: {ranks} ranks on {self.names_of(self.hosts)} (spec attempt {self.attempt})"
 
     def argv(self) -> list[str]:
         """mpirun -np RANKS -H host:slots,... OPTIONS -x K=V ... PROGRAM [batch flags]."""

@@ -1,7 +1,8 @@
 """The run's supervisor on the head node: `python -m cluster_node.supervisor RUN_DIR`, started detached by
 `fab train` after it wrote RUN_DIR/spec.json. One loop, observe -> decide -> act (the shape of
 torchelastic's SimpleElasticAgent._invoke_run), over the states below; mpirun is its child. It logs to
-train.log (`launcher:` and `watchdog:` lines) and writes run-status.json: `state` stays running/finished/
+train.log (`launcher:`, `watchdog:` and one short `mpirun:` line per attempt; the whole mpirun line goes
+to its own output, launcher.log) and writes run-status.json: `state` stays running/finished/
 failed for its readers, `live` carries the State while it runs.
 
 A Spot notice for the node the supervisor itself runs on (design §3.4): never relaunch from it. The trainer
@@ -125,7 +126,9 @@ class Supervisor:
 
     def launch(self) -> None:
         self.attempts += 1
-        self.log(f"launcher: starting on {socket.gethostname()}: {shlex.join(self.spec.argv())}")
+        self.log(self.spec.summary())
+        # The whole line goes to launcher.log (this process's output) and stays rebuildable from specs/.
+        print(f"{now_iso(self.clock())} attempt {self.spec.attempt}: {shlex.join(self.spec.argv())}", flush=True)
         for name in (rundir.RANKS, rundir.STACKS):
             _remove_tree(self.run / name)
             (self.run / name).mkdir()
@@ -153,7 +156,8 @@ class Supervisor:
     def _watchdog(self, obs: Observation) -> Optional[tuple[str, str]]:
         limits = self.spec.limits
         if obs.unreachable:
-            return f"node {obs.unreachable} unreachable for {int(limits.unreachable * limits.poll)}+ s", "unreachable"
+            silent = int(limits.unreachable * limits.poll)
+            return f"{self.spec.name(obs.unreachable)} unreachable (no ssh answer for {silent}+ s)", "unreachable"
         if obs.hang:
             self.nodes.collect_stacks(self.spec.hosts)
             evidence = hang.record(self.run, self.clock())
@@ -193,7 +197,12 @@ class Supervisor:
                 step = restart_plan.last_checkpoint_step(self.run)
                 self.reason, self.kind = f"{self.budget_line}; checkpoint step {step}", "budget"
             return State.FINISHED
-        self.reason, self.kind = _last(self.run, _ERROR), "died"
+        lost = [h for h in self.spec.hosts if h in self.unreached]  # the clean-up's ssh did not get through
+        if lost:
+            self.kind = "unreachable"
+            self.reason = f"{self.spec.names_of(lost)} unreachable (mpirun exited with {code})"
+        else:
+            self.reason, self.kind = _last(self.run, _ERROR), "died"
         return State.RESTARTING if self.spec.limits.max_restarts > 0 else State.FAILED
 
     def stopping(self) -> State:

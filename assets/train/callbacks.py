@@ -4,13 +4,14 @@ cluster_node.rundir's."""
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import os
 import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from cluster_node import phases, rundir
 
@@ -42,18 +43,35 @@ class RankHeartbeat(Callback):
         self.path.write_text(rundir.RankBeat(step, self.pid, self.host).to_text())
 
 
-class ProgressFile(Callback):
-    """RUN_DIR/progress.json (rank 0's callback): the latest logged step, and the end record."""
+REFRESH_S = 2.0  # progress.json is never older than this while steps finish (fab status reads it)
 
-    def __init__(self, run_dir: Path, max_steps: int, world_size: int):
+
+class ProgressFile(Callback):
+    """RUN_DIR/progress.json (rank 0's callback): the latest logged step, and the end record; between log
+    steps, at most every REFRESH_S, the current step with the last logged values (loss, breakdown) and
+    the ETA from the logged step time. From rank 0's own clock: no collective, one small atomic write."""
+
+    def __init__(self, run_dir: Path, max_steps: int, world_size: int, clock: Callable[[], float] = time.time):
         self.path = Path(run_dir) / rundir.PROGRESS
-        self.max_steps, self.world_size = max_steps, world_size
+        self.max_steps, self.world_size, self.clock = max_steps, world_size, clock
+        self.last: Optional[rundir.Progress] = None
 
     def on_progress(self, step: int, values: dict[str, Any]) -> None:
         record = rundir.Progress(
-            step=step, max_steps=self.max_steps, time=time.time(), world_size=self.world_size, **values
+            step=step, max_steps=self.max_steps, time=self.clock(), world_size=self.world_size, **values
         )
         rundir.write_record(self.path, record)
+        self.last = record
+
+    def on_step(self, step: int) -> None:
+        last, now = self.last, self.clock()
+        if last is None or last.time is None or last.ended or step <= last.step or now - last.time < REFRESH_S:
+            return
+        eta = (self.max_steps - step) * last.avg_step_time_s if last.avg_step_time_s else last.eta_s
+        elapsed = last.elapsed_s + (now - last.time) if last.elapsed_s is not None else None
+        record = dataclasses.replace(last, step=step, time=now, eta_s=eta, elapsed_s=elapsed)
+        rundir.write_record(self.path, record)
+        self.last = record
 
 
 class PhaseMarks(Callback):

@@ -102,6 +102,7 @@ class TrainConfig:
     eval_batch: int = 64
     beam: int = 1
     checkpoint_every: int = 2000
+    checkpoint_minutes: float = 30.0  # and at least this often (0: off); docs/operations.md, When nodes fail
     keep_checkpoints: int = 3
     bucket_cap_mb: float = 25.0
     dist_timeout_s: float = 300.0
@@ -129,6 +130,8 @@ class TrainConfig:
         _check(self.warmup_steps > 0, "warmup_steps", self.warmup_steps, "a positive whole number")
         _check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", self.label_smoothing, "in [0, 1)")
         _check(self.clip_grad >= 0, "clip_grad", self.clip_grad, "0 (off) or a positive number")
+        minutes = self.checkpoint_minutes
+        _check(minutes >= 0, "checkpoint_minutes", minutes, "0 (steps only) or a positive number of minutes")
         for name in (
             "log_every",
             "eval_every",
@@ -230,6 +233,7 @@ RESUMABLE_CHANGES = {
     "eval_samples",
     "eval_batch",
     "checkpoint_every",
+    "checkpoint_minutes",
     "keep_checkpoints",
     "dist_timeout_s",
     "target_metric",

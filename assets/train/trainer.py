@@ -58,7 +58,9 @@ class Trainer:
         self.resumed_from = None
         self.stop_requested = False
         self.urgent_stop = False
+        self.checkpoint_due = False  # rank 0's time bound, agreed through the step's flag all-reduce
         self.fit_started = time.time()
+        self.last_save = time.monotonic()
         self._resume()
         self.timer = breakdown.StepTimer(breakdown.clock_for(device))
         self.wire = breakdown.AllReduceCounter()
@@ -154,9 +156,16 @@ class Trainer:
     def save(self, best: bool = False) -> None:
         if self.info.is_main:
             start = time.time()
+            began = time.perf_counter()
             path = checkpoint.save(self.run_dir, self.step, self._state(), self.config.keep_checkpoints, best=best)
-            self.log(f"checkpoint {path}")
+            self.log(f"checkpoint {path} ({checkpoint.size_mb(path):.1f} MB in {time.perf_counter() - began:.2f} s)")
             self._interval("checkpoint", start)
+        self.last_save = time.monotonic()
+
+    def _time_bound(self) -> bool:
+        """Rank 0: the newest checkpoint is older than --checkpoint-minutes."""
+        minutes = self.config.checkpoint_minutes
+        return self.info.is_main and minutes > 0 and time.monotonic() - self.last_save >= minutes * 60
 
     def _interval(self, event: str, start: float) -> None:
         for callback in self.callbacks:
@@ -176,10 +185,11 @@ class Trainer:
         stop_file = self.run_dir / rundir.STOP
         if self.info.is_main and stop_file.exists():
             stop, urgent = True, _urgent(stop_file)
-        counts = torch.zeros(3, device=self.device)  # units (exact below 2**24), stop, stop without eval
+        # units (exact below 2**24), stop, stop without eval, checkpoint due (rank 0 decides each flag)
+        counts = torch.zeros(4, device=self.device)
         for batch in batches:
             counts[0] += self.task.units(batch)
-        counts[1], counts[2] = float(stop), float(urgent)
+        counts[1], counts[2], counts[3] = float(stop), float(urgent), float(self._time_bound())
         # Summed while the first forward runs; waited for only where the loss needs the global units.
         wait_counts = distributed.start_all_reduce_sum(counts)
         flags = None
@@ -215,8 +225,8 @@ class Trainer:
         self.timer.current["payload_bytes"] = self.wire.take()
         self.timer.end()
         assert flags is not None, "a step has at least one micro-batch"
-        _, stop_votes, urgent_votes = flags.values()
-        self.urgent_stop = urgent_votes > 0
+        _, stop_votes, urgent_votes, due_votes = flags.values()
+        self.urgent_stop, self.checkpoint_due = urgent_votes > 0, due_votes > 0
         return total, units, stop_votes > 0
 
     def _flush_losses(self, pending: list) -> float | None:
@@ -268,7 +278,7 @@ class Trainer:
                 self.best = max(self.best, score) if score is not None else self.best
                 reached = c.target_metric is not None and score is not None and score >= c.target_metric
                 self.save(best=improved)
-            elif self.step % c.checkpoint_every == 0:
+            elif self.step % c.checkpoint_every == 0 or self.checkpoint_due:
                 self.save()
             if stop:
                 ended = "stop requested" + (" (checkpoint now, no eval)" if self.urgent_stop else "")
