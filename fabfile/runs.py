@@ -121,6 +121,7 @@ def train(
 def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follow: bool) -> None:
     """A run that exists resumes with its saved settings (`given`: the flags typed, which may differ);
     the trainer's flags are checked with its own parser before anything starts."""
+    inv.select(request.nodes, request.exclude)  # a bad --nodes/--exclude: one line, before connecting
     with head(inv) as conn:
         saved = resume.saved(conn, inv, request.run_name)
         request = resume.resumed(request, given, saved, inv) if saved else request

@@ -64,6 +64,7 @@ NOT_THE_TRAINERS = {
     "test_image": "reads the Dockerfile and the launch scripts",
     "test_launch": "builds mpirun lines; parses trainer flags only",
     "test_restarts": "the supervisor's decisions on recorded facts",
+    "test_lifecycle": "the laptop parses trainer flags with train.config only; the supervisor runs a stand-in",
     # Run the trainer, but what they add under 2.6 is covered by listed modules, and the phase's time
     # is the suite's: the same 2-rank trainer (test_training) and image pipeline (test_imagepipe).
     "test_real_text": "real-text learning runs (~90 s): the trainer's 2-rank runs are test_training's",
