@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import paramiko
 from fabric import Connection
 
-from . import health, launch, nodecmd
+from . import health, launch, nodecmd, terminal
 from .inventory import Inventory, Node
 
 q = shlex.quote
@@ -139,18 +139,7 @@ def detect_interface(connection: Connection, node: Node) -> str:
 def node_status(connection: Connection, inventory: Inventory, node: Node) -> dict:
     command = nodecmd.node_command(inventory, "node_status", "--data", inventory.data_dir, "--name", node.name)
     found = json.loads(sh(connection, command).strip().splitlines()[-1])
-    rows = found["gpus"]
-    if rows is None:
-        gpu_text = "none (CPU)"
-    else:
-        gpu_text = f"{len(rows)}: " + " ".join(f"{u}% {m}/{t}MiB" for u, m, t in rows)
-    return {
-        "bootstrap": "yes" if found["ready"] else "no",
-        "container": "up",
-        "data": "yes" if found["mounted"] else "no",
-        "gpus": gpu_text,
-        "training": f"{found['training']} rank(s)" if found["training"] else "no",
-    }
+    return {**terminal.status_row(found), "deploy_timeline": found.get("deploy")}
 
 
 def sample_node(

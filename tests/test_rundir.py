@@ -15,7 +15,7 @@ import pytest
 from supervisor_fixture import write_spec
 from test_launch import inventory
 
-from cluster_node import hang, protocol, restart_plan, rundir, spec, spotwatch
+from cluster_node import clusterdir, hang, protocol, restart_plan, rundir, spec, spotwatch
 from cluster_node.autostop import watchdog as autostop
 from cluster_node.supervisor import Supervisor
 from clusterops import launch
@@ -149,7 +149,7 @@ def test_interruptions_read_what_spotwatch_records_and_append_keeps_its_shape(tm
 
 def test_node_heartbeats_read_what_autostop_shares(tmp_path):
     autostop.share(tmp_path, "2", 123.5, ["run r: step moved"])
-    path = rundir.node_json(tmp_path, rundir.HEARTBEAT_DIR, 2)
+    path = clusterdir.node_json(tmp_path, clusterdir.HEARTBEAT_DIR, 2)
     beat = rundir.read_record(path, rundir.NodeHeartbeat)
     assert beat == rundir.NodeHeartbeat(time=123.5, busy=("run r: step moved",))
     assert beat.to_json() == json.loads(path.read_text())
@@ -197,9 +197,9 @@ def test_writes_are_atomic_and_leave_no_temp_file_behind(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [rundir.RUN_STATUS]
 
 
-def test_the_protocol_table_lists_every_name_the_module_defines():
+def test_the_protocol_table_lists_every_name_the_modules_define():
     table = protocol.protocol_table()
-    names = {k: v for k, v in vars(rundir).items() if k.isupper() and isinstance(v, str)}
+    names = {k: v for m in (rundir, clusterdir) for k, v in vars(m).items() if k.isupper() and isinstance(v, str)}
     names.pop("URGENT_STOP_WORD")  # a word in STOP, not a file
     assert len(names) > 40
     missing = [k for k, v in names.items() if v not in table]

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import rundir
+from . import clusterdir
 from .tools import have, is_mountpoint, run
 
 XID = re.compile(r"NVRM: Xid \([^)]*\): ([0-9]+)")
@@ -72,7 +72,7 @@ def dcgm() -> str:
 
 def writable(data: Path) -> bool:
     """Write, then remove, a file of this probe's own under DATA/.cluster."""
-    probe = data / rundir.CLUSTER / rundir.HEALTH_PROBE_FILE.format(host=socket.gethostname(), pid=os.getpid())
+    probe = data / clusterdir.CLUSTER / clusterdir.HEALTH_PROBE_FILE.format(host=socket.gethostname(), pid=os.getpid())
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("ok\n")

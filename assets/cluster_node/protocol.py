@@ -1,11 +1,12 @@
-"""The run protocol as a table: every file of rundir.py, its writer, readers and format. protocol_table()
-renders it for docs/architecture.md."""
+"""The run protocol as a table: every file of rundir.py and clusterdir.py, its writer, readers and format.
+protocol_table() renders it for docs/architecture.md."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from . import clusterdir as cd
 from . import rundir as rd
 
 
@@ -107,22 +108,25 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_JSON}", "JSON", "fab scale", "fab scale"),
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_MD}", "Markdown", "fab scale", "people"),
     _at(
-        "cluster", rd.SSH_DIR, "the cluster's SSH identity", "cluster-identity.sh", "entrypoint.sh, mpirun, supervisor"
+        "cluster", cd.SSH_DIR, "the cluster's SSH identity", "cluster-identity.sh", "entrypoint.sh, mpirun, supervisor"
     ),
-    _at("cluster", rd.SSH_LOCK, "flock", "cluster-identity.sh", "cluster-identity.sh"),
-    _at("cluster", f"{rd.READY_DIR}/{rd.NODE_MARK}", "empty marker", "node-bootstrap.sh", "node_status (fab status)"),
-    _at("cluster", f"{rd.HEARTBEAT_DIR}/{rd.NODE_JSON}", "JSON NodeHeartbeat", "autostop", "autostop (the others)"),
-    _at("cluster", f"{rd.AUTOSTOP_DIR}/{rd.NODE_JSON}", "JSON idle_state.IdleState", "autostop", "autostop"),
-    _at("cluster", rd.AUTOSTOP_LOG, "text", "autostop", "people"),
-    _at("cluster", rd.AUTOSTOP_NODE_LOG, "text", "entrypoint.sh", "people"),
-    _at("cluster", rd.SPOT_NODE_LOG, "text", "entrypoint.sh", "people"),
-    _at("cluster", f"{rd.BUSY_DIR}/{rd.BUSY_MARKER}", "JSON BusyMarker", "prepare.py", "autostop"),
-    _at("cluster", rd.LINK_JSON, "JSON (linkcheck.summary)", "fab check", "fab report, fab check"),
-    _at("cluster", rd.TRANSPORT_JSON, "JSON (health.transport_verdict)", "fab check", "fab train"),
-    _at("cluster", rd.HEALTH_PROBE_FILE, "the probe's write test", "cluster_node.probe", "cluster_node.probe"),
+    _at("cluster", cd.SSH_LOCK, "flock", "cluster-identity.sh", "cluster-identity.sh"),
+    _at("cluster", f"{cd.READY_DIR}/{cd.NODE_MARK}", "empty marker", "node-bootstrap.sh", "node_status (fab status)"),
+    _at(
+        "cluster", f"{cd.DEPLOY_DIR}/{cd.NODE_MARK}", cd.DEPLOY_FORMAT, "node-bootstrap.sh", "node_status (fab status)"
+    ),
+    _at("cluster", f"{cd.HEARTBEAT_DIR}/{cd.NODE_JSON}", "JSON NodeHeartbeat", "autostop", "autostop (the others)"),
+    _at("cluster", f"{cd.AUTOSTOP_DIR}/{cd.NODE_JSON}", "JSON idle_state.IdleState", "autostop", "autostop"),
+    _at("cluster", cd.AUTOSTOP_LOG, "text", "autostop", "people"),
+    _at("cluster", cd.AUTOSTOP_NODE_LOG, "text", "entrypoint.sh", "people"),
+    _at("cluster", cd.SPOT_NODE_LOG, "text", "entrypoint.sh", "people"),
+    _at("cluster", f"{cd.BUSY_DIR}/{cd.BUSY_MARKER}", "JSON BusyMarker", "prepare.py", "autostop"),
+    _at("cluster", cd.LINK_JSON, "JSON (linkcheck.summary)", "fab check", "fab report, fab check"),
+    _at("cluster", cd.TRANSPORT_JSON, "JSON (health.transport_verdict)", "fab check", "fab train"),
+    _at("cluster", cd.HEALTH_PROBE_FILE, "the probe's write test", "cluster_node.probe", "cluster_node.probe"),
 )
 
-_WHERE = {"head": "", "run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{rd.CLUSTER}/"}
+_WHERE = {"head": "", "run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{cd.CLUSTER}/"}
 
 
 def protocol_table(files: Iterable[ProtocolFile] = FILES) -> str:

@@ -1,8 +1,8 @@
-"""The run directory (DATA/runs/NAME) and DATA/.cluster, written down once: every file name, a frozen
-record per JSON file, one atomic read/write. Stdlib only: the trainer, supervisor and watchers on the nodes
-and fab on the laptop share it. protocol.py tabulates the files (writer, readers, format) for the docs.
-A record's from_json accepts what today's writer writes and keeps unknown keys in `extra` (to_json writes
-them back). Writes: temp file beside the target, fsync, os.replace. Reads: a missing or partly written
+"""The run directory (DATA/runs/NAME), written down once: every file name, a frozen record per JSON file, one
+atomic read/write (DATA/.cluster's names: clusterdir.py). Stdlib only: the trainer, supervisor and watchers on
+the nodes and fab on the laptop share it. protocol.py tabulates the files (writer, readers, format) for the
+docs. A record's from_json accepts what today's writer writes and keeps unknown keys in `extra` (to_json
+writes them back). Writes: temp file beside the target, fsync, os.replace. Reads: a missing or partly written
 file gives the default; a list entry that does not parse is skipped."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, TypeVar, Union
+
+from .clusterdir import BUSY_MARKER, NODE_JSON
 
 # ---------------------------------------------------------------- names: DATA/runs/NAME/...
 
@@ -67,25 +69,6 @@ SCALE_DIR = "scale-{recipe}"  # runs/scale-RECIPE
 SCALE_JSON = "scale.json"
 SCALE_MD = "scale.md"
 
-# ---------------------------------------------------------------- names: DATA/.cluster/...
-
-CLUSTER = ".cluster"
-SSH_DIR = "ssh"
-SSH_LOCK = "ssh.lock"
-READY_DIR = "ready"  # ready/nodeN
-NODE_MARK = "node{rank}"
-HEARTBEAT_DIR = "heartbeat"  # heartbeat/nodeN.json
-AUTOSTOP_DIR = "autostop"  # autostop/nodeN.json
-NODE_JSON = "node{rank}.json"
-AUTOSTOP_LOG = "autostop.log"
-AUTOSTOP_NODE_LOG = "autostop-node{rank}.log"
-SPOT_NODE_LOG = "spot-node{rank}.log"
-BUSY_DIR = "busy"  # busy/HOST-PID.json
-BUSY_MARKER = "{host}-{pid}.json"
-LINK_JSON = "link.json"
-TRANSPORT_JSON = "transport.json"
-HEALTH_PROBE_FILE = "health.{host}.{pid}"
-
 STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
@@ -109,11 +92,6 @@ def spec_record(run: Path, attempt: int) -> Path:
 
 def checkpoint(run: Path, step: int) -> Path:
     return run / CHECKPOINTS / CHECKPOINT.format(step=step)
-
-
-def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:
-    """DATA/.cluster/FOLDER/nodeN.json, FOLDER = HEARTBEAT_DIR or AUTOSTOP_DIR."""
-    return Path(data_dir) / CLUSTER / folder / NODE_JSON.format(rank=rank)
 
 
 # ---------------------------------------------------------------- atomic read/write

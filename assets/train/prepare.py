@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from cluster_node import rundir
+from cluster_node import clusterdir, rundir
 from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 
@@ -213,7 +213,7 @@ def busy_marker(directory: Optional[str], what: str, every: float = 60.0) -> Ite
     if not directory:
         yield
         return
-    path = Path(directory) / rundir.BUSY_MARKER.format(host=socket.gethostname(), pid=os.getpid())
+    path = Path(directory) / clusterdir.BUSY_MARKER.format(host=socket.gethostname(), pid=os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
     done = threading.Event()
 

@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from .. import rundir
+from .. import clusterdir, rundir
 
 GPU_BUSY_PERCENT = 5.0
 STEP_WINDOW_S = 15 * 60  # a step within this is "advancing" (the launcher ends runs stalled for 10 min)
@@ -123,7 +123,7 @@ def gpu_processes() -> tuple[int, ...]:
 def preparing(data_dir: Path, now: float) -> tuple[str, ...]:
     """Data-preparation markers refreshed in the last MARKER_FRESH_S (a killed prepare.py's goes stale)."""
     found = []
-    for marker in sorted((data_dir / rundir.CLUSTER / rundir.BUSY_DIR).glob("*.json")):
+    for marker in sorted((data_dir / clusterdir.CLUSTER / clusterdir.BUSY_DIR).glob("*.json")):
         try:
             if now - _mtime(marker) <= MARKER_FRESH_S:
                 found.append(json.loads(marker.read_text()).get("what", marker.stem))

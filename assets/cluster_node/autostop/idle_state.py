@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .. import rundir
+from .. import clusterdir
 
 MAX_GAP_S = 10 * 60  # a longer silence within one boot: nobody watched, the clock starts again
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -28,7 +28,7 @@ def boot_id(path: Path = BOOT_ID) -> str:
 
 
 def state_path(data_dir: Path, rank: str) -> Path:
-    return rundir.node_json(data_dir, rundir.AUTOSTOP_DIR, rank)
+    return clusterdir.node_json(data_dir, clusterdir.AUTOSTOP_DIR, rank)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .. import rundir
+from .. import clusterdir
 from ..contract import BUSY_METRIC, CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE
 from ..imds import instance_identity
 from . import busy_signals as signals
@@ -142,7 +142,7 @@ def observe(
 
 def share(data_dir: Path, rank: str, now: float, reasons: list[str]) -> None:
     """Write this node's own reasons where the other nodes read them (atomically)."""
-    path = rundir.node_json(data_dir, rundir.HEARTBEAT_DIR, rank)
+    path = clusterdir.node_json(data_dir, clusterdir.HEARTBEAT_DIR, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"time": now, "busy": reasons}))
@@ -152,9 +152,9 @@ def share(data_dir: Path, rank: str, now: float, reasons: list[str]) -> None:
 def peer_reasons(data_dir: Path, rank: str, now: float, fresh_s: float) -> list[str]:
     """The other nodes' own reasons, from heartbeats written in the last fresh_s seconds."""
     reasons = []
-    folder = rundir.node_json(data_dir, rundir.HEARTBEAT_DIR, rank).parent
-    for path in sorted(folder.glob(rundir.NODE_JSON.format(rank="*"))):
-        if path.name == rundir.NODE_JSON.format(rank=rank):
+    folder = clusterdir.node_json(data_dir, clusterdir.HEARTBEAT_DIR, rank).parent
+    for path in sorted(folder.glob(clusterdir.NODE_JSON.format(rank="*"))):
+        if path.name == clusterdir.NODE_JSON.format(rank=rank):
             continue
         try:
             beat = json.loads(path.read_text())
@@ -214,7 +214,7 @@ def log(message: str, data_dir: Optional[Path] = None) -> None:
     line = f"{time.strftime('%FT%TZ', time.gmtime())} autostop: {message}"
     print(line, flush=True)
     if data_dir is not None:
-        with open(data_dir / rundir.CLUSTER / rundir.AUTOSTOP_LOG, "a") as handle:
+        with open(data_dir / clusterdir.CLUSTER / clusterdir.AUTOSTOP_LOG, "a") as handle:
             handle.write(line + "\n")
 
 

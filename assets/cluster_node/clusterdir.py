@@ -1,0 +1,37 @@
+"""DATA/.cluster, written down once: every file name the nodes share outside the runs (rundir.py has the
+run directory's). Stdlib only, like rundir.py; protocol.py tabulates them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+CLUSTER = ".cluster"
+SSH_DIR = "ssh"
+SSH_LOCK = "ssh.lock"
+READY_DIR = "ready"  # ready/nodeN
+NODE_MARK = "node{rank}"
+DEPLOY_DIR = "deploy"  # deploy/nodeN: the node's deploy timeline (node-bootstrap.sh), see DEPLOY_FORMAT
+DEPLOY_FORMAT = "`STEP START END [failed]` lines, epoch s"
+HEARTBEAT_DIR = "heartbeat"  # heartbeat/nodeN.json
+AUTOSTOP_DIR = "autostop"  # autostop/nodeN.json
+NODE_JSON = "node{rank}.json"
+AUTOSTOP_LOG = "autostop.log"
+AUTOSTOP_NODE_LOG = "autostop-node{rank}.log"
+SPOT_NODE_LOG = "spot-node{rank}.log"
+BUSY_DIR = "busy"  # busy/HOST-PID.json
+BUSY_MARKER = "{host}-{pid}.json"
+LINK_JSON = "link.json"
+TRANSPORT_JSON = "transport.json"
+HEALTH_PROBE_FILE = "health.{host}.{pid}"
+
+
+def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:
+    """DATA/.cluster/FOLDER/nodeN.json, FOLDER = HEARTBEAT_DIR or AUTOSTOP_DIR."""
+    return Path(data_dir) / CLUSTER / folder / NODE_JSON.format(rank=rank)
+
+
+def node_file(data_dir: Union[str, os.PathLike], folder: str, name: str) -> Path:
+    """DATA/.cluster/FOLDER/NAME, FOLDER = READY_DIR or DEPLOY_DIR, NAME = nodeN (the bootstrap writes them)."""
+    return Path(data_dir) / CLUSTER / folder / name
