@@ -20,7 +20,7 @@ from fabric import Connection
 
 from cluster_node import rundir
 
-from . import health, launch, logfilter, nodecmd
+from . import health, launch, logfilter, nodecmd, terminal
 from .inventory import Inventory, Node
 
 q = shlex.quote
@@ -141,18 +141,7 @@ def detect_interface(connection: Connection, node: Node) -> str:
 def node_status(connection: Connection, inventory: Inventory, node: Node) -> dict:
     command = nodecmd.node_command(inventory, "node_status", "--data", inventory.data_dir, "--name", node.name)
     found = json.loads(sh(connection, command).strip().splitlines()[-1])
-    rows = found["gpus"]
-    if rows is None:
-        gpu_text = "none (CPU)"
-    else:
-        gpu_text = f"{len(rows)}: " + " ".join(f"{u}% {m}/{t}MiB" for u, m, t in rows)
-    return {
-        "bootstrap": "yes" if found["ready"] else "no",
-        "container": "up",
-        "data": "yes" if found["mounted"] else "no",
-        "gpus": gpu_text,
-        "training": f"{found['training']} rank(s)" if found["training"] else "no",
-    }
+    return {**terminal.status_row(found), "deploy_timeline": found.get("deploy")}
 
 
 def sample_node(

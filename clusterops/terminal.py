@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Optional, Sequence
 
 QUIET_AFTER_S = 120  # a running run whose progress is older than this says so
@@ -101,3 +101,29 @@ def versions_line(rows: Sequence[dict]) -> tuple[bool, str]:
     return True, "versions: " + ", ".join(
         f"{label} {rows[0].get(key) or 'none'}" for key, label in VERSIONS
     ) + f" on all {len(rows)} nodes"
+
+
+def status_row(found: dict) -> dict:
+    """`fab status`'s row for a node from its cluster_node.node_status JSON."""
+    rows = found["gpus"]
+    gpu_text = "none (CPU)" if rows is None else f"{len(rows)}: " + " ".join(f"{u}% {m}/{t}MiB" for u, m, t in rows)
+    deploy = found.get("deploy")
+    return {
+        "bootstrap": "yes" if found["ready"] else "no",
+        "container": "up",
+        "data": "yes" if found["mounted"] else "no",
+        "gpus": gpu_text,
+        "training": f"{found['training']} rank(s)" if found["training"] else "no",
+        "deploy": _span(deploy["total_s"]) if deploy else "-",
+    }
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else f"{int(round(seconds)) // 60}m{int(round(seconds)) % 60:02d}s"
+
+
+def deploy_line(node: str, deploy: dict) -> str:
+    """One node's deploy timeline (node_status's "deploy"): its total, when it began, each step's time."""
+    began = datetime.fromtimestamp(deploy["started"], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    steps = ", ".join(f"{step} {_span(seconds)}{'' if ok else ' FAILED'}" for step, seconds, ok in deploy["steps"])
+    return f"{node} deploy {_span(deploy['total_s'])} from {began}: {steps}"

@@ -20,15 +20,21 @@ from .common import ERRORS, head, load_inventory, number, progress, task, traini
 
 @task
 def status(c):
-    """Per node: reachable, bootstrap, container, /data, GPUs; then the run.
+    """Per node: reachable, bootstrap, deploy time, container, /data, GPUs; the run.
 
-    Per node, in parallel: reachable, bootstrap, container, /data, GPUs, training; then the run."""
+    Per node, in parallel: reachable, bootstrap, the deploy's total time, container, /data, GPUs, training;
+    then each node's deploy timeline (its bootstrap's steps) and the run."""
     inv = load_inventory(c)
     with remote.Connections(inv) as connections:
         rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node), connections)
         print(
-            terminal.table(rows, ["node", "reachable", "bootstrap", "container", "data", "gpus", "training", "error"])
+            terminal.table(
+                rows, ["node", "reachable", "bootstrap", "deploy", "container", "data", "gpus", "training", "error"]
+            )
         )
+        for row in rows:
+            if row.get("deploy_timeline"):
+                print(terminal.deploy_line(row["node"], row["deploy_timeline"]))
         overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
         print(terminal.run_line(*overview))

@@ -117,10 +117,12 @@ class Sandbox:
         return path.read_text().splitlines() if path.exists() else []
 
     def snapshot(self) -> dict:
+        """Every file but the logs each run writes (calls, bootstrap.log, the deploy timelines)."""
+        logs = ("calls.log", "bootstrap.log", "deploy-timeline")
         return {
             str(p.relative_to(self.root)): (p.stat().st_mtime_ns, p.read_bytes())
             for p in sorted(self.root.rglob("*"))
-            if p.is_file() and p.name != "calls.log" and "bootstrap.log" not in p.name and "docker-" not in p.name
+            if p.is_file() and p.name not in logs and "docker-" not in p.name and p.parent.name != "deploy"
         }
 
 

@@ -197,7 +197,7 @@ def test_writes_are_atomic_and_leave_no_temp_file_behind(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [rundir.RUN_STATUS]
 
 
-def test_the_protocol_table_lists_every_name_the_module_defines():
+def test_the_protocol_table_lists_every_name_the_modules_define():
     table = protocol.protocol_table()
     names = {
         k: v for module in (rundir, clusterdir) for k, v in vars(module).items() if k.isupper() and isinstance(v, str)

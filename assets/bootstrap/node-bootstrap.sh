@@ -4,7 +4,8 @@
 # (reset-alarm: a unit at every boot; stop-failed: the timer a failed bootstrap leaves)
 # Steps: docker + NVIDIA toolkit, EFS at /data (fstab), image context (S3), cluster SSH identity
 # (once, on /data),
-# training image, training container (sshd on 4444), ready marker, CloudFormation signal.
+# base image pull, training image, training container (sshd on 4444), ready marker, CloudFormation signal.
+# Each step's start and end go to $TIMELINE, copied to /data/.cluster/deploy/nodeN once ready.
 # A failing command anywhere (a step function, a pipeline, a subshell, a command substitution)
 # signals FAILURE once with the step's name and ends the bootstrap, so `cdk deploy` fails with it:
 # errtrace (-E) carries the ERR trap into functions and subshells, inherit_errexit carries -e into
@@ -39,6 +40,9 @@ FAILED_STOP_MARKER=/run/gpu-cluster/failed-stop  # gone at a reboot, like the tr
 FAILED_STOP_MINUTES=45
 IMDS=http://169.254.169.254/latest
 STEP=$MODE
+# The deploy timeline on the local disk: it exists before /data and survives a failed mount.
+TIMELINE=$STATE_DIR/deploy-timeline
+STEP_START=
 
 log() { echo "$(date -u +%FT%TZ) [node$NODE_RANK/$STEP] $*"; }
 
@@ -61,6 +65,7 @@ on_error() {  # runs where the command failed: the main shell or a subshell of i
   trap - ERR
   exec >&2  # in a command substitution stdout is captured; the log is on stderr
   log "FAILED (exit $code); see $STATE_DIR/bootstrap.log"
+  [[ -z $STEP_START ]] || echo "$STEP $STEP_START $EPOCHREALTIME failed" >> "$TIMELINE"
   signal FAILURE "$STEP" || log "could not signal CloudFormation"
   schedule_failed_stop || log "could not schedule this node's stop"
   # A subshell ends the main script too: it must neither go on nor signal a second time.
@@ -238,6 +243,15 @@ fetch_image_context() {  # the parameter holds "S3_URL TAG"; not in user data, s
   echo "$IMAGE_TAG" > "$CONTEXT_DIR/.tag"
 }
 
+# Its own step so the timeline tells the download from the build; `docker build` (no --pull) then
+# uses the local base image.
+pull_image() {
+  STEP=pull-image
+  docker image inspect "$IMAGE" >/dev/null 2>&1 && return 0
+  log "pulling $BASE_IMAGE"
+  docker pull -q "$BASE_IMAGE" >/dev/null
+}
+
 build_image() {
   STEP=build-image
   docker image inspect "$IMAGE" >/dev/null 2>&1 && return 0
@@ -293,6 +307,20 @@ mark_ready() {
   log "node ready"
 }
 
+timed() {  # timed STEP FUNCTION: "STEP START END" (epoch s) into the local timeline
+  STEP=$1 STEP_START=$EPOCHREALTIME
+  "$2"
+  echo "$STEP $STEP_START $EPOCHREALTIME" >> "$TIMELINE"
+  STEP_START=
+}
+
+publish_timeline() {  # where `fab status` reads it: a node's own file, replaced whole
+  local deploy=$DATA_DIR/.cluster/deploy
+  install -d -m 0755 "$deploy"
+  cp "$TIMELINE" "$deploy/.node$NODE_RANK.tmp"
+  mv "$deploy/.node$NODE_RANK.tmp" "$deploy/node$NODE_RANK"
+}
+
 case $MODE in
   bootstrap) ;;
   reset-alarm) reset_alarm; exit ;;
@@ -302,10 +330,14 @@ esac
 install -d -m 0755 "$STATE_DIR"
 exec > >(tee -a "$STATE_DIR/bootstrap.log") 2>&1
 trap on_error ERR
-ensure_docker
-mount_efs
-fetch_image_context
-create_cluster_identity
-build_image
-start_container
-mark_ready
+: > "$TIMELINE"
+timed docker ensure_docker
+timed mount-efs mount_efs
+timed image-context fetch_image_context
+timed cluster-identity create_cluster_identity
+timed pull-image pull_image
+timed build-image build_image
+timed start-container start_container
+timed ready mark_ready
+# After the success signal: a failed copy must not signal a failure too.
+publish_timeline || log "could not copy $TIMELINE to $DATA_DIR/.cluster/deploy"

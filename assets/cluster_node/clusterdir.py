@@ -13,6 +13,8 @@ SSH_DIR = "ssh"
 SSH_LOCK = "ssh.lock"
 READY_DIR = "ready"  # ready/nodeN
 NODE_MARK = "node{rank}"
+DEPLOY_DIR = "deploy"  # deploy/nodeN: the node's deploy timeline (node-bootstrap.sh), see DEPLOY_FORMAT
+DEPLOY_FORMAT = "`STEP START END [failed]` lines, epoch s"
 HEARTBEAT_DIR = "heartbeat"  # heartbeat/nodeN.json
 AUTOSTOP_DIR = "autostop"  # autostop/nodeN.json
 NODE_JSON = "node{rank}.json"
@@ -29,3 +31,8 @@ HEALTH_PROBE_FILE = "health.{host}.{pid}"
 def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:
     """DATA/.cluster/FOLDER/nodeN.json, FOLDER = HEARTBEAT_DIR or AUTOSTOP_DIR."""
     return Path(data_dir) / CLUSTER / folder / NODE_JSON.format(rank=rank)
+
+
+def node_file(data_dir: Union[str, os.PathLike], folder: str, name: str) -> Path:
+    """DATA/.cluster/FOLDER/NAME, FOLDER = READY_DIR or DEPLOY_DIR, NAME = nodeN (the bootstrap writes them)."""
+    return Path(data_dir) / CLUSTER / folder / name

@@ -1,6 +1,7 @@
 """One node's row of `fab status` as JSON: python -m cluster_node.node_status --data /data --name node0
 {"ready": bootstrap finished, "mounted": /data is a mount, "gpus": [[util %, MiB used, MiB total], ...]
-or null without nvidia-smi, "training": training processes}."""
+or null without nvidia-smi, "training": training processes, "deploy": the bootstrap's timeline,
+{"started": epoch s, "total_s": first start to last end, "steps": [[step, seconds, ok], ...]} or null}."""
 
 from __future__ import annotations
 
@@ -37,12 +38,34 @@ def training_processes() -> int:
     return count
 
 
+def deploy_timeline(path: Path) -> Optional[dict]:
+    """The node's deploy timeline (clusterdir.DEPLOY_FORMAT, node-bootstrap.sh); None when missing. A line
+    that does not parse (a copy cut short) is skipped."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    spans = []
+    for line in text.splitlines():
+        parts = line.split()
+        try:
+            spans.append((parts[0], float(parts[1]), float(parts[2]), parts[3:] != ["failed"]))
+        except (IndexError, ValueError):
+            continue
+    if not spans:
+        return None
+    steps = [[step, round(end - start, 3), ok] for step, start, end, ok in spans]
+    started = spans[0][1]
+    return {"started": started, "total_s": round(spans[-1][2] - started, 3), "steps": steps}
+
+
 def status(data: Path, name: str) -> dict:
     return {
-        "ready": (data / clusterdir.CLUSTER / clusterdir.READY_DIR / name).is_file(),
+        "ready": clusterdir.node_file(data, clusterdir.READY_DIR, name).is_file(),
         "mounted": is_mountpoint(data),
         "gpus": gpu_rows(),
         "training": training_processes(),
+        "deploy": deploy_timeline(clusterdir.node_file(data, clusterdir.DEPLOY_DIR, name)),
     }
 
 

@@ -1,5 +1,5 @@
-"""The run protocol as a table: every file of rundir.py, its writer, readers and format. protocol_table()
-renders it for docs/architecture.md."""
+"""The run protocol as a table: every file of rundir.py and clusterdir.py, its writer, readers and format.
+protocol_table() renders it for docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -112,6 +112,9 @@ FILES: tuple[ProtocolFile, ...] = (
     ),
     _at("cluster", cd.SSH_LOCK, "flock", "cluster-identity.sh", "cluster-identity.sh"),
     _at("cluster", f"{cd.READY_DIR}/{cd.NODE_MARK}", "empty marker", "node-bootstrap.sh", "node_status (fab status)"),
+    _at(
+        "cluster", f"{cd.DEPLOY_DIR}/{cd.NODE_MARK}", cd.DEPLOY_FORMAT, "node-bootstrap.sh", "node_status (fab status)"
+    ),
     _at("cluster", f"{cd.HEARTBEAT_DIR}/{cd.NODE_JSON}", "JSON NodeHeartbeat", "autostop", "autostop (the others)"),
     _at("cluster", f"{cd.AUTOSTOP_DIR}/{cd.NODE_JSON}", "JSON idle_state.IdleState", "autostop", "autostop"),
     _at("cluster", cd.AUTOSTOP_LOG, "text", "autostop", "people"),
