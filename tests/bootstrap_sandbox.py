@@ -6,6 +6,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -48,13 +49,29 @@ ENV = {
 
 
 def host_paths():
-    """For a module fixture: the bind targets, created on the host where missing, removed after."""
-    created = [p for p in OVERLAID if not os.path.exists(p)]
-    for path in created:
-        os.makedirs(path)
-    yield
-    for path in reversed(created):
-        shutil.rmtree(path, ignore_errors=True)
+    """For a module fixture: the bind targets, created on the host where missing, removed after by the
+    last module using them (xdist runs several sandbox modules at once: a shared flock counts them, and
+    a list beside it remembers which directories the tests created)."""
+    import fcntl
+
+    lock = os.path.join(tempfile.gettempdir(), "gpu-cluster-sandbox.lock")
+    made = Path(lock + ".created")
+    with open(lock, "w") as users:
+        fcntl.flock(users, fcntl.LOCK_SH)
+        for path in OVERLAID:
+            if not os.path.exists(path):
+                os.makedirs(path, exist_ok=True)
+                with open(made, "a") as record:
+                    record.write(path + "\n")
+        yield
+        try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other module is using them
+        except OSError:
+            return
+        created = made.read_text().split() if made.exists() else []
+        for path in reversed(created):
+            shutil.rmtree(path, ignore_errors=True)
+        made.unlink(missing_ok=True)
 
 
 class Sandbox:
