@@ -224,6 +224,8 @@ def test_row16_a_spot_notice_for_its_own_node_ends_resumable_and_never_relaunche
     assert len(mpirun.starts) == 1 and mpirun.ended == 0 and status["state"] == "failed"
     assert status["kind"] == "spot" and status["resume"] == f"fab train --run {tmp_path.name}"
     assert status["reason"].startswith(f"spot: node0 (h1) will stop at {action}; checkpoint step 30; resumable")
+    # fab reaches the cluster through node0: the reason gives the order (a fresh read of the deploy path)
+    assert "resumable, once EC2 starts it again: `fab inventory`, then fab train --run" in status["reason"]
     assert not (tmp_path / "active").exists()
 
 
@@ -237,11 +239,25 @@ def test_row16_mpirun_still_going_near_the_action_time_is_ended(tmp_path):
     assert "--exclude 0 --extra '--batch-per-gpu 8 --grad-accum 2 --keep-global-batch 16'" in status["resume"]
 
 
-def test_row17_then_stop_runs_before_the_final_status(tmp_path):
+def test_row17_then_stop_runs_after_the_final_status_which_says_so(tmp_path):
+    """Stopping the instances may end the supervisor with its node (a fresh read of the deploy path):
+    the final status and .active are written first, then the stop request."""
     sup, _, nodes = _supervisor(tmp_path, [0], Script(), then_stop=True)
     sup.run_all()
     [(_, status_then)] = [c for c in nodes.calls if c[0] == "then_stop"]
-    assert json.loads(status_then)["state"] == "running" and _status(tmp_path)["state"] == "finished"
+    written = json.loads(status_then)
+    assert written["state"] == "finished" and written["reason"].endswith("then-stop: stopping the cluster")
+    assert _status(tmp_path) == written
+
+
+def test_a_supervisor_that_crashes_ends_mpirun_and_leaves_a_failed_status(tmp_path):
+    """A bug in the supervisor left the run `running` for ever and mpirun orphaned."""
+    sup, mpirun, _ = _supervisor(tmp_path, [None], Script())
+    sup.launch()
+    sup.crashed(FileExistsError("[Errno 17] File exists: 'ranks'"))
+    status = _status(tmp_path)
+    assert status["state"] == "failed" and status["reason"].startswith("supervisor crashed (FileExistsError")
+    assert mpirun.ended
 
 
 def test_a_launch_logs_one_short_line_with_the_node_names_and_the_whole_mpirun_line_elsewhere(tmp_path, capsys):

@@ -14,6 +14,7 @@ https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-no
 from __future__ import annotations
 
 import calendar
+import contextlib
 import os
 import re
 import shlex
@@ -131,7 +132,7 @@ class Supervisor:
         print(f"{now_iso(self.clock())} attempt {self.spec.attempt}: {shlex.join(self.spec.argv())}", flush=True)
         for name in (rundir.RANKS, rundir.STACKS):
             _remove_tree(self.run / name)
-            (self.run / name).mkdir()
+            (self.run / name).mkdir(exist_ok=True)  # a cut-off rank may still write there
         self.observer = self.make_observer(self.run, self.spec, self.nodes.ssh_ok, self.clock)
         phases.mark(self.run, "launch", self.clock())
         self.launcher.start(self.spec)
@@ -261,9 +262,16 @@ class Supervisor:
         step = restart_plan.last_checkpoint_step(self.run)
         where = f"node{notice.node} ({notice.host})" if notice.node is not None else str(notice.host)
         self.kind, self.resume = "spot", self.resume_command(notice)
+        # fab reaches the cluster through node0: it must be back (EC2 restarts a stopped persistent Spot
+        # node when capacity returns, with a new public address) before the resume can run.
+        first = (
+            "once EC2 starts it again: `fab inventory`, then"
+            if notice.action != "terminate"
+            else ("node0 is fab's way in: replace it (`cdk deploy`), `fab inventory`, then")
+        )
         self.reason = (
             f"spot: {where} will {notice.action or 'stop'} at {notice.action_time or 'an unknown time'}; "
-            f"checkpoint step {step}; resumable: {self.resume}"
+            f"checkpoint step {step}; resumable, {first} {self.resume}"
         )
         self.log(f"launcher: {self.reason}")
         return State.FAILED if self.spec.limits.max_restarts > 0 else State.FINISHED
@@ -293,15 +301,14 @@ class Supervisor:
                 self.unreached.add(host)
 
     def finish(self) -> None:
-        """--then-stop's stop request first (its line is in the log before the status ends a follower),
-        then the status, .active, and the cleanup of nodes that were unreachable."""
-        if self.spec.then_stop is not None:
-            with open(self.run / rundir.TRAIN_LOG, "a") as log:
-                stopped = self.nodes.then_stop(log)
-            if not stopped:
-                self.log("launcher: --then-stop failed")
+        """The final status and .active first, then --then-stop: stopping the instances may end this
+        process (the container goes with its node), so nothing may be left to write after it."""
         phases.mark(self.run, "done", self.clock(), kind=self.kind or None)
         state = final_state(self.run, self.state, self.reason)
+        if self.spec.then_stop is not None:
+            self.reason = (
+                f"{self.reason}; then-stop: stopping the cluster" if self.reason else "then-stop: stopping the cluster"
+            )
         self.status(state, self.code, self.reason)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
         active = Path(self.spec.active_file)
@@ -310,7 +317,24 @@ class Supervisor:
                 active.unlink()
         except OSError:
             pass
+        if self.spec.then_stop is not None:
+            with open(self.run / rundir.TRAIN_LOG, "a") as log:
+                stopped = self.nodes.then_stop(log)
+            if not stopped:
+                self.log("launcher: --then-stop failed")
+                self.status(state, self.code, f"{self.reason} failed: the cluster keeps running")
         self.retry_cleanup(active)
+
+    def crashed(self, error: Exception) -> None:
+        """The supervisor's own failure: end mpirun, say so in the status, free the head for a new run."""
+        with contextlib.suppress(Exception):
+            self.launcher.end()
+        line = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        self.status("failed", None, f"supervisor crashed ({line}); see {rundir.LAUNCHER_LOG}")
+        with contextlib.suppress(OSError):
+            active = Path(self.spec.active_file)
+            if active.read_text().strip() == str(self.run):
+                active.unlink()
 
     def retry_cleanup(self, active: Path, pause: float = 5.0) -> None:
         """A partitioned node keeps its MPI daemon until someone reaches it: retry for a while, unless a
@@ -363,7 +387,12 @@ def main(argv: list[str]) -> int:
         return 2
     run = Path(argv[0])
     spec = specs.read(run)
-    return Supervisor(run, spec, Mpirun(run), Nodes(run, spec)).run_all()
+    supervisor = Supervisor(run, spec, Mpirun(run), Nodes(run, spec))
+    try:
+        return supervisor.run_all()
+    except Exception as error:  # a bug must not leave the run "running" for ever, nor mpirun orphaned
+        supervisor.crashed(error)
+        raise
 
 
 if __name__ == "__main__":
