@@ -15,7 +15,7 @@ from fabric import Connection
 from cluster_node import phases
 from cluster_node import rundir as rd
 
-from . import bottleneck, goodput, launch, nodecmd, plots, remote, scaling, terminal, verify
+from . import bottleneck, goodput, launch, lifecycle, nodecmd, plots, remote, scaling, terminal, verify
 from .inventory import Inventory
 from .linkcheck import link_file
 
@@ -124,8 +124,10 @@ def verify_run(
     one.validate()
     rdir = launch.run_dir(inventory, one.run_name)
     remote.sh(connection, f"rm -rf {q(rdir)}")
-    rdir, _ = remote.start_training(connection, inventory, remote.plan_launch(connection, inventory, one, code_dir))
-    status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
+    rdir, _ = lifecycle.start_training(
+        connection, inventory, lifecycle.plan_launch(connection, inventory, one, code_dir)
+    )
+    status = lifecycle.follow_log(connection, rdir, out=_Discard(), timeout=3600)
     measured = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}") or {}
     if status.get("state") != "finished" or not measured.get("avg_step_time_s"):
         raise remote.RemoteError(
@@ -244,10 +246,10 @@ def run_scale(
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
-            rdir, _ = remote.start_training(
-                connection, inventory, remote.plan_launch(connection, inventory, one, code_dir)
+            rdir, _ = lifecycle.start_training(
+                connection, inventory, lifecycle.plan_launch(connection, inventory, one, code_dir)
             )
-            status = remote.follow_log(connection, rdir, out=_Discard(), timeout=3600)
+            status = lifecycle.follow_log(connection, rdir, out=_Discard(), timeout=3600)
             summary = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}")
             if status.get("state") != "finished" or not summary:
                 raise remote.RemoteError(

@@ -93,9 +93,9 @@ class TrainRequest:
             raise LaunchError(f"invalid --dataset {self.dataset!r}: {NAME_RULE}")
 
 
-def check_nodes(inventory: Inventory, request: TrainRequest) -> list[Node]:
-    """The nodes the run starts on; --min-nodes must not exceed them."""
-    nodes = inventory.select(request.nodes, request.exclude)
+def check_nodes(inventory: Inventory, request: TrainRequest, nodes: Optional[Sequence[Node]] = None) -> list[Node]:
+    """The nodes the run starts on (selected here unless given); --min-nodes must not exceed them."""
+    nodes = list(inventory.select(request.nodes, request.exclude) if nodes is None else nodes)
     if request.min_nodes is not None and request.min_nodes > len(nodes):
         raise LaunchError(f"invalid --min-nodes {request.min_nodes}: the run starts on {len(nodes)} node(s)")
     return nodes

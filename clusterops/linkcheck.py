@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from cluster_node import clusterdir
 from cluster_node.health import SLOW_LINK_SHARE
 
+from . import lifecycle
 from .nodecmd import node_command
 
 IPERF_PORT = 5201  # iperf3's own default
@@ -212,7 +213,7 @@ def _allreduce(
     result = connection.run("timeout 300 " + shlex.join(argv), hide=True, warn=True, in_stream=False)
     if result.exited != 0:
         raise remote.RemoteError(
-            f"the all-reduce failed (exit {result.exited}): {remote._failure_line(result.stderr + result.stdout)}"
+            f"the all-reduce failed (exit {result.exited}): {lifecycle._failure_line(result.stderr + result.stdout)}"
         )
     return result.stdout + result.stderr
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from . import remote
+from . import nodeview, remote
 from .health import NodeHealth, assess, clock_skew, expected_gpus, parse_probe, probe_command
 
 
@@ -20,7 +20,7 @@ def probe_nodes(inventory, nodes) -> tuple[dict[str, Optional[dict]], dict[str, 
         before = time.time()
         facts = parse_probe(remote.sh(connection, command, timeout=180))
         facts["skew_s"] = clock_skew(facts["time"], before, time.time())
-        return {"facts": facts, "interface": remote.detect_interface(connection, node)}
+        return {"facts": facts, "interface": nodeview.detect_interface(connection, node)}
 
     rows = remote.on_all(inventory, nodes, one)
     facts = {row["node"]: row.get("facts") if row["reachable"] else None for row in rows}

@@ -12,8 +12,8 @@ from invoke.exceptions import Exit
 
 from clusterops import audit as audits
 from clusterops import cost as costs
+from clusterops import lifecycle, terminal
 from clusterops import preflight as checks
-from clusterops import remote, terminal
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
@@ -198,9 +198,9 @@ def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=F
         )
     elif inv is not None:
         with head(inv) as conn:
-            run = remote.active_run(conn, inv)
+            run = lifecycle.active_run(conn, inv)
             line = run and costs.projection(
-                remote.run_state(conn, run)["progress"], estimate.usd_per_hour, efs_io_rate(inv, session)
+                lifecycle.run_state(conn, run)["progress"], estimate.usd_per_hour, efs_io_rate(inv, session)
             )
         print(line or "no run going")
 

@@ -12,7 +12,8 @@ from invoke.exceptions import Exit
 
 import cluster_node
 from cluster_node import restart_plan
-from clusterops import health, launch, linkcheck, nodecmd, nodeprobe, remote, terminal
+from clusterops import health, launch, lifecycle, linkcheck, nodecmd, nodeprobe, nodeview, remote, terminal
+from clusterops import tensorboard as board
 from stacks import images
 
 from .common import ERRORS, head, load_inventory, number, progress, task, training_code_dir, whole_number
@@ -26,7 +27,7 @@ def status(c):
     then each node's deploy timeline (its bootstrap's steps) and the run."""
     inv = load_inventory(c)
     with remote.Connections(inv) as connections:
-        rows = remote.on_all(inv, inv.nodes, lambda conn, node: remote.node_status(conn, inv, node), connections)
+        rows = remote.on_all(inv, inv.nodes, lambda conn, node: nodeview.node_status(conn, inv, node), connections)
         print(
             terminal.table(
                 rows, ["node", "reachable", "bootstrap", "deploy", "container", "data", "gpus", "training", "error"]
@@ -35,7 +36,7 @@ def status(c):
         for row in rows:
             if row.get("deploy_timeline"):
                 print(terminal.deploy_line(row["node"], row["deploy_timeline"]))
-        overview = remote.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
+        overview = lifecycle.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
         print(terminal.run_line(*overview))
         for line in restart_plan.history_lines(overview[1]["restarts"]):
@@ -106,7 +107,7 @@ def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say):
     try:
         code_dir = training_code_dir(inv)
         with head(inv) as conn:
-            remote.ensure_idle(conn, inv)
+            lifecycle.ensure_idle(conn, inv)
             interface = interfaces[nodes[0].name]
             if len(nodes) > 1:
                 pairs = len(nodes) * (len(nodes) - 1)
@@ -125,7 +126,7 @@ def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say):
                 transport = {n.name: "gloo (no NCCL)" for n in nodes}
             prefix = launch.mpirun_prefix(inv, nodes, interface)
             progress(f"check: a few training steps across {len(nodes)} node(s) ...")
-            training = remote.check_training(conn, inv, prefix, code_dir)
+            training = lifecycle.check_training(conn, inv, prefix, code_dir)
     except (*ERRORS, ValueError, OSError) as error:
         problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
     return link, transport, training
@@ -258,15 +259,15 @@ def tensorboard(c, port="6006", stop=False):
     local_port = whole_number(port, "--port")
     with head(inv) as conn:
         if stop:
-            print("TensorBoard stopped" if remote.stop_tensorboard(conn) else "no TensorBoard was running")
+            print("TensorBoard stopped" if board.stop_tensorboard(conn) else "no TensorBoard was running")
             return
         if not _port_free(local_port):
             raise Exit(
                 f"error: local port {local_port} is in use (another `fab tensorboard`?): close it or pass --port N",
                 code=1,
             )
-        remote.ensure_tensorboard(conn, inv)
-        with conn.forward_local(local_port, remote_port=remote.TENSORBOARD_PORT, remote_host="127.0.0.1"):
+        board.ensure_tensorboard(conn, inv)
+        with conn.forward_local(local_port, remote_port=board.TENSORBOARD_PORT, remote_host="127.0.0.1"):
             print(f"TensorBoard: http://localhost:{local_port} (Ctrl-C to close the tunnel)")
             try:
                 while True:
@@ -304,7 +305,7 @@ def monitor(c, interval="2", count="0"):
             rows = remote.on_all(
                 inv,
                 inv.nodes,
-                lambda conn, node: remote.sample_node(conn, inv, node, interval, link_gbit),
+                lambda conn, node: nodeview.sample_node(conn, inv, node, interval, link_gbit),
                 connections,
             )
             print(time.strftime("%H:%M:%S"))

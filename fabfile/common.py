@@ -19,7 +19,7 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from clusterops import cost as costs
-from clusterops import launch, localcluster, nodecmd, remote, terminal
+from clusterops import launch, lifecycle, localcluster, nodecmd, remote, terminal
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
@@ -214,7 +214,7 @@ def run_dir(connection, inv: Inventory, run: str | None) -> str:
             runs = remote.sh(connection, f"ls -1 {shlex.quote(inv.data_dir + '/runs')} 2>/dev/null || true").split()
             raise fail(remote.RemoteError(f"no run named {run!r} (runs: {', '.join(runs) or 'none'})"))
         return path
-    latest = remote.active_run(connection, inv) or remote.latest_run(connection, inv)
+    latest = lifecycle.active_run(connection, inv) or lifecycle.latest_run(connection, inv)
     if not latest:
         raise fail(remote.RemoteError("no runs yet: start one with `fab train`"))
     return latest

@@ -12,7 +12,7 @@ import paramiko
 from invoke.exceptions import Exit, ThreadException
 
 from cluster_node import restart_plan, rundir
-from clusterops import analysis, health, launch, nodeprobe, remote, resume, terminal
+from clusterops import analysis, health, launch, lifecycle, nodeprobe, nodeview, remote, resume, terminal
 from clusterops import budget as budgets
 from clusterops import cost as costs
 from clusterops import plan as planning
@@ -121,14 +121,14 @@ def train(
 def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follow: bool) -> None:
     """A run that exists resumes with its saved settings (`given`: the flags typed, which may differ);
     the trainer's flags are checked with its own parser before anything starts."""
-    inv.select(request.nodes, request.exclude)  # a bad --nodes/--exclude: one line, before connecting
+    selected = inv.select(request.nodes, request.exclude)  # the one selection: a bad one is refused before connecting
     with head(inv) as conn:
         saved = resume.saved(conn, inv, request.run_name)
         request = resume.resumed(request, given, saved, inv) if saved else request
         resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
-        nodes = launch.check_nodes(inv, request)  # the one selection; everything below gets the plan
+        nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
         plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)))
-        rdir, log_offset = remote.start_training(conn, inv, plan)
+        rdir, log_offset = lifecycle.start_training(conn, inv, plan)
         how = f"resumed {request.run_name} with its saved settings" if saved else f"started {request.run_name}"
         print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
         if follow:
@@ -147,7 +147,7 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
     transport `fab check` found is fit (unless --allow-tcp), the head node's interface."""
     if not request.allow_tcp:
         _refuse_tcp(conn, inv, nodes)
-    interface = remote.detect_interface(conn, inv.head)
+    interface = nodeview.detect_interface(conn, inv.head)
     return launch.LaunchPlan(request, tuple(nodes), interface, code_dir_on(conn, inv), tuple(verdicts))
 
 
@@ -162,7 +162,7 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPla
     budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, efs_io_rate(inv) or 0.0)
     steps = budgets.requested_steps(request.recipe, request.steps)
     why = "no finished run with a step breakdown"
-    for base in dict.fromkeys([launch.run_dir(inv, request.run_name), remote.latest_run(conn, inv)]):
+    for base in dict.fromkeys([launch.run_dir(inv, request.run_name), lifecycle.latest_run(conn, inv)]):
         if not base:
             continue
         try:
@@ -238,8 +238,8 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
     try:
-        status_ = remote.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
-        state = remote.run_state(conn, rdir)
+        status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
+        state = lifecycle.run_state(conn, rdir)
     except CONNECTION_LOST as error:
         if isinstance(error, remote.RemoteError) and conn.is_connected:
             raise  # the node answered: a real error of the run's files
@@ -276,7 +276,7 @@ def logs(c, run=None, follow=False):
         rdir = run_dir(conn, inv, run)
         if follow:
             _follow(conn, rdir, node=inv.head.name)
-        elif remote.follow_log(conn, rdir, follow=False).get("state") == "stopped":
+        elif lifecycle.follow_log(conn, rdir, follow=False).get("state") == "stopped":
             print(f"run {rdir}: stopped (resumable: {terminal.resume_hint(rdir)})")
 
 
@@ -292,15 +292,15 @@ def stop(c, run=None, force=False):
     Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
     inv = load_inventory(c)
     with head(inv) as conn:
-        rdir = run_dir(conn, inv, run) if run else remote.active_run(conn, inv)
+        rdir = run_dir(conn, inv, run) if run else lifecycle.active_run(conn, inv)
         if not rdir:
             raise remote.RemoteError("no run is going")
         if force:
-            remote.force_stop(conn, inv, rdir)
+            lifecycle.force_stop(conn, inv, rdir)
             print(f"killed {rdir}")
         else:
             progress(f"stop: asked {rdir} to checkpoint at its next step and end; waiting for it (up to 120 s) ...")
-            result = remote.request_stop(conn, rdir)
+            result = lifecycle.request_stop(conn, rdir)
             if result.get("state") == "stopped":
                 print(f"stopped {rdir}: {result.get('reason', '')}; resumable: {terminal.resume_hint(rdir)}")
             else:  # it ended on its own meanwhile
@@ -318,7 +318,7 @@ def fetch(c, run=None, dest="runs"):
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)
         target = Path(dest) / Path(rdir).name
-        files, previous = remote.fetch_run(conn, rdir, target)
+        files, previous = lifecycle.fetch_run(conn, rdir, target)
     print(
         f"fetched {len(files)} file(s) into {target}/" + (f" (the earlier copy is now {previous}/)" if previous else "")
     )

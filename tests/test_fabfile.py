@@ -14,7 +14,7 @@ from conftest import REPO, one_node_inventory
 from invoke.exceptions import Exit
 
 import fabfile
-from clusterops import health, launch, nodeprobe, remote
+from clusterops import health, launch, nodeprobe, nodeview, remote
 from clusterops.inventory import Inventory
 
 TASKS = sorted(fabfile.ns.task_names)
@@ -173,7 +173,7 @@ class FakeConnection:
 
 def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, capsys):
     counts = {"select": 0, "quick": 0, "interface": 0}
-    select, detect = Inventory.select, remote.detect_interface
+    select, detect = Inventory.select, nodeview.detect_interface
 
     def counted_select(self, *args, **kwargs):
         counts["select"] += 1
@@ -189,7 +189,7 @@ def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, c
 
     FakeConnection.opened = 0
     monkeypatch.setattr(Inventory, "select", counted_select)
-    monkeypatch.setattr(remote, "detect_interface", counted_interface)
+    monkeypatch.setattr(nodeview, "detect_interface", counted_interface)
     monkeypatch.setattr(nodeprobe, "quick", quick)
     monkeypatch.setattr(remote, "connect", lambda inv, node: FakeConnection(node.private_ip))
     monkeypatch.setattr(remote, "write_file", lambda conn, path, text, mode=0o644: None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_fab
 
-from clusterops import remote
+from clusterops import lifecycle, remote
 from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
 
 pytestmark = pytest.mark.skipif(
@@ -124,15 +124,15 @@ def test_run_overview_matches_the_step_by_step_probes(nodes_via_proxy):
     path, _ = nodes_via_proxy
     inventory = Inventory.load(path)
     with remote.connect(inventory, inventory.head) as conn:
-        assert remote.run_overview(conn, inventory) is None
+        assert lifecycle.run_overview(conn, inventory) is None
         for name, state in (("old", "finished"), ("new", "running")):
             run = Path(inventory.data_dir) / "runs" / name
             run.mkdir(parents=True)
             (run / "run-status.json").write_text(json.dumps({"state": state}))
             time.sleep(0.02)
         (run / "summary.json").write_text("{not json")
-        latest = remote.active_run(conn, inventory) or remote.latest_run(conn, inventory)
-        assert remote.run_overview(conn, inventory) == (latest, remote.run_state(conn, latest))
+        latest = lifecycle.active_run(conn, inventory) or lifecycle.latest_run(conn, inventory)
+        assert lifecycle.run_overview(conn, inventory) == (latest, lifecycle.run_state(conn, latest))
 
 
 def test_sync_ships_the_node_package_beside_the_training_program(nodes_via_proxy):

@@ -6,7 +6,7 @@ import shlex
 import pytest
 
 from cluster_node.spec import RunSpec
-from clusterops import launch, remote, terminal
+from clusterops import launch, lifecycle, terminal
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
 
 
@@ -146,9 +146,9 @@ def test_a_failed_check_run_is_reported_by_its_error_line():
         "with device type cpu\nPrimary job  terminated normally, but 1 process returned\n"
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \ntrain.py FAILED\n"
     )
-    assert remote._failure_line(output) == "[rank1]: RuntimeError: No backend type associated with device type cpu"
-    assert remote._failure_line("starting\nerror: no prepared data set\nbye\n") == "error: no prepared data set"
-    assert remote._failure_line("") == "no output"
+    assert lifecycle._failure_line(output) == "[rank1]: RuntimeError: No backend type associated with device type cpu"
+    assert lifecycle._failure_line("starting\nerror: no prepared data set\nbye\n") == "error: no prepared data set"
+    assert lifecycle._failure_line("") == "no output"
 
 
 IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever

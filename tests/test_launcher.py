@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from supervisor_fixture import status, supervise, write_spec
 
-from clusterops import remote
+from clusterops import lifecycle, remote
 
 HOSTILE = 'error: bad "quote" \\back\\slash\ttab {"json": 1}'
 
@@ -48,7 +48,7 @@ class LocalShell:
 def test_follow_stops_with_a_clear_message_on_an_unreadable_status(tmp_path):
     (tmp_path / "run-status.json").write_text('{"state": "failed", "reason": "bad \\q"}')
     with pytest.raises(remote.RemoteError, match="run-status.json is not valid JSON"):
-        remote.follow_log(LocalShell(), str(tmp_path), timeout=5, poll=0.01)
+        lifecycle.follow_log(LocalShell(), str(tmp_path), timeout=5, poll=0.01)
 
 
 def test_follow_prints_the_log_as_it_grows_and_reports_progress_until_the_run_ends(tmp_path):
@@ -64,6 +64,6 @@ def test_follow_prints_the_log_as_it_grows_and_reports_progress_until_the_run_en
                 log.write("step 2 \u00e9\n")
             (tmp_path / "run-status.json").write_text('{"state": "finished"}')
 
-    status = remote.follow_log(LocalShell(), str(tmp_path), out=out, timeout=5, poll=0.01, on_progress=on_progress)
+    status = lifecycle.follow_log(LocalShell(), str(tmp_path), out=out, timeout=5, poll=0.01, on_progress=on_progress)
     assert status == {"state": "finished"} and seen[0] == {"step": 3}
     assert out.getvalue() == "step 1\nstep 2 \u00e9\n"  # each byte once, across polls

@@ -19,7 +19,7 @@ NOTICE = {"action": "stop", "time": "2026-11-22T08:22:00Z"}
 
 def a_run(data_dir, name="r", step=40):
     """A run the head node's launcher is running: its directory and runs/.active naming it by the
-    path the head node sees (/data/...), as remote.start_training writes it."""
+    path the head node sees (/data/...), as lifecycle.start_training writes it."""
     run = data_dir / "runs" / name
     run.mkdir(parents=True)
     (run / "progress.json").write_text(json.dumps({"step": step}))

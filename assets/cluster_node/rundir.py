@@ -62,7 +62,7 @@ BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
 FETCHED = ".fetched"
 SEGMENTS = "segments.json"  # one entry per supervisor (a `fab train` launch or resume) that ended
-# What `fab fetch` takes besides a checkpoint and the last evals (remote._download_run, localdata).
+# What `fab fetch` takes besides a checkpoint and the last evals (lifecycle._download_run, localdata).
 FETCHED_FILES = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, SCALING_PNG)
 
 # ---------------------------------------------------------------- names: DATA/runs/ beside the runs

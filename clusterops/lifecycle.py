@@ -1,0 +1,261 @@
+"""A run's lifecycle on the head node: the claim and start (the supervisor), follow, stop, state,
+the runs on /data, and fetching one home. Plain functions taking a connection; SSH is remote's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Optional
+
+from fabric import Connection
+
+from cluster_node import rundir
+
+from . import health, launch, logfilter, nodecmd, remote
+from .inventory import Inventory
+from .nodeview import detect_interface
+
+q = shlex.quote
+
+
+def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    """The run directory whose launcher is alive on the head node, if any."""
+    active = remote.sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
+    if not active:
+        return None
+    pid_file = q(f"{active}/{rundir.LAUNCHER_PID}")
+    alive = remote.sh(connection, f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null && echo yes || echo no').strip()
+    return active if alive == "yes" else None
+
+
+def ensure_idle(connection: Connection, inventory: Inventory) -> None:
+    running = active_run(connection, inventory)
+    if running:
+        raise remote.RemoteError(
+            f"a run is already going in {running}: `fab logs --follow` to watch it, `fab stop` to end it"
+        )
+
+
+def run_state(connection: Connection, run_dir: str) -> dict:
+    status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    summary = remote.read_json(connection, f"{run_dir}/{rundir.SUMMARY}") or {}
+    restarts: list = remote.read_json(connection, f"{run_dir}/{rundir.RESTARTS}") or []  # type: ignore[assignment]
+    return {"status": status, "progress": progress, "summary": summary, "restarts": restarts}
+
+
+def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    out = remote.sh(
+        connection, f"ls -1dt {q(inventory.data_dir)}/{rundir.RUNS}/*/ 2>/dev/null | head -n 1 || true"
+    ).strip()
+    return out.rstrip("/") or None
+
+
+def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, dict]]:
+    """The active (else latest) run and its run_state, or None when there is no run yet: one round
+    trip instead of seven (cluster_node.runs overview)."""
+    command = nodecmd.node_command(inventory, "runs", "overview", "--data", inventory.data_dir)
+    found = json.loads(remote.sh(connection, command).strip().splitlines()[-1])
+    if not found["run"]:
+        return None
+    return found["run"], {key: found[key] for key in ("status", "progress", "summary", "restarts")}
+
+
+# On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc
+# probes at start-up (a listener there made every mpirun hang).
+_EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): \S")
+
+
+def _failure_line(output: str) -> str:
+    """The most telling line of a failed run: the first exception a rank raised (the launcher's own
+    come after it), else an `error:` line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    exceptions = [line for line in lines if _EXCEPTION.match(line)]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (exceptions[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
+
+
+def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
+    """A few real training steps across the cluster with the trainer's own collectives (step counts,
+    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
+    scratch = launch.check_dir(inventory)
+    prepare, train = launch.check_argvs(inventory, code_dir)
+    try:
+        remote.sh(connection, f"rm -rf {q(scratch)} && mkdir -p {q(scratch)}")
+        remote.sh(connection, "timeout 300 " + shlex.join(prepare))
+        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
+    finally:
+        remote.sh(connection, f"rm -rf {q(scratch)}", check=False)
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
+    if result.exited != 0 or not summary:
+        raise remote.RemoteError(
+            f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
+        )
+    ranks = len(inventory.nodes) * inventory.gpus_per_node
+    return (
+        f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
+        f"({summary[-1][len('summary: ') :]})"
+    )
+
+
+# ---------------------------------------------------------------- training
+
+
+def plan_launch(
+    connection: Connection, inventory: Inventory, request: launch.TrainRequest, code_dir: str
+) -> launch.LaunchPlan:
+    """A launch with no health check (`fab scale`'s runs; `fab train` plans its own, checked)."""
+    request.validate()
+    nodes = launch.check_nodes(inventory, request)
+    return launch.LaunchPlan(request, tuple(nodes), detect_interface(connection, inventory.head), code_dir)
+
+
+def start_training(connection: Connection, inventory: Inventory, plan: launch.LaunchPlan) -> tuple[str, int]:
+    """Write the run spec into the run directory and start the supervisor detached, as planned.
+    Returns the run directory and the log's size before this launch (where its output starts)."""
+    request = plan.request
+    ensure_idle(connection, inventory)
+    dataset = request.dataset or launch.default_dataset(request.recipe)
+    data_path = launch.request_data(inventory, request)
+    ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
+    if "--synthetic" not in request.extra_args and remote.sh(connection, ready).strip() != "ok":
+        raise remote.RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
+    spec = launch.train_spec(
+        inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
+    )
+    # The claim and the start are one step on the head node (cluster_node.start): two launches at once
+    # give one run and one refusal. The payload travels as a file in the head's /tmp, not on /data.
+    payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"
+    probe = health.probe_command(inventory, plan.code_dir)
+    remote.write_file(connection, payload, json.dumps({"spec": spec.to_json(), "probe": probe}))
+    out = remote.sh(connection, nodecmd.node_command(inventory, "start", payload, code_dir=plan.code_dir), check=False)
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise remote.RemoteError(f"the launch on {inventory.head.name} answered {out.strip()[-300:]!r}") from None
+    if "run" not in result:
+        raise remote.RemoteError(result.get("refused") or result.get("error") or str(result))
+    return result["run"], int(result["log_offset"])
+
+
+def follow_log(
+    connection: Connection,
+    run_dir: str,
+    out=sys.stdout,
+    poll: float = 1.0,
+    timeout: Optional[float] = None,
+    follow: bool = True,
+    offset: int = 0,
+    on_progress: Optional[Callable[[dict], None]] = None,
+) -> dict:
+    """Print train.log from byte `offset` as it grows until the run is no longer running;
+    return the run status. on_progress(progress.json) is called on each poll while following."""
+    deadline = (time.monotonic() + timeout) if timeout else None
+    log = f"{run_dir}/{rundir.TRAIN_LOG}"
+    # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
+    shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
+    while True:
+        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}", strict=True) or {}
+        if on_progress and follow:
+            on_progress(remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {})
+        chunk = remote.sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
+        if chunk:
+            out.write(shown.feed(chunk) if shown else chunk)
+            out.flush()
+            offset += len(chunk.encode())
+        if not follow or status.get("state") not in (None, "running"):
+            out.write(shown.flush() if shown else "")
+            return status
+        if deadline and time.monotonic() > deadline:
+            raise remote.RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:
+    """Graceful stop: the trainer checkpoints at the next step, then exits."""
+    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+        if status.get("state") not in (None, "running"):
+            return status
+        time.sleep(1.0)
+    raise remote.RemoteError(
+        f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
+        "Wait, or end it hard with `fab stop --force`"
+    )
+
+
+def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
+    """Kill mpirun and the ranks; the supervisor survives to record the end (reason: FORCED), and
+    launches no further attempt."""
+    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.FORCED}')}")
+    remote.sh(connection, f'kill -TERM "$(cat {q(f"{run_dir}/{rundir.MPIRUN_PID}")} 2>/dev/null)" 2>/dev/null || true')
+    for node in inventory.nodes:
+        remote.sh(
+            connection,
+            f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
+            # [-]: the pattern must not match the remote shell that runs pkill
+            f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true",
+            check=False,
+        )
+
+
+def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Path], Optional[Path]]:
+    """Best (else newest) checkpoint, config, vocabulary, summary, log, `fab report`'s report.md and
+    PNGs, and the last eval texts into
+    a fresh dest: an earlier copy is moved to DEST.previous, never merged with. Marks the run as
+    fetched on the cluster. Returns the files and where the earlier copy went, if there was one."""
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    fetched = _download_run(connection, run_dir, staging)
+    previous = None
+    if dest.exists():
+        previous = dest.with_name(dest.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        dest.rename(previous)
+    staging.rename(dest)
+    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.FETCHED}')}")
+    return [dest / p.relative_to(staging) for p in fetched], previous
+
+
+def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
+    wanted = list(rundir.FETCHED_FILES)
+    checkpoints = f"{q(run_dir)}/{rundir.CHECKPOINTS}"
+    newest = f"ls -1 {checkpoints}/{rundir.CHECKPOINT_GLOB} 2>/dev/null | sort | tail -n 1"
+    # A live run: its newest checkpoint (best.pt is an earlier eval's); an ended one: the best.
+    live = (remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}).get("state") in (None, "running")
+    pick = newest if live else f"ls -1 {checkpoints}/{rundir.BEST_CHECKPOINT} 2>/dev/null || {newest}"
+    chosen = remote.sh(connection, f"{pick} || true").strip()
+    if chosen:
+        wanted.append(chosen[len(run_dir) + 1 :])
+    last_eval = remote.sh(
+        connection, f"ls -1 {q(run_dir)}/{rundir.EVAL}/ 2>/dev/null | sort | tail -n 3 || true"
+    ).split()
+    wanted += [f"{rundir.EVAL}/{name}" for name in last_eval]
+    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    fetched = []
+    sftp = connection.sftp()
+    for rel in wanted:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            sftp.get(f"{run_dir}/{rel}", str(target))
+            fetched.append(target)
+        except FileNotFoundError:
+            target.unlink(missing_ok=True)  # sftp.get creates the local file before it finds none
+    if config.get("data"):
+        try:
+            sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))
+            fetched.append(dest / "spm.model")
+        except FileNotFoundError:
+            pass
+    return fetched
