@@ -85,6 +85,7 @@ BUSY_MARKER = "{host}-{pid}.json"
 LINK_JSON = "link.json"
 TRANSPORT_JSON = "transport.json"
 HEALTH_PROBE_FILE = "health.{host}.{pid}"
+DRILL_FILL = "drill-fill.{host}"  # fab drill fill-data: a bounded file, removed afterwards
 
 STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)
