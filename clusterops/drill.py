@@ -34,12 +34,19 @@ KINDS = {
     "spot": "a Spot stop notice for a node, from the emulated IMDS to its Spot watcher",
     "fill-data": "a --mb file on /data for --seconds, removed afterwards",
 }
-AWS_SAFE = ("stop-rank",)
+AWS_SAFE = ("stop-rank",)  # over SSH into the container; the supervisor undoes it (hang -> restart)
+# Why not the others on AWS. fab reaches only the container's sshd; the container runs with Docker's
+# default capabilities plus SYS_PTRACE (node-bootstrap.sh), and Docker's default set has no NET_ADMIN
+# (Docker run reference, "Runtime privilege and Linux capabilities"): no tc, no `ip link` there. EC2's
+# IMDS cannot be told to send a notice; the EC2 console / AWS FIS can ("Initiate a Spot Instance
+# interruption", EC2 User Guide: the notice, then the interruption two minutes later, for real).
 AWS_REFUSALS = {
-    "kill-node": "it would leave the node's container dead and its instance billing until it is rebooted",
-    "cut-link": "the container has no NET_ADMIN for tc/ip, and a cut link cuts fab's SSH to the node too",
-    "slow-link": "the container has no NET_ADMIN for tc (a host-side tc would outlive a failed drill)",
-    "spot": "EC2's IMDS cannot be told to send a notice; AWS FIS's aws:ec2:send-spot-instance-interruptions can",
+    "kill-node": "fab reaches only the node's container, not its host; the real drill is stopping that "
+    "instance (`aws ec2 stop-instances`), which leaves it stopped until `fab start`",
+    "cut-link": "the container has no NET_ADMIN (no `ip link`), and a cut link would cut fab's SSH to the node too",
+    "slow-link": "the container has no NET_ADMIN, so no tc",
+    "spot": "EC2's IMDS cannot be told to send a notice; the EC2 console's \"Initiate interruption\" (AWS FIS) "
+    "does, and really interrupts the node two minutes later",
     "fill-data": "/data is EFS, which grows elastically and never fills; trying bills every GB written",
 }
 HEAD_REFUSED = ("kill-node", "cut-link")  # node0 runs the supervisor: nothing would be left to act
@@ -273,6 +280,16 @@ def await_outcome(conn, watch: Watch, drill: Drill, poll: float = 0.5) -> tuple[
         time.sleep(poll)
 
 
+def await_log_step(conn, run_dir: str, since: float, wait: float, poll: float = 0.5) -> tuple:
+    """The marks once a log step (or the run's end) lands after `since`; at most `wait` seconds."""
+    deadline = since + wait
+    while True:
+        marks = _marks(conn, run_dir)
+        if any(m.event in ("steps", "done") and m.time > since for m in marks) or time.time() >= deadline:
+            return marks
+        time.sleep(poll)
+
+
 def _furthest_step(conn, run_dir: str) -> Optional[int]:
     """The furthest step a rank has finished (ranks/rankN: `STEP PID HOST`, awk: one line per file)."""
     beats = remote.sh(conn, f"awk '{{print $1}}' {remote.q(run_dir + '/' + rundir.RANKS)}/rank* 2>/dev/null || true")
@@ -297,6 +314,8 @@ def rehearse(inventory: Inventory, drill: Drill) -> list[str]:
         watch = Watch(run_dir, time.time(), offset)
         with INJECTIONS[drill.kind](inventory, drill) as what:
             outcome, marks = await_outcome(conn, watch, drill)
+        if outcome == "held":  # a stall shows in the account only once the next log step lands
+            marks = await_log_step(conn, watch.run_dir, time.time(), drill.wait)
         ended = time.time()
         supervisor_lines = remote.sh(conn, f"tail -c +{offset + 1} {log} 2>/dev/null || true").splitlines()
         restarts = json.loads(

@@ -117,7 +117,7 @@ def lines(
     verdict = {
         "relaunched": "the supervisor restarted the run and it is stepping again",
         "ended": "the run ended",
-        "held": "the fault was held and undone; the run went on",
+        "held": "the fault was held, then undone; the run went on (accounted up to its next log step)",
         "no action": "the supervisor had not acted when the drill stopped waiting (--wait)",
     }[outcome]
     out = [head, f"outcome after {ended - watch.started:.1f} s: {verdict}"]
