@@ -237,3 +237,19 @@ def test_row17_then_stop_runs_before_the_final_status(tmp_path):
     sup.run_all()
     [(_, status_then)] = [c for c in nodes.calls if c[0] == "then_stop"]
     assert json.loads(status_then)["state"] == "running" and _status(tmp_path)["state"] == "finished"
+
+
+def test_row17_the_retried_cleanup_of_a_dropped_node_spares_a_run_started_during_its_pause(tmp_path, monkeypatch):
+    """Found by `fab drill kill-node`/`cut-link`: the next `fab train`, started while the ended run's
+    supervisor paused between clean-up retries, lost its MPI daemon on the node that came back (pkill orted)."""
+    from cluster_node import supervisor as module
+
+    run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"], cleanup=60.0)
+    nodes = FakeNodes(tmp_path)
+    sup = Supervisor(tmp_path, run_spec, FakeMpirun([]), nodes, clock=lambda: NOW, observer=Script())
+    sup.unreached.add("h2")
+    active = tmp_path / "active"
+    active.write_text("")
+    monkeypatch.setattr(module.time, "sleep", lambda s: active.write_text("/data/runs/next\n"))  # fab train, meanwhile
+    sup.retry_cleanup(active)
+    assert ("cleanup", "h2") not in nodes.calls

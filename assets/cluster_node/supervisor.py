@@ -299,6 +299,8 @@ class Supervisor:
         while self.unreached and self.clock() < deadline and not _nonempty(active):
             time.sleep(pause)
             for host in sorted(self.unreached):
+                if _nonempty(active):  # a run started during the pause: its daemons are not ours to kill
+                    return
                 if self.nodes.cleanup(host):
                     self.log(f"launcher: cleaned up {host} after it came back")
                     self.unreached.discard(host)
