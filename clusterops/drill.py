@@ -224,7 +224,9 @@ def fill_data(inventory: Inventory, drill: Drill) -> Iterator[str]:
         try:
             remote.sh(conn, write)
             free = remote.sh(conn, f"df -Pm {inventory.data_dir} | tail -1").split()
-            yield f"{drill.mb} MB in {path} for {drill.seconds:.0f} s ({free[3] if len(free) > 3 else '?'} MB left)"
+            left = int(free[3]) if len(free) > 3 and free[3].isdigit() else None
+            full = "/data is full" if left == 0 else f"{left} MB still free: a larger --mb fills it"
+            yield f"{drill.mb} MB in {path} for {drill.seconds:.0f} s ({full})"
         finally:
             remote.sh(conn, f"rm -f {path}", check=False)
 

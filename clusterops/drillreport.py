@@ -16,6 +16,7 @@ from . import goodput
 TIMELINE = ("detect", "decide", "launch", "process", "rendezvous", "ready", "first_step", "checkpoint", "end", "done")
 SUPERVISOR_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ")  # the supervisor's and Spot watcher's
 MAX_LOG_LINES = 12
+MAX_CHECKPOINTS = 2  # the ones right after the injection (a Spot notice's); later ones are routine
 
 
 def _epoch(iso: str) -> float:
@@ -46,12 +47,16 @@ def _what(m: Phase, attempt: int) -> str:
 def timeline(marks: Sequence[Phase], started: float) -> list[str]:
     """The marks after the injection, `+S s  what` each."""
     attempt = sum(1 for m in marks if m.event == "launch" and m.time < started)
-    out = ["  +0.0 s  injected"]
+    out, checkpoints = ["  +0.0 s  injected"], 0
     for m in sorted(marks, key=lambda m: m.time):
         if m.time < started or m.event not in TIMELINE:
             continue
         attempt += m.event == "launch"
-        out.append(f"  +{m.time - started:.1f} s  {_what(m, attempt)}")
+        checkpoints += m.event == "checkpoint"
+        if m.event != "checkpoint" or checkpoints <= MAX_CHECKPOINTS:
+            out.append(f"  +{m.time - started:.1f} s  {_what(m, attempt)}")
+    if checkpoints > MAX_CHECKPOINTS:
+        out.append(f"  (and {checkpoints - MAX_CHECKPOINTS} more checkpoints)")
     return out
 
 

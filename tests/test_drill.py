@@ -127,3 +127,10 @@ def test_the_timeline_and_the_goodput_lost_from_the_phases():
     assert "recomputed 6.0 s" in lost[0] and "restart.detect 3.5 s" in lost[0]
     assert lost[1].startswith("incident (unreachable): detected 3.5 s after the last step, decided in 5.0 s")
     assert lost[1].endswith("10 steps lost (6.0 s to recompute)")
+
+
+def test_routine_checkpoints_after_the_first_two_are_counted_not_listed():
+    marks = [Phase("launch", 100.0), *(Phase("checkpoint", 101.0 + i, end=101.5 + i, step=10 * i) for i in range(5))]
+    shown = drillreport.timeline(marks, 100.5)
+    listed = ["  +0.5 s  checkpoint at step 0", "  +1.5 s  checkpoint at step 10"]
+    assert shown[1:] == [*listed, "  (and 3 more checkpoints)"]
