@@ -134,3 +134,12 @@ def test_routine_checkpoints_after_the_first_two_are_counted_not_listed():
     shown = drillreport.timeline(marks, 100.5)
     listed = ["  +0.5 s  checkpoint at step 0", "  +1.5 s  checkpoint at step 10"]
     assert shown[1:] == [*listed, "  (and 3 more checkpoints)"]
+
+
+def test_the_refusals_reason_holds_the_container_gets_no_net_admin():
+    """cut-link and slow-link are refused on AWS because the container cannot run tc or `ip link`: Docker's
+    default capabilities lack NET_ADMIN (Docker run reference, "Runtime privilege and Linux capabilities")
+    and the bootstrap adds only SYS_PTRACE. Should it ever add more, these refusals need another look."""
+    bootstrap = (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_text()
+    assert "--cap-add SYS_PTRACE" in bootstrap
+    assert "NET_ADMIN" not in bootstrap and "--privileged" not in bootstrap and "cap-add ALL" not in bootstrap
