@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from cluster_node import rundir
+from cluster_node import clusterdir, rundir
 from train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
     MODES,
     Breakdown,
@@ -103,8 +103,8 @@ def report_lines(
     if rate is None:
         lines += [
             "",
-            "No link measurement (no {rundir.LINK_JSON}): run `fab check` for the link; compression and link what-ifs "
-            "need it. Shown: what the measured exposed time alone predicts.",
+            f"No link measurement (no {clusterdir.LINK_JSON}): run `fab check` for the link; compression and link "
+            "what-ifs need it. Shown: what the measured exposed time alone predicts.",
         ]
     return lines
 

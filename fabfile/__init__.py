@@ -17,7 +17,7 @@ sys.path[:] = [_PROJECT_DIR] + [entry for entry in sys.path if entry not in (_PA
 
 from invoke import Collection  # noqa: E402
 
-from . import analysis, aws, cluster, local, runs  # noqa: E402
+from . import analysis, aws, cluster, drill, local, runs  # noqa: E402
 
 ns = Collection(
     aws.preflight,
@@ -42,5 +42,6 @@ ns = Collection(
     analysis.scale,
     analysis.plan,
     cluster.ssh,
+    drill.drill,
     local.local,
 )

@@ -19,10 +19,10 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from clusterops import cost as costs
-from clusterops import launch, lifecycle, localcluster, nodecmd, remote, terminal
+from clusterops import drill, launch, lifecycle, localcluster, nodecmd, remote, terminal
 from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
 
-ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError)
+ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError, drill.DrillError)
 # A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
 # timeout at connect_timeout), or a failed handshake, host key or login (SSHException).
 SSH_ERRORS = (NoValidConnectionsError, socket.timeout, SSHException)
@@ -75,7 +75,7 @@ def _allow_optional_positionals() -> None:
     ParseMachine.complete_context = complete_context  # type: ignore[method-assign]
 
 
-OPTIONAL_POSITIONALS = ("run",)  # a task may take these by position (`fab logs RUN`) or as `--run RUN`
+OPTIONAL_POSITIONALS = ("kind", "run")  # a task may take these by position (`fab logs RUN`, `fab drill KIND`)
 _allow_optional_positionals()
 
 

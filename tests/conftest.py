@@ -7,12 +7,12 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from clusterops.imdsstandin import serve_imds  # noqa: F401 (the tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DIR = REPO / "assets" / "train"
@@ -33,7 +33,6 @@ os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', 
 def cdk_app(**context):
     """An app with cdk.json's context (its feature flags change what constructs synthesize: the
     EFS file-system policy, for one), as `cdk synth` builds it."""
-    import json
 
     import aws_cdk
 
@@ -151,58 +150,6 @@ def moto_instances(count: int, cluster: str | None = None, instance_type: str = 
         ImageId=image, MinCount=count, MaxCount=count, InstanceType=instance_type, TagSpecifications=tags
     )["Instances"]
     return [i["InstanceId"] for i in launched]
-
-
-class FakeImds(BaseHTTPRequestHandler):
-    """IMDSv2 as EC2 serves it: a PUT for a token, then GETs with that token (401 without): the
-    identity document, and spot/instance-action (404 until a test sets server.instance_action)."""
-
-    TOKEN = "TOKEN123"
-
-    def do_PUT(self):
-        ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-        self._answer(200 if ok else 400, self.TOKEN.encode())
-
-    def do_GET(self):
-        token = self.headers.get("X-aws-ec2-metadata-token")
-        self.server.gets.append((self.path, token))
-        if token != self.TOKEN:
-            return self._answer(401, b"")
-        document = {
-            "region": "us-east-1",
-            "instanceId": "i-0123456789abcdef0",
-            "accountId": "123456789012",
-            "privateIp": self.client_address[0],  # the address the node asked from
-        }
-        if self.path == "/latest/dynamic/instance-identity/document":
-            return self._answer(200, json.dumps(document).encode())
-        action = self.server.instance_action
-        if self.path == "/latest/meta-data/spot/instance-action" and action is not None:
-            return self._answer(200, json.dumps(action).encode())
-        self._answer(404, b"<html>404 - Not Found</html>")
-
-    def _answer(self, code, body):
-        self.send_response(code)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@contextlib.contextmanager
-def serve_imds(host: str = "127.0.0.1"):
-    """A FakeImds on host (any free port); .url, .instance_action (None: no notice), .gets."""
-    server = ThreadingHTTPServer((host, 0), FakeImds)
-    server.instance_action, server.gets = None, []
-    server.url = f"http://{host}:{server.server_address[1]}"
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture

@@ -290,3 +290,19 @@ def test_the_restart_line_says_what_was_lost_since_the_start_and_why(tmp_path):
     line = (tmp_path / "train.log").read_text().splitlines()[-2]
     assert "restart 1/1 on 2 node(s) node0 node1 from the start (lost 55 steps since the start: the recipe" in line
     assert "checkpoints every 100 steps)" in line
+
+
+def test_row17_the_retried_cleanup_of_a_dropped_node_spares_a_run_started_during_its_pause(tmp_path, monkeypatch):
+    """Found by `fab drill kill-node`/`cut-link`: the next `fab train`, started while the ended run's
+    supervisor paused between clean-up retries, lost its MPI daemon on the node that came back (pkill orted)."""
+    from cluster_node import supervisor as module
+
+    run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"], cleanup=60.0)
+    nodes = FakeNodes(tmp_path)
+    sup = Supervisor(tmp_path, run_spec, FakeMpirun([]), nodes, clock=lambda: NOW, observer=Script())
+    sup.unreached.add("h2")
+    active = tmp_path / "active"
+    active.write_text("")
+    monkeypatch.setattr(module.time, "sleep", lambda s: active.write_text("/data/runs/next\n"))  # fab train, meanwhile
+    sup.retry_cleanup(active)
+    assert ("cleanup", "h2") not in nodes.calls

@@ -26,6 +26,7 @@ BUSY_MARKER = "{host}-{pid}.json"
 LINK_JSON = "link.json"
 TRANSPORT_JSON = "transport.json"
 HEALTH_PROBE_FILE = "health.{host}.{pid}"
+DRILL_FILL = "drill-fill.{host}"  # fab drill fill-data: a bounded file, removed afterwards
 
 
 def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, str]) -> Path:

@@ -36,8 +36,11 @@ class Phase(Record):
 
 
 def mark(run: Path, event: str, when: Optional[float] = None, **fields) -> None:
-    """Append one Phase line under `fcntl.lockf` (the supervisor and rank 0 both append; EFS honours NFSv4
-    locks), in one write; an OSError is swallowed (see the module's docstring)."""
+    """Append one Phase line under `fcntl.lockf` (the supervisor and rank 0 both append), in one write; an
+    OSError is swallowed (see the module's docstring). EFS takes NFSv4 byte-range locks but only as advisory
+    ones: "All locks in Amazon EFS are advisory, which means that READ and WRITE operations do not check
+    for conflicting locks" (EFS User Guide, "Unsupported NFSv4 features", mandatory locking), so every
+    appender must take the lock itself, as both do here."""
     record = Phase(event=event, time=time.time() if when is None else when, **fields)
     try:
         with open(Path(run) / rundir.PHASES, "a") as handle:

@@ -37,7 +37,7 @@ FILES: tuple[ProtocolFile, ...] = (
         rd.RUN_STATUS,
         "JSON RunStatus",
         "supervisor",
-        "fab logs/stop/status/runs/fetch, autostop",
+        "fab logs/stop/status/runs/fetch/drill, autostop",
         rd.RunStatus,
     ),
     _run(
@@ -54,7 +54,7 @@ FILES: tuple[ProtocolFile, ...] = (
         "train.train.compose (rank 0)",
         "train.train (resume), supervisor, fab",
     ),
-    _run(rd.RESTARTS, "JSON list of Restart", "supervisor", "supervisor, fab status/logs", rd.Restart),
+    _run(rd.RESTARTS, "JSON list of Restart", "supervisor", "supervisor, fab status/logs/drill", rd.Restart),
     _run(rd.HANGS, "JSON list of Hang", "supervisor", "tests", rd.Hang),
     _run(rd.INTERRUPTIONS, "JSON list of Interruption", "spotwatch (lockf)", "supervisor", rd.Interruption),
     _run(rd.INTERRUPTIONS_LOCK, "empty; lockf", "spotwatch", "spotwatch"),
@@ -64,7 +64,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.FORCED, "empty", "fab stop --force", "supervisor"),
     _run(rd.LAUNCHER_PID, "the supervisor's pid on the head node", "supervisor", "fab (kill -0 on the head)"),
     _run(rd.MPIRUN_PID, "pid on the head node", "supervisor", "fab stop --force"),
-    _run(rd.TRAIN_LOG, "text, appended", "mpirun, supervisor, spotwatch", "fab logs/fetch, supervisor"),
+    _run(rd.TRAIN_LOG, "text, appended", "mpirun, supervisor, spotwatch", "fab logs/fetch/drill, supervisor"),
     _run(rd.LAUNCHER_LOG, "text", "the supervisor's own output: each attempt's whole mpirun line", "people"),
     _run(rd.PROBE_SH, "one line: python -m cluster_node.probe", "fab train (upload)", "supervisor (ssh HOST bash -s)"),
     _run(
@@ -124,6 +124,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("cluster", cd.LINK_JSON, "JSON (linkcheck.summary)", "fab check", "fab report, fab check"),
     _at("cluster", cd.TRANSPORT_JSON, "JSON (health.transport_verdict)", "fab check", "fab train"),
     _at("cluster", cd.HEALTH_PROBE_FILE, "the probe's write test", "cluster_node.probe", "cluster_node.probe"),
+    _at("cluster", cd.DRILL_FILL, "--mb of zeros; removed when the drill ends", "fab drill fill-data", "nobody"),
 )
 
 _WHERE = {"head": "", "run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{cd.CLUSTER}/"}

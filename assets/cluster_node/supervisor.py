@@ -337,12 +337,13 @@ class Supervisor:
                 active.unlink()
 
     def retry_cleanup(self, active: Path, pause: float = 5.0) -> None:
-        """A partitioned node keeps its MPI daemon until someone reaches it: retry for a while, unless a
-        new run has started (its daemons must not be touched)."""
+        """A partitioned node keeps its MPI daemon until reached: retry a while, unless a new run started."""
         deadline = self.clock() + self.spec.limits.cleanup
         while self.unreached and self.clock() < deadline and not _nonempty(active):
             time.sleep(pause)
             for host in sorted(self.unreached):
+                if _nonempty(active):  # a run started during the pause: its daemons are not ours to kill
+                    return
                 if self.nodes.cleanup(host):
                     self.log(f"launcher: cleaned up {host} after it came back")
                     self.unreached.discard(host)

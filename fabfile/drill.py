@@ -1,0 +1,40 @@
+"""`fab drill KIND`: rehearse a failure on the running job (clusterops.drill)."""
+
+from __future__ import annotations
+
+from clusterops import drill as drills
+
+from .common import load_inventory, number, progress, task, whole_number
+
+
+@task(
+    help={
+        "kind": "; ".join(f"{k}: {v}" for k, v in drills.KINDS.items()),
+        "node": "the node to hit (default: the last); kill-node and cut-link refuse node0 (the supervisor's)",
+        "seconds": "slow-link, fill-data: how long the fault holds (default 30)",
+        "rate": "slow-link: the cap, a tc rate (default 10mbit)",
+        "mb": "fill-data: the file's size in MB (default 256; removed afterwards)",
+        "wait": "the longest wait for the supervisor to act, in seconds (default 180)",
+    },
+)
+def drill(c, kind=None, node=None, seconds="30", rate="10mbit", mb="256", wait="180"):
+    """Inject one failure into the running job and show what the supervisor did.
+
+    Then print the supervisor's log lines and restart, the incident's timeline and the goodput lost.
+    On AWS only stop-rank runs; the others are refused (docs/operations.md, "Failure drills")."""
+    if not kind:
+        raise drills.DrillError(f"give a drill: `fab drill KIND`, KIND one of {', '.join(drills.KINDS)}")
+    plan = drills.Drill(
+        kind=kind,
+        node=whole_number(node, "--node"),
+        seconds=number(seconds, "--seconds"),
+        rate=rate,
+        mb=whole_number(mb, "--mb"),
+        wait=number(wait, "--wait"),
+    )
+    drills.check_options(plan)
+    inv = load_inventory(c)
+    drills.validate(plan, inv)
+    progress(f"drill: {kind}: injecting, then waiting for the supervisor (up to {plan.wait:.0f} s) ...")
+    for line in drills.rehearse(inv, plan):
+        print(line)

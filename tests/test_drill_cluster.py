@@ -1,0 +1,48 @@
+"""`fab drill kill-node` on the emulated cluster (3 nodes, --max-restarts 1): the drill kills node2's
+processes in the running job, waits for the supervisor, and prints its restart, the incident's timeline
+and the goodput lost; the run then finishes on the two survivors."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from test_local_cluster import _start, _stop
+from test_restarts_cluster import RESTARTING, TINY, _restarts
+
+STEPS = 200  # still going when the drill, a few seconds after step 15, strikes
+
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+
+
+def test_drill_kill_node_prints_the_restart_its_timeline_and_the_goodput_lost_and_the_run_finishes(tmp_path):
+    cluster = _start("dr", 3, "10.213.170.0/24", tmp_path)
+    try:
+        cluster.fab("train", "--run", "drilled", "--steps", str(STEPS), *RESTARTING, "--extra", TINY)
+        cluster.wait_for_step("drilled", 15)
+        out = cluster.fab("drill", "kill-node", "--wait", "120").stdout
+        print(out)
+        status, _ = cluster.wait_for_end("drilled", timeout=120)
+        assert status["state"] == "finished", status
+        [record] = _restarts(cluster, "drilled")
+        head = r"^drill kill-node on node2 \(10\.213\.170\.12\), run /data/runs/drilled at step \d+: SIGKILL to its "
+        assert re.search(head, out, re.M), out
+        assert "the supervisor restarted the run and it is stepping again" in out
+        assert f"restart 1 ({record['kind']}): " in out and "dropped 10.213.170.12 (unreachable)" in out
+        times = {}
+        for event in ("detected the failure", "decided", "launched attempt 2", "ready to step", "first step"):
+            found = re.search(rf"^  \+([\d.]+) s  .*{event}", out, re.M)
+            assert found, (event, out)
+            times[event] = float(found.group(1))
+        assert list(times.values()) == sorted(times.values()), times  # in the order they happened
+        assert f"restart from the checkpoint at step {record['resume_step']}" in out
+        lost = re.search(
+            r"^goodput lost: ([\d.]+) s \(restart\.detect ([\d.]+) s, .*\) in the drill's ([\d.]+) s", out, re.M
+        )
+        # at least the detection; at most the drill's time plus the <= 10 steps since the checkpoint (< 0.5 s each)
+        assert lost and 0 < float(lost.group(2)) <= float(lost.group(1)), out
+        assert float(lost.group(1)) <= float(lost.group(3)) + 10 * 0.5, out
+        assert re.search(r"^incident \(\w+\): detected .* \d+ steps lost", out, re.M), out
+    finally:
+        _stop(cluster)
