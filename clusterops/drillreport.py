@@ -9,6 +9,7 @@ import re
 import time
 from typing import Sequence
 
+from cluster_node import rundir
 from cluster_node.phases import Phase
 
 from . import goodput
@@ -66,7 +67,7 @@ def lost(marks: Sequence[Phase], started: float, ended: float) -> list[str]:
     before = goodput.account([m for m in marks if m.time <= started], now=started)
     after = goodput.account(marks, now=ended)
     if before is None or after is None:
-        return ["goodput: no phases.jsonl (a run from an older supervisor/trainer)"]
+        return [f"goodput: no {rundir.PHASES} (a run from an older supervisor/trainer)"]
     wall, productive = after.wall_s - before.wall_s, after.phases["productive"] - before.phases["productive"]
     deltas = {k: after.phases[k] - before.phases.get(k, 0.0) for k in after.phases if k != "productive"}
     causes = ", ".join(f"{k} {v:.1f} s" for k, v in deltas.items() if abs(v) >= 0.05)
@@ -94,7 +95,7 @@ def supervisor(log_lines: Sequence[str], restarts: Sequence[dict], status: dict,
     own = [_short(line) for line in log_lines if SUPERVISOR_LINE.match(line)]
     out = ["supervisor:"] + [f"  | {line}" for line in own[-MAX_LOG_LINES:]]
     if len(own) > MAX_LOG_LINES:
-        out.insert(1, f"  | ({len(own) - MAX_LOG_LINES} earlier lines in train.log)")
+        out.insert(1, f"  | ({len(own) - MAX_LOG_LINES} earlier lines in {rundir.TRAIN_LOG})")
     for number, r in enumerate(restarts, 1):
         if _epoch(r.get("time", "")) < int(started):
             continue
