@@ -426,3 +426,20 @@ def test_a_checkpoint_at_least_every_n_minutes_besides_the_step_interval(numbers
     bad = train(numbers_data, tmp_path / "bad", "--checkpoint-minutes", "-1", check=False)
     refusal = "error: invalid --checkpoint-minutes -1.0: 0 (steps only) or a positive number of minutes\n"
     assert bad.returncode == 2 and bad.stderr == refusal
+
+
+def test_translate_with_no_checkpoint_is_one_line(tmp_path):
+    """`fab fetch` during a run brought no checkpoint and translate printed a traceback (issue 23 §9):
+    every entry point gives one line for a missing file."""
+    missing = tmp_path / "runs" / "r1" / "checkpoints" / "best.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "train.translate", str(missing)],
+        input="",
+        capture_output=True,
+        text=True,
+        env=tool_env(),
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert (
+        result.stderr.strip().splitlines() == [result.stderr.strip()] and f"no checkpoint at {missing}" in result.stderr
+    )

@@ -313,7 +313,7 @@ class Trainer:
             self.log(
                 f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
                 f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
-                f"{global_batch / step_time:.0f} objects/s | {breakdown.parts_line(parts)} | "
+                f"{global_batch / step_time:.0f} objects/s | slowest rank: {breakdown.parts_line(parts)} | "
                 f"elapsed {breakdown.duration(elapsed)} | ETA {breakdown.duration(eta)}"
             )
             self._progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)

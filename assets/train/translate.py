@@ -22,6 +22,10 @@ def main(argv=None) -> int:
     parser.add_argument("--vocabulary", help="spm.model (default: the path saved in the checkpoint)")
     parser.add_argument("--beam", type=int, default=1)
     args = parser.parse_args(argv)
+    if not Path(args.checkpoint).is_file():
+        hint = "`fab fetch RUN` brings the run's checkpoint home (a run checkpoints every --checkpoint-every steps)"
+        print(f"error: no checkpoint at {args.checkpoint}: {hint}", file=sys.stderr)
+        return 2
     state = checkpoint.load_file(args.checkpoint)
     config = TrainConfig.from_dict(state["config"])
     vocabulary = args.vocabulary or state["vocabulary"]
