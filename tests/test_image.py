@@ -58,6 +58,7 @@ PROVIDERS = {
     **dict.fromkeys(["python", "python3", "pip", "mpirun"], BASE),  # the NGC PyTorch image itself
     "nvidia-smi": RUNTIME,
     "dmesg": BASE,  # util-linux, essential
+    "df": BASE,  # coreutils, essential (fab drill fill-data reads the free space)
     "journalctl": OPTIONAL,  # the kernel log where dmesg is not allowed
     "dcgmi": OPTIONAL,  # DCGM's diagnostic, where a DCGM install provides it
     "ssh": "openssh-client",
