@@ -132,7 +132,7 @@ def test_status_shows_every_node_ready(cluster):
     out = cluster.fab("status").stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"node\d", line)]
     assert [r[0] for r in rows] == [f"node{i}" for i in range(cluster.nodes)]
-    assert all(r[1:5] == ["True", "yes", "up", "yes"] for r in rows), out
+    assert all(r[1:6] == ["True", "yes", "-", "up", "yes"] for r in rows), out  # deploy: no timeline here
 
 
 def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
@@ -188,7 +188,7 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
         (["ssh", "--node", "7"], "--node 7"),
         (["data", "--dataset", "mnist"], "invalid --dataset 'mnist'"),
         (["data", "--dataset", "imagenet"], "prepare.py imagenet failed on node0"),
-        (["sync", "--source", "/nonexistent"], "no train.py"),
+        (["sync", "--source", "/nonexistent"], "is not the training package"),
         (["stop"], "no run is going"),
         (["logs", "--run", "never-ran"], "no run named 'never-ran' (runs: "),
         (["fetch", "--run", "never-ran"], "no run named 'never-ran'"),
@@ -311,7 +311,7 @@ def test_tensorboard_through_a_tunnel_leaves_mpirun_working_and_stops(cluster):
     still reaches its first step."""
     import urllib.request
 
-    from clusterops.remote import TENSORBOARD_PORT
+    from clusterops.tensorboard import TENSORBOARD_PORT
 
     port = 16010 + cluster.nodes
     tunnel = subprocess.Popen(
