@@ -62,4 +62,5 @@ class FollowFilter:
         if not self.hidden:
             return ""
         count, self.hidden = self.hidden, 0
-        return f"  ({count} lines of Open MPI and rank error output not shown here: {self.hint} prints them)\n"
+        lines = "1 line" if count == 1 else f"{count} lines"
+        return f"  ({lines} of Open MPI and rank error output not shown here: {self.hint} prints them)\n"
