@@ -108,15 +108,10 @@ def test_the_probe_runs_and_reports_this_machine(tmp_path):
     assert found["torch"].startswith("2.") and found["gpus"] == []
 
 
-FAKE_SMI = """#!/bin/sh
-echo "NVIDIA A10G, 550.127.05, $ECC"
-echo "NVIDIA A10G, 550.127.05, 0"
-"""
-# A kernel log as NVIDIA's A100 memory-error guide prints an uncontained ECC error (Xid 95).
-FAKE_DMESG = """#!/bin/sh
-echo "[ 10.1] NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.127.05"
-echo "[ 99.9] NVRM: Xid (PCI:0000:01:00): $XID, pid=7194, name=python, Uncontained: FBHUB. RST: Yes, D-RST: No"
-"""
+# Stand-ins first on PATH: nvidia-smi (two A10Gs, the first with $ECC uncorrected errors) and dmesg (a
+# kernel log with Xid $XID), in tests/probe_standins/.
+PROBE_STANDINS = REPO / "tests" / "probe_standins"
+FAKE_SMI = (PROBE_STANDINS / "nvidia-smi").read_text()
 
 
 def _probe_with_fakes(tmp_path, ecc="0", xid="13", smi=FAKE_SMI) -> dict:
@@ -124,7 +119,7 @@ def _probe_with_fakes(tmp_path, ecc="0", xid="13", smi=FAKE_SMI) -> dict:
     no torch to import, so it runs in a blink)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("nvidia-smi", smi), ("dmesg", FAKE_DMESG)):
+    for name, text in (("nvidia-smi", smi), ("dmesg", (PROBE_STANDINS / "dmesg").read_text())):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ECC": ecc, "XID": xid}

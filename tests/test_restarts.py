@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from supervisor_fixture import status, supervise, write_spec
+from supervisor_fixture import STANDINS, status, supervise, write_spec
 
 from cluster_node import hang, restart_plan, spec
 from clusterops import health, launch
@@ -148,28 +148,10 @@ def test_negative_restarts_and_min_nodes_are_refused():
 
 # ---------------------------------------------------------------- the real supervisor
 
-STANDIN_SSH = """#!/bin/bash
-# ssh -F CONFIG [-o X]... HOST COMMAND...: HOST is dead, or answers; a script on stdin (the probe)
-# runs here. Nothing else does: cleanup's pkill must not touch this machine.
-while [[ $1 == -* ]]; do shift 2; done
-host=$1; shift
-[[ $host == "$DEAD_HOST" ]] && exit 255
-[[ $1 == bash && $2 == -s ]] && exec "$@"
-exit 0
-"""
+# ssh that answers for every host but $DEAD_HOST (tests/supervisor_standins/ssh-one-dead)
+STANDIN_SSH = (STANDINS / "ssh-one-dead").read_text()
 
-FAKE_TRAINER = """import json, os, pathlib, sys, time
-run = pathlib.Path(sys.argv[1])
-args = ["-np", os.environ["MPIRUN_NP"], "MASTER_ADDR=" + os.environ["MASTER_ADDR"], *sys.argv[2:]]
-(run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1}))
-(run / "checkpoints").mkdir(exist_ok=True); (run / "checkpoints" / "step_00000010.pt").write_bytes(b"x")
-print("args:", " ".join(args), flush=True)
-if "--keep-global-batch" not in args:
-    (run / "ranks").mkdir(exist_ok=True); (run / "ranks" / "rank0").write_text("10 1 n0\\n")
-    time.sleep(float(sys.argv[-1]) if args[-2:-1] == ["--sleep"] else 0)
-    sys.exit(1)
-print("run ended at step 20: max_steps")
-"""
+FAKE_TRAINER = (STANDINS / "fake_trainer.py").read_text()  # the program each rank runs: argv and exits scripted
 
 
 def _launcher(run: Path, first_args: list[str], dead: str = "h2", keep_trainer: bool = False, **limits) -> dict:
@@ -193,20 +175,7 @@ def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path)
     assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "unreachable"
 
 
-SPOT_TRAINER = """import json, pathlib, sys, time
-run = pathlib.Path(sys.argv[1]); args = sys.argv[2:]
-(run / "config.json").write_text(json.dumps({"batch_per_gpu": 8, "grad_accum": 1, "max_steps": 20}))
-(run / "checkpoints").mkdir(exist_ok=True); (run / "checkpoints" / "step_00000012.pt").write_bytes(b"x")
-print("args:", " ".join(args), flush=True)
-if "--keep-global-batch" not in args:  # h2's watcher got a notice; the trainer checkpointed and ended
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    (run / "interruptions.json").write_text(json.dumps([{"host": "h2", "action": "stop", "noticed": stamp}]))
-    (run / "progress.json").write_text(json.dumps({"step": 12}))
-    print("run ended at step 12: stop requested (checkpoint now, no eval)")
-    sys.exit(0)
-(run / "progress.json").write_text(json.dumps({"step": 20}))
-print("run ended at step 20: max_steps")
-"""
+SPOT_TRAINER = (STANDINS / "spot_trainer.py").read_text()  # the program each rank runs: argv and exits scripted
 
 
 def test_the_launcher_goes_on_without_a_node_whose_spot_notice_ended_the_attempt(tmp_path):
