@@ -46,21 +46,25 @@ def write_spec(
     return run_spec
 
 
-def supervise(run: Path, ssh: str = ANSWERING_SSH, timeout: float = 60, env: Optional[dict] = None, **more: str):
-    """Run the supervisor to its end; returns the completed process (run-status.json holds the verdict)."""
+def _environment(run: Path, ssh: str, base: Optional[dict] = None, **more: str) -> dict:
+    """PATH with the stand-in ssh (run/bin) and mpirun first; the checkout's cluster_node importable."""
     bin_dir = run / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "ssh").write_text(ssh)
     (bin_dir / "ssh").chmod(0o755)
     path = f"{bin_dir}:{STANDINS}:{os.environ['PATH']}"
     pythonpath = f"{REPO / 'assets'}:{os.environ.get('PYTHONPATH', '')}"
-    environ = dict(env or os.environ, PATH=path, PYTHONPATH=pythonpath, **more)
+    return dict(base or os.environ, PATH=path, PYTHONPATH=pythonpath, **more)
+
+
+def supervise(run: Path, ssh: str = ANSWERING_SSH, timeout: float = 60, env: Optional[dict] = None, **more: str):
+    """Run the supervisor to its end; returns the completed process (run-status.json holds the verdict)."""
     return subprocess.run(
         [sys.executable, "-m", "cluster_node.supervisor", str(run)],
         timeout=timeout,
         capture_output=True,
         text=True,
-        env=environ,
+        env=_environment(run, ssh, env, **more),
     )
 
 
@@ -70,11 +74,5 @@ def status(run: Path) -> dict:
 
 def supervisor_process(run: Path) -> subprocess.Popen:
     """The supervisor started as `fab train` starts it, not waited for (an answering ssh on PATH)."""
-    bin_dir = run / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "ssh").write_text(ANSWERING_SSH)
-    (bin_dir / "ssh").chmod(0o755)
-    path = f"{bin_dir}:{STANDINS}:{os.environ['PATH']}"
-    pythonpath = f"{REPO / 'assets'}:{os.environ.get('PYTHONPATH', '')}"
-    env = dict(os.environ, PATH=path, PYTHONPATH=pythonpath)
+    env = _environment(run, ANSWERING_SSH)
     return subprocess.Popen([sys.executable, "-m", "cluster_node.supervisor", str(run)], env=env)
