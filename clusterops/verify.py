@@ -10,10 +10,15 @@ import re
 import time
 from typing import Optional, Sequence
 
+from train.config import RESUMABLE_CHANGES
+
 from . import plan as planning
 from .bottleneck import MODES, Breakdown, what_ifs
 
 VERIFY_STEPS = 20  # the short run: its first 5 steps are not timed (the trainer's summary)
+# The run's settings the short run does not take as flags: where it runs, its length and reporting
+# (fab's own short-run flags), and what changes() sets.
+NOT_KEPT = {"recipe", "data", "run_dir", "max_steps", "batch_per_gpu", "grad_compression", *RESUMABLE_CHANGES}
 
 
 class VerifyError(ValueError):
@@ -58,6 +63,8 @@ def changes(config: dict, summary: dict, mode: str, slots: int) -> dict:
         "batch_per_gpu": batch,
         "grad_compression": summary.get("grad_compression") or "none",
         "nodes": max(1, world // slots),
+        "data": config.get("data"),
+        "extra_args": kept_args(config),
     }
     if kind == "compression":
         fields["grad_compression"] = mode
@@ -69,6 +76,23 @@ def changes(config: dict, summary: dict, mode: str, slots: int) -> dict:
             raise VerifyError(f"the global batch {batch * world} does not split over {ranks} rank(s)")
         fields.update(nodes=int(value or 1), batch_per_gpu=batch * world // ranks)
     return fields
+
+
+def kept_args(config: dict) -> tuple[str, ...]:
+    """The run's trainer settings as flags (its model, batching, precision, optimizer, DDP buckets),
+    so the short run trains what the run trained: config.json's fields, the task's model part only."""
+    part = "vision" if str(config.get("recipe", "")).startswith("resnet") else "model"
+    settings = [*((k, v) for k, v in config.items() if k not in ("model", "vision")), *config.get(part, {}).items()]
+    args: list[str] = []
+    for key, value in settings:
+        if key in NOT_KEPT or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args += [flag, "true" if value else "false"]
+        else:
+            args += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    return tuple(args)
 
 
 def pair(mode: str, predicted: float, model: str, measured: float, run: str) -> dict:
@@ -102,4 +126,6 @@ def lines(pairs: Sequence[dict]) -> list[str]:
 
 
 def replaced(request, fields: dict, run: str):
-    return dataclasses.replace(request, run=run, **fields)
+    """The short run's request: fab's short-run reporting flags after the run's own settings."""
+    extra = (*fields.get("extra_args", ()), *request.extra_args)
+    return dataclasses.replace(request, run=run, **{**fields, "extra_args": extra})

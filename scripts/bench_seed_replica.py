@@ -10,7 +10,8 @@ holds the machine's one-cluster lock meanwhile (clusterops/onecluster.py: /tmp/e
 or GPU_CLUSTER_LOCK) and refuses in one line when another run holds it (--wait-lock waits). Step
 times are the trainer's summary.json means (its first steps are skipped there); the exposed share
 and the payload come from the summary's breakdown. Last, the step model's what-ifs from the `none`
-run (its breakdown and the link cap) against each mode's measured step: the model's error here.
+run (its breakdown and the link `fab check` measured, as `fab report` takes them) against each mode's
+measured step: the model's error here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cluster_node import rundir
+from cluster_node import clusterdir, rundir
 from clusterops import analysis, bottleneck, localcluster, onecluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,13 +61,13 @@ def row(name: str, summary: dict, bound_s: float) -> str:
     )
 
 
-def model_errors(results: list, link: str) -> list[str]:
+def model_errors(results: list, link_gbit: float) -> list[str]:
     """Each compression mode's step as predicted from the `none` run's breakdown, against its own."""
     measured = {name: summary for name, summary in results}
     if "none" not in measured or not measured["none"].get("breakdown"):
         return ["no `none` run: no predictions to score"]
     base = bottleneck.Breakdown.from_summary(measured["none"])
-    predicted = {p.name.split()[0]: p for p in bottleneck.what_ifs(base, analysis.tc_rate_gbit(link) or 1.0)}
+    predicted = {p.name.split()[0]: p for p in bottleneck.what_ifs(base, link_gbit)}
     lines = [f"{'mode':<10} {'predicted':>9} {'measured':>9} {'ratio':>6}  model"]
     for mode, summary in measured.items():
         if mode != "none" and mode in predicted:
@@ -90,11 +91,12 @@ def main() -> None:
     args = parser.parse_args()
     try:
         with onecluster.held(wait=args.wait_lock):
-            bound, results = run_all(args)
+            bound, results, link = run_all(args)
     except onecluster.ClusterBusy as busy:
         raise SystemExit(str(busy)) from None
     if args.save:
-        Path(args.save).write_text(json.dumps({"bound": bound, "runs": results, "link": args.link}, indent=2))
+        saved = {"bound": bound, "runs": results, "link": args.link, "link_json": link}
+        Path(args.save).write_text(json.dumps(saved, indent=2))
     bound_s = bound["avg_step_time_s"]
     print(f"transformer-base, batch {args.batch}/rank, {args.steps} steps, 2 nodes at {args.link}")
     print(f"{'mode':<16} {'ms/step':>8} {'x bound':>8} {'exposed':>8} {'payload MB':>10} {'buckets':>8}")
@@ -103,11 +105,14 @@ def main() -> None:
         print(row(mode, summary, bound_s))
     best = min(results, key=lambda r: r[1]["avg_step_time_s"])
     print(f"best: {best[0]} at {best[1]['avg_step_time_s'] / bound_s:.2f}x the bound (goal <= 1.25x)")
-    print("\n".join(model_errors(results, args.link)))
+    rate = bottleneck.link_rate(link) or analysis.tc_rate_gbit(args.link) or 1.0
+    print(f"predicted from the none run at the link fab check measured: {rate:.3f} Gbit/s (cap {args.link})")
+    print("\n".join(model_errors(results, rate)))
 
 
-def run_all(args) -> tuple[dict, list]:
-    """Up, data, the 1-node bound and every mode (x bucket cap) on 2 nodes, down."""
+def run_all(args) -> tuple[dict, list, dict]:
+    """Up, data, the link measured (`fab check`), the 1-node bound and every mode (x bucket cap) on 2
+    nodes, down."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GPU_CLUSTER_INVENTORY=f"{tmp}/inv.json")
         env["PATH"] = f"{REPO / '.venv' / 'bin'}:{env.get('PATH', '')}"
@@ -127,6 +132,8 @@ def run_all(args) -> tuple[dict, list]:
         )
         try:
             fab(env, "data", "--extra", "--train 20000 --valid 100 --test 50")
+            fab(env, "check")
+            link = json.loads((shared / clusterdir.CLUSTER / clusterdir.LINK_JSON).read_text())
             bound = measure(env, shared, "bound-1node", 1, "none", args)
             caps = [float(cap) for cap in args.bucket_caps.split(",")]
             results = [
@@ -139,7 +146,7 @@ def run_all(args) -> tuple[dict, list]:
             ]
         finally:
             fab(env, "local.down", "--name", args.name, "--yes")  # a benchmark keeps no run
-    return bound, results
+    return bound, results, link
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The bottleneck model: verdicts on constructed breakdowns, what-ifs that follow their formulas,
 and PowerSGD's wire bytes against what PyTorch's hook really all-reduces."""
 
+import json
+from pathlib import Path
+
 import pytest
 
 from clusterops.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
@@ -61,8 +64,8 @@ def test_powersgd_in_one_bucket_hides_nothing_and_pays_its_measured_compression_
     p = {x.name: x for x in what_ifs(slow, 1.0)}["powersgd"]
     assert p.step_s == pytest.approx(slow.step - 0.75 + 0.04 * 0.8 + 0.03)
     # In buckets (none counted: one assumed) the work and 32 ms on the wire run one after the other,
-    # 62 ms, behind the 50 ms backward hid before: 12 ms exposed.
-    assert bucketed.step_s == pytest.approx(slow.step - 0.75 + 0.062 - 0.05)
+    # 62 ms; backward hid 50 ms of wire before and can hide at most the 32 ms there are: 30 ms exposed.
+    assert bucketed.step_s == pytest.approx(slow.step - 0.75 + 0.062 - 0.032)
 
 
 def test_compression_work_runs_in_the_buckets_pipeline_behind_backward():
@@ -78,7 +81,25 @@ def test_compression_work_runs_in_the_buckets_pipeline_behind_backward():
         exposed=0.75, buckets=7, powersgd_wire_bytes=0.04 * ring_wire_bytes(100 * MB, 2), overheads={"powersgd": 0.3}
     )
     p = {x.name: x for x in what_ifs(psgd, 1.0)}["powersgd"]
-    assert p.step_s == pytest.approx(psgd.step - 0.75 + 0.3 + 0.032 / 7 - 0.05)
+    assert p.step_s == pytest.approx(psgd.step - 0.75 + 0.3 + 0.032 / 7 - 0.032)
+
+
+def test_backward_hides_wire_time_never_the_hooks_work():
+    """The base run hid 0.2 s of its 1.0 s all-reduce behind backward. PowerSGD puts 0.02 s on the
+    wire and does 0.25 s of matrix work in the hook, on the processor backward runs on: only those
+    0.02 s can hide, the work is all exposed (the seeds' setup: predicted 28% fast before this cap)."""
+    base = breakdown(
+        exposed=0.8,
+        compute=0.3,
+        buckets=7,
+        powersgd_wire_bytes=0.02 * ring_wire_bytes(125 * MB, 2),
+        wire_bytes=ring_wire_bytes(125 * MB, 2),
+        overheads={"powersgd": 0.25, "fp16": 0.07},
+    )
+    predictions = {x.name: x for x in what_ifs(base, 1.0)}
+    assert predictions["powersgd"].step_s == pytest.approx(base.step - 0.8 + 0.25 + 0.02 / 7 - 0.02)
+    # fp16: 0.5 s on the wire, more than backward hid before: the same 0.2 s hidden.
+    assert predictions["fp16 gradients"].step_s == pytest.approx(base.step - 0.8 + 0.5 + 0.01 - 0.2)
 
 
 def test_an_all_reduce_slower_than_the_link_is_scaled_as_measured():
@@ -144,3 +165,15 @@ def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
         assert f"| {what_if} |" in text, what_if
     assert (tmp_path / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and len(written) == 2
     assert lines[0] == "# Run base: communication-bound"
+
+
+def test_the_model_holds_on_the_seeds_setup_as_measured():
+    """Issue 22 §5, replayed offline: one run of scripts/bench_seed_replica.py (tests/data), each
+    compression predicted from the `none` run at the link `fab check` measured, against its run:
+    within 20% (they were +21-38% before compression work was pipelined and before backward's
+    hiding was capped at the new wire time)."""
+    recorded = json.loads((Path(__file__).parent / "data" / "seed_replica.json").read_text())
+    runs, link = recorded["runs"], recorded["link"]["link_gbit"]
+    predicted = {p.name.split()[0]: p.step_s for p in what_ifs(Breakdown.from_summary(runs["none"]), link)}
+    errors = {mode: predicted[mode] / runs[mode]["avg_step_time_s"] - 1 for mode in ("fp16", "bf16", "powersgd")}
+    assert all(abs(error) <= 0.20 for error in errors.values()), errors

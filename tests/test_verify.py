@@ -3,8 +3,10 @@ and the report's section of kept pairs."""
 
 import pytest
 
-from clusterops import verify
+from clusterops import launch, verify
 from clusterops.bottleneck import ring_wire_bytes
+from clusterops.inventory import Inventory, Node, SshSettings
+from train.config import RESUMABLE_CHANGES
 
 MB = 1e6
 SUMMARY = {
@@ -41,6 +43,8 @@ def test_the_short_run_keeps_the_runs_settings_but_the_one_change():
         "batch_per_gpu": 12,
         "grad_compression": "fp16",
         "nodes": 2,
+        "data": None,
+        "extra_args": (),
     }
     assert verify.changes(CONFIG, SUMMARY, "batchx2", 1)["batch_per_gpu"] == 24
     assert verify.changes(CONFIG, SUMMARY, "nodes=3", 1) | {} == {
@@ -68,3 +72,28 @@ def test_the_report_shows_every_pair_and_the_mean_error():
     assert "| fp16 | 1100 ms | 1000 ms | +10% | a-verify |" in text
     assert "mean absolute error 10% over 2 prediction(s)" in text
     assert verify.lines([]) == []
+
+
+@pytest.mark.parametrize("recipe", ["transformer-tiny", "resnet50"])
+def test_the_short_run_trains_what_the_run_trained(recipe):
+    """A run with its own model, batching, precision and buckets (`--extra`): the short run's flags,
+    through the trainer's own parser, give back that configuration but for its length and reporting
+    (it used to train the recipe's default model and score the prediction against the wrong run)."""
+    from train.config import build_parser, config_from_args
+
+    given = ["--recipe", recipe, "--data", "/data/datasets/mine", "--bucket-cap-mb", "5", "--precision", "fp32"]
+    given += ["--d-model", "256", "--ffn", "1024", "--layers", "2", "--batching", "sentences"]
+    given += ["--width", "16", "--image-size", "32", "--synthetic", "--adam-betas", "0.8", "0.9"]
+    run = config_from_args(build_parser("t").parse_args(given)).to_dict()
+    summary = {**SUMMARY, "recipe": recipe}
+    request = verify.replaced(
+        launch.TrainRequest(extra_args=("--log-every", "10")), verify.changes(run, summary, "fp16", 1), "r-verify"
+    )
+    node = Node(rank=0, name="node0", public_ip="127.0.0.1", private_ip="127.0.0.1")
+    inventory = Inventory("c", "local", [node], 1, SshSettings("root", 4444, "k", "known_hosts"))
+    argv = launch.trainer_args(inventory, request)
+    short = config_from_args(build_parser("t").parse_args(argv)).to_dict()
+    other_part = "model" if recipe.startswith("resnet") else "vision"  # not what this recipe trains
+    differs = {key for key in run if run[key] != short[key]} - {other_part}
+    assert "grad_compression" in differs and differs <= {"run_dir", "max_steps", "grad_compression", *RESUMABLE_CHANGES}
+    assert short["data"] == "/data/datasets/mine" and short["grad_compression"] == "fp16"

@@ -9,8 +9,9 @@ A what-if changes one input and recomputes:
     compression (fp16/bf16/PowerSGD): wire bytes x ratio, and its measured compression work W runs in
         the DDP comm hook bucket by bucket as backward produces them: bucket k's work overlaps bucket
         k-1's wire time, so over B buckets the all-reduce's side takes
-        tail(comm', W) = max(comm', W) + min(comm', W) / B, and backward hides what it hid before:
-        exposed' = max(0, tail(comm', W) - hidden)
+        tail(comm', W) = max(comm', W) + min(comm', W) / B. Backward hides wire time, never the
+        hook's work (the same processor does both), so what it hid before, capped at the new wire time:
+        exposed' = max(0, tail(comm', W) - min(hidden, comm'))
         (the base run's own work is in its tail too: hidden = tail(comm, W_base) - exposed)
     faster link: comm x (rate / rate')
     batch x s or accumulation x k: data and compute x s (x k); comm once per optimizer step
@@ -143,12 +144,13 @@ def compression_what_if(b: Breakdown, link_gbit: float, mode: str):
             b,
             f"wire bytes x {ratio:.3f}{cost}, {shape}",
             comm=tail,
-            hidden=0.0 if alone else hidden,
+            hidden=0.0 if alone else min(hidden, comm * ratio),
             **base,
         )
     ratio = WIRE_RATIO[mode] / WIRE_RATIO.get(b.compression, 1.0)
     name = "none" if mode == "none" else f"{mode} gradients"
     tail = pipelined(comm * ratio, work, buckets)
+    hidden = min(hidden, comm * ratio)  # backward hides wire time, not the hook's work
     return _predict(name, b, f"wire bytes x {ratio:g}{cost}, same overlap", comm=tail, hidden=hidden, **base)
 
 
