@@ -63,6 +63,7 @@ NOT_THE_TRAINERS = {
     "test_autostop": "the watchdog; uses prepare.py's busy marker only",
     "test_image": "reads the Dockerfile and the launch scripts",
     "test_launch": "builds mpirun lines; parses trainer flags only",
+    "test_verify": "the short run's flags, parsed with train.config only",
     "test_restarts": "the supervisor's decisions on recorded facts",
     "test_lifecycle": "the laptop parses trainer flags with train.config only; the supervisor runs a stand-in",
     # Run the trainer, but what they add under 2.6 is covered by listed modules, and the phase's time
