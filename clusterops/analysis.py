@@ -12,10 +12,10 @@ from typing import Callable, Optional, Sequence
 
 from fabric import Connection
 
-from cluster_node import phases
+from cluster_node import goodput, phases
 from cluster_node import rundir as rd
 
-from . import bottleneck, goodput, launch, lifecycle, nodecmd, plots, remote, scaling, terminal, verify
+from . import bottleneck, launch, lifecycle, nodecmd, plots, remote, scaling, terminal, verify
 from .inventory import Inventory
 from .linkcheck import link_file
 

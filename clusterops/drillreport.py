@@ -1,6 +1,6 @@
 """`fab drill`'s printout: what the supervisor did (its log lines, restarts.json, run-status), the
 incident's timeline from phases.jsonl (seconds from the injection) and the goodput it cost: the
-goodput account (clusterops.goodput) just before the injection against the one at the drill's end."""
+goodput account (cluster_node.goodput) just before the injection against the one at the drill's end."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import re
 import time
 from typing import Sequence
 
-from cluster_node import rundir
+from cluster_node import goodput, rundir
 from cluster_node.phases import Phase
-
-from . import goodput
 
 TIMELINE = ("detect", "decide", "launch", "process", "rendezvous", "ready", "first_step", "checkpoint", "end", "done")
 SUPERVISOR_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ")  # the supervisor's and Spot watcher's

@@ -82,7 +82,7 @@ INCIDENT_PARTS = (
 
 
 def goodput_timeline(account, path: Path, title: str) -> Path:
-    """The run's wall-clock as one bar coloured by cause (clusterops.goodput), and under it one bar per
+    """The run's wall-clock as one bar coloured by cause (cluster_node.goodput), and under it one bar per
     restart: detect -> decide -> relaunch -> first step, with the steps it lost."""
     plt = _pyplot()
     rows = 1 + len(account.incidents)

@@ -1,4 +1,4 @@
-"""The goodput account (clusterops/goodput.py) on hand-made phase marks, and the marks' file
+"""The goodput account (cluster_node/goodput.py) on hand-made phase marks, and the marks' file
 (cluster_node/phases.py): torn lines skipped, concurrent appends whole."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ import multiprocessing
 
 import pytest
 
-from cluster_node import phases
+from cluster_node import goodput, phases
 from cluster_node.phases import Phase
-from clusterops import goodput
 
 
 def _marks() -> list[Phase]:
@@ -78,11 +77,33 @@ def test_the_supervisor_marks_the_run_each_launch_the_detection_the_decision_and
 
     sup, _, nodes = _supervisor(tmp_path, [None, 0], Script(Observation(NOW, unreachable="h2")), restarts=1)
     (tmp_path / "train.log").write_text("run ended at step 40: max_steps\n")
+    (tmp_path / "summary.json").write_text('{"recipe": "transformer-tiny", "steps": 40}')
     nodes.probe_all = lambda: (tmp_path / "probes").mkdir() or (tmp_path / "probes" / "h1").write_text(HEALTHY)
     assert sup.run_all() == 0
     marks = phases.read(tmp_path)
     assert [m.event for m in marks] == ["run", "launch", "detect", "decide", "launch", "done"]
     assert marks[2].kind == "unreachable" and marks[3].step == 30 and marks[3].kind == "unreachable"
+    assert '"goodput": {' in (tmp_path / "summary.json").read_text()  # finish() recorded the account
+
+
+def test_the_account_goes_into_summary_json_at_the_end_and_never_makes_one_up(tmp_path):
+    """§3: goodput in summary.json. The supervisor's finish records it into the trainer's summary (its
+    other keys kept); a run without a summary (it failed before its end) gets none written."""
+    import json
+
+    for mark in _marks():
+        phases.mark(
+            tmp_path, mark.event, mark.time, **{k: v for k, v in mark.to_json().items() if k not in ("event", "time")}
+        )
+    goodput.record(tmp_path)
+    assert not (tmp_path / "summary.json").exists()
+    (tmp_path / "summary.json").write_text(json.dumps({"recipe": "transformer-tiny", "steps": 40}))
+    goodput.record(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["recipe"] == "transformer-tiny" and summary["goodput"]["goodput"] == 0.38
+    assert summary["goodput"]["by_cause_s"]["restart"] == 6 + 3 + 7 + 1 and summary["goodput"]["wall_s"] == 100
+    [restart] = summary["goodput"]["restarts"]
+    assert restart["kind"] == "died" and restart["steps_lost"] == 10
 
 
 def test_the_timeline_png_and_the_runs_column(tmp_path):

@@ -4,6 +4,7 @@ last checkpoint, and fab report / fab runs show it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,8 +13,8 @@ import pytest
 from test_local_cluster import _start, _stop
 from test_restarts_cluster import RESTARTING, TINY, _beat, _restarts, _wait_for_restart
 
-from cluster_node import phases
-from clusterops import goodput, localcluster
+from cluster_node import goodput, phases
+from clusterops import localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 
@@ -40,6 +41,8 @@ def test_a_killed_node_run_accounts_for_its_wall_clock_and_loses_the_steps_after
         assert detect.step >= reached  # the ranks went on between our read and the kill
         assert incident.steps_lost == detect.step - record["resume_step"] > 0
         assert acc.steps_kept == 40 and 0 < acc.goodput < 1
+        summary = json.loads((cluster.run_dir("gp") / "summary.json").read_text())["goodput"]  # the supervisor's
+        assert summary["goodput"] == round(acc.goodput, 4) and summary["restarts"][0]["steps_lost"] > 0, summary
         report = cluster.fab("report", "--run", "gp").stdout
         assert "goodput " in report and "restart 1 (" in report and (cluster.run_dir("gp") / "goodput.png").exists()
         assert "goodput" in cluster.fab("runs").stdout.splitlines()[0]

@@ -47,7 +47,13 @@ FILES: tuple[ProtocolFile, ...] = (
         "supervisor, fab, autostop, spotwatch",
         rd.Progress,
     ),
-    _run(rd.SUMMARY, "JSON Summary", "trainer (rank 0)", "fab status/runs/report/fetch, local cluster", rd.Summary),
+    _run(
+        rd.SUMMARY,
+        "JSON Summary",
+        "trainer (rank 0); supervisor adds `goodput` at the end (cluster_node.goodput)",
+        "fab status/runs/report/fetch, local cluster",
+        rd.Summary,
+    ),
     _run(
         rd.CONFIG,
         "JSON TrainConfig.to_dict()",
@@ -95,7 +101,7 @@ FILES: tuple[ProtocolFile, ...] = (
         rd.PHASES,
         "JSON lines of phases.Phase (lockf)",
         "supervisor; train.train, train.callbacks.PhaseMarks (rank 0)",
-        "fab report/runs/drill (clusterops.goodput)",
+        "fab report/runs/drill (cluster_node.goodput)",
     ),
     _run(rd.GOODPUT_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.BREAKDOWN_PNG, "PNG", "fab report", "fab fetch"),

@@ -56,7 +56,7 @@ EVAL = "eval"
 EVAL_TEXT = "step_{step:08d}.{kind}.txt"  # eval/: a KIND (samples, translations) of the eval at STEP
 REPORT_MD = "report.md"
 PREDICTIONS = "predictions.json"  # fab report --verify: predicted vs measured pairs
-PHASES = "phases.jsonl"  # cluster_node.phases.Phase lines: where the wall-clock went (clusterops.goodput)
+PHASES = "phases.jsonl"  # cluster_node.phases.Phase lines: where the wall-clock went (cluster_node.goodput)
 GOODPUT_PNG = "goodput.png"
 BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
@@ -252,6 +252,7 @@ class Summary(Record):
     breakdown: Optional[Mapping[str, Any]] = _key("dict")
     calibration: Optional[Mapping[str, Any]] = _key("dict", null=True)
     auto_compression: Optional[Mapping[str, Any]] = _key("dict", null=True)
+    goodput: Optional[Mapping[str, Any]] = _key("dict")  # the supervisor's, at the end (cluster_node.goodput)
 
     @property
     def metrics(self) -> Mapping[str, Any]:

@@ -26,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import hang, phases, restart_plan, rundir
+from . import goodput, hang, phases, restart_plan, rundir
 from . import spec as specs
 from .budget import Meter
 from .nodes import Mpirun, Nodes
@@ -304,11 +304,10 @@ class Supervisor:
         """The final status and .active first, then --then-stop: stopping the instances may end this
         process (the container goes with its node), so nothing may be left to write after it."""
         phases.mark(self.run, "done", self.clock(), kind=self.kind or None)
+        goodput.record(self.run)  # the account into summary.json, before anything may stop this node
         state = final_state(self.run, self.state, self.reason)
         if self.spec.then_stop is not None:
-            self.reason = (
-                f"{self.reason}; then-stop: stopping the cluster" if self.reason else "then-stop: stopping the cluster"
-            )
+            self.reason = f"{self.reason}; then-stop: stopping the cluster".lstrip("; ")
         self.status(state, self.code, self.reason)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
         active = Path(self.spec.active_file)

@@ -1,17 +1,21 @@
 """Where a run's wall-clock went: the goodput account, from RUN_DIR/phases.jsonl (cluster_node.phases).
 Pure: marks in, an Account out. Every second between the supervisor's `run` and `done` marks gets one
 label; where intervals overlap the more specific wins (an eval inside a lost stretch is eval time).
-Goodput = productive seconds / wall-clock seconds, productive = stepping whose steps were kept."""
+Goodput = productive seconds / wall-clock seconds, productive = stepping whose steps were kept.
+The supervisor writes the account into summary.json at the run's end (`record`); fab report, fab runs
+and fab drill read it from the marks."""
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster_node import rundir
-from cluster_node.phases import Phase
+from . import phases, rundir
+from .phases import Phase
 
 # Highest priority first; GROUPS gives the headline causes the issue names.
 LABELS = (
@@ -246,3 +250,27 @@ def lines(acc: Optional[Account]) -> list[str]:
 def short(acc: Optional[Account]) -> str:
     """`fab runs`'s goodput column."""
     return "" if acc is None else f"{acc.goodput:.0%}" + ("*" if acc.running else "")
+
+
+def as_json(acc: Account) -> dict:
+    """summary.json's `goodput`: the share, the wall-clock by cause (GROUPS) and by phase, each restart."""
+    return {
+        "goodput": round(acc.goodput, 4),
+        "wall_s": round(acc.wall_s, 3),
+        "by_cause_s": {group: round(acc.group(group), 3) for group in GROUPS},
+        "phases_s": {label: round(seconds, 3) for label, seconds in acc.phases.items() if seconds > 0},
+        "restarts": [dataclasses.asdict(incident) for incident in acc.incidents],
+        "steps_kept": acc.steps_kept,
+    }
+
+
+def record(run: Path) -> None:
+    """At the run's end (after the supervisor's `done` mark): the account into the trainer's summary.json,
+    when there is one. Never fails the caller: the marks stay, fab report accounts from them."""
+    try:
+        summary = rundir.read_json(Path(run) / rundir.SUMMARY)
+        acc = account(phases.read(Path(run)))
+        if isinstance(summary, dict) and acc is not None:
+            rundir.write_json(Path(run) / rundir.SUMMARY, {**summary, "goodput": as_json(acc)}, indent=2)
+    except (OSError, ValueError, TypeError):
+        pass
