@@ -122,6 +122,7 @@ def verify_run(
     except verify.VerifyError as error:
         raise remote.RemoteError(str(error)) from None
     one.validate()
+    launch.check_nodes(inventory, one)  # nodes=K beyond the cluster: refused before anything is touched
     rdir = launch.run_dir(inventory, one.run_name)
     remote.sh(connection, f"rm -rf {q(rdir)}")
     rdir, _ = lifecycle.start_training(

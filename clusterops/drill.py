@@ -51,7 +51,8 @@ AWS_REFUSALS = {
 }
 HEAD_REFUSED = ("kill-node", "cut-link")  # node0 runs the supervisor: nothing would be left to act
 HOLDS = ("slow-link", "fill-data")  # undone after --seconds; the others once the supervisor has acted
-RANK_PATTERN = "[t]rain[.]train --recipe"  # the trainer's command line (pgrep -f), not pgrep itself
+# A rank's command line (pgrep -f, ERE): python first, so not mpirun's line nor pgrep's own shell.
+RANK_PATTERN = "^[^ ]*python[^ ]* -m train[.]train --recipe"
 
 
 class DrillError(RuntimeError):
@@ -168,13 +169,14 @@ def slow_link(inventory: Inventory, drill: Drill) -> Iterator[str]:
 
 @contextlib.contextmanager
 def stop_rank(inventory: Inventory, drill: Drill) -> Iterator[str]:
-    """SIGSTOP the node's trainer; SIGCONT afterwards (Open MPI sends one before its SIGTERM too)."""
+    """SIGSTOP one rank of the node, its oldest (local rank 0 on a multi-GPU node; its data workers, forked
+    with its command line, are younger); SIGCONT afterwards (Open MPI sends one before its SIGTERM too)."""
     node = inventory.nodes[drill.target(inventory)]
     with remote.connect(inventory, node) as conn:
         if inventory.source == "local":  # the namespaces share this machine's PIDs: pgrep sees every node's
-            pids = _namespace_pids(inventory, node.rank, RANK_PATTERN)
+            pids = sorted(_namespace_pids(inventory, node.rank, RANK_PATTERN))[:1]
         else:
-            pids = [int(p) for p in remote.sh(conn, f"pgrep -f {remote.q(RANK_PATTERN)} || true").split()]
+            pids = [int(p) for p in remote.sh(conn, f"pgrep -o -f {remote.q(RANK_PATTERN)} || true").split()]
         if not pids:
             raise DrillError(f"no trainer process on {node.name}: is the run stepping there?")
 

@@ -46,6 +46,7 @@ class Base:
     ranks_per_node: int
     link_gbit: Optional[float]  # the link it ran over (measured, else the cap)
     source: str  # one line: which run or which given figure
+    precision: str = "fp16"  # what its compute ran in (summary.json); fp32 does not scale by FP16 figures
 
     @property
     def nodes(self) -> int:
@@ -104,7 +105,7 @@ def base_from_run(name: str, summary: dict, gpu: str, ranks_per_node: int, link:
         raise PlanError(f"run {name} has no {rundir.SUMMARY} breakdown (not finished, or an older trainer)")
     b = Breakdown.from_summary(summary)
     where = f"run {name}: {b.world_size} rank(s) on {gpu}, {b.step * 1e3:.0f} ms/step as measured"
-    return Base(b, gpu, ranks_per_node, link[0], f"{where}; link {link[1]}")
+    return Base(b, gpu, ranks_per_node, link[0], f"{where}; link {link[1]}", summary.get("precision") or "fp16")
 
 
 def base_from_step(step_s: float, grad_mb: float, gpu: str, instance_type: str, objects: float = 1.0) -> Base:
@@ -126,6 +127,11 @@ def speed_factor(base: Base, offer: Offer) -> tuple[Optional[float], str]:
     if base.gpu not in GPU_TFLOPS or offer.gpu not in GPU_TFLOPS:
         unknown = base.gpu if base.gpu not in GPU_TFLOPS else offer.gpu
         return None, f"no published dense FP16 figure for {unknown}: measure a short run on {offer.instance_type}"
+    if base.precision not in ("fp16", "bf16"):  # T4 fp32 8.1 TFLOPS against A100 TF32 156: 19x, not 4.8x
+        return None, (
+            f"the run computed in {base.precision}: FP16 figures do not scale it to {offer.gpu}; plan from a run "
+            f"with --precision fp16 or bf16, or measure a short run on {offer.instance_type}"
+        )
     factor = GPU_TFLOPS[offer.gpu] / GPU_TFLOPS[base.gpu]
     return factor, f"{offer.gpu}/{base.gpu} peak FP16 {GPU_TFLOPS[offer.gpu]:g}/{GPU_TFLOPS[base.gpu]:g} TFLOPS"
 

@@ -241,13 +241,15 @@ def _offer(inv, name: str, base, link, spot: bool):
 
     gpu = _gpu(inv, name)
     known = lookup(name)
-    gpus = known.gpus if known else 1  # the emulated cluster: one rank per node
+    # the cluster's own type runs the ranks it was deployed with (-c gpus_per_node); the emulated one: 1
+    gpus = inv.gpus_per_node if name == inv.instance_type else (known.gpus if known else 1)
     rate, where = (link, "given") if link else (base.link_gbit, "the base run's")
     if gpu == planning.CPU:
         cpus = len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
         return planning.Offer(name, gpu, gpus, None, "the emulated cluster: no price", rate, where, cpus)
-    price = kept_price(inv, name) or costs.offline_price(name, inv.region or "us-east-1")
-    if spot:
+    kept = kept_price(inv, name)
+    price = kept or costs.offline_price(name, inv.region or "us-east-1")
+    if spot and not (inv.spot and kept):  # a Spot cluster's own type: fab inventory's price, in its nodes' AZ
         with aws_errors("Spot price"):
             ec2 = aws_session(inv.region).client("ec2")
             price, _ = costs.node_price(ec2, None, name, inv.region or "us-east-1", spot=True)

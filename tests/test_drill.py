@@ -143,3 +143,33 @@ def test_the_refusals_reason_holds_the_container_gets_no_net_admin():
     bootstrap = (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_text()
     assert "--cap-add SYS_PTRACE" in bootstrap
     assert "NET_ADMIN" not in bootstrap and "--privileged" not in bootstrap and "cap-add ALL" not in bootstrap
+
+
+def test_stop_rank_stops_one_rank_the_oldest_never_mpirun(tmp_path):
+    """On a multi-GPU node `pgrep -f` found every rank and, on the head node, mpirun (its line holds the
+    trainer's): the drill's pattern and `pgrep -o` pick one rank, the oldest (real pgrep, real processes)."""
+    import os
+    import subprocess
+    import time
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "__init__.py").write_text("")
+    (tmp_path / "train" / "train.py").write_text("import time\ntime.sleep(30)\n")
+    (tmp_path / "mpirun").write_text("#!/bin/sh\nsleep 30\n")
+    (tmp_path / "mpirun").chmod(0o755)
+    rank = ["python3", "-m", "train.train", "--recipe", "transformer-tiny"]
+    started = [subprocess.Popen(["./mpirun", "-x", "PYTHONPATH=/workspace", *rank], cwd=tmp_path)]
+    try:
+        for _ in range(2):
+            time.sleep(0.2)
+            started.append(subprocess.Popen(rank, cwd=tmp_path))
+        time.sleep(0.5)
+        mine = ["pgrep", "-P", str(os.getpid()), "-f", drill.RANK_PATTERN]
+        every = subprocess.run(mine, capture_output=True, text=True).stdout.split()
+        assert sorted(map(int, every)) == [p.pid for p in started[1:]]  # both ranks, not mpirun
+        oldest = subprocess.run([*mine[:1], "-o", *mine[1:]], capture_output=True, text=True).stdout.split()
+        assert oldest == [str(started[1].pid)]
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()

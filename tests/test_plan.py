@@ -1,6 +1,8 @@
 """`fab plan`'s model without a cluster: scaling at a fixed global batch, the ring all-reduce, GPU
 speed factors (and the refusal from a CPU run), dollars, the deadline, and the eval curve's target."""
 
+from dataclasses import replace
+
 import pytest
 
 from clusterops import plan
@@ -74,6 +76,14 @@ def test_another_gpu_scales_compute_by_its_peak_ratio():
     assert unknown.step_s is None and "A10G" in unknown.refused
 
 
+def test_an_fp32_run_is_not_scaled_to_another_gpu_by_fp16_figures():
+    """T4 fp32 (8.1 TFLOPS) to A100 TF32 (156) is ~19x, the FP16 ratio 4.8x: no upper bound, refused."""
+    fp32 = replace(base(gpu="T4"), precision="fp32")
+    e = plan.estimate(fp32, offer(gpu="A100"), 1, 100, plan.Storage())
+    assert e.step_s is None and "computed in fp32" in e.refused and "--precision fp16 or bf16" in e.refused
+    assert plan.estimate(fp32, offer(gpu="T4"), 1, 100, plan.Storage()).step_s is not None  # its own GPU
+
+
 def test_dollars_are_nodes_storage_and_io_each_with_its_model():
     e = plan.estimate(base(), offer(price=2.0), 1, 6000, plan.Storage(root_gb=100, efs_gb=10, read_gb=50, write_gb=1))
     hours = 6000 * 0.64 / 3600
@@ -125,3 +135,19 @@ def test_the_emulated_cluster_splits_the_machines_cpus_between_its_nodes():
     assert one.step_s == pytest.approx(0.64)
     # 1/3 of the batch each, at a quarter of the CPU the 1-node run had (0.5 against 2)
     assert three.step_s == pytest.approx(0.01 / 3 + 0.6 / 3 * 4 + ring_wire_bytes(100 * MB, 3) * 8 / 10e9 + 0.03)
+
+
+def test_plan_spot_prices_a_spot_clusters_own_type_where_its_nodes_run(monkeypatch):
+    """`fab plan --spot` for the cluster's own type takes the Spot price `fab inventory` read in the nodes'
+    AZ (the price fab cost and the budget meter use), not the region's cheapest AZ; other types are read."""
+    from clusterops.inventory import Inventory, Node, SshSettings
+    from fabfile import analysis as tasks
+
+    node = Node(0, "node0", "1.2.3.4", "10.0.0.1", "i-0")
+    inv = Inventory("c", "aws", [node], 1, SshSettings("ubuntu", 4444, "k", "kh"), instance_type="g4dn.xlarge")
+    inv = replace(inv, region="us-east-1", spot=True, usd_per_hour=0.2104, price_source="Spot in us-east-1b")
+    monkeypatch.setattr(tasks, "aws_session", lambda region: (_ for _ in ()).throw(AssertionError("AWS asked")))
+    own = tasks._offer(inv, "g4dn.xlarge", base(gpu="T4"), None, spot=True)
+    assert (own.usd_per_hour, own.price_source) == (0.2104, "Spot in us-east-1b")
+    with pytest.raises(AssertionError, match="AWS asked"):
+        tasks._offer(inv, "g5.xlarge", base(gpu="T4"), None, spot=True)
