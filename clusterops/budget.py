@@ -66,10 +66,19 @@ def requested_steps(recipe: str, steps: Optional[int]) -> int:
 
 
 def prediction(
-    inputs: dict, instance_type: str, on_aws: bool, nodes: int, steps: int, price: Optional[float], source: str
+    inputs: dict,
+    instance_type: str,
+    on_aws: bool,
+    nodes: int,
+    steps: int,
+    price: Optional[float],
+    source: str,
+    gpus_per_node: int = 1,
 ) -> planning.Estimate:
     """fab plan's estimate of this launch from a measured run's inputs (analysis.plan_inputs): its step
-    breakdown scaled to `nodes` of this cluster's type at this cluster's price. PlanError: no base."""
+    breakdown scaled to `nodes` of this cluster's type at this cluster's price, `gpus_per_node` ranks on each
+    (the inventory's, as `fab plan` and the launch place them: -c gpus_per_node may use fewer than the type
+    has). PlanError: no base."""
     import os
 
     from stacks.instance_types import lookup
@@ -77,7 +86,7 @@ def prediction(
     known = lookup(instance_type) if on_aws else None
     if on_aws and known is None:
         raise planning.PlanError(f"unknown instance type {instance_type!r}")
-    gpu, gpus = (known.gpu, known.gpus) if known else (planning.CPU, 1)
+    gpu, gpus = (known.gpu, gpus_per_node) if known else (planning.CPU, 1)
     base = planning.base_from_run("base", inputs.get("summary") or {}, gpu, gpus, inputs.get("link") or (None, ""))
     cpus = 0 if on_aws else len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
     offer = planning.Offer(instance_type, gpu, gpus, price, source, base.link_gbit, "the base run's", cpus)

@@ -167,8 +167,9 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPla
             continue
         try:
             inputs = analysis.plan_inputs(conn, inv, base)
+            on_aws, price_ = inv.source == "aws", price.usd_per_hour
             estimate = budgets.prediction(
-                inputs, inv.instance_type, inv.source == "aws", len(plan.nodes), steps, price.usd_per_hour, price.source
+                inputs, inv.instance_type, on_aws, len(plan.nodes), steps, price_, price.source, inv.gpus_per_node
             )
             if estimate.usd_total is None:
                 raise planning.PlanError(estimate.refused or "the prices are unknown")

@@ -93,3 +93,21 @@ def test_a_prediction_over_budget_and_margin_is_refused_in_one_line():
 def test_an_unknown_price_refuses_a_budget():
     with pytest.raises(budgets.BudgetError, match="no price known"):
         budgets.run_budget(5.0, None, "unknown: not in the offline table", 0.0)
+
+
+MB = 1e6
+PARTS = {"data_s": 0.01, "compute_s": 0.5, "comm_exposed_s": 0.05, "optimizer_s": 0.02, "other_s": 0.02}
+MEASURED = {  # a run on 2 nodes x 4 ranks (-c gpus_per_node=4 on 8-GPU p4d nodes)
+    "world_size": 8,
+    "global_batch": 256,
+    "breakdown": {**PARTS, "wire_bytes": 175 * MB, "grad_bytes": 100 * MB, "buckets": 4},
+}
+
+
+def test_the_prediction_places_the_inventorys_ranks_per_node_not_the_instance_types_gpus():
+    """fab plan's base has inventory.gpus_per_node ranks per node (fabfile/analysis.py _plan_base): on the same
+    2 nodes the measured run's own step comes back, not the step of 16 ranks."""
+    estimate = budgets.prediction(
+        {"summary": MEASURED, "link": (100.0, "given")}, "p4d.24xlarge", True, 2, 100, 21.96, "table", gpus_per_node=4
+    )
+    assert estimate.step_s == pytest.approx(sum(PARTS.values()))
