@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+import test_launch
 from supervisor_fixture import write_spec
 from test_supervisor import HEALTHY, NOW, FakeMpirun, FakeNodes, Script
 
@@ -17,6 +18,7 @@ from cluster_node.budget import Meter, Spend
 from cluster_node.observe import Observation
 from cluster_node.supervisor import Supervisor
 from clusterops import budget as budgets
+from clusterops import launch, resume
 from clusterops import plan as planning
 from clusterops.bottleneck import Breakdown
 
@@ -183,3 +185,58 @@ def test_a_budget_stop_that_lands_during_a_restart_keeps_the_budgets_line_and_ki
     assert status["reason"].startswith("budget: $10.00 reached at step none yet ($12.60 spent")
     assert "; stopped during a restart at checkpoint 30 (" in status["reason"]
     assert len(mpirun.starts) == 1  # no relaunch
+
+
+def test_a_budget_stops_the_nodes_when_the_run_ends_unless_keep_nodes():
+    """A budget stop with the nodes left up bills the idle watchdog's hour (2 x p4d.24xlarge: ~$44 after a $5
+    budget): --budget-usd implies --then-stop; --keep-nodes keeps them up."""
+    inv = test_launch.inventory()
+    budgeted = launch.train_spec(inv, launch.TrainRequest(budget_usd=5.0), "ens5", inv.code_dir)
+    assert budgeted.then_stop is not None and "--stop-now" in budgeted.then_stop.argv
+    kept = launch.train_spec(inv, launch.TrainRequest(budget_usd=5.0, keep_nodes=True), "ens5", inv.code_dir)
+    assert kept.then_stop is None
+    assert launch.train_spec(inv, launch.TrainRequest(), "ens5", inv.code_dir).then_stop is None
+
+
+def test_the_budget_line_says_how_many_nodes_it_meters_and_whether_they_stop():
+    budget = budgets.run_budget(5.0, 21.96, "table", 0.0, nodes=3, spent=1.25)
+    line = budgets.budget_line(launch.TrainRequest(budget_usd=5.0), budget, "fab plan predicts $2.00 for 10 steps")
+    assert line.startswith("budget: $5 ($1.25 of it spent by the run's earlier segments), metered over 3 node(s)")
+    assert "fab plan predicts $2.00 for 10 steps" in line and "the nodes stop when the run ends" in line
+    kept = budgets.budget_line(launch.TrainRequest(budget_usd=5.0, keep_nodes=True), budget, "no prediction")
+    assert "--keep-nodes: the nodes stay up after the run" in kept and "\n" not in kept
+
+
+SAVED_RUN = resume.Saved(
+    config={"recipe": "transformer-tiny", "data": "/data/datasets/numbers", "max_steps": 1000},
+    spec={},
+    budget={"usd": 6.0, "spent": 4.5, "time": NOW},
+    step=700,
+)
+
+
+def test_a_resumed_run_keeps_its_saved_budget_and_predicts_the_steps_left():
+    inv = test_launch.inventory()
+    request = resume.resumed(launch.TrainRequest(run="r"), set(), SAVED_RUN, inv)
+    assert request.budget_usd == 6.0
+    assert budgets.steps_to_run(request, SAVED_RUN) == (300, "the 300 steps left (1000 - checkpoint 700)")
+    given = resume.resumed(launch.TrainRequest(run="r", budget_usd=20.0, steps=2000), {"budget_usd"}, SAVED_RUN, inv)
+    assert given.budget_usd == 20.0  # a new limit; the spend stays the run's
+    assert budgets.steps_to_run(given, SAVED_RUN)[0] == 1300
+    assert budgets.spent_before(SAVED_RUN) == 4.5 and budgets.spent_before(None) == 0.0
+
+
+def test_a_resume_whose_spend_already_reached_its_budget_is_refused_before_it_starts():
+    estimate = planning.estimate(_base(), OFFER, 1, 1, planning.Storage(root_gb=0))  # $1
+    refusal = budgets.refusal(estimate, 1, budget_usd=6.0, margin=0.2, spent=6.2)
+    assert refusal is not None and refusal.startswith("run already spent $6.20 of its --budget-usd 6: ")
+    assert "--budget-usd" in refusal and "\n" not in refusal
+    assert budgets.refusal(estimate, 1, budget_usd=6.0, margin=0.2, spent=4.5) is None  # $1 of the $1.50 left
+    assert budgets.refusal(estimate, 1, budget_usd=6.0, margin=0.0, spent=5.5) is not None  # $1 over $0.50
+
+
+def test_the_prediction_prices_every_node_of_the_cluster_for_the_time_the_runs_nodes_take():
+    estimate = planning.estimate(_base(), OFFER, 1, 100, planning.Storage(root_gb=0))  # 1 node, $100
+    three = budgets.billed(estimate, 3)
+    assert three.usd_nodes == pytest.approx(300.0) and three.hours == estimate.hours
+    assert budgets.billed(estimate, 1) == estimate
