@@ -57,6 +57,7 @@ class TrainRequest:
     allow_tcp: bool = False  # on an EFA cluster: let NCCL fall back to sockets
     budget_usd: Optional[float] = None  # end the run gracefully when its spend reaches this
     budget_margin: float = 0.2  # refuse when fab plan predicts more than budget x (1 + margin)
+    keep_nodes: bool = False  # with a budget: leave the nodes up when the run ends (no implied --then-stop)
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     @property
@@ -366,9 +367,9 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
 
 
 def then_stop(inventory: Inventory, request: TrainRequest, environ: dict) -> Optional[ThenStop]:
-    """--then-stop: the autostop watchdog's --stop-now, with the region and cluster it needs (the
-    supervisor runs in an SSH session: no AWS variables there, so they travel in the spec)."""
-    if not request.then_stop:
+    """--then-stop, implied by a budget unless --keep-nodes: the autostop watchdog's --stop-now, with the region
+    and cluster it needs (the supervisor runs in an SSH session: no AWS variables there, so they travel in the spec)."""
+    if not (request.then_stop or (request.budget_usd is not None and not request.keep_nodes)):
         return None
     env = {"CLUSTER_NAME": inventory.cluster, **({"AWS_REGION": inventory.region} if inventory.region else {})}
     env.update(emulator_env(inventory, environ), PYTHONPATH=package_root(inventory.code_dir))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from fabric import Connection
@@ -30,10 +31,13 @@ LIMITS = {
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """A run's saved settings, read from the head node: config.json (the trainer's) and spec.json."""
+    """A run's saved settings, read from the head node: config.json (the trainer's), spec.json, budget.json
+    (--budget-usd's limit and the spend so far) and the step of the newest checkpoint (where it resumes)."""
 
     config: dict
     spec: dict
+    budget: dict = dataclasses.field(default_factory=dict)
+    step: Optional[int] = None
 
 
 def saved(connection: Connection, inventory: Inventory, run: str) -> Optional[Saved]:
@@ -42,7 +46,10 @@ def saved(connection: Connection, inventory: Inventory, run: str) -> Optional[Sa
     config = remote.read_json(connection, f"{rdir}/{rundir.CONFIG}")
     if not config:
         return None
-    return Saved(config, remote.read_json(connection, f"{rdir}/{rundir.SPEC}") or {})
+    listing = remote.sh(connection, f"ls -1 {shlex.quote(rdir)}/{rundir.CHECKPOINTS} 2>/dev/null || true")
+    steps = [rundir.checkpoint_step(Path(name)) for name in listing.split()]
+    spec, budget = (remote.read_json(connection, f"{rdir}/{name}") or {} for name in (rundir.SPEC, rundir.BUDGET))
+    return Saved(config, spec, budget, max((s for s in steps if s is not None), default=None))
 
 
 def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory: Inventory) -> launch.TrainRequest:
@@ -54,6 +61,8 @@ def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory
     if request.dataset is not None and launch.data_path(inventory, request.dataset) != data:
         raise launch.LaunchError(f"--dataset {request.dataset} differs from run {name}'s data {data}: {KEEP}")
     kept: dict[str, Any] = {"recipe": recipe, "data": data}
+    if request.budget_usd is None and run.budget.get("usd"):
+        kept["budget_usd"] = float(run.budget["usd"])  # a new --budget-usd replaces the limit (never the spend)
     for field, read in LIMITS.items():
         if field not in given:
             try:

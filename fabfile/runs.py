@@ -56,9 +56,10 @@ from .common import (
         "min_nodes": "with --max-restarts: give up when fewer healthy nodes remain (default 1)",
         "hang_seconds": "a hang: no step on any rank for max(20 x step time, this) seconds (default 60)",
         "allow_tcp": "on an EFA cluster: train even where `fab check` found NCCL on sockets (no plugin forced)",
-        "budget_usd": "end the run gracefully (checkpoint) when its spend reaches this many dollars; "
-        "refuse to start when `fab plan` predicts more",
+        "budget_usd": "end the run gracefully (checkpoint) when its spend reaches this many dollars, then stop "
+        "the nodes; refuse to start when `fab plan` predicts more (a resumed run keeps its budget and spend)",
         "budget_margin": "with --budget-usd: refuse only above budget x (1 + this) (default 0.2: fab plan's 20%)",
+        "keep_nodes": "with --budget-usd: leave the nodes up when the run ends (a budget implies --then-stop)",
     },
 )
 def train(
@@ -84,6 +85,7 @@ def train(
     allow_tcp=False,
     budget_usd=None,
     budget_margin=None,
+    keep_nodes=False,
 ):
     """Start a run across the nodes, supervised on the head node.
 
@@ -110,6 +112,7 @@ def train(
         allow_tcp=allow_tcp,
         budget_usd=None if budget_usd is None else number(budget_usd, "--budget-usd"),
         budget_margin=budgets.DEFAULT_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
+        keep_nodes=keep_nodes,
         extra_args=_split(extra),
     )
     request.validate()
@@ -127,7 +130,7 @@ def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follo
         request = resume.resumed(request, given, saved, inv) if saved else request
         resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
         nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
-        plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)))
+        plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)), saved)
         rdir, log_offset = lifecycle.start_training(conn, inv, plan)
         how = f"resumed {request.run_name} with its saved settings" if saved else f"started {request.run_name}"
         print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
@@ -151,37 +154,50 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
     return launch.LaunchPlan(request, tuple(nodes), interface, code_dir_on(conn, inv), tuple(verdicts))
 
 
-def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPlan:
-    """--budget-usd: priced as `fab cost` prices the nodes (the price `fab inventory` kept: the Spot price
-    on a Spot cluster) and EFS I/O; refused before anything is written when `fab plan`, from the latest
-    measured run, predicts more than the budget and its margin."""
+def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.LaunchPlan:
+    """--budget-usd (or a resumed run's saved one): priced as `fab cost` prices the nodes (the price `fab
+    inventory` kept: the Spot price on a Spot cluster) over every node of the cluster, and EFS I/O, on top of
+    what the run spent before; refused before anything is written when the run already spent it, or when
+    `fab plan`, from the latest measured run, predicts more than is left of it and its margin."""
     request = plan.request
     if request.budget_usd is None:
         return plan
-    price = node_price(inv)
-    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, efs_io_rate(inv) or 0.0)
-    steps = budgets.requested_steps(request.recipe, request.steps)
+    price, spent = node_price(inv), budgets.spent_before(saved)
+    io_rate = efs_io_rate(inv) or 0.0
+    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, io_rate, len(inv.nodes), spent)
+    steps, what = budgets.steps_to_run(request, saved)
+    estimate, why = _prediction(conn, inv, plan, steps, price)
+    refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)
+    if refused:
+        raise budgets.BudgetError(refused)
+    predicted = (
+        f"fab plan predicts ${estimate.usd_total or 0:,.2f} for {what}"
+        if estimate
+        else f"no prediction ({why}): metered on the head node as the run goes"
+    )
+    print(budgets.budget_line(request, budget, predicted))
+    return dataclasses.replace(plan, budget=budget)
+
+
+def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, steps: int, price) -> tuple:
+    """fab plan's estimate for this launch from the run of that name, else the latest measured run, priced
+    over every node of the cluster; (None, why) when neither gives one."""
     why = "no finished run with a step breakdown"
-    for base in dict.fromkeys([launch.run_dir(inv, request.run_name), lifecycle.latest_run(conn, inv)]):
+    for base in dict.fromkeys([launch.run_dir(inv, plan.request.run_name), lifecycle.latest_run(conn, inv)]):
         if not base:
             continue
         try:
             inputs = analysis.plan_inputs(conn, inv, base)
+            on_aws, nodes = inv.source == "aws", len(plan.nodes)
             estimate = budgets.prediction(
-                inputs, inv.instance_type, inv.source == "aws", len(plan.nodes), steps, price.usd_per_hour, price.source
+                inputs, inv.instance_type, on_aws, nodes, steps, price.usd_per_hour, price.source, inv.gpus_per_node
             )
             if estimate.usd_total is None:
                 raise planning.PlanError(estimate.refused or "the prices are unknown")
+            return budgets.billed(estimate, len(inv.nodes)), ""
         except planning.PlanError as error:
             why = str(error)
-            continue
-        refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin)
-        if refused:
-            raise budgets.BudgetError(refused)
-        print(f"budget: ${request.budget_usd:g}; fab plan predicts ${estimate.usd_total:,.2f} for {steps} steps")
-        return dataclasses.replace(plan, budget=budget)
-    print(f"budget: ${request.budget_usd:g}, no prediction ({why}): metered on the head node as the run goes")
-    return dataclasses.replace(plan, budget=budget)
+    return None, why
 
 
 def _refuse_bad_nodes(inv: Inventory, nodes) -> list:

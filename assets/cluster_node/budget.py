@@ -1,24 +1,68 @@
-"""The run's spend against `fab train --budget-usd`, metered by the supervisor at every poll: the nodes of
-the current attempt x their price x the time, plus EFS I/O at the rate fab train measured (the model of
-`fab cost`'s projection, clusterops/cost.py). Reached: a STOP the trainer honours at its next step
+"""The run's spend against `fab train --budget-usd`, metered by the supervisor at every poll (and during a
+restart): every node that still bills x its price x the time, plus EFS I/O at the rate fab train measured
+(the model of `fab cost`'s projection, clusterops/cost.py), on top of what the run's earlier segments spent
+(budget.json, carried over by `fab train --run NAME`). Reached: a STOP the trainer honours at its next step
 (`now: ...`: checkpoint without the eval, the spend stops soonest). Stdlib only."""
 
 from __future__ import annotations
 
+import calendar
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, ClassVar, Optional
 
 from . import rundir
-from .spec import Budget
+from .spec import Budget, RunSpec
+
+DURING_RESTART = "stopped during a restart"
+SPOT_WARNING_S = 120.0  # a notice without a time: EC2 acts two minutes after it (the notice's contract)
+
+
+@dataclass(frozen=True)
+class Spend(rundir.Record):
+    """budget.json: the limit and what the run spent over all its segments, rewritten at every meter reading."""
+
+    FILE: ClassVar[str] = rundir.BUDGET
+    usd: float = rundir._key("float", required=True)
+    spent: float = rundir._key("float", required=True)
+    time: float = rundir._key("float", required=True)  # epoch s of the reading
+    nodes: Optional[int] = rundir._key("int")  # the nodes billing at that reading
+
+
+def _epoch(iso: Optional[str]) -> Optional[float]:
+    try:
+        return float(calendar.timegm(time.strptime(iso or "", "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
 
 
 class Meter:
-    def __init__(self, budget: Budget, start: float):
-        self.budget, self.last = budget, start
+    def __init__(self, budget: Budget, start: float, nodes: Optional[int] = None):
+        self.budget, self.start, self.last = budget, start, start
+        self.cluster = budget.nodes or nodes or 1  # a spec from an older fab: its pool
         self.node_hours = self.hours = 0.0
+        self.stopped = ""  # the budget line, once the spend reached the budget and the STOP is written
+
+    @classmethod
+    def of(cls, spec: RunSpec, start: float) -> Optional[Meter]:
+        return cls(spec.budget, start, len(spec.pool)) if spec.budget else None
+
+    def billing(self, run: Path, now: float) -> int:
+        """The cluster's nodes less those a Spot notice since this supervisor started took away: EC2 bills an
+        interrupted Spot node for the seconds it ran, until its action (stop/terminate/hibernate), then no more
+        (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/billing-for-interrupted-spot-instances.html)."""
+        gone = set()
+        for notice in rundir.read_list(run / rundir.INTERRUPTIONS, rundir.Interruption):
+            noticed = _epoch(notice.noticed)
+            if noticed is None or noticed < int(self.start):  # an earlier segment's: EC2 started it again
+                continue
+            if (_epoch(notice.action_time) or noticed + SPOT_WARNING_S) <= now:
+                gone.add(notice.instance_id or notice.host or notice.node)
+        return max(0, self.cluster - len(gone))
 
     def add(self, nodes: int, now: float) -> None:
-        """`nodes` billed since the last call (a restart changes their number)."""
+        """`nodes` billed since the last call."""
         hours = max(0.0, now - self.last) / 3600
         self.node_hours += nodes * hours
         self.hours += hours
@@ -34,7 +78,7 @@ class Meter:
 
     @property
     def spent(self) -> float:
-        return self.nodes_usd + self.io_usd
+        return self.budget.spent + self.nodes_usd + self.io_usd
 
     @property
     def reached(self) -> bool:
@@ -42,19 +86,35 @@ class Meter:
 
     def line(self, step: Optional[int]) -> str:
         b = self.budget
+        earlier = f"earlier segments ${b.spent:.2f}, " if b.spent else ""
         return (
             f"budget: ${b.usd:.2f} reached at step {step if step is not None else 'none yet'} "
-            f"(${self.spent:.2f} spent: nodes ${self.nodes_usd:.2f} = {self.node_hours:.4f} node-h x "
+            f"(${self.spent:.2f} spent: {earlier}nodes ${self.nodes_usd:.2f} = {self.node_hours:.4f} node-h x "
             f"${b.usd_per_node_hour:g}/h, EFS I/O ${self.io_usd:.2f} = {self.hours:.4f} h x ${b.io_usd_per_hour:g}/h) "
             f"[{b.source}]"
         )
 
-    def check(self, run: Path, nodes: int, now: float) -> str:
-        """The budget line once the spend reached the budget (the STOP written), else ""."""
+    def save(self, run: Path, now: float) -> None:
+        """Meter up to `now` and save the spend (a crash or a stopped head node loses one poll of it at most)."""
+        nodes = self.billing(run, self.last)  # as at the interval's start: a node going mid-interval counts whole
         self.add(nodes, now)
-        if not self.reached:
-            return ""
+        rundir.write_record(run / rundir.BUDGET, Spend(usd=self.budget.usd, spent=self.spent, time=now, nodes=nodes))
+
+    def check(self, run: Path, now: float, log: Callable[[str], None]) -> str:
+        """save(); the first time the spend reaches the budget, write the STOP and log it. Returns the budget
+        line once reached, else ""."""
+        self.save(run, now)
+        if self.stopped or not self.reached:
+            return self.stopped
         progress = rundir.read_json(run / rundir.PROGRESS, {}) or {}
-        line = self.line(progress.get("step"))
-        rundir.write_bytes(run / rundir.STOP, f"{rundir.URGENT_STOP_WORD}: {line}\n".encode())
-        return line
+        self.stopped = self.line(progress.get("step"))
+        rundir.write_bytes(run / rundir.STOP, f"{rundir.URGENT_STOP_WORD}: {self.stopped}\n".encode())
+        log(f"launcher: {self.stopped}; asked the trainer to checkpoint and end")
+        return self.stopped
+
+
+def during_restart(meter: Optional[Meter], step: Optional[int], reason: str, kind: str) -> tuple[str, str]:
+    """The reason and kind of a run a STOP ended during a restart: the budget's line and kind when the meter
+    wrote the STOP, the restart's kind otherwise."""
+    stopped = f"{DURING_RESTART} at checkpoint {step} ({reason})"
+    return (f"{meter.stopped}; {stopped}", "budget") if meter and meter.stopped else (stopped, kind)

@@ -108,6 +108,12 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.SCALING_PNG, "PNG", "fab report", "fab fetch"),
     _run(rd.FETCHED, "empty marker", "fab fetch", "fab local.down"),
     _run(rd.SEGMENTS, "JSON list of Segment", "supervisor (at its end)", "fab runs (wall time)", rd.Segment),
+    _run(
+        rd.BUDGET,
+        "JSON budget.Spend: the limit and the spend over every segment",
+        "supervisor (--budget-usd, every poll)",
+        "fab train (resume)",
+    ),
     _at("runs", rd.ACTIVE, "the head's run path", "fab train; removed by the supervisor", "fab, autostop, spotwatch"),
     _at("head", rd.LAUNCH_LOCK, "empty; flock while a launch starts", "cluster_node.start", "cluster_node.start"),
     _at("runs", rd.CHECK_RUN, "fab check's run directory", "fab check", "fab check"),

@@ -62,6 +62,7 @@ BREAKDOWN_PNG = "breakdown.png"
 SCALING_PNG = "scaling.png"
 FETCHED = ".fetched"
 SEGMENTS = "segments.json"  # one entry per supervisor (a `fab train` launch or resume) that ended
+BUDGET = "budget.json"  # --budget-usd's limit and the spend so far (cluster_node.budget.Spend)
 # What `fab fetch` takes besides a checkpoint and the last evals (lifecycle._download_run, localdata).
 FETCHED_FILES = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, SCALING_PNG)
 

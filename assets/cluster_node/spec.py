@@ -62,6 +62,8 @@ class Budget:
     usd_per_node_hour: float  # the Spot price in effect on a Spot cluster
     io_usd_per_hour: float = 0.0
     source: str = ""  # where the prices come from, one line
+    nodes: int = 0  # the nodes that bill: the whole cluster the run started on (0: a spec from an older fab)
+    spent: float = 0.0  # what the run's earlier segments spent (budget.json), carried over on resume
 
 
 @dataclass(frozen=True)

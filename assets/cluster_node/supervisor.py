@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from . import goodput, hang, phases, restart_plan, rundir
 from . import spec as specs
-from .budget import Meter
+from .budget import DURING_RESTART, Meter, during_restart
 from .nodes import Mpirun, Nodes
 from .observe import Observation, Observer
 from .spec import RunSpec
@@ -69,15 +69,13 @@ class Supervisor:
         self.run, self.spec, self.launcher, self.nodes, self.clock = run, spec, launcher, nodes, clock
         self.make_observer = observer
         self.state = State.STARTING
-        self.code: int = 0
-        self.reason, self.kind = "", ""
+        self.code, self.reason, self.kind = 0, "", ""
         self.resume: Optional[str] = None
         self.unreached: set[str] = set()
         self.observer: Optional[Any] = None
         self.attempts = 0
         self.started = clock()  # this segment of the run (a resume starts another)
-        self.meter = Meter(spec.budget, clock()) if spec.budget else None
-        self.budget_line = ""  # set once the spend reached --budget-usd and the STOP is written
+        self.meter = Meter.of(spec, clock())  # --budget-usd; its `stopped` line once reached
 
     # ------------------------------------------------------------ records
 
@@ -144,10 +142,8 @@ class Supervisor:
             return self.own_spot(obs.own_notice, obs.exited)
         if obs.exited is not None:
             return self.ended(obs.exited)
-        if self.meter and not self.budget_line:
-            self.budget_line = self.meter.check(self.run, len(self.spec.hosts), self.clock())
-            if self.budget_line:
-                self.log(f"launcher: {self.budget_line}; asked the trainer to checkpoint and end")
+        if self.meter:
+            self.meter.check(self.run, self.clock(), self.log)
         watchdog = self._watchdog(obs)
         if watchdog:
             self.reason, self.kind = watchdog
@@ -194,9 +190,9 @@ class Supervisor:
             if spot:
                 self.resume = shlex.join(self.spec.resume) if self.spec.resume else None
             self.reason = _last(self.run, re.compile(r"run ended at step.*"))
-            if self.budget_line:
+            if self.meter and self.meter.stopped:
                 step = restart_plan.last_checkpoint_step(self.run)
-                self.reason, self.kind = f"{self.budget_line}; checkpoint step {step}", "budget"
+                self.reason, self.kind = f"{self.meter.stopped}; checkpoint step {step}", "budget"
             return State.FINISHED
         lost = [h for h in self.spec.hosts if h in self.unreached]  # the clean-up's ssh did not get through
         if lost:
@@ -220,9 +216,11 @@ class Supervisor:
         if (self.run / rundir.FORCED).exists():
             self.reason, self.kind = FORCED_REASON, "forced"
             return State.FAILED
+        if self.meter:  # the spend goes on while the nodes are probed
+            self.meter.check(self.run, self.clock(), self.log)
         if (self.run / rundir.STOP).exists():
             step = restart_plan.last_checkpoint_step(self.run)
-            self.reason = f"stopped during a restart at checkpoint {step} ({self.reason})"
+            self.reason, self.kind = during_restart(self.meter, step, self.reason, self.kind)
             return State.FINISHED
         assert self.observer is not None
         notice = self.observer.own_notice()
@@ -304,6 +302,8 @@ class Supervisor:
         """The final status and .active first, then --then-stop: stopping the instances may end this
         process (the container goes with its node), so nothing may be left to write after it."""
         phases.mark(self.run, "done", self.clock(), kind=self.kind or None)
+        if self.meter:  # the spend up to the end
+            self.meter.save(self.run, self.clock())
         goodput.record(self.run)  # the account into summary.json, before anything may stop this node
         state = final_state(self.run, self.state, self.reason)
         if self.spec.then_stop is not None:
@@ -352,7 +352,7 @@ def final_state(run: Path, state: State, reason: str) -> str:
     """run-status.json's `state`: `stopped` (resumable with `fab train --run NAME`) for a run that ended on a
     stop request (fab stop, a Spot notice: the trainer's end record says so) or was stopped during a restart."""
     ended = (rundir.read_record(run / rundir.PROGRESS, rundir.Progress) or rundir.Progress(step=0)).ended or ""
-    if state == State.FINISHED and (ended.startswith("stop requested") or reason.startswith("stopped during")):
+    if state == State.FINISHED and (ended.startswith("stop requested") or DURING_RESTART in reason):
         return "stopped"
     return state.value
 
