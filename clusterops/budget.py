@@ -1,5 +1,6 @@
 """`fab train --budget-usd X`: what the run may spend, priced as `fab cost` projects it (nodes x
-$/node-hour, the Spot price `fab inventory` kept on a Spot cluster, EFS I/O at its last hour's rate), and
+$/node-hour, the Spot price `fab inventory` kept on a Spot cluster, EFS I/O: on AWS the run's own bytes
+from CloudWatch, else the last hour's rate), and
 the refusal before anything starts when `fab plan`'s prediction for the requested steps exceeds X by more
 than the margin. The supervisor meters the spend while the run goes (cluster_node/budget.py)."""
 
@@ -10,6 +11,7 @@ from typing import Optional
 from cluster_node.spec import Budget
 
 from . import plan as planning
+from .cost import TABLE
 from .launch import LaunchError
 
 # fab plan's time model is held to 20% of measured runs (issue 22 part 1, tests/test_plan.py): a prediction
@@ -21,15 +23,33 @@ class BudgetError(LaunchError):
     """A budget that cannot be kept, in one line."""
 
 
-def run_budget(usd: float, usd_per_node_hour: Optional[float], source: str, io_usd_per_hour: float) -> Budget:
-    """The spec's budget; a price nobody knows cannot be metered, so it is refused, never taken as $0."""
+def run_budget(
+    usd: float,
+    usd_per_node_hour: Optional[float],
+    source: str,
+    io_usd_per_hour: float,
+    file_system_id: str = "",
+    region: str = "",
+) -> Budget:
+    """The spec's budget; a price nobody knows cannot be metered, so it is refused, never taken as $0. With
+    a file system id (on AWS) the head node meters EFS I/O from CloudWatch at Elastic throughput's prices;
+    io_usd_per_hour (the hour before the launch) is its fallback."""
     if usd <= 0:
         raise BudgetError(f"invalid --budget-usd {usd:g}: a positive number of dollars")
     if usd_per_node_hour is None:
         raise BudgetError(
             f"no price known for the nodes ({source}): --budget-usd cannot be metered; run `fab inventory`"
         )
-    return Budget(usd=usd, usd_per_node_hour=usd_per_node_hour, io_usd_per_hour=io_usd_per_hour, source=source)
+    return Budget(
+        usd=usd,
+        usd_per_node_hour=usd_per_node_hour,
+        io_usd_per_hour=io_usd_per_hour,
+        source=source,
+        file_system_id=file_system_id,
+        region=region,
+        io_read_usd_per_gb=TABLE["efs_elastic_read_usd_per_gb"],
+        io_write_usd_per_gb=TABLE["efs_elastic_write_usd_per_gb"],
+    )
 
 
 def checkpoint_gb(summary: dict, config: dict, steps: int) -> float:

@@ -159,7 +159,8 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan) -> launch.LaunchPla
     if request.budget_usd is None:
         return plan
     price = node_price(inv)
-    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, efs_io_rate(inv) or 0.0)
+    efs = (inv.file_system_id or "", inv.region or "") if inv.source == "aws" else ("", "")
+    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, efs_io_rate(inv) or 0.0, *efs)
     steps = budgets.requested_steps(request.recipe, request.steps)
     why = "no finished run with a step breakdown"
     for base in dict.fromkeys([launch.run_dir(inv, request.run_name), lifecycle.latest_run(conn, inv)]):
