@@ -56,6 +56,7 @@ def test_the_meter_charges_the_runs_own_efs_bytes_not_the_hour_before(aws_env):
     meter.add(nodes=2, now=start + 600)
     assert meter.io_usd == pytest.approx(11 * READ + 2.5 * WRITE)  # was 600 s x $9/h = $1.50
     line = meter.line(step=7)
+    print(f"metered: {line}")
     assert f"EFS I/O ${11 * READ + 2.5 * WRITE:.2f} = 11.000 GB read x ${READ:g} + 2.500 GB written" in line
     assert "CloudWatch, the run's own I/O" in line and "launch-time" not in line and "\n" not in line
 
@@ -76,6 +77,7 @@ def test_without_cloudwatch_the_launch_time_rate_and_the_line_says_why(moto_env)
         assert time.monotonic() - began < 30  # the supervisor's loop is not held up for long
     assert meter.io_usd == pytest.approx(LAUNCH_RATE)
     line = meter.line(step=3)
+    print(f"fallback: {line}")
     assert f"1.0000 h x ${LAUNCH_RATE:g}/h (the launch-time rate: CloudWatch: " in line and "\n" not in line
     local = Meter(_budget(file_system_id="", region=""), 0.0)  # the emulated cluster: nothing to ask
     local.add(nodes=1, now=1800.0)
