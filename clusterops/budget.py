@@ -1,5 +1,6 @@
 """`fab train --budget-usd X`: what the run may spend, priced as `fab cost` projects it (nodes x
-$/node-hour, the Spot price `fab inventory` kept on a Spot cluster, EFS I/O at its last hour's rate), and
+$/node-hour, the Spot price `fab inventory` kept on a Spot cluster, EFS I/O: on AWS the run's own bytes
+from CloudWatch, else the last hour's rate), and
 the refusal before anything starts when `fab plan`'s prediction for the requested steps exceeds X by more
 than the margin. The supervisor meters the spend while the run goes (cluster_node/budget.py)."""
 
@@ -11,6 +12,7 @@ from typing import Optional
 from cluster_node.spec import Budget
 
 from . import plan as planning
+from .cost import TABLE
 from .launch import LaunchError, TrainRequest
 from .resume import Saved
 
@@ -30,10 +32,14 @@ def run_budget(
     io_usd_per_hour: float,
     nodes: int = 0,
     spent: float = 0.0,
+    file_system_id: str = "",
+    region: str = "",
 ) -> Budget:
     """The spec's budget over `nodes` (every node of the cluster: they all bill, as `fab cost` prices them,
     whichever the run uses), on top of `spent` (the run's earlier segments); a price nobody knows cannot be
-    metered, so it is refused, never taken as $0."""
+    metered, so it is refused, never taken as $0. With a file system id (on AWS) the head node meters EFS I/O
+    from CloudWatch at Elastic throughput's prices; io_usd_per_hour (the hour before the launch) is its
+    fallback."""
     if usd <= 0:
         raise BudgetError(f"invalid --budget-usd {usd:g}: a positive number of dollars")
     if usd_per_node_hour is None:
@@ -47,6 +53,10 @@ def run_budget(
         source=source,
         nodes=nodes,
         spent=spent,
+        file_system_id=file_system_id,
+        region=region,
+        io_read_usd_per_gb=TABLE["efs_elastic_read_usd_per_gb"],
+        io_write_usd_per_gb=TABLE["efs_elastic_write_usd_per_gb"],
     )
 
 

@@ -6,13 +6,14 @@ is "unknown", never $0."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
+
+from cluster_node import efsio
 
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
@@ -180,23 +181,9 @@ def efs_io_usd(read_gb: float, write_gb: float) -> float:
 
 
 def efs_io_gb(cloudwatch, file_system_id: str, start: datetime, end: datetime) -> tuple[float, float]:
-    """GB read and written through EFS between start and end (AWS/EFS DataReadIOBytes and
-    DataWriteIOBytes, Sum): what Elastic throughput bills."""
-    seconds = max(60.0, (end - start).total_seconds())
-    period = max(60, math.ceil(seconds / 1440 / 60) * 60)  # at most 1440 datapoints per call
-    totals = []
-    for metric in ("DataReadIOBytes", "DataWriteIOBytes"):
-        points = cloudwatch.get_metric_statistics(
-            Namespace="AWS/EFS",
-            MetricName=metric,
-            StartTime=start,
-            EndTime=end,
-            Period=period,
-            Dimensions=[{"Name": "FileSystemId", "Value": file_system_id}],
-            Statistics=["Sum"],
-        )["Datapoints"]
-        totals.append(sum(point["Sum"] for point in points) / 1e9)
-    return totals[0], totals[1]
+    """GB read and written through EFS between start and end: what Elastic throughput bills, data and
+    metadata (the AWS/EFS metrics and their contract: cluster_node/efsio.py, the head node's meter too)."""
+    return efsio.io_gb(cloudwatch, file_system_id, start, end)
 
 
 def efs_io_usd_per_hour(cloudwatch, file_system_id: str, now: Optional[datetime] = None) -> float:

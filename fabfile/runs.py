@@ -164,7 +164,10 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.La
         return plan
     price, spent = node_price(inv), budgets.spent_before(saved)
     io_rate = efs_io_rate(inv) or 0.0
-    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, io_rate, len(inv.nodes), spent)
+    efs = (inv.file_system_id or "", inv.region or "") if inv.source == "aws" else ("", "")
+    budget = budgets.run_budget(
+        request.budget_usd, price.usd_per_hour, price.source, io_rate, len(inv.nodes), spent, *efs
+    )
     steps, what = budgets.steps_to_run(request, saved)
     estimate, why = _prediction(conn, inv, plan, steps, price)
     refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)

@@ -19,6 +19,9 @@ LAPTOP = {"stacks", "clusterops", "fabfile"}
 NODE_LIBRARIES = {
     # the idle watchdog stops the cluster's instances through EC2
     ("cluster_node.autostop.watchdog", "boto3"),
+    # the budget meter sums the run's EFS I/O from CloudWatch (imported when asked; the training image has boto3)
+    ("cluster_node.efsio", "boto3"),
+    ("cluster_node.efsio", "botocore"),
     # the health probe reports the torch, CUDA and NCCL the ranks will load (in a try: a broken torch is a finding)
     ("cluster_node.probe", "torch"),
 }

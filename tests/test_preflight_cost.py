@@ -408,7 +408,9 @@ def test_efs_io_comes_from_the_efs_cloudwatch_metrics():
     cloudwatch = offline("cloudwatch")
     now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
     with Stubber(cloudwatch) as stubber:
-        for metric, gigabytes in (("DataReadIOBytes", [30, 20]), ("DataWriteIOBytes", [5])):
+        # efsio's order: reads (data, metadata), then writes; metadata bills as reads and writes.
+        metrics = (("DataReadIOBytes", [30, 20]), ("MetadataReadIOBytes", [1]), ("DataWriteIOBytes", [5]))
+        for metric, gigabytes in (*metrics, ("MetadataWriteIOBytes", [2])):
             stubber.add_response(
                 "get_metric_statistics",
                 {
@@ -425,7 +427,7 @@ def test_efs_io_comes_from_the_efs_cloudwatch_metrics():
                     "Statistics": ["Sum"],
                 },
             )
-        assert cost.efs_io_usd_per_hour(cloudwatch, "fs-0abc", now) == pytest.approx(50 * 0.03 + 5 * 0.06)
+        assert cost.efs_io_usd_per_hour(cloudwatch, "fs-0abc", now) == pytest.approx(51 * 0.03 + 7 * 0.06)
 
 
 def test_fab_cost_shows_the_offline_tables_date_and_source(tmp_path):

@@ -1,8 +1,10 @@
 """The run's spend against `fab train --budget-usd`, metered by the supervisor at every poll (and during a
-restart): every node that still bills x its price x the time, plus EFS I/O at the rate fab train measured
-(the model of `fab cost`'s projection, clusterops/cost.py), on top of what the run's earlier segments spent
-(budget.json, carried over by `fab train --run NAME`). Reached: a STOP the trainer honours at its next step
-(`now: ...`: checkpoint without the eval, the spend stops soonest). Stdlib only."""
+restart): every node that still bills x its price x the time, plus EFS I/O: on AWS the bytes CloudWatch
+counted since this segment's start x the read and write prices, asked every few minutes (efsio.py); without
+CloudWatch, the rate fab train measured in the hour before the launch (the model of `fab cost`'s projection,
+clusterops/cost.py); on top of what the run's earlier segments spent (budget.json, carried over by `fab train
+--run NAME`). Reached: a STOP the trainer honours at its next step (`now: ...`: checkpoint without the eval,
+the spend stops soonest). Stdlib only (efsio imports boto3 when it asks CloudWatch)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Callable, ClassVar, Optional
 
 from . import rundir
+from .efsio import EfsIo
 from .spec import Budget, RunSpec
 
 DURING_RESTART = "stopped during a restart"
@@ -41,7 +44,8 @@ class Meter:
     def __init__(self, budget: Budget, start: float, nodes: Optional[int] = None):
         self.budget, self.start, self.last = budget, start, start
         self.cluster = budget.nodes or nodes or 1  # a spec from an older fab: its pool
-        self.node_hours = self.hours = 0.0
+        self.node_hours = 0.0
+        self.efs = EfsIo(budget, start)
         self.stopped = ""  # the budget line, once the spend reached the budget and the STOP is written
 
     @classmethod
@@ -65,8 +69,8 @@ class Meter:
         """`nodes` billed since the last call."""
         hours = max(0.0, now - self.last) / 3600
         self.node_hours += nodes * hours
-        self.hours += hours
         self.last = now
+        self.efs.update(now)
 
     @property
     def nodes_usd(self) -> float:
@@ -74,7 +78,7 @@ class Meter:
 
     @property
     def io_usd(self) -> float:
-        return self.hours * self.budget.io_usd_per_hour
+        return self.efs.usd(self.last)
 
     @property
     def spent(self) -> float:
@@ -90,8 +94,7 @@ class Meter:
         return (
             f"budget: ${b.usd:.2f} reached at step {step if step is not None else 'none yet'} "
             f"(${self.spent:.2f} spent: {earlier}nodes ${self.nodes_usd:.2f} = {self.node_hours:.4f} node-h x "
-            f"${b.usd_per_node_hour:g}/h, EFS I/O ${self.io_usd:.2f} = {self.hours:.4f} h x ${b.io_usd_per_hour:g}/h) "
-            f"[{b.source}]"
+            f"${b.usd_per_node_hour:g}/h, EFS I/O ${self.io_usd:.2f} = {self.efs.describe(self.last)}) [{b.source}]"
         )
 
     def save(self, run: Path, now: float) -> None:

@@ -56,14 +56,19 @@ class ThenStop:
 @dataclass(frozen=True)
 class Budget:
     """`fab train --budget-usd`: the spend that ends the run gracefully, priced as `fab cost` projects it
-    (nodes x $/node-hour x time, EFS I/O at its $/hour rate), with the prices fab train found."""
+    (nodes x $/node-hour x time, EFS I/O), with the prices fab train found. EFS I/O: the bytes CloudWatch
+    counts for the file system since the run's start (efsio.py); without it, the launch-time $/hour."""
 
     usd: float
     usd_per_node_hour: float  # the Spot price in effect on a Spot cluster
-    io_usd_per_hour: float = 0.0
+    io_usd_per_hour: float = 0.0  # EFS I/O's rate in the hour before fab train: the fallback
     source: str = ""  # where the prices come from, one line
     nodes: int = 0  # the nodes that bill: the whole cluster the run started on (0: a spec from an older fab)
     spent: float = 0.0  # what the run's earlier segments spent (budget.json), carried over on resume
+    file_system_id: str = ""  # on AWS: the file system whose metrics the meter sums ("" elsewhere)
+    region: str = ""
+    io_read_usd_per_gb: float = 0.0  # Elastic throughput's prices (metadata bills as reads and writes)
+    io_write_usd_per_gb: float = 0.0
 
 
 @dataclass(frozen=True)
