@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 from test_local_cluster import _start, _stop
@@ -24,8 +25,8 @@ def test_a_killed_node_run_accounts_for_its_wall_clock_and_loses_the_steps_after
     try:
         cluster.fab("train", "--run", "gp", "--steps", "40", *RESTARTING, "--extra", TINY)
         cluster.wait_for_step("gp", 15)
+        reached = _between_checkpoints(cluster, "gp")
         netns = localcluster.LocalSpec(name=cluster.name, nodes=cluster.nodes).netns(2)
-        reached = _beat(cluster, "gp")[0]
         for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
             os.kill(int(pid), signal.SIGKILL)
         _wait_for_restart(cluster, "gp")
@@ -48,3 +49,13 @@ def test_a_killed_node_run_accounts_for_its_wall_clock_and_loses_the_steps_after
         assert "goodput" in cluster.fab("runs").stdout.splitlines()[0]
     finally:
         _stop(cluster)
+
+
+def _between_checkpoints(cluster, run: str, every: int = 10, timeout: float = 60) -> int:
+    """A step (from the per-step heartbeat) well past a checkpoint, so the kill loses steps: progress is
+    written at log steps, which are also checkpoint steps (CI once killed at step 20, losing none)."""
+    deadline = time.monotonic() + timeout
+    while (step := _beat(cluster, run)[0]) % every not in range(2, every - 2):
+        assert time.monotonic() < deadline, f"{run} stuck at step {step}"
+        time.sleep(0.05)
+    return step
