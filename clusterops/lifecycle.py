@@ -154,15 +154,19 @@ def follow_log(
     follow: bool = True,
     offset: int = 0,
     on_progress: Optional[Callable[[dict], None]] = None,
+    on_status: Optional[Callable[[dict], None]] = None,
 ) -> dict:
     """Print train.log from byte `offset` as it grows until the run is no longer running;
-    return the run status. on_progress(progress.json) is called on each poll while following."""
+    return the run status. on_progress(progress.json) is called on each poll while following,
+    on_status(run-status.json) on each read of it (a caller keeps it if a later read fails)."""
     deadline = (time.monotonic() + timeout) if timeout else None
     log = f"{run_dir}/{rundir.TRAIN_LOG}"
     # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
     shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
     while True:
         status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}", strict=True) or {}
+        if on_status:
+            on_status(status)
         if on_progress and follow:
             on_progress(remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {})
         chunk = remote.sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
@@ -176,6 +180,18 @@ def follow_log(
         if deadline and time.monotonic() > deadline:
             raise remote.RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
         time.sleep(poll)
+
+
+def then_stop_outcome(
+    connection: Connection, run_dir: str, status: dict, wait: float = 330.0, poll: float = 1.0
+) -> dict:
+    """The final status once --then-stop has answered (then_stop `sent` or `failed`): the supervisor
+    gives its stop request up to 300 s (nodes.Nodes.then_stop). Still `stopping` after `wait`: as it is."""
+    deadline = time.monotonic() + wait
+    while status.get("then_stop") == "stopping" and time.monotonic() < deadline:
+        time.sleep(poll)
+        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or status
+    return status
 
 
 def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:

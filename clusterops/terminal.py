@@ -57,6 +57,18 @@ def resume_hint(run_dir: str) -> str:
     return f"`fab train --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}` continues from its checkpoint"
 
 
+def then_stop_line(status: dict) -> Optional[str]:
+    """What --then-stop did, once the run ended (run-status.json's then_stop); None without it.
+    `stopping` is also the last word of a head node that went down before it could write `sent`."""
+    then_stop = status.get("then_stop")
+    if then_stop == "failed":
+        return (
+            "error: --then-stop failed: the cluster keeps running (on AWS, billed): train.log says why "
+            "(`fab logs`); `fab stop-cluster` stops it"
+        )
+    return "the cluster is stopping (--then-stop): `fab start` brings it back" if then_stop else None
+
+
 def summary_lines(summary: dict) -> list[str]:
     keys = (
         "steps",

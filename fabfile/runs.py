@@ -6,7 +6,9 @@ import dataclasses
 import json
 import logging
 import shlex
+import sys
 from pathlib import Path
+from typing import Optional
 
 import paramiko
 from invoke.exceptions import Exit, ThreadException
@@ -256,31 +258,53 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
+    seen: dict = {}  # the last status read, kept if a read after it fails
+    state: Optional[dict] = None
+
+    def keep(status: dict) -> None:
+        seen.clear()
+        seen.update(status)
+
     try:
-        status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress)
+        status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress, on_status=keep)
         state = lifecycle.run_state(conn, rdir)
+        status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
     except CONNECTION_LOST as error:
         if isinstance(error, remote.RemoteError) and conn.is_connected:
             raise  # the node answered: a real error of the run's files
-        detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
-        raise Exit(
-            f"error: lost the connection to {node} ({conn.host}) while following {rdir} ({detail}); "
-            "the run goes on: `fab logs --follow` picks it up again (`fab status` first)",
-            code=1,
-        ) from None
+        if seen.get("then_stop") != "stopping":
+            detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
+            raise Exit(
+                f"error: lost the connection to {node} ({conn.host}) while following {rdir} ({detail}); "
+                "the run goes on: `fab logs --follow` picks it up again (`fab status` first)",
+                code=1,
+            ) from None
+        # The run ended and --then-stop is taking the head node down under these reads: as expected.
+        status_ = seen
+        state = state or {"status": status_, "progress": {}, "summary": {}, "restarts": []}
     except KeyboardInterrupt:  # Invoke exits 1 without a word on it (invoke/program.py); the run goes on
         raise Exit(
             f"stopped following {rdir}; the run goes on (on AWS, billed): "
             "`fab logs --follow` re-attaches, `fab stop` ends it",
             code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
         ) from None
+    _print_end(rdir, state, status_)
+
+
+def _print_end(rdir: str, state: dict, status_: dict) -> None:
+    """The run's last line and summary, what --then-stop did; exit 1 if the run or the stop failed."""
     print(terminal.run_line(rdir, state))
     for line in terminal.summary_lines(state["summary"]) + restart_plan.history_lines(state["restarts"]):
         print(line)
     if status_.get("resume"):  # a Spot notice ended it: the checkpoint is on /data
         print(f"resume with: {status_['resume']}")
+    stop_line, stop_failed = terminal.then_stop_line(status_), status_.get("then_stop") == "failed"
+    if stop_line:  # a failed stop leaves the cluster billing: on stderr, and exit 1
+        print(stop_line, file=sys.stderr if stop_failed else sys.stdout, flush=True)
     if status_.get("state") not in ("finished", "stopped"):
         raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
+    if stop_failed:
+        raise Exit(code=1)
 
 
 @task(

@@ -5,6 +5,7 @@ sees when a node's address goes away (a Spot interruption, a network drop)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -45,10 +46,14 @@ class Relay:
         except OSError:
             pass
 
-    def cut(self):
+    def cut(self, wake: bool = False):
+        """wake: also shut the sockets down, else a pump blocked in recv keeps its socket open in the kernel
+        until the client sends again (a client waiting for a command's output would wait for ever)."""
         self.listener.close()
         for sock in self.socks:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            if wake:
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
 
@@ -103,3 +108,71 @@ def test_a_connection_lost_while_following_is_one_line(followed):
         err
     )
     assert lines[0].endswith("the run goes on: `fab logs --follow` picks it up again (`fab status` first)"), err
+
+
+THEN_STOP_REASON = "run ended at step 10; then-stop: stopping the cluster"
+STOPPING_LINE = "the cluster is stopping (--then-stop): `fab start` brings it back"
+
+
+def _final_status(path, then_stop: str) -> None:
+    """The supervisor's final status, written atomically as rundir.write_record does."""
+    record = {"state": "finished", "exit_code": 0, "reason": THEN_STOP_REASON, "time": "t", "head": "node0"}
+    path.with_suffix(".tmp").write_text(json.dumps({**record, "then_stop": then_stop}))
+    path.with_suffix(".tmp").rename(path)
+
+
+def _follower(path):
+    return subprocess.Popen(
+        ["fab", "logs", "--run", "r1", "--follow"],
+        cwd=REPO,
+        env=tool_env(GPU_CLUSTER_INVENTORY=str(path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_connection_lost_after_a_then_stop_status_is_the_cluster_stopping(followed):
+    """--then-stop (implied by --budget-usd) stops the head node right after the final status: the reads
+    after it race the shutdown. Before: "lost the connection ... the run goes on", exit 1."""
+    path, relay = followed
+    run = path.parent / "data" / "runs" / "r1"
+    os.mkfifo(run / "summary.json")  # the follower's read of it blocks: the node goes away right there
+    follower = _follower(path)
+    assert follower.stdout.readline() == "step 1 loss 2.0\n"
+    _final_status(run / "run-status.json", "stopping")
+    deadline = time.monotonic() + 30
+    while True:  # a writer can open the FIFO only once the follower reads it, past the final status
+        try:
+            held = os.open(run / "summary.json", os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert time.monotonic() < deadline and follower.poll() is None
+            time.sleep(0.05)
+    relay.cut(wake=True)  # as the head node's shutdown ends its sshd in the middle of a read
+    os.close(held)
+    out, err = follower.communicate(timeout=90)
+    assert follower.returncode == 0 and err == "", err  # the run finished; the stop is what it asked for
+    assert out.splitlines()[-2:] == [f"run {run}: finished | ({THEN_STOP_REASON})", STOPPING_LINE], out
+
+
+@pytest.mark.parametrize("outcome", ["sent", "failed"])
+def test_a_follower_waits_for_then_stops_outcome_and_says_a_failure_loudly(followed, outcome):
+    """Before: the follower ended at the first final status; the supervisor rewrote it to "... failed: the
+    cluster keeps running" after the laptop had stopped following (exit 0, not a word of it)."""
+    path, _ = followed
+    run = path.parent / "data" / "runs" / "r1"
+    follower = _follower(path)
+    assert follower.stdout.readline() == "step 1 loss 2.0\n"
+    _final_status(run / "run-status.json", "stopping")
+    time.sleep(2.5)  # the stop request takes seconds (the watchdog's EC2 StopInstances)
+    _final_status(run / "run-status.json", outcome)
+    out, err = follower.communicate(timeout=60)
+    if outcome == "sent":
+        assert follower.returncode == 0 and err == "" and out.splitlines()[-1] == STOPPING_LINE, (out, err)
+    else:
+        assert follower.returncode == 1 and STOPPING_LINE not in out, out
+        assert err.strip() == (
+            "error: --then-stop failed: the cluster keeps running (on AWS, billed): train.log says why "
+            "(`fab logs`); `fab stop-cluster` stops it"
+        ), err

@@ -54,9 +54,11 @@ class FakeNodes:
         for host in ("h1", "h2"):
             (self.run / "probes" / host).write_text(HEALTHY)
 
+    stop_works = True
+
     def then_stop(self, log) -> bool:
         self.calls.append(("then_stop", (self.run / "run-status.json").read_text()))
-        return True
+        return self.stop_works
 
 
 class Script:
@@ -247,7 +249,18 @@ def test_row17_then_stop_runs_after_the_final_status_which_says_so(tmp_path):
     [(_, status_then)] = [c for c in nodes.calls if c[0] == "then_stop"]
     written = json.loads(status_then)
     assert written["state"] == "finished" and written["reason"].endswith("then-stop: stopping the cluster")
-    assert _status(tmp_path) == written
+    assert written["then_stop"] == "stopping"  # a follower waits for the outcome (fab logs --follow)
+    assert _status(tmp_path) == {**written, "then_stop": "sent", "time": _status(tmp_path)["time"]}
+
+
+def test_row17_a_failed_then_stop_is_in_the_final_status(tmp_path):
+    sup, _, nodes = _supervisor(tmp_path, [0], Script(), then_stop=True)
+    nodes.stop_works = False
+    sup.run_all()
+    final = _status(tmp_path)
+    assert final["then_stop"] == "failed" and final["reason"].endswith(
+        "then-stop: stopping the cluster failed: the cluster keeps running"
+    )
 
 
 def test_a_supervisor_that_crashes_ends_mpirun_and_leaves_a_failed_status(tmp_path):

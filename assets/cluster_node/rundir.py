@@ -212,6 +212,7 @@ class RunStatus(Record):
     live: Optional[str] = _key("str")  # the supervisor's State while `state` is running
     kind: Optional[str] = _key("str")  # why it ended: spot, hang, died, ... (absent on a clean end)
     resume: Optional[str] = _key("str")  # the command that resumes a run a Spot notice ended
+    then_stop: Optional[str] = _key("str")  # --then-stop: stopping (the request goes out), sent, failed
 
 
 @dataclass(frozen=True)

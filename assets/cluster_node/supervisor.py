@@ -83,7 +83,7 @@ class Supervisor:
         with open(self.run / rundir.TRAIN_LOG, "a") as handle:
             handle.write(f"{now_iso(self.clock())} {line}\n")
 
-    def status(self, state: str, code: Optional[int], reason: str) -> None:
+    def status(self, state: str, code: Optional[int], reason: str, then_stop: Optional[str] = None) -> None:
         record = rundir.RunStatus(
             state=state,
             exit_code=code,
@@ -93,6 +93,7 @@ class Supervisor:
             live=self.state.value if state == "running" else None,
             kind=self.kind or None if state != "running" else None,
             resume=self.resume,
+            then_stop=then_stop,
         )
         rundir.write_record(self.run / rundir.RUN_STATUS, record)
 
@@ -306,22 +307,21 @@ class Supervisor:
             self.meter.save(self.run, self.clock())
         goodput.record(self.run)  # the account into summary.json, before anything may stop this node
         state = final_state(self.run, self.state, self.reason)
-        if self.spec.then_stop is not None:
+        if self.spec.then_stop is not None:  # then_stop: stopping, then sent or failed (a follower waits for it)
             self.reason = f"{self.reason}; then-stop: stopping the cluster".lstrip("; ")
-        self.status(state, self.code, self.reason)
+        self.status(state, self.code, self.reason, "stopping" if self.spec.then_stop else None)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
         active = Path(self.spec.active_file)
-        try:
+        with contextlib.suppress(OSError):
             if active.read_text().strip() == str(self.run):
                 active.unlink()
-        except OSError:
-            pass
         if self.spec.then_stop is not None:
             with open(self.run / rundir.TRAIN_LOG, "a") as log:
                 stopped = self.nodes.then_stop(log)
             if not stopped:
                 self.log("launcher: --then-stop failed")
-                self.status(state, self.code, f"{self.reason} failed: the cluster keeps running")
+                self.reason += " failed: the cluster keeps running"
+            self.status(state, self.code, self.reason, "sent" if stopped else "failed")
         self.retry_cleanup(active)
 
     def crashed(self, error: Exception) -> None:
