@@ -207,3 +207,46 @@ def test_a_spot_notice_under_then_stop_says_fab_start_not_that_ec2_restarts_the_
     reason = status_of(tmp_path)["reason"]
     assert "resumable, `fab start`, then `fab inventory`, then fab train --run" in reason, reason
     assert "once EC2 starts it again" not in reason and [c for c in nodes.calls if c[0] == "then_stop"]
+
+
+def test_the_efs_io_cloudwatch_had_not_published_when_a_segment_ended_is_metered_by_the_next(tmp_path, aws_env):
+    """CloudWatch lags: the last reading of a segment stops short of its end. budget.json keeps where the
+    reading stopped and the segment's end; the resumed segment asks CloudWatch for that tail once."""
+    import dataclasses
+
+    from clusterops import budget as budgets
+    from clusterops.resume import Saved
+
+    fs = "fs-0e7ad0ta11000000"
+    start = time.time() - 1200
+    _put(start + 60, fs, DataReadIOBytes=10)
+    first = Meter(_budget(file_system_id=fs), start)
+    first.save(tmp_path, start + 600)  # CloudWatch read up to start + 600
+    first.save(tmp_path, start + 660)  # the segment ends a minute later, before the next question
+    _put(start + 630, fs, DataReadIOBytes=5)  # I/O of that last minute, published after the end
+    saved = json.loads((tmp_path / rundir.BUDGET).read_text())
+    assert first.io_usd == pytest.approx(10 * READ)
+
+    window = budgets.io_tail(Saved(config={}, spec={}, budget=saved, step=None))
+    assert window == (start + 600, start + 660)
+    carried = _budget(file_system_id=fs, spent=saved["spent"], io_tail=window)
+    second = Meter(carried, start + 900)
+    second.add(nodes=1, now=start + 1000)
+    second.efs.wait()
+    assert second.io_usd == pytest.approx(5 * READ)  # was $0: the tail was in no segment
+    assert dataclasses.asdict(carried)["io_tail"] == window
+
+
+def test_the_carried_io_window_survives_spec_json(tmp_path):
+    from cluster_node import spec as specs
+
+    sup, _ = _supervisor(tmp_path, [None], lambda: NOW)
+    carried = _budget(io_tail=(NOW - 60.0, NOW))
+    specs.write(tmp_path, rundir_spec_with_budget(sup.spec, carried))
+    assert specs.read(tmp_path).budget == carried  # a tuple again, not JSON's list
+
+
+def rundir_spec_with_budget(run_spec, budget):
+    import dataclasses
+
+    return dataclasses.replace(run_spec, budget=budget)

@@ -110,6 +110,7 @@ class EfsIo:
         self.why = "" if budget.file_system_id else "no file system to meter"
         self._asking: Optional[threading.Thread] = None
         self._answer: tuple[Optional[Reading], str] = (None, "")
+        self.tail: Optional[tuple[float, float]] = None  # GB of budget.io_tail, once CloudWatch answered
 
     def update(self, now: float) -> None:
         """Ask CloudWatch when QUERY_S has passed since the last question and none is still out."""
@@ -123,8 +124,12 @@ class EfsIo:
         self.wait(GRACE_S)
 
     def _ask(self, now: float) -> None:
+        fs, region = self.budget.file_system_id, self.budget.region
         try:
-            read, write = self.measure(self.budget.file_system_id, self.budget.region, self.start, now)
+            read, write = self.measure(fs, region, self.start, now)
+            if self.tail is None and len(self.budget.io_tail) == 2:  # asked once: the window is closed
+                self.tail = self.measure(fs, region, *self.budget.io_tail)
+            read, write = read + (self.tail or (0.0, 0.0))[0], write + (self.tail or (0.0, 0.0))[1]
         except Exception as error:  # measure's RuntimeError, or a bug in a test's fake: never the loop's
             self._answer = (None, f"CloudWatch: {(str(error).splitlines() or [''])[0]}")
             return
@@ -154,6 +159,14 @@ class EfsIo:
         if not self.why:
             return 0.0
         return max(0.0, now - (self.reading.at if self.reading else self.start)) / 3600
+
+    def counted_to(self, now: float) -> float:
+        """The epoch up to which usd(now) counts the I/O: the launch-time rate runs to `now`, CloudWatch's
+        bytes to its last reading (the next segment asks for the rest, Budget.io_tail)."""
+        self._collect()
+        if self.why:
+            return now
+        return self.reading.at if self.reading else min([self.start, *self.budget.io_tail[:1]])
 
     def usd(self, now: float) -> float:
         self._collect()
