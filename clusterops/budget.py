@@ -34,6 +34,7 @@ def run_budget(
     spent: float = 0.0,
     file_system_id: str = "",
     region: str = "",
+    io_tail: tuple[float, ...] = (),
 ) -> Budget:
     """The spec's budget over `nodes` (every node of the cluster: they all bill, as `fab cost` prices them,
     whichever the run uses), on top of `spent` (the run's earlier segments); a price nobody knows cannot be
@@ -55,6 +56,7 @@ def run_budget(
         spent=spent,
         file_system_id=file_system_id,
         region=region,
+        io_tail=io_tail,
         io_read_usd_per_gb=TABLE["efs_elastic_read_usd_per_gb"],
         io_write_usd_per_gb=TABLE["efs_elastic_write_usd_per_gb"],
     )
@@ -79,6 +81,17 @@ def spent_before(saved: Optional[Saved]) -> float:
         return float((saved.budget if saved else {}).get("spent") or 0.0)
     except (TypeError, ValueError):
         return 0.0
+
+
+def io_tail(saved: Optional[Saved]) -> tuple[float, ...]:
+    """The resumed run's EFS I/O window its last segment's meter had not read from CloudWatch (budget.json's
+    io_to to its time: CloudWatch's lag), for this segment's meter to ask once; () for none."""
+    budget = saved.budget if saved else {}
+    try:
+        since, until = float(budget["io_to"]), float(budget["time"])
+    except (KeyError, TypeError, ValueError):
+        return ()
+    return (since, until) if since < until else ()
 
 
 def steps_to_run(request: TrainRequest, saved: Optional[Saved]) -> tuple[int, str]:

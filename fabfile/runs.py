@@ -167,8 +167,9 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.La
     price, spent = node_price(inv), budgets.spent_before(saved)
     io_rate = efs_io_rate(inv) or 0.0
     efs = (inv.file_system_id or "", inv.region or "") if inv.source == "aws" else ("", "")
+    tail = budgets.io_tail(saved) if efs[0] else ()  # the last segment's I/O CloudWatch had not published
     budget = budgets.run_budget(
-        request.budget_usd, price.usd_per_hour, price.source, io_rate, len(inv.nodes), spent, *efs
+        request.budget_usd, price.usd_per_hour, price.source, io_rate, len(inv.nodes), spent, *efs, io_tail=tail
     )
     steps, what = budgets.steps_to_run(request, saved)
     estimate, why = _prediction(conn, inv, plan, steps, price)

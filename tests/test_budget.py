@@ -159,7 +159,9 @@ def test_a_resumed_run_meters_on_top_of_what_its_earlier_segments_spent(tmp_path
     meter = Meter(dataclasses.replace(BUDGET, nodes=2, spent=9.0), start=NOW)
     assert meter.check(tmp_path, NOW + 1, print).startswith("budget: $10.00 reached at step none yet ($11.10 spent: ")
     assert "earlier segments $9.00, nodes $2.00" in meter.stopped
-    assert rundir.read_record(tmp_path / rundir.BUDGET, Spend) == Spend(usd=10.0, spent=11.1, time=NOW + 1, nodes=2)
+    # io_to: the launch-time rate (no file system here) counts to the reading, nothing left for the next segment
+    expected = Spend(usd=10.0, spent=11.1, time=NOW + 1, nodes=2, io_to=NOW + 1)
+    assert rundir.read_record(tmp_path / rundir.BUDGET, Spend) == expected
 
 
 def test_a_budget_stop_that_lands_during_a_restart_keeps_the_budgets_line_and_kind(tmp_path):

@@ -406,10 +406,11 @@ def test_estimate_with_efs_io_projection_and_spend():
 
 def test_efs_io_comes_from_the_efs_cloudwatch_metrics():
     cloudwatch = offline("cloudwatch")
-    now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
+    # A recent hour: GetMetricStatistics' period depends on the start's age (efsio.period_s), a fixed date ages.
+    now = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
     with Stubber(cloudwatch) as stubber:
-        # efsio's order: reads (data, metadata), then writes; metadata bills as reads and writes.
-        metrics = (("DataReadIOBytes", [30, 20]), ("MetadataReadIOBytes", [1]), ("DataWriteIOBytes", [5]))
+        # efsio's order: data read and write, then metadata read and write (reads and writes at their prices).
+        metrics = (("DataReadIOBytes", [30, 20]), ("DataWriteIOBytes", [5]), ("MetadataReadIOBytes", [1]))
         for metric, gigabytes in (*metrics, ("MetadataWriteIOBytes", [2])):
             stubber.add_response(
                 "get_metric_statistics",

@@ -56,7 +56,7 @@ class FakeNodes:
 
     stop_works = True
 
-    def then_stop(self, log) -> bool:
+    def then_stop(self, log_path) -> bool:
         self.calls.append(("then_stop", (self.run / "run-status.json").read_text()))
         return self.stop_works
 

@@ -31,9 +31,10 @@ class Spend(rundir.Record):
     spent: float = rundir._key("float", required=True)
     time: float = rundir._key("float", required=True)  # epoch s of the reading
     nodes: Optional[int] = rundir._key("int")  # the nodes billing at that reading
+    io_to: Optional[float] = rundir._key("float")  # epoch s: EFS I/O after it (CloudWatch's lag) is not in `spent`
 
 
-def _epoch(iso: Optional[str]) -> Optional[float]:
+def epoch(iso: Optional[str]) -> Optional[float]:
     try:
         return float(calendar.timegm(time.strptime(iso or "", "%Y-%m-%dT%H:%M:%SZ")))
     except ValueError:
@@ -47,6 +48,7 @@ class Meter:
         self.node_hours = 0.0
         self.efs = EfsIo(budget, start)
         self.stopped = ""  # the budget line, once the spend reached the budget and the STOP is written
+        self.unsaved = False  # budget.json could not be written at the last reading (logged once)
 
     @classmethod
     def of(cls, spec: RunSpec, start: float) -> Optional[Meter]:
@@ -58,10 +60,10 @@ class Meter:
         (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/billing-for-interrupted-spot-instances.html)."""
         gone = set()
         for notice in rundir.read_list(run / rundir.INTERRUPTIONS, rundir.Interruption):
-            noticed = _epoch(notice.noticed)
+            noticed = epoch(notice.noticed)
             if noticed is None or noticed < int(self.start):  # an earlier segment's: EC2 started it again
                 continue
-            if (_epoch(notice.action_time) or noticed + SPOT_WARNING_S) <= now:
+            if (epoch(notice.action_time) or noticed + SPOT_WARNING_S) <= now:
                 gone.add(notice.instance_id or notice.host or notice.node)
         return max(0, self.cluster - len(gone))
 
@@ -97,16 +99,26 @@ class Meter:
             f"${b.usd_per_node_hour:g}/h, EFS I/O ${self.io_usd:.2f} = {self.efs.describe(self.last)}) [{b.source}]"
         )
 
-    def save(self, run: Path, now: float) -> None:
-        """Meter up to `now` and save the spend (a crash or a stopped head node loses one poll of it at most)."""
+    def save(self, run: Path, now: float, log: Callable[[str], None] = print) -> None:
+        """Meter up to `now` and save the spend (a crash or a stopped head node loses one poll of it at most).
+        A write EFS refuses (ENOSPC, a stale handle) is logged once and retried at the next poll: the meter
+        counts on in memory and the run goes on."""
         nodes = self.billing(run, self.last)  # as at the interval's start: a node going mid-interval counts whole
         self.add(nodes, now)
-        rundir.write_record(run / rundir.BUDGET, Spend(usd=self.budget.usd, spent=self.spent, time=now, nodes=nodes))
+        spend = Spend(usd=self.budget.usd, spent=self.spent, time=now, nodes=nodes, io_to=self.efs.counted_to(now))
+        try:
+            rundir.write_record(run / rundir.BUDGET, spend)
+        except OSError as error:
+            if not self.unsaved:
+                log(f"launcher: could not save {rundir.BUDGET} ({error}); metering on in memory, retried every poll")
+            self.unsaved = True
+            return
+        self.unsaved = False
 
     def check(self, run: Path, now: float, log: Callable[[str], None]) -> str:
         """save(); the first time the spend reaches the budget, write the STOP and log it. Returns the budget
         line once reached, else ""."""
-        self.save(run, now)
+        self.save(run, now, log)
         if self.stopped or not self.reached:
             return self.stopped
         progress = rundir.read_json(run / rundir.PROGRESS, {}) or {}

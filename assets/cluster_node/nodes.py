@@ -67,17 +67,23 @@ class Nodes:
 
         self._each(self.spec.pool, one)
 
-    def then_stop(self, log: IO) -> bool:
-        """--then-stop: stop the cluster's instances now."""
+    def then_stop(self, log_path: Path) -> bool:
+        """--then-stop: stop the cluster's instances now; also when the log cannot be opened (the failure
+        that ended the run may be /data's, and the nodes must stop all the same)."""
         stop = self.spec.then_stop
         if stop is None:
             return True
         env = {**os.environ, **stop.env}
         try:
-            done = subprocess.run(list(stop.argv), env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300)
-            return done.returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
+            log = open(log_path, "a")
+        except OSError:
+            log = open(os.devnull, "a")
+        with log:
+            try:
+                done = subprocess.run(list(stop.argv), env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+                return done.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                return False
 
 
 class Mpirun:

@@ -110,7 +110,7 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.SEGMENTS, "JSON list of Segment", "supervisor (at its end)", "fab runs (wall time)", rd.Segment),
     _run(
         rd.BUDGET,
-        "JSON budget.Spend: the limit and the spend over every segment",
+        "JSON budget.Spend: the limit, the spend over every segment, where its EFS I/O stops (io_to)",
         "supervisor (--budget-usd, every poll)",
         "fab train (resume)",
     ),

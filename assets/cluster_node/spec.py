@@ -69,6 +69,9 @@ class Budget:
     region: str = ""
     io_read_usd_per_gb: float = 0.0  # Elastic throughput's prices (metadata bills as reads and writes)
     io_write_usd_per_gb: float = 0.0
+    # The previous segment's last minutes CloudWatch had not published when it ended (budget.json's io_to to
+    # its time): asked once by this segment's meter, so no EFS I/O falls between segments. () for none.
+    io_tail: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class RunSpec:
             fields["resume"] = tuple(fields.get("resume") or ())
             fields["limits"] = Limits(**fields.get("limits") or {})
             fields["batch"] = Batch(**fields["batch"]) if fields.get("batch") else None
-            fields["budget"] = Budget(**fields["budget"]) if fields.get("budget") else None
+            fields["budget"] = _budget(fields["budget"]) if fields.get("budget") else None
             stop = fields.get("then_stop")
             fields["then_stop"] = ThenStop(tuple(stop["argv"]), stop.get("env") or {}) if stop else None
             return cls(**fields)
@@ -154,6 +157,10 @@ def write(run: Path, spec: RunSpec) -> None:
     (run / rundir.SPECS).mkdir(exist_ok=True)
     rundir.write_json(rundir.spec_record(run, spec.attempt), spec.to_json(), indent=1)
     rundir.write_json(run / rundir.SPEC, spec.to_json(), indent=1)
+
+
+def _budget(fields: dict) -> Budget:
+    return Budget(**{**fields, "io_tail": tuple(fields.get("io_tail") or ())})  # JSON gives a list
 
 
 def read(run: Path) -> RunSpec:

@@ -13,7 +13,6 @@ https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-no
 
 from __future__ import annotations
 
-import calendar
 import contextlib
 import os
 import re
@@ -28,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from . import goodput, hang, phases, restart_plan, rundir
 from . import spec as specs
-from .budget import DURING_RESTART, Meter, during_restart
+from .budget import DURING_RESTART, Meter, during_restart, epoch
 from .nodes import Mpirun, Nodes
 from .observe import Observation, Observer
 from .spec import RunSpec
@@ -50,13 +49,6 @@ _ERROR = re.compile(r"mpirun noticed|exited on signal|Error|error:")
 
 def now_iso(now: Optional[float] = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
-
-
-def action_epoch(entry: rundir.Interruption) -> Optional[float]:
-    try:
-        return float(calendar.timegm(time.strptime(entry.action_time or "", "%Y-%m-%dT%H:%M:%SZ")))
-    except ValueError:
-        return None
 
 
 class Supervisor:
@@ -251,7 +243,7 @@ class Supervisor:
 
     def own_spot(self, notice: rundir.Interruption, exited: Optional[int]) -> State:
         """Row 16: the supervisor's own node will go. Let the checkpoint land, end, say how to resume."""
-        deadline = (action_epoch(notice) or self.clock() + 120) - self.spec.limits.spot_margin
+        deadline = (epoch(notice.action_time) or self.clock() + 120) - self.spec.limits.spot_margin
         if exited is None:
             exited = self.launcher.wait(deadline - self.clock())
         if exited is None:
@@ -263,8 +255,11 @@ class Supervisor:
         self.kind, self.resume = "spot", self.resume_command(notice)
         # fab reaches the cluster through node0: it must be back (EC2 restarts a stopped persistent Spot
         # node when capacity returns, with a new public address) before the resume can run.
+        # --then-stop (a budget implies it) stops every node with StopInstances: EC2 restarts no instance a user
+        # stopped, only one it interrupted itself.
+        started = "`fab start`, then" if self.spec.then_stop is not None else "once EC2 starts it again:"
         first = (
-            "once EC2 starts it again: `fab inventory`, then"
+            f"{started} `fab inventory`, then"
             if notice.action != "terminate"
             else ("node0 is fab's way in: replace it (`cdk deploy`), `fab inventory`, then")
         )
@@ -304,7 +299,7 @@ class Supervisor:
         process (the container goes with its node), so nothing may be left to write after it."""
         phases.mark(self.run, "done", self.clock(), kind=self.kind or None)
         if self.meter:  # the spend up to the end
-            self.meter.save(self.run, self.clock())
+            self.meter.save(self.run, self.clock(), self.log)
         goodput.record(self.run)  # the account into summary.json, before anything may stop this node
         state = final_state(self.run, self.state, self.reason)
         if self.spec.then_stop is not None:  # then_stop: stopping, then sent or failed (a follower waits for it)
@@ -316,8 +311,7 @@ class Supervisor:
             if active.read_text().strip() == str(self.run):
                 active.unlink()
         if self.spec.then_stop is not None:
-            with open(self.run / rundir.TRAIN_LOG, "a") as log:
-                stopped = self.nodes.then_stop(log)
+            stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
             if not stopped:
                 self.log("launcher: --then-stop failed")
                 self.reason += " failed: the cluster keeps running"
@@ -325,15 +319,22 @@ class Supervisor:
         self.retry_cleanup(active)
 
     def crashed(self, error: Exception) -> None:
-        """The supervisor's own failure: end mpirun, say so in the status, free the head for a new run."""
+        """Its own failure: end mpirun, a failed status, free the head, --then-stop last (main() re-raises)."""
         with contextlib.suppress(Exception):
             self.launcher.end()
         line = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-        self.status("failed", None, f"supervisor crashed ({line}); see {rundir.LAUNCHER_LOG}")
+        stop = "; then-stop: stopping the cluster" if self.spec.then_stop is not None else ""
+        reason = f"supervisor crashed ({line}); see {rundir.LAUNCHER_LOG}{stop}"
+        self.status("failed", None, reason, "stopping" if stop else None)  # a follower waits for the outcome
         with contextlib.suppress(OSError):
             active = Path(self.spec.active_file)
             if active.read_text().strip() == str(self.run):
                 active.unlink()
+        if self.spec.then_stop is not None:  # last (it may end this process): "however it ends" includes a bug
+            stopped = False
+            with contextlib.suppress(Exception):
+                stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
+                self.status("failed", None, reason, "sent" if stopped else "failed")
 
     def retry_cleanup(self, active: Path, pause: float = 5.0) -> None:
         """A partitioned node keeps its MPI daemon until reached: retry a while, unless a new run started."""
