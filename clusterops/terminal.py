@@ -63,7 +63,7 @@ def then_stop_line(status: dict) -> Optional[str]:
     then_stop = status.get("then_stop")
     if then_stop == "failed":
         return (
-            "error: --then-stop failed: the cluster keeps running (on AWS, billed): train.log says why "
+            "error: --then-stop failed: the cluster keeps running (on AWS, billed): the run's log says why "
             "(`fab logs`); `fab stop-cluster` stops it"
         )
     return "the cluster is stopping (--then-stop): `fab start` brings it back" if then_stop else None

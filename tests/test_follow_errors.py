@@ -173,6 +173,6 @@ def test_a_follower_waits_for_then_stops_outcome_and_says_a_failure_loudly(follo
     else:
         assert follower.returncode == 1 and STOPPING_LINE not in out, out
         assert err.strip() == (
-            "error: --then-stop failed: the cluster keeps running (on AWS, billed): train.log says why "
+            "error: --then-stop failed: the cluster keeps running (on AWS, billed): the run's log says why "
             "(`fab logs`); `fab stop-cluster` stops it"
         ), err
