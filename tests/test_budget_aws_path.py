@@ -52,6 +52,21 @@ def test_a_crash_whose_then_stop_fails_still_ends_quietly(tmp_path):
     assert json.loads((tmp_path / "run-status.json").read_text())["state"] == "failed"
 
 
+def test_a_crash_from_a_full_data_volume_still_stops_the_nodes(tmp_path, monkeypatch):
+    """The crash's own cause may be /data (ENOSPC, ESTALE): its status write fails too; the stop must not."""
+    sup, _ = _supervisor(tmp_path, [None], lambda: NOW)
+    sup.spec = rundir_spec_with_then_stop(sup.spec)
+    sup.launch()
+    sup.status("running", None, "")  # as run_all writes it first
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir, "write_bytes", full)
+    sup.crashed(OSError(28, "No space left on device"))  # raises nothing: main() re-raises the original
+    assert [c[0] for c in sup.nodes.calls].count("then_stop") == 1, "a full /data left the cluster billing"
+
+
 def test_then_stop_runs_even_when_the_runs_log_cannot_be_opened(tmp_path):
     """The failure that ended the run may be /data's: the stop request must not depend on train.log."""
     import dataclasses

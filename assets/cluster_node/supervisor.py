@@ -96,7 +96,7 @@ class Supervisor:
         self.status("running", None, "")
         phases.mark(self.run, "run", self.clock())
         for old in self.run.glob(rundir.HANG_STACKS.format(n="*")):
-            _remove_tree(old)
+            shutil.rmtree(old, ignore_errors=True)
         self.launch()
         while self.state not in TERMINAL:
             self.state = self.step()
@@ -122,7 +122,7 @@ class Supervisor:
         # The whole line goes to launcher.log (this process's output) and stays rebuildable from specs/.
         print(f"{now_iso(self.clock())} attempt {self.spec.attempt}: {shlex.join(self.spec.argv())}", flush=True)
         for name in (rundir.RANKS, rundir.STACKS):
-            _remove_tree(self.run / name)
+            shutil.rmtree(self.run / name, ignore_errors=True)
             (self.run / name).mkdir(exist_ok=True)  # a cut-off rank may still write there
         self.observer = self.make_observer(self.run, self.spec, self.nodes.ssh_ok, self.clock)
         phases.mark(self.run, "launch", self.clock())
@@ -306,10 +306,7 @@ class Supervisor:
             self.reason = f"{self.reason}; then-stop: stopping the cluster".lstrip("; ")
         self.status(state, self.code, self.reason, "stopping" if self.spec.then_stop else None)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
-        active = Path(self.spec.active_file)
-        with contextlib.suppress(OSError):
-            if active.read_text().strip() == str(self.run):
-                active.unlink()
+        active = _free_head(self.run, Path(self.spec.active_file))
         if self.spec.then_stop is not None:
             stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
             if not stopped:
@@ -325,11 +322,9 @@ class Supervisor:
         line = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         stop = "; then-stop: stopping the cluster" if self.spec.then_stop is not None else ""
         reason = f"supervisor crashed ({line}); see {rundir.LAUNCHER_LOG}{stop}"
-        self.status("failed", None, reason, "stopping" if stop else None)  # a follower waits for the outcome
-        with contextlib.suppress(OSError):
-            active = Path(self.spec.active_file)
-            if active.read_text().strip() == str(self.run):
-                active.unlink()
+        with contextlib.suppress(Exception):  # /data may be what failed: the stop below must still run
+            self.status("failed", None, reason, "stopping" if stop else None)  # a follower waits for the outcome
+        _free_head(self.run, Path(self.spec.active_file))
         if self.spec.then_stop is not None:  # last (it may end this process): "however it ends" includes a bug
             stopped = False
             with contextlib.suppress(Exception):
@@ -358,6 +353,14 @@ def final_state(run: Path, state: State, reason: str) -> str:
     return state.value
 
 
+def _free_head(run: Path, active: Path) -> Path:
+    """.active names the head's current run: free it for the next `fab train` if it is still ours."""
+    with contextlib.suppress(OSError):
+        if active.read_text().strip() == str(run):
+            active.unlink()
+    return active
+
+
 def _nonempty(path: Path) -> bool:
     try:
         return path.stat().st_size > 0
@@ -376,10 +379,6 @@ def _last(run: Path, pattern: re.Pattern) -> str:
         if match:
             return line[match.start() :] if pattern.pattern.startswith("run ended") else line
     return ""
-
-
-def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
