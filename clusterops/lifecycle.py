@@ -11,10 +11,12 @@ import shutil
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
 from fabric import Connection
+from invoke.exceptions import CommandTimedOut
 
 from cluster_node import rundir
 
@@ -183,15 +185,35 @@ def follow_log(
 
 
 def then_stop_outcome(
-    connection: Connection, run_dir: str, status: dict, wait: float = 330.0, poll: float = 1.0
+    connection: Connection, run_dir: str, status: dict, wait: float = 330.0, poll: float = 1.0, read_s: float = 30.0
 ) -> dict:
     """The final status once --then-stop has answered (then_stop `sent` or `failed`): the supervisor
-    gives its stop request up to 300 s (nodes.Nodes.then_stop). Still `stopping` after `wait`: as it is."""
-    deadline = time.monotonic() + wait
-    while status.get("then_stop") == "stopping" and time.monotonic() < deadline:
-        time.sleep(poll)
-        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or status
+    gives its stop request up to 300 s (nodes.Nodes.then_stop). Still `stopping` after `wait`: as it is.
+    A `stopping` older than `wait` by the node's clock is `requested`: its head went down before it could
+    write the outcome and was started again since (a follow re-attached after `fab start`), nothing to
+    wait for. A read that hangs `read_s` (a silent path to a node going down) ends the wait."""
+    if status.get("then_stop") != "stopping":
+        return status
+    path = f"{run_dir}/{rundir.RUN_STATUS}"
+    try:
+        if _age_s(connection, status.get("time", ""), read_s) > wait:
+            return {**status, "then_stop": "requested"}
+        deadline = time.monotonic() + wait
+        while status.get("then_stop") == "stopping" and time.monotonic() < deadline:
+            time.sleep(poll)
+            status = remote.read_json(connection, path, timeout=read_s) or status
+    except CommandTimedOut:
+        pass
     return status
+
+
+def _age_s(connection: Connection, iso: str, read_s: float) -> float:
+    """How long ago `iso` (a run file's UTC time) was by the node's clock; 0 if it does not parse."""
+    try:
+        then = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return 0.0
+    return float(remote.sh(connection, "date +%s", timeout=read_s).strip()) - then
 
 
 def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:

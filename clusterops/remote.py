@@ -46,10 +46,12 @@ def sh(connection: Connection, command: str, check: bool = True, timeout: Option
     return result.stdout
 
 
-def read_json(connection: Connection, path: str, strict: bool = False) -> Optional[dict]:
+def read_json(
+    connection: Connection, path: str, strict: bool = False, timeout: Optional[float] = None
+) -> Optional[dict]:
     """The file's JSON, None when it is missing; unreadable JSON is None too, or with `strict` an
     error naming the file (a status that never parses must not make a follower wait forever)."""
-    text = sh(connection, f"cat {q(path)} 2>/dev/null || true")
+    text = sh(connection, f"cat {q(path)} 2>/dev/null || true", timeout=timeout)
     try:
         return json.loads(text) if text.strip() else None
     except ValueError as error:

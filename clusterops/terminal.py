@@ -66,6 +66,10 @@ def then_stop_line(status: dict) -> Optional[str]:
             "error: --then-stop failed: the cluster keeps running (on AWS, billed): the run's log says why "
             "(`fab logs`); `fab stop-cluster` stops it"
         )
+    if then_stop == "requested":  # a head that went down before it could write the outcome, started since
+        return (
+            f"--then-stop was requested when the run ended ({status.get('time')}); `fab status` shows the cluster now"
+        )
     return "the cluster is stopping (--then-stop): `fab start` brings it back" if then_stop else None
 
 

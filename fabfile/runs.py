@@ -271,8 +271,8 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
         state = lifecycle.run_state(conn, rdir)
         status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
     except CONNECTION_LOST as error:
-        if isinstance(error, remote.RemoteError) and conn.is_connected:
-            raise  # the node answered: a real error of the run's files
+        if isinstance(error, remote.RemoteError) and conn.is_connected and seen.get("then_stop") != "stopping":
+            raise  # the node answered: a real error of the run's files (a stopping head cuts commands off)
         if seen.get("then_stop") != "stopping":
             detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
             raise Exit(

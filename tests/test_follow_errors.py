@@ -114,9 +114,9 @@ THEN_STOP_REASON = "run ended at step 10; then-stop: stopping the cluster"
 STOPPING_LINE = "the cluster is stopping (--then-stop): `fab start` brings it back"
 
 
-def _final_status(path, then_stop: str) -> None:
+def _final_status(path, then_stop: str, when: str = "t") -> None:
     """The supervisor's final status, written atomically as rundir.write_record does."""
-    record = {"state": "finished", "exit_code": 0, "reason": THEN_STOP_REASON, "time": "t", "head": "node0"}
+    record = {"state": "finished", "exit_code": 0, "reason": THEN_STOP_REASON, "time": when, "head": "node0"}
     path.with_suffix(".tmp").write_text(json.dumps({**record, "then_stop": then_stop}))
     path.with_suffix(".tmp").rename(path)
 
@@ -176,3 +176,18 @@ def test_a_follower_waits_for_then_stops_outcome_and_says_a_failure_loudly(follo
             "error: --then-stop failed: the cluster keeps running (on AWS, billed): the run's log says why "
             "(`fab logs`); `fab stop-cluster` stops it"
         ), err
+
+
+def test_a_stopping_left_by_a_head_that_went_down_is_not_waited_for(followed):
+    """The head went down before it could write `sent`; after `fab start` a follow re-attaches to that run.
+    Before: it waited 330 s for an outcome nobody would write, then said the cluster is stopping."""
+    path, _ = followed
+    run = path.parent / "data" / "runs" / "r1"
+    ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 600))
+    _final_status(run / "run-status.json", "stopping", ended)
+    started = time.monotonic()
+    out, err = _follower(path).communicate(timeout=60)
+    assert time.monotonic() - started < 20, "waited for a then-stop outcome that cannot come"
+    assert out.splitlines()[-1] == (
+        f"--then-stop was requested when the run ended ({ended}); `fab status` shows the cluster now"
+    ), (out, err)
