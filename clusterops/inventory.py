@@ -289,17 +289,44 @@ def _aws_ids(inventory: Inventory, what: str) -> list[str]:
     return [n.instance_id for n in inventory.nodes if n.instance_id]
 
 
-def start_and_refresh(inventory: Inventory, ec2, wait: bool = True, delay: float = 5) -> Inventory:
+# EC2 stopped this Spot instance (an interruption): only EC2 starts it again, when capacity returns
+# (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/interruption-behavior.html; the code:
+# https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_StateReason.html).
+SPOT_INTERRUPTED = "Server.SpotInstanceShutdown"
+
+
+def spot_interrupted(described: dict) -> list[str]:
+    """The stopped instances EC2 itself stopped for a Spot interruption (describe()'s answer)."""
+    return sorted(
+        i
+        for i, d in described.items()
+        if d["State"]["Name"] == "stopped" and d.get("StateReason", {}).get("Code") == SPOT_INTERRUPTED
+    )
+
+
+def start_and_refresh(
+    inventory: Inventory, ec2, wait: bool = True, delay: float = 5, skip_interrupted: bool = False
+) -> Inventory:
     """Start the inventory's stopped instances (after those still stopping have stopped: EC2 refuses
     to start them), wait until all run, and return the inventory with their new addresses (a stop
-    changes the public IP), the host key re-pinned. A capacity failure stops what did start."""
+    changes the public IP), the host key re-pinned. A capacity failure stops what did start. A Spot
+    instance EC2 interrupted is not ours to start: refused, nothing started, unless skip_interrupted."""
     ids = _aws_ids(inventory, "start")
-    states = {i: d["State"]["Name"] for i, d in describe(ec2, ids).items()}
+    described = describe(ec2, ids)
+    states = {i: d["State"]["Name"] for i, d in described.items()}
     gone = [i for i in ids if states.get(i, "terminated") in ("terminated", "shutting-down")]
     if gone:
         raise InventoryError(
             f"{', '.join(gone)} no longer exist(s) (terminated): redeploy with `npx cdk deploy`, then `fab inventory`"
         )
+    interrupted = spot_interrupted(described)
+    if interrupted and not skip_interrupted:
+        raise InventoryError(
+            f"{', '.join(interrupted)} stopped by a Spot interruption: only EC2 starts it again, when capacity "
+            "returns; nothing started: `fab start` later, or `fab start --skip-interrupted` starts the others "
+            "(then `fab train --exclude` the interrupted node)"
+        )
+    ids = [i for i in ids if i not in interrupted]
     stopping = [i for i in ids if states[i] == "stopping"]
     if stopping:
         ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
@@ -311,7 +338,7 @@ def start_and_refresh(inventory: Inventory, ec2, wait: bool = True, delay: float
             if error.response["Error"]["Code"] != "InsufficientInstanceCapacity":
                 raise
             raise InventoryError(_undo_partial_start(ec2, to_start, error.response["Error"]["Code"])) from None
-    if wait:
+    if wait and ids:
         try:
             ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
         except WaiterError:

@@ -228,15 +228,20 @@ def _on_instances(c, what: str, action):
         return action(inv, aws_session(inv.region).client("ec2"))
 
 
-@task
-def start(c):
+@task(help={"skip_interrupted": "start the others when EC2 stopped a Spot node (only EC2 starts that one again)"})
+def start(c, skip_interrupted=False):
     """Start the cluster's stopped nodes and refresh the inventory.
 
     Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
-    fresh = _on_instances(c, "start", start_and_refresh)
+    fresh = _on_instances(c, "start", lambda inv, ec2: start_and_refresh(inv, ec2, skip_interrupted=skip_interrupted))
     fresh.save(inventory_path(c))
     print(
-        f"{len(fresh.nodes)} node(s) running; head {fresh.head.public_ip}; run `fab status` once they are ready "
+        (
+            "every node running but those EC2 interrupted (down until EC2 starts them: `fab train --exclude` them)"
+            if skip_interrupted
+            else f"{len(fresh.nodes)} node(s) running"
+        )
+        + f"; head {fresh.head.public_ip}; run `fab status` once they are ready "
         "(data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)"
     )
 

@@ -130,6 +130,43 @@ def test_a_node_that_fails_to_start_later_is_reported_and_the_others_stopped(tmp
     stubber.assert_no_pending_responses()
 
 
+def _spot_interrupted(response: dict, instance_id: str) -> dict:
+    for instance in response["Reservations"][0]["Instances"]:
+        if instance["InstanceId"] == instance_id:
+            instance["StateReason"] = {"Code": "Server.SpotInstanceShutdown", "Message": "Server.SpotInstanceShutdown"}
+    return response
+
+
+def test_a_spot_node_ec2_interrupted_is_not_started_and_nothing_else_is(tmp_path):
+    """Only EC2 starts a Spot instance it stopped (interruption-behavior.html): StartInstances on it fails.
+    A stub: moto does not emulate Spot interruptions. Before: every stopped node went to StartInstances."""
+    ec2, stubber = ec2_stub()
+    ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2"]
+    stubber.add_response(
+        "describe_instances", _spot_interrupted(described((ids[0], "stopped"), (ids[1], "stopped")), ids[1])
+    )
+    with stubber, pytest.raises(InventoryError, match=r"^i-0aaaaaaaaaaaaaaa2 stopped by a Spot interruption: only EC2"):
+        start_and_refresh(inventory(tmp_path, ids), ec2)
+    stubber.assert_no_pending_responses()  # no StartInstances at all
+
+
+def test_skip_interrupted_starts_the_others(tmp_path):
+    ec2, stubber = ec2_stub()
+    ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2"]
+    stubber.add_response(
+        "describe_instances", _spot_interrupted(described((ids[0], "stopped"), (ids[1], "stopped")), ids[1])
+    )
+    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": [ids[0]]})
+    stubber.add_response("describe_instances", described((ids[0], "running")), {"InstanceIds": [ids[0]]})  # waiter
+    stubber.add_response(
+        "describe_instances", described((ids[0], "running", "203.0.113.10"), (ids[1], "stopped")), {"Filters": ANY}
+    )
+    with stubber:
+        fresh = start_and_refresh(inventory(tmp_path, ids), ec2, skip_interrupted=True)
+        stubber.assert_no_pending_responses()
+    assert fresh.nodes[0].public_ip == "203.0.113.10"
+
+
 def test_fab_start_and_stop_cluster_against_the_emulator(aws_env, tmp_path):
     ec2 = boto3.client("ec2")
     ids = moto_instances(2, "startstop")
