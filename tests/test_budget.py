@@ -160,7 +160,7 @@ def test_a_resumed_run_meters_on_top_of_what_its_earlier_segments_spent(tmp_path
     assert meter.check(tmp_path, NOW + 1, print).startswith("budget: $10.00 reached at step none yet ($11.10 spent: ")
     assert "earlier segments $9.00, nodes $2.00" in meter.stopped
     # io_to: the launch-time rate (no file system here) counts to the reading, nothing left for the next segment
-    expected = Spend(usd=10.0, spent=11.1, time=NOW + 1, nodes=2, io_to=NOW + 1)
+    expected = Spend(usd=10.0, spent=11.1, time=NOW + 1, nodes=2, io_to=NOW + 1, io_estimate=0.0)
     assert rundir.read_record(tmp_path / rundir.BUDGET, Spend) == expected
 
 

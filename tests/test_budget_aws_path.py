@@ -211,7 +211,7 @@ def test_metadata_as_one_metric_is_counted_at_the_read_price(aws_env):
     meter = Meter(_budget(file_system_id=fs), start)
     meter.add(nodes=1, now=start + 600)
     meter.efs.wait()
-    assert meter.io_usd == pytest.approx(5 * READ + 1 * WRITE)  # was 3 x READ + 1 x WRITE: metadata $0
+    assert meter.efs.measured_usd == pytest.approx(5 * READ + 1 * WRITE)  # was 3 x READ + 1 x WRITE: metadata $0
 
 
 def test_split_metadata_metrics_are_not_counted_twice(aws_env):
@@ -221,7 +221,7 @@ def test_split_metadata_metrics_are_not_counted_twice(aws_env):
     meter = Meter(_budget(file_system_id=fs), start)
     meter.add(nodes=1, now=start + 600)
     meter.efs.wait()
-    assert meter.io_usd == pytest.approx(4 * READ + 2 * WRITE)
+    assert meter.efs.measured_usd == pytest.approx(4 * READ + 2 * WRITE)
 
 
 def test_a_spot_notice_under_then_stop_says_fab_start_not_that_ec2_restarts_the_node(tmp_path):
@@ -252,19 +252,19 @@ def test_the_efs_io_cloudwatch_had_not_published_when_a_segment_ended_is_metered
     start = time.time() - 1200
     _put(start + 60, fs, DataReadIOBytes=10)
     first = Meter(_budget(file_system_id=fs), start)
-    first.save(tmp_path, start + 600)  # CloudWatch read up to start + 600
+    first.save(tmp_path, start + 600)  # CloudWatch read up to LAG_S before it, rounded down to the minute
     first.save(tmp_path, start + 660)  # the segment ends a minute later, before the next question
     _put(start + 630, fs, DataReadIOBytes=5)  # I/O of that last minute, published after the end
     saved = json.loads((tmp_path / rundir.BUDGET).read_text())
-    assert first.io_usd == pytest.approx(10 * READ)
+    assert first.efs.measured_usd == pytest.approx(10 * READ)
 
     window = budgets.io_tail(Saved(config={}, spec={}, budget=saved, step=None))
-    assert window == (start + 600, start + 660)
+    assert window == (efsio.minute(start + 600 - efsio.LAG_S), start + 660)
     carried = _budget(file_system_id=fs, spent=saved["spent"], io_tail=window)
     second = Meter(carried, start + 900)
     second.add(nodes=1, now=start + 1000)
     second.efs.wait()
-    assert second.io_usd == pytest.approx(5 * READ)  # was $0: the tail was in no segment
+    assert second.efs.measured_usd == pytest.approx(5 * READ)  # was $0: the tail was in no segment
     assert dataclasses.asdict(carried)["io_tail"] == window
 
 

@@ -54,18 +54,20 @@ def test_the_meter_charges_the_runs_own_efs_bytes_not_the_hour_before(aws_env):
     _put(start + 120, DataWriteIOBytes=2, MetadataWriteIOBytes=0.5)
     meter = Meter(_budget(), start)
     meter.add(nodes=2, now=start + 600)
-    assert meter.io_usd == pytest.approx(11 * READ + 2.5 * WRITE)  # was 600 s x $9/h = $1.50
+    assert meter.efs.measured_usd == pytest.approx(11 * READ + 2.5 * WRITE)  # was 600 s x $9/h = $1.50
+    end = efsio.minute(start + 600 - efsio.LAG_S)  # CloudWatch's last minutes: the launch-time rate for now
+    assert meter.io_usd == pytest.approx(11 * READ + 2.5 * WRITE + (start + 600 - end) / 3600 * LAUNCH_RATE)
     line = meter.line(step=7)
     print(f"metered: {line}")
-    assert f"EFS I/O ${11 * READ + 2.5 * WRITE:.2f} = 11.000 GB read x ${READ:g} + 2.500 GB written" in line
-    assert "CloudWatch, the run's own I/O" in line and "launch-time" not in line and "\n" not in line
+    assert f"= 11.000 GB read x ${READ:g} + 2.500 GB written" in line and "\n" not in line
+    assert "CloudWatch, the run's own I/O" in line and "(the launch-time rate: CloudWatch publishes 5 min late)" in line
 
     # A run that reads its data every epoch on a fresh file system: charged as it reads (was $0/h).
-    _put(start + 700, DataReadIOBytes=40)
+    _put(start + 400, DataReadIOBytes=40)
     meter.add(nodes=2, now=start + 660)
-    assert meter.io_usd == pytest.approx(11 * READ + 2.5 * WRITE)  # asked 60 s ago: not every poll
+    assert meter.efs.measured_usd == pytest.approx(11 * READ + 2.5 * WRITE)  # asked 60 s ago: not every poll
     meter.add(nodes=2, now=start + 600 + efsio.QUERY_S + 120)
-    assert meter.io_usd == pytest.approx(51 * READ + 2.5 * WRITE)
+    assert meter.efs.measured_usd == pytest.approx(51 * READ + 2.5 * WRITE)
 
 
 def test_without_cloudwatch_the_launch_time_rate_and_the_line_says_why(moto_env):

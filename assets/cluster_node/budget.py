@@ -31,7 +31,8 @@ class Spend(rundir.Record):
     spent: float = rundir._key("float", required=True)
     time: float = rundir._key("float", required=True)  # epoch s of the reading
     nodes: Optional[int] = rundir._key("int")  # the nodes billing at that reading
-    io_to: Optional[float] = rundir._key("float")  # epoch s: EFS I/O after it (CloudWatch's lag) is not in `spent`
+    io_to: Optional[float] = rundir._key("float")  # epoch s: EFS I/O after it is in `spent` as io_estimate only
+    io_estimate: Optional[float] = rundir._key("float")  # $ at the launch-time rate: a resume measures it instead
 
 
 def epoch(iso: Optional[str]) -> Optional[float]:
@@ -105,7 +106,8 @@ class Meter:
         counts on in memory and the run goes on."""
         nodes = self.billing(run, self.last)  # as at the interval's start: a node going mid-interval counts whole
         self.add(nodes, now)
-        spend = Spend(usd=self.budget.usd, spent=self.spent, time=now, nodes=nodes, io_to=self.efs.counted_to(now))
+        io_to, estimate = self.efs.counted_to(now), self.efs.estimated_usd(now)
+        spend = Spend(usd=self.budget.usd, spent=self.spent, time=now, nodes=nodes, io_to=io_to, io_estimate=estimate)
         try:
             rundir.write_record(run / rundir.BUDGET, spend)
         except OSError as error:

@@ -110,7 +110,8 @@ FILES: tuple[ProtocolFile, ...] = (
     _run(rd.SEGMENTS, "JSON list of Segment", "supervisor (at its end)", "fab runs (wall time)", rd.Segment),
     _run(
         rd.BUDGET,
-        "JSON budget.Spend: the limit, the spend over every segment, where its EFS I/O stops (io_to)",
+        "JSON budget.Spend: the limit, the spend over every segment, where CloudWatch's EFS I/O stops (io_to) "
+        "and the launch-time rate's estimate after it (io_estimate: a resume measures it instead)",
         "supervisor (--budget-usd, every poll)",
         "fab train (resume)",
     ),
