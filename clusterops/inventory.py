@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from botocore.exceptions import ClientError, WaiterError
-
 from cluster_node import clusterdir
 from cluster_node.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
 
@@ -279,102 +277,7 @@ def refresh_addresses(nodes: list[Node], ec2) -> list[Node]:
         instance = described.get(node.instance_id or "", {})
         private = instance.get("PrivateIpAddress") or node.private_ip
         public = instance.get("PublicIpAddress") or (node.public_ip if node.public_ip not in ("", "None") else "")
+        if instance.get("State", {}).get("Name") == "stopped":  # its last public address is gone with the stop
+            public = ""
         fresh.append(replace(node, private_ip=private, public_ip=public or private))
     return fresh
-
-
-def _aws_ids(inventory: Inventory, what: str) -> list[str]:
-    if inventory.source != "aws":
-        raise InventoryError(f"fab {what} is for AWS clusters; the emulated one is `fab local.up` / `fab local.down`")
-    return [n.instance_id for n in inventory.nodes if n.instance_id]
-
-
-# EC2 stopped this Spot instance (an interruption): only EC2 starts it again, when capacity returns
-# (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/interruption-behavior.html; the code:
-# https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_StateReason.html).
-SPOT_INTERRUPTED = "Server.SpotInstanceShutdown"
-
-
-def spot_interrupted(described: dict) -> list[str]:
-    """The stopped instances EC2 itself stopped for a Spot interruption (describe()'s answer)."""
-    return sorted(
-        i
-        for i, d in described.items()
-        if d["State"]["Name"] == "stopped" and d.get("StateReason", {}).get("Code") == SPOT_INTERRUPTED
-    )
-
-
-def start_and_refresh(
-    inventory: Inventory, ec2, wait: bool = True, delay: float = 5, skip_interrupted: bool = False
-) -> Inventory:
-    """Start the inventory's stopped instances (after those still stopping have stopped: EC2 refuses
-    to start them), wait until all run, and return the inventory with their new addresses (a stop
-    changes the public IP), the host key re-pinned. A capacity failure stops what did start. A Spot
-    instance EC2 interrupted is not ours to start: refused, nothing started, unless skip_interrupted."""
-    ids = _aws_ids(inventory, "start")
-    described = describe(ec2, ids)
-    states = {i: d["State"]["Name"] for i, d in described.items()}
-    gone = [i for i in ids if states.get(i, "terminated") in ("terminated", "shutting-down")]
-    if gone:
-        raise InventoryError(
-            f"{', '.join(gone)} no longer exist(s) (terminated): redeploy with `npx cdk deploy`, then `fab inventory`"
-        )
-    interrupted = spot_interrupted(described)
-    if interrupted and not skip_interrupted:
-        raise InventoryError(
-            f"{', '.join(interrupted)} stopped by a Spot interruption: only EC2 starts it again, when capacity "
-            "returns; nothing started: `fab start` later, or `fab start --skip-interrupted` starts the others "
-            "(then `fab train --exclude` the interrupted node)"
-        )
-    ids = [i for i in ids if i not in interrupted]
-    stopping = [i for i in ids if states[i] == "stopping"]
-    if stopping:
-        ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
-    to_start = [i for i in ids if states[i] in ("stopped", "stopping")]
-    if to_start:
-        try:
-            ec2.start_instances(InstanceIds=to_start)
-        except ClientError as error:
-            if error.response["Error"]["Code"] != "InsufficientInstanceCapacity":
-                raise
-            raise InventoryError(_undo_partial_start(ec2, to_start, error.response["Error"]["Code"])) from None
-    if wait and ids:
-        try:
-            ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
-        except WaiterError:
-            raise InventoryError(_undo_partial_start(ec2, to_start, _not_running_reason(ec2, ids))) from None
-    nodes = refresh_addresses(inventory.nodes, ec2)
-    known_hosts = Path(inventory.ssh.known_hosts)
-    host_key = known_hosts.read_text().split("\n", 1)[0].split(" ", 1)[1]
-    write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=inventory.ssh.port)
-    return replace(inventory, nodes=nodes)
-
-
-def _not_running_reason(ec2, ids: list[str]) -> str:
-    reasons = {
-        f"{i} {d['State']['Name']}: {d.get('StateReason', {}).get('Message', 'no reason given')}"
-        for i, d in describe(ec2, ids).items()
-        if d["State"]["Name"] != "running"
-    }
-    return "; ".join(sorted(reasons)) or "the instances did not reach running in time"
-
-
-def _undo_partial_start(ec2, started: list[str], reason: str) -> str:
-    """Stop the instances this start did bring up (a cluster placement group needs all nodes at once,
-    and a half-started cluster bills for nothing); returns the one-line explanation."""
-    up = sorted(i for i, d in describe(ec2, started).items() if d["State"]["Name"] in ("pending", "running"))
-    if up:
-        ec2.stop_instances(InstanceIds=up)
-    return (
-        f"the nodes could not all start ({reason}); stopped the {len(up)} that did, so nothing "
-        "runs; AWS may lack capacity for the whole placement group now: try `fab start` later"
-    )
-
-
-def stop_nodes(inventory: Inventory, ec2) -> list[str]:
-    """Stop the inventory's pending or running instances (`fab stop-cluster`); returns their ids."""
-    ids = _aws_ids(inventory, "stop-cluster")
-    up = sorted(i for i, d in describe(ec2, ids).items() if d["State"]["Name"] in ("pending", "running"))
-    if up:
-        ec2.stop_instances(InstanceIds=up)
-    return up

@@ -14,6 +14,7 @@ from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import lifecycle, terminal
 from clusterops import preflight as checks
+from clusterops.instances import start_cluster, stop_nodes
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
@@ -21,8 +22,6 @@ from clusterops.inventory import (
     from_outputs,
     stack_outputs_from_aws,
     stack_outputs_from_file,
-    start_and_refresh,
-    stop_nodes,
 )
 
 from .common import (
@@ -233,17 +232,9 @@ def start(c, skip_interrupted=False):
     """Start the cluster's stopped nodes and refresh the inventory.
 
     Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
-    fresh = _on_instances(c, "start", lambda inv, ec2: start_and_refresh(inv, ec2, skip_interrupted=skip_interrupted))
+    fresh, line = _on_instances(c, "start", lambda inv, ec2: start_cluster(inv, ec2, skip_interrupted))
     fresh.save(inventory_path(c))
-    print(
-        (
-            "every node running but those EC2 interrupted (down until EC2 starts them: `fab train --exclude` them)"
-            if skip_interrupted
-            else f"{len(fresh.nodes)} node(s) running"
-        )
-        + f"; head {fresh.head.public_ip}; run `fab status` once they are ready "
-        "(data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)"
-    )
+    print(line)
 
 
 @task

@@ -20,7 +20,14 @@ from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from clusterops import cost as costs
 from clusterops import drill, launch, lifecycle, localcluster, nodecmd, remote, terminal
-from clusterops.inventory import DEFAULT_INVENTORY, DEFAULT_OUTPUTS, Inventory, InventoryError
+from clusterops.instances import spot_interrupted
+from clusterops.inventory import (
+    DEFAULT_INVENTORY,
+    DEFAULT_OUTPUTS,
+    Inventory,
+    InventoryError,
+    describe,
+)
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError, drill.DrillError)
 # A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
@@ -257,6 +264,20 @@ def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.P
 def node_price(inv: Inventory) -> costs.Price:
     """The inventory's node price: the one `fab inventory` kept, else the offline table's."""
     return kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
+
+
+def billed_nodes(inv: Inventory, session=None) -> int:
+    """The cluster's nodes that bill: all but a Spot node EC2 interrupted and still holds stopped (only EC2
+    starts it again; a stopped instance bills no usage); all when EC2 cannot say: the safe side of a budget."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    ids = [n.instance_id for n in inv.nodes if n.instance_id]
+    if inv.source != "aws" or not ids:
+        return len(inv.nodes)
+    try:
+        return len(inv.nodes) - len(spot_interrupted(describe((session or aws_session(inv.region)).client("ec2"), ids)))
+    except (BotoCoreError, ClientError):
+        return len(inv.nodes)
 
 
 def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:

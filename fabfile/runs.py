@@ -22,6 +22,7 @@ from clusterops.inventory import Inventory
 from train import catalog
 
 from .common import (
+    billed_nodes,
     code_dir_on,
     efs_io_rate,
     head,
@@ -168,11 +169,12 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.La
     io_rate = efs_io_rate(inv) or 0.0
     efs = (inv.file_system_id or "", inv.region or "") if inv.source == "aws" else ("", "")
     tail = budgets.io_tail(saved) if efs[0] else ()  # the last segment's I/O CloudWatch had not published
+    nodes = billed_nodes(inv)  # every node that bills, also those this run leaves out
     budget = budgets.run_budget(
-        request.budget_usd, price.usd_per_hour, price.source, io_rate, len(inv.nodes), spent, *efs, io_tail=tail
+        request.budget_usd, price.usd_per_hour, price.source, io_rate, nodes, spent, *efs, io_tail=tail
     )
     steps, what = budgets.steps_to_run(request, saved)
-    estimate, why = _prediction(conn, inv, plan, steps, price)
+    estimate, why = _prediction(conn, inv, plan, steps, price, nodes)
     refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)
     if refused:
         raise budgets.BudgetError(refused)
@@ -185,7 +187,7 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.La
     return dataclasses.replace(plan, budget=budget)
 
 
-def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, steps: int, price) -> tuple:
+def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, steps: int, price, billed: int) -> tuple:
     """fab plan's estimate for this launch from the run of that name, else the latest measured run, priced
     over every node of the cluster; (None, why) when neither gives one."""
     why = "no finished run with a step breakdown"
@@ -200,7 +202,7 @@ def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, steps: int, price
             )
             if estimate.usd_total is None:
                 raise planning.PlanError(estimate.refused or "the prices are unknown")
-            return budgets.billed(estimate, len(inv.nodes)), ""
+            return budgets.billed(estimate, billed), ""
         except planning.PlanError as error:
             why = str(error)
     return None, why

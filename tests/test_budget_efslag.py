@@ -7,6 +7,7 @@ delay: each minute's datapoint is put LAG s after that minute ends."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -88,3 +89,23 @@ def test_a_tail_cloudwatch_never_answers_for_is_charged_at_the_launch_rate_and_c
     io.wait()
     assert io.usd(now) == pytest.approx(LAUNCH_RATE * (580 + 1200) / 3600)  # was 1200 s: the tail free
     assert io.counted_to(now) == 1_000_020.0  # was `now`: the next segment asks CloudWatch for all of it
+
+
+def test_an_answer_that_lands_mid_save_is_taken_at_the_next_update_not_between_two_reads():
+    """save() reads the spend, io_to and the estimate: an answer taken between two of those reads mixed an
+    old and a new reading (a fresh read's finding; before, counted_to(), usd() and describe() each took it)."""
+    release = threading.Event()
+
+    def slow(*_):  # CloudWatch answering after the poll's grace
+        release.wait(10)
+        return 1.0, 1.0
+
+    start, now = 1_000_000.0, 1_001_200.0
+    io = efsio.EfsIo(_budget(), start, measure=slow)
+    io.update(now)  # asks; waits GRACE_S, no answer yet
+    before = io.counted_to(now), io.usd(now)
+    release.set()
+    io._asking.join(5)  # the answer is in, not yet taken
+    assert (io.counted_to(now), io.usd(now)) == before and io.reading is None
+    io.update(now + 1)  # the next poll takes it
+    assert io.reading is not None and io.counted_to(now + 1) == io.reading.at

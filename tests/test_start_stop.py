@@ -12,13 +12,13 @@ import pytest
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, tool_env
 
+from clusterops.instances import start_and_refresh
 from clusterops.inventory import (
     Inventory,
     InventoryError,
     Node,
     SshSettings,
     from_outputs,
-    start_and_refresh,
     write_known_hosts,
 )
 
@@ -165,6 +165,52 @@ def test_skip_interrupted_starts_the_others(tmp_path):
         fresh = start_and_refresh(inventory(tmp_path, ids), ec2, skip_interrupted=True)
         stubber.assert_no_pending_responses()
     assert fresh.nodes[0].public_ip == "203.0.113.10"
+
+
+def test_skip_interrupted_refuses_when_the_head_node_is_the_interrupted_one(tmp_path):
+    """Every task reaches the cluster through node0: starting the others would bill for nothing."""
+    ec2, stubber = ec2_stub()
+    ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2"]
+    response = _spot_interrupted(described((ids[0], "stopped"), (ids[1], "stopped")), ids[0])
+    stubber.add_response("describe_instances", response)
+    with stubber, pytest.raises(InventoryError, match=r"it is the head node"):
+        start_and_refresh(inventory(tmp_path, ids), ec2, skip_interrupted=True)
+    stubber.assert_no_pending_responses()  # nothing started
+
+
+def test_a_start_refused_while_the_spot_request_is_not_yet_disabled_is_retried(tmp_path):
+    """Right after a stop a persistent Spot request is still active/marked-for-stop and StartInstances
+    answers IncorrectSpotRequestState (hashicorp/terraform-provider-aws#33399). Before: a traceback."""
+    ec2, stubber = ec2_stub()
+    ids = ["i-0aaaaaaaaaaaaaaa1"]
+    stubber.add_response("describe_instances", described((ids[0], "stopped")))
+    stubber.add_client_error("start_instances", service_error_code="IncorrectSpotRequestState")
+    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
+    stubber.add_response("describe_instances", described((ids[0], "running")), {"InstanceIds": ids})  # waiter
+    stubber.add_response("describe_instances", described((ids[0], "running", "203.0.113.10")), {"Filters": ANY})
+    with stubber:
+        fresh = start_and_refresh(inventory(tmp_path, ids), ec2, delay=0)
+        stubber.assert_no_pending_responses()
+    assert fresh.nodes[0].public_ip == "203.0.113.10"
+
+
+def test_a_budget_meters_the_nodes_that_bill_not_a_spot_node_ec2_holds_stopped(tmp_path):
+    """After `fab start --skip-interrupted`, `fab train --budget-usd --exclude node2` must not meter node2:
+    a stopped instance bills no usage. Before: len(inventory.nodes), 3/2 of the real rate."""
+    from dataclasses import replace
+
+    from fabfile.common import billed_nodes
+
+    ec2, stubber = ec2_stub()
+    ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2", "i-0aaaaaaaaaaaaaaa3"]
+    response = described((ids[0], "running"), (ids[1], "running"), (ids[2], "stopped"))
+    stubber.add_response("describe_instances", _spot_interrupted(response, ids[2]))
+    session = type("Session", (), {"client": lambda self, name: ec2})()
+    with stubber:
+        assert billed_nodes(replace(inventory(tmp_path, ids), source="aws"), session) == 2
+    stubber.add_response("describe_instances", described((ids[0], "running"), (ids[1], "running"), (ids[2], "stopped")))
+    with stubber:  # stopped by the user or autostop: fab train needs it started, it is counted
+        assert billed_nodes(replace(inventory(tmp_path, ids), source="aws"), session) == 3
 
 
 def test_fab_start_and_stop_cluster_against_the_emulator(aws_env, tmp_path):

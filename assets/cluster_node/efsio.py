@@ -158,7 +158,8 @@ class EfsIo:
         self._answer = (Reading(tail[0] + own[0], tail[1] + own[1], end), "", done)
 
     def _collect(self) -> None:
-        """Take the answer of a question that ended (a failed one keeps the last reading)."""
+        """Take the answer of a question that ended (a failed one keeps the last reading): only in update()
+        and wait(), so what one save() reads (spend, io_to, estimate) comes from one reading."""
         if self._asking is None or self._asking.is_alive():
             return
         self._asking = None
@@ -186,7 +187,6 @@ class EfsIo:
     def counted_to(self, now: float) -> float:
         """budget.json's io_to: the epoch from which the I/O in usd(now) is the launch-time rate's estimate, for
         the next segment to ask CloudWatch for (Budget.io_tail); `now` without a file system to ask."""
-        self._collect()
         if not self.budget.file_system_id:
             return now
         if not self.reading:
@@ -199,12 +199,10 @@ class EfsIo:
         return self.unmeasured_hours(now) * self.budget.io_usd_per_hour if self.budget.file_system_id else 0.0
 
     def usd(self, now: float) -> float:
-        self._collect()
         return self.measured_usd + self.unmeasured_hours(now) * self.budget.io_usd_per_hour
 
     def describe(self, now: float) -> str:
         """How usd(now) was reached, for the budget line."""
-        self._collect()
         b, r, parts = self.budget, self.reading, []
         if r:
             at = datetime.fromtimestamp(r.at, timezone.utc).strftime("%H:%M:%S")
