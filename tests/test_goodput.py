@@ -48,6 +48,19 @@ def test_every_second_of_a_restarted_run_is_accounted_once_and_the_lost_steps_ar
     assert "goodput 38%" in text and "restart 1 (died" in text and "10 steps lost" in text
 
 
+def test_a_node_lost_right_after_a_checkpoint_loses_no_step_and_no_negative_time():
+    """The kill lands while the checkpoint of the last step is written (a CI run's drill): the checkpoint
+    ends after the last beat. Before: "0 steps lost (-0.1 s to recompute)"."""
+    m = [p for p in _marks() if p.time < 44.0 or p.event in ("ready", "first_step", "end", "done", "launch")]
+    m = [p for p in m if not (p.event == "steps" and p.step == 30)]
+    m = [p for p in m if p.time < 50.0 or p.event not in ("detect", "decide")]
+    m += [Phase(event="checkpoint", time=32.0, end=32.2, step=20)]  # written after the step-20 beat at 32
+    m += [Phase(event="detect", time=35.0, kind="died", step=20, end=32.0), Phase(event="decide", time=36.0, step=20)]
+    acc = goodput.account(sorted(m, key=lambda p: p.time))
+    [incident] = acc.incidents
+    assert (incident.steps_lost, incident.lost_s) == (0, 0.0)
+
+
 def test_a_running_run_is_accounted_up_to_now_and_a_run_without_marks_says_so():
     acc = goodput.account(_marks()[:8], now=25.0)
     assert acc is not None and acc.running and acc.wall_s == 25.0 and goodput.short(acc).endswith("*")

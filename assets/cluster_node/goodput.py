@@ -151,7 +151,7 @@ def _failure(attempt: Attempt, beat: float, end: float, incidents: list, start: 
     spans.append(("restart.decide", detect.time, decide.time) if decide else ("shutdown", detect.time, end))
     if decide is not None:
         lost = (detect.step or 0) - (resume or 0) if detect.step is not None else 0
-        lost_s = beat - lost_from if lost_from is not None else 0.0
+        lost_s = max(0.0, beat - lost_from) if lost_from is not None else 0.0  # a checkpoint after the beat
         incidents.append(
             Incident(
                 detect.kind or "?", beat - start, detect.time - beat, decide.time - detect.time, 0, 0, lost, lost_s
