@@ -286,7 +286,9 @@ class GpuNodes(Construct):
             "FILE_SYSTEM_ID": file_system.file_system_id,
             "AWS_REGION": stack.region,
             "STACK_NAME": stack.stack_name,
-            "SIGNAL_RESOURCE": stack.get_logical_id(_cfn(instance)),
+            # The lazy logical ID: the one in the template, with the user-data hash CDK appends
+            # (get_logical_id omits it: aws-cdk#11959); while CDK hashes the user data it renders unhashed.
+            "SIGNAL_RESOURCE": _cfn(instance).logical_id,
             "BASE_IMAGE": config.image,
             "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
             "HOST_KEY_PARAMETER": self.host_key_parameter_name,
