@@ -1,0 +1,355 @@
+"""The deploy rehearsal's gate: an HTTP endpoint between AWS clients (the real AWS CLI, boto3) and the moto
+server that authorizes every call as IAM would, then forwards it.
+
+Each caller is a principal: the credentials of a deployed role (assumed through moto's STS) or of a policy
+document (the laptop's user policy). Every request names its action (the SigV4 signing scope plus the
+protocol's operation) and its resources (RESOURCES below: an action without a rule there fails the test,
+so a new call cannot slip through unauthorized). A denied call answers AccessDenied, as AWS would, and is
+recorded as a violation. Calls moto does not implement (cloudformation:SignalResource) go to a stand-in that
+checks every name against the deployed stack: the logical ID exists, is an AWS::EC2::Instance with a creation
+policy, and is the signalling node's own resource."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import io
+import json
+import threading
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Optional
+
+import boto3
+from botocore.parsers import RpcV2CBORParser
+from iampolicy import Request, evaluate
+
+ACCOUNT, REGION = "123456789012", "us-east-1"
+IAM_PREFIX = {"monitoring": "cloudwatch", "servicequotas": "servicequotas", "elasticfilesystem": "elasticfilesystem"}
+
+
+@dataclass
+class Principal:
+    name: str
+    documents: list[dict]
+    instance_id: Optional[str] = None  # a node's own instance (the signal must name its resource)
+
+
+@dataclass(frozen=True)
+class Call:
+    principal: str
+    action: str
+    resources: tuple[str, ...]
+    allowed: bool
+    reason: str
+    params: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+# ---------------------------------------------------------------- what a request is
+
+
+def _signing(headers) -> tuple[str, str]:
+    """(access key id, signing service) from a SigV4 Authorization header."""
+    auth = headers.get("Authorization", "")
+    credential = auth.split("Credential=", 1)[1].split(",", 1)[0] if "Credential=" in auth else ""
+    parts = credential.split("/")
+    return (parts[0], parts[3]) if len(parts) >= 5 else ("", "")
+
+
+def _operation(method: str, path: str, headers, body: bytes, service: str) -> tuple[str, dict]:
+    """The operation's name and its parameters, whatever the protocol."""
+    target = headers.get("X-Amz-Target")
+    if target:  # JSON protocols (ssm, service quotas, pricing)
+        return target.rsplit(".", 1)[1], json.loads(body or b"{}")
+    if "/operation/" in path:  # smithy RPC v2 CBOR (CloudWatch)
+        params = RpcV2CBORParser().parse_data_item(io.BytesIO(body)) if body else {}
+        return path.rsplit("/operation/", 1)[1], params
+    if service == "s3":
+        return _s3_operation(method, path)
+    if service == "elasticfilesystem":
+        return _efs_operation(method, path)
+    form = urllib.parse.parse_qs(body.decode() if body else urllib.parse.urlsplit(path).query)
+    params = {k: v[0] for k, v in form.items()}
+    return params.pop("Action", "?"), params
+
+
+def _s3_operation(method: str, path: str) -> tuple[str, dict]:
+    parts = urllib.parse.unquote(urllib.parse.urlsplit(path).path).lstrip("/").split("/", 1)
+    bucket, key = parts[0], parts[1] if len(parts) > 1 else ""
+    operation = {"GET": "GetObject", "HEAD": "GetObject", "PUT": "PutObject", "DELETE": "DeleteObject"}[method]
+    if not key:
+        operation = {"GET": "ListBucket", "HEAD": "ListBucket"}.get(method, operation + "Bucket")
+    return operation, {"Bucket": bucket, "Key": key}
+
+
+def _efs_operation(method: str, path: str) -> tuple[str, dict]:
+    split = urllib.parse.urlsplit(path)
+    query = {k: v[0] for k, v in urllib.parse.parse_qs(split.query).items()}
+    if method == "GET" and split.path.rstrip("/").endswith("/file-systems"):
+        return "DescribeFileSystems", query
+    return f"{method} {split.path}", query
+
+
+def _listed(params: dict, prefix: str) -> list[str]:
+    """Query-protocol lists: InstanceId.1, InstanceId.2, ..."""
+    return [v for k, v in sorted(params.items()) if k == prefix or k.startswith(prefix + ".")]
+
+
+# ---------------------------------------------------------------- which resources a call acts on
+
+
+def _arn(service: str, resource: str, region: str = REGION) -> str:
+    return f"arn:aws:{service}:{region}:{ACCOUNT}:{resource}"
+
+
+def _parameter(params: dict) -> list[tuple[str, dict]]:
+    names = params.get("Names") or [params["Name"]]
+    return [(_arn("ssm", "parameter/" + n.lstrip("/")), {}) for n in names]
+
+
+def _instances(gate: "Gate", params: dict) -> list[tuple[str, dict]]:
+    ids = _listed(params, "InstanceId")
+    tags = gate.instance_tags(ids)
+    return [(_arn("ec2", f"instance/{i}"), {f"aws:ResourceTag/{k}": v for k, v in tags.get(i, {}).items()}) for i in ids]
+
+
+def _anything(_gate, _params) -> list[tuple[str, dict]]:
+    return [("*", {})]
+
+
+Rule = Callable[["Gate", dict], list[tuple[str, dict]]]
+# Service Authorization Reference: each action's resource types and condition keys, for the calls made here.
+RESOURCES: dict[str, Rule] = {
+    "sts:GetCallerIdentity": _anything,  # needs no permission; listed so that it is known
+    "ssm:GetParameter": lambda g, p: _parameter(p),
+    "ssm:GetParameters": lambda g, p: _parameter(p),
+    "ssm:PutParameter": lambda g, p: _parameter(p),
+    "s3:GetObject": lambda g, p: [(f"arn:aws:s3:::{p['Bucket']}/{p['Key']}", {})],
+    "cloudformation:SignalResource": lambda g, p: [(g.stack_arn(p["StackName"]), {})],
+    "cloudformation:DescribeStacks": lambda g, p: [(g.stack_arn(p["StackName"]) if "StackName" in p else "*", {})],
+    "cloudformation:ListStackResources": lambda g, p: [(g.stack_arn(p["StackName"]), {})],
+    "cloudformation:DescribeStackResources": lambda g, p: [(g.stack_arn(p["StackName"]), {})],
+    "cloudwatch:PutMetricData": lambda g, p: [("*", {"cloudwatch:namespace": p.get("Namespace", "")})],
+    "cloudwatch:GetMetricStatistics": _anything,
+    "cloudwatch:GetMetricData": _anything,
+    "cloudwatch:ListMetrics": _anything,
+    "cloudwatch:DescribeAlarms": _anything,
+    "cloudwatch:SetAlarmState": lambda g, p: [(_arn("cloudwatch", f"alarm:{p['AlarmName']}"), {})],
+    "ec2:DescribeInstances": _anything,
+    "ec2:DescribeInstanceStatus": _anything,
+    "ec2:DescribeSpotInstanceRequests": _anything,
+    "ec2:DescribeSpotPriceHistory": _anything,
+    "ec2:DescribeInstanceTypes": _anything,
+    "ec2:DescribeInstanceTypeOfferings": _anything,
+    "ec2:DescribeVolumes": _anything,
+    "ec2:DescribeAddresses": _anything,
+    "ec2:DescribeSnapshots": _anything,
+    "ec2:DescribeSecurityGroups": _anything,
+    "ec2:StopInstances": _instances,
+    "ec2:StartInstances": _instances,
+    "ec2:CancelSpotInstanceRequests": lambda g, p: [
+        (_arn("ec2", f"spot-instances-request/{r}"), {}) for r in _listed(p, "SpotInstanceRequestId")
+    ],
+    "elasticfilesystem:DescribeFileSystems": _anything,
+}
+
+
+# ---------------------------------------------------------------- the gate
+
+
+class Gate:
+    """Authorizes, records, forwards. `principals` maps an access key id to its principal."""
+
+    def __init__(self, moto_endpoint: str, admin: boto3.session.Session):
+        self.moto = urllib.parse.urlsplit(moto_endpoint)
+        self.admin = admin
+        self.principals: dict[str, Principal] = {}
+        self.calls: list[Call] = []
+        self.violations: list[str] = []
+        self.signals: list[dict] = []
+        self._lock = threading.Lock()
+
+    # --- principals
+    def assume(self, role_name: str, instance_id: Optional[str] = None) -> dict:
+        """Credentials of a deployed role, as a node's instance profile hands them out; its policies as
+        deployed (inline and managed) are what every call with them is checked against."""
+        iam = self.admin.client("iam")
+        role = iam.get_role(RoleName=role_name)["Role"]
+        documents = [
+            iam.get_role_policy(RoleName=role_name, PolicyName=n)["PolicyDocument"]
+            for n in iam.list_role_policies(RoleName=role_name)["PolicyNames"]
+        ]
+        for attached in iam.list_attached_role_policies(RoleName=role_name)["AttachedPolicies"]:
+            policy = iam.get_policy(PolicyArn=attached["PolicyArn"])["Policy"]
+            version = iam.get_policy_version(PolicyArn=attached["PolicyArn"], VersionId=policy["DefaultVersionId"])
+            documents.append(version["PolicyVersion"]["Document"])
+        credentials = self.admin.client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName=instance_id or "x")
+        keys = credentials["Credentials"]
+        self.principals[keys["AccessKeyId"]] = Principal(role_name, [_decoded(d) for d in documents], instance_id)
+        return {
+            "AWS_ACCESS_KEY_ID": keys["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": keys["SecretAccessKey"],
+            "AWS_SESSION_TOKEN": keys["SessionToken"],
+        }
+
+    def user(self, name: str, documents: list[dict]) -> dict:
+        """Credentials for a principal with these identity policies (the laptop user's)."""
+        key = f"AKIAUSER{len(self.principals):012d}"
+        self.principals[key] = Principal(name, documents)
+        return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "user-secret"}
+
+    # --- lookups in the deployed world (as the admin, outside the gate)
+    def stack_arn(self, name_or_id: str) -> str:
+        stack = self.admin.client("cloudformation").describe_stacks(StackName=name_or_id)["Stacks"][0]
+        return stack["StackId"]
+
+    def physical_id(self, stack: str, logical_id: str) -> str:
+        summaries = self.admin.client("cloudformation").list_stack_resources(StackName=stack)["StackResourceSummaries"]
+        return next(r["PhysicalResourceId"] for r in summaries if r["LogicalResourceId"] == logical_id)
+
+    def instance_tags(self, ids: list[str]) -> dict[str, dict[str, str]]:
+        found = self.admin.client("ec2").describe_instances(InstanceIds=ids)["Reservations"] if ids else []
+        return {
+            i["InstanceId"]: {t["Key"]: t["Value"] for t in i.get("Tags", [])} for r in found for i in r["Instances"]
+        }
+
+    # --- one request
+    def authorize(self, principal: Principal, action: str, params: dict) -> Call:
+        rule = RESOURCES.get(action)
+        if rule is None:
+            call = Call(principal.name, action, (), False, "the rehearsal has no resource rule for it", params)
+        else:
+            targets = rule(self, params)
+            decisions = [evaluate(principal.documents, Request(action, arn, ctx)) for arn, ctx in targets]
+            denied = [d.reason for d in decisions if not d.allowed]
+            allowed = not denied or action == "sts:GetCallerIdentity"
+            reason = "; ".join(denied) or decisions[0].reason
+            call = Call(principal.name, action, tuple(a for a, _ in targets), allowed, reason, params)
+        with self._lock:
+            self.calls.append(call)
+            if not call.allowed:
+                self.violations.append(f"{call.principal}: {action} {list(call.resources)}: {call.reason}")
+        return call
+
+    def forward(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, list, bytes]:
+        connection = http.client.HTTPConnection(self.moto.hostname, self.moto.port, timeout=60)
+        headers = {k: v for k, v in headers.items() if k.lower() not in ("host", "connection")}
+        headers["Host"] = self.moto.netloc
+        connection.request(method, path, body=body or None, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        return response.status, [(k, v) for k, v in response.getheaders() if k.lower() != "transfer-encoding"], data
+
+    @contextlib.contextmanager
+    def serving(self):
+        """The gate's endpoint URL while the block runs."""
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def _decoded(document) -> dict:
+    return json.loads(urllib.parse.unquote(document)) if isinstance(document, str) else document
+
+
+# ---------------------------------------------------------------- the stand-in for SignalResource
+
+
+def signal_resource(gate: Gate, principal: Principal, params: dict) -> Optional[str]:
+    """What CloudFormation checks, and the rehearsal adds: the resource waits for this node's signal."""
+    cloudformation = gate.admin.client("cloudformation")
+    template = cloudformation.get_template(StackName=params["StackName"])["TemplateBody"]
+    template = json.loads(template) if isinstance(template, str) else template
+    logical_id = params.get("LogicalResourceId", "")
+    resource = template["Resources"].get(logical_id)
+    if resource is None:
+        return f"Resource {logical_id} does not exist for stack {params['StackName']}"
+    if resource["Type"] != "AWS::EC2::Instance" or "ResourceSignal" not in resource.get("CreationPolicy", {}):
+        return f"{logical_id} is a {resource['Type']} that waits for no signal"
+    own = gate.physical_id(params["StackName"], logical_id)
+    if principal.instance_id and own != principal.instance_id:
+        return f"{principal.instance_id} signalled {logical_id}, which is {own}"
+    if params.get("Status") not in ("SUCCESS", "FAILURE") or not params.get("UniqueId"):
+        return f"a signal needs Status SUCCESS or FAILURE and a UniqueId: {params}"
+    gate.signals.append({"instance": principal.instance_id, **params})
+    return None
+
+
+SIGNAL_OK = (
+    b'<SignalResourceResponse xmlns="http://cloudformation.amazonaws.com/doc/2010-05-15/">'
+    b"<ResponseMetadata><RequestId>rehearsal</RequestId></ResponseMetadata></SignalResourceResponse>"
+)
+
+
+def _error(code: str, message: str, json_protocol: bool) -> bytes:
+    if json_protocol:
+        return json.dumps({"__type": code, "message": message}).encode()
+    return (
+        f"<ErrorResponse><Error><Type>Sender</Type><Code>{code}</Code><Message>{message}</Message></Error>"
+        f"<RequestId>rehearsal</RequestId></ErrorResponse>"
+    ).encode()
+
+
+def _handler(gate: Gate):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _serve(self):
+            try:
+                self._gate()
+            except Exception as error:  # a fault of the rehearsal itself: fail the test, answer the client
+                gate.violations.append(f"the gate failed on {self.command} {self.path}: {error!r}")
+                self._reply(500, _error("InternalFailure", repr(error), False))
+
+        def _gate(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            key, service = _signing(self.headers)
+            principal = gate.principals.get(key)
+            operation, params = _operation(self.command, self.path, self.headers, body, service)
+            action = f"{IAM_PREFIX.get(service, service)}:{operation}"
+            json_protocol = bool(self.headers.get("X-Amz-Target"))
+            if principal is None:
+                gate.violations.append(f"{action} by unknown credentials {key!r}")
+                return self._reply(403, _error("InvalidClientTokenId", "unknown credentials", json_protocol))
+            if not gate.authorize(principal, action, params).allowed:
+                message = f"{principal.name} is not authorized to perform: {action}"
+                return self._reply(403, _error("AccessDenied", message, json_protocol))
+            if action == "cloudformation:SignalResource":
+                refused = signal_resource(gate, principal, params)
+                if refused:
+                    gate.violations.append(f"{principal.name}: SignalResource refused: {refused}")
+                    return self._reply(400, _error("ValidationError", refused, False))
+                return self._reply(200, SIGNAL_OK, [("Content-Type", "text/xml")])
+            status, headers, data = gate.forward(self.command, self.path, dict(self.headers), body)
+            self._reply(status, data, headers)
+
+        def _reply(self, status: int, data: bytes, headers: Optional[list] = None):
+            self.send_response(status)
+            for name, value in headers or [("Content-Type", "text/xml")]:
+                if name.lower() != "content-length":
+                    self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _serve
+
+    return Handler
+
+
+def user_data(admin: boto3.session.Session, instance_id: str) -> str:
+    """An instance's user data as EC2 holds it."""
+    attribute = admin.client("ec2").describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
+    return base64.b64decode(attribute["UserData"]["Value"]).decode()

@@ -1,0 +1,72 @@
+"""The rehearsal's IAM evaluator on its own, case by case against the IAM User Guide's evaluation rules."""
+
+import pytest
+from iampolicy import Request, evaluate
+
+PARAM = "arn:aws:ssm:us-east-1:123456789012:parameter"
+STOP = {
+    "Effect": "Allow",
+    "Action": "ec2:StopInstances",
+    "Resource": "arn:aws:ec2:us-east-1:123456789012:instance/*",
+    "Condition": {"StringEquals": {"aws:ResourceTag/gpu-cluster:name": "c1"}},
+}
+
+
+def allowed(statements, action, resource="*", **context) -> bool:
+    return evaluate([{"Statement": statements}], Request(action, resource, context)).allowed
+
+
+def test_nothing_is_allowed_without_a_statement_and_an_explicit_deny_wins():
+    grant = {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": f"{PARAM}/gpu-cluster/c1/*"}
+    deny = {"Effect": "Deny", "Action": "ssm:*", "Resource": f"{PARAM}/gpu-cluster/c1/secret"}
+    assert not allowed([], "ssm:GetParameter", f"{PARAM}/gpu-cluster/c1/x")
+    assert allowed([grant], "ssm:GetParameter", f"{PARAM}/gpu-cluster/c1/x")
+    assert not allowed([grant, deny], "ssm:GetParameter", f"{PARAM}/gpu-cluster/c1/secret")
+
+
+def test_actions_match_case_insensitively_with_wildcards_and_resources_case_sensitively():
+    grant = {"Effect": "Allow", "Action": ["ssm:Get*", "cloudwatch:PutMetric?ata"], "Resource": f"{PARAM}/a/*"}
+    assert allowed([grant], "SSM:getparameter", f"{PARAM}/a/b")
+    assert allowed([grant], "cloudwatch:PutMetricData", f"{PARAM}/a/b/c")
+    assert not allowed([grant], "ssm:PutParameter", f"{PARAM}/a/b")
+    assert not allowed([grant], "ssm:GetParameter", f"{PARAM}/A/b")
+    assert not allowed([grant], "ssm:GetParameter", f"{PARAM}/ab")  # no implicit prefix match
+
+
+def test_not_action_and_not_resource_invert_the_match():
+    grant = {"Effect": "Allow", "NotAction": "iam:*", "NotResource": f"{PARAM}/ec2/*"}
+    assert allowed([grant], "ssm:GetParameter", f"{PARAM}/gpu")
+    assert not allowed([grant], "iam:PassRole", f"{PARAM}/gpu")
+    assert not allowed([grant], "ssm:GetParameter", f"{PARAM}/ec2/keypair/k")
+
+
+def test_a_tag_condition_needs_the_tag_on_the_resource():
+    instance = "arn:aws:ec2:us-east-1:123456789012:instance/i-1"
+    assert allowed([STOP], "ec2:StopInstances", instance, **{"aws:ResourceTag/gpu-cluster:name": "c1"})
+    assert not allowed([STOP], "ec2:StopInstances", instance, **{"aws:ResourceTag/gpu-cluster:name": "c2"})
+    assert not allowed([STOP], "ec2:StopInstances", instance)  # an untagged instance: the key is missing
+
+
+def test_if_exists_negation_and_set_qualifiers():
+    ns = {"Effect": "Allow", "Action": "cloudwatch:PutMetricData", "Resource": "*"}
+    if_exists = dict(ns, Condition={"StringEqualsIfExists": {"cloudwatch:namespace": "A"}})
+    assert allowed([if_exists], "cloudwatch:PutMetricData") and not allowed(
+        [if_exists], "cloudwatch:PutMetricData", **{"cloudwatch:namespace": "B"}
+    )
+    not_equals = dict(ns, Condition={"StringNotEquals": {"cloudwatch:namespace": ["A", "B"]}})
+    assert allowed([not_equals], "cloudwatch:PutMetricData", **{"cloudwatch:namespace": "C"})
+    assert not allowed([not_equals], "cloudwatch:PutMetricData", **{"cloudwatch:namespace": "B"})
+    any_value = dict(ns, Condition={"ForAnyValue:StringLike": {"aws:TagKeys": ["gpu-*"]}})
+    assert allowed([any_value], "cloudwatch:PutMetricData", **{"aws:TagKeys": ["x", "gpu-cluster:name"]})
+    all_values = dict(ns, Condition={"ForAllValues:StringLike": {"aws:TagKeys": ["gpu-*"]}})
+    assert not allowed([all_values], "cloudwatch:PutMetricData", **{"aws:TagKeys": ["x", "gpu-cluster:name"]})
+    assert allowed([all_values], "cloudwatch:PutMetricData")  # no keys at all: vacuously true (IAM's caveat)
+
+
+def test_what_it_cannot_evaluate_is_refused_not_guessed():
+    variable = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/${aws:username}/*"}
+    with pytest.raises(ValueError, match="policy variables"):
+        allowed([variable], "s3:GetObject", "arn:aws:s3:::b/u/k")
+    numeric = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*", "Condition": {"NumericLessThan": {"x": "1"}}}
+    with pytest.raises(ValueError, match="NumericLessThan"):
+        allowed([numeric], "s3:GetObject", "arn:aws:s3:::b/k", x="0")

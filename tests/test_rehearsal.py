@@ -1,0 +1,162 @@
+"""The deploy rehearsal: each configuration deployed into the moto server, then every node runs what it would
+run on AWS, against that deployed stack, under the deployed node role's own credentials, through the gate
+(tests/rehearsal.py) that authorizes each call by the role's policy as deployed and checks each name that
+crosses from the template into a node:
+
+- the user data as EC2 holds it, in the bootstrap sandbox, with the real AWS CLI (awscli from PyPI);
+- the boot unit that resets the node's idle alarm;
+- the idle watchdog's heartbeat, and `--then-stop` (the watchdog's stop of the whole cluster).
+
+Then: no call was denied, each node signalled SUCCESS for its own resource (which waits for that signal),
+each alarm watches a metric its node published, and every name a node used exists in the template."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import boto3
+import pytest
+from bootstrap_sandbox import Sandbox, host_paths
+from conftest import REGION, REPO, environment, tool_env
+from moto_deploy import deploy
+from rehearsal import Gate, user_data
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for the bootstrap sandbox's mount namespace"),
+    # The sandbox binds host paths (one worker runs every module that does); one moto server holds the deploys.
+    pytest.mark.xdist_group("bootstrap-host-paths"),
+    pytest.mark.slow,
+]
+
+SSH = {"ssh_cidr": "203.0.113.0/24"}
+CONFIGS = {
+    "default": {"cluster_name": "rh-default", **SSH},
+    "ssm-private": {"cluster_name": "rh-ssm", "access": "ssm", "private_subnet": "true"},
+    "spot": {"cluster_name": "rh-spot", "spot": "true", "instance_type": "g5.12xlarge", **SSH},
+    "p4d-efa": {"cluster_name": "rh-p4d", "access": "ssm", "private_subnet": "true", "instance_type": "p4d.24xlarge"},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mountpoints():
+    yield from host_paths()
+
+
+class Deployed:
+    """One configuration deployed: the stack as CloudFormation holds it, and its nodes."""
+
+    def __init__(self, name: str, context: dict):
+        self.name, self.context = name, context
+        self.stack = f"GpuCluster-{context['cluster_name']}"
+        cloudformation = boto3.client("cloudformation")
+        body = cloudformation.get_template(StackName=self.stack)["TemplateBody"]
+        self.template = json.loads(body) if isinstance(body, str) else body
+        resources = cloudformation.list_stack_resources(StackName=self.stack)["StackResourceSummaries"]
+        physical = {r["LogicalResourceId"]: r["PhysicalResourceId"] for r in resources}
+        self.instances = [physical[k] for k in sorted(self._of_type("AWS::EC2::Instance"), key=self._rank)]
+        (self.role,) = [physical[k] for k in self._of_type("AWS::IAM::Role") if "NodeRole" in k]
+
+    def _of_type(self, kind: str) -> dict:
+        return {k: r for k, r in self.template["Resources"].items() if r["Type"] == kind}
+
+    def _rank(self, logical_id: str) -> int:
+        return int(logical_id.split("Node", 2)[2][0]) if logical_id.count("Node") > 1 else 0
+
+    def names(self, kind: str, prop: str) -> set[str]:
+        return {r["Properties"][prop] for r in self._of_type(kind).values() if isinstance(r["Properties"].get(prop), str)}
+
+    def alarms(self) -> list[dict]:
+        return [r["Properties"] for r in self._of_type("AWS::CloudWatch::Alarm").values()]
+
+
+@pytest.fixture(scope="module")
+def world(moto_env):
+    """The moto server's variables for the module, and one gate in front of it."""
+    with environment(moto_env):
+        gate = Gate(moto_env["AWS_ENDPOINT_URL"], boto3.session.Session())
+        with gate.serving() as endpoint:
+            yield gate, endpoint
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def deployed(request, world, moto_env, tmp_path_factory) -> Deployed:
+    name = request.param
+    deploy(moto_env, tmp_path_factory.mktemp(name), CONFIGS[name], CONFIGS[name].get("instance_type", "g4dn.2xlarge"))
+    return Deployed(name, CONFIGS[name])
+
+
+def node_env(gate: Gate, endpoint: str, deployed: Deployed, rank: int) -> dict:
+    """What a process on node `rank` has: its role's credentials from the instance profile, its region."""
+    instance_id = deployed.instances[rank]
+    return {
+        **gate.assume(deployed.role, instance_id),
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        "IMDS_INSTANCE_ID": instance_id,
+        "INSTANCE_ID": instance_id,
+    }
+
+
+def boot(tmp_path, gate: Gate, endpoint: str, deployed: Deployed, rank: int) -> Sandbox:
+    """Node `rank`'s first boot: its deployed user data, then its every-boot alarm reset, in a sandbox whose
+    `aws` is the real AWS CLI."""
+    (tmp_path / f"node{rank}").mkdir()
+    sandbox = Sandbox(tmp_path / f"node{rank}")
+    (sandbox.root / "bin" / "aws").unlink()
+    (sandbox.root / "bin" / "aws").symlink_to(REPO / ".venv" / "bin" / "aws")
+    (sandbox.root / "user-data.sh").write_text(user_data(gate.admin, deployed.instances[rank]))
+    env = node_env(gate, endpoint, deployed, rank)
+    first = sandbox.run(**env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    reset = sandbox.command("/usr/local/sbin/gpu-cluster-bootstrap /etc/gpu-cluster/bootstrap.env reset-alarm", **env)
+    assert reset.returncode == 0, reset.stdout[-2000:] + reset.stderr[-2000:]
+    return sandbox
+
+
+def watchdog(args: list[str], env: dict, data) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(data), *args],
+        env=tool_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_its_role(
+    deployed, world, tmp_path
+):
+    gate, endpoint = world
+    before = len(gate.calls)
+    for rank in range(len(deployed.instances)):
+        boot(tmp_path, gate, endpoint, deployed, rank)
+    ours = gate.calls[before:]
+    assert gate.violations == []
+    # Each node signalled SUCCESS once, for its own resource (the stand-in checked it exists and waits).
+    signalled = [s for s in gate.signals if s["StackName"] == deployed.stack]
+    assert sorted(s["instance"] for s in signalled if s["Status"] == "SUCCESS") == sorted(deployed.instances)
+    # Every alarm watches a metric that its node published, and every alarm a node reset exists.
+    published = {
+        (c.params.get("Namespace"), m.get("MetricName"), tuple((d["Name"], d["Value"]) for d in m.get("Dimensions", [])))
+        for c in ours
+        if c.action == "cloudwatch:PutMetricData"
+        for m in c.params.get("MetricData", [])
+    }
+    for alarm in deployed.alarms():
+        dimensions = tuple((d["Name"], d["Value"]) for d in alarm["Dimensions"])
+        dimensions = tuple((n, v if isinstance(v, str) else _physical(deployed, v)) for n, v in dimensions)
+        assert (alarm["Namespace"], alarm["MetricName"], dimensions) in published, alarm["AlarmName"]
+    reset = {c.params["AlarmName"] for c in ours if c.action == "cloudwatch:SetAlarmState"}
+    assert reset and reset <= deployed.names("AWS::CloudWatch::Alarm", "AlarmName")
+    used = {c.params["Name"] for c in ours if c.action.startswith("ssm:") and "Name" in c.params}
+    assert used <= deployed.names("AWS::SSM::Parameter", "Name")
+
+
+def _physical(deployed: Deployed, ref: dict) -> str:
+    summaries = boto3.client("cloudformation").list_stack_resources(StackName=deployed.stack)["StackResourceSummaries"]
+    return next(r["PhysicalResourceId"] for r in summaries if r["LogicalResourceId"] == ref["Ref"])
