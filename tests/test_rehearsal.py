@@ -68,6 +68,10 @@ class Deployed:
     def names(self, kind: str, prop: str) -> set[str]:
         return {r["Properties"][prop] for r in self._of_type(kind).values() if isinstance(r["Properties"].get(prop), str)}
 
+    def physical_of(self, kind: str) -> list[str]:
+        summaries = boto3.client("cloudformation").list_stack_resources(StackName=self.stack)["StackResourceSummaries"]
+        return [r["PhysicalResourceId"] for r in summaries if r["ResourceType"] == kind]
+
     def alarms(self) -> list[dict]:
         return [r["Properties"] for r in self._of_type("AWS::CloudWatch::Alarm").values()]
 
@@ -118,14 +122,37 @@ def boot(tmp_path, gate: Gate, endpoint: str, deployed: Deployed, rank: int) -> 
     return sandbox
 
 
-def watchdog(args: list[str], env: dict, data) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(data), *args],
-        env=tool_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def node_program(args: list[str], env: dict, seconds: float = 60) -> str:
+    """A node program as the container runs it (`python -m ...`, the node's variables), for at most `seconds`:
+    a daemon is stopped then, as at a shutdown. Returns its output."""
+    try:
+        done = subprocess.run(
+            [sys.executable, *args], env=tool_env(**env), capture_output=True, text=True, timeout=seconds
+        )
+        return done.stdout + done.stderr
+    except subprocess.TimeoutExpired as stopped:
+        return f"{stopped.stdout or ''}{stopped.stderr or ''}"
+
+
+def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -> None:
+    """On node 0: the idle watchdog's heartbeat for a few rounds, the budget meter's EFS I/O reading, then
+    `--then-stop` (fab train's, and the budget's, stop of the whole cluster), as the container runs them."""
+    env = {
+        **node_env(gate, endpoint, deployed, 0),
+        "AWS_REGION": REGION,
+        "CLUSTER_NAME": deployed.context["cluster_name"],
+        "NODE_RANK": "0",
+        "IDLE_MINUTES": "60",
+    }
+    data = tmp_path / "data"
+    data.mkdir()
+    watchdog = ["-m", "cluster_node.autostop.watchdog", "--data", str(data), "--pts", str(tmp_path)]
+    node_program([*watchdog, "--interval", "1"], env, seconds=8)
+    file_system = next(iter(deployed.physical_of("AWS::EFS::FileSystem")))
+    meter = f"from cluster_node import efsio; import time; print(efsio.measure({file_system!r}, {REGION!r}, time.time() - 3600, time.time()))"
+    node_program(["-c", meter], env)
+    stopped = node_program([*watchdog, "--stop-now"], env)
+    assert "stopping" in stopped, stopped
 
 
 def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_its_role(
@@ -135,6 +162,7 @@ def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_
     before = len(gate.calls)
     for rank in range(len(deployed.instances)):
         boot(tmp_path, gate, endpoint, deployed, rank)
+    run_node_programs(gate, endpoint, deployed, tmp_path)
     ours = gate.calls[before:]
     assert gate.violations == []
     # Each node signalled SUCCESS once, for its own resource (the stand-in checked it exists and waits).
@@ -155,6 +183,12 @@ def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_
     assert reset and reset <= deployed.names("AWS::CloudWatch::Alarm", "AlarmName")
     used = {c.params["Name"] for c in ours if c.action.startswith("ssm:") and "Name" in c.params}
     assert used <= deployed.names("AWS::SSM::Parameter", "Name")
+    # --then-stop stopped this cluster's nodes, and those only.
+    stops = [i.split("/")[-1] for c in ours if c.action == "ec2:StopInstances" for i in c.resources]
+    assert sorted(stops) == sorted(deployed.instances)
+    heartbeats = [c for c in ours if c.action == "cloudwatch:PutMetricData" and "--stop-now" not in str(c.params)]
+    assert len(heartbeats) >= 2 + len(deployed.instances)  # the boot beats, then the watchdog's rounds
+    assert any(c.action == "cloudwatch:GetMetricStatistics" and "AWS/EFS" in str(c.params) for c in ours)
 
 
 def _physical(deployed: Deployed, ref: dict) -> str:
