@@ -20,12 +20,13 @@ MOTO_LIMITS = ("-c", "placement_group=false", "-c", "flow_logs=false", "-c", f"a
 
 
 def deploy(aws_env: dict, work: Path, context: dict[str, str], instance_type: str = "g4dn.2xlarge") -> Path:
-    """Deploys with `-c key=value` for `context` (plus MOTO_LIMITS and a key pair); returns the outputs file."""
+    """Deploys with `-c key=value` for `context` (plus MOTO_LIMITS and a key pair, its private key in
+    work/KEY_NAME.pem); returns the outputs file."""
     work.mkdir(parents=True, exist_ok=True)
     # The DLAMI's "latest" moves on after the pin: the deploy must still use the pinned AMI.
     ssm = boto3.client("ssm")
     ssm.put_parameter(Name=AMI_PARAMETER, Value="ami-0ffffffffffffffff", Type="String", Overwrite=True)
-    key_name = context.get("key_name", "test-key")
+    key_name = context.get("key_name", f"{context.get('cluster_name', 'test')}-key")
     ec2 = boto3.client("ec2")
     if not ec2.describe_key_pairs(Filters=[{"Name": "key-name", "Values": [key_name]}])["KeyPairs"]:
         (work / f"{key_name}.pem").write_text(ec2.create_key_pair(KeyName=key_name)["KeyMaterial"])

@@ -104,9 +104,17 @@ def _arn(service: str, resource: str, region: str = REGION) -> str:
     return f"arn:aws:{service}:{region}:{ACCOUNT}:{resource}"
 
 
+# moto refuses parameter names under /aws: the deploys' stand-in for the public DLAMI parameter is
+# authorized under the public one's name, in AWS's own account-less ARN form.
+ALIASES = {"/test/dlami/ami-id": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"}
+
+
 def _parameter(params: dict) -> list[tuple[str, dict]]:
-    names = params.get("Names") or [params["Name"]]
-    return [(_arn("ssm", "parameter/" + n.lstrip("/")), {}) for n in names]
+    names = [ALIASES.get(n, n) for n in params.get("Names") or [params["Name"]]]
+    return [
+        (f"arn:aws:ssm:{REGION}::parameter{n}" if n.startswith("/aws/") else _arn("ssm", "parameter/" + n.lstrip("/")), {})
+        for n in names
+    ]
 
 
 def _instances(gate: "Gate", params: dict) -> list[tuple[str, dict]]:
@@ -127,6 +135,7 @@ RESOURCES: dict[str, Rule] = {
     "ssm:GetParameters": lambda g, p: _parameter(p),
     "ssm:PutParameter": lambda g, p: _parameter(p),
     "s3:GetObject": lambda g, p: [(f"arn:aws:s3:::{p['Bucket']}/{p['Key']}", {})],
+    "s3:ListBucket": lambda g, p: [(f"arn:aws:s3:::{p['Bucket']}", {})],
     "cloudformation:SignalResource": lambda g, p: [(g.stack_arn(p["StackName"]), {})],
     "cloudformation:DescribeStacks": lambda g, p: [(g.stack_arn(p["StackName"]) if "StackName" in p else "*", {})],
     "cloudformation:ListStackResources": lambda g, p: [(g.stack_arn(p["StackName"]), {})],
@@ -153,7 +162,28 @@ RESOURCES: dict[str, Rule] = {
         (_arn("ec2", f"spot-instances-request/{r}"), {}) for r in _listed(p, "SpotInstanceRequestId")
     ],
     "elasticfilesystem:DescribeFileSystems": _anything,
+    "servicequotas:GetServiceQuota": lambda g, p: [
+        (f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:{p['ServiceCode']}/{p['QuotaCode']}", {})
+    ],
+    "servicequotas:RequestServiceQuotaIncrease": lambda g, p: [
+        (f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:{p['ServiceCode']}/{p['QuotaCode']}", {})
+    ],
+    "servicequotas:GetAWSDefaultServiceQuota": lambda g, p: [
+        (f"arn:aws:servicequotas:{REGION}:{ACCOUNT}:{p['ServiceCode']}/{p['QuotaCode']}", {})
+    ],
+    # preflight's dry run: RunInstances' resources are many (instance, image, subnet, group, volume, key
+    # pair, network interface); the user policy grants it on "*" (docs/operations.md says why).
+    "ec2:RunInstances": _anything,
+    "pricing:GetProducts": _anything,
+    "tag:GetResources": _anything,
 }
+
+
+def rule_for(action: str) -> Rule | None:
+    """The action's rule; read-only Describe*/List* calls, which take no resource-level scoping in EC2,
+    CloudFormation's list calls and most others, act on "*"."""
+    operation = action.split(":", 1)[1]
+    return RESOURCES.get(action) or (_anything if operation.startswith(("Describe", "List")) else None)
 
 
 # ---------------------------------------------------------------- the gate
@@ -217,7 +247,7 @@ class Gate:
 
     # --- one request
     def authorize(self, principal: Principal, action: str, params: dict) -> Call:
-        rule = RESOURCES.get(action)
+        rule = rule_for(action)
         if rule is None:
             call = Call(principal.name, action, (), False, "the rehearsal has no resource rule for it", params)
         else:

@@ -20,9 +20,10 @@ import sys
 import boto3
 import pytest
 from bootstrap_sandbox import Sandbox, host_paths
-from conftest import REGION, REPO, environment, tool_env
-from moto_deploy import deploy
+from conftest import REGION, REPO, environment, run_fab, tool_env
+from moto_deploy import MOTO_LIMITS, deploy
 from rehearsal import Gate, user_data
+from test_audit import persistent_spot_request
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for the bootstrap sandbox's mount namespace"),
@@ -48,8 +49,8 @@ def mountpoints():
 class Deployed:
     """One configuration deployed: the stack as CloudFormation holds it, and its nodes."""
 
-    def __init__(self, name: str, context: dict):
-        self.name, self.context = name, context
+    def __init__(self, name: str, context: dict, key_file):
+        self.name, self.context, self.key_file = name, context, key_file
         self.stack = f"GpuCluster-{context['cluster_name']}"
         cloudformation = boto3.client("cloudformation")
         body = cloudformation.get_template(StackName=self.stack)["TemplateBody"]
@@ -88,8 +89,9 @@ def world(moto_env):
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def deployed(request, world, moto_env, tmp_path_factory) -> Deployed:
     name = request.param
-    deploy(moto_env, tmp_path_factory.mktemp(name), CONFIGS[name], CONFIGS[name].get("instance_type", "g4dn.2xlarge"))
-    return Deployed(name, CONFIGS[name])
+    work = tmp_path_factory.mktemp(name)
+    deploy(moto_env, work, CONFIGS[name], CONFIGS[name].get("instance_type", "g4dn.2xlarge"))
+    return Deployed(name, CONFIGS[name], work / f"{CONFIGS[name]['cluster_name']}-key.pem")
 
 
 def node_env(gate: Gate, endpoint: str, deployed: Deployed, rank: int) -> dict:
@@ -194,3 +196,76 @@ def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_
 def _physical(deployed: Deployed, ref: dict) -> str:
     summaries = boto3.client("cloudformation").list_stack_resources(StackName=deployed.stack)["StackResourceSummaries"]
     return next(r["PhysicalResourceId"] for r in summaries if r["LogicalResourceId"] == ref["Ref"])
+
+
+USER_POLICY = REPO / "docs" / "user-policy.json"
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-cluster-host"
+# What each fab task that calls AWS asks of it, in the order a user runs them (release-spot on Spot only).
+LAPTOP_TASKS = ("preflight", "cost", "inventory", "status-aws", "stop-cluster", "release-spot", "start", "audit")
+
+
+def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
+    name, cluster = deployed.stack, deployed.context["cluster_name"]
+    context = [*MOTO_LIMITS, *(a for k, v in deployed.context.items() for a in ("-c", f"{k}={v}"))]
+    steps = {
+        "preflight": ["preflight", *context],
+        "cost": ["cost"],
+        "inventory": ["inventory", "--stack", name, "--from-aws", "--key-file", str(deployed.key_file)],
+        "stop-cluster": ["stop-cluster"],
+        "release-spot": ["release-spot", "--cluster", cluster] if deployed.context.get("spot") else None,
+        "start": ["start"],
+        "audit": ["audit", "--cluster", cluster],
+    }
+    return [s for s in steps.values() if s]
+
+
+# Granted for what this test does not run: `cdk deploy`/`destroy` assume the CDK bootstrap's roles.
+USED_ELSEWHERE = {"sts:AssumeRole"}
+USED: set[str] = set()
+
+
+@pytest.mark.parametrize("deployed", ["default", "spot"], indirect=True)
+def test_the_laptops_calls_are_allowed_by_the_documented_user_policy(deployed, world, tmp_path):
+    USED.update(laptop_tasks(deployed, world, tmp_path))
+
+
+def test_the_documented_user_policy_grants_no_action_that_fab_does_not_call():
+    if not USED:
+        pytest.skip("runs after the laptop rehearsal")  # not selected alone
+    policy = json.loads(USER_POLICY.read_text())
+    granted = {a for s in policy["Statement"] for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    assert granted - USED - USED_ELSEWHERE == set()
+
+
+def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
+    """Each fab task that calls AWS, under the documented user policy; returns the actions they called."""
+    gate, endpoint = world
+    policy = json.loads(USER_POLICY.read_text())
+    env = {
+        **gate.user(f"user-{deployed.name}", [policy]),
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_REGION": REGION,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        "GPU_CLUSTER_INVENTORY": str(tmp_path / "inventory.json"),
+        "GPU_CLUSTER_CDK_CONTEXT": str(tmp_path / "cdk.context.json"),
+    }
+    host_key = f"/gpu-cluster/{deployed.context['cluster_name']}/ssh-host-key"
+    if boto3.client("ssm").get_parameter(Name=host_key)["Parameter"]["Value"].startswith("pending"):
+        # What rank 0's bootstrap writes (test_every_node_boots_... runs it for real).
+        boto3.client("ssm").put_parameter(Name=host_key, Value=HOST_KEY, Type="String", Overwrite=True)
+    if deployed.context.get("spot"):
+        # The persistent request a Spot node's launch template leaves on EC2 (moto's launch makes none),
+        # its node stopped as `fab stop-cluster` stops the cluster's.
+        request = persistent_spot_request(deployed.context["cluster_name"])
+        boto3.client("ec2").stop_instances(InstanceIds=[request["InstanceId"]])
+    before = len(gate.calls)
+    outputs = []
+    for step in laptop_steps(deployed, tmp_path):
+        done = run_fab(*step, **env)
+        outputs.append(f"$ fab {' '.join(step)} -> {done.returncode}\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+    ours = [c for c in gate.calls[before:] if c.principal == f"user-{deployed.name}"]
+    print("\n".join(outputs))
+    return {c.action for c in ours}
+    assert [v for v in gate.violations if v.startswith(f"user-{deployed.name}")] == [], "\n".join(outputs)
