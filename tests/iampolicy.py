@@ -49,6 +49,8 @@ def _action_matches(statement: dict, action: str) -> bool:
 
 
 def _resource_matches(statement: dict, resource: str) -> bool:
+    if "Resource" not in statement and "NotResource" not in statement:  # a resource policy's own resource
+        return True
     if "Resource" in statement:
         return any(_wildcard(r, resource, True) for r in _as_list(statement["Resource"]))
     return not any(_wildcard(r, resource, True) for r in _as_list(statement["NotResource"]))

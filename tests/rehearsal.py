@@ -106,13 +106,20 @@ def _arn(service: str, resource: str, region: str = REGION) -> str:
 
 # moto refuses parameter names under /aws: the deploys' stand-in for the public DLAMI parameter is
 # authorized under the public one's name, in AWS's own account-less ARN form.
-ALIASES = {"/test/dlami/ami-id": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"}
+ALIASES = {
+    "/test/dlami/ami-id": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+}
 
 
 def _parameter(params: dict) -> list[tuple[str, dict]]:
     names = [ALIASES.get(n, n) for n in params.get("Names") or [params["Name"]]]
     return [
-        (f"arn:aws:ssm:{REGION}::parameter{n}" if n.startswith("/aws/") else _arn("ssm", "parameter/" + n.lstrip("/")), {})
+        (
+            f"arn:aws:ssm:{REGION}::parameter{n}"
+            if n.startswith("/aws/")
+            else _arn("ssm", "parameter/" + n.lstrip("/")),
+            {},
+        )
         for n in names
     ]
 
@@ -120,7 +127,9 @@ def _parameter(params: dict) -> list[tuple[str, dict]]:
 def _instances(gate: "Gate", params: dict) -> list[tuple[str, dict]]:
     ids = _listed(params, "InstanceId")
     tags = gate.instance_tags(ids)
-    return [(_arn("ec2", f"instance/{i}"), {f"aws:ResourceTag/{k}": v for k, v in tags.get(i, {}).items()}) for i in ids]
+    return [
+        (_arn("ec2", f"instance/{i}"), {f"aws:ResourceTag/{k}": v for k, v in tags.get(i, {}).items()}) for i in ids
+    ]
 
 
 def _anything(_gate, _params) -> list[tuple[str, dict]]:
@@ -205,8 +214,20 @@ class Gate:
     def assume(self, role_name: str, instance_id: Optional[str] = None) -> dict:
         """Credentials of a deployed role, as a node's instance profile hands them out; its policies as
         deployed (inline and managed) are what every call with them is checked against."""
+        documents = self.role_documents(role_name)
+        role = self.admin.client("iam").get_role(RoleName=role_name)["Role"]
+        credentials = self.admin.client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName=instance_id or "x")
+        keys = credentials["Credentials"]
+        self.principals[keys["AccessKeyId"]] = Principal(role_name, documents, instance_id)
+        return {
+            "AWS_ACCESS_KEY_ID": keys["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": keys["SecretAccessKey"],
+            "AWS_SESSION_TOKEN": keys["SessionToken"],
+        }
+
+    def role_documents(self, role_name: str) -> list[dict]:
+        """The role's policies as IAM holds them after the deploy: inline and managed."""
         iam = self.admin.client("iam")
-        role = iam.get_role(RoleName=role_name)["Role"]
         documents = [
             iam.get_role_policy(RoleName=role_name, PolicyName=n)["PolicyDocument"]
             for n in iam.list_role_policies(RoleName=role_name)["PolicyNames"]
@@ -215,14 +236,7 @@ class Gate:
             policy = iam.get_policy(PolicyArn=attached["PolicyArn"])["Policy"]
             version = iam.get_policy_version(PolicyArn=attached["PolicyArn"], VersionId=policy["DefaultVersionId"])
             documents.append(version["PolicyVersion"]["Document"])
-        credentials = self.admin.client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName=instance_id or "x")
-        keys = credentials["Credentials"]
-        self.principals[keys["AccessKeyId"]] = Principal(role_name, [_decoded(d) for d in documents], instance_id)
-        return {
-            "AWS_ACCESS_KEY_ID": keys["AccessKeyId"],
-            "AWS_SECRET_ACCESS_KEY": keys["SecretAccessKey"],
-            "AWS_SESSION_TOKEN": keys["SessionToken"],
-        }
+        return [_decoded(d) for d in documents]
 
     def user(self, name: str, documents: list[dict]) -> dict:
         """Credentials for a principal with these identity policies (the laptop user's)."""
@@ -383,3 +397,33 @@ def user_data(admin: boto3.session.Session, instance_id: str) -> str:
     """An instance's user data as EC2 holds it."""
     attribute = admin.client("ec2").describe_instance_attribute(InstanceId=instance_id, Attribute="userData")
     return base64.b64decode(attribute["UserData"]["Value"]).decode()
+
+
+# ---------------------------------------------------------------- EFS: the mount a node makes
+
+
+def efs_mount_refusals(file_system: dict, fstab: str, data_dir: str = "/data") -> list[str]:
+    """What EFS would refuse the mount of `data_dir` that `fstab` holds, by the deployed file system's
+    policy (AWS EFS User Guide, "Using IAM to control file system data access"): a client without the
+    `iam` option is anonymous, so only statements for every principal apply; root needs ClientRootAccess,
+    writes ClientWrite, and every mount ClientMount."""
+    line = next(f.split() for f in fstab.splitlines() if len(f.split()) > 3 and f.split()[1] == data_dir)
+    options = set(line[3].split(","))
+    policy = file_system.get("FileSystemPolicy")
+    if policy is None:  # no policy: EFS allows every NFS client the mount target's network lets in
+        return []
+    anonymous = "iam" not in options
+    statements = [
+        s for s in policy["Statement"] if not anonymous or s.get("Principal") in ("*", {"AWS": "*"}, {"AWS": ["*"]})
+    ]
+    context = {
+        "elasticfilesystem:AccessedViaMountTarget": "true",
+        "aws:SecureTransport": "true" if "tls" in options else "false",
+    }
+    needed = ["ClientMount", "ClientRootAccess"] + ([] if "ro" in options else ["ClientWrite"])
+    refused = []
+    for action in needed:
+        decision = evaluate([{"Statement": statements}], Request(f"elasticfilesystem:{action}", "*", context))
+        if not decision.allowed:
+            refused.append(f"elasticfilesystem:{action}: {decision.reason}")
+    return refused

@@ -67,6 +67,33 @@ def test_what_it_cannot_evaluate_is_refused_not_guessed():
     variable = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/${aws:username}/*"}
     with pytest.raises(ValueError, match="policy variables"):
         allowed([variable], "s3:GetObject", "arn:aws:s3:::b/u/k")
-    numeric = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "*", "Condition": {"NumericLessThan": {"x": "1"}}}
+    numeric = {
+        "Effect": "Allow",
+        "Action": "s3:GetObject",
+        "Resource": "*",
+        "Condition": {"NumericLessThan": {"x": "1"}},
+    }
     with pytest.raises(ValueError, match="NumericLessThan"):
         allowed([numeric], "s3:GetObject", "arn:aws:s3:::b/k", x="0")
+
+
+FSTAB = "fs-1.efs.us-east-1.amazonaws.com:/ /data nfs4 nfsvers=4.1,hard,_netdev,nofail 0 0\n"
+MOUNT_TARGET = {"Bool": {"elasticfilesystem:AccessedViaMountTarget": "true"}}
+
+
+def test_an_anonymous_nfs_mount_needs_client_mount_from_a_statement_for_every_principal():
+    from rehearsal import efs_mount_refusals
+
+    every = {"Effect": "Allow", "Principal": {"AWS": "*"}, "Condition": MOUNT_TARGET}
+    granted = dict(
+        every,
+        Action=["elasticfilesystem:ClientMount", "elasticfilesystem:ClientRootAccess", "elasticfilesystem:ClientWrite"],
+    )
+    # cdk.json's denyAnonymousAccess flag: CDK's own policy without ClientMount (aws-cdk#33669)
+    flag = dict(every, Action=["elasticfilesystem:ClientRootAccess", "elasticfilesystem:ClientWrite"])
+    role_only = dict(granted, Principal={"AWS": "arn:aws:iam::123456789012:role/node"})
+    assert efs_mount_refusals({"FileSystemPolicy": {"Statement": [granted]}}, FSTAB) == []
+    assert efs_mount_refusals({}, FSTAB) == []  # no policy: the security group decides
+    refused = efs_mount_refusals({"FileSystemPolicy": {"Statement": [flag]}}, FSTAB)
+    assert [r.split(":")[1] for r in refused] == ["ClientMount"]
+    assert len(efs_mount_refusals({"FileSystemPolicy": {"Statement": [role_only]}}, FSTAB)) == 3  # needs `iam`

@@ -20,9 +20,10 @@ import sys
 import boto3
 import pytest
 from bootstrap_sandbox import Sandbox, host_paths
-from conftest import REGION, REPO, environment, run_fab, tool_env
+from conftest import ACCOUNT, REGION, REPO, environment, run_fab, tool_env
+from iampolicy import Request, evaluate
 from moto_deploy import MOTO_LIMITS, deploy
-from rehearsal import Gate, user_data
+from rehearsal import Gate, efs_mount_refusals, user_data
 from test_audit import persistent_spot_request
 
 pytestmark = [
@@ -67,7 +68,9 @@ class Deployed:
         return int(logical_id.split("Node", 2)[2][0]) if logical_id.count("Node") > 1 else 0
 
     def names(self, kind: str, prop: str) -> set[str]:
-        return {r["Properties"][prop] for r in self._of_type(kind).values() if isinstance(r["Properties"].get(prop), str)}
+        return {
+            r["Properties"][prop] for r in self._of_type(kind).values() if isinstance(r["Properties"].get(prop), str)
+        }
 
     def physical_of(self, kind: str) -> list[str]:
         summaries = boto3.client("cloudformation").list_stack_resources(StackName=self.stack)["StackResourceSummaries"]
@@ -119,6 +122,8 @@ def boot(tmp_path, gate: Gate, endpoint: str, deployed: Deployed, rank: int) -> 
     env = node_env(gate, endpoint, deployed, rank)
     first = sandbox.run(**env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    file_system = next(r["Properties"] for r in deployed._of_type("AWS::EFS::FileSystem").values())
+    assert efs_mount_refusals(file_system, (sandbox.root / "fstab").read_text()) == []
     reset = sandbox.command("/usr/local/sbin/gpu-cluster-bootstrap /etc/gpu-cluster/bootstrap.env reset-alarm", **env)
     assert reset.returncode == 0, reset.stdout[-2000:] + reset.stderr[-2000:]
     return sandbox
@@ -151,15 +156,16 @@ def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -
     watchdog = ["-m", "cluster_node.autostop.watchdog", "--data", str(data), "--pts", str(tmp_path)]
     node_program([*watchdog, "--interval", "1"], env, seconds=8)
     file_system = next(iter(deployed.physical_of("AWS::EFS::FileSystem")))
-    meter = f"from cluster_node import efsio; import time; print(efsio.measure({file_system!r}, {REGION!r}, time.time() - 3600, time.time()))"
+    meter = (
+        "from cluster_node import efsio; import time; "
+        f"print(efsio.measure({file_system!r}, {REGION!r}, time.time() - 3600, time.time()))"
+    )
     node_program(["-c", meter], env)
     stopped = node_program([*watchdog, "--stop-now"], env)
     assert "stopping" in stopped, stopped
 
 
-def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_its_role(
-    deployed, world, tmp_path
-):
+def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_its_role(deployed, world, tmp_path):
     gate, endpoint = world
     before = len(gate.calls)
     for rank in range(len(deployed.instances)):
@@ -172,7 +178,11 @@ def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_
     assert sorted(s["instance"] for s in signalled if s["Status"] == "SUCCESS") == sorted(deployed.instances)
     # Every alarm watches a metric that its node published, and every alarm a node reset exists.
     published = {
-        (c.params.get("Namespace"), m.get("MetricName"), tuple((d["Name"], d["Value"]) for d in m.get("Dimensions", [])))
+        (
+            c.params.get("Namespace"),
+            m.get("MetricName"),
+            tuple((d["Name"], d["Value"]) for d in m.get("Dimensions", [])),
+        )
         for c in ours
         if c.action == "cloudwatch:PutMetricData"
         for m in c.params.get("MetricData", [])
@@ -185,12 +195,43 @@ def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_
     assert reset and reset <= deployed.names("AWS::CloudWatch::Alarm", "AlarmName")
     used = {c.params["Name"] for c in ours if c.action.startswith("ssm:") and "Name" in c.params}
     assert used <= deployed.names("AWS::SSM::Parameter", "Name")
+    assert all(n.startswith(f"/gpu-cluster/{deployed.context['cluster_name']}/") for n in used), used
     # --then-stop stopped this cluster's nodes, and those only.
     stops = [i.split("/")[-1] for c in ours if c.action == "ec2:StopInstances" for i in c.resources]
     assert sorted(stops) == sorted(deployed.instances)
     heartbeats = [c for c in ours if c.action == "cloudwatch:PutMetricData" and "--stop-now" not in str(c.params)]
     assert len(heartbeats) >= 2 + len(deployed.instances)  # the boot beats, then the watchdog's rounds
     assert any(c.action == "cloudwatch:GetMetricStatistics" and "AWS/EFS" in str(c.params) for c in ours)
+
+
+def beyond_its_needs(deployed: Deployed) -> list[Request]:
+    """What a node of this cluster must not be able to do: read other secrets and parameters, overwrite
+    its own code's location, stop, alarm, signal or publish for anyone else."""
+    cluster, arn = deployed.context["cluster_name"], f"arn:aws:{{}}:{REGION}:{ACCOUNT}:{{}}"
+    return [
+        Request("ssm:GetParameter", arn.format("ssm", "parameter/ec2/keypair/key-0123456789abcdef0")),
+        Request("ssm:GetParameter", arn.format("ssm", "parameter/gpu-cluster/another/image-context")),
+        Request("ssm:GetParameter", arn.format("ssm", f"parameter/gpu-cluster/{cluster}x/image-context")),
+        Request("ssm:PutParameter", arn.format("ssm", f"parameter/gpu-cluster/{cluster}/image-context")),
+        Request(
+            "ec2:StopInstances",
+            arn.format("ec2", "instance/i-0another"),
+            {"aws:ResourceTag/gpu-cluster:name": "another"},
+        ),
+        Request("ec2:StopInstances", arn.format("ec2", "instance/i-0untagged")),
+        Request("cloudwatch:SetAlarmState", arn.format("cloudwatch", "alarm:another-node0-idle")),
+        Request("cloudwatch:PutMetricData", "*", {"cloudwatch:namespace": "AWS/EC2"}),
+        Request("cloudformation:SignalResource", arn.format("cloudformation", "stack/another/1")),
+        Request("s3:GetObject", f"arn:aws:s3:::cdk-hnb659fds-assets-{ACCOUNT}-{REGION}/another.zip"),
+        Request("iam:PassRole", "*"),
+    ]
+
+
+def test_a_node_can_do_nothing_beyond_its_needs(deployed, world):
+    gate, _ = world
+    documents = gate.role_documents(deployed.role)
+    allowed = [f"{r.action} {r.resource}" for r in beyond_its_needs(deployed) if evaluate(documents, r).allowed]
+    assert allowed == []
 
 
 def _physical(deployed: Deployed, ref: dict) -> str:
