@@ -77,7 +77,7 @@ def start_and_refresh(
             ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
         except WaiterError:
             raise InventoryError(_undo_partial_start(ec2, to_start, _not_running_reason(ec2, ids))) from None
-    nodes = refresh_addresses(inventory.nodes, ec2)
+    nodes = refresh_addresses(inventory.nodes, ec2, via_ssm=bool(inventory.ssh.proxy_command))
     known_hosts = Path(inventory.ssh.known_hosts)
     host_key = known_hosts.read_text().split("\n", 1)[0].split(" ", 1)[1]
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=inventory.ssh.port)
