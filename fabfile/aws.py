@@ -33,6 +33,7 @@ from .common import (
     inventory_path,
     kept_price,
     load_inventory,
+    pricing_client,
     task,
 )
 
@@ -46,16 +47,6 @@ def context_file() -> Path:
     """cdk.context.json, where `fab preflight` caches the AZs offering the type and pins the AMI for
     `cdk synth`."""
     return Path(os.environ.get("GPU_CLUSTER_CDK_CONTEXT", "cdk.context.json"))
-
-
-def pricing_client(session):
-    from botocore.config import Config
-
-    return session.client(
-        "pricing",
-        region_name="us-east-1",
-        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
-    )
 
 
 def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
