@@ -1,9 +1,10 @@
 """What is left of a cluster after `cdk destroy` (or before): everything tagged gpu-cluster:name=NAME
 (NAT gateways, VPC endpoints and KMS keys of a private subnet too), the untagged network interfaces
 of its instances and security groups, the public IPv4 addresses of its running instances, its SSM
-parameters and dashboard, and the CDK bootstrap bucket's objects; each with a monthly cost
-("unknown" when no price is known). Deletion (`teardown`) goes in dependency order, and not while
-the cluster's stack is alive. Functions take boto3 clients."""
+parameters and dashboard, a stack whose delete failed, and the CDK bootstrap bucket's objects; each with a
+monthly cost ("unknown" when no price is known). Deletion (`teardown`) goes in dependency order, and not
+while the cluster's stack is alive (one in DELETE_FAILED is not: it is deleted again last). Functions take
+boto3 clients."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .cost import HOURS_PER_MONTH, TABLE, offline_price
 from .leftover import KEPT, Leftover
 from .teardown import Pace, delete
 
-__all__ = ["KEPT", "Leftover", "Pace", "delete", "find", "live_stacks", "monthly_total"]
+__all__ = ["KEPT", "Leftover", "Pace", "delete", "failed_stacks", "find", "live_stacks", "monthly_total"]
 
 CDK_QUALIFIER = "hnb659fds"  # the default `cdk bootstrap` qualifier
 
@@ -190,17 +191,42 @@ def _dashboards(cloudwatch, cluster: str, region: str) -> list[Leftover]:
     ]
 
 
+# A stack in DELETE_FAILED holds nothing any more: `cdk destroy` gave up on some of its resources, which bill
+# on; they are this audit's to delete, then the stack's delete is asked again.
+DELETE_FAILED = "DELETE_FAILED"
+
+
+def _cluster_stacks(cloudformation, cluster: str) -> list[dict]:
+    """The stacks of the cluster: tagged with it (CDK passes the stack's tags to CloudFormation; -c
+    stack_name may rename it) or named as app.py names it; none DELETE_COMPLETE."""
+    stacks = (s for page in cloudformation.get_paginator("describe_stacks").paginate() for s in page["Stacks"])
+    return [
+        s
+        for s in stacks
+        if (_tags(s.get("Tags")).get(CLUSTER_TAG) == cluster or s["StackName"] == f"GpuCluster-{cluster}")
+        and s["StackStatus"] != "DELETE_COMPLETE"
+    ]
+
+
 def live_stacks(cloudformation, cluster: str) -> list[tuple[str, str]]:
-    """(name, status) of the stacks that hold the cluster: tagged with it (CDK passes the stack's
-    tags to CloudFormation; -c stack_name may rename it) or named as app.py names it."""
-    found = []
-    for stack in (s for page in cloudformation.get_paginator("describe_stacks").paginate() for s in page["Stacks"]):
-        tags = _tags(stack.get("Tags"))
-        if (tags.get(CLUSTER_TAG) == cluster or stack["StackName"] == f"GpuCluster-{cluster}") and stack[
-            "StackStatus"
-        ] != "DELETE_COMPLETE":
-            found.append((stack["StackName"], stack["StackStatus"]))
-    return found
+    """(name, status) of the stacks that hold the cluster (not one whose delete failed: failed_stacks)."""
+    stacks = _cluster_stacks(cloudformation, cluster)
+    return [(s["StackName"], s["StackStatus"]) for s in stacks if s["StackStatus"] != DELETE_FAILED]
+
+
+def failed_stacks(cloudformation, cluster: str) -> list[Leftover]:
+    """The cluster's stacks in DELETE_FAILED: deleted again (teardown) once what they left is gone."""
+    return [
+        Leftover(
+            "stack",
+            s["StackName"],
+            f"{DELETE_FAILED} ({s.get('StackStatusReason') or 'no reason given'}): what it could not delete bills "
+            "on, listed here; --delete deletes it, then the stack",
+            0.0,
+        )
+        for s in _cluster_stacks(cloudformation, cluster)
+        if s["StackStatus"] == DELETE_FAILED
+    ]
 
 
 def cdk_assets(sts, s3, region: str) -> list[Leftover]:
@@ -244,6 +270,8 @@ def find(clients: dict, cluster: str) -> list[Leftover]:
     found += _dashboards(clients["cloudwatch"], cluster, ec2.meta.region_name)
     if "kms" in clients:
         found += _kms_keys(clients["kms"], cluster)
+    if "cloudformation" in clients:
+        found += failed_stacks(clients["cloudformation"], cluster)
     if "sts" in clients and "s3" in clients:
         found += cdk_assets(clients["sts"], clients["s3"], ec2.meta.region_name)
     return found

@@ -29,23 +29,30 @@ def run_budget(
     usd: float,
     usd_per_node_hour: Optional[float],
     source: str,
-    io_usd_per_hour: float,
+    io_usd_per_hour: Optional[float],
     nodes: int = 0,
     spent: float = 0.0,
     file_system_id: str = "",
     region: str = "",
     io_tail: tuple[float, ...] = (),
+    instance_ids: tuple[str, ...] = (),
 ) -> Budget:
     """The spec's budget over `nodes` (every node of the cluster: they all bill, as `fab cost` prices them,
     whichever the run uses), on top of `spent` (the run's earlier segments); a price nobody knows cannot be
     metered, so it is refused, never taken as $0. With a file system id (on AWS) the head node meters EFS I/O
     from CloudWatch at Elastic throughput's prices; io_usd_per_hour (the hour before the launch) is its
-    fallback."""
+    fallback, refused when unknown (None) as the node price is. With instance ids (on AWS) the meter counts
+    the nodes that bill from EC2's state at every reading."""
     if usd <= 0:
         raise BudgetError(f"invalid --budget-usd {usd:g}: a positive number of dollars")
     if usd_per_node_hour is None:
         raise BudgetError(
             f"no price known for the nodes ({source}): --budget-usd cannot be metered; run `fab inventory`"
+        )
+    if io_usd_per_hour is None:
+        raise BudgetError(
+            "EFS I/O rate unknown (CloudWatch did not answer for the file system's last hour): --budget-usd "
+            "cannot be metered; check the AWS credentials' cloudwatch:GetMetricStatistics, then `fab train` again"
         )
     return Budget(
         usd=usd,
@@ -57,6 +64,7 @@ def run_budget(
         file_system_id=file_system_id,
         region=region,
         io_tail=io_tail,
+        instance_ids=instance_ids,
         io_read_usd_per_gb=TABLE["efs_elastic_read_usd_per_gb"],
         io_write_usd_per_gb=TABLE["efs_elastic_write_usd_per_gb"],
     )
@@ -71,7 +79,7 @@ def budget_line(request: TrainRequest, budget: Budget, predicted: str) -> str:
         if request.keep_nodes
         else "the nodes stop when the run ends, however it ends (--keep-nodes keeps them up)"
     )
-    metered = f"metered over {budget.nodes} node(s) at ${budget.usd_per_node_hour:g}/node-h"
+    metered = f"metered over {budget.nodes} node(s) at ${budget.usd_per_node_hour:g}/node-h [{budget.source}]"
     return f"budget: ${budget.usd:g}{carried}, {metered}; {predicted}; {stop}"
 
 

@@ -137,6 +137,26 @@ def spot_price(ec2, instance_type: str, zone: Optional[str] = None, now: Optiona
     return Price(float(best["SpotPrice"]), f"Spot price, {where}, since {best['Timestamp']:%Y-%m-%d %H:%M} UTC")
 
 
+def spot_ceiling(ec2, pricing, instance_type: str, region: str, instance_ids: list[str]) -> Price:
+    """The most a Spot node-hour can cost, for a budget's meter (the Spot price moves while the run goes, and
+    the one `fab inventory` kept may be weeks old): the max price of the nodes' Spot requests (spot_max_price,
+    read from EC2; EC2 API reference, SpotInstanceRequest.SpotPrice: "the maximum price per unit hour"), else
+    the On-Demand price, which caps what a Spot node with no max price pays."""
+    found: list[float] = []
+    try:
+        if ec2 is not None and instance_ids:
+            pages = ec2.get_paginator("describe_spot_instance_requests").paginate(
+                Filters=[{"Name": "instance-id", "Values": instance_ids}]
+            )
+            found = [float(r["SpotPrice"]) for p in pages for r in p["SpotInstanceRequests"] if r.get("SpotPrice")]
+    except (ClientError, BotoCoreError, ValueError):
+        found = []
+    if found:
+        return Price(max(found), "the nodes' Spot max price (spot_max_price): the most a node-hour costs")
+    on_demand = instance_price(pricing, instance_type, region)
+    return replace(on_demand, source=f"On-Demand: the most a Spot node with no max price costs; {on_demand.source}")
+
+
 def spot_saving(spot: Price, on_demand: Price) -> str:
     """One line: the Spot price against the On-Demand one, and the saving per node-hour."""
     if spot.usd_per_hour is None or on_demand.usd_per_hour is None:

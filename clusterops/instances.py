@@ -77,7 +77,7 @@ def start_and_refresh(
             ec2.get_waiter("instance_running").wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
         except WaiterError:
             raise InventoryError(_undo_partial_start(ec2, to_start, _not_running_reason(ec2, ids))) from None
-    nodes = refresh_addresses(inventory.nodes, ec2)
+    nodes = refresh_addresses(inventory.nodes, ec2, via_ssm=bool(inventory.ssh.proxy_command))
     known_hosts = Path(inventory.ssh.known_hosts)
     host_key = known_hosts.read_text().split("\n", 1)[0].split(" ", 1)[1]
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=inventory.ssh.port)
@@ -140,3 +140,26 @@ def start_cluster(inventory: Inventory, ec2, skip_interrupted: bool = False) -> 
         + f"{len(fresh.nodes) - len(down)} node(s) running; head {fresh.head.public_ip}; run `fab status` once "
         "they are ready (data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)"
     )
+
+
+def release_spot(ec2, cluster: str) -> str:
+    """`fab release-spot`: cancel the cluster's persistent Spot requests before `cdk destroy`. Refused while a
+    node of them runs: EC2 stops only Spot instances of a persistent request, so once it is cancelled nothing
+    (`fab stop-cluster`, --then-stop, the idle watchdog) could stop that node; it would bill until destroyed.
+    Returns the line saying what it did."""
+    from .audit import spot_requests
+
+    found = spot_requests(ec2, cluster, set())
+    requests = [x.id for x in found if x.kind == "spot-request"]
+    nodes = [x.id for x in found if x.kind == "instance"]
+    up = sorted(i for i, d in describe(ec2, nodes).items() if d["State"]["Name"] in ("pending", "running"))
+    if up:
+        raise InventoryError(
+            f"{', '.join(up)} still run(s): stop them first with `fab stop-cluster` (EC2 cannot stop a Spot node "
+            "once its request is cancelled); nothing cancelled"
+        )
+    if not requests:
+        return f"no open Spot request tagged gpu-cluster:name={cluster}"
+    ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=requests)
+    held = f" (their nodes {', '.join(sorted(nodes))} stay stopped)" if nodes else ""
+    return f"cancelled {', '.join(requests)}{held}: `npx cdk destroy` may go ahead"

@@ -179,7 +179,7 @@ def from_outputs(
     key_file = key_file or _fetch_private_key(ssm, stack_name, outputs, key_dir or Path.home() / ".ssh")
     host_key = _published_host_key(ssm, outputs)
     proxy = SSM_PROXY_COMMAND.format(region=outputs.get("Region") or "us-east-1") if _via_ssm(outputs) else None
-    nodes = refresh_addresses(_nodes(outputs), session.client("ec2"))  # a stop/start changes public IPs
+    nodes = refresh_addresses(_nodes(outputs), session.client("ec2"), via_ssm=proxy is not None)
     known_hosts = state_dir / f"{stack_name}.known_hosts"
     write_known_hosts(known_hosts, [n.public_ip for n in nodes], host_key, port=CONTAINER_SSH_PORT)
     return Inventory(
@@ -268,9 +268,10 @@ def describe(ec2, ids: list[str]) -> dict[str, dict]:
     return {i["InstanceId"]: i for page in pages for r in page["Reservations"] for i in r["Instances"]}
 
 
-def refresh_addresses(nodes: list[Node], ec2) -> list[Node]:
-    """The nodes with the addresses EC2 reports now; a node without a public address (private
-    subnet, an emulator) is reached on its private one."""
+def refresh_addresses(nodes: list[Node], ec2, via_ssm: bool = False) -> list[Node]:
+    """The nodes with the addresses EC2 reports now (a stop/start changes public IPs); a node without
+    a public address (private subnet, an emulator) is reached on its private one. Reached through
+    Session Manager (via_ssm), a node keeps its instance id as its address: that is its target."""
     described = describe(ec2, [n.instance_id for n in nodes if n.instance_id])
     fresh = []
     for node in nodes:
@@ -279,5 +280,7 @@ def refresh_addresses(nodes: list[Node], ec2) -> list[Node]:
         public = instance.get("PublicIpAddress") or (node.public_ip if node.public_ip not in ("", "None") else "")
         if instance.get("State", {}).get("Name") == "stopped":  # its last public address is gone with the stop
             public = ""
+        if via_ssm and node.instance_id:
+            public = node.instance_id
         fresh.append(replace(node, private_ip=private, public_ip=public or private))
     return fresh

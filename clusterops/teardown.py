@@ -91,6 +91,16 @@ def _delete_nat_gateways(clients, ids, pace, log) -> None:
     ec2.get_waiter("nat_gateway_deleted").wait(NatGatewayIds=ids, WaiterConfig=pace.waiter())
 
 
+def _delete_stacks(clients, ids, pace, log) -> None:
+    """A stack in DELETE_FAILED, once the resources it left are deleted: its delete asked again (a resource
+    already gone counts as deleted), waited for."""
+    cloudformation = clients["cloudformation"]
+    for name in ids:
+        cloudformation.delete_stack(StackName=name)
+    for name in ids:
+        cloudformation.get_waiter("stack_delete_complete").wait(StackName=name, WaiterConfig=pace.waiter())
+
+
 def _each(call: Callable[[dict, str], object]):
     def step(clients, ids, pace, log) -> None:
         for one in ids:
@@ -101,7 +111,8 @@ def _each(call: Callable[[dict, str], object]):
 
 # Alarms first (they would act on the instances), Spot requests before their instances (else they
 # launch new ones), instances before what they hold, NAT gateways before their addresses, the KMS
-# key last (the flow-log group is encrypted with it).
+# key last but for a stack whose delete failed (the flow-log group is encrypted with the key; the stack is
+# deleted again once what it left is gone).
 STEPS = {
     "alarm": _each(lambda c, i: c["cloudwatch"].delete_alarms(AlarmNames=[i])),
     "spot-request": lambda c, ids, pace, log: c["ec2"].cancel_spot_instance_requests(SpotInstanceRequestIds=ids),
@@ -117,6 +128,7 @@ STEPS = {
     "log-group": _each(lambda c, i: c["logs"].delete_log_group(logGroupName=i)),
     "dashboard": lambda c, ids, pace, log: c["cloudwatch"].delete_dashboards(DashboardNames=ids),
     "kms-key": _each(lambda c, i: c["kms"].schedule_key_deletion(KeyId=i, PendingWindowInDays=KMS_PENDING_DAYS)),
+    "stack": _delete_stacks,
 }
 
 

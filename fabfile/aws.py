@@ -14,6 +14,7 @@ from clusterops import audit as audits
 from clusterops import cost as costs
 from clusterops import lifecycle, terminal
 from clusterops import preflight as checks
+from clusterops.instances import release_spot as release_spot_requests
 from clusterops.instances import start_cluster, stop_nodes
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
@@ -33,6 +34,7 @@ from .common import (
     inventory_path,
     kept_price,
     load_inventory,
+    pricing_client,
     task,
 )
 
@@ -46,16 +48,6 @@ def context_file() -> Path:
     """cdk.context.json, where `fab preflight` caches the AZs offering the type and pins the AMI for
     `cdk synth`."""
     return Path(os.environ.get("GPU_CLUSTER_CDK_CONTEXT", "cdk.context.json"))
-
-
-def pricing_client(session):
-    from botocore.config import Config
-
-    return session.client(
-        "pricing",
-        region_name="us-east-1",
-        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
-    )
 
 
 def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
@@ -261,18 +253,14 @@ def release_spot(c, cluster=None):
     """Cancel a Spot cluster's persistent requests before `cdk destroy`.
 
     Before `cdk destroy` of a Spot cluster: cancel its persistent Spot requests (else EC2 launches a
-    new node for each one CloudFormation terminates). Running nodes run on until destroyed."""
+    new node for each one CloudFormation terminates). Refused while their nodes run: `fab stop-cluster`
+    first (EC2 cannot stop a Spot node whose request is cancelled)."""
     name, session = _cluster_and_session(c, cluster)
-    ec2 = session.client("ec2")
     with aws_errors("fab release-spot"):
-        ids = [x.id for x in audits.spot_requests(ec2, name, set()) if x.kind == "spot-request"]
-        if ids:
-            ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=ids)
-    print(
-        f"cancelled {', '.join(ids)}: `npx cdk destroy` may go ahead"
-        if ids
-        else f"no open Spot request tagged gpu-cluster:name={name}"
-    )
+        try:
+            print(release_spot_requests(session.client("ec2"), name))
+        except InventoryError as error:
+            raise Exit(f"error: {error}", code=1) from None
 
 
 @task(

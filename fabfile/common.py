@@ -266,6 +266,32 @@ def node_price(inv: Inventory) -> costs.Price:
     return kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
 
 
+def pricing_client(session):
+    from botocore.config import Config
+
+    return session.client(
+        "pricing",
+        region_name="us-east-1",
+        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
+    )
+
+
+def budget_price(inv: Inventory, session=None) -> costs.Price:
+    """The node price a --budget-usd meters at: node_price, but on a Spot cluster on AWS the most a Spot
+    node-hour can cost (its max price, else On-Demand), not the Spot price `fab inventory` saw."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if inv.source != "aws" or not inv.spot:
+        return node_price(inv)
+    region, ids = inv.region or "us-east-1", [n.instance_id for n in inv.nodes if n.instance_id]
+    try:
+        session = session or aws_session(inv.region)
+        ec2, pricing = session.client("ec2"), pricing_client(session)
+    except (BotoCoreError, ClientError):
+        ec2 = pricing = None
+    return costs.spot_ceiling(ec2, pricing, inv.instance_type, region, ids)
+
+
 def billed_nodes(inv: Inventory, session=None) -> int:
     """The cluster's nodes that bill: all but a Spot node EC2 interrupted and still holds stopped (only EC2
     starts it again; a stopped instance bills no usage); all when EC2 cannot say: the safe side of a budget."""

@@ -23,6 +23,7 @@ from train import catalog
 
 from .common import (
     billed_nodes,
+    budget_price,
     code_dir_on,
     efs_io_rate,
     head,
@@ -159,19 +160,21 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
 
 def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.LaunchPlan:
     """--budget-usd (or a resumed run's saved one): priced as `fab cost` prices the nodes (the price `fab
-    inventory` kept: the Spot price on a Spot cluster) over every node of the cluster, and EFS I/O, on top of
+    inventory` kept; on a Spot cluster the most a node-hour can cost: budget_price) over every node of the
+    cluster that bills (on AWS the meter asks EC2 which at every reading), and EFS I/O, on top of
     what the run spent before; refused before anything is written when the run already spent it, or when
     `fab plan`, from the latest measured run, predicts more than is left of it and its margin."""
     request = plan.request
     if request.budget_usd is None:
         return plan
-    price, spent = node_price(inv), budgets.spent_before(saved)
-    io_rate = efs_io_rate(inv) or 0.0
+    price, spent = budget_price(inv), budgets.spent_before(saved)
     efs = (inv.file_system_id or "", inv.region or "") if inv.source == "aws" else ("", "")
+    io_rate = efs_io_rate(inv) if efs[0] else 0.0  # no file system on AWS (the emulated cluster): no EFS bill
     tail = budgets.io_tail(saved) if efs[0] else ()  # the last segment's I/O CloudWatch had not published
     nodes = billed_nodes(inv)  # every node that bills, also those this run leaves out
+    ids = tuple(n.instance_id for n in inv.nodes if n.instance_id) if inv.source == "aws" else ()
     budget = budgets.run_budget(
-        request.budget_usd, price.usd_per_hour, price.source, io_rate, nodes, spent, *efs, io_tail=tail
+        request.budget_usd, price.usd_per_hour, price.source, io_rate, nodes, spent, *efs, tail, instance_ids=ids
     )
     steps, what = budgets.steps_to_run(request, saved)
     estimate, why = _prediction(conn, inv, plan, steps, price, nodes)

@@ -312,11 +312,23 @@ def test_spot_requests_are_cancelled_before_their_nodes_are_terminated():
 
 
 def test_fab_release_spot_cancels_the_clusters_requests_before_a_destroy(aws_env):
+    """EC2 stops only a Spot instance of a persistent request: once it is cancelled, nothing could stop a node
+    that still runs. Before: cancelled anyway, saying "may go ahead"."""
     request = persistent_spot_request("spotgo")
-    request_id = request["SpotInstanceRequestId"]
-
+    request_id, node = request["SpotInstanceRequestId"], request["InstanceId"]
+    refused = run_fab("release-spot", "--cluster", "spotgo", **aws_env)  # issue 28 §3: its node runs
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"error: {node} still run(s): stop them first with `fab stop-cluster` (EC2 cannot stop a Spot node once "
+        "its request is cancelled); nothing cancelled"
+    ]
+    assert boto3.client("ec2").describe_spot_instance_requests(SpotInstanceRequestIds=[request_id])[
+        "SpotInstanceRequests"
+    ][0]["State"] in ("open", "active", "disabled")
+    boto3.client("ec2").stop_instances(InstanceIds=[node])  # what `fab stop-cluster` does
     first = run_fab("release-spot", "--cluster", "spotgo", **aws_env)
-    assert first.returncode == 0 and first.stdout.strip() == f"cancelled {request_id}: `npx cdk destroy` may go ahead"
+    assert first.returncode == 0 and first.stdout.strip() == (
+        f"cancelled {request_id} (their nodes {node} stay stopped): `npx cdk destroy` may go ahead"
+    )
     again = run_fab("release-spot", "--cluster", "spotgo", **aws_env).stdout.strip()
     assert again == "no open Spot request tagged gpu-cluster:name=spotgo"
     boto3.client("ec2").terminate_instances(InstanceIds=[request["InstanceId"]])  # what `cdk destroy` does next

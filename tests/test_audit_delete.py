@@ -141,3 +141,63 @@ def test_a_volume_ec2_is_already_deleting_counts_as_gone():
         )
         stubber.assert_no_pending_responses()
     assert failed == [] and "deleted volume vol-1" in messages and "deleted volume vol-2" in messages
+
+
+# ---------------------------------------------------------------- issue 28 §8: a stack in DELETE_FAILED
+
+
+def _failed_stack_cloudformation(cluster: str, then: str = "DELETE_COMPLETE"):
+    """CloudFormation after a `cdk destroy` that failed (moto never fails a delete): the stack in DELETE_FAILED,
+    then, asked to delete again, `then`."""
+    from datetime import datetime, timezone
+
+    cfn = boto3.client("cloudformation", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stubber = Stubber(cfn)
+    stack = {
+        "StackName": f"GpuCluster-{cluster}",
+        "StackId": f"arn:aws:cloudformation:us-east-1:123456789012:stack/GpuCluster-{cluster}/1",
+        "CreationTime": datetime(2026, 11, 1, tzinfo=timezone.utc),
+        "StackStatus": "DELETE_FAILED",
+        "StackStatusReason": "The following resource(s) failed to delete: [Data]. ",
+        "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}],
+    }
+    for _ in range(2):  # the refusal's check, then the audit's
+        stubber.add_response("describe_stacks", {"Stacks": [stack]})
+    stubber.add_response("delete_stack", {}, {"StackName": stack["StackName"]})
+    stubber.add_response("describe_stacks", {"Stacks": [{**stack, "StackStatus": then}]})  # the waiter
+    return cfn, stubber
+
+
+def test_a_stack_whose_delete_failed_is_listed_and_deleted_after_what_it_left(aws_env):
+    """Before: DELETE_FAILED counted as live, so `fab audit --delete` refused ("cdk destroy it first", which had
+    just failed) and what the stack could not delete billed on."""
+    from fabfile.aws import _refuse_live_stack
+
+    cluster = f"dfail{uuid.uuid4().hex[:6]}"
+    volume = boto3.client("ec2").create_volume(
+        AvailabilityZone="us-east-1a", Size=1, TagSpecifications=tagged(cluster, "volume")
+    )["VolumeId"]
+    cfn, stubber = _failed_stack_cloudformation(cluster)
+    with stubber:
+        _refuse_live_stack(cfn, cluster)  # no refusal
+        found = audit.find({**clients(), "cloudformation": cfn}, cluster)
+        stack = next(x for x in found if x.kind == "stack")
+        assert stack.id == f"GpuCluster-{cluster}" and stack.detail.startswith("DELETE_FAILED (The following")
+        lines: list[str] = []
+        todo = [x for x in found if x.kind in ("volume", "stack")]
+        failed = audit.delete({**clients(), "cloudformation": cfn}, todo, log=lines.append, pace=audit.Pace(delay=0))
+        stubber.assert_no_pending_responses()
+    assert failed == [] and lines == [f"deleted volume {volume}", f"deleted stack GpuCluster-{cluster}"]
+
+
+def test_a_stack_that_fails_its_delete_again_is_reported():
+    cfn = boto3.client("cloudformation", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stubber = Stubber(cfn)
+    stubber.add_response("delete_stack", {}, {"StackName": "GpuCluster-x"})
+    failed_again = {"StackName": "GpuCluster-x", "StackStatus": "DELETE_FAILED"}
+    stubber.add_response("describe_stacks", {"Stacks": [{**failed_again, "CreationTime": "2026-11-01T00:00:00Z"}]})
+    lines: list[str] = []
+    stack = audit.Leftover("stack", "GpuCluster-x", "DELETE_FAILED", 0.0)
+    with stubber:
+        failed = audit.delete({"cloudformation": cfn}, [stack], log=lines.append, pace=audit.Pace(delay=0))
+    assert failed == [stack] and lines[0].startswith("could not delete stack GpuCluster-x: Waiter StackDeleteComplete")

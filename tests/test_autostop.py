@@ -475,3 +475,64 @@ def test_the_heartbeat_carries_gpu_utilisation_and_memory_for_the_dashboard(aws_
     )["Metrics"]
     assert {m["MetricName"] for m in metrics} == {autostop.METRIC, *(name for name, _ in GPU_METRICS)}
     assert autostop.NAMESPACE == NODE_NAMESPACE
+
+
+# ---------------------------------------------------------------- issue 28 §7: one StopInstances per node
+
+
+def _stop_stub(states: list[tuple[str, str]]):
+    """A real EC2 client answering as EC2 does right after `fab start`: one node still `pending`."""
+    from botocore.stub import ANY, Stubber
+
+    ec2 = boto3.client("ec2", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    stubber = Stubber(ec2)
+    instances = [{"InstanceId": i, "State": {"Name": s, "Code": 0}} for i, s in states]
+    stubber.add_response("describe_instances", {"Reservations": [{"Instances": instances}]}, {"Filters": ANY})
+    return ec2, stubber
+
+
+def _refused(stubber, instance: str) -> None:
+    stubber.add_client_error(
+        "stop_instances",
+        service_error_code="IncorrectInstanceState",
+        service_message=f"The instance '{instance}' is not in a state from which it can be stopped.",
+        expected_params={"InstanceIds": [instance]},
+    )
+
+
+def test_then_stop_stops_each_node_on_its_own_and_retries_a_pending_one(monkeypatch, capsys):
+    """EC2 refuses to stop a `pending` instance (IncorrectInstanceState) and one StopInstances for all nodes
+    fails for all of them. Before: one call for both, the running node left billing too."""
+    ec2, stubber = _stop_stub([("i-0aaaaaaaaaaaaaaa1", "running"), ("i-0aaaaaaaaaaaaaaa2", "pending")])
+    stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa1"]})
+    _refused(stubber, "i-0aaaaaaaaaaaaaaa2")
+    stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa2"]})
+    monkeypatch.setattr(autostop, "STOP_DELAY_S", 0.0)
+    with stubber:
+        assert autostop.stop_now(ec2, "c") == 0
+        stubber.assert_no_pending_responses()
+    assert capsys.readouterr().out.splitlines() == [
+        "autostop: i-0aaaaaaaaaaaaaaa1: stopping",
+        "autostop: i-0aaaaaaaaaaaaaaa2: stopping",
+        "autostop: run ended; stopping ['i-0aaaaaaaaaaaaaaa1', 'i-0aaaaaaaaaaaaaaa2']",
+    ]
+
+
+def test_a_node_that_refuses_every_try_is_named_and_the_others_still_stop(monkeypatch, capsys):
+    ec2, stubber = _stop_stub([("i-0aaaaaaaaaaaaaaa1", "pending"), ("i-0aaaaaaaaaaaaaaa2", "running")])
+    _refused(stubber, "i-0aaaaaaaaaaaaaaa1")
+    stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa2"]})
+    for _ in range(autostop.STOP_TRIES - 1):
+        _refused(stubber, "i-0aaaaaaaaaaaaaaa1")
+    slept: list[float] = []
+    monkeypatch.setattr(autostop.time, "sleep", slept.append)
+    with stubber:
+        assert autostop.stop_now(ec2, "c") == 1
+        stubber.assert_no_pending_responses()
+    assert slept == [2.0, 4.0, 8.0]  # backoff
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("autostop: i-0aaaaaaaaaaaaaaa1: An error occurred (IncorrectInstanceState)")
+    assert out[1:] == [
+        "autostop: i-0aaaaaaaaaaaaaaa2: stopping",
+        "autostop: run ended; stopping ['i-0aaaaaaaaaaaaaaa2']",
+    ]

@@ -147,7 +147,8 @@ def test_a_stop_that_ec2_refuses_is_retried_with_backoff_the_clock_kept_and_the_
         output = dog.communicate()[0]
         server.shutdown()
     assert alive, f"the watchdog died on a refused stop: {output[-2000:]}"
-    stops = RefusingEc2.stops
+    calls = RefusingEc2.stops  # one StopInstances per node a round (issue 28 §7): a round's calls come together
+    stops = [t for k, t in enumerate(calls) if k == 0 or t - calls[k - 1] > 0.05]
     gaps = [b - a for a, b in zip(stops, stops[1:])]
     assert len(stops) >= 3 and gaps[-1] > 1.5 * gaps[0], (stops, output)  # retried, further apart each time
     log = (tmp_path / ".cluster" / "autostop.log").read_text()

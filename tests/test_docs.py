@@ -185,3 +185,38 @@ def test_where_the_code_lives_names_every_module_once_and_nothing_else():
     assert "train/__init__.py" not in modules  # a docstring only
     assert not modules - set(named), f"name these in docs/architecture.md: {sorted(modules - set(named))}"
     assert not set(named) - modules, f"no such module: {sorted(set(named) - modules)}"
+
+
+NODE_ROLE_LIST = "The node role's statements, every one"
+ACTION = re.compile(r"`([a-z0-9-]+:[A-Z][A-Za-z]+)`")
+
+
+def _node_role_statements(template: dict) -> list[frozenset[str]]:
+    """The node role's policy statements' action sets, as synthesized."""
+    found = []
+    for name, resource in template["Resources"].items():
+        if resource["Type"] == "AWS::IAM::Policy" and "NodeRole" in name:
+            for statement in resource["Properties"]["PolicyDocument"]["Statement"]:
+                actions = statement["Action"]
+                found.append(frozenset([actions] if isinstance(actions, str) else actions))
+    return found
+
+
+def test_the_node_roles_statement_list_in_the_docs_is_the_synthesized_one():
+    """Issue 28 §9: docs/operations.md said the role could only signal, publish its host key, read two
+    parameters and keep Session Manager's channels; it also stops, describes, publishes metrics, resets alarms
+    and reads CloudWatch. The golden template is the synthesized one (test_templates_golden holds it so)."""
+    import json
+
+    text = (REPO / "docs" / "operations.md").read_text()
+    assert NODE_ROLE_LIST in text
+    bullets = text.split(NODE_ROLE_LIST, 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    documented = [frozenset(ACTION.findall(line)) for line in bullets if line.startswith("- ")]
+    assert documented and all(documented), bullets
+    synthesized = _node_role_statements(json.loads((REPO / "tests" / "golden" / "default.template.json").read_text()))
+    assert synthesized, "no node role policy in the golden template"
+    documented_actions, granted = set().union(*documented), set().union(*synthesized)
+    assert documented_actions == granted, (
+        f"granted, not documented: {sorted(granted - documented_actions)}; "
+        f"documented, not granted: {sorted(documented_actions - granted)}"
+    )

@@ -22,6 +22,9 @@ NODE_LIBRARIES = {
     # the budget meter sums the run's EFS I/O from CloudWatch (imported when asked; the training image has boto3)
     ("cluster_node.efsio", "boto3"),
     ("cluster_node.efsio", "botocore"),
+    # the budget meter reads which of the cluster's nodes bill from EC2's instance state (imported when asked)
+    ("cluster_node.ec2state", "boto3"),
+    ("cluster_node.ec2state", "botocore"),
     # the health probe reports the torch, CUDA and NCCL the ranks will load (in a try: a broken torch is a finding)
     ("cluster_node.probe", "torch"),
 }

@@ -322,3 +322,38 @@ def test_fab_status_refreshes_the_addresses_of_unreachable_nodes(aws_env, tmp_pa
         result.stdout + result.stderr
     )
     assert Inventory.load(path).nodes[0].public_ip == new_ip
+
+
+# ---------------------------------------------------------------- issue 28 §1: access=ssm on a public subnet
+
+
+def test_access_ssm_keeps_the_instance_ids_session_manager_needs(aws_env, tmp_path):
+    """access=ssm on the default public subnet: the nodes have public IPs, but Session Manager's target
+    (`--target %h`) is the instance id. Before: `fab inventory` and `fab start` put the public IPs there,
+    and no node was reachable."""
+    from clusterops.instances import start_cluster, stop_nodes
+
+    ids = moto_instances(2, "ssmpub")
+    ec2 = boto3.client("ec2")
+    live = {i["InstanceId"]: i for r in ec2.describe_instances(InstanceIds=ids)["Reservations"] for i in r["Instances"]}
+    assert all(live[i].get("PublicIpAddress") for i in ids)  # a public subnet
+    boto3.client("ssm").put_parameter(
+        Name="/gpu-cluster/ssmpub/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True
+    )
+    outputs = {
+        "ClusterName": "ssmpub",
+        "PrivateIps": ",".join(live[i]["PrivateIpAddress"] for i in ids),
+        "PublicIps": ",".join(live[i]["PublicIpAddress"] for i in ids),
+        "InstanceIds": ",".join(ids),
+        "GpusPerNode": "1",
+        "HostKeyParameterName": "/gpu-cluster/ssmpub/ssh-host-key",
+        "KeyParameterName": "none",
+        "Region": "us-east-1",
+        "Access": "ssm",
+    }
+    built = from_outputs("GpuCluster-ssmpub", outputs, boto3.session.Session(), tmp_path / "keys", key_file="/k")
+    assert built.ssh.proxy_command and [n.public_ip for n in built.nodes] == ids
+    assert Path(built.ssh.known_hosts).read_text().splitlines() == [f"[{i}]:4444 {HOST_KEY}" for i in ids]
+    stop_nodes(built, ec2)
+    fresh, line = start_cluster(built, ec2)
+    assert [n.public_ip for n in fresh.nodes] == ids and f"head {ids[0]}" in line

@@ -1,10 +1,11 @@
 """The run's spend against `fab train --budget-usd`, metered by the supervisor at every poll (and during a
-restart): every node that still bills x its price x the time, plus EFS I/O: on AWS the bytes CloudWatch
-counted since this segment's start x the read and write prices, asked every few minutes (efsio.py); without
-CloudWatch, the rate fab train measured in the hour before the launch (the model of `fab cost`'s projection,
-clusterops/cost.py); on top of what the run's earlier segments spent (budget.json, carried over by `fab train
---run NAME`). Reached: a STOP the trainer honours at its next step (`now: ...`: checkpoint without the eval,
-the spend stops soonest). Stdlib only (efsio imports boto3 when it asks CloudWatch)."""
+restart): every node that still bills (on AWS: in EC2's state at that reading, ec2state.py) x its price x the
+time, plus EFS I/O: on AWS the bytes CloudWatch counted since this segment's start x the read and write
+prices, asked every few minutes (efsio.py); without CloudWatch, the rate fab train measured in the hour before
+the launch (the model of `fab cost`'s projection, clusterops/cost.py); on top of what the run's earlier
+segments spent (budget.json, carried over by `fab train --run NAME`). Reached: a STOP the trainer honours at
+its next step (`now: ...`: checkpoint without the eval, the spend stops soonest). Stdlib only (efsio and
+ec2state import boto3 when they ask AWS)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Callable, ClassVar, Optional
 
 from . import rundir
+from .ec2state import Ec2Billing
 from .efsio import EfsIo
 from .spec import Budget, RunSpec
 
@@ -50,13 +52,18 @@ class Meter:
         self.efs = EfsIo(budget, start)
         self.stopped = ""  # the budget line, once the spend reached the budget and the STOP is written
         self.unsaved = False  # budget.json could not be written at the last reading (logged once)
+        # On AWS: the nodes that bill from EC2's state at every reading (a Spot node EC2 restarts bills again).
+        ids, region = budget.instance_ids, budget.region
+        self.ec2 = Ec2Billing(ids, region, budget.nodes or len(ids)) if ids else None
+        self.ec2_why = ""  # the EC2 failure last logged
 
     @classmethod
     def of(cls, spec: RunSpec, start: float) -> Optional[Meter]:
         return cls(spec.budget, start, len(spec.pool)) if spec.budget else None
 
     def billing(self, run: Path, now: float) -> int:
-        """The cluster's nodes less those a Spot notice since this supervisor started took away: EC2 bills an
+        """Without instance ids (the emulated cluster, a spec from an older fab): the cluster's nodes less
+        those a Spot notice since this supervisor started took away: EC2 bills an
         interrupted Spot node for the seconds it ran, until its action (stop/terminate/hibernate), then no more
         (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/billing-for-interrupted-spot-instances.html)."""
         gone = set()
@@ -104,7 +111,8 @@ class Meter:
         """Meter up to `now` and save the spend (a crash or a stopped head node loses one poll of it at most).
         A write EFS refuses (ENOSPC, a stale handle) is logged once and retried at the next poll: the meter
         counts on in memory and the run goes on."""
-        nodes = self.billing(run, self.last)  # as at the interval's start: a node going mid-interval counts whole
+        # As at the interval's start (with EC2: the more of its start and end): a node going mid-interval counts whole
+        nodes = self._ec2_nodes(log) if self.ec2 else self.billing(run, self.last)
         self.add(nodes, now)
         io_to, estimate = self.efs.counted_to(now), self.efs.estimated_usd(now)
         spend = Spend(usd=self.budget.usd, spent=self.spent, time=now, nodes=nodes, io_to=io_to, io_estimate=estimate)
@@ -116,6 +124,14 @@ class Meter:
             self.unsaved = True
             return
         self.unsaved = False
+
+    def _ec2_nodes(self, log: Callable[[str], None]) -> int:
+        assert self.ec2 is not None
+        nodes = self.ec2.update()
+        if self.ec2.why and self.ec2.why != self.ec2_why:
+            log(f"launcher: the budget meter cannot read the nodes' state ({self.ec2.why}); metering {nodes} node(s)")
+        self.ec2_why = self.ec2.why
+        return nodes
 
     def check(self, run: Path, now: float, log: Callable[[str], None]) -> str:
         """save(); the first time the spend reaches the budget, write the STOP and log it. Returns the budget

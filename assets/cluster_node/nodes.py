@@ -3,7 +3,10 @@ that a node answers, end a run's leftovers, collect stacks, run the health probe
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,8 +89,32 @@ class Nodes:
                 return False
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_prctl: Optional[Callable[..., int]]
+try:  # loaded before any fork: the child only calls it
+    _prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: mpirun outlives a killed supervisor, as before
+    _prctl = None
+
+
+def die_with_parent(parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM when the process that started it dies, even by SIGKILL
+    (prctl(2), PR_SET_PDEATHSIG: the signal survives the exec of a non-setuid program). mpirun takes TERM as
+    the end of the job: it ends its ranks and its daemons on the other nodes. A parent already gone before the
+    prctl (the child is then reparented) ends the child at once."""
+
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
 class Mpirun:
-    """The attempt's mpirun, a child of the supervisor; its pid in mpirun.pid for `fab stop --force`."""
+    """The attempt's mpirun, a child of the supervisor; its pid in mpirun.pid for `fab stop --force`. It dies
+    with the supervisor (die_with_parent), a SIGKILL included: no run goes on with nobody watching it."""
 
     def __init__(self, run: Path):
         self.run = run
@@ -97,7 +124,12 @@ class Mpirun:
         with open(self.run / rundir.TRAIN_LOG, "ab") as log:
             env = {**os.environ, **spec.process_env}
             self.process = subprocess.Popen(
-                spec.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+                spec.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=die_with_parent(os.getpid()),  # a prctl call only: nothing that takes a lock
             )
         (self.run / rundir.MPIRUN_PID).write_text(f"{self.process.pid}\n")
 

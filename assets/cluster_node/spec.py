@@ -72,6 +72,8 @@ class Budget:
     # The previous segment's last minutes CloudWatch had not published when it ended (budget.json's io_to to
     # its time): asked once by this segment's meter, so no EFS I/O falls between segments. () for none.
     io_tail: tuple[float, ...] = ()
+    # On AWS: the cluster's instance ids, whose state EC2 reports at every meter reading ("": the notices rule).
+    instance_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ def write(run: Path, spec: RunSpec) -> None:
 
 
 def _budget(fields: dict) -> Budget:
-    return Budget(**{**fields, "io_tail": tuple(fields.get("io_tail") or ())})  # JSON gives a list
+    lists = {name: tuple(fields.get(name) or ()) for name in ("io_tail", "instance_ids")}  # JSON gives lists
+    return Budget(**{**fields, **lists})
 
 
 def read(run: Path) -> RunSpec:

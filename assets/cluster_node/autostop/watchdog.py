@@ -188,11 +188,39 @@ def cluster_instances(ec2, cluster: str, states: Sequence[str] = ("pending", "ru
     return sorted(i["InstanceId"] for page in pages for r in page["Reservations"] for i in r["Instances"])
 
 
+STOP_TRIES = 4  # per node, STOP_DELAY_S apart, doubling: a node still `pending` refuses (IncorrectInstanceState)
+STOP_DELAY_S = 2.0
+
+
+def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES) -> dict[str, str]:
+    """StopInstances once per node (one call for all fails all when one node refuses, e.g. a `pending` one),
+    a refused node asked again up to `tries` times with backoff. Node -> "stopping", or its last error."""
+    outcome: dict[str, str] = {}
+    left = list(ids)
+    for attempt in range(tries):
+        if attempt:
+            time.sleep(STOP_DELAY_S * 2 ** (attempt - 1))
+        for instance in list(left):
+            try:
+                ec2.stop_instances(InstanceIds=[instance])
+            except Exception as error:  # noqa: BLE001 - any refusal is this node's, reported, retried
+                outcome[instance] = (str(error).splitlines() or [""])[0] or type(error).__name__
+                continue
+            outcome[instance] = "stopping"
+            left.remove(instance)
+        if not left:
+            break
+    return outcome
+
+
 def stop_cluster(ec2, cluster: str) -> list[str]:
-    """Stop every running instance tagged with the cluster's name; returns their ids."""
+    """Stop every running instance tagged with the cluster's name, node by node, once (the idle loop retries
+    on its own clock); returns their ids. RuntimeError naming each node EC2 refused (the others are stopping)."""
     ids = cluster_instances(ec2, cluster)
-    if ids:
-        ec2.stop_instances(InstanceIds=ids)
+    outcome = stop_each(ec2, ids, tries=1)
+    refused = [f"{i}: {outcome[i]}" for i in ids if outcome[i] != "stopping"]
+    if refused:
+        raise RuntimeError(f"{len(refused)} of {len(ids)} node(s) refused: " + "; ".join(refused))
     return ids
 
 
@@ -298,6 +326,17 @@ class Loop:
         return 0
 
 
+def stop_now(ec2, cluster: str) -> int:
+    """--stop-now (fab train --then-stop): every node's outcome on its own line; 1 when one still runs."""
+    ids = cluster_instances(ec2, cluster)
+    outcome = stop_each(ec2, ids)
+    for instance in ids:
+        print(f"autostop: {instance}: {outcome[instance]}", flush=True)
+    stopping = [i for i in ids if outcome[i] == "stopping"]
+    print(f"autostop: run ended; stopping {stopping}", flush=True)
+    return 0 if len(stopping) == len(ids) else 1
+
+
 def watch(loop: Loop, interval: float) -> int:
     while True:
         now = time.time()
@@ -340,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ec2 = boto3.client("ec2", region_name=region)
     if args.stop_now:
-        print(f"autostop: run ended; stopping {stop_cluster(ec2, cluster)}", flush=True)
-        return 0
+        return stop_now(ec2, cluster)
     if not instance_id:
         log("no instance id (INSTANCE_ID unset, no instance metadata): heartbeat not published")
     data, rank = Path(args.data), os.environ.get("NODE_RANK", "0")
