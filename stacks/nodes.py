@@ -70,12 +70,9 @@ def _cfn(instance: ec2.Instance) -> ec2.CfnInstance:
     return resource
 
 
-# AWS Systems Manager User Guide, "Create a custom IAM role for Session Manager": what SSM Agent needs
-# for sessions (fab's access=ssm proxy, `aws ssm start-session`). The ssmmessages actions have no
-# resource-level permissions; ssm:UpdateInstanceInformation (the agent's heartbeat) takes the EC2
-# instance resource type with aws:ResourceTag (Service Authorization Reference, "Actions defined by AWS
-# Systems Manager"): scoped to this cluster's instances. Session logging to S3/CloudWatch or
-# KMS-encrypted sessions would need more: not used.
+# AWS Systems Manager User Guide, "Create a custom IAM role for Session Manager": what SSM Agent needs for
+# sessions (fab's access=ssm proxy; no session logging or KMS). ssmmessages has no resource-level permissions;
+# ssm:UpdateInstanceInformation takes the EC2 instance with aws:ResourceTag (Service Authorization Reference).
 SESSION_MANAGER_ACTIONS = (
     "ssm:UpdateInstanceInformation",
     "ssmmessages:CreateControlChannel",
