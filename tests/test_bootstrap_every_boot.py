@@ -45,9 +45,11 @@ def enabled(sandbox: Sandbox, unit: str) -> bool:
 
 
 def reboot(sandbox: Sandbox) -> None:
-    """A later boot: /data is not mounted yet, earlier calls are forgotten."""
+    """A later boot: /data is not mounted yet, /run is empty (a tmpfs), earlier calls are forgotten."""
     (sandbox.root / "efs-mounted").unlink(missing_ok=True)
     (sandbox.root / "calls.log").unlink(missing_ok=True)
+    for path in (sandbox.root / "run").iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def no_wait(sandbox: Sandbox) -> None:
@@ -227,6 +229,8 @@ def test_the_alarm_reset_is_retried_until_set_alarm_state_succeeds(sandbox):
     assert all(c != 0 for c in codes[:3]) and codes[3:] == [0]
     resets = [c for c in sandbox.calls() if c.startswith("aws cloudwatch set-alarm-state")]
     assert len(resets) == 4 and (sandbox.root / "alarm-failures").read_text().strip() == "3"
+    # One busy beat a boot: a reset failing for good must not keep the heartbeat busy (the alarm's net).
+    assert len([c for c in sandbox.calls() if c.startswith("aws cloudwatch put-metric-data")]) == 1
 
 
 def test_the_first_deploy_signals_success_only_once_cloudwatch_serves_a_busy_beat(sandbox):

@@ -124,17 +124,21 @@ cancel_failed_stop() {
   log "the scheduled stop is cancelled"
 }
 
-# busy_beat ID: one busy beat, then a wait (5 min at most) until CloudWatch serves it.
+# busy_beat ID: one busy beat, then a wait (5 min at most) until CloudWatch serves it. Once a boot
+# (/run is emptied at a boot): a reset that fails and is run again must not beat busy forever.
 busy_beat() {
   local metric=(--region "$AWS_REGION" --namespace "$HEARTBEAT_NAMESPACE" --metric-name Busy) attempt
+  [[ -f /run/gpu-cluster/beat ]] && return 0
   aws cloudwatch put-metric-data "${metric[@]}" --dimensions "InstanceId=$1" --value 1
+  install -d /run/gpu-cluster
+  touch /run/gpu-cluster/beat
   for ((attempt = 1; attempt <= 30; attempt++)); do
     [[ $(aws cloudwatch get-metric-statistics "${metric[@]}" --dimensions "Name=InstanceId,Value=$1" \
       --start-time "$(date -u -d -10min +%FT%TZ)" --end-time "$(date -u -d +1min +%FT%TZ)" --period 60 \
       --statistics Maximum --query 'max(Datapoints[].Maximum)' --output text) == 1* ]] && return 0
     sleep 10
   done
-  log "the busy beat is not served after 5 min; going on"
+  log "beat not served after 5 min; going on"
 }
 
 # An alarm acts only on a change of state: one left in ALARM by a long stop never stops the node
@@ -183,7 +187,8 @@ ensure_docker() {
   systemctl enable --now docker
 }
 
-install_unit() {  # install_unit PATH CONTENT: write it if it changed; 0 when it did
+# install_unit PATH CONTENT: write it if it changed; 0 when it did
+install_unit() {
   [[ -f $1 && $(< "$1") == "$2" ]] && return 1
   install -d -m 0755 "$(dirname "$1")"
   printf '%s\n' "$2" > "$1.tmp"
@@ -342,7 +347,8 @@ mark_ready() {
   log "node ready"
 }
 
-timed() {  # timed STEP FUNCTION: "STEP START END" (epoch s) into the local timeline
+# timed STEP FUNCTION: "STEP START END" (epoch s) into the local timeline
+timed() {
   STEP=$1 STEP_START=$EPOCHREALTIME
   "$2"
   echo "$STEP $STEP_START $EPOCHREALTIME" >> "$TIMELINE"
