@@ -200,3 +200,20 @@ def test_a_watchdog_with_autostop_off_beats_busy_and_applies_idle_minutes_set_la
         for i in r["Instances"]
     }
     assert states <= {"stopping", "stopped"}
+
+
+def test_the_entrypoint_starts_the_watchdog_with_idle_minutes_0_too():
+    """The container gets IDLE_MINUTES from the bootstrap (its parameter, 0 included); the emulated
+    cluster's nodes get none and run no watchdog. The entrypoint's own condition, evaluated by bash
+    (the image's path test made true: /workspace is the image's)."""
+    import re
+
+    from conftest import REPO
+
+    text = (REPO / "assets" / "docker" / "entrypoint.sh").read_text()
+    (condition,) = re.findall(r"^if (\[\[.*cluster_node/autostop/watchdog\.py.*\]\]); then$", text, re.M)
+    condition = condition.replace("-f /workspace/cluster_node/autostop/watchdog.py", "-n image")
+    for value, starts in (("0", True), ("60", True), (None, False)):
+        env = {"PATH": "/usr/bin:/bin", **({"IDLE_MINUTES": value} if value is not None else {})}
+        code = subprocess.run(["bash", "-c", condition], env=env).returncode
+        assert (code == 0) == starts, (value, condition)
