@@ -108,7 +108,7 @@ class GpuClusterStack(Stack):
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::*]",
                 reason="ec2:DescribeInstances, cloudwatch:PutMetricData, cloudwatch:GetMetricStatistics and "
-                "Session Manager's agent actions (ssm:UpdateInstanceInformation, ssmmessages:*Channel) have no "
+                "Session Manager's channel actions (ssmmessages:*Channel) have no "
                 "resource-level permissions: the autostop watchdog finds this cluster's instances by tag, may "
                 "publish its heartbeat only to its own namespace (cloudwatch:namespace), at boot a node reads its "
                 "own beat back before it resets its idle alarm (read only), and SSM Agent opens only its own "
@@ -124,8 +124,8 @@ class GpuClusterStack(Stack):
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:"
                 "<AWS::AccountId>:instance/*]",
-                reason="ec2:StopInstances is limited by a condition to instances tagged with this "
-                "cluster's name (aws:ResourceTag/gpu-cluster:name).",
+                reason="ec2:StopInstances and ssm:UpdateInstanceInformation are limited by a condition to "
+                "instances tagged with this cluster's name (aws:ResourceTag/gpu-cluster:name).",
             ),
         )
 

@@ -70,9 +70,9 @@ def _cfn(instance: ec2.Instance) -> ec2.CfnInstance:
     return resource
 
 
-# AWS Systems Manager User Guide, "Create a custom IAM role for Session Manager": what SSM Agent needs
-# for sessions (fab's access=ssm proxy, `aws ssm start-session`). They have no resource-level
-# permissions. Session logging to S3/CloudWatch or KMS-encrypted sessions would need more: not used.
+# AWS Systems Manager User Guide, "Create a custom IAM role for Session Manager": what SSM Agent needs for
+# sessions (fab's access=ssm proxy; no session logging or KMS). ssmmessages has no resource-level permissions;
+# ssm:UpdateInstanceInformation takes the EC2 instance with aws:ResourceTag (Service Authorization Reference).
 SESSION_MANAGER_ACTIONS = (
     "ssm:UpdateInstanceInformation",
     "ssmmessages:CreateControlChannel",
@@ -131,7 +131,7 @@ class GpuNodes(Construct):
         self.image_context = s3_assets.Asset(
             self, "ImageContextAsset", path=str(assets_dir), exclude=["bootstrap", "**/__pycache__", "**/*.pyc"]
         )
-        self.role = self._node_role()
+        self.role = self._node_role(config)
         self.host_key_parameter = self._host_key_parameter()
         self.image_context_parameter = self._image_context_parameter(config)
         self.idle_minutes_parameter = self._idle_minutes_parameter(config)
@@ -156,7 +156,7 @@ class GpuNodes(Construct):
             if config.idle_minutes
         ]
 
-    def _node_role(self) -> iam.Role:
+    def _node_role(self, config: ClusterConfig) -> iam.Role:
         role = iam.Role(
             self,
             "NodeRole",
@@ -165,7 +165,15 @@ class GpuNodes(Construct):
         )
         # Not AmazonSSMManagedInstanceCore: it allows ssm:GetParameter(s) on every parameter of the
         # region (the generated /ec2/keypair/* private keys too), to any process on the node.
-        role.add_to_policy(iam.PolicyStatement(actions=list(SESSION_MANAGER_ACTIONS), resources=["*"]))
+        channels = [a for a in SESSION_MANAGER_ACTIONS if a.startswith("ssmmessages:")]
+        role.add_to_policy(iam.PolicyStatement(actions=channels, resources=["*"]))
+        role.add_to_policy(
+            iam.PolicyStatement(
+                actions=["ssm:UpdateInstanceInformation"],
+                resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
+                conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}},
+            )
+        )
         role.add_to_policy(
             iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[Stack.of(self).stack_id])
         )

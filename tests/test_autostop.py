@@ -271,6 +271,19 @@ def test_the_role_may_stop_this_cluster_and_publish_the_heartbeat_even_with_auto
             },
         )
         assert "ec2:TerminateInstances" not in statements
+        # The watchdog reads idle_minutes again from its parameter (issue 28 §1), with 0 too.
+        reads = [
+            statement
+            for policy in template.find_resources("AWS::IAM::Policy").values()
+            for statement in policy["Properties"]["PolicyDocument"]["Statement"]
+            if "ssm:GetParameter" in statement["Action"]
+        ]
+        (parameter,) = [
+            k
+            for k, v in template.find_resources("AWS::SSM::Parameter").items()
+            if v["Properties"]["Name"] == "/gpu-cluster/team-a/idle-minutes"
+        ]
+        assert any({"Ref": parameter} in r["Resource"]["Fn::Join"][1] for r in reads)
     _template(idle_minutes="0").resource_count_is("AWS::CloudWatch::Alarm", 0)
 
 

@@ -31,7 +31,7 @@ from supervisor_fixture import supervisor_process, write_spec
 
 from cluster_node import spec
 from cluster_node.autostop import watchdog as autostop
-from cluster_node.autostop.watchdog import Sources
+from cluster_node.autostop.watchdog import Observation, Sources, Watchdog
 from clusterops import launch
 from clusterops.inventory import Inventory, Node, SshSettings
 
@@ -251,3 +251,91 @@ def test_an_ssh_connection_without_a_terminal_counts_while_it_carries_traffic(ss
         tunnel.kill()
         tunnel.wait()
         sink.close()
+
+
+# ---------------------------------------------------------------- fab's own connections, interactive use alone
+
+
+def fab_connection(port: int, key: Path, marks: Path):
+    """What clusterops.remote.connect opens (its class, its marking), to the test's sshd."""
+    import paramiko
+
+    from clusterops import remote
+
+    connection = remote.MarkedConnection(
+        host="127.0.0.1",
+        user="root",
+        port=port,
+        connect_kwargs={"key_filename": str(key), "look_for_keys": False, "allow_agent": False},
+    )
+    connection.marks = str(marks)
+    connection.client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    return connection
+
+
+def test_fabs_own_connections_never_count_as_use_however_much_they_send(sshd, tmp_path):
+    """Issue 28: a forgotten `fab monitor` sends ~9-18 KB a minute per node over SSH, above the
+    4 KiB floor: it kept the cluster busy forever. Each fab command now leaves its connection's
+    SSH_CONNECTION (sshd's own variable, the client as the server sees it) in the container's mark
+    folder; the watchdog skips those connections. An ssh tunnel of the user's still counts."""
+    from clusterops import remote
+
+    port, ssh = sshd
+    marks, unmarked = tmp_path / "fab-ssh", tmp_path / "no-marks"
+    marks.mkdir()
+    assert remote.MarkedConnection.marks == remote.FAB_SSH_MARKS  # the container's folder (contract.py)
+    connection = fab_connection(port, tmp_path / "sshd" / "client", marks)
+    try:
+        connection.run("true", hide=True, in_stream=False)
+        local = connection.client.get_transport().sock.getsockname()
+        (mark,) = [p.name for p in marks.iterdir()]
+        assert mark == f"127.0.0.1 {local[1]} 127.0.0.1 {port}"
+        key = f"127.0.0.1:{local[1]}>127.0.0.1:{port}"
+        before = autostop.signals.ssh_connections(port)[key]
+        for _ in range(30):  # what `fab monitor` sends in a minute or two
+            connection.run("true", hide=True, in_stream=False)
+        sent = autostop.signals.ssh_connections(port)[key] - before
+        print(f"fab: {sent / 30:.0f} client bytes per command")
+        assert sent > autostop.signals.CONNECTION_FLOOR_BYTES  # over the floor: it counted as use
+        t0 = time.time()
+        sources, memory = Sources(pts=tmp_path / "no-pts", ssh_port=port, fab_marks=marks), {}
+        assert not any("SSH connection" in r for r in reasons(tmp_path, t0, sources, memory))
+        for _ in range(15):
+            connection.run("true", hide=True, in_stream=False)
+        assert not any("SSH connection" in r for r in reasons(tmp_path, t0 + MIN, sources, memory))
+        memory = {}  # the same connection, no marks: it is use
+        blind = Sources(pts=tmp_path / "no-pts", ssh_port=port, fab_marks=unmarked)
+        assert any("SSH connection from 127.0.0.1" in r for r in reasons(tmp_path, t0, blind, memory))
+    finally:
+        connection.close()
+    wait_for(lambda: key not in autostop.signals.ssh_connections(port))
+    os.utime(marks / mark, (t0 - 11 * MIN, t0 - 11 * MIN))
+    assert autostop.signals.fab_connections(marks, autostop.signals.ssh_connections(port), t0) == set()
+    assert not (marks / mark).exists()  # the connection is gone: its old mark too
+
+
+def test_interactive_use_alone_counts_three_hours_at_most():
+    """Issue 28: a terminal with a key pressed now and then, or a tool polling through a tunnel, kept
+    an idle cluster (no run, idle GPUs) up forever. Terminals and SSH connections, this node's or
+    another's, alone count for watchdog.INTERACTIVE_MAX_S (3 h); then as idle, so the cluster stops
+    idle_minutes later, unless work comes (training, GPU work, data preparation), which starts the
+    count over."""
+    dog = Watchdog(60, MIN)
+    dog.starting = 0
+    t0 = 1_000_000.0
+    typing = Observation(t0, terminals=("terminal pts/3 (input 1 min ago)",))
+    peer = ["node1: SSH connection from 10.0.0.9:51234 (traffic 0 min ago)"]
+    for minute in range(0, 181):
+        reasons_now, decision = dog.tick(dataclasses.replace(typing, time=t0 + minute * MIN), peer)
+        assert reasons_now and not decision.stop, minute
+    reasons_now, decision = dog.tick(dataclasses.replace(typing, time=t0 + 181 * MIN), peer)
+    assert reasons_now == [] and not decision.stop  # the heartbeat says idle from here
+    for minute in range(182, 241):
+        assert dog.tick(dataclasses.replace(typing, time=t0 + minute * MIN), peer)[0] == []
+    _, decision = dog.tick(dataclasses.replace(typing, time=t0 + 241 * MIN), peer)
+    assert decision.stop and "idle for 60 min" in decision.reason
+    # Work resets the count: a step advancing, then the terminal alone again counts 3 h anew.
+    working = dataclasses.replace(typing, time=t0 + 242 * MIN, step=5, progress_age_s=10.0)
+    assert any("training step" in r for r in dog.tick(working)[0])
+    alone = dataclasses.replace(typing, time=t0 + 243 * MIN, step=None, progress_age_s=None)
+    assert dog.tick(alone)[0] == list(typing.terminals)

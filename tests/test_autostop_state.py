@@ -41,12 +41,19 @@ def heartbeat_values(instance: str, since: float) -> list[float]:
 def start_watchdog(data, cluster: str, instance: str, aws_env: dict, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(data), "--interval", "0.2"]
-        + ["--pts", str(data / "no-terminals")],
+        + ["--pts", str(data / "no-terminals"), "--refresh", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=tool_env(
-            CLUSTER_NAME=cluster, IDLE_MINUTES=str(IDLE_S / 60), INSTANCE_ID=instance, NODE_RANK="0", **aws_env, **env
+            **{
+                "CLUSTER_NAME": cluster,
+                "IDLE_MINUTES": str(IDLE_S / 60),
+                "INSTANCE_ID": instance,
+                "NODE_RANK": "0",
+                **aws_env,
+                **env,
+            }
         ),
     )
 
@@ -158,3 +165,56 @@ def test_a_stop_that_ec2_refuses_is_retried_with_backoff_the_clock_kept_and_the_
     assert clock["busy_at"] is not None and clock["busy_at"] < first_failure - 0.5 and clock["stop_failures"] >= 3
     values = heartbeat_values("i-0spot00000000000a", first_failure + 1)
     assert values and max(values) == 0.0  # idle heartbeats: the alarm's count goes on
+
+
+def test_a_watchdog_with_autostop_off_beats_busy_and_applies_idle_minutes_set_later(aws_env, tmp_path):
+    """Issue 28: a cluster deployed with idle_minutes=0 had no watchdog (the container read 0 once, at
+    its creation); `cdk deploy -c idle_minutes=N` then created the alarms over a heartbeat nobody
+    published, missing data is breaching, and N + 30 min later every node stopped mid-training. Now the
+    watchdog runs with 0 too, says busy (no alarm can fire), and reads the SSM parameter again (here
+    every second; 5 min by default): N applies from when it is read."""
+    ids = moto_instances(2, "switched-on")
+    ssm = boto3.client("ssm")
+    name = "/gpu-cluster/switched-on/idle-minutes"
+    ssm.put_parameter(Name=name, Value="0", Type="String", Overwrite=True)
+    started = time.time()
+    dog = start_watchdog(tmp_path, "switched-on", ids[0], aws_env, IDLE_MINUTES="0")
+    try:
+        time.sleep(4)
+        assert dog.poll() is None, dog.communicate()[0]  # it used to exit at once: "autostop: off"
+        off = heartbeat_values(ids[0], started)
+        assert off and min(off) == 1.0, off  # idle, but busy beats: an alarm created now finds data
+        switched = time.time()
+        ssm.put_parameter(Name=name, Value=str(IDLE_S / 60), Type="String", Overwrite=True)
+        output, _ = dog.communicate(timeout=60)
+    finally:
+        if dog.poll() is None:
+            dog.kill()
+    took = time.time() - switched
+    assert dog.returncode == 0, output
+    assert f"idle_minutes 0 -> {IDLE_S / 60:g}" in output
+    assert took >= IDLE_S - 1, f"stopped {took:.1f} s after the switch: the idle clock began before it"
+    assert min(heartbeat_values(ids[0], switched)) == 0.0  # once on, the beats say idle
+    states = {
+        i["State"]["Name"]
+        for r in boto3.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+        for i in r["Instances"]
+    }
+    assert states <= {"stopping", "stopped"}
+
+
+def test_the_entrypoint_starts_the_watchdog_with_idle_minutes_0_too():
+    """The container gets IDLE_MINUTES from the bootstrap (its parameter, 0 included); the emulated
+    cluster's nodes get none and run no watchdog. The entrypoint's own condition, evaluated by bash
+    (the image's path test made true: /workspace is the image's)."""
+    import re
+
+    from conftest import REPO
+
+    text = (REPO / "assets" / "docker" / "entrypoint.sh").read_text()
+    (condition,) = re.findall(r"^if (\[\[.*cluster_node/autostop/watchdog\.py.*\]\]); then$", text, re.M)
+    condition = condition.replace("-f /workspace/cluster_node/autostop/watchdog.py", "-n image")
+    for value, starts in (("0", True), ("60", True), (None, False)):
+        env = {"PATH": "/usr/bin:/bin", **({"IDLE_MINUTES": value} if value is not None else {})}
+        code = subprocess.run(["bash", "-c", condition], env=env).returncode
+        assert (code == 0) == starts, (value, condition)

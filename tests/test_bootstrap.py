@@ -143,7 +143,7 @@ def test_a_bare_ami_gets_its_tools_from_apt_waiting_for_the_dpkg_lock(tmp_path):
     installed = [c.split(" install ")[1] for c in apt if " install " in c]
     assert installed == ["docker.io", "nvidia-container-toolkit", "nfs-common"]
     assert apt and all(LOCK_OPTION in c for c in apt), apt
-    assert "signal-resource" in sandbox.calls()[-1] and "--status SUCCESS" in sandbox.calls()[-1]
+    assert [c for c in sandbox.calls() if "signal-resource" in c and "--status SUCCESS" in c]
     first = len(sandbox.calls())
     assert sandbox.run().returncode == 0
     assert not [c for c in sandbox.calls()[first:] if c.startswith("apt-get")]
@@ -171,3 +171,13 @@ def test_a_failing_command_inside_a_step_signals_failure_naming_the_step_once(tm
     assert not [c for c in calls if c.startswith("docker run")]
     log = (sandbox.root / "state" / "bootstrap.log").read_text()
     assert f"[node0/{step}] FAILED" in log
+
+
+@pytest.mark.parametrize("cards, efa", [("0", "0"), ("4", "1")])
+def test_only_an_efa_node_builds_its_image_with_the_efa_installer(tmp_path, cards, efa):
+    """Issue 28: the image's EFA user space is a build option (Dockerfile ARG EFA, tests/test_image.py);
+    the bootstrap asks for it only where the node has EFA interfaces (EFA_CARDS from the stack)."""
+    sandbox = Sandbox(tmp_path)
+    assert sandbox.run(EFA_CARDS=cards).returncode == 0
+    (build,) = [c for c in sandbox.calls() if c.startswith("docker build")]
+    assert f"--build-arg EFA={efa} " in build

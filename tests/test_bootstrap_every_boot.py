@@ -45,9 +45,11 @@ def enabled(sandbox: Sandbox, unit: str) -> bool:
 
 
 def reboot(sandbox: Sandbox) -> None:
-    """A later boot: /data is not mounted yet, earlier calls are forgotten."""
+    """A later boot: /data is not mounted yet, /run is empty (a tmpfs), earlier calls are forgotten."""
     (sandbox.root / "efs-mounted").unlink(missing_ok=True)
     (sandbox.root / "calls.log").unlink(missing_ok=True)
+    for path in (sandbox.root / "run").iterdir():
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def no_wait(sandbox: Sandbox) -> None:
@@ -204,3 +206,77 @@ def test_the_scheduled_command_survives_shell_quoting(sandbox):
     assert (
         subprocess.run(["bash", "-n", argv[0].replace("/usr/local/sbin", str(sandbox.root / "work"))]).returncode == 0
     )
+
+
+def test_the_alarm_reset_is_retried_until_set_alarm_state_succeeds(sandbox):
+    """Issue 28: the boot unit had one try; one transient error (a throttle, no route yet) left the
+    node with its alarm in ALARM, so no stop ever again. systemd.service(5): Restart=on-failure is
+    allowed for Type=oneshot since systemd 244 (systemd/systemd#7474; the Ubuntu 22.04 DLAMI has 249).
+    The unit's command is run as systemd would: again after each failure, until it exits 0."""
+    assert sandbox.run().returncode == 0
+    unit = sandbox.root / ALARM_UNIT
+    assert unit_value(unit, "Restart") == ["on-failure"] and unit_value(unit, "Type") == ["oneshot"]
+    assert unit_value(unit, "RestartSec") == ["30"]  # 5 starts in 10 s (the default limit) never happen
+    verify_units(sandbox, ALARM_UNIT)
+
+    reboot(sandbox)
+    no_wait(sandbox)
+    (exec_start,) = unit_value(unit, "ExecStart")
+    codes = []
+    while not codes or codes[-1] != 0:
+        assert len(codes) < 10, codes
+        codes.append(sandbox.command(exec_start, FAIL_SET_ALARM_TIMES="3").returncode)
+    assert all(c != 0 for c in codes[:3]) and codes[3:] == [0]
+    resets = [c for c in sandbox.calls() if c.startswith("aws cloudwatch set-alarm-state")]
+    assert len(resets) == 4 and (sandbox.root / "alarm-failures").read_text().strip() == "3"
+    # One busy beat a boot: a reset failing for good must not keep the heartbeat busy (the alarm's net).
+    assert len([c for c in sandbox.calls() if c.startswith("aws cloudwatch put-metric-data")]) == 1
+
+
+def test_the_first_deploy_signals_success_only_once_cloudwatch_serves_a_busy_beat(sandbox):
+    """Issue 28: CloudFormation creates the idle alarm right after the node's SUCCESS signal (its Ref
+    to the instance); its window is all missing data, treated as breaching: ALARM, and a stop, unless
+    a busy beat is in it. The bootstrap publishes one and waits until GetMetricStatistics serves it,
+    as the boot unit does."""
+    no_wait(sandbox)
+    result = sandbox.run(METRIC_MAXIMUM="None")  # never served: 5 min of polls, then signals anyway
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = sandbox.calls()
+    beat = [i for i, c in enumerate(calls) if c.startswith("aws cloudwatch put-metric-data")]
+    polls = [i for i, c in enumerate(calls) if "get-metric-statistics" in c]
+    (signal,) = [i for i, c in enumerate(calls) if "signal-resource" in c]
+    assert len(beat) == 1 and beat[0] < polls[0] and polls[-1] < signal and len(polls) == 30
+    assert f"InstanceId={INSTANCE_ID}" in calls[beat[0]] and "--value 1" in calls[beat[0]]
+    assert "--status SUCCESS" in calls[signal]
+    assert "not served after 5 min" in (sandbox.root / "state" / "bootstrap.log").read_text()
+
+
+DEADLINE = ("systemd/gpu-cluster-deadline.timer", "systemd/gpu-cluster-deadline.service")
+
+
+def test_a_hung_bootstrap_stops_its_node_later_even_after_a_reboot(sandbox):
+    """Issue 28: a bootstrap that hangs (a stalled docker pull) runs no ERR trap, so it scheduled no
+    stop; under `cdk deploy --no-rollback` the node billed on. A timer armed before the first step
+    stops it 90 min later; it is enabled (timers.target), so each later boot arms it again (a
+    transient systemd-run timer is gone after a reboot, and user data runs once); ready cancels it."""
+    hung = sandbox.run(HANG_DOCKER_PULL="1")
+    assert hung.returncode != 0
+    calls = sandbox.calls()
+    assert not [c for c in calls if "signal-resource" in c or c.startswith("systemd-run")]  # no trap ran
+    pull = calls.index(next(c for c in calls if c.startswith("docker pull")))
+    assert calls.index("systemctl enable --now gpu-cluster-deadline.timer") < pull  # enabled and started
+    timer, service = (sandbox.root / p for p in DEADLINE)
+    assert unit_value(timer, "OnActiveSec") == ["90min"] and unit_value(timer, "WantedBy") == ["timers.target"]
+    verify_units(sandbox, *DEADLINE)
+
+    reboot(sandbox)  # enabled: the boot starts the timer again; when it fires, its service runs
+    (exec_start,) = unit_value(service, "ExecStart")
+    assert sandbox.command(exec_start).returncode == 0
+    assert [c for c in sandbox.calls() if "stop-instances" in c] == [
+        f"aws ec2 stop-instances --region eu-west-1 --instance-ids {INSTANCE_ID}"
+    ]
+
+    before = len(sandbox.calls())
+    assert sandbox.run().returncode == 0  # the pull works this time: ready, the deadline is gone
+    assert "systemctl disable --now gpu-cluster-deadline.timer" in sandbox.calls()[before:]
+    assert not any((sandbox.root / p).exists() for p in DEADLINE)

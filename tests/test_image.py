@@ -7,6 +7,7 @@ installed by assets/docker/Dockerfile."""
 import ast
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 from conftest import REPO
@@ -397,3 +398,30 @@ def test_the_image_build_imports_every_node_module_the_entrypoint_and_fab_run():
     imported = {name.strip() for name in smoke.group(1).split(",")}
     assert run and run <= imported, f"run on the nodes but not imported at build: {sorted(run - imported)}"
     assert "ENV PYTHONPATH=/workspace${PYTHONPATH:+:${PYTHONPATH}}" in dockerfile
+
+
+def _efa_run_instruction() -> str:
+    """The Dockerfile's RUN that calls the EFA installer, as its shell (/bin/sh -c) gets it."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    (run,) = [line for line in text.splitlines() if line.startswith("RUN ") and "efa_installer.sh" in line]
+    return run[len("RUN ") :]
+
+
+def test_the_efa_installer_runs_only_in_an_efa_nodes_image(tmp_path):
+    """Issue 28: every image build ran the EFA installer (a download from efa-installer.amazonaws.com,
+    then apt), g4dn/g5 without EFA included, so every deploy depended on it. The build arg EFA (0 by
+    default; the bootstrap passes 1 where the node has EFA interfaces) gates it. The RUN's own shell
+    text runs here under /bin/sh with recording stand-ins for the commands it would call."""
+    assert re.search(r"^ARG EFA=0$", DOCKERFILE.read_text(), re.M)
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name in ("apt-get", "dpkg-query", "curl", "tar", "ldconfig"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {log}\n[ {name} != curl ]\n')
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "EFA_INSTALLER_VERSION": "1.43.3"}
+    off = subprocess.run(["sh", "-c", _efa_run_instruction()], env={**env, "EFA": "0"}, capture_output=True)
+    assert off.returncode == 0 and not log.exists(), off.stderr
+    on = subprocess.run(["sh", "-c", _efa_run_instruction()], env={**env, "EFA": "1"}, capture_output=True)
+    calls = log.read_text().splitlines()
+    assert on.returncode != 0 and calls[0] == "apt-get update"  # the stand-in download fails: so does the build
+    assert any(c.startswith("curl ") and "aws-efa-installer-1.43.3.tar.gz" in c for c in calls)

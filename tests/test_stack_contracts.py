@@ -236,3 +236,19 @@ def test_the_pinned_ami_is_the_one_preflight_cached_for_the_familys_dlami():
     assert synth_config({**context, "instance_type": "g5.xlarge"}, "us-east-1").ami_id == "ami-0aaaaaaaaaaaaaaaa"
     assert synth_config({**context, "instance_type": "p3.2xlarge"}, "us-east-1").ami_id == "ami-0bbbbbbbbbbbbbbbb"
     assert synth_config({**context, "ami_id": "ami-0cccccccccccccccc"}, "us-east-1").ami_id == "ami-0cccccccccccccccc"
+
+
+def test_session_managers_heartbeat_is_allowed_on_this_clusters_instances_only():
+    """Issue 28 §7: ssm:UpdateInstanceInformation takes the EC2 `instance` resource type with the
+    aws:ResourceTag condition key (Service Authorization Reference, "Actions defined by AWS Systems
+    Manager"; machine-readable in iann0036/iam-dataset aws/iam_definition.json): the node role may call
+    it for this cluster's instances, not `*`. The ssmmessages channel actions have no resource type."""
+    template = _template(cluster_name="alpha", access="ssm", ssh_cidr=None)
+    statements = _node_role_statements(template)
+    (heartbeat,) = [s for s in statements if "ssm:UpdateInstanceInformation" in _actions(s)]
+    assert _actions(heartbeat) == ["ssm:UpdateInstanceInformation"] or "ec2:StopInstances" in _actions(heartbeat)
+    assert heartbeat["Condition"] == {"StringEquals": {"aws:ResourceTag/gpu-cluster:name": "alpha"}}
+    (resource,) = _resources(heartbeat)
+    assert resource != "*" and json.dumps(resource).endswith(':instance/*"]]}'), resource
+    channels = [s for s in statements if any(a.startswith("ssmmessages:") for a in _actions(s))]
+    assert channels and all(_resources(s) == ["*"] for s in channels)

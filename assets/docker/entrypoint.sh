@@ -40,6 +40,7 @@ for ((waited = 0; ; waited++)); do
 done
 
 install -d -m 0700 "$RUNTIME_DIR"
+install -d -m 0700 "$RUNTIME_DIR/fab-ssh"  # fab's commands mark their connections here (not use)
 install -d -m 0755 /run/sshd
 install -m 0600 "$CLUSTER_SSH_DIR/ssh_host_ed25519_key" "$RUNTIME_DIR/ssh_host_ed25519_key"
 {
@@ -57,9 +58,10 @@ chmod 0600 "$RUNTIME_DIR/authorized_keys"
 
 # The autostop watchdog runs on every node (see cluster_node/autostop/watchdog.py; the image's
 # PYTHONPATH=/workspace finds the package): each publishes its own heartbeat, so a dead head node
-# cannot leave the others running. Restarted if it dies; exit 0 means it stopped the cluster (or
-# autostop is off).
-if [[ ${IDLE_MINUTES:-0} != 0 && -f /workspace/cluster_node/autostop/watchdog.py ]]; then
+# cannot leave the others running. Restarted if it dies; exit 0 means it stopped the cluster. With
+# IDLE_MINUTES=0 too (autostop off): it then says busy, and reads idle_minutes again from its SSM
+# parameter, so a later `-c idle_minutes=N` applies here (the alarm that change creates finds beats).
+if [[ -n ${IDLE_MINUTES:-} && -f /workspace/cluster_node/autostop/watchdog.py ]]; then
   (
     until python -m cluster_node.autostop.watchdog --data "$DATA_DIR"; do sleep 60; done
   ) >> "$DATA_DIR/.cluster/autostop-node${NODE_RANK:-0}.log" 2>&1 &

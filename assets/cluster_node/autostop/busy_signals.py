@@ -8,12 +8,16 @@
 * a data set being prepared (prepare.py keeps a marker fresh under /data/.cluster/busy/);
 * a terminal with input within ACTIVITY_WINDOW_S (the tty's access time, as `w` shows IDLE);
 * an SSH connection to the container's sshd that carried traffic from its client within
-  ACTIVITY_WINDOW_S (VS Code Remote, Jupyter or port forwards have no terminal).
+  ACTIVITY_WINDOW_S (VS Code Remote, Jupyter or port forwards have no terminal), but not one of fab's
+  (each fab command leaves its connection's SSH_CONNECTION in FAB_SSH_MARKS: clusterops/remote.py).
+Terminals and connections are the interactive signals (`interactive`): alone, they count for a
+limited time (watchdog.INTERACTIVE_MAX_S).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +34,13 @@ ACTIVITY_WINDOW_S = 30 * 60  # a terminal or an SSH connection counts for this l
 # 224 bytes in 3 min on OpenSSH here); a terminal keystroke is ~40 bytes, an editor's file save or a notebook
 # cell's output several KB.
 CONNECTION_FLOOR_BYTES = 4096
+TERMINAL, CONNECTION = "terminal pts/", "SSH connection from "  # how the interactive reasons begin
+MARK_STALE_S = 10 * 60  # a fab mark whose connection is gone is removed after this
+
+
+def interactive(reason: str) -> bool:
+    """A terminal's or an SSH connection's reason, this node's or another's ("nodeN: ...")."""
+    return reason.split(": ", 1)[-1].startswith((TERMINAL, CONNECTION)) or reason.startswith((TERMINAL, CONNECTION))
 
 
 def _mtime(path: Path) -> float:
@@ -136,7 +147,7 @@ def terminals(now: float, pts: Path = Path("/dev/pts"), window: float = ACTIVITY
         except OSError:  # closed meanwhile
             continue
         if idle <= window:
-            found.append(f"terminal pts/{tty.name} (input {max(idle, 0) / 60:.0f} min ago)")
+            found.append(f"{TERMINAL}{tty.name} (input {max(idle, 0) / 60:.0f} min ago)")
     return tuple(found)
 
 
@@ -161,6 +172,37 @@ def ssh_connections(port: int) -> dict[str, int]:
     return found
 
 
+def _endpoint(text: str) -> tuple[str, str]:
+    """("ip", "port") from ss's "1.2.3.4:5" or "[::ffff:1.2.3.4]:5"; sshd writes a mapped address as IPv4."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    return host.removeprefix("::ffff:"), port
+
+
+def fab_connections(marks: Path, readings: dict[str, int], now: Optional[float] = None) -> set[str]:
+    """The keys of `readings` (ssh_connections) that fab marked: a file named by the session's
+    SSH_CONNECTION ("client_ip client_port server_ip server_port"). A mark whose connection is gone
+    is removed once older than MARK_STALE_S (a new connection's mark may precede its ss line)."""
+    now = time.time() if now is None else now
+    by_peer = {}
+    for key in readings:
+        peer, _, local = key.partition(">")
+        by_peer[(*_endpoint(peer), _endpoint(local)[1])] = key
+    found: set[str] = set()
+    try:
+        marked = list(marks.iterdir())
+    except OSError:
+        return found
+    for mark in marked:
+        fields = mark.name.split()
+        key = by_peer.get((fields[0], fields[1], fields[3]), "") if len(fields) == 4 else ""
+        if key:
+            found.add(key)
+        elif now - _mtime(mark) > MARK_STALE_S:
+            mark.unlink(missing_ok=True)
+    return found
+
+
 def connection_activity(
     now: float, readings: dict[str, int], memory: dict, window: float = ACTIVITY_WINDOW_S
 ) -> tuple[tuple[str, ...], dict]:
@@ -173,7 +215,7 @@ def connection_activity(
         active_at = now if before is None or received - before[0] >= CONNECTION_FLOOR_BYTES else before[1]
         kept[key] = [received, active_at]
         if now - active_at <= window:
-            found.append(f"SSH connection from {key.split('>')[0]} (traffic {(now - active_at) / 60:.0f} min ago)")
+            found.append(f"{CONNECTION}{key.split('>')[0]} (traffic {(now - active_at) / 60:.0f} min ago)")
     return tuple(found), kept
 
 

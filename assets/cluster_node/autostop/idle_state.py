@@ -44,6 +44,7 @@ class IdleState:
     stop_failures: int = 0  # failed stop calls since the cluster was last busy
     retry_at: float = 0.0  # no stop call before this
     memory: dict = field(default_factory=dict)  # per-signal memory (SSH byte counters, GPU processes)
+    interactive_since: Optional[float] = None  # since when terminals and connections alone were the use
 
     def record(self, now: float, reasons: list[str], step: Optional[int]) -> None:
         if now - self.last > MAX_GAP_S:

@@ -7,7 +7,9 @@ minutes (cluster_node/autostop/busy_signals.py says each) -- on this node or on 
 they see in /data/.cluster/heartbeat/). It then
   * publishes this node's heartbeat, Busy = 1 or 0, to CloudWatch (namespace GpuCluster/Autostop,
     dimension InstanceId); a CloudWatch alarm per node stops the node when the heartbeat has said
-    idle, or nothing at all, for IDLE_MINUTES + 30 minutes: the net for a watchdog that died;
+    idle, or nothing at all, for IDLE_MINUTES + 30 minutes: the net for a watchdog that died. With
+    IDLE_MINUTES 0 (autostop off, no alarm) it runs all the same and says busy: idle_minutes is read
+    again from its SSM parameter every 5 minutes, and an alarm created by a change to N finds beats;
   * stops every instance of the cluster itself once the cluster has been idle for IDLE_MINUTES. A
     stop that fails is logged and retried, further apart each time; the heartbeat keeps saying idle.
 The idle clock is kept on /data (cluster_node/autostop/idle_state.py): a restarted watchdog resumes it.
@@ -32,16 +34,20 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .. import clusterdir
-from ..contract import BUSY_METRIC, CLUSTER_TAG, CONTAINER_SSH_PORT, METRIC_NAMESPACE
+from ..contract import BUSY_METRIC, CONTAINER_SSH_PORT, FAB_SSH_MARKS, METRIC_NAMESPACE, idle_minutes_parameter
 from ..imds import instance_identity
 from . import busy_signals as signals
 from . import idle_state
 from .busy_signals import GPU_BUSY_PERCENT, STEP_WINDOW_S
+from .cloud import IDLE_REFRESH_S, IdleLimit, cluster_instances, publish, refusal_hint, stop_cluster, stop_each
 
 NAMESPACE = METRIC_NAMESPACE  # stacks/nodes.py alarms on it, the role may publish only to it
 METRIC = BUSY_METRIC
 STARTUP_BUSY_SAMPLES = 2  # after a boot report busy briefly: the alarm leaves ALARM and re-arms
 RETRY_FIRST_S, RETRY_MAX_S = 60.0, 30 * 60.0  # a refused stop: again after 1, 2, 4 ... 30 min
+# Terminals and SSH connections alone keep the cluster up this long at most (a forgotten session, a
+# tool that polls): then they count as idle until training, GPU work or data preparation.
+INTERACTIVE_MAX_S = 3 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class Sources:
 
     pts: Path = Path("/dev/pts")
     ssh_port: int = CONTAINER_SSH_PORT
+    fab_marks: Path = Path(FAB_SSH_MARKS)  # connections fab marked as its own (not use)
 
 
 def observe(
@@ -122,8 +129,10 @@ def observe(
     live, launching = signals.launched_run(data_dir, now)
     util, gpu_memory = signals.gpu_readings()
     processes, memory["gpu"] = signals.gpu_activity(now, signals.gpu_processes(), util, memory.get("gpu", {}))
+    readings = signals.ssh_connections(sources.ssh_port)
+    fab = signals.fab_connections(sources.fab_marks, readings)
     connections, memory["connections"] = signals.connection_activity(
-        now, signals.ssh_connections(sources.ssh_port), memory.get("connections", {})
+        now, {k: v for k, v in readings.items() if k not in fab}, memory.get("connections", {})
     )
     return Observation(
         now,
@@ -178,63 +187,6 @@ def where_am_i(environ: dict, identity: Callable[[], dict] = instance_identity) 
     return region, instance
 
 
-def cluster_instances(ec2, cluster: str, states: Sequence[str] = ("pending", "running")) -> list[str]:
-    pages = ec2.get_paginator("describe_instances").paginate(
-        Filters=[
-            {"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]},
-            {"Name": "instance-state-name", "Values": list(states)},
-        ]
-    )
-    return sorted(i["InstanceId"] for page in pages for r in page["Reservations"] for i in r["Instances"])
-
-
-STOP_TRIES = 4  # per node, STOP_DELAY_S apart, doubling: a node still `pending` refuses (IncorrectInstanceState)
-STOP_DELAY_S = 2.0
-
-
-def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES) -> dict[str, str]:
-    """StopInstances once per node (one call for all fails all when one node refuses, e.g. a `pending` one),
-    a refused node asked again up to `tries` times with backoff. Node -> "stopping", or its last error."""
-    outcome: dict[str, str] = {}
-    left = list(ids)
-    for attempt in range(tries):
-        if attempt:
-            time.sleep(STOP_DELAY_S * 2 ** (attempt - 1))
-        for instance in list(left):
-            try:
-                ec2.stop_instances(InstanceIds=[instance])
-            except Exception as error:  # noqa: BLE001 - any refusal is this node's, reported, retried
-                outcome[instance] = (str(error).splitlines() or [""])[0] or type(error).__name__
-                continue
-            outcome[instance] = "stopping"
-            left.remove(instance)
-        if not left:
-            break
-    return outcome
-
-
-def stop_cluster(ec2, cluster: str) -> list[str]:
-    """Stop every running instance tagged with the cluster's name, node by node, once (the idle loop retries
-    on its own clock); returns their ids. RuntimeError naming each node EC2 refused (the others are stopping)."""
-    ids = cluster_instances(ec2, cluster)
-    outcome = stop_each(ec2, ids, tries=1)
-    refused = [f"{i}: {outcome[i]}" for i in ids if outcome[i] != "stopping"]
-    if refused:
-        raise RuntimeError(f"{len(refused)} of {len(ids)} node(s) refused: " + "; ".join(refused))
-    return ids
-
-
-def publish(cloudwatch, instance_id: str, busy: bool, seen: Optional[Observation] = None) -> None:
-    """The heartbeat (the alarm's metric) and, on GPU nodes, GPU utilisation and memory for the dashboard."""
-    dimensions = [{"Name": "InstanceId", "Value": instance_id}]
-    data = [{"MetricName": METRIC, "Dimensions": dimensions, "Value": 1.0 if busy else 0.0, "Unit": "Count"}]
-    gpu = (("GPUUtilization", seen.gpu_util), ("GPUMemoryUsedPercent", seen.gpu_memory)) if seen else ()
-    for name, value in gpu:
-        if value is not None:
-            data.append({"MetricName": name, "Dimensions": dimensions, "Value": float(value), "Unit": "Percent"})
-    cloudwatch.put_metric_data(Namespace=NAMESPACE, MetricData=data)
-
-
 # ---------------------------------------------------------------- the loop
 
 
@@ -251,8 +203,16 @@ class Watchdog:
     is busy when there are any) and whether to stop the cluster now. With a path, the idle clock is
     loaded from it (when this boot's) and saved at every tick."""
 
-    def __init__(self, idle_minutes: float, interval: float, path: Optional[Path] = None, boot: str = ""):
+    def __init__(
+        self,
+        idle_minutes: float,
+        interval: float,
+        path: Optional[Path] = None,
+        boot: str = "",
+        interactive_max_s: float = INTERACTIVE_MAX_S,
+    ):
         self.idle, self.interval, self.path, self.boot = idle_minutes, interval, path, boot
+        self.interactive_max_s, self.capped = interactive_max_s, False
         self.state = idle_state.load(path, boot) if path else None
         self.memory: dict = self.state.memory if self.state else {}
         # Resumed: no startup beats (the alarm is armed, the clock goes on); a new boot: as before.
@@ -266,10 +226,27 @@ class Watchdog:
             reasons.append("watchdog starting")
         if self.state is None:
             self.state = idle_state.IdleState(self.boot, since=seen.time, last=seen.time, memory=self.memory)
+        reasons = self.cap_interactive(seen.time, reasons)
         self.state.record(seen.time, reasons, seen.step)
         self.before = seen
         self.save()
         return reasons, decide(self.state, self.idle, seen.time)
+
+    def cap_interactive(self, now: float, reasons: list[str]) -> list[str]:
+        """Terminals and SSH connections alone (no training, GPU work, data preparation) count for
+        interactive_max_s at most; then they count as idle until other work, or a moment with no
+        use at all, starts the count again."""
+        assert self.state is not None
+        if not reasons or not all(signals.interactive(r) for r in reasons):
+            self.state.interactive_since, self.capped = None, False
+            return reasons
+        since = self.state.interactive_since = self.state.interactive_since or now
+        if now - since <= self.interactive_max_s:
+            return reasons
+        if not self.capped:
+            self.capped = True
+            log(f"only interactive use for {self.interactive_max_s / 60:g} min: it counts as idle until other work")
+        return []
 
     def save(self) -> None:
         if self.path is None or self.state is None:
@@ -280,31 +257,34 @@ class Watchdog:
             log(f"idle clock not saved to {self.path}: {error}")
 
 
-def refusal_hint(error: Exception) -> str:
-    if "UnsupportedOperation" in str(error):
-        # EC2 User Guide, "Stop a Spot Instance": a Spot Instance whose request is cancelled (fab
-        # release-spot) or one-time can only be terminated; the alarm's stop action fails alike.
-        return "; EC2 stops no Spot node whose request was cancelled (fab release-spot): `npx cdk destroy` ends it"
-    return ""
-
-
 class Loop:
     """One round a minute: observe, share, decide, publish the heartbeat, stop (or retry a refused
     stop, further apart each time, without touching the idle clock)."""
 
-    def __init__(self, data_dir: Path, rank: str, dog: Watchdog, ec2, cloudwatch, instance_id, cluster, sources):
+    def __init__(
+        self, data_dir: Path, rank: str, dog: Watchdog, ec2, cloudwatch, instance_id, cluster, sources, limit=None
+    ):
         self.data, self.rank, self.dog, self.ec2, self.cloudwatch = data_dir, rank, dog, ec2, cloudwatch
         self.instance_id, self.cluster, self.sources = instance_id, cluster, sources
+        self.limit: Optional[IdleLimit] = limit
         self.said: Optional[bool] = None
+
+    def apply_limit(self, now: float) -> None:
+        """idle_minutes as its parameter says now; switched on (from 0), the idle clock starts now."""
+        value = self.limit.current(now) if self.limit else self.dog.idle
+        if self.dog.idle <= 0 < value and self.dog.state is not None:
+            self.dog.state.since, self.dog.state.busy_at = now, None
+        self.dog.idle = value
 
     def round(self, now: float) -> Optional[int]:
         """One round; an exit code once the cluster has been stopped."""
+        self.apply_limit(now)
         seen = observe(self.data, now, self.sources, self.dog.memory)
         share(self.data, self.rank, now, local_reasons(seen, self.dog.before))
         reasons, decision = self.dog.tick(seen, peer_reasons(self.data, self.rank, now, fresh_s=3 * self.dog.interval))
         if self.instance_id:
-            try:
-                publish(self.cloudwatch, self.instance_id, bool(reasons), seen)
+            try:  # autostop off (idle_minutes 0): busy beats, so an alarm created with a new value waits
+                publish(self.cloudwatch, self.instance_id, bool(reasons) or self.dog.idle <= 0, seen)
             except Exception as error:  # noqa: BLE001 - a missed beat counts as idle; keep watching
                 log(f"heartbeat not published: {error}")
         if bool(reasons) != self.said:
@@ -347,7 +327,8 @@ def watch(loop: Loop, interval: float) -> int:
 
 
 def idle_minutes(environ: dict) -> float:
-    """The idle limit: IDLE_MINUTES from the container's environment (0: autostop off)."""
+    """The idle limit the container was created with: IDLE_MINUTES (0: autostop off); the parameter
+    (cloud.IdleLimit) says what it is now."""
     return float(environ.get("IDLE_MINUTES", "0"))
 
 
@@ -358,14 +339,22 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--stop-now", action="store_true", help="stop the cluster now (fab train --then-stop)")
     parser.add_argument("--pts", default="/dev/pts", help="where the terminals are (tests point elsewhere)")
     parser.add_argument("--ssh-port", type=int, default=CONTAINER_SSH_PORT, help="the container's sshd")
+    parser.add_argument("--fab-marks", default=FAB_SSH_MARKS, help="where fab marks its own SSH connections")
+    parser.add_argument("--refresh", type=float, default=IDLE_REFRESH_S, help="seconds between idle_minutes reads")
+    parser.add_argument(
+        "--interactive-max-minutes",
+        type=float,
+        default=float(os.environ.get("INTERACTIVE_MAX_MINUTES", INTERACTIVE_MAX_S / 60)),
+        help="interactive use alone counts this long at most (default 180)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     cluster, idle = os.environ.get("CLUSTER_NAME"), idle_minutes(dict(os.environ))
-    if not cluster or (idle <= 0 and not args.stop_now):
-        print("autostop: off (CLUSTER_NAME unset or IDLE_MINUTES=0); nothing stopped", flush=True)
+    if not cluster:
+        print("autostop: off (CLUSTER_NAME unset); nothing stopped", flush=True)
         return 2 if args.stop_now else 0
     region, instance_id = where_am_i(dict(os.environ))
     if not region:
@@ -383,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     if not instance_id:
         log("no instance id (INSTANCE_ID unset, no instance metadata): heartbeat not published")
     data, rank = Path(args.data), os.environ.get("NODE_RANK", "0")
-    dog = Watchdog(idle, args.interval, idle_state.state_path(data, rank), idle_state.boot_id())
+    path, boot = idle_state.state_path(data, rank), idle_state.boot_id()
+    dog = Watchdog(idle, args.interval, path, boot, interactive_max_s=args.interactive_max_minutes * 60)
     cloudwatch = boto3.client("cloudwatch", region_name=region)
-    sources = Sources(Path(args.pts), args.ssh_port)
-    return watch(Loop(data, rank, dog, ec2, cloudwatch, instance_id, cluster, sources), args.interval)
+    sources = Sources(Path(args.pts), args.ssh_port, Path(args.fab_marks))
+    limit = IdleLimit(boto3.client("ssm", region_name=region), idle_minutes_parameter(cluster), idle, args.refresh, log)
+    loop = Loop(data, rank, dog, ec2, cloudwatch, instance_id, cluster, sources, limit)
+    return watch(loop, args.interval)
 
 
 if __name__ == "__main__":
