@@ -46,9 +46,10 @@ from cluster_node.contract import (
     host_key_parameter,
     idle_minutes_parameter,
     image_context_parameter,
+    node_config_parameter,
 )
 
-from .bootstrap import check_user_data_size, render_user_data
+from .bootstrap import check_user_data_size, make_node_config, render_user_data
 from .config import ClusterConfig, alarm_minutes
 from .node_launch import attach_launch_template
 
@@ -135,6 +136,7 @@ class GpuNodes(Construct):
         self.host_key_parameter = self._host_key_parameter()
         self.image_context_parameter = self._image_context_parameter(config)
         self.idle_minutes_parameter = self._idle_minutes_parameter(config)
+        self.node_config_parameter = make_node_config(self, config, self.role)
         self._grant_stop_and_heartbeat(config)
         self.key_pair, self.key_parameter_name = self._key_pair(config)
         placement_group = (
@@ -276,29 +278,25 @@ class GpuNodes(Construct):
     def _bootstrap(
         self, config: ClusterConfig, rank: int, instance: ec2.Instance, file_system: efs.IFileSystem
     ) -> None:
-        """User data (the bootstrap script with this node's values), the signal it must send, and what
+        """User data (the stub with this node's life-long values), the signal it must send, and what
         must exist before it runs."""
         stack = Stack.of(self)
         env = {
             "CLUSTER_NAME": config.cluster_name,
             "NODE_RANK": str(rank),
-            "NODES": str(config.nodes),
             "FILE_SYSTEM_ID": file_system.file_system_id,
             "AWS_REGION": stack.region,
             "STACK_NAME": stack.stack_name,
             # The lazy logical ID: the one in the template, with the user-data hash CDK appends
             # (get_logical_id omits it: aws-cdk#11959); while CDK hashes the user data it renders unhashed.
             "SIGNAL_RESOURCE": _cfn(instance).logical_id,
-            "BASE_IMAGE": config.image,
+            "NODE_CONFIG_PARAMETER": node_config_parameter(config.cluster_name),
             "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
             "HOST_KEY_PARAMETER": self.host_key_parameter_name,
             "IDLE_MINUTES_PARAMETER": idle_minutes_parameter(config.cluster_name),
-            "EFA_CARDS": str(config.efa_cards),
             "IDLE_ALARM": idle_alarm_name(config.cluster_name, rank),
             "HEARTBEAT_NAMESPACE": HEARTBEAT_NAMESPACE,
         }
-        if config.spot:  # only then: a new key in user data would replace On-Demand nodes
-            env["SPOT"] = "true"
         instance.user_data.add_commands(render_user_data(env))
         check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
         _cfn(instance).cfn_options.creation_policy = CfnCreationPolicy(
@@ -310,6 +308,7 @@ class GpuNodes(Construct):
             self.host_key_parameter,
             self.image_context_parameter,
             self.idle_minutes_parameter,
+            self.node_config_parameter,
         )
 
     def _launch_options(
