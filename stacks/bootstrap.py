@@ -94,7 +94,10 @@ def make_node_config(scope: Construct, config: ClusterConfig, role: iam.IRole) -
     """The node-config parameter, which the role may read: the bootstrap script's own asset (editing it
     changes neither user data nor the image context's tag), the base image, Spot, EFA cards."""
     script = s3_assets.Asset(scope, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
-    script.grant_read(role)
+    # That one object (Asset.grant_read would allow the whole CDK assets bucket).
+    role.add_to_principal_policy(
+        iam.PolicyStatement(actions=["s3:GetObject"], resources=[script.bucket.arn_for_objects(script.s3_object_key)])
+    )
     values = {
         "BOOTSTRAP_URL": script.s3_object_url,
         "BASE_IMAGE": config.image,
@@ -129,7 +132,6 @@ def check_user_data_size(resolved, what: str) -> int:
     size = user_data_bytes(resolved)
     if size > USER_DATA_LIMIT:
         raise ValueError(
-            f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; "
-            "shorten the values it carries"
+            f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; shorten the values it carries"
         )
     return size

@@ -52,6 +52,7 @@ from cluster_node.contract import (
 from .bootstrap import check_user_data_size, make_node_config, render_user_data
 from .config import ClusterConfig, alarm_minutes
 from .node_launch import attach_launch_template
+from .spot_release import SpotRequestRelease
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
@@ -145,9 +146,13 @@ class GpuNodes(Construct):
             else None
         )
         machine_image = PinnedImage(config.ami_id)
+        # Created before the nodes and deleted after them, so it sees every node's termination.
+        release = SpotRequestRelease(self, "SpotRelease", cluster_name=config.cluster_name) if config.spot else None
         self.instances: list[ec2.Instance] = []
         for rank in range(config.nodes):
             instance = self._instance(config, rank, vpc, subnet, security_group, machine_image, placement_group)
+            if release:
+                instance.node.add_dependency(release)
             self._bootstrap(config, rank, instance, file_system)
             self._launch_options(config, rank, instance, subnet, security_group)
             self.instances.append(instance)
