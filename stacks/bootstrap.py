@@ -28,44 +28,7 @@ ENV_FILE = "/etc/gpu-cluster/bootstrap.env"
 USER_DATA_LIMIT = 16 * 1024  # EC2: user data is at most 16 KB before base64
 TOKEN_ALLOWANCE = 256  # bytes counted for each value CloudFormation fills in at deploy time
 SCRIPT_PATH = "/usr/local/sbin/gpu-cluster-bootstrap"
-# What the node-config parameter may hold: KEY=VALUE lines of plain words (image references, S3 URLs,
-# numbers). The stub appends them to the env file the bootstrap sources as root: no shell syntax.
-CONFIG_LINE = r"^[A-Z_]+=[A-Za-z0-9._:/@+-]*$"
-
-# Run by plain bash (cloud-init runs user data so; the deploy rehearsal runs it the same way). Any exit
-# before the bootstrap takes over (set -e, set -u, a failed `exec`) signals FAILURE with the step, so
-# `cdk deploy` fails at once instead of after the creation policy's 45 minutes.
-_FETCH_AND_RUN = r"""# shellcheck source=/dev/null
-source "$ENV_FILE.new"
-STEP=fetch-config
-fail() {
-  local status=$? imds=http://169.254.169.254/latest token id
-  ((status)) || return 0
-  echo "gpu-cluster user data: $STEP failed (exit $status)" >&2
-  token=$(curl -sf -X PUT "$imds/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") || token=
-  id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/meta-data/instance-id") || id=unknown
-  aws cloudformation signal-resource --region "$AWS_REGION" --stack-name "$STACK_NAME" \
-    --logical-resource-id "$SIGNAL_RESOURCE" --status FAILURE --unique-id "$id-failed-$STEP" || true
-}
-trap fail EXIT
-config=$(aws ssm get-parameter --region "$AWS_REGION" --name "$NODE_CONFIG_PARAMETER" \
-  --query Parameter.Value --output text)
-while IFS= read -r line; do
-  [[ $line =~ @CONFIG_LINE@ ]] || { echo "$NODE_CONFIG_PARAMETER: not KEY=VALUE: $line" >&2; exit 1; }
-done <<< "$config"
-printf '%s\n' "$config" >> "$ENV_FILE.new"
-# shellcheck source=/dev/null
-source "$ENV_FILE.new"
-STEP=fetch-bootstrap
-aws s3 cp --region "$AWS_REGION" --only-show-errors "$BOOTSTRAP_URL" "$SCRIPT.new"
-chmod 0755 "$SCRIPT.new"
-# Replace only what changed, so a re-run leaves the machine as it was.
-for f in "$ENV_FILE" "$SCRIPT"; do
-  if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi
-done
-STEP=start-bootstrap
-exec "$SCRIPT" "$ENV_FILE"
-"""
+STUB_BODY = BOOTSTRAP_SCRIPT.with_name("user-data-stub.sh")
 
 
 def render_user_data(env: Mapping[str, str]) -> str:
@@ -80,9 +43,16 @@ def render_user_data(env: Mapping[str, str]) -> str:
             "cat > \"$ENV_FILE.new\" <<'GPU_CLUSTER_ENV'",
             env_lines,
             "GPU_CLUSTER_ENV",
-            _FETCH_AND_RUN.replace("@CONFIG_LINE@", CONFIG_LINE),
+            stub_body(),
         ]
     )
+
+
+def stub_body() -> str:
+    """The stub's script without its header (shebang and the comment lines above the first command)."""
+    lines = STUB_BODY.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return "\n".join(lines[first:]) + "\n"
 
 
 def node_config(values: Mapping[str, str]) -> str:
