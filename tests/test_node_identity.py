@@ -58,7 +58,7 @@ def test_a_new_base_image_replaces_no_node_and_reaches_new_nodes_through_the_nod
 def test_an_edit_of_the_bootstrap_script_replaces_no_node_and_is_a_new_asset(tmp_path, monkeypatch):
     before = _template()
     edited = tmp_path / "node-bootstrap.sh"
-    edited.write_text(bootstrap.BOOTSTRAP_SCRIPT.read_text() + "# an edit\n")
+    edited.write_text(bootstrap.BOOTSTRAP_SCRIPT.read_text() + ": an edit\n")
     monkeypatch.setattr(bootstrap, "BOOTSTRAP_SCRIPT", edited)
     after = _template()
     assert _nodes(before) == _nodes(after)
