@@ -51,6 +51,7 @@ from cluster_node.contract import (
 
 from .bootstrap import check_user_data_size, make_node_config, render_user_data
 from .config import ClusterConfig, alarm_minutes
+from .images import image_tag
 from .node_launch import attach_launch_template
 from .spot_release import SpotRequestRelease
 
@@ -206,7 +207,7 @@ class GpuNodes(Construct):
             self,
             "ImageContext",
             parameter_name=image_context_parameter_name(config.cluster_name),
-            string_value=f"{self.image_context.s3_object_url} {self.image_context.asset_hash[:16]}",
+            string_value=f"{self.image_context.s3_object_url} {image_tag(self.image_context.asset_hash, config.image)}",
             description="The training image's build context (S3 URL and tag) for the node bootstrap",
         )
         parameter.grant_read(self.role)

@@ -53,6 +53,16 @@ def test_a_new_base_image_replaces_no_node_and_reaches_new_nodes_through_the_nod
     assert _nodes(before) == _nodes(after)
     assert "BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3" in _node_config(after)
     assert "25.01" not in _node_config(before)
+    assert _image_context(before) != _image_context(after), "a node that runs its stub again must rebuild"
+
+
+def _image_context(template: dict) -> str:
+    (value,) = [
+        json.dumps(r["Properties"]["Value"])
+        for r in template["Resources"].values()
+        if r["Type"] == "AWS::SSM::Parameter" and r["Properties"]["Name"].endswith("/image-context")
+    ]
+    return value
 
 
 def test_an_edit_of_the_bootstrap_script_replaces_no_node_and_is_a_new_asset(tmp_path, monkeypatch):
