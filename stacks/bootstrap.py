@@ -1,4 +1,9 @@
-"""User data: the real bootstrap script (assets/bootstrap/node-bootstrap.sh) behind an env header.
+"""User data: a short stub that fetches the bootstrap script (assets/bootstrap/node-bootstrap.sh) and
+runs it. Only what a node keeps for its life (cluster, rank, file system, stack, its own logical ID,
+parameter and alarm names) is in the stub, so no config change and no edit of the script alters user
+data, which with `user_data_causes_replacement` would replace every node. What follows the config
+(the script's S3 URL, the base image, Spot, EFA cards) lives in the node-config SSM parameter
+(KEY=VALUE lines) that the stub reads at each run.
 
 The header values may be CDK tokens (file system id, region, ...); they resolve at deploy time.
 """
@@ -8,44 +13,78 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
+from aws_cdk import Tags
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3_assets as s3_assets
+from aws_cdk import aws_ssm as ssm
+from constructs import Construct
+
+from cluster_node.contract import CLUSTER_TAG, node_config_parameter
+
+from .config import ClusterConfig
+
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "bootstrap" / "node-bootstrap.sh"
 ENV_FILE = "/etc/gpu-cluster/bootstrap.env"
 USER_DATA_LIMIT = 16 * 1024  # EC2: user data is at most 16 KB before base64
 TOKEN_ALLOWANCE = 256  # bytes counted for each value CloudFormation fills in at deploy time
 SCRIPT_PATH = "/usr/local/sbin/gpu-cluster-bootstrap"
-
-
-def without_comments(script: str) -> str:
-    """The script with its header (what it does, how to run it) but not the comment lines below it (the
-    repository keeps them): user data holds 16 KB at most."""
-    lines = script.splitlines()
-    header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
-    return "\n".join(lines[:header] + [line for line in lines[header:] if not line.lstrip().startswith("#")])
+STUB_BODY = BOOTSTRAP_SCRIPT.with_name("user-data-stub.sh")
 
 
 def render_user_data(env: Mapping[str, str]) -> str:
-    """User-data commands (after the shebang) that install the bootstrap with its env file and run it."""
-    script = without_comments(BOOTSTRAP_SCRIPT.read_text())
+    """User-data commands (after the shebang): write the node's fixed values, add the node config,
+    fetch the bootstrap and run it (it signals CloudFormation itself)."""
     env_lines = "\n".join(f"{key}={value}" for key, value in env.items())
     return "\n".join(
         [
             "set -euo pipefail",
+            f"ENV_FILE={ENV_FILE} SCRIPT={SCRIPT_PATH}",
             "install -d -m 0755 /etc/gpu-cluster",
-            f"cat > {ENV_FILE}.new <<'GPU_CLUSTER_ENV'",
+            "cat > \"$ENV_FILE.new\" <<'GPU_CLUSTER_ENV'",
             env_lines,
             "GPU_CLUSTER_ENV",
-            f"cat > {SCRIPT_PATH}.new <<'GPU_CLUSTER_SCRIPT'",
-            script.rstrip("\n"),
-            "GPU_CLUSTER_SCRIPT",
-            f"chmod 0755 {SCRIPT_PATH}.new",
-            # Replace only what changed, so a re-run leaves the machine as it was.
-            f"for f in {ENV_FILE} {SCRIPT_PATH}; do",
-            '  if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi',
-            "done",
-            f"exec {SCRIPT_PATH} {ENV_FILE}",
-            "",
+            stub_body(),
         ]
     )
+
+
+def stub_body() -> str:
+    """The stub's script without its header (shebang and the comment lines above the first command)."""
+    lines = STUB_BODY.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    return "\n".join(lines[first:]) + "\n"
+
+
+def node_config(values: Mapping[str, str]) -> str:
+    """The node-config parameter's value: KEY=VALUE lines (a value may be a CDK token)."""
+    return "\n".join(f"{key}={value}" for key, value in values.items())
+
+
+def make_node_config(scope: Construct, config: ClusterConfig, role: iam.IRole) -> ssm.StringParameter:
+    """The node-config parameter, which the role may read: the bootstrap script's own asset (editing it
+    changes neither user data nor the image context's tag), the base image, Spot, EFA cards."""
+    script = s3_assets.Asset(scope, "BootstrapScript", path=str(BOOTSTRAP_SCRIPT))
+    # That one object (Asset.grant_read would allow the whole CDK assets bucket).
+    role.add_to_principal_policy(
+        iam.PolicyStatement(actions=["s3:GetObject"], resources=[script.bucket.arn_for_objects(script.s3_object_key)])
+    )
+    values = {
+        "BOOTSTRAP_URL": script.s3_object_url,
+        "BASE_IMAGE": config.image,
+        "EFA_CARDS": str(config.efa_cards),
+        "SPOT": "true" if config.spot else "false",
+    }
+    parameter = ssm.StringParameter(
+        scope,
+        "NodeConfig",
+        parameter_name=node_config_parameter(config.cluster_name),
+        string_value=node_config(values),
+        description="The node bootstrap's config (KEY=VALUE lines): script URL, base image, Spot, EFA",
+    )
+    parameter.grant_read(role)
+    # Found by its /gpu-cluster/NAME/ path, so untagged (moto crashes on SSM parameter tags in CloudFormation).
+    Tags.of(parameter).remove(CLUSTER_TAG, priority=200)
+    return parameter
 
 
 def user_data_bytes(resolved) -> int:
@@ -63,7 +102,6 @@ def check_user_data_size(resolved, what: str) -> int:
     size = user_data_bytes(resolved)
     if size > USER_DATA_LIMIT:
         raise ValueError(
-            f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; "
-            "shorten the bootstrap script or the values it carries"
+            f"{what}: user data would be {size} bytes, over EC2's {USER_DATA_LIMIT}; shorten the values it carries"
         )
     return size

@@ -14,6 +14,7 @@ NGC 2x.xx page states under GPU Requirements until CUDA 13 (checked on 19.03, 20
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -122,3 +123,9 @@ def compare_nodes(image: str, rows: list[dict]) -> str:
     if len(groups) == 1:
         return f"{image}: {lines[0]}"
     return f"{image}: " + "; ".join(f"{','.join(nodes)}: {line}" for nodes, line in zip(groups.values(), lines))
+
+
+def image_tag(context_hash: str, base_image: str) -> str:
+    """The training image's tag: a new context or a new base image (`-c image`) is a new image, which a
+    bootstrap run again on a running node builds (node-bootstrap.sh keeps an image whose tag it has)."""
+    return hashlib.sha256(f"{context_hash} {base_image}".encode()).hexdigest()[:16]

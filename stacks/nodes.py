@@ -46,11 +46,14 @@ from cluster_node.contract import (
     host_key_parameter,
     idle_minutes_parameter,
     image_context_parameter,
+    node_config_parameter,
 )
 
-from .bootstrap import check_user_data_size, render_user_data
+from .bootstrap import check_user_data_size, make_node_config, render_user_data
 from .config import ClusterConfig, alarm_minutes
+from .images import image_tag
 from .node_launch import attach_launch_template
+from .spot_release import SpotRequestRelease
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
@@ -135,6 +138,7 @@ class GpuNodes(Construct):
         self.host_key_parameter = self._host_key_parameter()
         self.image_context_parameter = self._image_context_parameter(config)
         self.idle_minutes_parameter = self._idle_minutes_parameter(config)
+        self.node_config_parameter = make_node_config(self, config, self.role)
         self._grant_stop_and_heartbeat(config)
         self.key_pair, self.key_parameter_name = self._key_pair(config)
         placement_group = (
@@ -143,9 +147,13 @@ class GpuNodes(Construct):
             else None
         )
         machine_image = PinnedImage(config.ami_id)
+        # Created before the nodes and deleted after them, so it sees every node's termination.
+        release = SpotRequestRelease(self, "SpotRelease", cluster_name=config.cluster_name) if config.spot else None
         self.instances: list[ec2.Instance] = []
         for rank in range(config.nodes):
             instance = self._instance(config, rank, vpc, subnet, security_group, machine_image, placement_group)
+            if release:
+                instance.node.add_dependency(release)
             self._bootstrap(config, rank, instance, file_system)
             self._launch_options(config, rank, instance, subnet, security_group)
             self.instances.append(instance)
@@ -207,7 +215,7 @@ class GpuNodes(Construct):
             self,
             "ImageContext",
             parameter_name=image_context_parameter_name(config.cluster_name),
-            string_value=f"{self.image_context.s3_object_url} {self.image_context.asset_hash[:16]}",
+            string_value=f"{self.image_context.s3_object_url} {image_tag(self.image_context.asset_hash, config.image)}",
             description="The training image's build context (S3 URL and tag) for the node bootstrap",
         )
         parameter.grant_read(self.role)
@@ -284,29 +292,25 @@ class GpuNodes(Construct):
     def _bootstrap(
         self, config: ClusterConfig, rank: int, instance: ec2.Instance, file_system: efs.IFileSystem
     ) -> None:
-        """User data (the bootstrap script with this node's values), the signal it must send, and what
+        """User data (the stub with this node's life-long values), the signal it must send, and what
         must exist before it runs."""
         stack = Stack.of(self)
         env = {
             "CLUSTER_NAME": config.cluster_name,
             "NODE_RANK": str(rank),
-            "NODES": str(config.nodes),
             "FILE_SYSTEM_ID": file_system.file_system_id,
             "AWS_REGION": stack.region,
             "STACK_NAME": stack.stack_name,
             # The lazy logical ID: the one in the template, with the user-data hash CDK appends
             # (get_logical_id omits it: aws-cdk#11959); while CDK hashes the user data it renders unhashed.
             "SIGNAL_RESOURCE": _cfn(instance).logical_id,
-            "BASE_IMAGE": config.image,
+            "NODE_CONFIG_PARAMETER": node_config_parameter(config.cluster_name),
             "IMAGE_CONTEXT_PARAMETER": image_context_parameter_name(config.cluster_name),
             "HOST_KEY_PARAMETER": self.host_key_parameter_name,
             "IDLE_MINUTES_PARAMETER": idle_minutes_parameter(config.cluster_name),
-            "EFA_CARDS": str(config.efa_cards),
             "IDLE_ALARM": idle_alarm_name(config.cluster_name, rank),
             "HEARTBEAT_NAMESPACE": HEARTBEAT_NAMESPACE,
         }
-        if config.spot:  # only then: a new key in user data would replace On-Demand nodes
-            env["SPOT"] = "true"
         instance.user_data.add_commands(render_user_data(env))
         check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))
         _cfn(instance).cfn_options.creation_policy = CfnCreationPolicy(
@@ -318,6 +322,7 @@ class GpuNodes(Construct):
             self.host_key_parameter,
             self.image_context_parameter,
             self.idle_minutes_parameter,
+            self.node_config_parameter,
         )
 
     def _launch_options(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-from stacks.bootstrap import render_user_data
+from stacks.bootstrap import node_config, render_user_data
 
 OVERLAID = [
     "/data",
@@ -34,18 +34,26 @@ FSTAB_LINE = (
 ENV = {
     "CLUSTER_NAME": "testcluster",
     "NODE_RANK": "0",
-    "NODES": "2",
     "FILE_SYSTEM_ID": "fs-0123abcd",
     "AWS_REGION": "eu-west-1",
     "STACK_NAME": "GpuCluster-test",
     "SIGNAL_RESOURCE": "GpuNodesNode0ABC",
-    "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
+    "NODE_CONFIG_PARAMETER": "/gpu-cluster/testcluster/node-config",  # the aws stand-in answers NODE_CONFIG
     "IMAGE_CONTEXT_PARAMETER": "/gpu-cluster/testcluster/image-context",
     "HOST_KEY_PARAMETER": "/gpu-cluster/testcluster/ssh-host-key",
     "IDLE_MINUTES_PARAMETER": "/gpu-cluster/testcluster/idle-minutes",  # the aws stand-in answers 45
     "IDLE_ALARM": "testcluster-node0-idle",
     "HEARTBEAT_NAMESPACE": "GpuCluster/Autostop",
 }
+# The node-config parameter's value (stacks/bootstrap.py node_config): the stub fetches the script from it.
+BOOTSTRAP_URL = "s3://cdk-assets/0123abcd.sh"
+NODE_CONFIG = {
+    "BOOTSTRAP_URL": BOOTSTRAP_URL,
+    "BASE_IMAGE": "nvcr.io/nvidia/pytorch:24.12-py3",
+    "EFA_CARDS": "0",
+    "SPOT": "false",
+}
+BOOTSTRAP_SCRIPT = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"
 
 
 def host_paths():
@@ -80,6 +88,8 @@ class Sandbox:
         for name in ("efs", "etc-gpu-cluster", "systemd", "state", "opt", "work", "bin", "run"):
             (root / name).mkdir()
         (root / "image-context").write_text("s3://cdk-assets/abc.zip abc123\n")
+        (root / "node-config").write_text(node_config(NODE_CONFIG) + "\n")
+        shutil.copy(BOOTSTRAP_SCRIPT, root / "bootstrap-asset.sh")  # what `aws s3 cp BOOTSTRAP_URL` fetches
         for standin in STANDINS.iterdir():
             if not (bare and standin.name in INSTALLABLE):
                 (root / "bin" / standin.name).symlink_to(standin)
@@ -89,7 +99,7 @@ class Sandbox:
                 for path in sorted((REPO / "assets" / part).rglob("*")):
                     if path.is_file() and "__pycache__" not in path.parts:
                         archive.write(path, f"{part}/{path.relative_to(REPO / 'assets' / part).as_posix()}")
-        # The user-data exactly as the stack renders it, with plain values for the tokens.
+        # The user data exactly as the stack renders it (the stub), with plain values for the tokens.
         (root / "user-data.sh").write_text("#!/bin/bash\n" + render_user_data(ENV))
 
     def run(self, **env) -> subprocess.CompletedProcess:

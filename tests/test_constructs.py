@@ -311,15 +311,15 @@ def _user_data(template: Template, rank: int) -> str:
     return "".join(p if isinstance(p, str) else "<token>" for p in parts["Fn::Join"][1])
 
 
-def test_user_data_carries_the_bootstrap_with_its_config(cluster):
+def test_user_data_is_the_stub_with_the_nodes_own_values_and_no_config(cluster):
+    """The bootstrap travels as its own asset (tests/test_node_identity.py): user data only fetches it."""
     nodes, template = cluster
     text = _user_data(template, nodes - 1)
     assert text.startswith("#!/bin/bash")
-    assert f"NODE_RANK={nodes - 1}\n" in text and f"NODES={nodes}\n" in text
-    assert "nfsvers=4.1,rsize=1048576,wsize=1048576,hard,timeo=600,retrans=2,noresvport,_netdev" in text
-    assert ">> /etc/fstab" in text
-    assert "--gpus all --net=host --ipc=host" in text and "gpu-cluster-train" in text
-    assert "signal-resource" in text and "http-tokens" not in text
+    assert f"NODE_RANK={nodes - 1}\n" in text and "NODES=" not in text and "BASE_IMAGE" not in text
+    assert "NODE_CONFIG_PARAMETER=/gpu-cluster/gpu-cluster/node-config\n" in text
+    assert "aws s3 cp" in text and "signal-resource" in text and 'exec "$SCRIPT" "$ENV_FILE"' in text
+    assert ">> /etc/fstab" not in text and "docker run" not in text  # the script's work, not the stub's
     for secret_marker in ("BEGIN OPENSSH PRIVATE KEY", "PRIVATE KEY", "aws_secret_access_key"):
         assert secret_marker not in text
 
@@ -561,7 +561,13 @@ def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, 
     for instance in template.find_resources("AWS::EC2::Instance").values():
         assert instance["Properties"]["LaunchTemplate"]["Version"]["Fn::GetAtt"][1] == "LatestVersionNumber"
     template.has_output("Spot", {"Value": "true"})
-    assert "\nSPOT=true\n" in _user_data(template, 2)
+    assert "SPOT=" not in _user_data(template, 2)  # in the node config: turning Spot on changes no user data
+    (config,) = [
+        json.dumps(r["Properties"]["Value"])
+        for r in template.find_resources("AWS::SSM::Parameter").values()
+        if r["Properties"]["Name"].endswith("/node-config")
+    ]
+    assert "SPOT=true" in config
 
 
 def test_on_demand_nodes_have_no_market_options_and_unchanged_user_data(cluster):
@@ -570,7 +576,7 @@ def test_on_demand_nodes_have_no_market_options_and_unchanged_user_data(cluster)
         "InstanceMarketOptions" not in data and "TagSpecifications" not in data for data in _launch_templates(template)
     )
     template.has_output("Spot", {"Value": "false"})
-    assert "\nSPOT=" not in _user_data(template, 0)  # the env header; the script says ${SPOT:-false}
+    assert "SPOT=" not in _user_data(template, 0)  # the node config says SPOT=false
 
 
 # ---------------------------------------------------------------- EFA

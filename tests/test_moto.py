@@ -231,3 +231,14 @@ def test_fab_inventory_task_writes_the_inventory(deployed, tmp_path, aws_env):
     )
     assert missing.returncode == 1
     assert missing.stderr.strip().splitlines()[-1].startswith("error: no ") and "cdk deploy" in missing.stderr
+
+
+def test_the_node_config_names_the_bootstrap_script_the_deploy_uploaded(deployed):
+    """What each node's user-data stub fetches: the node-config parameter's BOOTSTRAP_URL is the script
+    itself, uploaded by `cdk deploy` as its own asset; the base image and Spot are beside it."""
+    value = boto3.client("ssm").get_parameter(Name="/gpu-cluster/gpu-cluster/node-config")["Parameter"]["Value"]
+    config = dict(line.split("=", 1) for line in value.splitlines())
+    assert set(config) == {"BOOTSTRAP_URL", "BASE_IMAGE", "EFA_CARDS", "SPOT"} and config["SPOT"] == "false"
+    bucket, key = config["BOOTSTRAP_URL"].removeprefix("s3://").split("/", 1)
+    body = boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert body == (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_bytes()

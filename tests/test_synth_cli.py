@@ -100,7 +100,7 @@ def synth(request, tmp_path_factory):
 
 
 def test_template_facts(synth):
-    case, _, _, template = synth
+    case, out, _, template = synth
     resources = template["Resources"].values()
     instances = [r for r in resources if r["Type"] == "AWS::EC2::Instance"]
     assert (
@@ -136,7 +136,10 @@ def test_template_facts(synth):
         for r in resources
     )
     assert '"HttpTokens": "required"' in text
-    assert "/etc/fstab" in text and "4444" in text
+    # The bootstrap is its own asset beside the template (user data fetches it), named in the node config.
+    (script,) = out.glob("asset.*.sh")
+    assert "/etc/fstab" in script.read_text() and "4444" in script.read_text() and "/etc/fstab" not in text
+    assert f"/{script.name.removeprefix('asset.')}" in text
     markets = [
         r["Properties"]["LaunchTemplateData"].get("InstanceMarketOptions")
         for r in resources

@@ -32,6 +32,12 @@ def idle_minutes_parameter(cluster_name: str) -> str:
     return parameter_prefix(cluster_name) + "idle-minutes"
 
 
+def node_config_parameter(cluster_name: str) -> str:
+    """The node bootstrap's config (script URL, base image, Spot, EFA cards), outside user data: a
+    change there replaces no node; the user-data stub reads it at each run."""
+    return parameter_prefix(cluster_name) + "node-config"
+
+
 def dashboard_name(cluster_name: str, region: str) -> str:
     """CloudWatch dashboard names are global to the account: one per cluster and region
     (at most 255 of A-Z a-z 0-9 - _; a region name fits)."""

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The user-data stub's body (stacks/bootstrap.py render_user_data puts it after the node's env heredoc,
+# which defines ENV_FILE and SCRIPT and writes "$ENV_FILE.new"). It reads the node config (KEY=VALUE
+# lines of plain values: the file is sourced as root), fetches the bootstrap and runs it. Run by plain
+# bash (cloud-init runs user data so; the deploy rehearsal too). Any exit before the bootstrap takes
+# over (set -e, set -u, a failed exec) signals FAILURE with its step, so `cdk deploy` fails at once
+# instead of after the creation policy's 45 minutes.
+: "${ENV_FILE:?}" "${SCRIPT:?}"
+# shellcheck source=/dev/null
+source "$ENV_FILE.new"
+STEP=fetch-config
+fail() {
+  local status=$? imds=http://169.254.169.254/latest token id
+  ((status)) || return 0
+  echo "gpu-cluster user data: $STEP failed (exit $status)" >&2
+  token=$(curl -sf -X PUT "$imds/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") || token=
+  id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/meta-data/instance-id") || id=unknown
+  aws cloudformation signal-resource --region "$AWS_REGION" --stack-name "$STACK_NAME" \
+    --logical-resource-id "$SIGNAL_RESOURCE" --status FAILURE --unique-id "$id-failed-$STEP" || true
+}
+trap fail EXIT
+config=$(aws ssm get-parameter --region "$AWS_REGION" --name "$NODE_CONFIG_PARAMETER" \
+  --query Parameter.Value --output text)
+while IFS= read -r line; do
+  [[ $line =~ ^[A-Z_]+=[A-Za-z0-9._:/@+-]*$ ]] || { echo "$NODE_CONFIG_PARAMETER: not KEY=VALUE: $line" >&2; exit 1; }
+done <<< "$config"
+printf '%s\n' "$config" >> "$ENV_FILE.new"
+# shellcheck source=/dev/null
+source "$ENV_FILE.new"
+STEP=fetch-bootstrap
+aws s3 cp --region "$AWS_REGION" --only-show-errors "$BOOTSTRAP_URL" "$SCRIPT.new"
+chmod 0755 "$SCRIPT.new"
+# Replace only what changed, so a re-run leaves the machine as it was.
+for f in "$ENV_FILE" "$SCRIPT"; do
+  if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi
+done
+STEP=start-bootstrap
+exec "$SCRIPT" "$ENV_FILE"

@@ -1,0 +1,93 @@
+"""The user-data stub (stacks/bootstrap.py) executed in the bootstrap sandbox (tests/bootstrap_sandbox.py):
+it fetches the node config and the bootstrap script, and a fetch that fails signals FAILURE at once
+(else CloudFormation waits out the creation policy's 45 minutes); what it fetched is what runs."""
+
+import os
+
+import pytest
+from bootstrap_sandbox import NODE_CONFIG, Sandbox, host_paths
+
+from stacks.bootstrap import node_config
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace"),
+    pytest.mark.xdist_group("bootstrap-host-paths"),
+]
+INSTANCE_ID = "i-0123456789abcdef0"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mountpoints():
+    yield from host_paths()
+
+
+@pytest.fixture
+def sandbox(tmp_path) -> Sandbox:
+    return Sandbox(tmp_path)
+
+
+def _signals(sandbox: Sandbox) -> list[str]:
+    return [c for c in sandbox.calls() if "signal-resource" in c]
+
+
+def test_the_stub_fetches_the_config_and_the_script_and_the_script_uses_the_config(sandbox):
+    """The base image comes from the node-config parameter, not from user data: `-c image=...` replaces
+    no node, and a node launched after it builds on the new image."""
+    (sandbox.root / "node-config").write_text(
+        node_config({**NODE_CONFIG, "BASE_IMAGE": "nvcr.io/nvidia/pytorch:25.01-py3"})
+    )
+    result = sandbox.run()
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = sandbox.calls()
+    fetches = [c for c in calls if c.startswith(("aws ssm get-parameter", "aws s3 cp"))]
+    assert "/gpu-cluster/testcluster/node-config" in fetches[0]
+    assert fetches[1].startswith(f"aws s3 cp --region eu-west-1 --only-show-errors {NODE_CONFIG['BOOTSTRAP_URL']} ")
+    assert [c for c in calls if c.startswith("docker build")][0].count("BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3")
+    installed = (sandbox.root / "work" / "gpu-cluster-bootstrap").read_text()
+    assert installed == (sandbox.root / "bootstrap-asset.sh").read_text()
+    env = (sandbox.root / "etc-gpu-cluster" / "bootstrap.env").read_text().splitlines()
+    assert "NODE_RANK=0" in env and "SPOT=false" in env and "EFA_CARDS=0" in env
+    assert [s for s in _signals(sandbox) if "FAILURE" in s] == []
+
+
+@pytest.mark.parametrize(
+    ("failure", "step"),
+    [({"FAIL_NODE_CONFIG": "1"}, "fetch-config"), ({"FAIL_S3_BOOTSTRAP": "1"}, "fetch-bootstrap")],
+)
+def test_a_fetch_that_fails_signals_failure_at_once_and_runs_no_bootstrap(sandbox, failure, step):
+    result = sandbox.run(**failure)
+    assert result.returncode != 0
+    assert _signals(sandbox) == [
+        "aws cloudformation signal-resource --region eu-west-1 --stack-name GpuCluster-test "
+        f"--logical-resource-id GpuNodesNode0ABC --status FAILURE --unique-id {INSTANCE_ID}-failed-{step}"
+    ]
+    assert f"{step} failed" in result.stderr
+    assert not [c for c in sandbox.calls() if c.startswith(("docker", "mount", "systemctl"))]
+    assert not (sandbox.root / "work" / "gpu-cluster-bootstrap").exists()
+
+
+def test_a_config_line_that_is_not_a_plain_value_is_refused_not_run(sandbox):
+    """The stub appends the config to the env file the bootstrap sources as root: shell syntax there would
+    run. The stack writes plain values only; anything else is a failure signalled at once."""
+    (sandbox.root / "node-config").write_text(node_config({**NODE_CONFIG, "SPOT": "$(touch /tmp/x)"}))
+    result = sandbox.run()
+    assert result.returncode != 0
+    assert "not KEY=VALUE: SPOT=$(touch /tmp/x)" in result.stderr
+    assert len(_signals(sandbox)) == 1 and "--status FAILURE" in _signals(sandbox)[0]
+    assert "-failed-fetch-config" in _signals(sandbox)[0]
+
+
+def test_the_stub_run_again_changes_nothing_and_a_new_script_replaces_the_old(sandbox):
+    assert sandbox.run().returncode == 0
+    script = sandbox.root / "work" / "gpu-cluster-bootstrap"
+    env_file = sandbox.root / "etc-gpu-cluster" / "bootstrap.env"
+    before = (script.stat().st_mtime_ns, env_file.stat().st_mtime_ns)
+    assert sandbox.run().returncode == 0
+    assert (script.stat().st_mtime_ns, env_file.stat().st_mtime_ns) == before
+    assert not list((sandbox.root / "work").glob("*.new")) and not list(
+        (sandbox.root / "etc-gpu-cluster").glob("*.new")
+    )
+    edited = (sandbox.root / "bootstrap-asset.sh").read_text().replace("# GPU cluster node bootstrap.", "# edited.", 1)
+    (sandbox.root / "bootstrap-asset.sh").write_text(edited)
+    assert sandbox.run().returncode == 0
+    assert script.read_text() == edited
