@@ -131,7 +131,9 @@ def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follo
     with head(inv) as conn:
         saved = resume.saved(conn, inv, request.run_name)
         request = resume.resumed(request, given, saved, inv) if saved else request
-        resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+        max_steps = resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+        if saved:  # a finished run is never rewritten by a launch that trains nothing
+            resume.refuse_finished(request, saved, max_steps, resume.run_names(conn, inv))
         nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
         plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)), saved)
         rdir, log_offset = lifecycle.start_training(conn, inv, plan)

@@ -4,6 +4,7 @@ starts; a stopped run is `stopped` (resumable), and `fab runs` counts every segm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -175,6 +176,20 @@ def test_the_trainers_own_resume_checks_run_on_the_laptop():
         resume.check_trainer(inventory(), request, saved)
     longer = resume.resumed(launch.TrainRequest(run="tiny", steps=600), set(), saved, inventory())
     resume.check_trainer(inventory(), longer, saved)  # the length may change
+
+
+def test_a_finished_run_is_refused_with_how_to_train_more_or_start_anew():
+    """Issue 32 §1: the same `fab train` after a finished run 'resumed' it, trained nothing and rewrote
+    its summary with zeros."""
+    saved = dataclasses.replace(resume.Saved(saved_config(), {}), step=300)
+    request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
+    max_steps = resume.check_trainer(inventory(), request, saved)
+    with pytest.raises(launch.LaunchError) as refused:
+        resume.refuse_finished(request, saved, max_steps, ["tiny", "tiny-2"])
+    words = str(refused.value)
+    assert "already finished at step 300" in words and "--run tiny --steps 450" in words and "--run tiny-3" in words
+    longer = resume.resumed(launch.TrainRequest(run="tiny", steps=450), set(), saved, inventory())
+    resume.refuse_finished(longer, saved, resume.check_trainer(inventory(), longer, saved), ["tiny"])
 
 
 @pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])

@@ -386,6 +386,8 @@ def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
     assert "run ended at step 200" in pair.fab("logs").stdout
     status = pair.fab("status").stdout
     assert "finished | step 200/200" in status
+    again = pair.fab("train", check=False)  # issue 32 §1: 'resumed' it, trained nothing, zeroed its summary
+    assert again.returncode == 1 and "already finished at step 200" in again.stderr, again.stdout + again.stderr
     fetched = pair.fab("fetch", "--dest", str(tmp_path)).stdout
     run = tmp_path / "transformer-tiny"
     for name in ("config.json", "summary.json", "spm.model", "train.log", "checkpoints/best.pt"):

@@ -39,6 +39,9 @@ def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     progress = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
     assert progress is not None and progress.ended == "max_steps" and not progress.extra
     assert (tmp_path / rundir.CONFIG).is_file() and rundir.checkpoint(tmp_path, 2).is_file()
+    written = (tmp_path / rundir.SUMMARY).read_text()
+    run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1")  # trains nothing
+    assert (tmp_path / rundir.SUMMARY).read_text() == written  # issue 32 §1: was rewritten with zeros
 
 
 def test_the_rank_heartbeat_is_what_the_heartbeat_callback_writes(tmp_path):

@@ -389,8 +389,8 @@ class Trainer:
             "calibration": self.calibration,
             "auto_compression": self.auto_compression,
         }
-        if self.info.is_main:
-            rundir.write_json(self.run_dir / rundir.SUMMARY, summary, indent=2)
+        if self.info.is_main and (step_times or not (self.run_dir / rundir.SUMMARY).exists()):
+            rundir.write_json(self.run_dir / rundir.SUMMARY, summary, indent=2)  # never zeros over a result
         self._progress(loss=None, avg_step_time_s=avg, ended=ended)  # after the summary, as readers expect
         if self.info.is_main:
             if self.writer:
