@@ -12,13 +12,14 @@ import sys
 import time
 import uuid
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable, Optional
 
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
 from cluster_node import rundir
+from train import catalog
 
 from . import health, launch, logfilter, nodecmd, remote
 from .inventory import Inventory
@@ -126,9 +127,8 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     ensure_idle(connection, inventory)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.request_data(inventory, request)
-    ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
-    if "--synthetic" not in request.extra_args and remote.sh(connection, ready).strip() != "ok":
-        raise remote.RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
+    if "--synthetic" not in request.extra_args:
+        _check_data(connection, request.recipe, data_path, dataset)
     spec = launch.train_spec(
         inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
     )
@@ -145,6 +145,23 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     if "run" not in result:
         raise remote.RemoteError(result.get("refused") or result.get("error") or str(result))
     return result["run"], int(result["log_offset"])
+
+
+def _check_data(connection: Connection, recipe: str, data_path: str, dataset: str) -> None:
+    """A prepared data set (meta.json or an image folder's train/) that the recipe can read: one line
+    before the launch (was: "started", then a failure on every rank)."""
+    folder = f"test -d {q(data_path + '/train')} && echo folder || echo none"
+    out = remote.sh(connection, f"{folder}; cat {q(data_path + '/meta.json')} 2>/dev/null || true")
+    first, _, text = out.partition("\n")
+    try:
+        meta = json.loads(text) if text.strip() else None
+    except ValueError:
+        meta = None
+    if meta is None and first.strip() != "folder":
+        raise remote.RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
+    mismatch = catalog.input_mismatch(recipe, PurePosixPath(data_path).name, meta, first.strip() == "folder")
+    if mismatch:
+        raise remote.RemoteError(mismatch)
 
 
 def follow_log(
