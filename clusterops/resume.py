@@ -6,6 +6,7 @@ here rather than argparse's usage once per rank and a run marked failed."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import shlex
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -124,3 +125,16 @@ def refuse_finished(request: launch.TrainRequest, run: Saved, max_steps: int, ta
         f"start a new run with `fab train --recipe {run.config.get('recipe', request.recipe)} "
         f"--run {free_name(name, taken)}`"
     )
+
+
+
+def new_run_line(request: launch.TrainRequest) -> str:
+    """'started NAME, a new run: recipe R, data set D' (a typo in --run started one silently)."""
+    dataset = request.dataset or launch.default_dataset(request.recipe)
+    return f"started {request.run_name}, a new run: recipe {request.recipe}, data set {dataset},"
+
+
+def close_run(name: str, taken: list[str]) -> str:
+    """The existing run whose name is close to a new run's, which `--run` would have resumed; "" if none."""
+    close = difflib.get_close_matches(name, [t for t in taken if t != name], n=1, cutoff=0.75)
+    return f"{name} is a new run; {close[0]} exists: `fab train --run {close[0]}` resumes that one" if close else ""

@@ -132,13 +132,16 @@ def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follo
         saved = resume.saved(conn, inv, request.run_name)
         request = resume.resumed(request, given, saved, inv) if saved else request
         max_steps = resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+        taken = resume.run_names(conn, inv)
         if saved:  # a finished run is never rewritten by a launch that trains nothing
-            resume.refuse_finished(request, saved, max_steps, resume.run_names(conn, inv))
+            resume.refuse_finished(request, saved, max_steps, taken)
         nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
         plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)), saved)
         rdir, log_offset = lifecycle.start_training(conn, inv, plan)
-        how = f"resumed {request.run_name} with its saved settings" if saved else f"started {request.run_name}"
+        how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
         print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
+        if not saved and resume.close_run(request.run_name, taken):  # a typo in --run starts a new run
+            print(f"note: {resume.close_run(request.run_name, taken)}")
         if follow:
             _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
 
