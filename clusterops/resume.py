@@ -127,7 +127,6 @@ def refuse_finished(request: launch.TrainRequest, run: Saved, max_steps: int, ta
     )
 
 
-
 def new_run_line(request: launch.TrainRequest) -> str:
     """'started NAME, a new run: recipe R, data set D' (a typo in --run started one silently)."""
     dataset = request.dataset or launch.default_dataset(request.recipe)
