@@ -9,6 +9,7 @@ import faulthandler
 import json
 import signal
 
+import pytest
 import torch
 from test_training import train as run_trainer
 
@@ -32,7 +33,11 @@ def test_progress_reads_both_shapes_the_trainer_writes(tmp_path):
 
 
 def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
-    run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1")
+    out = run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1").stdout
+    # Issue 32 §7: step 1's speed, parts and ETA (start-up) misled: "208 ms/step ... compute 877"
+    [first] = [line for line in out.splitlines() if "step 1/2 " in line]
+    assert "first step" in first and "ms/step" not in first and "| ETA" not in first, first
+    assert "| lr " in first and "ms/step" in next(line for line in out.splitlines() if "step 2/2 " in line)
     summary = rundir.read_record(tmp_path / rundir.SUMMARY, rundir.Summary)
     assert summary is not None and summary.to_json() == json.loads((tmp_path / rundir.SUMMARY).read_text())
     assert summary.steps == 2 and summary.ended == "max_steps" and "best_bleu" in summary.metrics
@@ -86,6 +91,20 @@ def test_the_busy_marker_is_what_prepare_writes(tmp_path):
         marker = rundir.read_record(path, rundir.BusyMarker)
     assert marker is not None and marker.what == "prepare.py numbers"
     assert marker.to_json() == {"what": marker.what, "time": marker.time}
+
+
+def test_the_progress_after_the_first_step_has_the_speed_and_eta_of_the_recent_steps(tmp_path):
+    """Issue 32 §7: `fab status` kept step 1's 1,715 ms/step and its ETA of 16m40s while the run did
+    1.37 s/step. Step 1 logs no speed (start-up); the refreshes between log steps take the recent steps'."""
+    now = [1000.0]
+    writer = callbacks.ProgressFile(tmp_path, max_steps=600, world_size=2, clock=lambda: now[0])
+    writer.on_progress(1, dict(loss=9.0, elapsed_s=1.7))  # what the trainer writes at step 1 now
+    for step in range(2, 12):
+        now[0] += 1.37
+        writer.on_step(step)
+    record = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
+    assert record is not None and record.step > 1
+    assert record.avg_step_time_s == pytest.approx(1.37) and record.eta_s == pytest.approx((600 - record.step) * 1.37)
 
 
 def test_progress_is_refreshed_every_few_seconds_between_log_steps_without_a_collective(tmp_path):

@@ -295,24 +295,23 @@ class Trainer:
     def _log_step(self, pending: list, step_times: list[float], global_batch: int) -> None:
         """Per step: LR and timing; at log steps also the losses so far, memory and the log line."""
         c = self.config
-        self.scalars(
-            {
-                "train/lr": self.scheduler.get_last_lr()[0],
-                "perf/step_time_s": step_times[-1],
-                "perf/objects_per_s": global_batch / step_times[-1],
-            }
-        )
+        lr, last = self.scheduler.get_last_lr()[0], step_times[-1]
+        self.scalars({"train/lr": lr, "perf/step_time_s": last, "perf/objects_per_s": global_batch / last})
         if self.step % c.log_every == 0 or self.step == 1:
-            recent = step_times[-c.log_every :]
+            recent = step_times[1:][-c.log_every :] or step_times  # the first step is start-up, not speed
             step_time = sum(recent) / len(recent)
             loss = self._flush_losses(pending)
             parts = self._interval_breakdown()
             self.scalars({"perf/memory_mb": self._memory_mb(), **{f"breakdown/{k}": parts[k] for k in parts}})
             elapsed = time.time() - self.fit_started
+            if len(step_times) == 1 and c.max_steps > 1:  # its speed, parts and ETA would mislead
+                self.log(breakdown.first_step_line(self.step, c.max_steps, c.log_every, loss, lr, step_time))
+                self._progress(loss=loss, elapsed_s=elapsed)
+                return
             eta = (c.max_steps - self.step) * step_time
             self.log(
                 f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
-                f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
+                f"{lr:.2e} | {step_time * 1000:.0f} ms/step | "
                 f"{global_batch / step_time:.0f} objects/s | slowest rank: {breakdown.parts_line(parts)} | "
                 f"elapsed {breakdown.duration(elapsed)} | ETA {breakdown.duration(eta)}"
             )
