@@ -4,6 +4,7 @@ connections, prices, one-line errors."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import os
@@ -84,6 +85,33 @@ def _allow_optional_positionals() -> None:
 
 OPTIONAL_POSITIONALS = ("kind", "run")  # a task may take these by position (`fab logs RUN`, `fab drill KIND`)
 _allow_optional_positionals()
+
+
+def _name_unknown_options() -> None:
+    """A misspelt option (`fab train --recipie transformer-tiny`) was taken as the run name by position,
+    and its value then gave Invoke's "No idea what 'transformer-tiny' is!": one line naming the option
+    and the closest the task has. No positional value starts with a dash (run names and kinds do not)."""
+    from invoke.exceptions import ParseError
+    from invoke.parser.parser import ParseMachine
+
+    see = ParseMachine.see_positional_arg
+    if getattr(see, "named_options", False):
+        return
+
+    def see_positional_arg(self, value: str) -> None:
+        if value.startswith("-") and value != "-" and self.context:
+            flags = [flag for flag in self.context.flags if flag.startswith("--")]
+            close = difflib.get_close_matches(value.split("=")[0], flags, n=1)
+            hint = f": did you mean {close[0]}?" if close else ""
+            name = self.context.name
+            raise ParseError(f"error: fab {name} has no option {value}{hint} (`fab --help {name}`)", self.context)
+        see(self, value)
+
+    see_positional_arg.named_options = True  # type: ignore[attr-defined]
+    ParseMachine.see_positional_arg = see_positional_arg  # type: ignore[method-assign]
+
+
+_name_unknown_options()
 
 
 def task(*args, **kwargs):

@@ -254,3 +254,12 @@ def test_sync_refuses_a_directory_that_is_not_the_training_package(tmp_path, unr
     (tmp_path / "mine" / "train.py").write_text("")
     assert fab("sync", "--source", str(tmp_path / "mine")) == 1
     assert "is not the training package: no __init__.py" in capsys.readouterr().err
+
+
+def test_a_misspelt_option_is_named_with_the_closest_one(capsys):
+    """Issue 32 §11: `fab train --recipie transformer-tiny` said Invoke's "No idea what 'transformer-tiny' is!"
+    (the misspelt option was taken as the run name by position)."""
+    for argv in (["train", "--recipie", "transformer-tiny"], ["train", "--recipie"]):
+        assert fab(*argv) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == "error: fab train has no option --recipie: did you mean --recipe? (`fab --help train`)"
