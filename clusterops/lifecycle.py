@@ -158,7 +158,7 @@ def _check_data(connection: Connection, recipe: str, data_path: str, dataset: st
     except ValueError:
         meta = None
     if meta is None and first.strip() != "folder":
-        raise remote.RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
+        raise remote.RemoteError(f"no prepared data set at {data_path}: {catalog.missing_data(dataset)}")
     mismatch = catalog.input_mismatch(recipe, PurePosixPath(data_path).name, meta, first.strip() == "folder")
     if mismatch:
         raise remote.RemoteError(mismatch)

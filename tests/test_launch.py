@@ -387,6 +387,16 @@ def test_a_recipe_and_a_data_set_that_do_not_match_are_one_line():
     assert catalog.input_mismatch("transformer-tiny", "numbers", text, False) is None
 
 
+def test_a_missing_data_set_says_how_to_prepare_it_or_names_the_close_one():
+    """Issue 32 §11: `--dataset dingg` suggested `fab data --dataset dingg`, itself refused."""
+    from train import catalog
+
+    assert catalog.missing_data("ding") == "run `fab data --dataset ding`"
+    assert catalog.missing_data("dingg").endswith(
+        "wmt16-en-de, fashion-mnist or imagenet: did you mean --dataset ding?"
+    )
+
+
 def test_a_synced_root_comes_first_and_the_images_is_still_found():
     """After `fab sync` the ranks, the supervisor and fab's node commands import /data/code first, then
     the image's /workspace: a /data/code left by an older fab (train/ but no cluster_node/) still finds

@@ -184,7 +184,7 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
         (["train", "--nodes", "9"], "invalid --nodes 9"),
         (["train", "--steps", "abc"], "invalid --steps 'abc': a whole number"),
         (["monitor", "--interval", "soon"], "invalid --interval 'soon': a number"),
-        (["train", "--dataset", "missing"], "no prepared data set"),
+        (["train", "--dataset", "dingg"], "no prepared data set at /data/datasets/dingg: `fab data` prepares numbers"),
         (["train", "--recipe", "resnet-small", "--dataset", "numbers"], "resnet-small trains on images; numbers is"),
         (["ssh", "--node", "7"], "--node 7"),
         (["data", "--dataset", "mnist"], "invalid --dataset 'mnist'"),

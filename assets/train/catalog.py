@@ -57,6 +57,17 @@ def input_mismatch(recipe: str, dataset: str, meta: dict | None, has_train_folde
     )
 
 
+def missing_data(dataset: str) -> str:
+    """What to do about a data set that is not prepared: `fab data` for one it prepares; for any other
+    name (a typo: `dingg`), the ones it prepares and the closest."""
+    if dataset in DATASETS:
+        return f"run `fab data --dataset {dataset}`"
+    import difflib
+
+    close = difflib.get_close_matches(dataset, DATASETS, n=1)
+    return f"`fab data` prepares {either(DATASETS)}" + (f": did you mean --dataset {close[0]}?" if close else "")
+
+
 # What each data set `fab data` prepares holds.
 KNOWN_INPUTS = dict.fromkeys(("numbers", "ding", "wmt16-en-de"), "text") | dict.fromkeys(
     ("fashion-mnist", "imagenet"), "images"
