@@ -42,9 +42,11 @@ def saved(tmp_path, monkeypatch):
     [
         ([], "give a drill: `fab drill KIND`, KIND one of kill-node, cut-link, slow-link, stop-rank, spot, fill-data"),
         (["nope"], "invalid drill 'nope': one of kill-node, "),
-        (["kill-node", "--node", "x"], "invalid --node 'x': a whole number"),
-        (["kill-node", "--node", "3"], "invalid --node 3: the cluster has nodes 0 to 2"),
+        (["kill-node", "--node", "x"], "invalid --node x: no such node (the nodes: 0=node0, 1=node1, 2=node2)"),
+        (["kill-node", "--node", "3"], "invalid --node 3: no such node"),
         (["kill-node", "--node", "0"], "drill kill-node on node0 would take the supervisor with it"),
+        # issue 32 §11: a name, as fab train --exclude takes it (was: "a whole number")
+        (["kill-node", "--node", "node0"], "drill kill-node on node0 would take the supervisor with it"),
         (["cut-link", "--node", "0"], "drill cut-link on node0 would take the supervisor with it"),
         (["slow-link", "--rate", "fast"], "invalid --rate 'fast': a tc rate such as 10mbit"),
         (["fill-data", "--mb", "0"], "invalid --mb 0: 1 to 65536"),
