@@ -131,6 +131,16 @@ def test_the_timeline_and_the_goodput_lost_from_the_phases():
     assert lost[1].endswith("10 steps lost (6.0 s to recompute)")
 
 
+def test_a_drill_without_restarts_reports_no_restart_or_recomputed_time():
+    """Issue 32 §11: without --max-restarts the run ends at the detection: its goodput said "restart.detect"
+    and "recomputed" seconds that never happened."""
+    ended = [*MARKS[: MARKS.index(Phase("detect", 120.0, end=116.5, step=20, kind="unreachable")) + 1]]
+    ended.append(Phase("done", 120.5, kind="unreachable"))
+    lost = drillreport.lost(ended, 117.0, 121.0)
+    assert "restart" not in lost[0] and "recomputed" not in lost[0] and "shutdown" in lost[0], lost
+    assert len(lost) == 1  # no incident line: nothing was restarted
+
+
 def test_routine_checkpoints_after_the_first_two_are_counted_not_listed():
     marks = [Phase("launch", 100.0), *(Phase("checkpoint", 101.0 + i, end=101.5 + i, step=10 * i) for i in range(5))]
     shown = drillreport.timeline(marks, 100.5)
