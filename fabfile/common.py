@@ -51,8 +51,10 @@ def error_boundary(function):
         except ERRORS as error:
             raise fail(error) from None
         except SSH_ERRORS as error:
-            detail = str(error) or type(error).__name__
-            raise Exit(f"error: SSH: {detail} (`fab status` shows which nodes answer)", code=1) from None
+            detail = remote.failure(error) if isinstance(error, (NoValidConnectionsError, socket.timeout)) else error
+            raise Exit(
+                f"error: SSH: {detail or type(error).__name__} (`fab status` shows which nodes answer)", code=1
+            ) from None
 
     bounded.error_boundary = True  # type: ignore[attr-defined]
     return bounded

@@ -263,3 +263,11 @@ def test_a_misspelt_option_is_named_with_the_closest_one(capsys):
         assert fab(*argv) == 1
         err = capsys.readouterr().err
         assert err.strip() == "error: fab train has no option --recipie: did you mean --recipe? (`fab --help train`)"
+
+
+def test_status_says_in_words_that_a_node_does_not_answer_ssh(unreachable, capsys):
+    """Issue 32 §11: `fab status` printed paramiko's raw "NoValidConnectionsError: [Errno None] ..."."""
+    assert fab("status") == 0
+    out = capsys.readouterr().out
+    assert "NoValidConnectionsError" not in out and "Errno None" not in out
+    assert "no SSH on 127.0.0.1:" in out and "the node, its container or its sshd is down" in out, out
