@@ -177,13 +177,7 @@ def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> di
     world = summary.get("world_size") or progress.get("world_size")
     nodes = max(1, world // max(1, slots)) if world else None
     wall = run_wall(run) or summary.get("wall_time_s")
-    quality = (
-        f"BLEU {summary['bleu']:.1f}"
-        if summary.get("bleu") is not None
-        else f"top-1 {summary['top1']:.3f}"
-        if summary.get("top1") is not None
-        else ""
-    )
+    quality = terminal.quality(summary)
     cost = ""
     if usd_per_node_hour is not None and wall and nodes:
         cost = f"${usd_per_node_hour * nodes * wall / 3600:.2f}"
