@@ -237,7 +237,7 @@ def run_scale(
     for nodes in node_counts:
         summaries = []
         for attempt in range(1, repeat + 1):
-            name = f"{rd.SCALE_DIR.format(recipe=request.recipe)}-n{nodes}-r{attempt}"
+            name = scale_run(request.recipe, nodes, attempt)
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
@@ -279,4 +279,16 @@ def write_scale(connection: Connection, inventory: Inventory, recipe: str, point
     remote.sh(connection, f"mkdir -p {q(target)}")
     for path in written:
         connection.put(str(path), f"{target}/{path.name}")
+    # The series and its short runs are home (their figures are scale.json): fetched, for fab local.down.
+    runs = [target] + [launch.run_dir(inventory, name) for name in scale_runs(recipe, points)]
+    remote.sh(connection, "touch " + " ".join(q(f"{run}/{rd.FETCHED}") for run in runs))
     return written
+
+
+def scale_runs(recipe: str, points) -> list[str]:
+    """The names of the short runs behind the points (run_scale's)."""
+    return [scale_run(recipe, p.nodes, attempt) for p in points for attempt in range(1, len(p.step_s) + 1)]
+
+
+def scale_run(recipe: str, nodes: int, attempt: int) -> str:
+    return f"{rd.SCALE_DIR.format(recipe=recipe)}-n{nodes}-r{attempt}"

@@ -307,10 +307,10 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
             fetched.append(target)
         except FileNotFoundError:
             target.unlink(missing_ok=True)  # sftp.get creates the local file before it finds none
-    if config.get("data"):
+    if config.get("data"):  # a text data set's vocabulary (an image data set has none)
         try:
             sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))
             fetched.append(dest / "spm.model")
         except FileNotFoundError:
-            pass
+            (dest / "spm.model").unlink(missing_ok=True)  # sftp.get creates the local file first: 0 bytes
     return fetched

@@ -16,7 +16,7 @@ from conftest import REPO
 from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write_spec
 
 from cluster_node import rundir
-from clusterops import analysis, launch, resume
+from clusterops import analysis, launch, lifecycle, resume
 from clusterops.inventory import Inventory, Node, SshSettings
 
 
@@ -200,3 +200,36 @@ def test_a_bad_extra_is_one_line_from_the_trainers_parser(extra, capsys):
         resume.check_trainer(inventory(), request, None)
     assert "\n" not in str(refused.value) and ("lr-scale" in str(refused.value) or "--bogus" in str(refused.value))
     assert capsys.readouterr().err == ""  # no usage text
+
+
+class _HereConnection:
+    """A head node that is this machine: commands through invoke's local runner, files through an
+    SFTP stand-in that does what paramiko's SFTPClient.get does (opens the local file, then reads)."""
+
+    def run(self, command: str, **kwargs):
+        import invoke
+
+        return invoke.run(command, hide=True, warn=True, in_stream=False)
+
+    def sftp(self):
+        class Sftp:
+            def get(self, remotepath: str, localpath: str) -> None:
+                with open(localpath, "wb") as local:  # paramiko: open(localpath, "wb"), then getfo
+                    local.write(Path(remotepath).read_bytes())  # FileNotFoundError, as SFTP's ENOENT
+
+        return Sftp()
+
+
+def test_fetch_brings_the_goodput_plot_and_no_empty_vocabulary_for_an_image_run(tmp_path):
+    """Issue 32 §5: an image run got a 0-byte spm.model; goodput.png (fab report's) was not fetched."""
+    run, data = tmp_path / "runs" / "img", tmp_path / "datasets" / "fashion-mnist"
+    (run / rundir.CHECKPOINTS).mkdir(parents=True)
+    data.mkdir(parents=True)
+    (run / rundir.CONFIG).write_text(json.dumps({"recipe": "resnet-small", "data": str(data)}))
+    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "finished"}))
+    (run / rundir.GOODPUT_PNG).write_bytes(b"\x89PNG")
+    (run / rundir.CHECKPOINTS / "step_00000005.pt").write_bytes(b"pt")
+    files, _ = lifecycle.fetch_run(_HereConnection(), str(run), tmp_path / "home" / "img")
+    names = sorted(str(f.relative_to(tmp_path / "home" / "img")) for f in files)
+    assert names == ["checkpoints/step_00000005.pt", "config.json", "goodput.png", "run-status.json"]
+    assert not (tmp_path / "home" / "img" / "spm.model").exists()
