@@ -233,19 +233,38 @@ def _age_s(connection: Connection, iso: str, read_s: float) -> float:
     return float(remote.sh(connection, "date +%s", timeout=read_s).strip()) - then
 
 
-def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:
-    """Graceful stop: the trainer checkpoints at the next step, then exits."""
+def request_stop(
+    connection: Connection, run_dir: str, wait: float = 120.0, say: Callable[[str], None] = print, every: float = 10.0
+) -> dict:
+    """Graceful stop: the trainer checkpoints at the next step, then exits. Every `every` seconds of the
+    wait, what it waits for (an eval already under way finishes first)."""
     remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    told = started
+    while time.monotonic() < started + wait:
         status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
         if status.get("state") not in (None, "running"):
             return status
+        if time.monotonic() - told >= every:
+            told = time.monotonic()
+            say(f"stop: still waiting ({told - started:.0f} s): {_stop_wait(connection, run_dir)}")
         time.sleep(1.0)
     raise remote.RemoteError(
         f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
         "Wait, or end it hard with `fab stop --force`"
     )
+
+
+def _stop_wait(connection: Connection, run_dir: str) -> str:
+    """What a stop waits for, from rank 0's heartbeat (its last finished step) and the run's eval cadence."""
+    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    beat = remote.sh(connection, f"cat {q(str(rundir.rank_beat(Path(run_dir), 0)))} 2>/dev/null || true").split()
+    if not beat or not beat[0].isdigit():
+        return "the run has not finished a step yet (start-up); the stop comes at its first"
+    step, every = int(beat[0]), config.get("eval_every") or 0
+    if every and step % every == 0 or step == config.get("max_steps"):
+        return f"rank 0 is in the eval after step {step}: the stop comes after it (`fab stop --force` ends it now)"
+    return f"rank 0 finished step {step}; the checkpoint comes after its next step"
 
 
 def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:

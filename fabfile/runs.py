@@ -350,8 +350,8 @@ def stop(c, run=None, force=False):
             lifecycle.force_stop(conn, inv, rdir)
             print(f"killed {rdir}")
         else:
-            progress(f"stop: asked {rdir} to checkpoint at its next step and end; waiting for it (up to 120 s) ...")
-            result = lifecycle.request_stop(conn, rdir)
+            progress(f"stop: asked {rdir} to checkpoint at its next step (no eval) and end; waiting (up to 120 s) ...")
+            result = lifecycle.request_stop(conn, rdir, say=progress)
             if result.get("state") == "stopped":
                 print(f"stopped {rdir}: {result.get('reason', '')}; resumable: {terminal.resume_hint(rdir)}")
             else:  # it ended on its own meanwhile

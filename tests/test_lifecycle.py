@@ -16,7 +16,7 @@ from conftest import REPO
 from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write_spec
 
 from cluster_node import rundir
-from clusterops import analysis, launch, lifecycle, resume
+from clusterops import analysis, launch, lifecycle, remote, resume
 from clusterops.inventory import Inventory, Node, SshSettings
 
 
@@ -233,3 +233,17 @@ def test_fetch_brings_the_goodput_plot_and_no_empty_vocabulary_for_an_image_run(
     names = sorted(str(f.relative_to(tmp_path / "home" / "img")) for f in files)
     assert names == ["checkpoints/step_00000005.pt", "config.json", "goodput.png", "run-status.json"]
     assert not (tmp_path / "home" / "img" / "spm.model").exists()
+
+
+def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):
+    """Issue 32 §9: `fab stop` was silent for 30 s while an eval ran first."""
+    run = tmp_path / "runs" / "r"
+    (run / rundir.RANKS).mkdir(parents=True)
+    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "running"}))
+    (run / rundir.CONFIG).write_text(json.dumps({"eval_every": 10, "max_steps": 100}))
+    rundir.rank_beat(run, 0).write_text("20 123 node0\n")
+    said: list[str] = []
+    with pytest.raises(remote.RemoteError, match="did not stop within 3 s"):
+        lifecycle.request_stop(_HereConnection(), str(run), wait=3, say=said.append, every=1)
+    assert said and said[0].startswith("stop: still waiting (") and "rank 0 is in the eval after step 20" in said[0]
+    assert (run / rundir.STOP).exists()

@@ -19,8 +19,8 @@ from train import autocompress, breakdown, checkpoint, commhooks, distributed
 from train.callbacks import Callback
 from train.config import TrainConfig, resolve_precision
 
-# RUN_DIR/STOP (`fab stop`) ends the run after an eval and a checkpoint; a STOP whose first word is
-# rundir.URGENT_STOP_WORD (the Spot watcher's) checkpoints at once and skips the eval: the notice is 2 min.
+# RUN_DIR/STOP (`fab stop`, the Spot watcher's) ends the run with a checkpoint at the next step, no eval; a
+# STOP whose first word is rundir.URGENT_STOP_WORD (a Spot notice) is also voted urgent (self.urgent_stop).
 
 
 def _urgent(stop_file: Path) -> bool:
@@ -269,7 +269,7 @@ class Trainer:
             pending.append((self.step, loss_sum, units))
             self._log_step(pending, step_times, global_batch)
             reached = False
-            if stop and self.urgent_stop:  # a Spot interruption notice: checkpoint first, no eval
+            if stop:  # fab stop or a Spot notice: a checkpoint now, no eval (one may outlast fab stop's wait)
                 self.save()
             elif self.step % c.eval_every == 0 or self.step == c.max_steps or stop:
                 last_eval = self.run_eval()
@@ -281,7 +281,7 @@ class Trainer:
             elif self.step % c.checkpoint_every == 0 or self.checkpoint_due:
                 self.save()
             if stop:
-                ended = "stop requested" + (" (checkpoint now, no eval)" if self.urgent_stop else "")
+                ended = "stop requested (checkpoint now, no eval)"
                 if self.info.is_main:
                     (self.run_dir / rundir.STOP).unlink(missing_ok=True)
                 break
