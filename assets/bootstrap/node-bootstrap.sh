@@ -88,35 +88,13 @@ schedule_failed_stop() {
 
 stop_failed() {
   if [[ -e $KEEP_RUNNING ]]; then log "$KEEP_RUNNING exists: not stopping"; return 0; fi
-  log "the bootstrap failed or did not finish: stopping this node"
+  log "the bootstrap failed $FAILED_STOP_MINUTES min ago: stopping this node"
   # StopInstances stops whatever the instance's shutdown behaviour, and persistent Spot allows a stop.
   aws ec2 stop-instances --region "$AWS_REGION" --instance-ids "$(imds meta-data/instance-id)" >/dev/null \
     || systemctl poweroff  # EBS-backed: an OS shutdown stops by default
 }
 
-# A bootstrap that hangs (a stalled pull or build) fails nothing: no ERR trap, no scheduled stop.
-# A timer armed at its start stops the node 90 min later (the signal's 45 min timeout, then 45 min to
-# look); enabled, so every later boot arms it again until the node is ready (a transient one dies
-# with a reboot, and user data runs only once).
-arm_deadline() {
-  [[ -f $STATE_DIR/signalled ]] && return 0
-  local unit=$UNITS/gpu-cluster-deadline changed=0
-  install_unit "$unit.service" "$(printf '%s\n' "[Unit]" "Description=GPU cluster: stop this node, never ready" \
-    "[Service]" "Type=oneshot" "ExecStart=$SELF $ENV_FILE stop-failed")" && changed=1
-  install_unit "$unit.timer" "$(printf '%s\n' "[Unit]" "Description=GPU cluster: stop this node unless ready" \
-    "[Timer]" "OnActiveSec=90min" "[Install]" "WantedBy=timers.target")" && changed=1
-  if ((changed)); then systemctl daemon-reload; fi
-  systemctl enable gpu-cluster-deadline.timer
-  systemctl start gpu-cluster-deadline.timer  # started already (a run by hand): its deadline stays
-  log "this node stops itself in 90 min (and 90 min after any boot) unless ready; to keep it: sudo touch $KEEP_RUNNING"
-}
-
-cancel_failed_stop() {  # ready: no deadline; a stop a failed run scheduled (then run again by hand) is cancelled
-  if [[ -f $UNITS/gpu-cluster-deadline.timer ]]; then
-    systemctl disable --now gpu-cluster-deadline.timer
-    rm -f "$UNITS/gpu-cluster-deadline.timer" "$UNITS/gpu-cluster-deadline.service"
-    systemctl daemon-reload
-  fi
+cancel_failed_stop() {  # a bootstrap that succeeds after a failed one (run again by hand)
   [[ -f $FAILED_STOP_MARKER ]] || return 0
   systemctl stop gpu-cluster-failed-stop.timer || true
   rm -f "$FAILED_STOP_MARKER"
@@ -127,23 +105,17 @@ cancel_failed_stop() {  # ready: no deadline; a stop a failed run scheduled (the
 # again. At every boot (a host unit: the container may never come back) it goes back to OK, after a
 # busy beat CloudWatch already serves; else it would be ALARM again within seconds, the window
 # being all missing (breaching) data, and stop the node it just let start.
-busy_beat() {  # busy_beat ID: one busy beat, then wait (5 min at most) until CloudWatch serves it
-  local metric=(--region "$AWS_REGION" --namespace "$HEARTBEAT_NAMESPACE" --metric-name Busy) attempt
-  aws cloudwatch put-metric-data "${metric[@]}" --dimensions "InstanceId=$1" --value 1
+reset_alarm() {
+  local id metric=(--region "$AWS_REGION" --namespace "$HEARTBEAT_NAMESPACE" --metric-name Busy) attempt error
+  id=$(imds meta-data/instance-id)
+  aws cloudwatch put-metric-data "${metric[@]}" --dimensions "InstanceId=$id" --value 1
   for ((attempt = 1; attempt <= 30; attempt++)); do
-    [[ $(aws cloudwatch get-metric-statistics "${metric[@]}" --dimensions "Name=InstanceId,Value=$1" \
+    [[ $(aws cloudwatch get-metric-statistics "${metric[@]}" --dimensions "Name=InstanceId,Value=$id" \
       --start-time "$(date -u -d -10min +%FT%TZ)" --end-time "$(date -u -d +1min +%FT%TZ)" --period 60 \
-      --statistics Maximum --query 'max(Datapoints[].Maximum)' --output text) == 1* ]] && return 0
+      --statistics Maximum --query 'max(Datapoints[].Maximum)' --output text) == 1* ]] && break
     sleep 10
   done
-  log "the busy beat is not served after 5 min; going on"
-}
-
-# Any failure exits non-zero: its unit (Restart=on-failure) runs it again until the alarm is reset.
-reset_alarm() {
-  local id error
-  id=$(imds meta-data/instance-id)
-  busy_beat "$id"
+  ((attempt <= 30)) || log "the boot beat is not served after 5 min; resetting anyway"
   if ! error=$(aws cloudwatch set-alarm-state --region "$AWS_REGION" --alarm-name "$IDLE_ALARM" \
     --state-value OK --state-reason "node $id booted" 2>&1); then
     [[ $error == *ResourceNotFound* ]] || { log "$error"; return 1; }
@@ -203,8 +175,7 @@ boot_units() {
   install_unit "$UNITS/gpu-cluster-idle-alarm.service" "$(printf '%s\n' "[Unit]" \
     "Description=GPU cluster: this node's idle alarm back to OK at boot" \
     "Wants=network-online.target" "After=network-online.target" "[Service]" "Type=oneshot" \
-    "ExecStart=$SELF $ENV_FILE reset-alarm" "Restart=on-failure" "RestartSec=30" \
-    "[Install]" "WantedBy=multi-user.target")" && changed=1
+    "ExecStart=$SELF $ENV_FILE reset-alarm" "[Install]" "WantedBy=multi-user.target")" && changed=1
   ((changed)) || return 0
   log "boot units: $DATA_DIR mount with retries (dockerd after it), idle alarm reset"
   systemctl daemon-reload
@@ -329,8 +300,6 @@ mark_ready() {
   install -d -m 0755 "$DATA_DIR/.cluster/ready"
   [[ -f $DATA_DIR/.cluster/ready/node$NODE_RANK ]] || date -u +%FT%TZ > "$DATA_DIR/.cluster/ready/node$NODE_RANK"
   if [[ ! -f $STATE_DIR/signalled ]]; then
-    # The idle alarm is created right after this signal, over a window of missing (breaching) data.
-    busy_beat "$(imds meta-data/instance-id)"
     signal SUCCESS
     touch "$STATE_DIR/signalled"
   fi
@@ -362,7 +331,6 @@ install -d -m 0755 "$STATE_DIR"
 exec > >(tee -a "$STATE_DIR/bootstrap.log") 2>&1
 trap on_error ERR
 : > "$TIMELINE"
-arm_deadline
 timed docker ensure_docker
 timed mount-efs mount_efs
 timed image-context fetch_image_context
