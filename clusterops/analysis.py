@@ -241,6 +241,7 @@ def run_scale(
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
+            say(f"{name}: {request.steps} steps on {nodes} node(s), {attempt} of {repeat} ...")  # 10-14 s each
             rdir, _ = lifecycle.start_training(
                 connection, inventory, lifecycle.plan_launch(connection, inventory, one, code_dir)
             )

@@ -174,11 +174,14 @@ def follow_log(
     offset: int = 0,
     on_progress: Optional[Callable[[dict], None]] = None,
     on_status: Optional[Callable[[dict], None]] = None,
+    quiet_s: float = 10.0,
 ) -> dict:
     """Print train.log from byte `offset` as it grows until the run is no longer running;
     return the run status. on_progress(progress.json) is called on each poll while following,
-    on_status(run-status.json) on each read of it (a caller keeps it if a later read fails)."""
+    on_status(run-status.json) on each read of it (a caller keeps it if a later read fails). Following,
+    `quiet_s` without a log line prints where the run is (a long step, eval or start-up is not a hang)."""
     deadline = (time.monotonic() + timeout) if timeout else None
+    heard = time.monotonic()
     log = f"{run_dir}/{rundir.TRAIN_LOG}"
     # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
     shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
@@ -193,12 +196,25 @@ def follow_log(
             out.write(shown.feed(chunk) if shown else chunk)
             out.flush()
             offset += len(chunk.encode())
+            heard = time.monotonic()
+        elif follow and time.monotonic() - heard >= quiet_s:
+            out.write(_quiet_line(connection, run_dir, time.monotonic() - heard))
+            out.flush()
+            heard = time.monotonic()
         if not follow or status.get("state") not in (None, "running"):
             out.write(shown.flush() if shown else "")
             return status
         if deadline and time.monotonic() > deadline:
             raise remote.RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
         time.sleep(poll)
+
+
+def _quiet_line(connection: Connection, run_dir: str, quiet: float) -> str:
+    """Where a run is that has logged nothing for a while, from progress.json (refreshed every few seconds)."""
+    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    if progress.get("step") is None:
+        return f"  ... no step yet ({quiet:.0f} s without a log line: starting up)\n"
+    return f"  ... at step {progress['step']}/{progress.get('max_steps', '?')} ({quiet:.0f} s without a log line)\n"
 
 
 def then_stop_outcome(

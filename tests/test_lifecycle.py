@@ -247,3 +247,22 @@ def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):
         lifecycle.request_stop(_HereConnection(), str(run), wait=3, say=said.append, every=1)
     assert said and said[0].startswith("stop: still waiting (") and "rank 0 is in the eval after step 20" in said[0]
     assert (run / rundir.STOP).exists()
+
+
+def test_follow_says_where_a_quiet_run_is(tmp_path):
+    """Issue 32 §10: --follow on Ding was silent for 33 s and 52 s between log lines."""
+    import io
+    import threading
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "running"}))
+    (run / rundir.PROGRESS).write_text(json.dumps({"step": 7, "max_steps": 60}))
+    (run / rundir.TRAIN_LOG).write_text("step 1/60 (1%) | loss 7.2\n")
+    finish = threading.Timer(2.5, (run / rundir.RUN_STATUS).write_text, [json.dumps({"state": "finished"})])
+    finish.start()
+    out = io.StringIO()
+    status = lifecycle.follow_log(_HereConnection(), str(run), out=out, poll=0.2, timeout=30, quiet_s=1.0)
+    finish.join()
+    assert status["state"] == "finished" and out.getvalue().startswith("step 1/60 (1%) | loss 7.2\n")
+    assert "  ... at step 7/60 (1 s without a log line)" in out.getvalue(), out.getvalue()

@@ -38,6 +38,7 @@ def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     [first] = [line for line in out.splitlines() if "step 1/2 " in line]
     assert "first step" in first and "ms/step" not in first and "| ETA" not in first, first
     assert "| lr " in first and "ms/step" in next(line for line in out.splitlines() if "step 2/2 " in line)
+    assert "evaluating at step 2 (up to " in out  # issue 32 §10: the final eval was not announced
     summary = rundir.read_record(tmp_path / rundir.SUMMARY, rundir.Summary)
     assert summary is not None and summary.to_json() == json.loads((tmp_path / rundir.SUMMARY).read_text())
     assert summary.steps == 2 and summary.ended == "max_steps" and "best_bleu" in summary.metrics

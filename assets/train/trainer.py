@@ -345,11 +345,11 @@ class Trainer:
 
     def run_eval(self) -> dict:
         start = time.time()
+        self.log(f"evaluating at step {self.step} (up to {self.config.eval_samples} samples) ...")  # a long wait
         result = self.task.evaluate()
         texts = {k: result.pop(k) for k in list(result) if isinstance(result[k], list)}
         if self.info.is_main:
-            eval_dir = self.run_dir / rundir.EVAL
-            eval_dir.mkdir(exist_ok=True)
+            (eval_dir := self.run_dir / rundir.EVAL).mkdir(exist_ok=True)
             for kind, lines in texts.items():  # translation: hypotheses, references, sources
                 text = "".join(line + "\n" for line in lines)
                 rundir.write_bytes(eval_dir / rundir.EVAL_TEXT.format(step=self.step, kind=kind), text.encode())
