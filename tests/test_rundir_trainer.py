@@ -128,3 +128,44 @@ def test_progress_is_refreshed_every_few_seconds_between_log_steps_without_a_col
     assert record.step == written[-1] > 25 and record.loss == 2.5 and record.breakdown == {"data_s": 0.01}
     assert record.eta_s == (100 - record.step) * 0.5 and record.elapsed_s == 5.0 + (record.time - 1000.0)
     assert len(set(written)) <= 19 * 0.5 / callbacks.REFRESH_S + 1  # a write every REFRESH_S, not every step
+
+
+EXIT_PROBE = """
+from torch.utils.data import DataLoader
+from train import distributed
+loader = DataLoader(list(range(64)), batch_size=8, num_workers=2, persistent_workers=True)
+next(iter(loader))
+print("ended", flush=True)
+distributed.exit_without_finalizing(0)
+"""
+
+
+def test_a_rank_that_ends_closes_its_output_at_once_with_dataloader_workers(tmp_path):
+    """Issue 32 §10: every resnet run ended 5 s after its summary: the DataLoader workers, alive until their
+    check on the parent, held the rank's stdout open and mpirun waited for its end."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from conftest import TRAIN_DIR, tool_env
+
+    rank = subprocess.Popen(
+        [sys.executable, "-c", EXIT_PROBE],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=tool_env(PYTHONPATH=str(TRAIN_DIR.parent)),
+        start_new_session=True,  # its group: a worker left behind is killed with it below
+    )
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "ended\n"
+        ended = time.monotonic()
+        reader = threading.Thread(target=rank.stdout.read, daemon=True)  # returns at EOF: every holder gone
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "the rank's stdout was still open 5 s after it ended"
+        assert time.monotonic() - ended < 2.0
+    finally:
+        os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait()
