@@ -72,12 +72,9 @@ CHECK_RUN = ".check"  # runs/.check: fab check's all-reduce run
 SCALE_DIR = "scale-{recipe}"  # runs/scale-RECIPE
 SCALE_JSON = "scale.json"
 SCALE_MD = "scale.md"
-# What `fab fetch` brings home besides a checkpoint and the last evals; a scale series' files too, so that
-# fetching fab scale's directory keeps what fab scale wrote there.
-FETCHED_FILES = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, GOODPUT_PNG, SCALING_PNG) + (
-    SCALE_JSON,
-    SCALE_MD,
-)
+# What `fab fetch` brings home besides a checkpoint and the last evals (a scale series' files too).
+FETCHED_FILES: tuple[str, ...] = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, GOODPUT_PNG)
+FETCHED_FILES += (SCALING_PNG, SCALE_JSON, SCALE_MD)
 
 STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)
