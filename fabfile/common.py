@@ -10,8 +10,10 @@ import inspect
 import os
 import posixpath
 import shlex
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -130,6 +132,27 @@ def task(*args, **kwargs):
 
 def _positionals(function) -> list[str]:
     return [name for name in OPTIONAL_POSITIONALS if name in inspect.signature(function).parameters]
+
+
+@contextlib.contextmanager
+def ctrl_c_ends(message: str, code: int = 130):
+    """Within it, Ctrl-C prints `message` on stderr and ends the process at once, wherever it lands: a
+    KeyboardInterrupt raised during an SSH round trip waits in Invoke's runner for the remote command's
+    output to end (invoke/runners.py _finish joins its reader threads), forever for a read that hangs."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+
+    def end(signum, frame) -> None:
+        sys.stdout.flush()
+        print(message, file=sys.stderr, flush=True)
+        os._exit(code)  # the run goes on on the cluster; nothing here needs finishing
+
+    previous = signal.signal(signal.SIGINT, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def progress(line: str) -> None:

@@ -24,6 +24,7 @@ from train import catalog
 from .common import (
     billed_nodes,
     code_dir_on,
+    ctrl_c_ends,
     efs_io_rate,
     head,
     load_inventory,
@@ -273,10 +274,13 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
         seen.clear()
         seen.update(status)
 
+    stopped = f"stopped following {rdir}; the run goes on (on AWS, billed): "
+    stopped += "`fab logs --follow` re-attaches, `fab stop` ends it"
     try:
-        status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress, on_status=keep)
-        state = lifecycle.run_state(conn, rdir)
-        status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
+        with ctrl_c_ends(stopped, code=130):  # 128 + SIGINT, as a shell reports a Ctrl-C
+            status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress, on_status=keep)
+            state = lifecycle.run_state(conn, rdir)
+            status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
     except CONNECTION_LOST as error:
         if isinstance(error, remote.RemoteError) and conn.is_connected and seen.get("then_stop") != "stopping":
             raise  # the node answered: a real error of the run's files (a stopping head cuts commands off)
@@ -290,12 +294,8 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
         # The run ended and --then-stop is taking the head node down under these reads: as expected.
         status_ = seen
         state = state or {"status": status_, "progress": {}, "summary": {}, "restarts": []}
-    except KeyboardInterrupt:  # Invoke exits 1 without a word on it (invoke/program.py); the run goes on
-        raise Exit(
-            f"stopped following {rdir}; the run goes on (on AWS, billed): "
-            "`fab logs --follow` re-attaches, `fab stop` ends it",
-            code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
-        ) from None
+    except KeyboardInterrupt:  # off the main thread (no handler there): Invoke would exit 1 without a word
+        raise Exit(stopped, code=130) from None
     _print_end(rdir, state, status_)
 
 
