@@ -177,13 +177,7 @@ def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> di
     world = summary.get("world_size") or progress.get("world_size")
     nodes = max(1, world // max(1, slots)) if world else None
     wall = run_wall(run) or summary.get("wall_time_s")
-    quality = (
-        f"BLEU {summary['bleu']:.1f}"
-        if summary.get("bleu") is not None
-        else f"top-1 {summary['top1']:.3f}"
-        if summary.get("top1") is not None
-        else ""
-    )
+    quality = terminal.quality(summary)
     cost = ""
     if usd_per_node_hour is not None and wall and nodes:
         cost = f"${usd_per_node_hour * nodes * wall / 3600:.2f}"
@@ -243,10 +237,11 @@ def run_scale(
     for nodes in node_counts:
         summaries = []
         for attempt in range(1, repeat + 1):
-            name = f"{rd.SCALE_DIR.format(recipe=request.recipe)}-n{nodes}-r{attempt}"
+            name = scale_run(request.recipe, nodes, attempt)
             rdir = launch.run_dir(inventory, name)
             remote.sh(connection, f"rm -rf {q(rdir)}")
             one = dataclasses.replace(request, run=name, nodes=nodes)
+            say(f"{name}: {request.steps} steps on {nodes} node(s), {attempt} of {repeat} ...")  # 10-14 s each
             rdir, _ = lifecycle.start_training(
                 connection, inventory, lifecycle.plan_launch(connection, inventory, one, code_dir)
             )
@@ -285,4 +280,16 @@ def write_scale(connection: Connection, inventory: Inventory, recipe: str, point
     remote.sh(connection, f"mkdir -p {q(target)}")
     for path in written:
         connection.put(str(path), f"{target}/{path.name}")
+    # The series and its short runs are home (their figures are scale.json): fetched, for fab local.down.
+    runs = [target] + [launch.run_dir(inventory, name) for name in scale_runs(recipe, points)]
+    remote.sh(connection, "touch " + " ".join(q(f"{run}/{rd.FETCHED}") for run in runs))
     return written
+
+
+def scale_runs(recipe: str, points) -> list[str]:
+    """The names of the short runs behind the points (run_scale's)."""
+    return [scale_run(recipe, p.nodes, attempt) for p in points for attempt in range(1, len(p.step_s) + 1)]
+
+
+def scale_run(recipe: str, nodes: int, attempt: int) -> str:
+    return f"{rd.SCALE_DIR.format(recipe=recipe)}-n{nodes}-r{attempt}"

@@ -104,6 +104,14 @@ class Inventory:
             raise InventoryError(f"invalid --exclude {','.join(unknown)}: no such node (the nodes: {known})")
         return {by_key[key] for key in names_or_ranks}
 
+    def node(self, key: str, flag: str = "--node") -> Node:
+        """The node of a rank ("1") or a name ("node1"), as --exclude takes them; one line otherwise."""
+        found = [node for node in self.nodes if key in (str(node.rank), node.name)]
+        if not found:
+            known = ", ".join(f"{node.rank}={node.name}" for node in self.nodes)
+            raise InventoryError(f"invalid {flag} {key}: no such node (the nodes: {known})")
+        return found[0]
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -12,13 +12,14 @@ import sys
 import time
 import uuid
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable, Optional
 
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
 from cluster_node import rundir
+from train import catalog
 
 from . import health, launch, logfilter, nodecmd, remote
 from .inventory import Inventory
@@ -126,9 +127,8 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     ensure_idle(connection, inventory)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.request_data(inventory, request)
-    ready = f"test -f {q(data_path + '/meta.json')} -o -d {q(data_path + '/train')} && echo ok || true"
-    if "--synthetic" not in request.extra_args and remote.sh(connection, ready).strip() != "ok":
-        raise remote.RemoteError(f"no prepared data set at {data_path}: run `fab data --dataset {dataset}`")
+    if "--synthetic" not in request.extra_args:
+        _check_data(connection, request.recipe, data_path, dataset)
     spec = launch.train_spec(
         inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
     )
@@ -147,6 +147,23 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     return result["run"], int(result["log_offset"])
 
 
+def _check_data(connection: Connection, recipe: str, data_path: str, dataset: str) -> None:
+    """A prepared data set (meta.json or an image folder's train/) that the recipe can read: one line
+    before the launch (was: "started", then a failure on every rank)."""
+    folder = f"test -d {q(data_path + '/train')} && echo folder || echo none"
+    out = remote.sh(connection, f"{folder}; cat {q(data_path + '/meta.json')} 2>/dev/null || true")
+    first, _, text = out.partition("\n")
+    try:
+        meta = json.loads(text) if text.strip() else None
+    except ValueError:
+        meta = None
+    if meta is None and first.strip() != "folder":
+        raise remote.RemoteError(f"no prepared data set at {data_path}: {catalog.missing_data(dataset)}")
+    mismatch = catalog.input_mismatch(recipe, PurePosixPath(data_path).name, meta, first.strip() == "folder")
+    if mismatch:
+        raise remote.RemoteError(mismatch)
+
+
 def follow_log(
     connection: Connection,
     run_dir: str,
@@ -157,11 +174,14 @@ def follow_log(
     offset: int = 0,
     on_progress: Optional[Callable[[dict], None]] = None,
     on_status: Optional[Callable[[dict], None]] = None,
+    quiet_s: float = 10.0,
 ) -> dict:
     """Print train.log from byte `offset` as it grows until the run is no longer running;
     return the run status. on_progress(progress.json) is called on each poll while following,
-    on_status(run-status.json) on each read of it (a caller keeps it if a later read fails)."""
+    on_status(run-status.json) on each read of it (a caller keeps it if a later read fails). Following,
+    `quiet_s` without a log line prints where the run is (a long step, eval or start-up is not a hang)."""
     deadline = (time.monotonic() + timeout) if timeout else None
+    heard = time.monotonic()
     log = f"{run_dir}/{rundir.TRAIN_LOG}"
     # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
     shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
@@ -176,12 +196,25 @@ def follow_log(
             out.write(shown.feed(chunk) if shown else chunk)
             out.flush()
             offset += len(chunk.encode())
+            heard = time.monotonic()
+        elif follow and time.monotonic() - heard >= quiet_s:
+            out.write(_quiet_line(connection, run_dir, time.monotonic() - heard))
+            out.flush()
+            heard = time.monotonic()
         if not follow or status.get("state") not in (None, "running"):
             out.write(shown.flush() if shown else "")
             return status
         if deadline and time.monotonic() > deadline:
             raise remote.RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
         time.sleep(poll)
+
+
+def _quiet_line(connection: Connection, run_dir: str, quiet: float) -> str:
+    """Where a run is that has logged nothing for a while, from progress.json (refreshed every few seconds)."""
+    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    if progress.get("step") is None:
+        return f"  ... no step yet ({quiet:.0f} s without a log line: starting up)\n"
+    return f"  ... at step {progress['step']}/{progress.get('max_steps', '?')} ({quiet:.0f} s without a log line)\n"
 
 
 def then_stop_outcome(
@@ -216,19 +249,38 @@ def _age_s(connection: Connection, iso: str, read_s: float) -> float:
     return float(remote.sh(connection, "date +%s", timeout=read_s).strip()) - then
 
 
-def request_stop(connection: Connection, run_dir: str, wait: float = 120.0) -> dict:
-    """Graceful stop: the trainer checkpoints at the next step, then exits."""
+def request_stop(
+    connection: Connection, run_dir: str, wait: float = 120.0, say: Callable[[str], None] = print, every: float = 10.0
+) -> dict:
+    """Graceful stop: the trainer checkpoints at the next step, then exits. Every `every` seconds of the
+    wait, what it waits for (an eval already under way finishes first)."""
     remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
+    started = time.monotonic()
+    told = started
+    while time.monotonic() < started + wait:
         status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
         if status.get("state") not in (None, "running"):
             return status
+        if time.monotonic() - told >= every:
+            told = time.monotonic()
+            say(f"stop: still waiting ({told - started:.0f} s): {_stop_wait(connection, run_dir)}")
         time.sleep(1.0)
     raise remote.RemoteError(
         f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
         "Wait, or end it hard with `fab stop --force`"
     )
+
+
+def _stop_wait(connection: Connection, run_dir: str) -> str:
+    """What a stop waits for, from rank 0's heartbeat (its last finished step) and the run's eval cadence."""
+    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    beat = remote.sh(connection, f"cat {q(str(rundir.rank_beat(Path(run_dir), 0)))} 2>/dev/null || true").split()
+    if not beat or not beat[0].isdigit():
+        return "the run has not finished a step yet (start-up); the stop comes at its first"
+    step, every = int(beat[0]), config.get("eval_every") or 0
+    if every and step % every == 0 or step == config.get("max_steps"):
+        return f"rank 0 is in the eval after step {step}: the stop comes after it (`fab stop --force` ends it now)"
+    return f"rank 0 finished step {step}; the checkpoint comes after its next step"
 
 
 def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
@@ -290,10 +342,10 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
             fetched.append(target)
         except FileNotFoundError:
             target.unlink(missing_ok=True)  # sftp.get creates the local file before it finds none
-    if config.get("data"):
+    if config.get("data"):  # a text data set's vocabulary (an image data set has none)
         try:
             sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))
             fetched.append(dest / "spm.model")
         except FileNotFoundError:
-            pass
+            (dest / "spm.model").unlink(missing_ok=True)  # sftp.get creates the local file first: 0 bytes
     return fetched

@@ -15,6 +15,9 @@ _NOISE = re.compile(
     r"^(\[rank\d+\]:|\[[\w.-]+:\d+\]|Traceback \(most recent call last\)|Connection to \S+ closed"
     r"|mpirun noticed|Primary job\s+terminated|prterun |\s*$)"
 )
+# Open MPI's plm_rsh calls setpgid() on each ssh child in the parent too (Stevens' race, ompi PR #2957); once
+# the child has exec'd, the parent's call fails (EACCES) and says so on stderr: harmless, not even counted.
+_HARMLESS = re.compile(r"plm:rsh: Warning: setpgid\(\d+,\d+\) failed in parent")
 _SUPERVISOR = re.compile(r"^\d{4}-\d\d-\d\dT[\d:]+Z ")  # the supervisor's own lines: always shown
 _FRAME = re.compile(r"^(\s+|\w*(Error|Exception)\b.*$)")  # a traceback's frames and its last line
 
@@ -39,6 +42,8 @@ class FollowFilter:
         return out + self._note()
 
     def _line(self, line: str) -> str:
+        if _HARMLESS.search(line):
+            return ""
         if self._noise(line):
             self.hidden += 1
             return ""

@@ -247,12 +247,23 @@ def eval_curve(log_text: str) -> list[tuple[int, dict[str, float]]]:
     return curve
 
 
+PERCENT = ("bleu", "top1", "top5")  # as the trainer reports them: 0..100
+
+
 def parse_metric(text: str) -> tuple[str, float]:
-    """`bleu=60` -> ("bleu", 60.0); one line naming the form otherwise."""
-    found = re.fullmatch(r"([a-z_0-9]+)=(-?\d+(?:\.\d+)?)", (text or "").strip())
+    """`bleu=60` -> ("bleu", 60.0); one line naming the form otherwise. BLEU and top-1/top-5 are in percent,
+    as the trainer reports them: a target outside 0..100, or a fraction like top1=0.8, is refused."""
+    found = re.fullmatch(r"([a-z_0-9]+)=(-?\d+(?:\.\d+)?)(%?)", (text or "").strip())
     if not found:
-        raise PlanError(f"invalid --metric {text!r}: NAME=VALUE, e.g. bleu=60 or top1=0.8")
-    return found.group(1), float(found.group(2))
+        raise PlanError(f"invalid --metric {text!r}: NAME=VALUE, e.g. bleu=60 or top1=80 (percent)")
+    name, value = found.group(1), float(found.group(2))
+    if name in PERCENT and not 0 < value <= 100:
+        raise PlanError(f"invalid --metric {text!r}: {name} is in percent, above 0 and at most 100")
+    if name in PERCENT and value < 1 and not found.group(3):
+        raise PlanError(f"invalid --metric {text!r}: {name} is in percent: {name}={value * 100:g} for {value:.0%}")
+    if "loss" in name and value < 0:
+        raise PlanError(f"invalid --metric {text!r}: a loss is not negative")
+    return name, value
 
 
 def steps_to(curve: Sequence[tuple[int, dict[str, float]]], metric: str, target: float) -> tuple[int, str]:

@@ -117,6 +117,18 @@ class Connections:
         self.close()
 
 
+def failure(error: BaseException) -> str:
+    """A node's failure in words: what SSH found (nothing listening, no answer in time) rather than
+    paramiko's class name and its "[Errno None]"; any other error as its type and text."""
+    if isinstance(error, paramiko.ssh_exception.NoValidConnectionsError):
+        causes = sorted({getattr(e, "strerror", None) or str(e) for e in error.errors.values()})
+        where = ", ".join(sorted({f"{address[0]}:{address[1]}" for address in error.errors}))
+        return f"no SSH on {where} ({'; '.join(causes)}): the node, its container or its sshd is down"
+    if isinstance(error, TimeoutError):  # socket.timeout: the connect timeout passed without an answer
+        return f"no answer from SSH in time ({error or 'timed out'}): the node is down or unreachable"
+    return f"{type(error).__name__}: {error}"
+
+
 def on_all(
     inventory: Inventory,
     nodes: list[Node],
@@ -132,7 +144,7 @@ def on_all(
             connection = pool.get(node)
             return dict(node=node.name, reachable=True, **action(connection, node))
         except Exception as error:  # noqa: BLE001 - report any failure as that node's state
-            return dict(node=node.name, reachable=False, error=f"{type(error).__name__}: {error}"[:160])
+            return dict(node=node.name, reachable=False, error=failure(error)[:160])
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(64, len(nodes)))) as pool_threads:

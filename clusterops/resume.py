@@ -6,6 +6,7 @@ here rather than argparse's usage once per rank and a run marked failed."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import shlex
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -83,17 +84,56 @@ def _refuse(request: launch.TrainRequest):
     return error
 
 
-def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved]) -> None:
+def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved]) -> int:
     """The trainer's argument line parsed by the trainer's parser, then its configuration checks (a new
-    run's) or its resume checks (a saved run's: train.config.resume_config), on the laptop."""
+    run's) or its resume checks (a saved run's: train.config.resume_config), on the laptop. Returns the
+    run's max steps as the trainer will see them."""
     from train.config import ConfigError, build_parser, config_from_args, resume_config
 
     parser = build_parser("python -m train.train")
     parser.error = _refuse(request)  # type: ignore[method-assign]  # argparse prints usage and exits
     args = parser.parse_args(launch.trainer_args(inventory, request))
     try:
-        resume_config(run.config, args) if run else config_from_args(args)
+        config = resume_config(run.config, args)[0] if run else config_from_args(args)
     except ConfigError as error:
         raise launch.LaunchError(f"{error}" + (f" (run {request.run_name})" if run else "")) from None
     except (KeyError, TypeError) as error:  # a config.json this trainer cannot read
         raise launch.LaunchError(f"run {request.run_name}'s {rundir.CONFIG} is not this trainer's: {error}") from None
+    return config.max_steps
+
+
+def run_names(connection: Connection, inventory: Inventory) -> list[str]:
+    """The runs on /data, by name."""
+    root = shlex.quote(f"{inventory.data_dir}/{rundir.RUNS}")
+    return remote.sh(connection, f"ls -1 {root} 2>/dev/null || true").split()
+
+
+def free_name(base: str, taken: list[str]) -> str:
+    """BASE-2, BASE-3, ...: the first name no run has."""
+    return next(f"{base}-{n}" for n in range(2, len(taken) + 3) if f"{base}-{n}" not in taken)
+
+
+def refuse_finished(request: launch.TrainRequest, run: Saved, max_steps: int, taken: list[str]) -> None:
+    """A run whose newest checkpoint is at its max steps has nothing to train: a launch would only rewrite
+    its results (the trainer's summary of zero steps). One line saying how to train more or start anew."""
+    if run.step is None or run.step < max_steps:
+        return
+    name = request.run_name
+    raise launch.LaunchError(
+        f"run {name} already finished at step {run.step} (max steps {max_steps}): nothing to train, its results "
+        f"stay. Train it further with `fab train --run {name} --steps {run.step + max(run.step // 2, 1)}`, or "
+        f"start a new run with `fab train --recipe {run.config.get('recipe', request.recipe)} "
+        f"--run {free_name(name, taken)}`"
+    )
+
+
+def new_run_line(request: launch.TrainRequest) -> str:
+    """'started NAME, a new run: recipe R, data set D' (a typo in --run started one silently)."""
+    dataset = request.dataset or launch.default_dataset(request.recipe)
+    return f"started {request.run_name}, a new run: recipe {request.recipe}, data set {dataset},"
+
+
+def close_run(name: str, taken: list[str]) -> str:
+    """The existing run whose name is close to a new run's, which `--run` would have resumed; "" if none."""
+    close = difflib.get_close_matches(name, [t for t in taken if t != name], n=1, cutoff=0.75)
+    return f"{name} is a new run; {close[0]} exists: `fab train --run {close[0]}` resumes that one" if close else ""

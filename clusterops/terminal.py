@@ -47,9 +47,16 @@ def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
         parts.append(f"ETA {eta // 60}m{eta % 60:02d}s")
     if status.get("reason"):
         parts.append(f"({status['reason']})")
-    if summary.get("bleu") is not None and status.get("state") != "running":
-        parts.append(f"BLEU {summary['bleu']:.1f}")
+    if quality(summary) and status.get("state") != "running":
+        parts.append(quality(summary))
     return " | ".join(parts)
+
+
+def quality(summary: dict) -> str:
+    """A run's result, in one form wherever shown: BLEU and top-1 both 0..100 with one decimal."""
+    if summary.get("bleu") is not None:
+        return f"BLEU {summary['bleu']:.1f}"
+    return f"top-1 {summary['top1']:.1f}%" if summary.get("top1") is not None else ""
 
 
 def resume_hint(run_dir: str) -> str:

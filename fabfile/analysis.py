@@ -138,7 +138,7 @@ def scale(
     help={
         "run": "the measured run to plan from (default: the active or latest run)",
         "steps": "the target: optimizer steps (default: the run's --steps)",
-        "metric": "the target: NAME=VALUE the run's eval curve reached, e.g. bleu=60 or top1=0.8",
+        "metric": "the target: NAME=VALUE the run's eval curve reached, e.g. bleu=60 or top1=80 (both in percent)",
         "step_s": "plan from this step time (seconds, 1 node of the first --types) instead of a run",
         "grad_mb": "with --step-s: fp32 gradient MB per step (for the all-reduce; default 0)",
         "types": "instance types, comma-separated (default: this cluster's)",

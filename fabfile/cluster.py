@@ -314,14 +314,11 @@ def monitor(c, interval="2", count="0"):
             taken += 1
 
 
-@task(help={"node": "rank of the node (default 0, the head)"})
+@task(help={"node": "the node: its rank or name, as --exclude takes them (default 0, the head)"})
 def ssh(c, node="0"):
     """An interactive shell in a node's training container."""
     inv = load_inventory(c)
-    rank = whole_number(node, "--node")
-    target = inv.nodes[rank] if 0 <= rank < len(inv.nodes) else None
-    if target is None:
-        raise Exit(f"error: --node {node}: the cluster has nodes 0-{len(inv.nodes) - 1}", code=1)
+    target = inv.node(str(node))
     proxy = ["-o", f"ProxyCommand={inv.ssh.proxy_command}"] if inv.ssh.proxy_command else []
     os.execvp(
         "ssh",

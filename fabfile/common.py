@@ -4,13 +4,16 @@ connections, prices, one-line errors."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import os
 import posixpath
 import shlex
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -50,8 +53,10 @@ def error_boundary(function):
         except ERRORS as error:
             raise fail(error) from None
         except SSH_ERRORS as error:
-            detail = str(error) or type(error).__name__
-            raise Exit(f"error: SSH: {detail} (`fab status` shows which nodes answer)", code=1) from None
+            detail = remote.failure(error) if isinstance(error, (NoValidConnectionsError, socket.timeout)) else error
+            raise Exit(
+                f"error: SSH: {detail or type(error).__name__} (`fab status` shows which nodes answer)", code=1
+            ) from None
 
     bounded.error_boundary = True  # type: ignore[attr-defined]
     return bounded
@@ -86,6 +91,33 @@ OPTIONAL_POSITIONALS = ("kind", "run")  # a task may take these by position (`fa
 _allow_optional_positionals()
 
 
+def _name_unknown_options() -> None:
+    """A misspelt option (`fab train --recipie transformer-tiny`) was taken as the run name by position,
+    and its value then gave Invoke's "No idea what 'transformer-tiny' is!": one line naming the option
+    and the closest the task has. No positional value starts with a dash (run names and kinds do not)."""
+    from invoke.exceptions import ParseError
+    from invoke.parser.parser import ParseMachine
+
+    see = ParseMachine.see_positional_arg
+    if getattr(see, "named_options", False):
+        return
+
+    def see_positional_arg(self, value: str) -> None:
+        if value.startswith("-") and value != "-" and self.context:
+            flags = [flag for flag in self.context.flags if flag.startswith("--")]
+            close = difflib.get_close_matches(value.split("=")[0], flags, n=1)
+            hint = f": did you mean {close[0]}?" if close else ""
+            name = self.context.name
+            raise ParseError(f"error: fab {name} has no option {value}{hint} (`fab --help {name}`)", self.context)
+        see(self, value)
+
+    see_positional_arg.named_options = True  # type: ignore[attr-defined]
+    ParseMachine.see_positional_arg = see_positional_arg  # type: ignore[method-assign]
+
+
+_name_unknown_options()
+
+
 def task(*args, **kwargs):
     """fabric.task behind error_boundary: `@task` or `@task(help=...)`. A task with a `run` parameter
     takes the run name by position too (`fab report RUN`); "" means none was given."""
@@ -100,6 +132,27 @@ def task(*args, **kwargs):
 
 def _positionals(function) -> list[str]:
     return [name for name in OPTIONAL_POSITIONALS if name in inspect.signature(function).parameters]
+
+
+@contextlib.contextmanager
+def ctrl_c_ends(message: str, code: int = 130):
+    """Within it, Ctrl-C prints `message` on stderr and ends the process at once, wherever it lands: a
+    KeyboardInterrupt raised during an SSH round trip waits in Invoke's runner for the remote command's
+    output to end (invoke/runners.py _finish joins its reader threads), forever for a read that hangs."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+
+    def end(signum, frame) -> None:
+        sys.stdout.flush()
+        print(message, file=sys.stderr, flush=True)
+        os._exit(code)  # the run goes on on the cluster; nothing here needs finishing
+
+    previous = signal.signal(signal.SIGINT, end)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def progress(line: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from clusterops import drill as drills
 
 from .common import load_inventory, number, progress, task, whole_number
@@ -10,7 +12,8 @@ from .common import load_inventory, number, progress, task, whole_number
 @task(
     help={
         "kind": "; ".join(f"{k}: {v}" for k, v in drills.KINDS.items()),
-        "node": "the node to hit (default: the last); kill-node and cut-link refuse node0 (the supervisor's)",
+        "node": "the node to hit, its rank or name (default: the last); kill-node and cut-link refuse node0 "
+        "(the supervisor's)",
         "seconds": "slow-link, fill-data: how long the fault holds (default 30)",
         "rate": "slow-link: the cap, a tc rate (default 10mbit)",
         "mb": "fill-data: the file's size in MB (default 256; removed afterwards)",
@@ -26,7 +29,6 @@ def drill(c, kind=None, node=None, seconds="30", rate="10mbit", mb="256", wait="
         raise drills.DrillError(f"give a drill: `fab drill KIND`, KIND one of {', '.join(drills.KINDS)}")
     plan = drills.Drill(
         kind=kind,
-        node=whole_number(node, "--node"),
         seconds=number(seconds, "--seconds"),
         rate=rate,
         mb=whole_number(mb, "--mb"),
@@ -34,6 +36,8 @@ def drill(c, kind=None, node=None, seconds="30", rate="10mbit", mb="256", wait="
     )
     drills.check_options(plan)
     inv = load_inventory(c)
+    if node is not None:  # a rank or a name, as fab train --exclude takes them
+        plan = dataclasses.replace(plan, node=inv.node(str(node)).rank)
     drills.validate(plan, inv)
     progress(f"drill: {kind}: injecting, then waiting for the supervisor (up to {plan.wait:.0f} s) ...")
     for line in drills.rehearse(inv, plan):

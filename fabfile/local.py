@@ -8,7 +8,7 @@ from invoke import Collection
 
 from clusterops import localcluster, localrepair
 
-from .common import fail, inventory_path, task, whole_number
+from .common import fail, inventory_path, progress, task, whole_number
 
 
 @task(
@@ -69,6 +69,8 @@ def local_down(c, name="local", yes=False):
                 f"`fab fetch --run NAME` each, or `fab local.down --yes` deletes them"
             )
         )
+    if (localcluster.STATE_ROOT / name).exists():  # several seconds: every node's processes, then /data
+        progress(f"local.down: stopping {name}'s nodes and deleting its /data ...")
     try:
         removed = localcluster.down(name, inventory_path(c))
     except localcluster.NothingToDo as nothing:

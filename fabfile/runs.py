@@ -25,6 +25,7 @@ from .common import (
     billed_nodes,
     budget_price,
     code_dir_on,
+    ctrl_c_ends,
     efs_io_rate,
     head,
     load_inventory,
@@ -132,12 +133,17 @@ def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follo
     with head(inv) as conn:
         saved = resume.saved(conn, inv, request.run_name)
         request = resume.resumed(request, given, saved, inv) if saved else request
-        resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+        max_steps = resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+        taken = resume.run_names(conn, inv)
+        if saved:  # a finished run is never rewritten by a launch that trains nothing
+            resume.refuse_finished(request, saved, max_steps, taken)
         nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
         plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)), saved)
         rdir, log_offset = lifecycle.start_training(conn, inv, plan)
-        how = f"resumed {request.run_name} with its saved settings" if saved else f"started {request.run_name}"
+        how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
         print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
+        if not saved and resume.close_run(request.run_name, taken):  # a typo in --run starts a new run
+            print(f"note: {resume.close_run(request.run_name, taken)}")
         if follow:
             _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
 
@@ -271,10 +277,13 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
         seen.clear()
         seen.update(status)
 
+    stopped = f"stopped following {rdir}; the run goes on (on AWS, billed): "
+    stopped += "`fab logs --follow` re-attaches, `fab stop` ends it"
     try:
-        status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress, on_status=keep)
-        state = lifecycle.run_state(conn, rdir)
-        status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
+        with ctrl_c_ends(stopped, code=130):  # 128 + SIGINT, as a shell reports a Ctrl-C
+            status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress, on_status=keep)
+            state = lifecycle.run_state(conn, rdir)
+            status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
     except CONNECTION_LOST as error:
         if isinstance(error, remote.RemoteError) and conn.is_connected and seen.get("then_stop") != "stopping":
             raise  # the node answered: a real error of the run's files (a stopping head cuts commands off)
@@ -288,12 +297,8 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
         # The run ended and --then-stop is taking the head node down under these reads: as expected.
         status_ = seen
         state = state or {"status": status_, "progress": {}, "summary": {}, "restarts": []}
-    except KeyboardInterrupt:  # Invoke exits 1 without a word on it (invoke/program.py); the run goes on
-        raise Exit(
-            f"stopped following {rdir}; the run goes on (on AWS, billed): "
-            "`fab logs --follow` re-attaches, `fab stop` ends it",
-            code=130,  # 128 + SIGINT, as a shell reports a Ctrl-C
-        ) from None
+    except KeyboardInterrupt:  # off the main thread (no handler there): Invoke would exit 1 without a word
+        raise Exit(stopped, code=130) from None
     _print_end(rdir, state, status_)
 
 
@@ -348,8 +353,8 @@ def stop(c, run=None, force=False):
             lifecycle.force_stop(conn, inv, rdir)
             print(f"killed {rdir}")
         else:
-            progress(f"stop: asked {rdir} to checkpoint at its next step and end; waiting for it (up to 120 s) ...")
-            result = lifecycle.request_stop(conn, rdir)
+            progress(f"stop: asked {rdir} to checkpoint at its next step (no eval) and end; waiting (up to 120 s) ...")
+            result = lifecycle.request_stop(conn, rdir, say=progress)
             if result.get("state") == "stopped":
                 print(f"stopped {rdir}: {result.get('reason', '')}; resumable: {terminal.resume_hint(rdir)}")
             else:  # it ended on its own meanwhile

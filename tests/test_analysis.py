@@ -86,6 +86,9 @@ def test_runs_table_compares_runs_at_a_glance():
     assert re.search(r"BLEU 12.5  95 s +\$0.03$", table[2])  # (no phases.jsonl: an empty goodput)
     assert table[3].split()[:8] == ["going", "running", "12/100", "500", "bf16", "powersgd", "4", "n/a"]
     assert "cost" not in analysis.runs_table(runs, None, 1).splitlines()[0]
+    # Issue 32 §11: "top-1 78.000" beside "BLEU 0.1": one form for both
+    image = dict(runs[0], run="img", summary={k: v for k, v in SUMMARY.items() if k != "bleu"} | {"top1": 78.0})
+    assert "top-1 78.0%" in analysis.runs_table([image], None, 1).splitlines()[2]
 
 
 def test_the_runs_script_reads_every_run_directory(tmp_path):

@@ -220,3 +220,20 @@ def test_the_node_roles_statement_list_in_the_docs_is_the_synthesized_one():
         f"granted, not documented: {sorted(granted - documented_actions)}; "
         f"documented, not granted: {sorted(documented_actions - granted)}"
     )
+
+
+def test_the_first_aws_run_says_what_a_first_deploy_takes_and_what_to_do_when_it_fails():
+    """Issue 32 §12: no total deploy time, nothing on the 45 minutes CloudFormation waits for a bootstrap
+    (billing), --no-rollback, what a rollback leaves, `fab audit` after a failed deploy, `cdk bootstrap`
+    or the days a quota increase can take."""
+    from stacks.nodes import BOOTSTRAP_TIMEOUT
+
+    minutes = int(BOOTSTRAP_TIMEOUT.to_minutes())
+    script = (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_text()
+    assert f"FAILED_STOP_MINUTES={minutes}\n" in script  # the failed node's own stop: the same 45 min
+    readme = (REPO / "README.md").read_text()
+    first = readme[readme.index("## The first AWS run") : readme.index("## Deploy readiness")]
+    timed = (REPO / "docs" / "operations.md").read_text().split("### The first deploy, timed")[1].split("\n## ")[0]
+    for text in (first, timed):
+        for words in ("cdk bootstrap", "--no-rollback", f"{minutes} min", "fab audit", "days", "~10-20 min"):
+            assert words in text, words

@@ -42,9 +42,11 @@ def saved(tmp_path, monkeypatch):
     [
         ([], "give a drill: `fab drill KIND`, KIND one of kill-node, cut-link, slow-link, stop-rank, spot, fill-data"),
         (["nope"], "invalid drill 'nope': one of kill-node, "),
-        (["kill-node", "--node", "x"], "invalid --node 'x': a whole number"),
-        (["kill-node", "--node", "3"], "invalid --node 3: the cluster has nodes 0 to 2"),
+        (["kill-node", "--node", "x"], "invalid --node x: no such node (the nodes: 0=node0, 1=node1, 2=node2)"),
+        (["kill-node", "--node", "3"], "invalid --node 3: no such node"),
         (["kill-node", "--node", "0"], "drill kill-node on node0 would take the supervisor with it"),
+        # issue 32 §11: a name, as fab train --exclude takes it (was: "a whole number")
+        (["kill-node", "--node", "node0"], "drill kill-node on node0 would take the supervisor with it"),
         (["cut-link", "--node", "0"], "drill cut-link on node0 would take the supervisor with it"),
         (["slow-link", "--rate", "fast"], "invalid --rate 'fast': a tc rate such as 10mbit"),
         (["fill-data", "--mb", "0"], "invalid --mb 0: 1 to 65536"),
@@ -127,6 +129,16 @@ def test_the_timeline_and_the_goodput_lost_from_the_phases():
     assert "recomputed 6.0 s" in lost[0] and "restart.detect 3.5 s" in lost[0]
     assert lost[1].startswith("incident (unreachable): detected 3.5 s after the last step, decided in 5.0 s")
     assert lost[1].endswith("10 steps lost (6.0 s to recompute)")
+
+
+def test_a_drill_without_restarts_reports_no_restart_or_recomputed_time():
+    """Issue 32 §11: without --max-restarts the run ends at the detection: its goodput said "restart.detect"
+    and "recomputed" seconds that never happened."""
+    ended = [*MARKS[: MARKS.index(Phase("detect", 120.0, end=116.5, step=20, kind="unreachable")) + 1]]
+    ended.append(Phase("done", 120.5, kind="unreachable"))
+    lost = drillreport.lost(ended, 117.0, 121.0)
+    assert "restart" not in lost[0] and "recomputed" not in lost[0] and "shutdown" in lost[0], lost
+    assert len(lost) == 1  # no incident line: nothing was restarted
 
 
 def test_routine_checkpoints_after_the_first_two_are_counted_not_listed():

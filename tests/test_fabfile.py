@@ -145,6 +145,7 @@ class FakeConnection:
     """Just enough of a Fabric connection for `fab train` on a prepared cluster; counts its openings."""
 
     opened = 0
+    runs = ""  # what `ls` of /data/runs answers
 
     def __init__(self, ip: str):
         FakeConnection.opened += 1
@@ -161,7 +162,9 @@ class FakeConnection:
         if command.startswith("ip -o -4 addr show"):
             out = f"2: eth0    inet {self.ip}/24 brd 10.0.0.255 scope global eth0\n"
         elif "meta.json" in command:
-            out = "ok\n"
+            out = 'none\n{"vocab_size": 600}'
+        elif command.startswith("ls -1 ") and "/runs 2>/dev/null" in command:
+            out = FakeConnection.runs
         elif command.startswith("stat -c"):
             out = "0\n"
         elif command.startswith("cat ") and "run-status.json" in command:
@@ -196,7 +199,20 @@ def test_fab_train_selects_and_checks_the_nodes_once(unreachable, monkeypatch, c
     assert fab("train", "--steps", "3") == 0, capsys.readouterr().err
     assert counts == {"select": 1, "quick": 1, "interface": 1}
     assert FakeConnection.opened == 1  # one connection to the head node for the whole launch
-    assert "started transformer-tiny" in capsys.readouterr().out
+    assert "started transformer-tiny, a new run: recipe transformer-tiny, data set numbers," in capsys.readouterr().out
+
+
+def test_a_new_run_named_close_to_an_existing_one_says_which_it_did_not_resume(unreachable, monkeypatch, capsys):
+    """Issue 32 §3: a typo in --run started a new run on the default data set without a word."""
+    ok = [health.NodeHealth(node="node0", verdict="ok", reasons=[], notes=[], details={})]
+    monkeypatch.setattr(nodeprobe, "quick", lambda inv, nodes: ok[: len(nodes)] * len(nodes))
+    monkeypatch.setattr(remote, "connect", lambda inv, node: FakeConnection(node.private_ip))
+    monkeypatch.setattr(remote, "write_file", lambda conn, path, text, mode=0o644: None)
+    monkeypatch.setattr(FakeConnection, "runs", "ding-run\nother\n")
+    assert fab("train", "--run", "ding-rnu", "--steps", "3") == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "started ding-rnu, a new run: recipe transformer-tiny, data set numbers," in out
+    assert "note: ding-rnu is a new run; ding-run exists: `fab train --run ding-run` resumes that one" in out
 
 
 def test_the_launch_plan_carries_what_the_launch_needs():
@@ -238,3 +254,20 @@ def test_sync_refuses_a_directory_that_is_not_the_training_package(tmp_path, unr
     (tmp_path / "mine" / "train.py").write_text("")
     assert fab("sync", "--source", str(tmp_path / "mine")) == 1
     assert "is not the training package: no __init__.py" in capsys.readouterr().err
+
+
+def test_a_misspelt_option_is_named_with_the_closest_one(capsys):
+    """Issue 32 §11: `fab train --recipie transformer-tiny` said Invoke's "No idea what 'transformer-tiny' is!"
+    (the misspelt option was taken as the run name by position)."""
+    for argv in (["train", "--recipie", "transformer-tiny"], ["train", "--recipie"]):
+        assert fab(*argv) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == "error: fab train has no option --recipie: did you mean --recipe? (`fab --help train`)"
+
+
+def test_status_says_in_words_that_a_node_does_not_answer_ssh(unreachable, capsys):
+    """Issue 32 §11: `fab status` printed paramiko's raw "NoValidConnectionsError: [Errno None] ..."."""
+    assert fab("status") == 0
+    out = capsys.readouterr().out
+    assert "NoValidConnectionsError" not in out and "Errno None" not in out
+    assert "no SSH on 127.0.0.1:" in out and "the node, its container or its sshd is down" in out, out

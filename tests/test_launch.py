@@ -372,6 +372,31 @@ def test_recipes_datasets_precisions_and_compressions_are_the_training_packages_
     assert catalog.dataset_dir("imagenet") == "/data/datasets/imagenet"
 
 
+def test_a_recipe_and_a_data_set_that_do_not_match_are_one_line():
+    """Issue 32 §2: resnet-small on ding passed the laptop's check ("started") and failed on every rank."""
+    from train import catalog
+
+    for recipe in catalog.RECIPES:  # each recipe's own data set matches it
+        assert catalog.KNOWN_INPUTS[launch.default_dataset(recipe)] == catalog.recipe_input(recipe), recipe
+    text, images = {"vocab_size": 8000, "src_lang": "en"}, {"classes": ["shirt"]}
+    refused = catalog.input_mismatch("resnet-small", "ding", text, False)
+    assert refused and refused.startswith("resnet-small trains on images; ding is text: use an image data set")
+    refused = catalog.input_mismatch("transformer-tiny", "fashion-mnist", images, True)
+    assert refused and refused.startswith("transformer-tiny trains on text; fashion-mnist is images")
+    assert catalog.input_mismatch("resnet50", "imagenet", None, True) is None  # a staged folder, no meta.json
+    assert catalog.input_mismatch("transformer-tiny", "numbers", text, False) is None
+
+
+def test_a_missing_data_set_says_how_to_prepare_it_or_names_the_close_one():
+    """Issue 32 §11: `--dataset dingg` suggested `fab data --dataset dingg`, itself refused."""
+    from train import catalog
+
+    assert catalog.missing_data("ding") == "run `fab data --dataset ding`"
+    assert catalog.missing_data("dingg").endswith(
+        "wmt16-en-de, fashion-mnist or imagenet: did you mean --dataset ding?"
+    )
+
+
 def test_a_synced_root_comes_first_and_the_images_is_still_found():
     """After `fab sync` the ranks, the supervisor and fab's node commands import /data/code first, then
     the image's /workspace: a /data/code left by an older fab (train/ but no cluster_node/) still finds

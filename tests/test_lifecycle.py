@@ -4,6 +4,7 @@ starts; a stopped run is `stopped` (resumable), and `fab runs` counts every segm
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from conftest import REPO
 from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write_spec
 
 from cluster_node import rundir
-from clusterops import analysis, launch, resume
+from clusterops import analysis, launch, lifecycle, remote, resume
 from clusterops.inventory import Inventory, Node, SshSettings
 
 
@@ -177,6 +178,20 @@ def test_the_trainers_own_resume_checks_run_on_the_laptop():
     resume.check_trainer(inventory(), longer, saved)  # the length may change
 
 
+def test_a_finished_run_is_refused_with_how_to_train_more_or_start_anew():
+    """Issue 32 §1: the same `fab train` after a finished run 'resumed' it, trained nothing and rewrote
+    its summary with zeros."""
+    saved = dataclasses.replace(resume.Saved(saved_config(), {}), step=300)
+    request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
+    max_steps = resume.check_trainer(inventory(), request, saved)
+    with pytest.raises(launch.LaunchError) as refused:
+        resume.refuse_finished(request, saved, max_steps, ["tiny", "tiny-2"])
+    words = str(refused.value)
+    assert "already finished at step 300" in words and "--run tiny --steps 450" in words and "--run tiny-3" in words
+    longer = resume.resumed(launch.TrainRequest(run="tiny", steps=450), set(), saved, inventory())
+    resume.refuse_finished(longer, saved, resume.check_trainer(inventory(), longer, saved), ["tiny"])
+
+
 @pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])
 def test_a_bad_extra_is_one_line_from_the_trainers_parser(extra, capsys):
     """Before: argparse's usage, once per rank, after mpirun started."""
@@ -185,3 +200,69 @@ def test_a_bad_extra_is_one_line_from_the_trainers_parser(extra, capsys):
         resume.check_trainer(inventory(), request, None)
     assert "\n" not in str(refused.value) and ("lr-scale" in str(refused.value) or "--bogus" in str(refused.value))
     assert capsys.readouterr().err == ""  # no usage text
+
+
+class _HereConnection:
+    """A head node that is this machine: commands through invoke's local runner, files through an
+    SFTP stand-in that does what paramiko's SFTPClient.get does (opens the local file, then reads)."""
+
+    def run(self, command: str, **kwargs):
+        import invoke
+
+        return invoke.run(command, hide=True, warn=True, in_stream=False)
+
+    def sftp(self):
+        class Sftp:
+            def get(self, remotepath: str, localpath: str) -> None:
+                with open(localpath, "wb") as local:  # paramiko: open(localpath, "wb"), then getfo
+                    local.write(Path(remotepath).read_bytes())  # FileNotFoundError, as SFTP's ENOENT
+
+        return Sftp()
+
+
+def test_fetch_brings_the_goodput_plot_and_no_empty_vocabulary_for_an_image_run(tmp_path):
+    """Issue 32 §5: an image run got a 0-byte spm.model; goodput.png (fab report's) was not fetched."""
+    run, data = tmp_path / "runs" / "img", tmp_path / "datasets" / "fashion-mnist"
+    (run / rundir.CHECKPOINTS).mkdir(parents=True)
+    data.mkdir(parents=True)
+    (run / rundir.CONFIG).write_text(json.dumps({"recipe": "resnet-small", "data": str(data)}))
+    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "finished"}))
+    (run / rundir.GOODPUT_PNG).write_bytes(b"\x89PNG")
+    (run / rundir.CHECKPOINTS / "step_00000005.pt").write_bytes(b"pt")
+    files, _ = lifecycle.fetch_run(_HereConnection(), str(run), tmp_path / "home" / "img")
+    names = sorted(str(f.relative_to(tmp_path / "home" / "img")) for f in files)
+    assert names == ["checkpoints/step_00000005.pt", "config.json", "goodput.png", "run-status.json"]
+    assert not (tmp_path / "home" / "img" / "spm.model").exists()
+
+
+def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):
+    """Issue 32 §9: `fab stop` was silent for 30 s while an eval ran first."""
+    run = tmp_path / "runs" / "r"
+    (run / rundir.RANKS).mkdir(parents=True)
+    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "running"}))
+    (run / rundir.CONFIG).write_text(json.dumps({"eval_every": 10, "max_steps": 100}))
+    rundir.rank_beat(run, 0).write_text("20 123 node0\n")
+    said: list[str] = []
+    with pytest.raises(remote.RemoteError, match="did not stop within 3 s"):
+        lifecycle.request_stop(_HereConnection(), str(run), wait=3, say=said.append, every=1)
+    assert said and said[0].startswith("stop: still waiting (") and "rank 0 is in the eval after step 20" in said[0]
+    assert (run / rundir.STOP).exists()
+
+
+def test_follow_says_where_a_quiet_run_is(tmp_path):
+    """Issue 32 §10: --follow on Ding was silent for 33 s and 52 s between log lines."""
+    import io
+    import threading
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "running"}))
+    (run / rundir.PROGRESS).write_text(json.dumps({"step": 7, "max_steps": 60}))
+    (run / rundir.TRAIN_LOG).write_text("step 1/60 (1%) | loss 7.2\n")
+    finish = threading.Timer(2.5, (run / rundir.RUN_STATUS).write_text, [json.dumps({"state": "finished"})])
+    finish.start()
+    out = io.StringIO()
+    status = lifecycle.follow_log(_HereConnection(), str(run), out=out, poll=0.2, timeout=30, quiet_s=1.0)
+    finish.join()
+    assert status["state"] == "finished" and out.getvalue().startswith("step 1/60 (1%) | loss 7.2\n")
+    assert "  ... at step 7/60 (1 s without a log line)" in out.getvalue(), out.getvalue()

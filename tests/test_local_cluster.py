@@ -184,7 +184,8 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
         (["train", "--nodes", "9"], "invalid --nodes 9"),
         (["train", "--steps", "abc"], "invalid --steps 'abc': a whole number"),
         (["monitor", "--interval", "soon"], "invalid --interval 'soon': a number"),
-        (["train", "--dataset", "missing"], "no prepared data set"),
+        (["train", "--dataset", "dingg"], "no prepared data set at /data/datasets/dingg: `fab data` prepares numbers"),
+        (["train", "--recipe", "resnet-small", "--dataset", "numbers"], "resnet-small trains on images; numbers is"),
         (["ssh", "--node", "7"], "--node 7"),
         (["data", "--dataset", "mnist"], "invalid --dataset 'mnist'"),
         (["data", "--dataset", "imagenet"], "prepare.py imagenet failed on node0"),
@@ -386,6 +387,8 @@ def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
     assert "run ended at step 200" in pair.fab("logs").stdout
     status = pair.fab("status").stdout
     assert "finished | step 200/200" in status
+    again = pair.fab("train", check=False)  # issue 32 §1: 'resumed' it, trained nothing, zeroed its summary
+    assert again.returncode == 1 and "already finished at step 200" in again.stderr, again.stdout + again.stderr
     fetched = pair.fab("fetch", "--dest", str(tmp_path)).stdout
     run = tmp_path / "transformer-tiny"
     for name in ("config.json", "summary.json", "spm.model", "train.log", "checkpoints/best.pt"):

@@ -36,3 +36,15 @@ def test_a_help_frame_that_never_closes_ends_at_the_supervisors_next_line():
     out = _filtered(text, 5)
     assert out.splitlines()[-2:] == ["2026-11-24T08:01:30Z launcher: mpirun exited with 1", "step 2"]
     assert "some help" not in out
+
+
+def test_open_mpis_harmless_setpgid_warning_is_not_shown_or_counted():
+    """Issue 32 §11: every healthy --follow said "(1 line of Open MPI and rank error output not shown...)"
+    for plm_rsh's setpgid warning (mca_plm_rsh.so: "plm:rsh: Warning: setpgid(%ld,%ld) failed in parent")."""
+    log = (
+        "settings: recipe transformer-tiny\n"
+        "[node0:4242] plm:rsh: Warning: setpgid(4250,4250) failed in parent with errno=Permission denied(13)\n"
+        "plm:rsh: Warning: setpgid(4251,4251) failed in parent with errno=Permission denied(13)\n"
+        "step 1/60 (1%) | loss 7.2\n"
+    )
+    assert _filtered(log, 7) == "settings: recipe transformer-tiny\nstep 1/60 (1%) | loss 7.2\n"

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
+
+import pytest
+from conftest import REPO, tool_env
 
 from cluster_node import node_status
 
@@ -22,6 +27,38 @@ def test_training_counts_the_trainers_ranks_not_mpirun_or_a_shell_carrying_its_w
         for process in (rank, launcher):
             process.kill()
             process.wait()
+
+
+FORKING_RANK = "import os, time; os.fork(); time.sleep(60)"  # a rank and its DataLoader worker (a fork)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace needs root")
+def test_a_node_counts_its_own_ranks_not_their_workers_or_another_nodes(tmp_path):
+    """Issue 32 §6: every `train.train` process in /proc was a rank: DataLoader workers, and on the
+    emulated cluster every node's (a node outside the run showed "6 rank(s)"). Here one rank with a forked
+    worker in this node's namespace, and another node's rank in the machine's own namespace."""
+    netns = f"gcs-status-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+    inside = ["ip", "netns", "exec", netns]
+    started = []
+    try:
+        started.append(subprocess.Popen([*inside, sys.executable, "-c", FORKING_RANK, "train.train"]))
+        started.append(subprocess.Popen([sys.executable, "-c", FORKING_RANK, "train.train"]))  # another node's
+        time.sleep(1)
+        status = subprocess.run(
+            [*inside, sys.executable, "-m", "cluster_node.node_status", "--data", str(tmp_path), "--name", "node0"],
+            capture_output=True,
+            text=True,
+            env=tool_env(PYTHONPATH=str(REPO / "assets")),
+            check=True,
+        )
+        assert json.loads(status.stdout)["training"] == 1
+    finally:
+        for process in started:
+            subprocess.run(["pkill", "-KILL", "-P", str(process.pid)], check=False)  # its fork, by parent id
+            process.kill()
+            process.wait()
+        subprocess.run(["ip", "netns", "del", netns], check=False)
 
 
 def test_the_status_row_shows_the_deploy_total_and_a_line_its_timeline(tmp_path):

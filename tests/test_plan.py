@@ -123,7 +123,11 @@ def test_the_target_step_is_the_first_evaluation_that_reached_the_metric():
         plan.steps_to(curve, "bleu", 70)
     with pytest.raises(ValueError, match="no 'top1'"):
         plan.steps_to(curve, "top1", 0.8)
-    assert plan.parse_metric("top1=0.8") == ("top1", 0.8)
+    assert plan.parse_metric("top1=80") == ("top1", 80.0) and plan.parse_metric("top1=0.8%") == ("top1", 0.8)
+    # Issue 32 §4: top1=0.8, the help's own example, meant 0.8 %: top-1 is reported in percent.
+    for text, words in (("top1=0.8", "top1=80 for 80%"), ("bleu=160", "at most 100"), ("eval_loss=-1", "negative")):
+        with pytest.raises(ValueError, match=words):
+            plan.parse_metric(text)
     with pytest.raises(ValueError, match="NAME=VALUE"):
         plan.parse_metric("bleu>60")
 

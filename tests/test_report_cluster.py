@@ -144,5 +144,9 @@ def test_scale_prints_the_weak_scaling_table_and_writes_its_plot(lab, tmp_path):
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "scale.md").exists()
     series = lab.shared / "runs" / "scale-transformer-tiny"
     assert json.loads((series / "scale.json").read_text())["points"][1]["nodes"] == 2
+    # issue 32 §5: fab local.down listed the scale runs as never fetched; fetching the series lost scale.json
+    assert not [run for run in localcluster.unfetched_runs(lab.shared) if run.startswith("scale-")]
+    lab.fab("fetch", "--run", "scale-transformer-tiny", "--dest", str(tmp_path / "home"))
+    assert (tmp_path / "home" / "scale-transformer-tiny" / "scale.json").exists()
     report = lab.fab("report", "--run", "scale-transformer-tiny-n2-r1").stdout
     assert "## Scaling" in report and (lab.run_dir("scale-transformer-tiny-n2-r1") / "scaling.png").exists()

@@ -9,6 +9,7 @@ import faulthandler
 import json
 import signal
 
+import pytest
 import torch
 from test_training import train as run_trainer
 
@@ -32,13 +33,21 @@ def test_progress_reads_both_shapes_the_trainer_writes(tmp_path):
 
 
 def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
-    run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1")
+    out = run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1").stdout
+    # Issue 32 §7: step 1's speed, parts and ETA (start-up) misled: "208 ms/step ... compute 877"
+    [first] = [line for line in out.splitlines() if "step 1/2 " in line]
+    assert "first step" in first and "ms/step" not in first and "| ETA" not in first, first
+    assert "| lr " in first and "ms/step" in next(line for line in out.splitlines() if "step 2/2 " in line)
+    assert "evaluating at step 2 (up to " in out  # issue 32 §10: the final eval was not announced
     summary = rundir.read_record(tmp_path / rundir.SUMMARY, rundir.Summary)
     assert summary is not None and summary.to_json() == json.loads((tmp_path / rundir.SUMMARY).read_text())
     assert summary.steps == 2 and summary.ended == "max_steps" and "best_bleu" in summary.metrics
     progress = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
     assert progress is not None and progress.ended == "max_steps" and not progress.extra
     assert (tmp_path / rundir.CONFIG).is_file() and rundir.checkpoint(tmp_path, 2).is_file()
+    written = (tmp_path / rundir.SUMMARY).read_text()
+    run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1")  # trains nothing
+    assert (tmp_path / rundir.SUMMARY).read_text() == written  # issue 32 §1: was rewritten with zeros
 
 
 def test_the_rank_heartbeat_is_what_the_heartbeat_callback_writes(tmp_path):
@@ -85,6 +94,20 @@ def test_the_busy_marker_is_what_prepare_writes(tmp_path):
     assert marker.to_json() == {"what": marker.what, "time": marker.time}
 
 
+def test_the_progress_after_the_first_step_has_the_speed_and_eta_of_the_recent_steps(tmp_path):
+    """Issue 32 §7: `fab status` kept step 1's 1,715 ms/step and its ETA of 16m40s while the run did
+    1.37 s/step. Step 1 logs no speed (start-up); the refreshes between log steps take the recent steps'."""
+    now = [1000.0]
+    writer = callbacks.ProgressFile(tmp_path, max_steps=600, world_size=2, clock=lambda: now[0])
+    writer.on_progress(1, dict(loss=9.0, elapsed_s=1.7))  # what the trainer writes at step 1 now
+    for step in range(2, 12):
+        now[0] += 1.37
+        writer.on_step(step)
+    record = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
+    assert record is not None and record.step > 1
+    assert record.avg_step_time_s == pytest.approx(1.37) and record.eta_s == pytest.approx((600 - record.step) * 1.37)
+
+
 def test_progress_is_refreshed_every_few_seconds_between_log_steps_without_a_collective(tmp_path):
     """fab status read a step and an ETA up to log_every steps old (25 s on the demo): rank 0 now rewrites
     progress.json from its own clock at least every REFRESH_S, keeping the last logged loss and breakdown
@@ -105,3 +128,44 @@ def test_progress_is_refreshed_every_few_seconds_between_log_steps_without_a_col
     assert record.step == written[-1] > 25 and record.loss == 2.5 and record.breakdown == {"data_s": 0.01}
     assert record.eta_s == (100 - record.step) * 0.5 and record.elapsed_s == 5.0 + (record.time - 1000.0)
     assert len(set(written)) <= 19 * 0.5 / callbacks.REFRESH_S + 1  # a write every REFRESH_S, not every step
+
+
+EXIT_PROBE = """
+from torch.utils.data import DataLoader
+from train import distributed
+loader = DataLoader(list(range(64)), batch_size=8, num_workers=2, persistent_workers=True)
+next(iter(loader))
+print("ended", flush=True)
+distributed.exit_without_finalizing(0)
+"""
+
+
+def test_a_rank_that_ends_closes_its_output_at_once_with_dataloader_workers(tmp_path):
+    """Issue 32 §10: every resnet run ended 5 s after its summary: the DataLoader workers, alive until their
+    check on the parent, held the rank's stdout open and mpirun waited for its end."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from conftest import TRAIN_DIR, tool_env
+
+    rank = subprocess.Popen(
+        [sys.executable, "-c", EXIT_PROBE],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=tool_env(PYTHONPATH=str(TRAIN_DIR.parent)),
+        start_new_session=True,  # its group: a worker left behind is killed with it below
+    )
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "ended\n"
+        ended = time.monotonic()
+        reader = threading.Thread(target=rank.stdout.read, daemon=True)  # returns at EOF: every holder gone
+        reader.start()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "the rank's stdout was still open 5 s after it ended"
+        assert time.monotonic() - ended < 2.0
+    finally:
+        os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait()

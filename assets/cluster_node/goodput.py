@@ -144,19 +144,18 @@ def _intervals(runs: list[Attempt], start: float, end: float) -> tuple[list, lis
 def _failure(attempt: Attempt, beat: float, end: float, incidents: list, start: float) -> list:
     """A failed attempt: detection, decision (or the end), the stepping it loses."""
     detect, decide = attempt.marks["detect"], attempt.marks.get("decide")
-    resume = decide.step if decide is not None else None
+    if decide is None:  # no restart: the run ended; nothing was detected for a restart, nothing recomputed
+        return [("shutdown", beat, end)]
+    resume = decide.step
     saved = [e for event, _, e, step in attempt.spans if event == "checkpoint" and step == resume]
     lost_from = max(saved) if saved else _t(attempt, "first_step")
     spans = [("restart.detect", beat, detect.time), ("recomputed", lost_from, beat)]
-    spans.append(("restart.decide", detect.time, decide.time) if decide else ("shutdown", detect.time, end))
-    if decide is not None:
-        lost = (detect.step or 0) - (resume or 0) if detect.step is not None else 0
-        lost_s = max(0.0, beat - lost_from) if lost_from is not None else 0.0  # a checkpoint after the beat
-        incidents.append(
-            Incident(
-                detect.kind or "?", beat - start, detect.time - beat, decide.time - detect.time, 0, 0, lost, lost_s
-            )
-        )
+    spans.append(("restart.decide", detect.time, decide.time))
+    lost = (detect.step or 0) - (resume or 0) if detect.step is not None else 0
+    lost_s = max(0.0, beat - lost_from) if lost_from is not None else 0.0  # a checkpoint after the beat
+    incidents.append(
+        Incident(detect.kind or "?", beat - start, detect.time - beat, decide.time - detect.time, 0, 0, lost, lost_s)
+    )
     return spans
 
 

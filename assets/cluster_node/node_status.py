@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,18 +25,37 @@ def gpu_rows() -> Optional[list[list[int]]]:
     return [[int(float(v)) for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
-def training_processes() -> int:
+def training_processes(proc: Path = Path("/proc")) -> int:
     """The trainer's ranks on this node: python processes running `-m train.train` (not mpirun or a
-    shell whose command line carries the same words)."""
-    count = 0
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    shell whose command line carries the same words), not a rank's own children (DataLoader workers
+    fork with its command line) and only in this node's network namespace (the emulated cluster's nodes
+    share one machine's /proc)."""
+    own = _netns(proc / "self")
+    parents: dict[int, int] = {}  # a rank's pid -> its parent's
+    for cmdline in proc.glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue  # the process ended while we looked
         if Path(argv[0].decode(errors="replace")).name.startswith("python") and b"train.train" in argv[1:4]:
-            count += 1
-    return count
+            if own and _netns(cmdline.parent) not in (own, None):
+                continue  # another node's
+            parents[int(cmdline.parent.name)] = _parent(cmdline.parent)
+    return sum(1 for parent in parents.values() if parent not in parents)
+
+
+def _netns(process: Path) -> Optional[str]:
+    try:
+        return os.readlink(process / "ns" / "net")
+    except OSError:
+        return None
+
+
+def _parent(process: Path) -> int:
+    try:  # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses
+        return int((process / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def deploy_timeline(path: Path) -> Optional[dict]:

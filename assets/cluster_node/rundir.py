@@ -64,7 +64,6 @@ FETCHED = ".fetched"
 SEGMENTS = "segments.json"  # one entry per supervisor (a `fab train` launch or resume) that ended
 BUDGET = "budget.json"  # --budget-usd's limit and the spend so far (cluster_node.budget.Spend)
 # What `fab fetch` takes besides a checkpoint and the last evals (lifecycle._download_run, localdata).
-FETCHED_FILES = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, SCALING_PNG)
 
 # ---------------------------------------------------------------- names: DATA/runs/ beside the runs
 
@@ -73,6 +72,9 @@ CHECK_RUN = ".check"  # runs/.check: fab check's all-reduce run
 SCALE_DIR = "scale-{recipe}"  # runs/scale-RECIPE
 SCALE_JSON = "scale.json"
 SCALE_MD = "scale.md"
+# What `fab fetch` brings home besides a checkpoint and the last evals (a scale series' files too).
+FETCHED_FILES: tuple[str, ...] = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, GOODPUT_PNG)
+FETCHED_FILES += (SCALING_PNG, SCALE_JSON, SCALE_MD)
 
 STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)

@@ -170,3 +170,14 @@ def parts_line(parts: dict) -> str:
         "other_s": "other",
     }
     return " ".join(f"{name} {parts.get(key, 0.0) * 1000:.0f}" for key, name in names.items()) + " ms"
+
+
+def first_step_line(step: int, max_steps: int, log_every: int, loss: Any, lr: Any, seconds: float) -> str:
+    """The log line of a run's first step: its time is start-up (allocation, the first collectives), and
+    its parts may exceed it (the slowest rank's): no speed, breakdown or ETA from it."""
+    later = min(max(log_every, step + 1), max_steps)
+    return (
+        f"step {step}/{max_steps} ({100 * step // max_steps}%) | loss {loss:.3f} | lr {lr:.2e} | first step "
+        f"{seconds * 1000:.0f} ms "
+        f"(start-up; speed and ETA from step {later})"
+    )

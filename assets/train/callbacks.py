@@ -55,21 +55,24 @@ class ProgressFile(Callback):
         self.path = Path(run_dir) / rundir.PROGRESS
         self.max_steps, self.world_size, self.clock = max_steps, world_size, clock
         self.last: Optional[rundir.Progress] = None
+        self.logged: tuple[int, float] = (0, 0.0)  # the last logged step and its time: recent steps start there
 
     def on_progress(self, step: int, values: dict[str, Any]) -> None:
         record = rundir.Progress(
             step=step, max_steps=self.max_steps, time=self.clock(), world_size=self.world_size, **values
         )
         rundir.write_record(self.path, record)
-        self.last = record
+        self.last, self.logged = record, (step, record.time or 0.0)
 
     def on_step(self, step: int) -> None:
         last, now = self.last, self.clock()
         if last is None or last.time is None or last.ended or step <= last.step or now - last.time < REFRESH_S:
             return
-        eta = (self.max_steps - step) * last.avg_step_time_s if last.avg_step_time_s else last.eta_s
+        recent = (now - self.logged[1]) / (step - self.logged[0])  # evals and checkpoints included: the ETA's
+        eta = (self.max_steps - step) * recent
         elapsed = last.elapsed_s + (now - last.time) if last.elapsed_s is not None else None
-        record = dataclasses.replace(last, step=step, time=now, eta_s=eta, elapsed_s=elapsed)
+        speed = last.avg_step_time_s or recent  # none logged yet (step 1's is start-up): the recent steps'
+        record = dataclasses.replace(last, step=step, time=now, eta_s=eta, elapsed_s=elapsed, avg_step_time_s=speed)
         rundir.write_record(self.path, record)
         self.last = record
 

@@ -28,6 +28,51 @@ def default_dataset(recipe: str) -> str:
     return PurePosixPath(RECIPES[recipe]["data"]).name
 
 
+def recipe_input(recipe: str) -> str:
+    """What a recipe trains on: "images" (a vision recipe) or "text"."""
+    return "images" if "vision" in RECIPES.get(recipe, {}) else "text"
+
+
+def dataset_input(meta: dict | None, has_train_folder: bool) -> str | None:
+    """What a prepared data set holds, from its meta.json (prepare.py's: a vocabulary for text, classes
+    for images) or an image folder's train/ (ImageNet staged as is); None when neither says."""
+    if meta and ("vocab_size" in meta or "src_lang" in meta):
+        return "text"
+    if (meta and "classes" in meta) or has_train_folder:
+        return "images"
+    return None
+
+
+def input_mismatch(recipe: str, dataset: str, meta: dict | None, has_train_folder: bool) -> str | None:
+    """'resnet-small trains on images; ding is text' where the two do not match, with the ones that do."""
+    wanted, found = recipe_input(recipe), dataset_input(meta, has_train_folder)
+    if found is None or found == wanted:
+        return None
+    fitting = [name for name in DATASETS if KNOWN_INPUTS.get(name) == wanted]
+    recipes = [name for name in RECIPES if recipe_input(name) == found]
+    a = {"images": "an image", "text": "a text"}
+    return (
+        f"{recipe} trains on {wanted}; {dataset} is {found}: use {a[wanted]} data set ({either(tuple(fitting))}) "
+        f"or {a[found]} recipe ({either(tuple(recipes))})"
+    )
+
+
+def missing_data(dataset: str) -> str:
+    """What to do about a data set that is not prepared: `fab data` for one it prepares; for any other
+    name (a typo: `dingg`), the ones it prepares and the closest."""
+    if dataset in DATASETS:
+        return f"run `fab data --dataset {dataset}`"
+    import difflib
+
+    close = difflib.get_close_matches(dataset, DATASETS, n=1)
+    return f"`fab data` prepares {either(DATASETS)}" + (f": did you mean --dataset {close[0]}?" if close else "")
+
+
+# What each data set `fab data` prepares holds.
+KNOWN_INPUTS = dict.fromkeys(("numbers", "ding", "wmt16-en-de"), "text") | dict.fromkeys(
+    ("fashion-mnist", "imagenet"), "images"
+)
+
 # Each recipe's overrides of TrainConfig's defaults; `data` is its default data set's directory.
 RECIPES: dict[str, dict[str, Any]] = {
     # The published transformer-base (Vaswani et al.; OpenSeq2Seq's "transformer" LR policy).

@@ -124,9 +124,10 @@ def images(root: Path, split: str, per_class: int | None) -> Iterator[tuple[str,
         yield f"{split}/{FOLDERS[labels[index]]}/{index:05d}.jpg", jpeg(pixels, index)
 
 
-def write(out: Path, root: Path, per_class: dict[str, int | None]) -> dict[str, int]:
+def write(out: Path, root: Path, per_class: dict[str, int | None], every: int = 15_000) -> dict[str, int]:
     """Build train/ and val/ in a scratch directory beside them, then swap them in: a run that
-    stops half-way leaves the previous folders (or none) and no half-written split."""
+    stops half-way leaves the previous folders (or none) and no half-written split. Says every `every`
+    images how far it is (all 70,000 take ~11 s on the emulated cluster)."""
     scratch = out / ".building"
     shutil.rmtree(scratch, ignore_errors=True)
     counts = {}
@@ -137,6 +138,8 @@ def write(out: Path, root: Path, per_class: dict[str, int | None]) -> dict[str, 
         for relative, data in images(root, split, per_class[split]):
             (scratch / relative).write_bytes(data)
             counts[split] += 1
+            if counts[split] % every == 0:
+                print(f"  {split}: {counts[split]} images written", flush=True)
     for split in SPLITS:
         old = out / f".old-{split}"
         shutil.rmtree(old, ignore_errors=True)

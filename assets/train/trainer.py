@@ -19,8 +19,8 @@ from train import autocompress, breakdown, checkpoint, commhooks, distributed
 from train.callbacks import Callback
 from train.config import TrainConfig, resolve_precision
 
-# RUN_DIR/STOP (`fab stop`) ends the run after an eval and a checkpoint; a STOP whose first word is
-# rundir.URGENT_STOP_WORD (the Spot watcher's) checkpoints at once and skips the eval: the notice is 2 min.
+# RUN_DIR/STOP (`fab stop`, the Spot watcher's) ends the run with a checkpoint at the next step, no eval; a
+# STOP whose first word is rundir.URGENT_STOP_WORD (a Spot notice) is also voted urgent (self.urgent_stop).
 
 
 def _urgent(stop_file: Path) -> bool:
@@ -269,7 +269,7 @@ class Trainer:
             pending.append((self.step, loss_sum, units))
             self._log_step(pending, step_times, global_batch)
             reached = False
-            if stop and self.urgent_stop:  # a Spot interruption notice: checkpoint first, no eval
+            if stop:  # fab stop or a Spot notice: a checkpoint now, no eval (one may outlast fab stop's wait)
                 self.save()
             elif self.step % c.eval_every == 0 or self.step == c.max_steps or stop:
                 last_eval = self.run_eval()
@@ -281,7 +281,7 @@ class Trainer:
             elif self.step % c.checkpoint_every == 0 or self.checkpoint_due:
                 self.save()
             if stop:
-                ended = "stop requested" + (" (checkpoint now, no eval)" if self.urgent_stop else "")
+                ended = "stop requested (checkpoint now, no eval)"
                 if self.info.is_main:
                     (self.run_dir / rundir.STOP).unlink(missing_ok=True)
                 break
@@ -295,24 +295,23 @@ class Trainer:
     def _log_step(self, pending: list, step_times: list[float], global_batch: int) -> None:
         """Per step: LR and timing; at log steps also the losses so far, memory and the log line."""
         c = self.config
-        self.scalars(
-            {
-                "train/lr": self.scheduler.get_last_lr()[0],
-                "perf/step_time_s": step_times[-1],
-                "perf/objects_per_s": global_batch / step_times[-1],
-            }
-        )
+        lr, last = self.scheduler.get_last_lr()[0], step_times[-1]
+        self.scalars({"train/lr": lr, "perf/step_time_s": last, "perf/objects_per_s": global_batch / last})
         if self.step % c.log_every == 0 or self.step == 1:
-            recent = step_times[-c.log_every :]
+            recent = step_times[1:][-c.log_every :] or step_times  # the first step is start-up, not speed
             step_time = sum(recent) / len(recent)
             loss = self._flush_losses(pending)
             parts = self._interval_breakdown()
             self.scalars({"perf/memory_mb": self._memory_mb(), **{f"breakdown/{k}": parts[k] for k in parts}})
             elapsed = time.time() - self.fit_started
+            if len(step_times) == 1 and c.max_steps > 1:  # its speed, parts and ETA would mislead
+                self.log(breakdown.first_step_line(self.step, c.max_steps, c.log_every, loss, lr, step_time))
+                self._progress(loss=loss, elapsed_s=elapsed)
+                return
             eta = (c.max_steps - self.step) * step_time
             self.log(
                 f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
-                f"{self.scheduler.get_last_lr()[0]:.2e} | {step_time * 1000:.0f} ms/step | "
+                f"{lr:.2e} | {step_time * 1000:.0f} ms/step | "
                 f"{global_batch / step_time:.0f} objects/s | slowest rank: {breakdown.parts_line(parts)} | "
                 f"elapsed {breakdown.duration(elapsed)} | ETA {breakdown.duration(eta)}"
             )
@@ -346,11 +345,11 @@ class Trainer:
 
     def run_eval(self) -> dict:
         start = time.time()
+        self.log(f"evaluating at step {self.step} (up to {self.config.eval_samples} samples) ...")  # a long wait
         result = self.task.evaluate()
         texts = {k: result.pop(k) for k in list(result) if isinstance(result[k], list)}
         if self.info.is_main:
-            eval_dir = self.run_dir / rundir.EVAL
-            eval_dir.mkdir(exist_ok=True)
+            (eval_dir := self.run_dir / rundir.EVAL).mkdir(exist_ok=True)
             for kind, lines in texts.items():  # translation: hypotheses, references, sources
                 text = "".join(line + "\n" for line in lines)
                 rundir.write_bytes(eval_dir / rundir.EVAL_TEXT.format(step=self.step, kind=kind), text.encode())
@@ -389,8 +388,8 @@ class Trainer:
             "calibration": self.calibration,
             "auto_compression": self.auto_compression,
         }
-        if self.info.is_main:
-            rundir.write_json(self.run_dir / rundir.SUMMARY, summary, indent=2)
+        if self.info.is_main and (step_times or not (self.run_dir / rundir.SUMMARY).exists()):
+            rundir.write_json(self.run_dir / rundir.SUMMARY, summary, indent=2)  # never zeros over a result
         self._progress(loss=None, avg_step_time_s=avg, ended=ended)  # after the summary, as readers expect
         if self.info.is_main:
             if self.writer:
