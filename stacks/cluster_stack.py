@@ -44,6 +44,10 @@ class GpuClusterStack(Stack):
             security_group=self.network.security_group,
             file_system=self.storage.file_system,
         )
+        # A node's user data calls SSM and S3 at once: not before its subnet's route (a private subnet's NAT
+        # route) and the Session Manager endpoints exist (the stub retries, for seconds, not for creation).
+        for instance in self.nodes.instances:
+            instance.node.add_dependency(self.network.subnet.internet_connectivity_established, *self.network.endpoints)
         self.dashboard = ClusterDashboard(
             self,
             "Dashboard",

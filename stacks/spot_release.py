@@ -26,7 +26,7 @@ from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from cluster_node.contract import CLUSTER_TAG
+from cluster_node.contract import CLUSTER_TAG, RANK_TAG
 
 HANDLER = Path(__file__).resolve().parent / "spot_release_handler.py"
 INLINE_LIMIT = 4096  # CloudFormation: Code.ZipFile holds at most 4 KB
@@ -49,9 +49,11 @@ class SpotRequestRelease(Construct):
             description="Cancel the persistent Spot request of a terminated node of this cluster",
         )
         log_group.grant_write(role)
-        # DescribeSpotInstanceRequests has no resource-level permissions; CancelSpotInstanceRequests is
+        # The Describe calls have no resource-level permissions; CancelSpotInstanceRequests is
         # limited to the requests tagged with this cluster (the nodes' launch templates tag them).
-        role.add_to_policy(iam.PolicyStatement(actions=["ec2:DescribeSpotInstanceRequests"], resources=["*"]))
+        role.add_to_policy(
+            iam.PolicyStatement(actions=["ec2:DescribeSpotInstanceRequests", "ec2:DescribeInstances"], resources=["*"])
+        )
         role.add_to_policy(
             iam.PolicyStatement(
                 actions=["ec2:CancelSpotInstanceRequests"],
@@ -68,7 +70,7 @@ class SpotRequestRelease(Construct):
             timeout=Duration.seconds(30),
             role=role,
             log_group=log_group,
-            environment={"CLUSTER_NAME": cluster_name, "CLUSTER_TAG": CLUSTER_TAG},
+            environment={"CLUSTER_NAME": cluster_name, "CLUSTER_TAG": CLUSTER_TAG, "RANK_TAG": RANK_TAG},
             description=f"{cluster_name}: cancel a terminated Spot node's persistent request",
         )
         # Its Role property (GetAtt) orders it after the role, and it first runs when a node goes, which

@@ -129,6 +129,7 @@ class Sandbox:
             SANDBOX=str(self.root),
             PATH=f"{self.root / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin",
             MOUNT_RETRY_SECONDS="0",
+            AWS_RETRY_SECONDS="0",
             **env,
         )
         return subprocess.run(

@@ -66,6 +66,16 @@ def test_a_fetch_that_fails_signals_failure_at_once_and_runs_no_bootstrap(sandbo
     assert not (sandbox.root / "work" / "gpu-cluster-bootstrap").exists()
 
 
+def test_a_first_call_before_the_credentials_are_served_is_retried_not_a_failed_deploy(sandbox):
+    """The stub's AWS calls are the boot's first: the instance profile's credentials (or the private subnet's
+    route) can come seconds later (aws/aws-cli#1325). Two refused calls, then the third goes through."""
+    result = sandbox.run(FAIL_NODE_CONFIG_TIMES="2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    fetches = [c for c in sandbox.calls() if "/node-config" in c and c.startswith("aws ssm get-parameter")]
+    assert len(fetches) == 3
+    assert [s for s in _signals(sandbox) if "FAILURE" in s] == []
+
+
 def test_a_config_line_that_is_not_a_plain_value_is_refused_not_run(sandbox):
     """The stub appends the config to the env file the bootstrap sources as root: shell syntax there would
     run. The stack writes plain values only; anything else is a failure signalled at once."""

@@ -142,7 +142,8 @@ def node_program(args: list[str], env: dict, seconds: float = 60) -> str:
 
 
 def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -> None:
-    """On node 0: the idle watchdog's heartbeat for a few rounds, the budget meter's EFS I/O reading, then
+    """On node 0: the idle watchdog's heartbeat for a few rounds, the budget meter's EFS I/O reading and its
+    nodes that bill (EC2's instance state), then
     `--then-stop` (fab train's, and the budget's, stop of the whole cluster), as the container runs them."""
     env = {
         **node_env(gate, endpoint, deployed, 0),
@@ -161,6 +162,11 @@ def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -
         f"print(efsio.measure({file_system!r}, {REGION!r}, time.time() - 3600, time.time()))"
     )
     node_program(["-c", meter], env)
+    ids = tuple(deployed.instances)
+    billing = node_program(
+        ["-c", f"from cluster_node import ec2state; print(ec2state.billing_ids({ids!r}, {REGION!r}))"], env
+    )
+    assert "i-" in billing, billing  # the budget meter's nodes that bill, from EC2's instance state
     stopped = node_program([*watchdog, "--stop-now"], env)
     assert "stopping" in stopped, stopped
 
@@ -245,6 +251,13 @@ HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-
 LAPTOP_TASKS = ("preflight", "cost", "inventory", "status-aws", "stop-cluster", "release-spot", "start", "audit")
 
 
+BUDGET = (
+    "from pathlib import Path; from clusterops.inventory import Inventory; "
+    "from fabfile.common import budget_price, efs_io_rate; inv = Inventory.load(Path({inventory!r})); "
+    "print(f'price={{budget_price(inv)}} efs_rate={{efs_io_rate(inv)}}')"
+)
+
+
 def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
     name, cluster = deployed.stack, deployed.context["cluster_name"]
     context = [*MOTO_LIMITS, *(a for k, v in deployed.context.items() for a in ("-c", f"{k}={v}"))]
@@ -306,6 +319,9 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     for step in laptop_steps(deployed, tmp_path):
         done = run_fab(*step, **env)
         outputs.append(f"$ fab {' '.join(step)} -> {done.returncode}\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
+    # fab train --budget-usd on this inventory: the price it meters at and the EFS I/O rate it reads.
+    outputs.append(node_program(["-c", BUDGET.format(inventory=env["GPU_CLUSTER_INVENTORY"])], env))
+    assert "price=" in outputs[-1] and "efs_rate=" in outputs[-1], outputs[-1]
     ours = [c for c in gate.calls[before:] if c.principal == f"user-{deployed.name}"]
     print("\n".join(outputs))
     return {c.action for c in ours}

@@ -39,6 +39,7 @@ def _states(ec2, *request_ids: str) -> list[str]:
 def test_a_terminated_node_has_its_request_cancelled_and_no_other(aws_env, monkeypatch):
     monkeypatch.setenv("CLUSTER_NAME", "spotrel")
     monkeypatch.setenv("CLUSTER_TAG", "gpu-cluster:name")
+    monkeypatch.setenv("RANK_TAG", "gpu-cluster:rank")
     ec2 = boto3.client("ec2")
     node0, node1 = persistent_spot_request("spotrel"), persistent_spot_request("spotrel")
     other = persistent_spot_request("someone-else")
@@ -50,6 +51,41 @@ def test_a_terminated_node_has_its_request_cancelled_and_no_other(aws_env, monke
     assert spot_release_handler.handler(_event(other["InstanceId"])) == []  # another cluster's node
     assert spot_release_handler.handler(_event("i-0123456789abcdef0")) == []  # not a Spot node at all
     assert _states(ec2, *ids) == ["cancelled", "active", "active"]
+
+
+class ReopenedRequests:
+    """EC2 after a fast reopen: node1's persistent request holds no instance any more (moto cannot do that)."""
+
+    def __init__(self):
+        self.cancelled: list[str] = []
+        rank = [{"Key": "gpu-cluster:name", "Value": "spotrel"}, {"Key": "gpu-cluster:rank", "Value": "1"}]
+        self.requests = [
+            {"SpotInstanceRequestId": "sir-0", "State": "active", "InstanceId": "i-0", "Tags": rank[:1]},
+            {"SpotInstanceRequestId": "sir-1", "State": "open", "Tags": rank},
+            {"SpotInstanceRequestId": "sir-2", "State": "open", "Tags": [rank[0], {**rank[1], "Value": "2"}]},
+        ]
+        self.instances = {"i-1": rank}
+
+    def describe_spot_instance_requests(self, Filters):
+        return {"SpotInstanceRequests": self.requests}
+
+    def describe_instances(self, InstanceIds):
+        return {"Reservations": [{"Instances": [{"Tags": self.instances[i]} for i in InstanceIds]}]}
+
+    def cancel_spot_instance_requests(self, SpotInstanceRequestIds):
+        self.cancelled += SpotInstanceRequestIds
+
+
+def test_a_request_ec2_reopened_before_the_event_is_found_by_the_nodes_rank(monkeypatch):
+    for name, value in (
+        ("CLUSTER_NAME", "spotrel"),
+        ("CLUSTER_TAG", "gpu-cluster:name"),
+        ("RANK_TAG", "gpu-cluster:rank"),
+    ):
+        monkeypatch.setenv(name, value)
+    ec2 = ReopenedRequests()
+    assert spot_release_handler.handler(_event("i-1", "terminated"), ec2=ec2) == ["sir-1"]
+    assert ec2.cancelled == ["sir-1"]
 
 
 def _template(**context) -> dict:
@@ -80,6 +116,7 @@ def test_the_rule_runs_the_function_for_every_termination_and_the_function_is_th
     assert function["Properties"]["Environment"]["Variables"] == {
         "CLUSTER_NAME": "gpu-cluster",
         "CLUSTER_TAG": "gpu-cluster:name",
+        "RANK_TAG": "gpu-cluster:rank",
     }
 
 
@@ -89,10 +126,11 @@ def test_the_function_may_cancel_only_this_clusters_requests(spot):
     cancel = statements['"ec2:CancelSpotInstanceRequests"']
     assert cancel["Condition"] == {"StringEquals": {"aws:ResourceTag/gpu-cluster:name": "gpu-cluster"}}
     assert ":spot-instances-request/*" in json.dumps(cancel["Resource"])
-    assert statements['"ec2:DescribeSpotInstanceRequests"']["Resource"] == "*"
+    describe = '["ec2:DescribeInstances", "ec2:DescribeSpotInstanceRequests"]'
+    assert statements[describe]["Resource"] == "*"
     assert set(statements) == {
         '"ec2:CancelSpotInstanceRequests"',
-        '"ec2:DescribeSpotInstanceRequests"',
+        describe,
         '["logs:CreateLogStream", "logs:PutLogEvents"]',
     }
 

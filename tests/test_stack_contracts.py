@@ -252,3 +252,19 @@ def test_session_managers_heartbeat_is_allowed_on_this_clusters_instances_only()
     assert resource != "*" and json.dumps(resource).endswith(':instance/*"]]}'), resource
     channels = [s for s in statements if any(a.startswith("ssmmessages:") for a in _actions(s))]
     assert channels and all(_resources(s) == ["*"] for s in channels)
+
+
+@pytest.mark.parametrize("context", [{}, {"access": "ssm", "private_subnet": "true", "ssh_cidr": None}])
+def test_no_node_boots_before_its_subnets_route_and_the_session_manager_endpoints(context):
+    """The user-data stub calls SSM and S3 first thing: a private subnet's NAT route, the public subnet's
+    internet route and the interface endpoints exist before any node is created."""
+    template = _template(**context)
+    routes = {k for k, r in _of_type(template, "AWS::EC2::Route").items() if "nodes" in k}
+    endpoints = set(_of_type(template, "AWS::EC2::VPCEndpoint")) - {
+        k
+        for k, r in _of_type(template, "AWS::EC2::VPCEndpoint").items()
+        if r["Properties"].get("VpcEndpointType") != "Interface"
+    }
+    assert routes and (endpoints or not context)
+    for logical_id, node in _of_type(template, "AWS::EC2::Instance").items():
+        assert routes | endpoints <= set(node["DependsOn"]), logical_id

@@ -19,7 +19,18 @@ fail() {
     --logical-resource-id "$SIGNAL_RESOURCE" --status FAILURE --unique-id "$id-failed-$STEP" || true
 }
 trap fail EXIT
-config=$(aws ssm get-parameter --region "$AWS_REGION" --name "$NODE_CONFIG_PARAMETER" \
+# The stub's calls come first at boot: the instance profile's credentials, the NAT route or an endpoint may
+# come seconds later (aws/aws-cli#1325). Each call is tried for 3 minutes before the step fails.
+export AWS_METADATA_SERVICE_NUM_ATTEMPTS=5
+retry() {
+  local attempt
+  for ((attempt = 1; attempt < ${AWS_ATTEMPTS:-30}; attempt++)); do
+    "$@" && return 0
+    sleep "${AWS_RETRY_SECONDS:-6}"
+  done
+  "$@"
+}
+config=$(retry aws ssm get-parameter --region "$AWS_REGION" --name "$NODE_CONFIG_PARAMETER" \
   --query Parameter.Value --output text)
 while IFS= read -r line; do
   [[ $line =~ ^[A-Z_]+=[A-Za-z0-9._:/@+-]*$ ]] || { echo "$NODE_CONFIG_PARAMETER: not KEY=VALUE: $line" >&2; exit 1; }
@@ -28,7 +39,7 @@ printf '%s\n' "$config" >> "$ENV_FILE.new"
 # shellcheck source=/dev/null
 source "$ENV_FILE.new"
 STEP=fetch-bootstrap
-aws s3 cp --region "$AWS_REGION" --only-show-errors "$BOOTSTRAP_URL" "$SCRIPT.new"
+retry aws s3 cp --region "$AWS_REGION" --only-show-errors "$BOOTSTRAP_URL" "$SCRIPT.new"
 chmod 0755 "$SCRIPT.new"
 # Replace only what changed, so a re-run leaves the machine as it was.
 for f in "$ENV_FILE" "$SCRIPT"; do
