@@ -105,7 +105,7 @@ def steady_state(step_times: list[float]) -> dict:
     start = None
     if len(medians) >= 2 * SETTLE_WINDOWS:
         level = statistics.median(medians[len(medians) // 2 :])
-        within = [m <= level * (1 + TOLERANCE) for m in medians]
+        within = [abs(m - level) <= TOLERANCE * level for m in medians]
         start = next((k for k in range(len(within) - SETTLE_WINDOWS + 1) if all(within[k : k + SETTLE_WINDOWS])), None)
     if start is None:
         timed = step_times[min(5, n - 1) :] if n else []
