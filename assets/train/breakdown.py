@@ -68,7 +68,7 @@ def step_parts(marks: dict, seconds: Callable[[Any, Any], float]) -> dict:
         "step_s": seconds(marks["start"], marks["end"]),
         "payload_bytes": marks.get("payload_bytes", 0),
         "buckets": marks.get("hooks", 0),
-        "flops": marks.get("flops", 0),
+        **({"flops": marks["flops"]} if "flops" in marks else {}),  # the trainer's (perf.py)
     }
     parts["other_s"] = parts["step_s"] - sum(parts[k] for k in PARTS if k != "other_s")
     return parts
@@ -141,7 +141,7 @@ def timed_hook(hook: Callable, timer: StepTimer) -> Callable:
 
 
 def mean_parts(steps: list[dict]) -> dict:
-    keys = [*PARTS, "step_s", "payload_bytes", "buckets", "flops"]
+    keys = [*PARTS, "step_s", "payload_bytes", "buckets", *(["flops"] if steps and "flops" in steps[0] else [])]
     return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys} if steps else {}
 
 

@@ -183,7 +183,6 @@ class Trainer:
         flags = None
         units = counts[0]
         module = self.step_module
-        attention = lambda: perf.attention_context(c.attention, self.device.type)  # noqa: E731 - one per use
         self.model.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.timer.current["flops"] = sum(self.task.flops(batch) for batch in batches)
@@ -192,7 +191,7 @@ class Trainer:
             last = i == len(batches) - 1
             context = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
             autocast = torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
-            with context, attention(), autocast:
+            with context, perf.attention_context(c.attention, self.device.type), autocast:
                 loss_sum = self.task.loss_sum(module, batch)
                 if flags is None:
                     wait_counts()
@@ -200,8 +199,7 @@ class Trainer:
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
             self.wire.armed = last
-            with attention():
-                self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward()  # SDPA's backward: the kernel its forward chose
             self.wire.armed = False
             total += loss_sum.detach()
         self.timer.mark("backward")
