@@ -174,6 +174,8 @@ class ImageTask:
                 self.train, v.image_size, config.batch_per_gpu, info.world_size, info.rank, config.seed
             )
             self.stream.configure(self.workers, self.pin)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed image shapes: cuDNN's autotuned kernels pay
         torch.manual_seed(config.seed)
         self.model = ResNet(v.arch, v.num_classes, v.width)
         self.model.to(device, memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in the stub
