@@ -74,11 +74,16 @@ class Bench:
         except Exception as error:  # one failure must not lose the rest
             traceback.print_exc()
             self.results[name] = {"error": f"{type(error).__name__}: {error}"[-2000:]}
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # this process's cached blocks: the next trainer's memory
         print(f"{name}: {time.monotonic() - began:.0f} s: {json.dumps(self.results[name])[:300]}", flush=True)
 
     def train(self, argv: list[str], run: Path) -> dict:
         """One trainer process; its summary's figures."""
         env = dict(os.environ, PYTHONPATH=str(REPO / "assets"))
+        if self.args.smoke:
+            env["OMP_NUM_THREADS"] = "1"  # a shared CPU: spinning intra-op threads only slow tiny steps
         command = [sys.executable, "-m", "train.train", "--run-dir", str(run), *argv]
         done = subprocess.run(
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
@@ -101,7 +106,12 @@ class Bench:
         self.attempt(f"{label}: trainer", "trainer", lambda: self.train([*argv, "--max-steps", str(steps)], run))
         total = str(steps + self.size["resume"])
         self.attempt(f"{label}: trainer resumed", "resume", lambda: self.train([*argv, "--max-steps", total], run))
-        batches, model_args = trainer_batches(argv, self.size["plain"])
+        try:
+            batches, model_args = trainer_batches(argv, self.size["plain"])
+        except Exception as error:
+            traceback.print_exc()
+            self.results[f"{label}: plain, trainer's batches"] = {"error": f"{type(error).__name__}: {error}"}
+            return
         tokens_per_batch = sum((b[0].numel() + b[2].numel()) / 2 for b in batches) / len(batches)
         for peer, backends in (("torch SDPA", None), ("flash/efficient", "auto")):
             self.attempt(
@@ -109,14 +119,12 @@ class Bench:
                 "plain",
                 lambda b=backends: peers.plain_transformer(model_args, batches, self.size["plain"], True, pinned(b)),
             )
-        fixed = peers.fixed_batches(model_args["vocab"], int(tokens_per_batch))
-        self.attempt(
-            f"{label}: plain, fixed shape",
-            "plain",
-            lambda: dict(
-                peers.plain_transformer(model_args, fixed, self.size["plain"], False), tokens=tokens_per_batch
-            ),
-        )
+
+        def fixed() -> dict:
+            one = peers.fixed_batches(model_args["vocab"], int(tokens_per_batch))
+            return dict(peers.plain_transformer(model_args, one, self.size["plain"], False), tokens=tokens_per_batch)
+
+        self.attempt(f"{label}: plain, fixed shape", "plain", fixed)
 
     def resnet_runs(self):
         s = self.size
@@ -193,6 +201,7 @@ def figures(summary: dict) -> dict:
         "warmup_steps": warmup["warmup_steps"],
         "warmup_s": warmup["warmup_s"],
         "first_50_mean_s": warmup["first_50_mean_s"],
+        "first_step_s": warmup.get("first_step_s"),
         "data_wait": parts.get("data_s", 0.0) / step if step else None,
         "flops_per_step": summary.get("flops_per_step"),
         "mfu": summary.get("mfu"),
@@ -211,6 +220,8 @@ def main() -> None:
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA device: the smoke sizes", flush=True)
         args.smoke = True
+    if args.smoke:
+        torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         bench = Bench(args, Path(tmp))
         machine = gpu_report.machine()

@@ -101,6 +101,7 @@ def steady_state(step_times: list[float]) -> dict:
     steps after it). A run too short to tell says so, with the mean of its steps after the fifth."""
     n = len(step_times)
     first = statistics.fmean(step_times[:FIRST_STEPS]) if n >= FIRST_STEPS else None
+    head = {"first_50_mean_s": first, "first_step_s": step_times[0] if n else None}  # step 1: the process's start
     medians = [statistics.median(step_times[i : i + WINDOW]) for i in range(0, n - WINDOW + 1, WINDOW)]
     start = None
     if len(medians) >= 2 * SETTLE_WINDOWS:
@@ -121,7 +122,7 @@ def steady_state(step_times: list[float]) -> dict:
             "warmup_s": None,
             "steady_steps": len(timed),
             "steady_step_s": statistics.fmean(timed) if timed else 0.0,
-            "first_50_mean_s": first,
+            **head,
         }
     warm = start * WINDOW
     return {
@@ -131,7 +132,7 @@ def steady_state(step_times: list[float]) -> dict:
         "warmup_s": sum(step_times[:warm]),
         "steady_steps": n - warm,
         "steady_step_s": statistics.fmean(step_times[warm:]),
-        "first_50_mean_s": first,
+        **head,
     }
 
 
