@@ -12,8 +12,8 @@ BOUNDS = {
     "steady / plain, one fixed shape": 1.25,
     "first 50 steps / steady": 1.30,
     "after a resume: first 50 steps / steady": 1.30,
-    "resnet50 synthetic: steady / plain": 1.00,
-    "resnet50 jpegs: data wait / step": 0.05,
+    "synthetic: steady / plain": 1.00,
+    "jpegs: data wait / step": 0.05,
 }
 
 
@@ -74,11 +74,11 @@ def checks(results: dict) -> list[dict]:
         check("after a resume: first 50 steps / steady", label, _ratio(resumed, steady))
     resnet = _get(results, "resnet50 synthetic: trainer", "steady_step_s")
     check(
-        "resnet50 synthetic: steady / plain",
+        "synthetic: steady / plain",
         "resnet50",
         _ratio(resnet, _get(results, "resnet50 synthetic: plain", "steady_step_s")),
     )
-    check("resnet50 jpegs: data wait / step", "resnet50", _get(results, "resnet50 jpegs: trainer", "data_wait"))
+    check("jpegs: data wait / step", "resnet50", _get(results, "resnet50 jpegs: trainer", "data_wait"))
     return out
 
 
