@@ -184,3 +184,34 @@ def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused(numbers_data, tmp_pa
     trainer = compose(config(3), DistInfo(), torch.device("cpu"))
     assert trainer.step == 2 and trainer.optimizer.param_groups[0]["fused"] is True
     assert trainer.fit()["steps"] == 3
+
+
+def test_one_process_reads_its_stop_flags_on_the_host_without_waiting_for_the_device(
+    numbers_data, tmp_path, monkeypatch
+):
+    """One process has no sum to wait for: the step's flags come from the host (a GPU's queue is never
+    drained for them); the STOP file still stops the step it is seen at."""
+    from cluster_node import rundir
+    from train import distributed
+    from train.train import compose
+
+    made = []
+
+    class Recorded(distributed.HostCopy):
+        def __init__(self, tensor, local=None):
+            super().__init__(tensor, local)
+            made.append(self)
+
+    monkeypatch.setattr(distributed, "HostCopy", Recorded)
+    config = TrainConfig(
+        recipe="transformer-tiny",
+        data=str(numbers_data),
+        run_dir=str(tmp_path),
+        max_steps=5,
+        batch_per_gpu=8,
+        model=ModelConfig(d_model=32, layers=1, heads=2, ffn=32, dropout=0.0, max_len=64),
+    )
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
+    assert trainer.train_step()[2] is False and made[-1].local == [0.0, 0.0, 0.0, 0.0]
+    (tmp_path / rundir.STOP).write_text("stop\n")
+    assert trainer.train_step()[2] is True and made[-1].local == [0.0, 1.0, 0.0, 0.0]

@@ -177,7 +177,8 @@ class Trainer:
         counts = torch.zeros(4, device=self.device)
         for batch in batches:
             counts[0] += self.task.units(batch)
-        counts[1], counts[2], counts[3] = float(stop), float(urgent), float(self._time_bound())
+        local = [0.0, float(stop), float(urgent), float(self._time_bound())]
+        counts[1], counts[2], counts[3] = local[1:]
         # Summed while the first forward runs; waited for only where the loss needs the global units.
         wait_counts = distributed.start_all_reduce_sum(counts)
         flags = None
@@ -195,7 +196,7 @@ class Trainer:
                 loss_sum = self.task.loss_sum(module, batch)
                 if flags is None:
                     wait_counts()
-                    flags = distributed.HostCopy(counts)
+                    flags = distributed.HostCopy(counts, local if self.info.world_size == 1 else None)
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
             self.wire.armed = last
