@@ -78,6 +78,8 @@ class Bench:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()  # this process's cached blocks: the next trainer's memory
         print(f"{name}: {time.monotonic() - began:.0f} s: {json.dumps(self.results[name])[:300]}", flush=True)
+        # What is measured so far survives a run cut short (main writes the whole at the end).
+        Path(self.args.json).write_text(json.dumps({"partial": True, "results": self.results}, indent=2))
 
     def train(self, argv: list[str], run: Path) -> dict:
         """One trainer process; its summary's figures."""

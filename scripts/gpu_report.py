@@ -82,6 +82,10 @@ def checks(results: dict) -> list[dict]:
     return out
 
 
+def _rate(tflops) -> str:
+    return f"{tflops:.0f} TFLOP/s" if isinstance(tflops, float) else str(tflops)
+
+
 def _ms(seconds) -> str:
     return f"{seconds * 1000:.1f}" if isinstance(seconds, (int, float)) else "-"
 
@@ -110,7 +114,7 @@ def _row(results: dict, name: str, plain: float | None, fixed: float | None, res
 def table(results: dict, machine: dict) -> str:
     lines = [
         f"\n{machine['device']}, torch {machine['torch']}; MFU against {machine['datasheet_tflops']} TFLOP/s "
-        f"(datasheet; a bf16 8192^3 product measured {machine['matmul_tflops']})\n",
+        f"(datasheet; a bf16 8192^3 product measured {_rate(machine['matmul_tflops'])})\n",
         "| run | steady ms | plain, its batches + masks, ms (ratio) | plain, fixed shape, ms (ratio) "
         "| first 50 / steady | after resume: first 50 / steady | warm-up steps (s) | data wait | TFLOP/step, MFU "
         "| shapes, padded |",
