@@ -228,3 +228,19 @@ def test_transformer_base_batches_by_tokens_and_the_numbers_toy_by_sentences():
     assert batching("--recipe", "transformer-base") == "tokens"
     assert batching("--recipe", "transformer-tiny") == "sentences"
     assert batching("--recipe", "transformer-tiny", "--batching", "tokens") == "tokens"
+
+
+def test_runs_saved_before_shape_buckets_keep_their_packing_and_new_ones_get_8(numbers_data):
+    """A config.json without pad_multiple (saved before shape buckets) resumes with 1: the chunk-sorted
+    buckets, so the same samples; a new run gets 8. Which kernels run (--attention, --compile) may
+    change on a resume, the padding may not (it changes the samples)."""
+    from train.config import RESUMABLE_CHANGES
+    from train.sampler import ShapeBuckets, TokenBuckets
+
+    saved = TrainConfig().to_dict()
+    del saved["pad_multiple"]
+    old = TrainConfig.from_dict(saved)
+    assert old.pad_multiple == 1 and TrainConfig().pad_multiple == 8
+    assert isinstance(_task(numbers_data, pad=1).sampler, TokenBuckets)
+    assert isinstance(_task(numbers_data).sampler, ShapeBuckets)
+    assert {"attention", "compile"} <= RESUMABLE_CHANGES and "pad_multiple" not in RESUMABLE_CHANGES
