@@ -11,10 +11,10 @@ makejpegs.py): what a careful user writes in one file, timed on the same machine
 from __future__ import annotations
 
 import json
-import os
 import statistics
+import subprocess
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -184,26 +184,12 @@ def matmul_tflops(n: int = 8192, repeats: int = 10) -> float | None:
     return 2 * n**3 * repeats / (time.perf_counter() - started) / 1e12
 
 
-def _jpeg(job: tuple) -> None:
-    from PIL import Image
-
-    root, split, c, i, scale = job
-    rng = np.random.default_rng(c * 100003 + i)
-    w, h = int(rng.integers(400, 560) * scale), int(rng.integers(300, 420) * scale)
-    base = rng.integers(0, 255, (max(1, h // 8), max(1, w // 8), 3), dtype=np.uint8)
-    image = Image.fromarray(base).resize((w, h), Image.Resampling.BICUBIC)
-    noise = rng.integers(-12, 12, (h, w, 3))
-    pixels = np.clip(np.asarray(image, dtype=np.int16) + noise, 0, 255).astype(np.uint8)
-    folder = os.path.join(root, split, f"n{c:08d}")
-    os.makedirs(folder, exist_ok=True)
-    Image.fromarray(pixels).save(os.path.join(folder, f"{split}_{i}.JPEG"), quality=90)
-
-
 def jpegs(root: Path, classes: int, per_class: int, scale: float = 1.0) -> float:
-    """makejpegs.py's images in train/ and val/ class folders; their mean size in KiB."""
-    jobs = [(str(root), "train", c, i, scale) for c in range(classes) for i in range(per_class)]
-    jobs += [(str(root), "val", c, i, scale) for c in range(classes) for i in range(2)]
-    with ProcessPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        list(pool.map(_jpeg, jobs, chunksize=32))
+    """makejpegs.py's images in train/ and val/ class folders, made by a fresh process (its pool forks
+    no CUDA context and no threads of this one); their mean size in KiB."""
+    script = Path(__file__).with_name("gpu_jpegs.py")
+    subprocess.run(
+        [sys.executable, str(script), str(root), str(classes), str(per_class), str(scale)], check=True, timeout=300
+    )
     sizes = [p.stat().st_size for p in root.rglob("*.JPEG")]
     return statistics.fmean(sizes) / 1024
