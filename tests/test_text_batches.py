@@ -21,7 +21,7 @@ from train.recipes import TranslationTask
 MAX_LEN = 64
 
 
-def _task(data, *, world=1, rank=0, accum=1, seed=1234, batch=16, batching="tokens") -> TranslationTask:
+def _task(data, *, world=1, rank=0, accum=1, seed=1234, batch=16, batching="tokens", pad=8) -> TranslationTask:
     from train.config import ModelConfig
 
     config = TrainConfig(
@@ -31,6 +31,7 @@ def _task(data, *, world=1, rank=0, accum=1, seed=1234, batch=16, batching="toke
         grad_accum=accum,
         seed=seed,
         batching=batching,
+        pad_multiple=pad,
         model=ModelConfig(d_model=32, layers=1, heads=2, ffn=32, dropout=0.0, max_len=MAX_LEN),
     )
     return TranslationTask(config, DistInfo(rank=rank, world_size=world), torch.device("cpu"))
@@ -43,10 +44,10 @@ def _rows(batch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 
 def test_token_batches_pad_at_most_a_tenth_and_hold_the_recipes_tokens_on_average(numbers_data):
-    """Pad-to-longest over random pairs pads 43% of the numbers data set's tokens; bucketed, <= 10%.
-    The budget is --batch-per-gpu x the mean pair cost: batches carry the recipe's tokens on average
-    (its pairs too, give or take: short-pair buckets hold more of them)."""
-    task = _task(numbers_data)
+    """--pad-multiple 1 (pad to the longest): pad-to-longest over random pairs pads 43% of the numbers
+    data set's tokens; bucketed, <= 10%. The budget is --batch-per-gpu x the mean pair cost: batches
+    carry the recipe's tokens on average (its pairs too, give or take: short-pair buckets hold more)."""
+    task = _task(numbers_data, pad=1)
     pads = total = pairs = cost = 0
     for step in range(40):
         for batch in task.batches(step):
@@ -57,6 +58,36 @@ def test_token_batches_pad_at_most_a_tenth_and_hold_the_recipes_tokens_on_averag
     print(f"padded tokens {pads / total:.1%}, {pairs / 40:.1f} pairs, {cost / 40 / task.budget:.0%} of the budget")
     assert pads / total <= 0.10
     assert 0.85 <= cost / 40 / task.budget <= 1 and 0.8 * 16 <= pairs / 40 <= 1.2 * 16
+
+
+def test_shape_buckets_round_lengths_to_8_with_two_shapes_a_class_and_no_padding_beyond_the_rounding(numbers_data):
+    """--pad-multiple 8 (new runs): every length a multiple of 8, at most two batch shapes per length
+    class in an epoch (its full batches and its last), every row padded only up to its own length
+    rounded to 8 (the class's width), within the budget, and --batch-per-gpu pairs a batch on average."""
+    from train.sampler import round_up, side_costs
+
+    task = _task(numbers_data, batch=16)
+    sampler = task.sampler
+    src_len, tgt_len = task.data.train.lengths()
+    src_cost, tgt_cost = side_costs(src_len, tgt_len, MAX_LEN)
+    rounding = round_up(src_cost, 8, MAX_LEN).sum() + round_up(tgt_cost, 8, MAX_LEN).sum()
+    expected_pads = 1 - (src_cost.sum() + tgt_cost.sum()) / rounding
+    epoch = sampler.epoch(0)
+    shapes = {(len(b), *sampler.widths_of(b)) for b in epoch}
+    assert len(shapes) <= 2 * len(sampler.classes) and len(sampler.classes) <= 2 * (MAX_LEN // 8)
+    pads = total = 0
+    for step in range(len(epoch)):
+        ((src, tgt_in, tgt_out),) = task.batches(step)
+        assert src.size(1) % 8 == 0 and tgt_in.size(1) % 8 == 0 and tgt_in.shape == tgt_out.shape
+        assert len(src) * max(src.size(1), tgt_in.size(1)) <= task.budget
+        pad, tokens = padded_fraction((src, tgt_in, tgt_out))
+        pads, total = pads + pad, total + tokens
+    task.loader.pool.shutdown(wait=True)  # the prefetched next epoch: not in the next test's count
+    print(f"{len(shapes)} shapes in {len(sampler.classes)} classes; padded {pads / total:.1%}")
+    assert pads / total == pytest.approx(expected_pads)  # the rounding's, nothing more
+    assert task.shapes.summary()["padded_fraction"] == pytest.approx(expected_pads)
+    assert task.shapes.summary()["distinct_shapes"] == len(shapes)
+    assert 0.8 * 16 <= len(sampler.costs) / len(epoch) <= 1.05 * 16
 
 
 def test_the_permutation_is_drawn_once_per_epoch_not_at_every_step(numbers_data, monkeypatch):
@@ -197,3 +228,19 @@ def test_transformer_base_batches_by_tokens_and_the_numbers_toy_by_sentences():
     assert batching("--recipe", "transformer-base") == "tokens"
     assert batching("--recipe", "transformer-tiny") == "sentences"
     assert batching("--recipe", "transformer-tiny", "--batching", "tokens") == "tokens"
+
+
+def test_runs_saved_before_shape_buckets_keep_their_packing_and_new_ones_get_8(numbers_data):
+    """A config.json without pad_multiple (saved before shape buckets) resumes with 1: the chunk-sorted
+    buckets, so the same samples; a new run gets 8. Which kernels run (--attention, --compile) may
+    change on a resume, the padding may not (it changes the samples)."""
+    from train.config import RESUMABLE_CHANGES
+    from train.sampler import ShapeBuckets, TokenBuckets
+
+    saved = TrainConfig().to_dict()
+    del saved["pad_multiple"]
+    old = TrainConfig.from_dict(saved)
+    assert old.pad_multiple == 1 and TrainConfig().pad_multiple == 8
+    assert isinstance(_task(numbers_data, pad=1).sampler, TokenBuckets)
+    assert isinstance(_task(numbers_data).sampler, ShapeBuckets)
+    assert {"attention", "compile"} <= RESUMABLE_CHANGES and "pad_multiple" not in RESUMABLE_CHANGES

@@ -11,6 +11,7 @@ current stream, resolved once per logging interval (no host sync per step).
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from typing import Any, Callable
@@ -67,6 +68,7 @@ def step_parts(marks: dict, seconds: Callable[[Any, Any], float]) -> dict:
         "step_s": seconds(marks["start"], marks["end"]),
         "payload_bytes": marks.get("payload_bytes", 0),
         "buckets": marks.get("hooks", 0),
+        **({"flops": marks["flops"]} if "flops" in marks else {}),  # the trainer's (perf.py)
     }
     parts["other_s"] = parts["step_s"] - sum(parts[k] for k in PARTS if k != "other_s")
     return parts
@@ -139,7 +141,7 @@ def timed_hook(hook: Callable, timer: StepTimer) -> Callable:
 
 
 def mean_parts(steps: list[dict]) -> dict:
-    keys = [*PARTS, "step_s", "payload_bytes", "buckets"]
+    keys = [*PARTS, "step_s", "payload_bytes", "buckets", *(["flops"] if steps and "flops" in steps[0] else [])]
     return {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in keys} if steps else {}
 
 
@@ -148,6 +150,13 @@ def critical_rank(per_rank: list[dict]) -> int:
     communication is the network's; a faster rank's also holds the wait for this one (on shared or
     uneven CPUs, enough to call a compute-bound run mixed)."""
     return max(range(len(per_rank)), key=lambda r: per_rank[r].get("data_s", 0.0) + per_rank[r].get("compute_s", 0.0))
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory: the GPU's allocations, or the process's resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def duration(seconds: float) -> str:

@@ -101,3 +101,22 @@ def stacks_on_sigusr2(run_dir: Path, rank: int) -> None:
     path = Path(run_dir) / rundir.STACKS / rundir.RANK_STACK.format(rank=rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     faulthandler.register(signal.SIGUSR2, file=open(path, "a"), all_threads=True)  # noqa: SIM115 - kept open
+
+
+def start_wandb(config, run_dir: Path, log: Callable[[str], None]):
+    """A W&B run beside TensorBoard when WANDB_API_KEY is set (and wandb installed); else None."""
+    if not os.environ.get("WANDB_API_KEY"):
+        return None
+    try:
+        import wandb
+    except ImportError:
+        log("WANDB_API_KEY is set but wandb is not installed (pip install wandb); TensorBoard only")
+        return None
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "gpu-cluster"),
+        name=run_dir.name,
+        id=run_dir.name,
+        resume="allow",
+        dir=str(run_dir),
+        config=config.to_dict(),
+    )

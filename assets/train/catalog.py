@@ -10,6 +10,8 @@ from typing import Any
 DATA_DIR = "/data"  # the shared file system on the nodes (clusterops.inventory's data_dir)
 DATASETS = ("numbers", "ding", "wmt16-en-de", "fashion-mnist", "imagenet")
 PRECISIONS = ("fp32", "fp16", "bf16")  # the trainer also takes "auto" (config.choose_precision)
+# --attention: SDPA backends on CUDA (train.perf.attention_backends); auto: flash/memory-efficient, no cuDNN
+ATTENTION = ("auto", "torch", "efficient", "flash", "cudnn", "math")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "auto")  # --grad-compression (commhooks.py, autocompress.py)
 
 

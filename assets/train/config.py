@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from train.catalog import COMPRESSIONS, PRECISIONS, RECIPES, dataset_dir, either
+from train.catalog import ATTENTION, COMPRESSIONS, PRECISIONS, RECIPES, dataset_dir, either
 
 
 class ConfigError(ValueError):
@@ -86,6 +86,9 @@ class TrainConfig:
     grad_accum: int = 1
     batching: str = "tokens"  # translation: token-budget buckets (sampler.py), or "sentences"
     max_tokens: int = 0  # tokens per micro-batch; 0: --batch-per-gpu x the mean pair length
+    pad_multiple: int = 8  # token batches' lengths rounded up to this (sampler.ShapeBuckets); 1: to the longest
+    attention: str = "auto"  # SDPA backends on CUDA (perf.ATTENTION): auto leaves cuDNN's per-shape graphs out
+    compile: bool = False  # torch.compile the model for training steps
     precision: str = "auto"  # choose_precision
     grad_compression: str = "none"
     powersgd_rank: int = 4
@@ -123,6 +126,8 @@ class TrainConfig:
         _check(self.precision in precisions, "precision", self.precision, either(precisions))
         _check(self.batching in ("tokens", "sentences"), "batching", self.batching, "tokens or sentences")
         _check(self.max_tokens >= 0, "max_tokens", self.max_tokens, "0 (from --batch-per-gpu) or a positive number")
+        _check(self.pad_multiple > 0, "pad_multiple", self.pad_multiple, "1 (pad to the longest) or more")
+        _check(self.attention in ATTENTION, "attention", self.attention, either(ATTENTION))
         _check(self.grad_compression in COMPRESSIONS, "grad_compression", self.grad_compression, either(COMPRESSIONS))
         _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
         _check(self.lr_scale > 0, "lr_scale", self.lr_scale, "a positive number")
@@ -159,6 +164,7 @@ class TrainConfig:
         vision = VisionConfig(**values.pop("vision", {}))
         values["adam_betas"] = tuple(values["adam_betas"])
         values.setdefault("batching", "sentences")  # runs saved before token batching keep their samples
+        values.setdefault("pad_multiple", 1)  # and those saved before shape buckets keep theirs
         return cls(model=model, vision=vision, **values)
 
 
@@ -238,6 +244,8 @@ RESUMABLE_CHANGES = {
     "dist_timeout_s",
     "target_metric",
     "beam",
+    "attention",  # which kernels compute the step, not what it computes
+    "compile",
     "workers",  # how images are decoded, not which: the batches are the same (test_imagepipe.py)
 }
 

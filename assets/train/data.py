@@ -121,17 +121,28 @@ class PairDataset:
     def target(self, index: int) -> list[int]:
         return self._ids(self.tgt, index, self.max_len - 2).tolist()
 
-    def batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS."""
+    def batch(
+        self, indices: Sequence[int] | np.ndarray, widths: tuple[int, int] = (0, 0)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src, tgt_in, tgt_out), padded with PAD: tgt_in starts with BOS, tgt_out ends with EOS; to
+        the longest row, or to `widths` (source, target) where wider (sampler.ShapeBuckets)."""
         src = [self._ids(self.src, i, self.max_len - 1) for i in indices]
         tgt = [self._ids(self.tgt, i, self.max_len - 2) for i in indices]
-        return _padded(src, after=EOS), _padded(tgt, before=BOS), _padded(tgt, after=EOS)
+        src_w, tgt_w = widths
+        return (
+            _padded(src, after=EOS, width=src_w),
+            _padded(tgt, BOS, width=tgt_w),
+            _padded(tgt, after=EOS, width=tgt_w),
+        )
 
 
-def _padded(rows: list[np.ndarray], before: int | None = None, after: int | None = None) -> torch.Tensor:
-    """The rows, each with `before` in front or `after` behind it, padded with PAD to the longest."""
+def _padded(
+    rows: list[np.ndarray], before: int | None = None, after: int | None = None, width: int = 0
+) -> torch.Tensor:
+    """The rows, each with `before` in front or `after` behind it, padded with PAD to the longest
+    (or to `width`, where wider)."""
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    out = np.full((len(rows), int(lengths.max(initial=0)) + 1), PAD, dtype=np.int64)
+    out = np.full((len(rows), max(width, int(lengths.max(initial=0)) + 1)), PAD, dtype=np.int64)
     shift = 1 if before is not None else 0
     mask = np.arange(out.shape[1] - shift) < lengths[:, None]
     out[:, shift:][mask] = np.concatenate(rows) if rows else []

@@ -5,10 +5,11 @@ Tokens (the default for translation): an epoch is one seeded permutation of all 
 chunks of CHUNK_BATCHES budgets' worth of pairs; each chunk is sorted by length and packed greedily
 into buckets of at most `budget` tokens, counted as fairseq's batch_by_size does (sentences x the
 longest one's cost, a pair's cost being max(source, target) length); the epoch's buckets are then
-shuffled. Epochs follow each other in one endless sequence of buckets, and micro-batch m of rank r
-at step s is bucket (s * world + r) * accum + m: every rank gets `accum` buckets at every step (no
-rank waits in a collective for another's extra batch), and any world size and accumulation with
-the same product sees the same buckets at the same step.
+shuffled. With --pad-multiple m > 1 (new runs: 8) ShapeBuckets groups pairs by their lengths rounded
+up to m instead, for a bounded set of batch shapes. Epochs follow each other in one endless sequence
+of buckets, and micro-batch m of rank r at step s is bucket (s * world + r) * accum + m: every rank
+gets `accum` buckets at every step (no rank waits in a collective for another's extra batch), and
+any world size and accumulation with the same product sees the same buckets at the same step.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch  # the formula data.global_batch_indices has always used
 
 
+def side_costs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """A pair's tokens on each side as the model sees them (source + EOS, BOS + target, both truncated
+    as PairDataset truncates)."""
+    return np.minimum(src_lengths, max_len - 1) + 1, np.minimum(tgt_lengths, max_len - 2) + 1
+
+
 def pair_costs(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_len: int) -> np.ndarray:
-    """A pair's tokens as the model sees them (source + EOS, BOS + target, both truncated as
-    PairDataset truncates), the larger side: fairseq LanguagePairDataset.num_tokens."""
-    src = np.minimum(src_lengths, max_len - 1) + 1
-    tgt = np.minimum(tgt_lengths, max_len - 2) + 1
+    """The larger side's tokens: fairseq LanguagePairDataset.num_tokens."""
+    src, tgt = side_costs(src_lengths, tgt_lengths, max_len)
     return np.maximum(src, tgt).astype(np.int64)
 
 
@@ -60,24 +65,21 @@ def pack(order: np.ndarray, costs: np.ndarray, budget: int) -> list[np.ndarray]:
     return out
 
 
-class TokenBuckets:
-    def __init__(self, costs: np.ndarray, sort_key: np.ndarray, budget: int, seed: int):
-        self.costs, self.key, self.budget, self.seed = costs, sort_key, budget, seed
-        self.chunk = max(1, round(CHUNK_BATCHES * budget / float(costs.mean())))
+class _EndlessBuckets:
+    """Epochs of buckets, each epoch a pure function of (seed, epoch), in one endless sequence."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
         self._starts = [0]  # epoch e's buckets are positions [_starts[e], _starts[e + 1])
         self._cache: dict[int, list[np.ndarray]] = {}
+
+    def _pack(self, epoch: int) -> list[np.ndarray]:
+        raise NotImplementedError
 
     def epoch(self, epoch: int) -> list[np.ndarray]:
         """Epoch `epoch`'s buckets in training order (the last two epochs are kept)."""
         if epoch not in self._cache:
-            generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-            perm = torch.randperm(len(self.costs), generator=generator).numpy()
-            buckets: list[np.ndarray] = []
-            for start in range(0, len(perm), self.chunk):
-                chunk = perm[start : start + self.chunk]
-                buckets += pack(chunk[np.argsort(self.key[chunk], kind="stable")], self.costs, self.budget)
-            shuffle = torch.randperm(len(buckets), generator=generator).tolist()
-            self._cache[epoch] = [buckets[i] for i in shuffle]
+            self._cache[epoch] = self._pack(epoch)
             for old in [e for e in self._cache if e < epoch - 1]:
                 del self._cache[old]
         return self._cache[epoch]
@@ -95,6 +97,62 @@ class TokenBuckets:
         self.bucket(position)
         epoch = bisect.bisect_right(self._starts, position) - 1
         return epoch, position - self._starts[epoch]
+
+
+class TokenBuckets(_EndlessBuckets):
+    """--pad-multiple 1 (and runs saved before it): sorted within chunks, padded to the longest."""
+
+    def __init__(self, costs: np.ndarray, sort_key: np.ndarray, budget: int, seed: int):
+        super().__init__(seed)
+        self.costs, self.key, self.budget = costs, sort_key, budget
+        self.chunk = max(1, round(CHUNK_BATCHES * budget / float(costs.mean())))
+
+    def _pack(self, epoch: int) -> list[np.ndarray]:
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        perm = torch.randperm(len(self.costs), generator=generator).numpy()
+        buckets: list[np.ndarray] = []
+        for start in range(0, len(perm), self.chunk):
+            chunk = perm[start : start + self.chunk]
+            buckets += pack(chunk[np.argsort(self.key[chunk], kind="stable")], self.costs, self.budget)
+        shuffle = torch.randperm(len(buckets), generator=generator).tolist()
+        return [buckets[i] for i in shuffle]
+
+
+def round_up(values: np.ndarray, multiple: int, cap: int) -> np.ndarray:
+    """Each value rounded up to a multiple of `multiple`, at most `cap` (the model's max_len)."""
+    return np.minimum(-(-values // multiple) * multiple, cap)
+
+
+class ShapeBuckets(_EndlessBuckets):
+    """--pad-multiple m > 1: a pair's class is its (source, target) widths rounded up to m; a class's
+    pairs, in the epoch's permutation order (random content within a class), are cut into batches of
+    budget // max(widths) pairs, padded to the class's widths. So an epoch holds at most two batch
+    shapes per class (its full batches and its last one), every length a multiple of m: a GPU meets
+    a bounded set of shapes (cuDNN's per-shape plans, aligned attention masks) whatever the data."""
+
+    def __init__(self, src_width: np.ndarray, tgt_width: np.ndarray, budget: int, seed: int):
+        super().__init__(seed)
+        self.widths = np.stack([src_width, tgt_width], axis=1).astype(np.int64)
+        self.costs = self.widths.max(axis=1)
+        self.budget = budget
+        self.classes, self.group = np.unique(self.widths, axis=0, return_inverse=True)
+        self.group = self.group.reshape(-1)
+
+    def _pack(self, epoch: int) -> list[np.ndarray]:
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        perm = torch.randperm(len(self.costs), generator=generator).numpy()
+        by_class = perm[np.argsort(self.group[perm], kind="stable")]  # permutation order within a class
+        bounds = np.flatnonzero(np.diff(self.group[by_class])) + 1
+        buckets: list[np.ndarray] = []
+        for members in np.split(by_class, bounds):
+            size = max(1, self.budget // int(self.costs[members[0]]))
+            buckets += [members[i : i + size] for i in range(0, len(members), size)]
+        shuffle = torch.randperm(len(buckets), generator=generator).tolist()
+        return [buckets[i] for i in shuffle]
+
+    def widths_of(self, bucket: np.ndarray) -> tuple[int, int]:
+        source, target = self.widths[bucket[0]]
+        return int(source), int(target)
 
 
 class SentenceBatches:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import re
-import resource
 import signal
 import time
 from pathlib import Path
@@ -15,8 +13,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster_node import rundir
-from train import autocompress, breakdown, checkpoint, commhooks, distributed
-from train.callbacks import Callback
+from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf
+from train.callbacks import Callback, start_wandb
 from train.config import TrainConfig, resolve_precision
 
 # RUN_DIR/STOP (`fab stop`, the Spot watcher's) ends the run with a checkpoint at the next step, no eval; a
@@ -71,13 +69,17 @@ class Trainer:
         self.auto_compression: Optional[dict] = None
         if info.world_size > 1:
             self._distribute()
+        module = self.ddp or self.model
+        self.step_module = torch.compile(module) if config.compile else module  # type: ignore[assignment]
+        self.clock = time.perf_counter  # step times (tests script it)
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.writer = self.wandb = None
         if info.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / rundir.TENSORBOARD))
-            self.wandb = self._start_wandb()
+            self.wandb = start_wandb(config, self.run_dir, self.log)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -97,23 +99,6 @@ class Trainer:
         if self.info.is_main:
             print(message, flush=True)
 
-    def _start_wandb(self):
-        if not os.environ.get("WANDB_API_KEY"):
-            return None
-        try:
-            import wandb
-        except ImportError:
-            self.log("WANDB_API_KEY is set but wandb is not installed (pip install wandb); TensorBoard only")
-            return None
-        return wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "gpu-cluster"),
-            name=self.run_dir.name,
-            id=self.run_dir.name,
-            resume="allow",
-            dir=str(self.run_dir),
-            config=self.config.to_dict(),
-        )
-
     def scalars(self, values: dict, step: int | None = None) -> None:
         """Rank 0: to TensorBoard, and to W&B when configured (at this step unless given)."""
         step = self.step if step is None else step
@@ -132,6 +117,9 @@ class Trainer:
             self.log(f"starting a new run in {self.run_dir}")
             return
         self.model.load_state_dict(state["model"])
+        # The optimizer's implementation is this machine's (fused on a GPU), whatever saved the state.
+        for saved, mine in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups):
+            saved.update({k: mine[k] for k in ("fused", "foreach", "capturable") if k in mine})
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -189,27 +177,30 @@ class Trainer:
         counts = torch.zeros(4, device=self.device)
         for batch in batches:
             counts[0] += self.task.units(batch)
-        counts[1], counts[2], counts[3] = float(stop), float(urgent), float(self._time_bound())
+        local = [0.0, float(stop), float(urgent), float(self._time_bound())]
+        counts[1], counts[2], counts[3] = local[1:]
         # Summed while the first forward runs; waited for only where the loss needs the global units.
         wait_counts = distributed.start_all_reduce_sum(counts)
         flags = None
         units = counts[0]
-        module = self.ddp or self.model
+        module = self.step_module
         self.model.train()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.timer.current["flops"] = sum(self.task.flops(batch) for batch in batches)
         self.timer.mark("forward")
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
-            context = module.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
-            with context, torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            context = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
+            autocast = torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+            with context, perf.attention_context(c.attention, self.device.type), autocast:
                 loss_sum = self.task.loss_sum(module, batch)
                 if flags is None:
                     wait_counts()
-                    flags = distributed.HostCopy(counts)
+                    flags = distributed.HostCopy(counts, local if self.info.world_size == 1 else None)
                 # DDP averages over ranks; scaling by world/units makes it the global mean per unit.
                 loss = loss_sum * self.info.world_size / units
             self.wire.armed = last
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward()  # SDPA's backward: the kernel its forward chose
             self.wire.armed = False
             total += loss_sum.detach()
         self.timer.mark("backward")
@@ -245,11 +236,6 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_progress(self.step, values)
 
-    def _memory_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     def fit(self) -> dict:
         c, metric = self.config, self.task.metric
         global_batch = c.batch_per_gpu * self.info.world_size * c.grad_accum
@@ -261,11 +247,11 @@ class Trainer:
         if self.step >= c.max_steps:
             self.log(f"run already at step {self.step} >= max steps {c.max_steps}")
         while self.step < c.max_steps:
-            tick = time.perf_counter()
+            tick = self.clock()
             loss_sum, units, stop = self.train_step()
             for callback in self.callbacks:
                 callback.on_step(self.step)
-            step_times.append(time.perf_counter() - tick)
+            step_times.append(self.clock() - tick)
             pending.append((self.step, loss_sum, units))
             self._log_step(pending, step_times, global_batch)
             reached = False
@@ -302,7 +288,9 @@ class Trainer:
             step_time = sum(recent) / len(recent)
             loss = self._flush_losses(pending)
             parts = self._interval_breakdown()
-            self.scalars({"perf/memory_mb": self._memory_mb(), **{f"breakdown/{k}": parts[k] for k in parts}})
+            self.scalars(
+                {"perf/memory_mb": breakdown.memory_mb(self.device), **{f"breakdown/{k}": parts[k] for k in parts}}
+            )
             elapsed = time.time() - self.fit_started
             if len(step_times) == 1 and c.max_steps > 1:  # its speed, parts and ETA would mislead
                 self.log(breakdown.first_step_line(self.step, c.max_steps, c.log_every, loss, lr, step_time))
@@ -312,7 +300,8 @@ class Trainer:
             self.log(
                 f"step {self.step}/{c.max_steps} ({100 * self.step // c.max_steps}%) | loss {loss:.3f} | lr "
                 f"{lr:.2e} | {step_time * 1000:.0f} ms/step | "
-                f"{global_batch / step_time:.0f} objects/s | slowest rank: {breakdown.parts_line(parts)} | "
+                f"{global_batch / step_time:.0f} objects/s{perf.flops_text(parts, self.device_name)} | "
+                f"slowest rank: {breakdown.parts_line(parts)} | "
                 f"elapsed {breakdown.duration(elapsed)} | ETA {breakdown.duration(eta)}"
             )
             self._progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
@@ -364,9 +353,12 @@ class Trainer:
         return result
 
     def _summary(self, step_times, global_batch, last_eval, ended, wall) -> dict:
-        timed = step_times[min(5, len(step_times) - 1) :] if step_times else []
-        avg = sum(timed) / len(timed) if timed else 0.0
-        parts = self._summary_breakdown(len(timed))
+        warmup = perf.steady_state(step_times)  # the averages are the steady steps'
+        avg = warmup["steady_step_s"]
+        parts = self._summary_breakdown(warmup["steady_steps"])
+        flops = sum(rank.get("flops", 0.0) for rank in parts["per_rank"])  # every rank's micro-batches
+        peak = perf.peak_tflops(self.device_name)
+        shapes = getattr(self.task, "shapes", None)
         steps = checkpoint.list_steps(self.run_dir)
         summary = {
             "recipe": self.config.recipe,
@@ -376,6 +368,11 @@ class Trainer:
             "objects": self.task.objects,
             "avg_step_time_s": avg,
             "objects_per_s": global_batch / avg if avg else 0.0,
+            "warmup": warmup,
+            "flops_per_step": flops,
+            "mfu": perf.mfu(flops, avg, peak, self.info.world_size),
+            "mfu_peak": {"device": self.device_name, "tflops": peak},
+            "batch_shapes": shapes.summary() if shapes is not None else None,
             **last_eval,
             f"best_{self.task.metric}": self.best if self.best > float("-inf") else None,
             "checkpoint_mb": checkpoint.size_mb(steps[-1]) if steps else None,

@@ -1,0 +1,241 @@
+"""The trainer against plain PyTorch loops on one GPU (issue 29), in one run of at most ~6 minutes:
+
+    python3 scripts/bench_gpu.py --json bench-gpu.json          # on a GPU machine, from the repo root
+    python3 scripts/bench_gpu.py --smoke --json /tmp/smoke.json  # a CPU: tiny sizes, seconds
+
+Runs (each trainer a `python -m train.train` process of its own, cold like a real start, its figures
+from its summary.json): transformer-base at the recipe's token budget and at 16k tokens a step, each
+stopped and resumed (a new process: after-resume warm-up); the same at the budget with torch's own
+SDPA choice (cuDNN) and with --pad-multiple 1; ResNet-50 on a synthetic batch and on generated JPEGs.
+Peers (scripts/gpu_peers.py, in this process): the plain loop fed the trainer's own batches with
+padding masks (torch's SDPA choice, and flash/efficient pinned: the faster is the peer), and the plain
+loop at one fixed shape of the same tokens (baseline.py); plain ResNet-50. Data: Ding-like lengths
+(gpu_peers.text_data). Prints one table, the issue's bounds checked below it, and writes --json.
+Every measurement is tried on its own (an error is printed and recorded, the rest still run), in order
+of importance, each skipped when --budget-s would be passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "assets"))
+
+import gpu_peers as peers  # noqa: E402 - after the path
+import gpu_report  # noqa: E402
+import torch  # noqa: E402
+
+SIZES = {
+    "gpu": dict(
+        model=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=200,
+        resnet=["--batch-per-gpu", "256"], r_batch=256, r_size=224, r_width=64, r_steps=200,
+        jpeg=(50, 80, 1.0), j_args=["--workers", "15"], j_steps=150,
+    ),
+    "smoke": dict(
+        model=["--d-model", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--max-len", "64"],
+        vocab=300, pairs=1500, steps=60, resume=50, big=512, big_steps=60, plain=20,
+        resnet=["--batch-per-gpu", "4", "--width", "8", "--image-size", "32"], r_batch=4, r_size=32, r_width=8,
+        r_steps=10, jpeg=(2, 4, 0.15), j_args=["--workers", "1"], j_steps=6,
+    ),
+}  # fmt: skip
+# Estimated seconds per measurement on an H100, for the budget's skips.
+ESTIMATE = {"trainer": 35, "resume": 25, "plain": 15, "resnet": 35, "jpeg": 60}
+
+
+class Bench:
+    def __init__(self, args, tmp: Path):
+        self.args, self.tmp = args, tmp
+        self.size = SIZES["smoke" if args.smoke else "gpu"]
+        self.started = time.monotonic()
+        self.results: dict = {}
+        self.data = tmp / "text"
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.started)
+
+    def attempt(self, name: str, kind: str, fn) -> None:
+        """fn() into results[name]; an error recorded and printed, a measurement past the budget skipped."""
+        if not self.args.smoke and self.left() < ESTIMATE[kind]:
+            self.results[name] = {"skipped": f"{self.left():.0f} s left of --budget-s"}
+            print(f"{name}: skipped ({self.left():.0f} s left)", flush=True)
+            return
+        began = time.monotonic()
+        try:
+            self.results[name] = fn()
+        except Exception as error:  # one failure must not lose the rest
+            traceback.print_exc()
+            self.results[name] = {"error": f"{type(error).__name__}: {error}"[-2000:]}
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # this process's cached blocks: the next trainer's memory
+        print(f"{name}: {time.monotonic() - began:.0f} s: {json.dumps(self.results[name])[:300]}", flush=True)
+        # What is measured so far survives a run cut short (main writes the whole at the end).
+        Path(self.args.json).write_text(json.dumps({"partial": True, "results": self.results}, indent=2))
+
+    def train(self, argv: list[str], run: Path) -> dict:
+        """One trainer process; its summary's figures."""
+        env = dict(os.environ, PYTHONPATH=str(REPO / "assets"))
+        if self.args.smoke:
+            env["OMP_NUM_THREADS"] = "1"  # a shared CPU: spinning intra-op threads only slow tiny steps
+        command = [sys.executable, "-m", "train.train", "--run-dir", str(run), *argv]
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
+        )
+        if done.returncode:
+            raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+        return figures(json.loads((run / "summary.json").read_text()))
+
+    def text_argv(self, tokens: list[str], attention: str = "auto", pad: int = 8) -> list[str]:
+        return [
+            "--recipe", "transformer-base", "--data", str(self.data), *self.size["model"], *tokens,
+            "--attention", attention, "--pad-multiple", str(pad), "--log-every", "100",
+            "--eval-every", "1000000", "--checkpoint-every", "1000000", "--checkpoint-minutes", "0",
+            "--eval-samples", "16", "--eval-batch", "16", "--keep-checkpoints", "1",
+        ]  # fmt: skip
+
+    def text_runs(self, label: str, tokens: list[str], steps: int) -> None:
+        """The trainer, its resume, and the plain loops fed its batches and at its token count."""
+        argv, run = self.text_argv(tokens), self.tmp / f"run-{label}"
+        self.attempt(f"{label}: trainer", "trainer", lambda: self.train([*argv, "--max-steps", str(steps)], run))
+        total = str(steps + self.size["resume"])
+        self.attempt(f"{label}: trainer resumed", "resume", lambda: self.train([*argv, "--max-steps", total], run))
+        try:
+            batches, model_args = trainer_batches(argv, self.size["plain"])
+        except Exception as error:
+            traceback.print_exc()
+            self.results[f"{label}: plain, trainer's batches"] = {"error": f"{type(error).__name__}: {error}"}
+            return
+        tokens_per_batch = sum((b[0].numel() + b[2].numel()) / 2 for b in batches) / len(batches)
+        for peer, backends in (("torch SDPA", None), ("flash/efficient", "auto")):
+            self.attempt(
+                f"{label}: plain, trainer's batches, {peer}",
+                "plain",
+                lambda b=backends: peers.plain_transformer(model_args, batches, self.size["plain"], True, pinned(b)),
+            )
+
+        def fixed() -> dict:
+            one = peers.fixed_batches(model_args["vocab"], int(tokens_per_batch))
+            return dict(peers.plain_transformer(model_args, one, self.size["plain"], False), tokens=tokens_per_batch)
+
+        self.attempt(f"{label}: plain, fixed shape", "plain", fixed)
+
+    def resnet_runs(self):
+        s = self.size
+        common = ["--recipe", "resnet50", *s["resnet"], "--precision", "bf16", "--eval-samples", "64"]
+        common += ["--eval-batch", "64", "--eval-every", "1000000", "--checkpoint-every", "1000000"]
+        steps = ["--max-steps", str(s["r_steps"])]
+        self.attempt(
+            "resnet50 synthetic: trainer",
+            "resnet",
+            lambda: self.train([*common, "--synthetic", *steps, "--data", str(self.tmp)], self.tmp / "run-r50"),
+        )
+        self.attempt(
+            "resnet50 synthetic: plain",
+            "plain",
+            lambda: peers.plain_resnet(s["r_batch"], s["r_size"], s["r_width"], s["r_steps"] // 2),
+        )
+
+        def jpeg_run() -> dict:
+            root = self.tmp / "jpegs"
+            kib = peers.jpegs(root, *s["jpeg"])
+            argv = [*common, *s["j_args"], "--data", str(root), "--max-steps", str(s["j_steps"])]
+            return dict(self.train(argv, self.tmp / "run-jpeg"), jpeg_kib=kib)
+
+        return jpeg_run
+
+    def variant(self, name: str, attention: str, pad: int) -> None:
+        argv = [*self.text_argv([], attention, pad), "--max-steps", str(self.size["steps"])]
+        self.attempt(
+            f"budget, {name}: trainer", "trainer", lambda: self.train(argv, self.tmp / f"run-{attention}-{pad}")
+        )
+
+    def run(self) -> None:
+        """In order of importance: what the issue's bounds need first."""
+        s = self.size
+        try:
+            self.results["data"] = {"vocab": peers.text_data(self.data, s["vocab"], s["pairs"]), "pairs": s["pairs"]}
+        except Exception:
+            traceback.print_exc()
+        self.text_runs("budget", [], s["steps"])
+        self.text_runs("16k", ["--max-tokens", str(s["big"])], s["big_steps"])
+        jpeg_run = self.resnet_runs()
+        self.variant("--attention torch", "torch", 8)
+        self.attempt("resnet50 jpegs: trainer", "jpeg", jpeg_run)
+        self.variant("--pad-multiple 1", "auto", 1)
+
+
+def pinned(choice: str | None):
+    from train.perf import attention_backends
+
+    return attention_backends(choice) if choice and torch.cuda.is_available() else None
+
+
+def trainer_batches(argv: list[str], steps: int) -> tuple[list, dict]:
+    """The trainer's own first `steps` batches (the same sampler from the same flags) on the device,
+    and the plain model's sizes."""
+    from train.config import build_parser, config_from_args
+    from train.distributed import DistInfo
+    from train.recipes import TranslationTask
+
+    config = config_from_args(build_parser("").parse_args([*argv, "--run-dir", "unused"]))
+    task = TranslationTask(config, DistInfo(), torch.device("cpu"))
+    dev = peers.device()
+    batches = [tuple(t.to(dev) for t in task._host_batches(step)[0]) for step in range(steps)]
+    m = config.model
+    return batches, dict(vocab=task.vocab, d_model=m.d_model, heads=m.heads, layers=m.layers, ffn=m.ffn)
+
+
+def figures(summary: dict) -> dict:
+    warmup, parts, shapes = summary["warmup"], summary["breakdown"], summary.get("batch_shapes") or {}
+    step = summary["avg_step_time_s"]
+    return {
+        "steady_step_s": step,
+        "settled": warmup["settled"],
+        "warmup_steps": warmup["warmup_steps"],
+        "warmup_s": warmup["warmup_s"],
+        "first_50_mean_s": warmup["first_50_mean_s"],
+        "first_step_s": warmup.get("first_step_s"),
+        "data_wait": parts.get("data_s", 0.0) / step if step else None,
+        "flops_per_step": summary.get("flops_per_step"),
+        "mfu": summary.get("mfu"),
+        "distinct_shapes": shapes.get("distinct_shapes"),
+        "padded_fraction": shapes.get("padded_fraction"),
+        "steps": summary["steps"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True, help="where to write the results")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (the default without a GPU)")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="skip what would run past this")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.smoke:
+        print("no CUDA device: the smoke sizes", flush=True)
+        args.smoke = True
+    if args.smoke:
+        torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        bench = Bench(args, Path(tmp))
+        machine = gpu_report.machine()
+        print(json.dumps(machine), flush=True)
+        bench.run()
+    checks = gpu_report.checks(bench.results)
+    print(gpu_report.table(bench.results, machine))
+    print(gpu_report.checks_text(checks))
+    out = {"machine": machine, "smoke": args.smoke, "elapsed_s": time.monotonic() - bench.started}
+    Path(args.json).write_text(json.dumps({**out, "results": bench.results, "checks": checks}, indent=2))
+    print(f"wrote {args.json} ({out['elapsed_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""scripts/bench_gpu.py's plain-PyTorch peers and data (from ../shared/gpu's baseline.py, diag.py and
+makejpegs.py): what a careful user writes in one file, timed on the same machine in the same run.
+
+- a prepared text data set with Ding-like lengths (median 11 tokens a side, 95th percentile ~22,
+  correlated sides; the Ding dictionary itself is not on a GPU machine), token ids at random;
+- the plain Transformer loop fed given batches (padding masks, causal mask) or one fixed shape;
+- the plain ResNet-50 loop (channels-last, autocast, SGD) on one synthetic batch;
+- ImageNet-like JPEGs (about 500x375, smooth content, so sizes and decode times are realistic).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from train.data import PAD, Tokenizer, atomic_write_bytes, write_pairs
+from train.perf import steady_state
+
+WINDOW = 10  # steps between device synchronisations when timing a plain loop
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_windows(step, steps: int) -> dict:
+    """Mean step time per WINDOW steps (one sync per window, as a loop runs ahead of the device);
+    the steady step as the trainer's summary finds it (perf.steady_state)."""
+    times: list[float] = []
+    for _ in range(0, steps, WINDOW):
+        sync()
+        started = time.perf_counter()
+        for _ in range(WINDOW):
+            step()
+        sync()
+        times += [(time.perf_counter() - started) / WINDOW] * WINDOW
+    state = steady_state(times)
+    return {
+        "steady_step_s": state["steady_step_s"],
+        "settled": state["settled"],
+        "first_50_mean_s": state["first_50_mean_s"],
+    }
+
+
+def text_data(out: Path, vocab: int, pairs: int, seed: int = 0) -> int:
+    """A prepared data set (data.DataSet's layout): a BPE vocabulary trained on pseudo-words, train
+    pairs of random ids with Ding-like lengths, valid/test from the pseudo-word text. Its vocabulary size."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    lexicon = ["".join(rng.choice(letters, size=int(rng.integers(2, 10)))) for _ in range(vocab * 2)]
+    out.mkdir(parents=True, exist_ok=True)
+
+    def lines(count: int) -> list[str]:
+        return [" ".join(rng.choice(lexicon, size=int(rng.integers(3, 14)))) for _ in range(count)]
+
+    corpus = lines(max(2000, vocab * 3))
+    for name, text in (
+        ("spm-corpus.en", corpus),
+        *((f"{s}.{lang}", lines(64)) for s in ("valid", "test") for lang in ("en", "de")),
+    ):
+        atomic_write_bytes(out / name, lambda f, t=text: f.write("".join(x + "\n" for x in t).encode()))
+    Tokenizer.train([str(out / "spm-corpus.en")], str(out / "spm"), vocab)
+    tokenizer = Tokenizer(out / "spm.model")
+    size = tokenizer.vocab_size
+    src = np.clip(np.rint(rng.lognormal(np.log(11.0), 0.39, pairs)), 1, 200).astype(int)
+    tgt = np.clip(np.rint(src * rng.lognormal(0.03, 0.25, pairs)), 1, 200).astype(int)
+    ids = lambda n: rng.integers(4, size, n).tolist()  # noqa: E731
+    write_pairs(out / "train-00000.pt", [ids(n) for n in src], [ids(n) for n in tgt])
+    for split in ("valid", "test"):
+        en, de = ((out / f"{split}.{lang}").read_text().splitlines() for lang in ("en", "de"))
+        write_pairs(out / f"{split}.pt", tokenizer.encode(en), tokenizer.encode(de))
+    meta = {"src_lang": "en", "tgt_lang": "de", "vocab_size": size, "sizes": {"train": pairs}, "synthetic": True}
+    atomic_write_bytes(out / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
+    return size
+
+
+class PlainTransformer(nn.Module):
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, ffn: int):
+        super().__init__()
+        self.scale = d_model**0.5
+        self.emb = nn.Embedding(vocab, d_model)
+        self.core = nn.Transformer(d_model, heads, layers, layers, ffn, 0.1, batch_first=True)
+
+    def forward(self, src, tgt, masks: bool):
+        causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool, device=tgt.device).triu(1)  # the masks' type
+        pads = dict(src_key_padding_mask=src.eq(PAD), tgt_key_padding_mask=tgt.eq(PAD)) if masks else {}
+        memory_pad = pads.get("src_key_padding_mask")
+        hidden = self.core(
+            self.emb(src) * self.scale,
+            self.emb(tgt) * self.scale,
+            tgt_mask=causal,
+            tgt_is_causal=True,
+            memory_key_padding_mask=memory_pad,
+            **pads,
+        )
+        return hidden @ self.emb.weight.t()
+
+
+def plain_transformer(model_args: dict, batches: list, steps: int, masks: bool, backends=None) -> dict:
+    """The plain loop over `batches` (src, tgt_in, tgt_out on the device), cycled; bf16 autocast and
+    fused Adam on a GPU. `backends`: SDPA backends to pin (None: torch's own choice)."""
+    dev = device()
+    torch.manual_seed(0)
+    model = PlainTransformer(**model_args).to(dev)
+    cuda = dev.type == "cuda"
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True if cuda else None)
+    position = [0]
+
+    def step():
+        src, tgt_in, tgt_out = batches[position[0] % len(batches)]
+        position[0] += 1
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            logits = model(src, tgt_in, masks)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD, label_smoothing=0.1
+            )
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if backends is None:
+        return timed_windows(step, steps)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backends):
+        return timed_windows(step, steps)
+
+
+def fixed_batches(vocab: int, tokens: int, seq: int = 20) -> list:
+    """baseline.py's batch: tokens // seq rows of seq tokens (target seq + 1), no padding."""
+    dev, rows = device(), max(1, tokens // seq)
+    src = torch.randint(4, vocab, (rows, seq), device=dev)
+    tgt = torch.randint(4, vocab, (rows, seq + 1), device=dev)
+    return [(src, tgt[:, :-1], tgt[:, 1:])]
+
+
+def plain_resnet(batch: int, size: int, width: int, steps: int) -> dict:
+    from train.vision import ResNet
+
+    dev = device()
+    cuda = dev.type == "cuda"
+    torch.backends.cudnn.benchmark = True
+    model = ResNet("resnet50", 1000, width).to(dev, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.875, weight_decay=3e-5)
+    x = torch.randn(batch, 3, size, size, device=dev).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed_windows(step, steps)
+
+
+def matmul_tflops(n: int = 8192, repeats: int = 10) -> float | None:
+    """A bf16 n x n x n product's rate (a measured peak, beside the datasheet's); None on a CPU."""
+    if not torch.cuda.is_available():
+        return None
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    return 2 * n**3 * repeats / (time.perf_counter() - started) / 1e12
+
+
+def jpegs(root: Path, classes: int, per_class: int, scale: float = 1.0) -> float:
+    """makejpegs.py's images in train/ and val/ class folders, made by a fresh process (its pool forks
+    no CUDA context and no threads of this one); their mean size in KiB."""
+    script = Path(__file__).with_name("gpu_jpegs.py")
+    subprocess.run(
+        [sys.executable, str(script), str(root), str(classes), str(per_class), str(scale)], check=True, timeout=300
+    )
+    sizes = [p.stat().st_size for p in root.rglob("*.JPEG")]
+    return statistics.fmean(sizes) / 1024

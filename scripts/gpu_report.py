@@ -1,0 +1,144 @@
+"""scripts/bench_gpu.py's table and the issue 29 bounds it checks (from its results dict)."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+# (what, bound): the issue's "done means"
+BOUNDS = {
+    "steady / plain, trainer's batches with masks": 1.10,
+    "steady / plain, one fixed shape": 1.25,
+    "first 50 steps / steady": 1.30,
+    "after a resume: first 50 steps / steady": 1.30,
+    "synthetic: steady / plain": 1.00,
+    "jpegs: data wait / step": 0.05,
+}
+
+
+def machine() -> dict:
+    from gpu_peers import matmul_tflops
+
+    from train.perf import peak_tflops
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    try:
+        measured = matmul_tflops()
+    except Exception as error:  # a figure beside the datasheet's; its absence loses nothing else
+        measured = f"{type(error).__name__}: {error}"
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "datasheet_tflops": peak_tflops(name),
+        "matmul_tflops": measured,
+    }
+
+
+def _get(results: dict, name: str, key: str):
+    value = results.get(name) or {}
+    return value.get(key) if isinstance(value, dict) else None
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a and b else None
+
+
+def plain_peer(results: dict, label: str) -> tuple[float | None, str]:
+    """The faster of the two plain loops fed the trainer's batches (torch's SDPA choice, or pinned)."""
+    found = []
+    for peer in ("torch SDPA", "flash/efficient"):
+        step = _get(results, f"{label}: plain, trainer's batches, {peer}", "steady_step_s")
+        if step:
+            found.append((step, peer))
+    return min(found) if found else (None, "")
+
+
+def checks(results: dict) -> list[dict]:
+    out = []
+
+    def check(what: str, label: str, value) -> None:
+        bound = BOUNDS[what]
+        out.append(
+            {"check": f"{label}: {what}", "value": value, "bound": bound, "ok": value is not None and value <= bound}
+        )
+
+    for label in ("budget", "16k"):
+        trainer = f"{label}: trainer"
+        steady = _get(results, trainer, "steady_step_s")
+        check("steady / plain, trainer's batches with masks", label, _ratio(steady, plain_peer(results, label)[0]))
+        fixed = _get(results, f"{label}: plain, fixed shape", "steady_step_s")
+        check("steady / plain, one fixed shape", label, _ratio(steady, fixed))
+        check("first 50 steps / steady", label, _ratio(_get(results, trainer, "first_50_mean_s"), steady))
+        resumed = _get(results, f"{label}: trainer resumed", "first_50_mean_s")
+        check("after a resume: first 50 steps / steady", label, _ratio(resumed, steady))
+    resnet = _get(results, "resnet50 synthetic: trainer", "steady_step_s")
+    check(
+        "synthetic: steady / plain",
+        "resnet50",
+        _ratio(resnet, _get(results, "resnet50 synthetic: plain", "steady_step_s")),
+    )
+    check("jpegs: data wait / step", "resnet50", _get(results, "resnet50 jpegs: trainer", "data_wait"))
+    return out
+
+
+def _rate(tflops) -> str:
+    return f"{tflops:.0f} TFLOP/s" if isinstance(tflops, float) else str(tflops)
+
+
+def _ms(seconds) -> str:
+    return f"{seconds * 1000:.1f}" if isinstance(seconds, (int, float)) else "-"
+
+
+def _x(value) -> str:
+    return f"{value:.2f}x" if isinstance(value, (int, float)) else "-"
+
+
+def _row(results: dict, name: str, plain: float | None, fixed: float | None, resumed: str | None) -> str:
+    r = results.get(name) or {}
+    if "steady_step_s" not in r:
+        return f"| {name} | {r.get('error') or r.get('skipped') or 'not run'} |" + " |" * 8
+    steady = r["steady_step_s"]
+    first = _x(_ratio(r.get("first_50_mean_s"), steady))
+    after = _x(_ratio(_get(results, resumed, "first_50_mean_s"), steady)) if resumed else "-"
+    warm = f"{r['warmup_steps']} ({r['warmup_s']:.1f} s)" if r.get("settled") else "not settled"
+    mfu = f"{(r.get('flops_per_step') or 0) / 1e12:.2f}" + (f", {r['mfu']:.1%}" if r.get("mfu") is not None else "")
+    shapes = f"{r.get('distinct_shapes')}, {r['padded_fraction']:.1%}" if r.get("padded_fraction") is not None else "-"
+    return (
+        f"| {name} | {_ms(steady)} | {_ms(plain)} ({_x(_ratio(steady, plain))}) | {_ms(fixed)} "
+        f"({_x(_ratio(steady, fixed))}) | {first} | {after} | {warm} | {r.get('data_wait') or 0:.1%} | {mfu} "
+        f"| {shapes} |"
+    )
+
+
+def table(results: dict, machine: dict) -> str:
+    lines = [
+        f"\n{machine['device']}, torch {machine['torch']}; MFU against {machine['datasheet_tflops']} TFLOP/s "
+        f"(datasheet; a bf16 8192^3 product measured {_rate(machine['matmul_tflops'])})\n",
+        "| run | steady ms | plain, its batches + masks, ms (ratio) | plain, fixed shape, ms (ratio) "
+        "| first 50 / steady | after resume: first 50 / steady | warm-up steps (s) | data wait | TFLOP/step, MFU "
+        "| shapes, padded |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label in ("budget", "16k"):
+        plain, peer = plain_peer(results, label)
+        fixed = _get(results, f"{label}: plain, fixed shape", "steady_step_s")
+        lines.append(_row(results, f"{label}: trainer", plain, fixed, f"{label}: trainer resumed"))
+        if peer:
+            lines[-1] = lines[-1].replace(f"| {label}: trainer |", f"| {label}: trainer (peer: {peer}) |")
+    plain, _ = plain_peer(results, "budget")
+    fixed = _get(results, "budget: plain, fixed shape", "steady_step_s")
+    for variant in ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer"):
+        lines.append(_row(results, variant, plain, fixed, None))
+    resnet_plain = _get(results, "resnet50 synthetic: plain", "steady_step_s")
+    for name in ("resnet50 synthetic: trainer", "resnet50 jpegs: trainer"):
+        lines.append(_row(results, name, resnet_plain, None, None))
+    return "\n".join(lines)
+
+
+def checks_text(found: list[dict]) -> str:
+    lines = ["\nissue 29 bounds:"]
+    for c in found:
+        value = f"{c['value']:.3f}" if isinstance(c["value"], (int, float)) else "not measured"
+        lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {value} (bound {c['bound']})")
+    return "\n".join(lines)

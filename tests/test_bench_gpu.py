@@ -1,0 +1,50 @@
+"""scripts/bench_gpu.py's smoke run on a CPU: every measurement and peer it runs on a GPU, at tiny
+sizes, each trainer its own `python -m train.train` process; the table, the issue's bounds and the
+JSON. The figures themselves mean nothing on a CPU: only that each was measured."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["smoke"] and result["machine"]["datasheet_tflops"] is None
+    failed = {name: r for name, r in result["results"].items() if "error" in r or "skipped" in r}
+    assert not failed, failed
+    expected = {
+        f"{label}: {what}"
+        for label in ("budget", "16k")
+        for what in (
+            "trainer",
+            "trainer resumed",
+            "plain, trainer's batches, torch SDPA",
+            "plain, trainer's batches, flash/efficient",
+            "plain, fixed shape",
+        )
+    }
+    expected |= {"resnet50 synthetic: trainer", "resnet50 synthetic: plain", "resnet50 jpegs: trainer"}
+    expected |= {"budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer", "data"}
+    assert set(result["results"]) == expected
+    for name in expected - {"data"}:
+        assert result["results"][name]["steady_step_s"] > 0, name
+    resumed = result["results"]["budget: trainer resumed"]
+    assert resumed["steps"] == 110 and resumed["first_50_mean_s"] > 0
+    text = result["results"]["budget: trainer"]
+    assert text["flops_per_step"] > 0 and text["distinct_shapes"] >= 1 and 0 < text["padded_fraction"] < 0.5
+    assert len(result["checks"]) == 10 and all(c["value"] is not None for c in result["checks"])
+    assert "| budget: trainer (peer: " in done.stdout and "issue 29 bounds:" in done.stdout

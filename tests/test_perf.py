@@ -1,0 +1,217 @@
+"""The trainer's performance figures (train/perf.py): warm-up against the steady step, from a scripted
+clock; FLOPs per step against torch.utils.flop_counter.FlopCounterMode on the real models (CPU, the
+math attention backend: FlopCounterMode counts its matrix products); MFU against the datasheet peaks;
+the SDPA backend choice; a checkpoint of an unfused optimizer resumed by a fused one.
+
+Contracts: FlopCounterMode counts 2 FLOPs per multiply-add of mm/addmm/bmm/convolution, forward and
+backward (torch/utils/flop_counter.py); sdpa_kernel(backends) enables only the listed backends
+(docs.pytorch.org, torch.nn.attention.sdpa_kernel)."""
+
+import pytest
+import torch
+
+from train import perf
+from train.config import ModelConfig, TrainConfig
+from train.distributed import DistInfo
+
+
+def test_warmup_ends_where_the_step_time_settles_and_one_slow_step_moves_nothing():
+    times = [1.0] + [0.1] * 59 + [0.03] * 200
+    times[150] = 0.5  # a log step's read-back
+    result = perf.steady_state(times)
+    assert result["settled"] and result["warmup_steps"] == 60
+    assert result["warmup_s"] == pytest.approx(1.0 + 59 * 0.1)
+    assert result["steady_steps"] == 200
+    assert result["steady_step_s"] == pytest.approx((199 * 0.03 + 0.5) / 200)
+    assert result["first_50_mean_s"] == pytest.approx((1.0 + 49 * 0.1) / 50)
+
+
+def test_a_run_too_short_or_still_warming_says_so():
+    short = perf.steady_state([0.2] + [0.1] * 29)
+    assert not short["settled"] and "too few" in short["note"] and short["warmup_steps"] is None
+    assert short["steady_step_s"] == pytest.approx(0.1) and short["first_50_mean_s"] is None
+    falling = perf.steady_state([1.0 / (1 + i) for i in range(100)])  # never within 10% of its tail
+    assert not falling["settled"] and "did not settle" in falling["note"]
+
+
+class ScriptedClock:
+    """Trainer.fit reads the clock before and after each step: the step takes the next scripted duration."""
+
+    def __init__(self, durations):
+        self.durations, self.calls, self.now = list(durations), 0, 1000.0
+
+    def __call__(self) -> float:
+        if self.calls % 2:
+            self.now += self.durations[self.calls // 2]
+        self.calls += 1
+        return self.now
+
+
+def test_the_summary_reports_warmup_the_steady_step_shapes_and_flops(numbers_data, tmp_path):
+    from train.train import compose
+
+    config = TrainConfig(
+        recipe="transformer-tiny",
+        data=str(numbers_data),
+        run_dir=str(tmp_path / "run"),
+        max_steps=60,
+        batch_per_gpu=8,
+        batching="tokens",
+        eval_every=10**6,
+        checkpoint_every=10**6,
+        eval_samples=4,
+        log_every=50,
+        model=ModelConfig(d_model=32, layers=1, heads=2, ffn=32, dropout=0.0, max_len=64),
+    )
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
+    trainer.clock = ScriptedClock([0.5] * 20 + [0.1] * 40)
+    summary = trainer.fit()
+    warmup = summary["warmup"]
+    assert warmup["settled"] and warmup["warmup_steps"] == 20 and warmup["warmup_s"] == pytest.approx(10.0)
+    assert summary["avg_step_time_s"] == pytest.approx(0.1) and warmup["steady_steps"] == 40
+    assert summary["objects_per_s"] == pytest.approx(8 / 0.1)
+    shapes = summary["batch_shapes"]
+    assert 1 <= shapes["distinct_shapes"] <= 60 and 0 < shapes["padded_fraction"] < 0.5
+    assert all(src % 8 == 0 and tgt % 8 == 0 for (_, src, tgt), _ in shapes["common_shapes"])
+    assert summary["flops_per_step"] > 0 and summary["mfu"] is None  # no peak for a CPU
+
+
+def _tiny_transformer():
+    from train.model import Transformer
+
+    torch.manual_seed(0)
+    config = ModelConfig(d_model=32, layers=2, heads=4, ffn=48, dropout=0.0, max_len=64)
+    return Transformer(config, 50), config
+
+
+def test_transformer_flops_equal_flop_counter_mode_forward_and_backward():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, config = _tiny_transformer()
+    model.train()
+    batch, src_len, tgt_len = 3, 8, 16
+    src = torch.randint(4, 50, (batch, src_len))
+    tgt = torch.randint(4, 50, (batch, tgt_len))
+    src[0, -2:] = 0  # padding masks on, as in training
+    expected = perf.transformer_flops(config.d_model, config.ffn, config.layers, 50, batch, src_len, tgt_len)
+    with sdpa_kernel([SDPBackend.MATH]):
+        with FlopCounterMode(display=False) as forward:
+            logits = model(src, tgt)
+        with FlopCounterMode(display=False) as backward:
+            logits.float().sum().backward()
+    assert forward.get_total_flops() == expected // 3
+    assert forward.get_total_flops() + backward.get_total_flops() == expected
+
+
+@pytest.mark.parametrize("arch, width, size", [("resnet18", 8, 32), ("resnet50", 8, 40)])
+def test_resnet_forward_flops_equal_flop_counter_mode(arch, width, size):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.vision import ResNet
+
+    model = ResNet(arch, 10, width).eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randn(2, 3, size, size))
+    assert counter.get_total_flops() == 2 * perf.resnet_forward_flops(model, size)
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A10G", 125.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA L40S", None),
+        ("Tesla T4", 65.0),
+        ("cpu", None),
+    ],
+)
+def test_peaks_by_device_name(name, peak):
+    assert perf.peak_tflops(name) == peak
+
+
+def test_mfu_and_the_step_line_text():
+    assert perf.mfu(100e12, 0.5, 400.0, 1) == pytest.approx(0.5)
+    assert perf.mfu(200e12, 0.5, 400.0, 2) == pytest.approx(0.5)
+    assert perf.mfu(1e12, 0.5, None, 1) is None
+    text = perf.flops_text({"flops": 100e12, "step_s": 0.5}, "NVIDIA A100-SXM4-40GB")
+    assert text == " | 100.00 TFLOP/step, MFU 64.1%"
+    assert perf.flops_text({"flops": 1e12, "step_s": 0.5}, "cpu") == " | 1.00 TFLOP/step"
+
+
+def test_the_attention_choice_leaves_cudnn_out_by_default_and_cpus_alone():
+    from torch.nn.attention import SDPBackend
+
+    auto = perf.attention_backends("auto")
+    assert SDPBackend.CUDNN_ATTENTION not in auto and SDPBackend.EFFICIENT_ATTENTION in auto
+    assert perf.attention_backends("torch") is None
+    assert perf.attention_backends("cudnn")[0] == SDPBackend.CUDNN_ATTENTION
+    with perf.attention_context("math", "cpu"):  # a no-op on a CPU
+        assert torch.backends.cuda.cudnn_sdp_enabled() == torch.backends.cuda.cudnn_sdp_enabled()
+    with perf.attention_context("math", "cuda"):  # the flags sdpa_kernel sets (no GPU needed to set them)
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused(numbers_data, tmp_path, monkeypatch):
+    """A run saved on a CPU (foreach Adam) resumed on a GPU (fused Adam): the resumed optimizer stays
+    fused (load_state_dict would take the saved group's flags) and steps."""
+    from train.train import compose
+
+    def config(steps):
+        return TrainConfig(
+            recipe="transformer-tiny",
+            data=str(numbers_data),
+            run_dir=str(tmp_path),
+            max_steps=steps,
+            batch_per_gpu=8,
+            eval_every=10**6,
+            checkpoint_every=2,
+            eval_samples=2,
+            model=ModelConfig(d_model=32, layers=1, heads=2, ffn=32, dropout=0.0, max_len=64),
+        )
+
+    from train import recipes
+
+    compose(config(2), DistInfo(), torch.device("cpu")).fit()
+    monkeypatch.setattr(
+        recipes.TranslationTask, "optimizer", lambda self: torch.optim.Adam(self.model.parameters(), lr=1.0, fused=True)
+    )
+    trainer = compose(config(3), DistInfo(), torch.device("cpu"))
+    assert trainer.step == 2 and trainer.optimizer.param_groups[0]["fused"] is True
+    assert trainer.fit()["steps"] == 3
+
+
+def test_one_process_reads_its_stop_flags_on_the_host_without_waiting_for_the_device(
+    numbers_data, tmp_path, monkeypatch
+):
+    """One process has no sum to wait for: the step's flags come from the host (a GPU's queue is never
+    drained for them); the STOP file still stops the step it is seen at."""
+    from cluster_node import rundir
+    from train import distributed
+    from train.train import compose
+
+    made = []
+
+    class Recorded(distributed.HostCopy):
+        def __init__(self, tensor, local=None):
+            super().__init__(tensor, local)
+            made.append(self)
+
+    monkeypatch.setattr(distributed, "HostCopy", Recorded)
+    config = TrainConfig(
+        recipe="transformer-tiny",
+        data=str(numbers_data),
+        run_dir=str(tmp_path),
+        max_steps=5,
+        batch_per_gpu=8,
+        model=ModelConfig(d_model=32, layers=1, heads=2, ffn=32, dropout=0.0, max_len=64),
+    )
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
+    assert trainer.train_step()[2] is False and made[-1].local == [0.0, 0.0, 0.0, 0.0]
+    (tmp_path / rundir.STOP).write_text("stop\n")
+    assert trainer.train_step()[2] is True and made[-1].local == [0.0, 1.0, 0.0, 0.0]
