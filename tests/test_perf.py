@@ -26,6 +26,14 @@ def test_warmup_ends_where_the_step_time_settles_and_one_slow_step_moves_nothing
     assert result["first_50_mean_s"] == pytest.approx((1.0 + 49 * 0.1) / 50)
 
 
+def test_a_first_step_of_seconds_is_warm_up_not_a_part_of_the_steady_step():
+    """ResNet-50 on an H200: step 1 took 11.3 s (cuDNN's autotuning), then 54 ms a step; the summary said
+    111 ms over 200 steps (the window medians settled at once, so step 1 counted as steady)."""
+    result = perf.steady_state([11.27] + [0.054] * 199)
+    assert result["settled"] and result["warmup_steps"] == 10
+    assert result["steady_step_s"] == pytest.approx(0.054)
+
+
 def test_a_run_too_short_or_still_warming_says_so():
     short = perf.steady_state([0.2] + [0.1] * 29)
     assert not short["settled"] and "too few" in short["note"] and short["warmup_steps"] is None

@@ -106,7 +106,10 @@ def steady_state(step_times: list[float]) -> dict:
     start = None
     if len(medians) >= 2 * SETTLE_WINDOWS:
         level = statistics.median(medians[len(medians) // 2 :])
-        within = [abs(m - level) <= TOLERANCE * level for m in medians]
+        # Each window's mean against the level: one start-up step of seconds (cuDNN's autotuning of every
+        # convolution at step 1) leaves its window's median alone, not the steady mean.
+        means = [statistics.fmean(step_times[i : i + WINDOW]) for i in range(0, len(medians) * WINDOW, WINDOW)]
+        within = [abs(m - level) <= TOLERANCE * level for m in means]
         start = next((k for k in range(len(within) - SETTLE_WINDOWS + 1) if all(within[k : k + SETTLE_WINDOWS])), None)
     if start is None:
         timed = step_times[min(5, n - 1) :] if n else []
