@@ -48,6 +48,25 @@ def test_every_second_of_a_restarted_run_is_accounted_once_and_the_lost_steps_ar
     assert "goodput 38%" in text and "restart 1 (died" in text and "10 steps lost" in text
 
 
+def test_a_resumed_run_is_accounted_over_every_segment_and_not_the_time_between():
+    """A run stopped and resumed by a later `fab train` (the new-user walk: 62 s, then 72 s; the account
+    said 86% of 62 s). The second segment starts 1,000 s later: that idle time is nobody's wall-clock."""
+    second = [
+        Phase(
+            event=p.event, time=p.time + 1100.0, step=p.step, end=None if p.end is None else p.end + 1100.0, kind=p.kind
+        )
+        for p in _marks()
+    ]
+    acc = goodput.account(_marks() + second)
+    one = goodput.account(_marks())
+    assert acc.wall_s == pytest.approx(200.0) and sum(acc.phases.values()) == pytest.approx(200.0)
+    assert acc.phases["productive"] == pytest.approx(2 * one.phases["productive"])
+    assert acc.goodput == pytest.approx(one.goodput)
+    assert [i.at_s for i in acc.incidents] == [one.incidents[0].at_s, one.incidents[0].at_s + 100.0]
+    assert acc.segments[len(one.segments)][1] == pytest.approx(100.0)  # the second starts where the first ended
+    assert acc.steps_kept == 40 and not acc.running
+
+
 def test_a_node_lost_right_after_a_checkpoint_loses_no_step_and_no_negative_time():
     """The kill lands while the checkpoint of the last step is written (a CI run's drill): the checkpoint
     ends after the last beat. Before: "0 steps lost (-0.1 s to recompute)"."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -207,7 +207,16 @@ def paint(spans: list, start: float, end: float) -> tuple[dict, list]:
 
 def account(marks: Sequence[Phase], now: Optional[float] = None) -> Optional[Account]:
     """The account of a run's marks; None when there are none. A running run is accounted up to `now`
-    (else its newest mark)."""
+    (else its newest mark). A run resumed by a later `fab train` has a segment per launch (each begins at
+    a `run` mark): the account is theirs end to end, the time between them (no cluster at work) left out."""
+    ordered = sorted(marks, key=lambda m: m.time)
+    begins = [i for i, m in enumerate(ordered) if m.event == "run"][1:]
+    parts = [ordered[a:b] for a, b in zip([0, *begins], [*begins, len(ordered)])]
+    accounts = [a for a in (_segment(p, now) for p in parts) if a is not None]
+    return _joined(accounts) if len(accounts) > 1 else (accounts[0] if accounts else None)
+
+
+def _segment(marks: Sequence[Phase], now: Optional[float]) -> Optional[Account]:
     runs, start, done = attempts(marks)
     if not runs:
         return None
@@ -216,6 +225,19 @@ def account(marks: Sequence[Phase], now: Optional[float] = None) -> Optional[Acc
     totals, segments = paint(spans, start, end)
     last = runs[-1].steps[-1][1] if runs[-1].steps else None
     return Account(end - start, totals, tuple(segments), tuple(incidents), last, done is None)
+
+
+def _joined(accounts: list[Account]) -> Account:
+    """Segments one after the other: their times offset by the wall-clock before them."""
+    offset, phases_s, segments, incidents = 0.0, {}, [], []
+    for acc in accounts:
+        for label, seconds in acc.phases.items():
+            phases_s[label] = phases_s.get(label, 0.0) + seconds
+        segments += [(label, a + offset, b + offset) for label, a, b in acc.segments]
+        incidents += [replace(i, at_s=i.at_s + offset) for i in acc.incidents]
+        offset += acc.wall_s
+    last = accounts[-1]
+    return Account(offset, phases_s, tuple(segments), tuple(incidents), last.steps_kept, last.running)
 
 
 def _s(seconds: float) -> str:
