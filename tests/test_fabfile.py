@@ -271,3 +271,18 @@ def test_status_says_in_words_that_a_node_does_not_answer_ssh(unreachable, capsy
     out = capsys.readouterr().out
     assert "NoValidConnectionsError" not in out and "Errno None" not in out
     assert "no SSH on 127.0.0.1:" in out and "the node, its container or its sshd is down" in out, out
+
+
+@pytest.mark.parametrize("args", [["--help", "train"], ["--list"]])
+def test_a_reader_that_goes_away_gets_no_traceback(args):
+    """`fab --help train | head -1`, `fab runs | head -1`: a closed pipe printed BrokenPipeError's traceback."""
+    import os
+    import subprocess
+
+    from conftest import REPO, tool_env
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before fab writes
+    done = subprocess.run(["fab", *args], cwd=REPO, env=tool_env(), stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr[-2000:]
