@@ -25,13 +25,18 @@ def _epoch(iso: str) -> float:
         return 0.0
 
 
+def _from(step) -> str:
+    return f"from step {step}" if step is not None else "from the start (no checkpoint yet)"
+
+
 def _what(m: Phase, attempt: int) -> str:
     kind = f" ({m.kind})" if m.kind else ""
     if m.event == "detect":
         beat = f"; its last heartbeat: step {m.step}" if m.step is not None else ""
         return f"supervisor detected the failure{kind}{beat}"
     return {
-        "decide": f"supervisor decided: restart from the checkpoint at step {m.step}",
+        "decide": "supervisor decided: restart "
+        + (f"from the checkpoint at step {m.step}" if m.step is not None else "from the start (no checkpoint yet)"),
         "launch": f"supervisor launched attempt {attempt}",
         "process": "rank 0's trainer started",
         "rendezvous": "ranks met (rendezvous)",
@@ -101,7 +106,7 @@ def supervisor(log_lines: Sequence[str], restarts: Sequence[dict], status: dict,
         out.append(
             f"  restart {number} ({r.get('kind')}): {r.get('reason')}; dropped {dropped}; "
             f"{len(r.get('nodes_after') or [])} node(s) on, global batch {r.get('global_batch')} "
-            f"({r.get('batch_per_gpu')} per rank x {r.get('grad_accum')} accumulated), from step {r.get('resume_step')}"
+            f"({r.get('batch_per_gpu')} per rank x {r.get('grad_accum')} accumulated), {_from(r.get('resume_step'))}"
         )
     reason = f": {status['reason']}" if status.get("reason") else ""
     out.append(f"  run-status: {status.get('state', '?')}{reason}")

@@ -131,6 +131,16 @@ def test_the_timeline_and_the_goodput_lost_from_the_phases():
     assert lost[1].endswith("10 steps lost (6.0 s to recompute)")
 
 
+def test_a_restart_before_any_checkpoint_says_from_the_start_not_step_none():
+    """The new-user walk: "restart from the checkpoint at step None", "from step None"."""
+    marks = [Phase("decide", 125.0, step=None, kind="died")]
+    assert (
+        drillreport.timeline(marks, 117.0)[-1]
+        == "  +8.0 s  supervisor decided: restart from the start (no checkpoint yet)"
+    )
+    assert drillreport._from(None) == "from the start (no checkpoint yet)" and drillreport._from(7) == "from step 7"
+
+
 def test_a_drill_without_restarts_reports_no_restart_or_recomputed_time():
     """Issue 32 §11: without --max-restarts the run ends at the detection: its goodput said "restart.detect"
     and "recomputed" seconds that never happened."""
