@@ -36,6 +36,7 @@ def run_budget(
     region: str = "",
     io_tail: tuple[float, ...] = (),
     instance_ids: tuple[str, ...] = (),
+    emulated: bool = False,
 ) -> Budget:
     """The spec's budget over `nodes` (every node of the cluster: they all bill, as `fab cost` prices them,
     whichever the run uses), on top of `spent` (the run's earlier segments); a price nobody knows cannot be
@@ -45,6 +46,11 @@ def run_budget(
     the nodes that bill from EC2's state at every reading."""
     if usd <= 0:
         raise BudgetError(f"invalid --budget-usd {usd:g}: a positive number of dollars")
+    if usd_per_node_hour is None and emulated:
+        raise BudgetError(
+            "the emulated cluster bills nothing: --budget-usd meters AWS dollars; to rehearse it here, give the "
+            'inventory a price ("usd_per_hour" in its inventory.json)'
+        )
     if usd_per_node_hour is None:
         raise BudgetError(
             f"no price known for the nodes ({source}): --budget-usd cannot be metered; run `fab inventory`"

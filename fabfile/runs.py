@@ -179,9 +179,8 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.La
     tail = budgets.io_tail(saved) if efs[0] else ()  # the last segment's I/O CloudWatch had not published
     nodes = billed_nodes(inv)  # every node that bills, also those this run leaves out
     ids = tuple(n.instance_id for n in inv.nodes if n.instance_id) if inv.source == "aws" else ()
-    budget = budgets.run_budget(
-        request.budget_usd, price.usd_per_hour, price.source, io_rate, nodes, spent, *efs, tail, instance_ids=ids
-    )
+    where = (nodes, spent, *efs, tail, ids, inv.source == "local")  # the emulated cluster bills nothing: said so
+    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, io_rate, *where)
     steps, what = budgets.steps_to_run(request, saved)
     estimate, why = _prediction(conn, inv, plan, steps, price, nodes)
     refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)

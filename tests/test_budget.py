@@ -97,6 +97,10 @@ def test_a_prediction_over_budget_and_margin_is_refused_in_one_line():
 def test_an_unknown_price_refuses_a_budget():
     with pytest.raises(budgets.BudgetError, match="no price known"):
         budgets.run_budget(5.0, None, "unknown: not in the offline table", 0.0)
+    # The new-user walk: on the emulated cluster, "run `fab inventory`" led to "no cdk-outputs.json".
+    with pytest.raises(budgets.BudgetError, match="the emulated cluster bills nothing.*usd_per_hour") as refused:
+        budgets.run_budget(5.0, None, "local is not in the offline table", 0.0, emulated=True)
+    assert "fab inventory" not in str(refused.value)
 
 
 MB = 1e6
