@@ -34,6 +34,8 @@ import gpu_peers as peers  # noqa: E402 - after the path
 import gpu_report  # noqa: E402
 import torch  # noqa: E402
 
+from cluster_node import rundir  # noqa: E402
+
 SIZES = {
     "gpu": dict(
         model=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=200,
@@ -92,7 +94,7 @@ class Bench:
         )
         if done.returncode:
             raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
-        return figures(json.loads((run / "summary.json").read_text()))
+        return figures(json.loads((run / rundir.SUMMARY).read_text()))
 
     def text_argv(self, tokens: list[str], attention: str = "auto", pad: int = 8) -> list[str]:
         return [

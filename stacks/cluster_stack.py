@@ -44,10 +44,7 @@ class GpuClusterStack(Stack):
             security_group=self.network.security_group,
             file_system=self.storage.file_system,
         )
-        # A node's user data calls SSM and S3 at once: not before its subnet's route (a private subnet's NAT
-        # route) and the Session Manager endpoints exist (the stub retries, for seconds, not for creation).
-        for instance in self.nodes.instances:
-            instance.node.add_dependency(self.network.subnet.internet_connectivity_established, *self.network.endpoints)
+        self._nodes_after_their_network()
         self.dashboard = ClusterDashboard(
             self,
             "Dashboard",
@@ -98,6 +95,12 @@ class GpuClusterStack(Stack):
             "EfaCards": str(config.efa_cards),
         }
         return outputs
+
+    def _nodes_after_their_network(self) -> None:
+        """A node's user data calls SSM and S3 at once: not before its subnet's route (a private subnet's NAT
+        route) and the Session Manager endpoints exist (the stub retries for minutes, not for their creation)."""
+        for instance in self.nodes.instances:
+            instance.node.add_dependency(self.network.subnet.internet_connectivity_established, *self.network.endpoints)
 
     def _acknowledge_findings(self) -> None:
         """cdk-nag AwsSolutions findings this design accepts, each with its reason."""

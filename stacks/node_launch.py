@@ -1,4 +1,5 @@
-"""Each node's own launch template: IMDSv2 within one hop, EFA interfaces, Spot market options.
+"""Each node's own launch template: IMDSv2 within one hop, EFA interfaces, Spot market options; and its
+pinned AMI.
 
 One template per node, built here (not CDK's require_imdsv2 aspect), so every path (On-Demand, Spot,
 EFA, EFA + Spot) carries the same metadata options:
@@ -14,12 +15,29 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jsii
 from aws_cdk import aws_ec2 as ec2
 from constructs import Construct
 
 from .spot import make_spot
 
 IMDS_TOKENS, IMDS_HOP_LIMIT = "required", 1
+
+
+@jsii.implements(ec2.IMachineImage)
+class PinnedImage:
+    """The AMI id synth pinned (stacks/pins.py), as a literal ImageId: no SSM parameter resolved at
+    deploy, so a DLAMI release replaces no node."""
+
+    def __init__(self, ami_id: Optional[str]):
+        if not ami_id:
+            raise ValueError("no AMI pinned: build the config with stacks.pins.synth_config")
+        self.ami_id = ami_id
+
+    def get_image(self, scope: Construct) -> ec2.MachineImageConfig:
+        return ec2.MachineImageConfig(
+            image_id=self.ami_id, os_type=ec2.OperatingSystemType.LINUX, user_data=ec2.UserData.for_linux()
+        )
 
 
 def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:

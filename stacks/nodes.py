@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import jsii
 from aws_cdk import (
     Aws,
     CfnCreationPolicy,
@@ -52,7 +51,7 @@ from cluster_node.contract import (
 from .bootstrap import check_user_data_size, make_node_config, render_user_data
 from .config import ClusterConfig, alarm_minutes
 from .images import image_tag
-from .node_launch import attach_launch_template
+from .node_launch import PinnedImage, attach_launch_template
 from .spot_release import SpotRequestRelease
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
@@ -83,22 +82,6 @@ SESSION_MANAGER_ACTIONS = (
     "ssmmessages:OpenControlChannel",
     "ssmmessages:OpenDataChannel",
 )
-
-
-@jsii.implements(ec2.IMachineImage)
-class PinnedImage:
-    """The AMI id synth pinned (stacks/pins.py), as a literal ImageId: no SSM parameter resolved at
-    deploy, so a DLAMI release replaces no node."""
-
-    def __init__(self, ami_id: Optional[str]):
-        if not ami_id:
-            raise ValueError("no AMI pinned: build the config with stacks.pins.synth_config")
-        self.ami_id = ami_id
-
-    def get_image(self, scope: Construct) -> ec2.MachineImageConfig:
-        return ec2.MachineImageConfig(
-            image_id=self.ami_id, os_type=ec2.OperatingSystemType.LINUX, user_data=ec2.UserData.for_linux()
-        )
 
 
 def idle_alarm_name(cluster_name: str, rank: int) -> str:

@@ -20,6 +20,7 @@ from supervisor_fixture import supervise, write_spec
 
 from cluster_node import spec
 from cluster_node.autostop import busy_signals as signals
+from cluster_node.autostop import cloud
 from cluster_node.autostop import watchdog as autostop
 from cluster_node.autostop.idle_state import IdleState
 from cluster_node.autostop.watchdog import Observation, Watchdog, decide
@@ -520,7 +521,7 @@ def test_then_stop_stops_each_node_on_its_own_and_retries_a_pending_one(monkeypa
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa1"]})
     _refused(stubber, "i-0aaaaaaaaaaaaaaa2")
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa2"]})
-    monkeypatch.setattr(autostop, "STOP_DELAY_S", 0.0)
+    monkeypatch.setattr(cloud, "STOP_DELAY_S", 0.0)
     with stubber:
         assert autostop.stop_now(ec2, "c") == 0
         stubber.assert_no_pending_responses()
@@ -535,10 +536,10 @@ def test_a_node_that_refuses_every_try_is_named_and_the_others_still_stop(monkey
     ec2, stubber = _stop_stub([("i-0aaaaaaaaaaaaaaa1", "pending"), ("i-0aaaaaaaaaaaaaaa2", "running")])
     _refused(stubber, "i-0aaaaaaaaaaaaaaa1")
     stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa2"]})
-    for _ in range(autostop.STOP_TRIES - 1):
+    for _ in range(cloud.STOP_TRIES - 1):
         _refused(stubber, "i-0aaaaaaaaaaaaaaa1")
     slept: list[float] = []
-    monkeypatch.setattr(autostop.time, "sleep", slept.append)
+    monkeypatch.setattr(cloud.time, "sleep", slept.append)
     with stubber:
         assert autostop.stop_now(ec2, "c") == 1
         stubber.assert_no_pending_responses()

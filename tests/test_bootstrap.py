@@ -8,7 +8,7 @@ the scripts themselves are real."""
 import os
 
 import pytest
-from bootstrap_sandbox import DROPIN, FSTAB_LINE, LOCK_OPTION, Sandbox, host_paths
+from bootstrap_sandbox import DROPIN, FSTAB_LINE, LOCK_OPTION, NODE_CONFIG, Sandbox, host_paths, node_config
 
 # One worker runs them all: the bind targets below are the host's own paths, created for the module
 # and removed after it; a second worker removing them mid-test left a sandbox writing to the host.
@@ -176,8 +176,10 @@ def test_a_failing_command_inside_a_step_signals_failure_naming_the_step_once(tm
 @pytest.mark.parametrize("cards, efa", [("0", "0"), ("4", "1")])
 def test_only_an_efa_node_builds_its_image_with_the_efa_installer(tmp_path, cards, efa):
     """Issue 28: the image's EFA user space is a build option (Dockerfile ARG EFA, tests/test_image.py);
-    the bootstrap asks for it only where the node has EFA interfaces (EFA_CARDS from the stack)."""
+    the bootstrap asks for it only where the node has EFA interfaces (EFA_CARDS from the stack's node-config
+    parameter, which the user-data stub reads)."""
     sandbox = Sandbox(tmp_path)
-    assert sandbox.run(EFA_CARDS=cards).returncode == 0
+    (sandbox.root / "node-config").write_text(node_config({**NODE_CONFIG, "EFA_CARDS": cards}) + "\n")
+    assert sandbox.run().returncode == 0
     (build,) = [c for c in sandbox.calls() if c.startswith("docker build")]
     assert f"--build-arg EFA={efa} " in build

@@ -26,6 +26,10 @@ def gpu_rows() -> Optional[list[list[int]]]:
 
 
 def training_processes(proc: Path = Path("/proc")) -> int:
+    return len(training_pids(proc))
+
+
+def training_pids(proc: Path = Path("/proc")) -> set[int]:
     """The trainer's ranks on this node: python processes running `-m train.train` (not mpirun or a
     shell whose command line carries the same words), not a rank's own children (DataLoader workers
     fork with its command line) and only in this node's network namespace (the emulated cluster's nodes
@@ -41,7 +45,7 @@ def training_processes(proc: Path = Path("/proc")) -> int:
             if own and _netns(cmdline.parent) not in (own, None):
                 continue  # another node's
             parents[int(cmdline.parent.name)] = _parent(cmdline.parent)
-    return sum(1 for parent in parents.values() if parent not in parents)
+    return {pid for pid, parent in parents.items() if parent not in parents}
 
 
 def _netns(process: Path) -> Optional[str]:
