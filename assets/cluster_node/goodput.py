@@ -229,7 +229,8 @@ def _segment(marks: Sequence[Phase], now: Optional[float]) -> Optional[Account]:
 
 def _joined(accounts: list[Account]) -> Account:
     """Segments one after the other: their times offset by the wall-clock before them."""
-    offset, phases_s, segments, incidents = 0.0, {}, [], []
+    offset, segments, incidents = 0.0, [], []
+    phases_s: dict[str, float] = {}
     for acc in accounts:
         for label, seconds in acc.phases.items():
             phases_s[label] = phases_s.get(label, 0.0) + seconds
