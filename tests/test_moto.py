@@ -3,13 +3,13 @@ inventory find the stack's nodes and outputs. moto lacks placement groups and AW
 CloudFormation, and AWS::KMS::Key there, so this deploy uses placement_group=false, an existing key
 pair and flow_logs=false (the flow log's key); the template tests cover them."""
 
-import json
 import subprocess
 from pathlib import Path
 
 import boto3
 import pytest
-from conftest import ACCOUNT, REGION, REPO, environment, tool_env
+from conftest import REPO, environment, tool_env
+from moto_deploy import PINNED_AMI, deploy
 
 from clusterops.inventory import (
     Inventory,
@@ -18,14 +18,11 @@ from clusterops.inventory import (
     stack_outputs_from_aws,
     stack_outputs_from_file,
 )
-from stacks.config import ami_context_key, offerings_context_key
 
 # One xdist worker takes the whole module: the deploy fixture (23 s) is built once, not per worker.
 pytestmark = pytest.mark.xdist_group("moto-deploy")
 
 STACK = "GpuCluster-gpu-cluster"
-AMI_PARAMETER = "/test/dlami/ami-id"
-PINNED_AMI = "ami-03cf127a"  # one of moto's images
 HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHostKeyPublishedByRankZero gpu-cluster-host"
 
 
@@ -38,56 +35,9 @@ def deployed(moto_env, tmp_path_factory):
 
 def _deploy(aws_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("deploy")
-    # The DLAMI's "latest" moves on after the pin: the deploy must still use the pinned AMI.
-    boto3.client("ssm").put_parameter(Name=AMI_PARAMETER, Value="ami-0ffffffffffffffff", Type="String", Overwrite=True)
-    key = boto3.client("ec2").create_key_pair(KeyName="test-key")
-    key_file = work / "test-key.pem"
-    key_file.write_text(key["KeyMaterial"])
-    env = tool_env(**aws_env)
-    # The CLI caches its AZ lookup in the app directory's cdk.context.json: use a copy of the app.
-    app = work / "app"
-    app.mkdir()
-    for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
-        (app / name).symlink_to(REPO / name)
-    # What `fab preflight` pins there: the AZs offering the type and the AMI the DLAMI parameter named
-    # (synth refuses to guess either); no -c for them, so synth reads them where preflight writes them.
-    (app / "cdk.context.json").write_text(
-        json.dumps(
-            {
-                offerings_context_key(REGION, "g4dn.2xlarge"): ["us-east-1c", "us-east-1b"],
-                ami_context_key(REGION, AMI_PARAMETER): PINNED_AMI,
-            }
-        )
-    )
-    context = [
-        *("-c", "nodes=2", "-c", "ssh_cidr=203.0.113.0/24", "-c", "placement_group=false", "-c", "flow_logs=false"),
-        *("-c", "key_name=test-key", "-c", f"ami_ssm_parameter={AMI_PARAMETER}"),
-    ]
-    for args in (
-        # The CLI synthesizes the app for bootstrap (and destroy) too: the same context as the deploy.
-        ["bootstrap", f"aws://{ACCOUNT}/{REGION}", *context],
-        [
-            "deploy",
-            "--method=direct",
-            "--require-approval",
-            "never",
-            "-o",
-            str(work / "cdk.out"),
-            *context,
-            "--outputs-file",
-            str(work / "cdk-outputs.json"),
-        ],
-    ):
-        result = subprocess.run(
-            [str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"],
-            cwd=app,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-    return work, key_file
+    context = {"nodes": "2", "ssh_cidr": "203.0.113.0/24", "key_name": "test-key"}
+    deploy(aws_env, work, context)
+    return work, work / "test-key.pem"
 
 
 def test_the_outputs_file_names_every_node_and_the_file_system(deployed):
