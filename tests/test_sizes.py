@@ -1,15 +1,22 @@
-"""Rooms a reader takes in at once: no module over 400 lines, no function over 60 (tests excepted),
-over everything that ships: the CDK app, the laptop side, the tasks, what runs on the nodes, the scripts."""
+"""Rooms a reader takes in at once, over everything that ships (the CDK app, the laptop side, the tasks,
+what runs on the nodes, the scripts; tests excepted): no function over 60 lines; a module over 400 lines
+is a signal (a warning in the run's summary: is it still one concern?), over 600 a failure unless
+ALLOWED names it with a reason. A wall at 400 made code move to where it fit rather than where it
+belonged (issue 31); the signal keeps the question without the squeeze."""
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 from conftest import REPO
 
-MAX_MODULE_LINES = 400
+WARN_MODULE_LINES = 400
+MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
+# module -> why it is one concern over MAX_MODULE_LINES. An entry for a module under the limit fails too.
+ALLOWED: dict[str, str] = {}
 ROOTS = ("stacks", "clusterops", "fabfile", "assets", "scripts", "app.py")
 
 
@@ -39,10 +46,22 @@ def test_the_measure_counts_a_long_function(tmp_path):
     assert long_functions(tmp_path / "m.py") == [f"long ({MAX_FUNCTION_LINES + 1} lines)"]
 
 
-def test_no_module_over_400_lines():
-    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in python_sources()}
-    over = [f"{name}: {lines}" for name, lines in sizes.items() if lines > MAX_MODULE_LINES]
-    assert not over, "split by concern:\n" + "\n".join(over)
+def module_sizes() -> dict[str, int]:
+    return {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in python_sources()}
+
+
+def test_a_module_over_400_lines_is_a_signal():
+    over = [f"{name}: {lines}" for name, lines in module_sizes().items() if lines > WARN_MODULE_LINES]
+    if over:
+        warnings.warn(f"over {WARN_MODULE_LINES} lines (still one concern?): " + ", ".join(over), stacklevel=1)
+
+
+def test_no_module_over_600_lines_unless_allowed_with_a_reason():
+    sizes = module_sizes()
+    over = [f"{name}: {n}" for name, n in sizes.items() if n > MAX_MODULE_LINES and not ALLOWED.get(name, "").strip()]
+    assert not over, "split by concern, or add to ALLOWED with why it is one:\n" + "\n".join(over)
+    stale = [name for name in ALLOWED if sizes.get(name, 0) <= MAX_MODULE_LINES]
+    assert not stale, f"no longer over {MAX_MODULE_LINES} lines (or gone): remove from ALLOWED: {stale}"
 
 
 def test_no_function_over_60_lines():

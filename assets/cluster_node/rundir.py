@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, TypeVar, Union
 
@@ -76,7 +77,21 @@ SCALE_MD = "scale.md"
 FETCHED_FILES: tuple[str, ...] = (CONFIG, SUMMARY, TRAIN_LOG, RUN_STATUS, REPORT_MD, BREAKDOWN_PNG, GOODPUT_PNG)
 FETCHED_FILES += (SCALING_PNG, SCALE_JSON, SCALE_MD)
 
-STATES = ("running", "finished", "stopped", "failed")  # run-status.json's `state`; stopped: resumable
+
+class RunState(str, Enum):
+    """run-status.json's `state`, spelled once for every writer and reader. A str: the JSON holds the
+    value, and a state compares equal to its value."""
+
+    RUNNING = "running"
+    FINISHED = "finished"
+    STOPPED = "stopped"  # resumable: `fab train --run NAME`
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STATES = tuple(state.value for state in RunState)
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.start says why)
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
 
