@@ -13,7 +13,7 @@ from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from cluster_node import efsio
+from cluster_node.supervisor import efsio
 
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
 HOURS_PER_MONTH = 730
@@ -202,7 +202,7 @@ def efs_io_usd(read_gb: float, write_gb: float) -> float:
 
 def efs_io_gb(cloudwatch, file_system_id: str, start: datetime, end: datetime) -> tuple[float, float]:
     """GB read and written through EFS between start and end: what Elastic throughput bills, data and
-    metadata (the AWS/EFS metrics and their contract: cluster_node/efsio.py, the head node's meter too)."""
+    metadata (the AWS/EFS metrics and their contract: cluster_node/supervisor/efsio.py, the head node's meter too)."""
     return efsio.io_gb(cloudwatch, file_system_id, start, end)
 
 
@@ -212,7 +212,7 @@ def efs_io_usd_per_hour(cloudwatch, file_system_id: str, now: Optional[datetime]
     return efs_io_usd(*efs_io_gb(cloudwatch, file_system_id, now - timedelta(hours=1), now))
 
 
-# What the watchdog publishes per GPU node (cluster_node/autostop/watchdog.py publish: Busy, GPUUtilization,
+# What the watchdog publishes per GPU node (cluster_node/daemons/autostop/watchdog.py publish: Busy, GPUUtilization,
 # GPUMemoryUsedPercent), once a minute in one PutMetricData call.
 GUARD_METRICS_PER_NODE = 3
 PUTS_PER_NODE_MONTH = 60 * HOURS_PER_MONTH

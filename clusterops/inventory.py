@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from cluster_node import clusterdir
-from cluster_node.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
+from cluster_node.protocol import clusterdir
+from cluster_node.protocol.contract import CONTAINER_SSH_PORT, REQUIRED_OUTPUTS
 
 DEFAULT_INVENTORY = Path(".cluster/inventory.json")
 DEFAULT_OUTPUTS = Path("cdk-outputs.json")

@@ -60,7 +60,7 @@ def quality(summary: dict) -> str:
 
 
 def resume_hint(run_dir: str) -> str:
-    """How a stopped run goes on: the same name, its saved settings (clusterops.resume)."""
+    """How a stopped run goes on: the same name, its saved settings (clusterops.run.resume)."""
     return f"`fab train --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}` continues from its checkpoint"
 
 
@@ -127,7 +127,7 @@ def versions_line(rows: Sequence[dict]) -> tuple[bool, str]:
 
 
 def status_row(found: dict) -> dict:
-    """`fab status`'s row for a node from its cluster_node.node_status JSON."""
+    """`fab status`'s row for a node from its cluster_node.programs.node_status JSON."""
     rows = found["gpus"]
     gpu_text = "none (CPU)" if rows is None else f"{len(rows)}: " + " ".join(f"{u}% {m}/{t}MiB" for u, m, t in rows)
     deploy = found.get("deploy")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from invoke.exceptions import Exit
 
-from cluster_node import rundir as rd
-from clusterops import analysis, launch, terminal
+from cluster_node.protocol import rundir as rd
+from clusterops import terminal
+from clusterops.run import analysis, launch
 from train import catalog
 
 from .common import (
@@ -128,7 +129,7 @@ def scale(
         points = analysis.run_scale(conn, inv, request, counts, repeats, code_dir)
         local = Path(dest or Path(rd.RUNS, rd.SCALE_DIR.format(recipe=recipe)))
         written = analysis.write_scale(conn, inv, recipe, points, local)
-    from clusterops import scaling
+    from clusterops.predict import scaling
 
     print(scaling.table(points, scaling.shared_cores(inv.source)))
     print(f"written: {', '.join(str(p) for p in written)} (and {analysis.scale_dir(inv, recipe)}/ on the cluster)")
@@ -159,7 +160,7 @@ def plan(
 
     Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
     time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
-    from clusterops import plan as planning
+    from clusterops.predict import plan as planning
 
     inv = load_inventory(c)
     names = [t.strip() for t in (types or inv.instance_type).split(",") if t.strip()]
@@ -197,7 +198,7 @@ def plan(
 
 
 def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
-    from clusterops import plan as planning
+    from clusterops.predict import plan as planning
 
     if step_s:
         gpu = _gpu(inv, first_type)
@@ -209,7 +210,7 @@ def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
 
 
 def _plan_target(inputs, steps, metric):
-    from clusterops import plan as planning
+    from clusterops.predict import plan as planning
 
     if steps:
         return whole_number(steps, "--steps"), "given"
@@ -223,7 +224,7 @@ def _plan_target(inputs, steps, metric):
 
 
 def _gpu(inv, instance_type: str) -> str:
-    from clusterops import plan as planning
+    from clusterops.predict import plan as planning
     from stacks.instance_types import lookup
 
     if instance_type == inv.instance_type and inv.source != "aws":
@@ -236,7 +237,7 @@ def _gpu(inv, instance_type: str) -> str:
 
 def _offer(inv, name: str, base, link, spot: bool):
     from clusterops import cost as costs
-    from clusterops import plan as planning
+    from clusterops.predict import plan as planning
     from stacks.instance_types import lookup
 
     gpu = _gpu(inv, name)

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Optional
 
 from invoke.exceptions import Exit
 
-from clusterops import audit as audits
 from clusterops import cost as costs
-from clusterops import lifecycle, terminal
-from clusterops import preflight as checks
-from clusterops.instances import release_spot as release_spot_requests
-from clusterops.instances import start_cluster, stop_nodes
+from clusterops import terminal
+from clusterops.aws import audit as audits
+from clusterops.aws import preflight as checks
+from clusterops.aws.instances import release_spot as release_spot_requests
+from clusterops.aws.instances import start_cluster, stop_nodes
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
@@ -24,6 +24,7 @@ from clusterops.inventory import (
     stack_outputs_from_aws,
     stack_outputs_from_file,
 )
+from clusterops.run import lifecycle
 
 from .common import (
     aws_errors,
@@ -64,7 +65,7 @@ def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
 def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
     """The context `cdk deploy` would see (cdk.json, cdk.context.json, -c KEY=VALUE) and the
     ClusterConfig it parses to, validated the same way; bad values are one line."""
-    from clusterops import cdkcontext
+    from clusterops.aws import cdkcontext
     from stacks.config import ClusterConfig, ConfigError
     from stacks.contextkeys import UnknownContextKeyError, check_context_keys, settings_keys
 

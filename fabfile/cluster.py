@@ -11,9 +11,14 @@ from pathlib import Path
 from invoke.exceptions import Exit
 
 import cluster_node
-from cluster_node import restart_plan
-from clusterops import health, launch, lifecycle, linkcheck, nodecmd, nodeprobe, nodeview, remote, terminal
-from clusterops import tensorboard as board
+from cluster_node.supervisor import restart_plan
+from clusterops import terminal
+from clusterops.nodes import command as nodecmd
+from clusterops.nodes import health, remote
+from clusterops.nodes import probe as nodeprobe
+from clusterops.nodes import view as nodeview
+from clusterops.run import launch, lifecycle, linkcheck
+from clusterops.run import tensorboard as board
 from stacks import images
 
 from .common import ERRORS, head, load_inventory, number, progress, task, training_code_dir, whole_number
@@ -293,7 +298,7 @@ def monitor(c, interval="2", count="0"):
 
     Per node, sampled live: CPU cores its processes use, GPU utilisation, network rx/tx in Mbit/s
     and as a share of the link `fab check` measured."""
-    from clusterops import analysis
+    from clusterops.run import analysis
 
     inv = load_inventory(c)
     interval, count = number(interval, "--interval"), whole_number(count, "--count")

@@ -22,8 +22,8 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from clusterops import cost as costs
-from clusterops import drill, launch, lifecycle, localcluster, nodecmd, remote, terminal
-from clusterops.instances import spot_interrupted
+from clusterops import terminal
+from clusterops.aws.instances import spot_interrupted
 from clusterops.inventory import (
     DEFAULT_INVENTORY,
     DEFAULT_OUTPUTS,
@@ -31,6 +31,10 @@ from clusterops.inventory import (
     InventoryError,
     describe,
 )
+from clusterops.local import cluster as localcluster
+from clusterops.nodes import command as nodecmd
+from clusterops.nodes import remote
+from clusterops.run import drill, launch, lifecycle
 
 ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError, drill.DrillError)
 # A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
@@ -246,7 +250,7 @@ def _readdressed(inventory: Inventory, path: Path) -> Inventory:
     console): its address from EC2, saved. Without EC2 access the inventory stays as it was."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from clusterops.readdress import readdress_unreachable
+    from clusterops.nodes.readdress import readdress_unreachable
 
     if inventory.source != "aws" or inventory.ssh.proxy_command:
         return inventory

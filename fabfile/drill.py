@@ -1,10 +1,10 @@
-"""`fab drill KIND`: rehearse a failure on the running job (clusterops.drill)."""
+"""`fab drill KIND`: rehearse a failure on the running job (clusterops.run.drill)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from clusterops import drill as drills
+from clusterops.run import drill as drills
 
 from .common import load_inventory, number, progress, task, whole_number
 

@@ -6,7 +6,8 @@ import time
 
 from invoke import Collection
 
-from clusterops import localcluster, localrepair
+from clusterops.local import cluster as localcluster
+from clusterops.local import repair as localrepair
 
 from .common import fail, inventory_path, progress, task, whole_number
 

@@ -13,12 +13,17 @@ from typing import Optional
 import paramiko
 from invoke.exceptions import Exit, ThreadException
 
-from cluster_node import restart_plan, rundir
-from clusterops import analysis, health, launch, lifecycle, nodeprobe, nodeview, remote, resume, terminal
-from clusterops import budget as budgets
+from cluster_node.protocol import rundir
+from cluster_node.supervisor import restart_plan
 from clusterops import cost as costs
-from clusterops import plan as planning
+from clusterops import terminal
 from clusterops.inventory import Inventory
+from clusterops.nodes import health, remote
+from clusterops.nodes import probe as nodeprobe
+from clusterops.nodes import view as nodeview
+from clusterops.predict import plan as planning
+from clusterops.run import analysis, launch, lifecycle, resume
+from clusterops.run import budget as budgets
 from train import catalog
 
 from .common import (

@@ -5,7 +5,7 @@ goodput lost each prints (issue 22 §4: the figures docs/operations.md's drill t
     .venv/bin/python scripts/bench_drills.py [--kinds kill-node,stop-rank] [--link 1gbit]
 
 Needs root. Brings up its own 3-node cluster (--name, default drillb) and takes it down at the end,
-holding the machine's one-cluster lock meanwhile (clusterops/onecluster.py; --wait-lock waits).
+holding the machine's one-cluster lock meanwhile (clusterops/local/lock.py; --wait-lock waits).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from pathlib import Path
 
 from bench_plan import REPO, fab  # scripts/ is on the path of a script run from it
 
-from cluster_node import rundir
-from clusterops import drill, localcluster, onecluster
+from cluster_node.protocol import rundir
+from clusterops.local import cluster as localcluster
+from clusterops.local import lock as onecluster
+from clusterops.run import drill
 
 # As the drill test's job: a restart on a lost or hung node within seconds, checkpoints every 10 steps.
 JOB = ("--steps", "100000", "--batch-per-gpu", "8", "--max-restarts", "1", "--hang-seconds", "5")

@@ -4,7 +4,7 @@
 One emulated cluster of the largest size is brought up once; each size N gets an inventory restricted
 to its first N nodes (same machine, same sshd's: only the fan-out differs). Each size runs the real
 `fab status` as a subprocess `--repeat` times; the median is reported with its ratio to the smallest.
-Needs root. It holds the machine's one-cluster lock while its cluster is up (clusterops/onecluster.py:
+Needs root. It holds the machine's one-cluster lock while its cluster is up (clusterops/local/lock.py:
 /tmp/emulated-cluster.lock or GPU_CLUSTER_LOCK) and refuses in one line when another run holds it
 (--wait-lock waits):
 
@@ -23,8 +23,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from clusterops import onecluster
 from clusterops.inventory import Inventory
+from clusterops.local import lock as onecluster
 
 REPO = Path(__file__).resolve().parent.parent
 

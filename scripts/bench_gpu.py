@@ -34,7 +34,7 @@ import gpu_peers as peers  # noqa: E402 - after the path
 import gpu_report  # noqa: E402
 import torch  # noqa: E402
 
-from cluster_node import rundir  # noqa: E402
+from cluster_node.protocol import rundir  # noqa: E402
 
 SIZES = {
     "gpu": dict(

@@ -6,7 +6,7 @@ run; the error is predicted / measured - 1 (issue 22: within 20%).
     .venv/bin/python scripts/bench_plan.py [--steps 30] [--batch 12] [--link 1gbit]
 
 Needs root. Brings up its own 3-node cluster (--name, default planb) and takes it down at the
-end, holding the machine's one-cluster lock meanwhile (clusterops/onecluster.py; --wait-lock waits).
+end, holding the machine's one-cluster lock meanwhile (clusterops/local/lock.py; --wait-lock waits).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cluster_node import rundir
-from clusterops import analysis, localcluster, onecluster
-from clusterops import plan as planning
+from cluster_node.protocol import rundir
+from clusterops.local import cluster as localcluster
+from clusterops.local import lock as onecluster
+from clusterops.predict import plan as planning
+from clusterops.run import analysis
 
 REPO = Path(__file__).resolve().parent.parent
 QUIET = "--eval-every 100000 --eval-samples 1 --checkpoint-every 100000 --log-every 10"

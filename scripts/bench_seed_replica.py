@@ -6,7 +6,7 @@ compression mode, against the 1-node no-communication bound measured in the same
     .venv/bin/python scripts/bench_seed_replica.py [--steps 12] [--save seed.json]
 
 Needs root. Brings up its own cluster (--name, default seedrep) and takes it down at the end; it
-holds the machine's one-cluster lock meanwhile (clusterops/onecluster.py: /tmp/emulated-cluster.lock
+holds the machine's one-cluster lock meanwhile (clusterops/local/lock.py: /tmp/emulated-cluster.lock
 or GPU_CLUSTER_LOCK) and refuses in one line when another run holds it (--wait-lock waits). Step
 times are the trainer's summary.json means (its first steps are skipped there); the exposed share
 and the payload come from the summary's breakdown. Last, the step model's what-ifs from the `none`
@@ -24,8 +24,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cluster_node import clusterdir, rundir
-from clusterops import analysis, bottleneck, localcluster, onecluster
+from cluster_node.protocol import clusterdir, rundir
+from clusterops.local import cluster as localcluster
+from clusterops.local import lock as onecluster
+from clusterops.predict import bottleneck
+from clusterops.run import analysis
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
 """Writes the run-directory protocol table into docs/architecture.md, between its marker comments, from
-cluster_node.protocol.protocol_table(). `--check` only compares (exit 1 when the doc is stale);
+cluster_node.protocol.table.protocol_table(). `--check` only compares (exit 1 when the doc is stale);
 tests/test_docs.py runs the same comparison."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster_node.protocol import protocol_table
+from cluster_node.protocol.table import protocol_table
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 BEGIN = "<!-- protocol-table:begin"

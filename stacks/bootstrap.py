@@ -19,7 +19,7 @@ from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from cluster_node.contract import CLUSTER_TAG, node_config_parameter
+from cluster_node.protocol.contract import CLUSTER_TAG, node_config_parameter
 
 from .config import ClusterConfig
 

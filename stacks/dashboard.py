@@ -12,11 +12,11 @@ from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_efs as efs
 from constructs import Construct
 
-from cluster_node.contract import BUSY_METRIC as HEARTBEAT_METRIC
-from cluster_node.contract import METRIC_NAMESPACE as NODE_NAMESPACE
-from cluster_node.contract import dashboard_name
+from cluster_node.protocol.contract import BUSY_METRIC as HEARTBEAT_METRIC
+from cluster_node.protocol.contract import METRIC_NAMESPACE as NODE_NAMESPACE
+from cluster_node.protocol.contract import dashboard_name
 
-# What the watchdog (cluster_node/autostop/watchdog.py) publishes per node, dimension InstanceId.
+# What the watchdog (cluster_node/daemons/autostop/watchdog.py) publishes per node, dimension InstanceId.
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))
 PERIOD = Duration.minutes(1)
 

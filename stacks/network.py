@@ -18,7 +18,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from cluster_node.contract import CONTAINER_SSH_PORT
+from cluster_node.protocol.contract import CONTAINER_SSH_PORT
 
 # The container's sshd (assets/docker/sshd_config); fab and mpirun use it.
 # Session Manager's endpoints (the SSH proxy of access=ssm goes through ssm and ssmmessages).

@@ -37,7 +37,7 @@ from aws_cdk import (
 )
 from constructs import Construct
 
-from cluster_node.contract import (
+from cluster_node.protocol.contract import (
     BUSY_METRIC,
     CLUSTER_TAG,
     METRIC_NAMESPACE,
@@ -56,7 +56,7 @@ from .spot_release import SpotRequestRelease
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates
-# The autostop watchdog's heartbeat (cluster_node/autostop/watchdog.py publishes it once a minute).
+# The autostop watchdog's heartbeat (cluster_node/daemons/autostop/watchdog.py publishes it once a minute).
 HEARTBEAT_NAMESPACE = METRIC_NAMESPACE
 HEARTBEAT_METRIC = BUSY_METRIC
 HEARTBEAT_PERIOD = Duration.minutes(1)

@@ -26,7 +26,7 @@ from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
 from constructs import Construct
 
-from cluster_node.contract import CLUSTER_TAG, RANK_TAG
+from cluster_node.protocol.contract import CLUSTER_TAG, RANK_TAG
 
 HANDLER = Path(__file__).resolve().parent / "spot_release_handler.py"
 INLINE_LIMIT = 4096  # CloudFormation: Code.ZipFile holds at most 4 KB

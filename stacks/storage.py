@@ -15,7 +15,7 @@ from aws_cdk import aws_efs as efs
 from aws_cdk import aws_iam as iam
 from constructs import Construct
 
-from cluster_node.contract import RETAIN_TAG
+from cluster_node.protocol.contract import RETAIN_TAG
 
 # What the bootstrap's root NFS client needs: mount, write, and act as root (no root squash).
 NFS_CLIENT_ACTIONS = ("ClientMount", "ClientWrite", "ClientRootAccess")

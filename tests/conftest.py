@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterops.imdsstandin import serve_imds  # noqa: F401 (the tests import it from here)
+from clusterops.local.imds import serve_imds  # noqa: F401 (the tests import it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_DIR = REPO / "assets" / "train"

@@ -1,6 +1,6 @@
 """The supervisor run for real on this machine (no cluster): a run spec as `fab train` writes it, a
 stand-in ssh (every node answers, or one is dead) and a stand-in mpirun (tests/supervisor_standins/mpirun:
-the program once, here) on PATH, `python -m cluster_node.supervisor RUN_DIR`."""
+the program once, here) on PATH, `python -m cluster_node.supervisor.loop RUN_DIR`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from conftest import REPO
 
-from cluster_node import rundir, spec
+from cluster_node.protocol import rundir, spec
 
 STANDINS = REPO / "tests" / "supervisor_standins"
 ANSWERING_SSH = "#!/bin/sh\nexit 0\n"
@@ -60,7 +60,7 @@ def _environment(run: Path, ssh: str, base: Optional[dict] = None, **more: str) 
 def supervise(run: Path, ssh: str = ANSWERING_SSH, timeout: float = 60, env: Optional[dict] = None, **more: str):
     """Run the supervisor to its end; returns the completed process (run-status.json holds the verdict)."""
     return subprocess.run(
-        [sys.executable, "-m", "cluster_node.supervisor", str(run)],
+        [sys.executable, "-m", "cluster_node.supervisor.loop", str(run)],
         timeout=timeout,
         capture_output=True,
         text=True,
@@ -75,4 +75,4 @@ def status(run: Path) -> dict:
 def supervisor_process(run: Path) -> subprocess.Popen:
     """The supervisor started as `fab train` starts it, not waited for (an answering ssh on PATH)."""
     env = _environment(run, ANSWERING_SSH)
-    return subprocess.Popen([sys.executable, "-m", "cluster_node.supervisor", str(run)], env=env)
+    return subprocess.Popen([sys.executable, "-m", "cluster_node.supervisor.loop", str(run)], env=env)

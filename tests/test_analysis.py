@@ -13,7 +13,8 @@ import pytest
 from invoke.exceptions import Exit
 from test_launch import inventory
 
-from clusterops import analysis, bottleneck, scaling
+from clusterops.predict import bottleneck, scaling
+from clusterops.run import analysis
 from fabfile.analysis import node_counts
 
 # The shape the trainer writes (summary.json of a 2-node transformer-tiny run, trimmed).
@@ -98,7 +99,9 @@ def test_the_runs_script_reads_every_run_directory(tmp_path):
     (run / "run-status.json").write_text('{"state": "finished"}')
     (tmp_path / "runs" / "scale-transformer-tiny").mkdir()  # a scale series, not a run
     out = subprocess.run(
-        [sys.executable, "-m", "cluster_node.runs", "list", "--data", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "cluster_node.programs.runs", "list", "--data", str(tmp_path)],
+        capture_output=True,
+        text=True,
     )
     rows = json.loads(out.stdout)
     assert [r["run"] for r in rows] == ["tiny"] and rows[0]["run_status"] == {"state": "finished"}
@@ -137,7 +140,10 @@ def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes()
         time.sleep(1.0)
         before, started = _cpu_ticks(busy.pid), time.monotonic()
         out = subprocess.run(
-            [sys.executable, "-m", "cluster_node.sample", "lo", "1.0"], capture_output=True, text=True, check=True
+            [sys.executable, "-m", "cluster_node.programs.sample", "lo", "1.0"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split()
         busy_cores = (_cpu_ticks(busy.pid) - before) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - started)
     finally:
@@ -158,7 +164,7 @@ def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes()
     ],
 )
 def test_each_emulated_node_gets_its_own_cpus(nodes, cpus, slices):
-    from clusterops.localcluster import node_cpus
+    from clusterops.local.cluster import node_cpus
 
     assert [node_cpus(rank, nodes, cpus) for rank in range(nodes)] == slices
 
@@ -166,7 +172,7 @@ def test_each_emulated_node_gets_its_own_cpus(nodes, cpus, slices):
 def test_the_scale_table_shows_no_spread_for_one_repeat_and_notes_crowded_cores():
     """`fab scale --repeat 1` printed "± 0" (no spread was measured), and 3 ranks on a 2-core machine
     looked like poor scaling with no word why (issue 23 §13)."""
-    from clusterops import scaling
+    from clusterops.predict import scaling
 
     points = [scaling.Point(1, 1, [0.10], [100.0], []), scaling.Point(3, 3, [0.20], [150.0], [])]
     text = scaling.table(points, shared_cores=2)
@@ -186,7 +192,8 @@ def test_report_on_a_failed_run_reports_what_it_measured_up_to_its_end(tmp_path,
     gets one line naming its state."""
     import shutil
 
-    from clusterops import analysis, remote
+    from clusterops.nodes import remote
+    from clusterops.run import analysis
 
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)

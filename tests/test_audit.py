@@ -12,7 +12,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 from conftest import ACCOUNT, REGION, REPO, run_fab, tool_env
 
-from clusterops import audit
+from clusterops.aws import audit
 
 CLUSTER = "auditme"
 TAGS = [{"Key": "gpu-cluster:name", "Value": CLUSTER}]

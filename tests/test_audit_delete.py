@@ -9,7 +9,7 @@ import boto3
 from botocore.stub import Stubber
 from conftest import run_fab
 
-from clusterops import audit
+from clusterops.aws import audit
 
 TEMPLATE = '{"Resources": {"Topic": {"Type": "AWS::SNS::Topic"}}}'
 

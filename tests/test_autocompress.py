@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from clusterops import bottleneck
+from clusterops.predict import bottleneck
 from train import autocompress, stepmodel
 
 MB = 1e6

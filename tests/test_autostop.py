@@ -18,14 +18,14 @@ from aws_cdk.assertions import Match, Template
 from conftest import REPO, moto_instances, tool_env
 from supervisor_fixture import supervise, write_spec
 
-from cluster_node import spec
-from cluster_node.autostop import busy_signals as signals
-from cluster_node.autostop import cloud
-from cluster_node.autostop import watchdog as autostop
-from cluster_node.autostop.idle_state import IdleState
-from cluster_node.autostop.watchdog import Observation, Watchdog, decide
-from clusterops import launch
+from cluster_node.daemons.autostop import busy_signals as signals
+from cluster_node.daemons.autostop import cloud
+from cluster_node.daemons.autostop import watchdog as autostop
+from cluster_node.daemons.autostop.idle_state import IdleState
+from cluster_node.daemons.autostop.watchdog import Observation, Watchdog, decide
+from cluster_node.protocol import spec
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.run import launch
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ALARM_GRACE_MINUTES, MAX_IDLE_MINUTES, ClusterConfig, alarm_minutes
 from train import prepare
@@ -352,7 +352,7 @@ def test_the_watchdog_loop_publishes_its_heartbeat_and_stops_an_idle_cluster(aws
     progress.write_text(json.dumps({"step": 120}))
     os.utime(progress, (time.time() - 3600, time.time() - 3600))  # stuck for an hour
     result = subprocess.run(
-        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(tmp_path), "--interval", "0.2"]
+        [sys.executable, "-m", "cluster_node.daemons.autostop.watchdog", "--data", str(tmp_path), "--interval", "0.2"]
         + ["--pts", str(tmp_path / "no-terminals")],
         capture_output=True,
         text=True,
@@ -448,7 +448,7 @@ def test_then_stop_stops_the_cluster_from_a_session_without_aws_variables(
 def test_without_any_region_nothing_is_stopped_and_it_says_why_in_one_line(aws_env):
     env = launcher_env(aws_env, "http://127.0.0.1:1")
     result = subprocess.run(
-        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--stop-now"],
+        [sys.executable, "-m", "cluster_node.daemons.autostop.watchdog", "--stop-now"],
         capture_output=True,
         text=True,
         timeout=60,

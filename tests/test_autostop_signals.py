@@ -11,7 +11,7 @@ Contracts:
     A connection counts for 30 minutes after a minute in which its client sent more than a
     keepalive's worth (measured here: an idle `ssh -N` sent 224 bytes in 3 minutes to sshd with
     ClientAliveInterval 10);
-  * `fab train` names the run in runs/.active before it starts the launcher (clusterops/remote.py);
+  * `fab train` names the run in runs/.active before it starts the launcher (clusterops/nodes/remote.py);
     the launcher ends an attempt with no step within START_SECONDS (clusterops/launcher.sh)."""
 
 import dataclasses
@@ -29,11 +29,11 @@ import pytest
 from conftest import REPO
 from supervisor_fixture import supervisor_process, write_spec
 
-from cluster_node import spec
-from cluster_node.autostop import watchdog as autostop
-from cluster_node.autostop.watchdog import Observation, Sources, Watchdog
-from clusterops import launch
+from cluster_node.daemons.autostop import watchdog as autostop
+from cluster_node.daemons.autostop.watchdog import Observation, Sources, Watchdog
+from cluster_node.protocol import spec
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.run import launch
 
 MIN = 60.0
 _PTY = re.compile(rb"^sshd(-session)?: root@pts/(\d+)")
@@ -257,10 +257,10 @@ def test_an_ssh_connection_without_a_terminal_counts_while_it_carries_traffic(ss
 
 
 def fab_connection(port: int, key: Path, marks: Path):
-    """What clusterops.remote.connect opens (its class, its marking), to the test's sshd."""
+    """What clusterops.nodes.remote.connect opens (its class, its marking), to the test's sshd."""
     import paramiko
 
-    from clusterops import remote
+    from clusterops.nodes import remote
 
     connection = remote.MarkedConnection(
         host="127.0.0.1",
@@ -278,7 +278,7 @@ def test_fabs_own_connections_never_count_as_use_however_much_they_send(sshd, tm
     4 KiB floor: it kept the cluster busy forever. Each fab command now leaves its connection's
     SSH_CONNECTION (sshd's own variable, the client as the server sees it) in the container's mark
     folder; the watchdog skips those connections. An ssh tunnel of the user's still counts."""
-    from clusterops import remote
+    from clusterops.nodes import remote
 
     port, ssh = sshd
     marks, unmarked = tmp_path / "fab-ssh", tmp_path / "no-marks"

@@ -40,7 +40,7 @@ def heartbeat_values(instance: str, since: float) -> list[float]:
 
 def start_watchdog(data, cluster: str, instance: str, aws_env: dict, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "cluster_node.autostop.watchdog", "--data", str(data), "--interval", "0.2"]
+        [sys.executable, "-m", "cluster_node.daemons.autostop.watchdog", "--data", str(data), "--interval", "0.2"]
         + ["--pts", str(data / "no-terminals"), "--refresh", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -212,8 +212,8 @@ def test_the_entrypoint_starts_the_watchdog_with_idle_minutes_0_too():
     from conftest import REPO
 
     text = (REPO / "assets" / "docker" / "entrypoint.sh").read_text()
-    (condition,) = re.findall(r"^if (\[\[.*cluster_node/autostop/watchdog\.py.*\]\]); then$", text, re.M)
-    condition = condition.replace("-f /workspace/cluster_node/autostop/watchdog.py", "-n image")
+    (condition,) = re.findall(r"^if (\[\[.*cluster_node/daemons/autostop/watchdog\.py.*\]\]); then$", text, re.M)
+    condition = condition.replace("-f /workspace/cluster_node/daemons/autostop/watchdog.py", "-n image")
     for value, starts in (("0", True), ("60", True), (None, False)):
         env = {"PATH": "/usr/bin:/bin", **({"IDLE_MINUTES": value} if value is not None else {})}
         code = subprocess.run(["bash", "-c", condition], env=env).returncode

@@ -1,13 +1,13 @@
 """The deploy timeline (issue 22 §6): the real node bootstrap, run in the sandbox (tests/bootstrap_sandbox.py),
 times each of its steps into the node's local disk and, once ready, copies that to DATA/.cluster/deploy/nodeN,
-where `fab status` reads it (cluster_node.node_status)."""
+where `fab status` reads it (cluster_node.programs.node_status)."""
 
 import os
 
 import pytest
 from bootstrap_sandbox import Sandbox, host_paths
 
-from cluster_node import node_status
+from cluster_node.programs import node_status
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace"),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from clusterops.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
+from clusterops.predict.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
 
 MB = 1e6
 
@@ -141,7 +141,7 @@ def test_powersgd_wire_bytes_follow_the_hooks_compression_rule():
 
 
 def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
-    from clusterops.bottleneck import write_report
+    from clusterops.predict.bottleneck import write_report
 
     summary = {
         "world_size": 2,

@@ -13,14 +13,14 @@ import test_launch
 from supervisor_fixture import write_spec
 from test_supervisor import HEALTHY, NOW, FakeMpirun, FakeNodes, Script
 
-from cluster_node import rundir, spec
-from cluster_node.budget import Meter, Spend
-from cluster_node.observe import Observation
-from cluster_node.supervisor import Supervisor
-from clusterops import budget as budgets
-from clusterops import launch, resume
-from clusterops import plan as planning
-from clusterops.bottleneck import Breakdown
+from cluster_node.protocol import rundir, spec
+from cluster_node.supervisor.budget import Meter, Spend
+from cluster_node.supervisor.loop import Supervisor
+from cluster_node.supervisor.observe import Observation
+from clusterops.predict import plan as planning
+from clusterops.predict.bottleneck import Breakdown
+from clusterops.run import budget as budgets
+from clusterops.run import launch, resume
 
 BUDGET = spec.Budget(usd=10.0, usd_per_node_hour=3600.0, io_usd_per_hour=360.0, source="the test's price table")
 

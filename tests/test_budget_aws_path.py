@@ -17,9 +17,10 @@ from test_budget import _supervisor
 from test_budget_efsio import FS, READ, WRITE, _budget, _put
 from test_supervisor import NOW
 
-from cluster_node import efsio, rundir
-from cluster_node.budget import Meter
-from cluster_node.observe import Observation
+from cluster_node.protocol import rundir
+from cluster_node.supervisor import efsio
+from cluster_node.supervisor.budget import Meter
+from cluster_node.supervisor.observe import Observation
 
 UTC = timezone.utc
 DAY = 86400
@@ -71,7 +72,8 @@ def test_then_stop_runs_even_when_the_runs_log_cannot_be_opened(tmp_path):
     """The failure that ended the run may be /data's: the stop request must not depend on train.log."""
     import dataclasses
 
-    from cluster_node import nodes, spec
+    from cluster_node.protocol import spec
+    from cluster_node.supervisor import nodes
 
     marker = tmp_path / "stopped"
     sup, _ = _supervisor(tmp_path, [None], lambda: NOW)
@@ -83,7 +85,7 @@ def test_then_stop_runs_even_when_the_runs_log_cannot_be_opened(tmp_path):
 def rundir_spec_with_then_stop(run_spec):
     import dataclasses
 
-    from cluster_node import spec
+    from cluster_node.protocol import spec
 
     return dataclasses.replace(run_spec, then_stop=spec.ThenStop(("stop",)))
 
@@ -245,8 +247,8 @@ def test_the_efs_io_cloudwatch_had_not_published_when_a_segment_ended_is_metered
     reading stopped and the segment's end; the resumed segment asks CloudWatch for that tail once."""
     import dataclasses
 
-    from clusterops import budget as budgets
-    from clusterops.resume import Saved
+    from clusterops.run import budget as budgets
+    from clusterops.run.resume import Saved
 
     fs = "fs-0e7ad0ta11000000"
     start = time.time() - 1200
@@ -269,7 +271,7 @@ def test_the_efs_io_cloudwatch_had_not_published_when_a_segment_ended_is_metered
 
 
 def test_the_carried_io_window_survives_spec_json(tmp_path):
-    from cluster_node import spec as specs
+    from cluster_node.protocol import spec as specs
 
     sup, _ = _supervisor(tmp_path, [None], lambda: NOW)
     carried = _budget(io_tail=(NOW - 60.0, NOW))

@@ -13,7 +13,7 @@ import pytest
 from conftest import moto_instances
 from test_local_cluster import QUICK, _start, _stop
 
-from clusterops import localcluster
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 USD_PER_NODE_HOUR = 360.0  # $0.10 a node-second: a budget of a few dollars lasts seconds

@@ -18,13 +18,13 @@ from conftest import REGION, environment, moto_instances
 from test_budget import BUDGET
 from test_supervisor import NOW
 
-from cluster_node import rundir, spec
-from cluster_node.budget import Meter, Spend
-from cluster_node.ec2state import Ec2Billing
-from clusterops import budget as budgets
+from cluster_node.protocol import rundir, spec
+from cluster_node.supervisor.budget import Meter, Spend
+from cluster_node.supervisor.ec2state import Ec2Billing
 from clusterops import cost as costs
-from clusterops import launch
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.run import budget as budgets
+from clusterops.run import launch
 
 ISO = "%Y-%m-%dT%H:%M:%SZ"
 

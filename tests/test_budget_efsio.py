@@ -14,11 +14,12 @@ from aws_cdk.assertions import Match
 from conftest import REGION, environment
 from test_autostop import _template
 
-from cluster_node import efsio, spec
-from cluster_node.budget import Meter
-from clusterops import budget as budgets
+from cluster_node.protocol import spec
+from cluster_node.supervisor import efsio
+from cluster_node.supervisor.budget import Meter
 from clusterops import cost
 from clusterops.cost import TABLE
+from clusterops.run import budget as budgets
 
 FS = "fs-0123456789abcdef0"
 READ, WRITE = TABLE["efs_elastic_read_usd_per_gb"], TABLE["efs_elastic_write_usd_per_gb"]

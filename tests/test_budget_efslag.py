@@ -13,10 +13,11 @@ import time
 import pytest
 from test_budget_efsio import LAUNCH_RATE, WRITE, _budget, _put
 
-from cluster_node import efsio, rundir
-from cluster_node.budget import Meter
-from clusterops import budget as budgets
-from clusterops.resume import Saved
+from cluster_node.protocol import rundir
+from cluster_node.supervisor import efsio
+from cluster_node.supervisor.budget import Meter
+from clusterops.run import budget as budgets
+from clusterops.run.resume import Saved
 
 LAG = 120.0  # CloudWatch's publishing delay in the simulation
 

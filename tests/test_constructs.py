@@ -648,7 +648,7 @@ def test_efa_on_where_it_cannot_work_is_one_line(context, words):
 
 def test_the_stack_outputs_are_what_the_inventory_reads():
     """One list of output keys (assets/cluster_node) for the stack and the inventory."""
-    from cluster_node.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
+    from cluster_node.protocol.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
 
     outputs = set(_cluster().find_outputs("*"))
     assert outputs == set(OUTPUT_KEYS)

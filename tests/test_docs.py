@@ -1,5 +1,5 @@
 """The README and docs/ hold together: the protocol table in docs/architecture.md is the one
-cluster_node.protocol renders, every relative link (and its #anchor) resolves, every section of the old
+cluster_node.protocol.table renders, every relative link (and its #anchor) resolves, every section of the old
 one-page README survives under some heading, and the README's two commands stay what CI and the Makefile run."""
 
 import importlib.util
@@ -22,7 +22,7 @@ def _docs_protocol():
 
 
 def test_the_architecture_docs_protocol_table_is_the_one_the_package_renders():
-    from cluster_node.protocol import protocol_table
+    from cluster_node.protocol.table import protocol_table
 
     docs_protocol = _docs_protocol()
     text = (REPO / "docs" / "architecture.md").read_text()
@@ -181,7 +181,11 @@ def test_where_the_code_lives_names_every_module_once_and_nothing_else():
     named = [name for name, what in rows if what.strip()]
     assert len(named) == len(set(named)), "a module named twice"
     modules = _package_modules()
-    assert {"cluster_node/rundir.py", "fabfile/__init__.py", "cluster_node/autostop/watchdog.py"} <= modules
+    assert {
+        "cluster_node/protocol/rundir.py",
+        "fabfile/__init__.py",
+        "cluster_node/daemons/autostop/watchdog.py",
+    } <= modules
     assert "train/__init__.py" not in modules  # a docstring only
     assert not modules - set(named), f"name these in docs/architecture.md: {sorted(modules - set(named))}"
     assert not set(named) - modules, f"no such module: {sorted(set(named) - modules)}"

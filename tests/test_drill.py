@@ -7,9 +7,9 @@ import pytest
 from conftest import REPO
 from test_fabfile import closed_port, fab
 
-from cluster_node.phases import Phase
-from clusterops import drill, drillreport
+from cluster_node.protocol.phases import Phase
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.run import drill, drillreport
 
 
 def _inventory(tmp_path, source: str, nodes: int = 3) -> Inventory:

@@ -14,8 +14,11 @@ from conftest import REPO, one_node_inventory
 from invoke.exceptions import Exit
 
 import fabfile
-from clusterops import health, launch, nodeprobe, nodeview, remote
 from clusterops.inventory import Inventory
+from clusterops.nodes import health, remote
+from clusterops.nodes import probe as nodeprobe
+from clusterops.nodes import view as nodeview
+from clusterops.run import launch
 
 TASKS = sorted(fabfile.ns.task_names)
 TASK_MODULES = sorted(p for p in (REPO / "fabfile").glob("*.py") if p.name not in ("__init__.py", "common.py"))
@@ -94,7 +97,7 @@ def test_the_boundary_turns_each_known_error_into_one_line(error):
     from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
     from clusterops.inventory import InventoryError
-    from clusterops.localcluster import LocalClusterError
+    from clusterops.local.cluster import LocalClusterError
     from fabfile.common import error_boundary
 
     errors = {
@@ -169,7 +172,7 @@ class FakeConnection:
             out = "0\n"
         elif command.startswith("cat ") and "run-status.json" in command:
             out = json.dumps({"state": "starting"})
-        elif "cluster_node.start" in command:  # the claim and start on the head node
+        elif "cluster_node.programs.start" in command:  # the claim and start on the head node
             out = json.dumps({"run": "/data/runs/transformer-tiny", "log_offset": 0})
         return SimpleNamespace(stdout=out, stderr="", exited=0)
 

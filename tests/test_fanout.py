@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_fab
 
-from clusterops import lifecycle, remote
 from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
+from clusterops.nodes import remote
+from clusterops.run import lifecycle
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("sshd"), reason="runs sshd in its own mount namespace: needs root"

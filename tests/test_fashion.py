@@ -218,7 +218,7 @@ def test_every_recipe_defaults_to_a_data_set_fab_data_prepares():
     """Issue 23 §10: `fab train --recipe resnet-small` pointed at imagenet-small, which `fab data`
     rejects. Each recipe's default data set is one `fab data --dataset` accepts, and train.py's
     own default for the recipe is the same directory."""
-    from clusterops import launch
+    from clusterops.run import launch
     from train.catalog import RECIPES
 
     for recipe in launch.RECIPES:
@@ -231,8 +231,8 @@ def test_fab_data_runs_prepare_fashion_mnist_as_the_head_node_would(tmp_path):
     """`fab data --dataset fashion-mnist --extra ...`: the command prepare_argv builds, run for real."""
     from conftest import TRAIN_DIR, tool_env
 
-    from clusterops import launch
     from clusterops.inventory import Inventory, Node, SshSettings
+    from clusterops.run import launch
 
     inv = Inventory(
         cluster="c",

@@ -1,5 +1,5 @@
-"""The goodput account (cluster_node/goodput.py) on hand-made phase marks, and the marks' file
-(cluster_node/phases.py): torn lines skipped, concurrent appends whole."""
+"""The goodput account (cluster_node/supervisor/goodput.py) on hand-made phase marks, and the marks' file
+(cluster_node/protocol/phases.py): torn lines skipped, concurrent appends whole."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import multiprocessing
 
 import pytest
 
-from cluster_node import goodput, phases
-from cluster_node.phases import Phase
+from cluster_node.protocol import phases
+from cluster_node.protocol.phases import Phase
+from cluster_node.supervisor import goodput
 
 
 def _marks() -> list[Phase]:
@@ -139,7 +140,8 @@ def test_the_account_goes_into_summary_json_at_the_end_and_never_makes_one_up(tm
 
 
 def test_the_timeline_png_and_the_runs_column(tmp_path):
-    from clusterops import analysis, plots
+    from clusterops.predict import plots
+    from clusterops.run import analysis
 
     acc = goodput.account(_marks())
     path = plots.goodput_timeline(acc, tmp_path / "goodput.png", "r")

@@ -14,8 +14,9 @@ import pytest
 from test_local_cluster import _start, _stop
 from test_restarts_cluster import RESTARTING, TINY, _beat, _restarts, _wait_for_restart
 
-from cluster_node import goodput, phases
-from clusterops import localcluster
+from cluster_node.protocol import phases
+from cluster_node.supervisor import goodput
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 

@@ -10,7 +10,7 @@ import pytest
 from aws_cdk.assertions import Template
 from conftest import REPO, cdk_app
 
-from cluster_node.autostop import watchdog as autostop
+from cluster_node.daemons.autostop import watchdog as autostop
 from clusterops import cost
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig

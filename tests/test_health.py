@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 from test_launch import inventory
 
-from clusterops import health
+from clusterops.nodes import health
 
 
 def facts(**overrides) -> dict:

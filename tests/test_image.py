@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import REPO
 from test_launch import inventory
 
-from clusterops import launch
+from clusterops.run import launch
 
 DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
 SCRIPTS = [REPO / "assets" / "docker" / "entrypoint.sh"]
@@ -25,7 +25,7 @@ TRAIN_REQUIREMENTS = REPO / "assets" / "train" / "requirements.txt"
 
 BASE = "NGC base"
 RUNTIME = "NVIDIA container runtime (--gpus)"
-OPTIONAL = "optional: run only where present, its absence is a finding (cluster_node.probe)"
+OPTIONAL = "optional: run only where present, its absence is a finding (cluster_node.programs.probe)"
 NODE_PACKAGE = REPO / "assets" / "cluster_node"  # its programs run commands through tools.run([...])
 # Command -> where it comes from in the container: BASE, RUNTIME or the apt package that installs it.
 PROVIDERS = {
@@ -265,7 +265,7 @@ def container_commands() -> dict[str, set[str]]:
     texts += [(BOOTSTRAP, m) for m in re.findall(r"docker exec \S+ ([^;|&\n]+)", BOOTSTRAP.read_text())]
     request = launch.TrainRequest(recipe="transformer-tiny")  # the spec's mpirun line, run by the supervisor
     texts.append((Path("spec.json"), shlex.join(launch.mpirun_argv(inventory(), request, "eth0", "/c"))))
-    # The supervisor's commands (cluster_node/nodes.py, hang.py): argv lists and ssh's one-line commands.
+    # The supervisor's commands (cluster_node/supervisor/nodes.py, hang.py): argv lists and ssh's one-line commands.
     for path in SUPERVISOR:
         source = path.read_text()
         texts += [(path, word) for word in re.findall(r'\[\s*"([\w.-]+)",', source)]

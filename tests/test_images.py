@@ -128,7 +128,7 @@ def test_an_image_without_a_row_says_so_instead_of_comparing():
 def test_fab_check_prints_how_the_nodes_versions_differ_from_their_images_row(capsys):
     """`fab check`'s output (the real printer): after the nodes-agree line, one line against the table's
     row for the cluster's image, naming what differs and on which nodes."""
-    from clusterops import health
+    from clusterops.nodes import health
     from fabfile.cluster import _print_check
 
     gpu = [{"name": "Tesla T4", "driver": "570.133.20", "ecc_uncorrected": 0}]

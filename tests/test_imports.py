@@ -18,15 +18,15 @@ LAPTOP = {"stacks", "clusterops", "fabfile"}
 # The node side's imports beyond the standard library, each with why.
 NODE_LIBRARIES = {
     # the idle watchdog stops the cluster's instances through EC2
-    ("cluster_node.autostop.watchdog", "boto3"),
+    ("cluster_node.daemons.autostop.watchdog", "boto3"),
     # the budget meter sums the run's EFS I/O from CloudWatch (imported when asked; the training image has boto3)
-    ("cluster_node.efsio", "boto3"),
-    ("cluster_node.efsio", "botocore"),
+    ("cluster_node.supervisor.efsio", "boto3"),
+    ("cluster_node.supervisor.efsio", "botocore"),
     # the budget meter reads which of the cluster's nodes bill from EC2's instance state (imported when asked)
-    ("cluster_node.ec2state", "boto3"),
-    ("cluster_node.ec2state", "botocore"),
+    ("cluster_node.supervisor.ec2state", "boto3"),
+    ("cluster_node.supervisor.ec2state", "botocore"),
     # the health probe reports the torch, CUDA and NCCL the ranks will load (in a try: a broken torch is a finding)
-    ("cluster_node.probe", "torch"),
+    ("cluster_node.programs.probe", "torch"),
 }
 
 
@@ -123,10 +123,16 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_cycle_and_resolves_relative_imports():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     known = modules()
-    hang = imported("cluster_node.hang", known["cluster_node.hang"], known)  # from . import rundir
-    watchdog = imported("cluster_node.autostop.watchdog", known["cluster_node.autostop.watchdog"], known)
-    assert "cluster_node.rundir" in hang and "cluster_node.clusterdir" in watchdog  # from .. import clusterdir
-    assert "clusterops.remote" in imported("clusterops.nodeprobe", known["clusterops.nodeprobe"], known)
+    hang = imported(
+        "cluster_node.supervisor.hang", known["cluster_node.supervisor.hang"], known
+    )  # from . import rundir
+    watchdog = imported(
+        "cluster_node.daemons.autostop.watchdog", known["cluster_node.daemons.autostop.watchdog"], known
+    )
+    assert (
+        "cluster_node.protocol.rundir" in hang and "cluster_node.protocol.clusterdir" in watchdog
+    )  # from .. import clusterdir
+    assert "clusterops.nodes.remote" in imported("clusterops.nodes.probe", known["clusterops.nodes.probe"], known)
 
 
 def test_no_import_cycle():

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 from test_local_cluster import _start, _stop
 
-from clusterops import localcluster
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 # Checkpoints every 100 steps: a loss at step ~20 loses everything since the start.

@@ -5,9 +5,10 @@ import shlex
 
 import pytest
 
-from cluster_node.spec import RunSpec
-from clusterops import launch, lifecycle, terminal
+from cluster_node.protocol.spec import RunSpec
+from clusterops import terminal
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
+from clusterops.run import launch, lifecycle
 
 
 def inventory(nodes=3, gpus=4, source="aws") -> Inventory:
@@ -214,7 +215,7 @@ def test_known_hosts_pins_each_node_exactly(tmp_path):
 def test_then_stop_env_names_the_cluster_and_the_watchdog_next_to_the_program():
     stop = launch.then_stop(inventory(), launch.TrainRequest(then_stop=True), {"AWS_SECRET_ACCESS_KEY": "real"})
     assert stop is not None and stop.env == {"CLUSTER_NAME": "c", "PYTHONPATH": "/workspace"}
-    assert stop.argv[1:] == ("-m", "cluster_node.autostop.watchdog", "--stop-now")
+    assert stop.argv[1:] == ("-m", "cluster_node.daemons.autostop.watchdog", "--stop-now")
     assert not any(k.startswith("AWS_") for k in stop.env)  # real nodes use their instance role; nothing secret
     assert launch.then_stop(inventory(), launch.TrainRequest(), {}) is None
 
@@ -401,7 +402,7 @@ def test_a_synced_root_comes_first_and_the_images_is_still_found():
     """After `fab sync` the ranks, the supervisor and fab's node commands import /data/code first, then
     the image's /workspace: a /data/code left by an older fab (train/ but no cluster_node/) still finds
     cluster_node instead of failing every launch (a fresh read of the deploy path)."""
-    from clusterops import nodecmd
+    from clusterops.nodes import command as nodecmd
 
     inv = inventory()
     assert nodecmd.python_path(inv) == "/workspace"

@@ -1,4 +1,4 @@
-"""The supervisor (python -m cluster_node.supervisor) run for real on this machine (no cluster): the
+"""The supervisor (python -m cluster_node.supervisor.loop) run for real on this machine (no cluster): the
 status it writes is JSON whatever the failure said, and its start-up deadline ends a run that never reaches a step."""
 
 import io
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from supervisor_fixture import status, supervise, write_spec
 
-from clusterops import lifecycle, remote
+from clusterops.nodes import remote
+from clusterops.run import lifecycle
 
 HOSTILE = 'error: bad "quote" \\back\\slash\ttab {"json": 1}'
 

@@ -15,9 +15,10 @@ import pytest
 from conftest import REPO
 from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write_spec
 
-from cluster_node import rundir
-from clusterops import analysis, launch, lifecycle, remote, resume
+from cluster_node.protocol import rundir
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.nodes import remote
+from clusterops.run import analysis, launch, lifecycle, resume
 
 
 def start_env(tmp_path: Path) -> dict:
@@ -39,12 +40,12 @@ def launch_payload(tmp_path: Path, run: Path, index: int) -> Path:
 
 def test_two_launches_at_once_give_one_run_and_one_refusal(tmp_path):
     """Before: `fab train` checked for a running run, then launched, in separate round trips; two at once
-    both started (cluster_node.start did not exist: the check and the start were not one step)."""
+    both started (cluster_node.programs.start did not exist: the check and the start were not one step)."""
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)
     payloads = [launch_payload(tmp_path, run, i) for i in (1, 2)]
     lock = tmp_path / "launch.lock"
-    argv = [[sys.executable, "-m", "cluster_node.start", str(p), "--lock", str(lock)] for p in payloads]
+    argv = [[sys.executable, "-m", "cluster_node.programs.start", str(p), "--lock", str(lock)] for p in payloads]
     env = start_env(tmp_path)
     both = [subprocess.Popen(a, env=env, stdout=subprocess.PIPE, text=True) for a in argv]
     answers = [json.loads(p.communicate(timeout=60)[0].strip().splitlines()[-1]) for p in both]

@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, _free_port, run_fab
 from test_launch import inventory
 
-from clusterops import linkcheck
 from clusterops.inventory import InventoryError
+from clusterops.run import linkcheck
 
 # NVIDIA/nccl issue #1053: NCCL on its own socket transport.
 SOCKET_LOG = """\
@@ -96,9 +96,13 @@ def test_iperf3_json_from_a_real_run_on_loopback():
 def test_the_socket_fallback_measures_loopback_over_several_streams():
     port = str(_free_port())
     server = subprocess.Popen(
-        [sys.executable, "-m", "cluster_node.linktest", "serve", port, "0.2", "3"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "cluster_node.programs.linktest", "serve", port, "0.2", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    subprocess.run([sys.executable, "-m", "cluster_node.linktest", "send", "127.0.0.1", port, "0.7", "3"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "cluster_node.programs.linktest", "send", "127.0.0.1", port, "0.7", "3"], check=True
+    )
     out, _ = server.communicate(timeout=30)
     assert json.loads(out)["gbit"] > 0.1 and json.loads(out)["streams"] == 3
 
@@ -142,7 +146,7 @@ def test_link_json_names_slow_pairs_and_the_busbw_share_of_the_median():
 
 def test_on_efa_the_link_is_the_all_reduce_bus_bandwidth_not_the_tcp_matrix():
     """With EFA, NCCL's traffic does not go over TCP at all: the TCP matrix says nothing of its link."""
-    from clusterops import bottleneck
+    from clusterops.predict import bottleneck
 
     pairs = [{"src": "node0", "dst": "node1", "gbit": 48.0, "streams": 16}]
     link = linkcheck.summary(pairs, 350.0, ["node0", "node1"], "iperf3", efa=True)

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TRAIN_DIR, moto_instances, serve_imds, tool_env
 
-from clusterops import localcluster
 from clusterops.inventory import Inventory, write_known_hosts
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 QUICK = "--eval-every 100 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
@@ -312,7 +312,7 @@ def test_tensorboard_through_a_tunnel_leaves_mpirun_working_and_stops(cluster):
     still reaches its first step."""
     import urllib.request
 
-    from clusterops.tensorboard import TENSORBOARD_PORT
+    from clusterops.run.tensorboard import TENSORBOARD_PORT
 
     port = 16010 + cluster.nodes
     tunnel = subprocess.Popen(
@@ -425,7 +425,7 @@ def _spot_notice_mid_run(pair, rank: int, run: str, steps: int) -> tuple[dict, f
     netns = localcluster.LocalSpec(name=pair.name, nodes=pair.nodes).netns(rank)
     with serve_imds(controller) as imds:
         watcher = subprocess.Popen(
-            ["ip", "netns", "exec", netns, sys.executable, "-m", "cluster_node.spotwatch"]
+            ["ip", "netns", "exec", netns, sys.executable, "-m", "cluster_node.daemons.spotwatch"]
             + ["--data", str(pair.shared), "--interval", "1"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -631,7 +631,8 @@ def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_envir
     """The NGC image's ENV (OPAL_PREFIX for its relocated HPC-X Open MPI, its own variables) must
     reach every SSH session and, through mpirun's daemons, the ranks on the other nodes. The host's
     Open MPI is not relocated: OPAL_PREFIX names its real prefix, so mpirun also runs with it set."""
-    from clusterops import launch, remote
+    from clusterops.nodes import remote
+    from clusterops.run import launch
 
     prefix = (
         subprocess.run(["ompi_info", "--path", "prefix", "--parsable"], capture_output=True, text=True, check=True)

@@ -1,6 +1,6 @@
 """`fab local.down` and `fab local.up --repair` on the emulated cluster (issue 23 §4, §13).
 
-Contracts: a run is "fetched" when every file `fab fetch` brings home (clusterops/remote.py
+Contracts: a run is "fetched" when every file `fab fetch` brings home (clusterops/nodes/remote.py
 `_download_run`: config, summary, log, status, report, the chosen checkpoint, the last evals) is
 unchanged since the `.fetched` marker that fetch leaves; files fetch never takes (progress.json, rank
 logs, older checkpoints) do not make a run unfetched. `local.down` refuses, as `local.up` refuses
@@ -17,7 +17,7 @@ import time
 import pytest
 from test_local_cluster import Cluster, _running
 
-from clusterops import localcluster
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 NAME, SUBNET = "tf", "10.213.150.0/24"

@@ -1,11 +1,11 @@
-"""--follow's filter (clusterops.logfilter) on train.log as a lost node left it on the emulated cluster
+"""--follow's filter (clusterops.run.logfilter) on train.log as a lost node left it on the emulated cluster
 (tests/data/lost-node-train.log, recorded before the fix: Open MPI's help text, two rank tracebacks)."""
 
 from __future__ import annotations
 
 from conftest import REPO
 
-from clusterops.logfilter import FollowFilter
+from clusterops.run.logfilter import FollowFilter
 
 RECORDED = (REPO / "tests" / "data" / "lost-node-train.log").read_text()
 HINT = "`fab logs --run lost`"

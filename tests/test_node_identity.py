@@ -10,7 +10,7 @@ import re
 from aws_cdk.assertions import Template
 from conftest import cdk_app
 
-from cluster_node.contract import node_config_parameter
+from cluster_node.protocol.contract import node_config_parameter
 from stacks import bootstrap
 from stacks.cluster_stack import GpuClusterStack
 from stacks.pins import synth_config

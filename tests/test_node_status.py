@@ -1,4 +1,4 @@
-"""`fab status`'s per-node row (cluster_node.node_status), run as on a node."""
+"""`fab status`'s per-node row (cluster_node.programs.node_status), run as on a node."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import REPO, tool_env
 
-from cluster_node import node_status
+from cluster_node.programs import node_status
 
 
 def test_training_counts_the_trainers_ranks_not_mpirun_or_a_shell_carrying_its_words():
@@ -47,7 +47,16 @@ def test_a_node_counts_its_own_ranks_not_their_workers_or_another_nodes(tmp_path
         started.append(subprocess.Popen([sys.executable, "-c", FORKING_RANK, "train.train"]))  # another node's
         time.sleep(1)
         status = subprocess.run(
-            [*inside, sys.executable, "-m", "cluster_node.node_status", "--data", str(tmp_path), "--name", "node0"],
+            [
+                *inside,
+                sys.executable,
+                "-m",
+                "cluster_node.programs.node_status",
+                "--data",
+                str(tmp_path),
+                "--name",
+                "node0",
+            ],
             capture_output=True,
             text=True,
             env=tool_env(PYTHONPATH=str(REPO / "assets")),

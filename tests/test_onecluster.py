@@ -2,7 +2,7 @@
 
 import pytest
 
-from clusterops import onecluster
+from clusterops.local import lock as onecluster
 
 
 def test_a_second_run_is_refused_while_the_first_holds_the_lock(tmp_path):

@@ -199,7 +199,7 @@ def test_one_process_reads_its_stop_flags_on_the_host_without_waiting_for_the_de
 ):
     """One process has no sum to wait for: the step's flags come from the host (a GPU's queue is never
     drained for them); the STOP file still stops the step it is seen at."""
-    from cluster_node import rundir
+    from cluster_node.protocol import rundir
     from train import distributed
     from train.train import compose
 

@@ -5,8 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from clusterops import plan
-from clusterops.bottleneck import Breakdown, ring_wire_bytes
+from clusterops.predict import plan
+from clusterops.predict.bottleneck import Breakdown, ring_wire_bytes
 
 MB = 1e6
 

@@ -9,7 +9,7 @@ import boto3
 import pytest
 from conftest import ACCOUNT, run_fab
 
-from clusterops import preflight
+from clusterops.aws import preflight
 from stacks.config import ami_context_key, offerings_context_key
 
 BOOTSTRAP = "/cdk-bootstrap/hnb659fds/version"

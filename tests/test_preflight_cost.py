@@ -10,7 +10,8 @@ import pytest
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, run_fab, tool_env
 
-from clusterops import cost, preflight
+from clusterops import cost
+from clusterops.aws import preflight
 from clusterops.inventory import Inventory, Node, SshSettings
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES

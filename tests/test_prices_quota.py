@@ -8,7 +8,8 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from clusterops import cost, preflight
+from clusterops import cost
+from clusterops.aws import preflight
 
 
 def offline(service: str):

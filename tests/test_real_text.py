@@ -192,8 +192,8 @@ def test_fab_data_builds_the_ding_data_set_where_train_looks_for_it(tmp_path):
     """`fab data --dataset ding` runs this command on the head node; here on this machine."""
     from conftest import TRAIN_DIR, tool_env
 
-    from clusterops import launch
     from clusterops.inventory import Inventory, Node, SshSettings
+    from clusterops.run import launch
 
     inv = Inventory(
         cluster="c",

@@ -154,7 +154,7 @@ def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -
     }
     data = tmp_path / "data"
     data.mkdir()
-    watchdog = ["-m", "cluster_node.autostop.watchdog", "--data", str(data), "--pts", str(tmp_path)]
+    watchdog = ["-m", "cluster_node.daemons.autostop.watchdog", "--data", str(data), "--pts", str(tmp_path)]
     node_program([*watchdog, "--interval", "1"], env, seconds=8)
     file_system = next(iter(deployed.physical_of("AWS::EFS::FileSystem")))
     meter = (

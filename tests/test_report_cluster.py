@@ -11,7 +11,7 @@ import re
 import pytest
 from test_local_cluster import Cluster, _stop, prepare_numbers
 
-from clusterops import localcluster
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 

@@ -1,4 +1,4 @@
-"""fab train --max-restarts without a cluster: the restart decisions (cluster_node.restart_plan, hang), the
+"""fab train --max-restarts without a cluster: the restart decisions (cluster_node.supervisor.restart_plan, hang), the
 trainer's --keep-global-batch, and the real supervisor restarting a job on the nodes a stand-in ssh
 still reaches."""
 
@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from supervisor_fixture import STANDINS, status, supervise, write_spec
 
-from cluster_node import hang, restart_plan, spec
-from clusterops import health, launch
+from cluster_node.protocol import spec
+from cluster_node.supervisor import hang, restart_plan
+from clusterops.nodes import health
+from clusterops.run import launch
 from train import config as train_config
 
 HEALTHY = json.dumps(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_local_cluster import Cluster, _start, _stop
 
-from clusterops import localcluster
+from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 STEPS = 40

@@ -1,4 +1,4 @@
-"""The run protocol is spelled once: no source file but cluster_node/rundir.py and clusterdir.py (and
+"""The run protocol is spelled once: no source file but cluster_node/protocol/rundir.py and clusterdir.py (and
 protocol.py, which tabulates them) names a run-directory or /data/.cluster file. A new reader imports the
 name from there; a literal elsewhere is how hostfile came to be written in two places and parsed in three."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-from cluster_node import clusterdir, rundir
+from cluster_node.protocol import clusterdir, rundir
 
 NODE = REPO / "assets" / "cluster_node"
 SPELLERS = {NODE / "rundir.py", NODE / "clusterdir.py", NODE / "protocol.py"}
@@ -98,6 +98,6 @@ def test_the_guard_knows_the_names_and_finds_a_spelling():
 def test_only_the_run_directory_module_spells_a_run_file_name():
     found = spellings()
     stray = sorted(f"{where}:{line}: {attr}" for where, line, attr in found if (where, attr) not in SHELL_NEEDS)
-    assert not stray, "import these from cluster_node.rundir (or clusterdir):\n" + "\n".join(stray)
+    assert not stray, "import these from cluster_node.protocol.rundir (or clusterdir):\n" + "\n".join(stray)
     stale = SHELL_NEEDS - {(where, attr) for where, _, attr in found}
     assert not stale, f"no longer spelled there: drop from SHELL_NEEDS: {sorted(stale)}"

@@ -1,4 +1,4 @@
-"""The run-directory module (assets/cluster_node/rundir.py): every record round-trips, and reads what
+"""The run-directory module (assets/cluster_node/protocol/rundir.py): every record round-trips, and reads what
 today's writers write, made by calling those writers (the supervisor, restart_plan, hang,
 spotwatch, the autostop heartbeat, fab train's launch files); the atomic write; the tolerant reads;
 the protocol table names every file."""
@@ -15,10 +15,13 @@ import pytest
 from supervisor_fixture import write_spec
 from test_launch import inventory
 
-from cluster_node import clusterdir, hang, protocol, restart_plan, rundir, spec, spotwatch
-from cluster_node.autostop import watchdog as autostop
-from cluster_node.supervisor import Supervisor
-from clusterops import launch
+from cluster_node.daemons import spotwatch
+from cluster_node.daemons.autostop import watchdog as autostop
+from cluster_node.protocol import clusterdir, rundir, spec
+from cluster_node.protocol import table as protocol
+from cluster_node.supervisor import hang, restart_plan
+from cluster_node.supervisor.loop import Supervisor
+from clusterops.run import launch
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_training import train as run_trainer
 
-from cluster_node import rundir
+from cluster_node.protocol import rundir
 from train import callbacks, distributed, prepare
 from train.config import build_parser, config_from_args
 from train.train import compose

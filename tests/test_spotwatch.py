@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from conftest import tool_env
 
-from cluster_node import spotwatch
+from cluster_node.daemons import spotwatch
 from train import checkpoint
 
 NOTICE = {"action": "stop", "time": "2026-11-22T08:22:00Z"}
@@ -145,7 +145,7 @@ def test_a_notice_mid_run_checkpoints_at_the_stop_step_and_the_run_resumes_there
     ]
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "cluster_node.spotwatch", "--data", str(tmp_path), "--interval", "0.2"],
+        [sys.executable, "-m", "cluster_node.daemons.spotwatch", "--data", str(tmp_path), "--interval", "0.2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -12,7 +12,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, tool_env
 
-from clusterops.instances import start_and_refresh
+from clusterops.aws.instances import start_and_refresh
 from clusterops.inventory import (
     Inventory,
     InventoryError,
@@ -285,7 +285,7 @@ def test_an_unreachable_node_gets_its_new_public_ip_from_ec2(aws_env, tmp_path):
     """EC2 User Guide, "Public IPv4 addresses": a stopped instance releases its public IPv4 address
     and gets a new one when it starts again (a Spot node stopped by an interruption and restarted by
     EC2 included). The inventory's old address then reads "unreachable"; EC2 knows the new one."""
-    from clusterops.readdress import readdress_unreachable
+    from clusterops.nodes.readdress import readdress_unreachable
 
     ids = moto_instances(2, "moved")
     ec2 = boto3.client("ec2")
@@ -331,7 +331,7 @@ def test_access_ssm_keeps_the_instance_ids_session_manager_needs(aws_env, tmp_pa
     """access=ssm on the default public subnet: the nodes have public IPs, but Session Manager's target
     (`--target %h`) is the instance id. Before: `fab inventory` and `fab start` put the public IPs there,
     and no node was reachable."""
-    from clusterops.instances import start_cluster, stop_nodes
+    from clusterops.aws.instances import start_cluster, stop_nodes
 
     ids = moto_instances(2, "ssmpub")
     ec2 = boto3.client("ec2")

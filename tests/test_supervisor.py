@@ -1,4 +1,4 @@
-"""cluster_node.supervisor without a cluster or a process: one test per transition of its table (design
+"""cluster_node.supervisor.loop without a cluster or a process: one test per transition of its table (design
 §3.2), a Supervisor fed scripted observations, a fake mpirun and fake nodes; the issue's named cases: a hang,
 a lost node, restarts used up, a stop and a forced stop during a restart, a Spot notice on its own node."""
 
@@ -11,9 +11,10 @@ from typing import Optional
 
 from supervisor_fixture import write_spec
 
-from cluster_node import restart_plan, rundir, spec
-from cluster_node.observe import Observation
-from cluster_node.supervisor import State, Supervisor
+from cluster_node.protocol import rundir, spec
+from cluster_node.supervisor import restart_plan
+from cluster_node.supervisor.loop import State, Supervisor
+from cluster_node.supervisor.observe import Observation
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
 NOW = 1_800_000_000.0
@@ -308,7 +309,7 @@ def test_the_restart_line_says_what_was_lost_since_the_start_and_why(tmp_path):
 def test_row17_the_retried_cleanup_of_a_dropped_node_spares_a_run_started_during_its_pause(tmp_path, monkeypatch):
     """Found by `fab drill kill-node`/`cut-link`: the next `fab train`, started while the ended run's
     supervisor paused between clean-up retries, lost its MPI daemon on the node that came back (pkill orted)."""
-    from cluster_node import supervisor as module
+    from cluster_node.supervisor import loop as module
 
     run_spec = write_spec(tmp_path, ["train.py"], ["h1", "h2"], cleanup=60.0)
     nodes = FakeNodes(tmp_path)

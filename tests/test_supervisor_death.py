@@ -12,7 +12,7 @@ from pathlib import Path
 
 from supervisor_fixture import supervisor_process, write_spec
 
-from cluster_node import rundir
+from cluster_node.protocol import rundir
 
 
 def _alive(pid: int) -> bool:

@@ -383,8 +383,8 @@ def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp
     connection and torchrun (strict-device mode) for mpirun."""
     from invoke import Context
 
-    from clusterops import launch, lifecycle
     from clusterops.inventory import Inventory, Node, SshSettings
+    from clusterops.run import launch, lifecycle
 
     inv = Inventory(
         cluster="c",

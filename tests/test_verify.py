@@ -3,9 +3,10 @@ and the report's section of kept pairs."""
 
 import pytest
 
-from clusterops import launch, verify
-from clusterops.bottleneck import ring_wire_bytes
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.predict import verify
+from clusterops.predict.bottleneck import ring_wire_bytes
+from clusterops.run import launch
 from train.config import RESUMABLE_CHANGES
 
 MB = 1e6

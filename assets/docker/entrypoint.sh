@@ -56,22 +56,22 @@ chmod 0600 "$RUNTIME_DIR/authorized_keys"
   session_setenv
 } > "$RUNTIME_DIR/sshd_config"
 
-# The autostop watchdog runs on every node (see cluster_node/autostop/watchdog.py; the image's
+# The autostop watchdog runs on every node (see cluster_node/daemons/autostop/watchdog.py; the image's
 # PYTHONPATH=/workspace finds the package): each publishes its own heartbeat, so a dead head node
 # cannot leave the others running. Restarted if it dies; exit 0 means it stopped the cluster. With
 # IDLE_MINUTES=0 too (autostop off): it then says busy, and reads idle_minutes again from its SSM
 # parameter, so a later `-c idle_minutes=N` applies here (the alarm that change creates finds beats).
-if [[ -n ${IDLE_MINUTES:-} && -f /workspace/cluster_node/autostop/watchdog.py ]]; then
+if [[ -n ${IDLE_MINUTES:-} && -f /workspace/cluster_node/daemons/autostop/watchdog.py ]]; then
   (
-    until python -m cluster_node.autostop.watchdog --data "$DATA_DIR"; do sleep 60; done
+    until python -m cluster_node.daemons.autostop.watchdog --data "$DATA_DIR"; do sleep 60; done
   ) >> "$DATA_DIR/.cluster/autostop-node${NODE_RANK:-0}.log" 2>&1 &
 fi
 
-# Spot nodes: the interruption watcher (cluster_node/spotwatch.py) polls the instance metadata
+# Spot nodes: the interruption watcher (cluster_node/daemons/spotwatch.py) polls the instance metadata
 # and, on EC2's two-minute notice, makes the active run checkpoint at once. Restarted if it dies.
-if [[ ${SPOT:-false} == true && -f /workspace/cluster_node/spotwatch.py ]]; then
+if [[ ${SPOT:-false} == true && -f /workspace/cluster_node/daemons/spotwatch.py ]]; then
   (
-    until python -m cluster_node.spotwatch --data "$DATA_DIR"; do sleep 5; done
+    until python -m cluster_node.daemons.spotwatch --data "$DATA_DIR"; do sleep 5; done
   ) >> "$DATA_DIR/.cluster/spot-node${NODE_RANK:-0}.log" 2>&1 &
 fi
 

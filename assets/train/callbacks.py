@@ -1,6 +1,6 @@
 """What the trainer reports while it runs, as callbacks the composition root (train.py) hands it: the rank
 heartbeat the supervisor's hang watchdog reads, and rank 0's progress.json. File names and records are
-cluster_node.rundir's."""
+cluster_node.protocol.rundir's."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from cluster_node import phases, rundir
+from cluster_node.protocol import phases, rundir
 
 
 class Callback:
@@ -79,7 +79,7 @@ class ProgressFile(Callback):
 
 class PhaseMarks(Callback):
     """RUN_DIR/phases.jsonl (rank 0's callback): the first step, each log step, evals, checkpoints, the end
-    (cluster_node.phases; train.train marks the start-up)."""
+    (cluster_node.protocol.phases; train.train marks the start-up)."""
 
     def __init__(self, run_dir: Path):
         self.run, self.first = Path(run_dir), True

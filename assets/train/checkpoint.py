@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from cluster_node import rundir
+from cluster_node.protocol import rundir
 from train.data import atomic_write_bytes
 
 

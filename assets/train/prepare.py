@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from cluster_node import clusterdir, rundir
+from cluster_node.protocol import clusterdir, rundir
 from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 

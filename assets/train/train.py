@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from cluster_node import phases, rundir
+from cluster_node.protocol import phases, rundir
 from train import distributed
 from train.callbacks import Callback, PhaseMarks, ProgressFile, RankHeartbeat, stacks_on_sigusr2
 from train.config import (

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cluster_node import rundir
+from cluster_node.protocol import rundir
 from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf
 from train.callbacks import Callback, start_wandb
 from train.config import TrainConfig, resolve_precision

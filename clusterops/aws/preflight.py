@@ -1,0 +1,395 @@
+"""Before `cdk deploy`: credentials, region, the AZs offering the type (cached in cdk.context.json,
+where the app reads them to place its subnet), the AZ and subnet the stack will use, the vCPU quota
+bucket of the family and purchase option, with Spot the Spot price and the saving, a RunInstances dry
+run (a permission check, no more), the AMI; and a quota increase request when asked. Functions take
+boto3 clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from clusterops import cost as costs
+from clusterops.aws import cdkcontext
+from clusterops.aws.cdkcontext import cache_offerings
+from clusterops.terminal import aws_error
+from stacks.config import (
+    SPOT_INTERRUPTION,
+    SPOT_REQUEST,
+    ClusterConfig,
+    choose_availability_zone,
+)
+from stacks.instance_types import INSTANCE_TYPES
+
+# EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
+# EC2 docs): On-Demand P is one bucket; Spot P5 has its own, apart from P4, P3 and P2.
+G_ON_DEMAND = ("L-DB2E81BA", "Running On-Demand G and VT instances")
+P_ON_DEMAND = ("L-417A185B", "Running On-Demand P instances")
+G_SPOT = ("L-3819A6DF", "All G and VT Spot Instance Requests")
+P432_SPOT = ("L-7212CCBC", "All P4, P3 and P2 Spot Instance Requests")
+P5_SPOT = ("L-C4BD4855", "All P5 Spot Instance Requests")
+NO_DEFAULT_VPC = ("VPCIdNotSpecified", "DefaultVpcDoesNotExist")
+DRY_RUN_ERRORS = {
+    "UnauthorizedOperation": "your credentials may not launch instances (ec2:RunInstances)",
+    "InsufficientInstanceCapacity": "AWS has no capacity for this type here now: try another AZ or later",
+    "VcpuLimitExceeded": "the vCPU quota is too low (see the quota line)",
+    "InstanceLimitExceeded": "the instance quota is too low",
+    "Unsupported": "this instance type is not supported in this AZ",
+    "InvalidAMIID.NotFound": "the AMI does not exist in this region",
+    "OptInRequired": "the account must opt in to this region or product",
+    "MissingInput": "the default VPC has no subnet in this AZ",
+}
+DRY_RUN = "launch permission (RunInstances dry run)"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    skipped: bool = False  # not checked (and not a failure)
+
+    @property
+    def label(self) -> str:
+        return "--  " if self.skipped else ("ok  " if self.ok else "FAIL")
+
+
+def quota_bucket(instance_type: str, spot: bool = False) -> tuple[str, str]:
+    family = instance_type.split(".")[0]
+    if family.startswith(("g", "vt")):
+        return G_SPOT if spot else G_ON_DEMAND
+    if family.startswith("p") and not spot:
+        return P_ON_DEMAND
+    if family.startswith("p5"):
+        return P5_SPOT
+    if family.startswith(("p2", "p3", "p4")):
+        return P432_SPOT
+    raise ValueError(f"no GPU vCPU quota bucket known for {instance_type} ({'Spot' if spot else 'On-Demand'})")
+
+
+def _same_bucket(instance_type: str, bucket: tuple[str, str], spot: bool) -> bool:
+    try:
+        return quota_bucket(instance_type, spot) == bucket
+    except ValueError:
+        return False
+
+
+def _lifecycle_matches(instance: dict, spot: bool) -> bool:
+    return instance.get("InstanceLifecycle") == "spot" if spot else "InstanceLifecycle" not in instance
+
+
+def vcpus(ec2, instance_types: set[str]) -> dict[str, int]:
+    """vCPUs per type: the instance-type table, describe_instance_types for the others."""
+    known = {t: INSTANCE_TYPES[t].vcpus for t in instance_types if t in INSTANCE_TYPES}
+    others = sorted(instance_types - set(known))
+    if others:
+        found = ec2.describe_instance_types(InstanceTypes=others)["InstanceTypes"]
+        known.update({t["InstanceType"]: t["VCpuInfo"]["DefaultVCpus"] for t in found})
+    return known
+
+
+def running_vcpus(ec2, instance_type: str, spot: bool = False) -> int:
+    """vCPUs already running in the same bucket and purchase option (Spot: InstanceLifecycle
+    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota. With Spot, the
+    requests not yet fulfilled count too (EC2 User Guide, "Spot Instance quotas")."""
+    bucket = quota_bucket(instance_type, spot)
+    pages = ec2.get_paginator("describe_instances").paginate(
+        Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
+    )
+    instances = {
+        i["InstanceId"]: i["InstanceType"]
+        for page in pages
+        for r in page["Reservations"]
+        for i in r["Instances"]
+        if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)
+    }
+    types = list(instances.values()) + (_pending_spot_types(ec2, bucket, set(instances)) if spot else [])
+    sizes = vcpus(ec2, set(types))
+    return sum(sizes.get(t, 0) for t in types)
+
+
+def _pending_spot_types(ec2, bucket: tuple[str, str], counted: set[str]) -> list[str]:
+    """Instance types of open Spot requests (and active ones whose instance is not running, so not
+    counted yet) in the bucket: they will use the quota once fulfilled."""
+    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(
+        Filters=[{"Name": "state", "Values": ["open", "active"]}]
+    )
+    return [
+        r["LaunchSpecification"]["InstanceType"]
+        for page in pages
+        for r in page["SpotInstanceRequests"]
+        if r.get("InstanceId") not in counted and _same_bucket(r["LaunchSpecification"]["InstanceType"], bucket, True)
+    ]
+
+
+@dataclass(frozen=True)
+class QuotaCheck:
+    code: str
+    name: str
+    quota: float
+    running: int
+    requested: int
+
+    @property
+    def needed(self) -> int:
+        return self.running + self.requested
+
+    @property
+    def ok(self) -> bool:
+        return self.needed <= self.quota
+
+    def line(self) -> str:
+        verdict = "enough" if self.ok else f"short by {self.needed - self.quota:g}"
+        return (
+            f"{self.name} ({self.code}): quota {self.quota:g} vCPUs; running {self.running} + "
+            f"requested {self.requested} = {self.needed}: {verdict}"
+        )
+
+
+def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False) -> QuotaCheck:
+    code, name = quota_bucket(instance_type, spot)
+    per_node = vcpus(ec2, {instance_type})[instance_type]
+    try:
+        quota = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
+    except ClientError as error:
+        if error.response["Error"]["Code"] != "NoSuchResourceException":
+            raise
+        quota = quotas.get_aws_default_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
+    return QuotaCheck(code, name, quota, running_vcpus(ec2, instance_type, spot), nodes * per_node)
+
+
+def request_increase(quotas, check: QuotaCheck) -> str:
+    try:
+        response = quotas.request_service_quota_increase(
+            ServiceCode="ec2", QuotaCode=check.code, DesiredValue=float(check.needed)
+        )
+    except ClientError as error:
+        if error.response["Error"]["Code"] != "ResourceAlreadyExistsException":
+            raise
+        return (
+            f"a request to raise {check.name} ({check.code}) is already open; see the Service Quotas "
+            "console (Quota request history) and wait for it, or change it there"
+        )
+    request = response["RequestedQuota"]
+    return (
+        f"requested {check.name} = {check.needed} vCPUs (request {request['Id']}, "
+        f"status {request['Status']}); approval can take a few days"
+    )
+
+
+def offered_zones(ec2, instance_type: str) -> list[str]:
+    offers = ec2.get_paginator("describe_instance_type_offerings").paginate(
+        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}]
+    )
+    return sorted({o["Location"] for page in offers for o in page["InstanceTypeOfferings"]})
+
+
+def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[str]]:
+    """Where the stack will put the nodes, and whether the type is offered there; returns the AZ."""
+    if not zones:
+        return Check("AZ and subnet", False, f"{config.instance_type} is not offered in any AZ of this region"), None
+    if config.subnet_id:
+        az = config.availability_zone
+        where = f"existing subnet {config.subnet_id} in {az} (vpc {config.vpc_id})"
+        if az not in zones:
+            return Check(
+                "AZ and subnet",
+                False,
+                f"{where}: {config.instance_type} is not offered there (offered in {', '.join(zones)})",
+            ), az
+        return Check("AZ and subnet", True, where), az
+    az = choose_availability_zone(config.availability_zone, zones)
+    if az not in zones:
+        return Check(
+            "AZ and subnet",
+            False,
+            f"availability_zone={az} does not offer {config.instance_type} (offered in {', '.join(zones)})",
+        ), az
+    return Check(
+        "AZ and subnet",
+        True,
+        f"a new VPC with one public subnet in {az} ({config.instance_type} offered in {', '.join(zones)})",
+    ), az
+
+
+def dry_run(
+    ec2,
+    image_id: str,
+    instance_type: str,
+    nodes: int,
+    subnet_id: Optional[str] = None,
+    availability_zone: Optional[str] = None,
+    spot: bool = False,
+) -> Check:
+    """RunInstances with DryRun: it checks YOUR permission to launch there (as Spot: with the nodes'
+    market options), not capacity or quota."""
+    params = dict(ImageId=image_id, InstanceType=instance_type, MinCount=nodes, MaxCount=nodes, DryRun=True)
+    if spot:
+        params["InstanceMarketOptions"] = {
+            "MarketType": "spot",
+            "SpotOptions": {"SpotInstanceType": SPOT_REQUEST, "InstanceInterruptionBehavior": SPOT_INTERRUPTION},
+        }
+    if subnet_id:
+        params["SubnetId"] = subnet_id
+    elif availability_zone:
+        params["Placement"] = {"AvailabilityZone": availability_zone}
+    try:
+        ec2.run_instances(**params)
+    except ClientError as error:
+        code = error.response["Error"]["Code"]
+        if code == "DryRunOperation":
+            return Check(
+                DRY_RUN,
+                True,
+                f"you may launch {nodes} x {instance_type} there "
+                "(a permission check: capacity and quota are not tested)",
+            )
+        if code in NO_DEFAULT_VPC and not subnet_id:
+            return Check(DRY_RUN, True, "not checked: no default VPC; the stack creates its own subnet", skipped=True)
+        return Check(DRY_RUN, False, f"{code}: {DRY_RUN_ERRORS.get(code, error.response['Error'].get('Message', ''))}")
+    return Check(DRY_RUN, False, "the dry run launched nothing and raised nothing")
+
+
+def spot_check(ec2, pricing, config: ClusterConfig, region: str, zone: Optional[str]) -> Check:
+    """The Spot price in the AZ the stack will use, the saving against On-Demand, and whether
+    spot_max_price is below it (EC2 would not launch the nodes at that price)."""
+    try:
+        spot = costs.spot_price(ec2, config.instance_type, zone)
+    except ClientError as error:
+        return Check("Spot price", True, f"not checked: {aws_error(error)}", skipped=True)
+    line = costs.spot_saving(spot, costs.instance_price(pricing, config.instance_type, region))
+    cap = config.spot_max_price
+    if cap is not None and spot.usd_per_hour is not None and spot.usd_per_hour > cap:
+        return Check("Spot price", False, f"{line}; spot_max_price {cap:g} is below it: no node would launch")
+    return Check("Spot price", True, line, skipped=spot.usd_per_hour is None)
+
+
+def identity(sts) -> tuple[Check, Optional[str]]:
+    try:
+        who = sts.get_caller_identity()
+    except (ClientError, BotoCoreError) as error:
+        return Check("credentials", False, f"{error}; configure AWS credentials (aws configure / SSO)"), None
+    return Check("credentials", True, f"account {who['Account']} as {who['Arn']}"), who["Account"]
+
+
+BOOTSTRAP_PARAMETER = "/cdk-bootstrap/hnb659fds/version"  # the default qualifier's
+# The oldest bootstrap stack this app's template accepts: its CheckBootstrapVersion rule refuses 1-5.
+MIN_BOOTSTRAP_VERSION = 6
+
+
+def bootstrap_check(ssm, account: str, region: str) -> Check:
+    """`cdk deploy` needs the account/region bootstrapped (CDK Developer Guide, "Bootstrapping");
+    the bootstrap stack publishes its version in an SSM parameter."""
+    fix = f"npx cdk bootstrap aws://{account}/{region}"
+    try:
+        value = ssm.get_parameter(Name=BOOTSTRAP_PARAMETER)["Parameter"]["Value"]
+    except ClientError as error:
+        if error.response["Error"]["Code"] == "ParameterNotFound":
+            return Check(
+                "CDK bootstrap",
+                False,
+                f"{BOOTSTRAP_PARAMETER} not found: run `{fix}` once for this account and region",
+            )
+        return Check("CDK bootstrap", False, f"could not read {BOOTSTRAP_PARAMETER}: {aws_error(error)}")
+    if not value.isdigit() or int(value) < MIN_BOOTSTRAP_VERSION:
+        return Check(
+            "CDK bootstrap",
+            False,
+            f"version {value} is older than the {MIN_BOOTSTRAP_VERSION} this app's template requires: run `{fix}`",
+        )
+    return Check("CDK bootstrap", True, f"version {value} ({BOOTSTRAP_PARAMETER})")
+
+
+def ami(
+    ssm, parameter: str, region: str, context: dict, context_file: Optional[Path], refresh: bool = False
+) -> tuple[Check, Optional[str]]:
+    """The AMI the stack will boot: the id pinned in cdk.context.json, else the parameter's value,
+    pinned now. A pin is replaced only with refresh (a new AMI replaces every node at the next deploy)."""
+    pinned = cdkcontext.pinned_ami(context, region, parameter)
+    try:
+        latest = ssm.get_parameter(Name=parameter)["Parameter"]["Value"]
+    except ClientError as error:
+        if pinned and not refresh:  # the pin is what deploys; the parameter only tells of a newer one
+            return Check("AMI", True, f"{pinned}, pinned in cdk.context.json ({parameter}: {aws_error(error)})"), pinned
+        return Check("AMI", False, f"{parameter}: {error.response['Error']['Code']}"), None
+    if pinned and (not refresh or pinned == latest):
+        newer = f"; {latest} is newer: `fab preflight --refresh-ami` pins it" if latest != pinned else ""
+        return Check("AMI", True, f"{pinned}, pinned in cdk.context.json (from {parameter}){newer}"), pinned
+    if context_file is not None:
+        cdkcontext.pin_ami(context_file, region, parameter, latest)
+    if pinned:
+        return Check("AMI", True, f"{pinned} -> {latest}: the next `cdk deploy` replaces every node"), latest
+    return Check("AMI", True, f"pinned {latest} ({parameter}) in cdk.context.json"), latest
+
+
+def cloudformation_role_note(account: str, region: str) -> str:
+    return (
+        f"note: `cdk deploy` launches the nodes through CloudFormation, which uses the CDK bootstrap's "
+        f"execution role (cdk-hnb659fds-cfn-exec-role-{account}-{region}) when it exists; the dry run "
+        "above checks YOUR permissions, not that role's"
+    )
+
+
+def run_preflight(
+    clients: dict,
+    region: Optional[str],
+    config: ClusterConfig,
+    context_file: Optional[Path] = None,
+    request_quota: bool = False,
+    spot: bool = False,
+    context: Optional[dict] = None,
+    refresh_ami: bool = False,
+) -> tuple[list[Check], list[str]]:
+    """All checks in order; stops early without credentials or region. Returns (checks, notes);
+    the first note says what was checked (count, type, purchase option, region and AZ)."""
+    who, account = identity(clients["sts"])
+    checks = [who]
+    if not who.ok:
+        return checks, []
+    checks.append(
+        Check("region", bool(region), region or "none: set AWS_REGION (the CDK CLI reads it first) or `aws configure`")
+    )
+    if not region:
+        return checks, []
+    ec2 = clients["ec2"]
+    checks.append(bootstrap_check(clients["ssm"], account or "ACCOUNT", region))
+    zones = offered_zones(ec2, config.instance_type)
+    if context_file is not None and zones:
+        cache_offerings(context_file, region, config.instance_type, zones)
+    where, az = placement(config, zones)
+    checks.append(where)
+    quota = _quota(clients, config, spot, checks)
+    if spot:
+        checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
+    ami_check, image_id = ami(
+        clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
+    )
+    checks.append(ami_check)
+    if image_id and az:
+        checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az, spot))
+    notes = [
+        f"checking {config.nodes} x {config.instance_type} ({'Spot' if spot else 'On-Demand'}) in {region}, "
+        f"AZ {az or 'none'}",
+        cloudformation_role_note(account or "ACCOUNT", region),
+    ]
+    if quota is not None and not quota.ok:
+        notes.append(
+            request_increase(clients["service-quotas"], quota)
+            if request_quota
+            else f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs"
+        )
+    return checks, notes
+
+
+def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]) -> Optional[QuotaCheck]:
+    quota_name = f"vCPU quota ({'Spot' if spot else 'On-Demand'})"
+    try:
+        quota = check_quota(clients["ec2"], clients["service-quotas"], config.instance_type, config.nodes, spot)
+    except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
+        checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
+        return None
+    checks.append(Check(quota_name, quota.ok, quota.line()))
+    return quota

@@ -1,0 +1,130 @@
+"""`fab report --verify MODE`: the model's prediction for one what-if of a run, against a short run
+that makes it (MODE: a compression, `batchx2`/`batchx4`, or `nodes=K` at the same global batch).
+The pairs are kept in the run directory (rundir.PREDICTIONS) so `fab report` shows how well the
+model has done on this cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Optional, Sequence
+
+from clusterops.predict import plan as planning
+from clusterops.predict.bottleneck import MODES, Breakdown, what_ifs
+from train.config import RESUMABLE_CHANGES
+
+VERIFY_STEPS = 20  # the short run: its first 5 steps are not timed (the trainer's summary)
+# The run's settings the short run does not take as flags: where it runs, its length and reporting
+# (fab's own short-run flags), and what changes() sets.
+NOT_KEPT = {"recipe", "data", "run_dir", "max_steps", "batch_per_gpu", "grad_compression", *RESUMABLE_CHANGES}
+
+
+class VerifyError(ValueError):
+    """A MODE the model has no what-if for, or a run it cannot be scored against."""
+
+
+def parse_mode(text: str) -> tuple[str, Optional[int]]:
+    """("compression" | "batch" | "nodes", its value)."""
+    text = (text or "").strip()
+    if text in MODES:
+        return "compression", None
+    found = re.fullmatch(r"batchx([24])|nodes=(\d+)", text)
+    if not found:
+        raise VerifyError(f"invalid --verify {text!r}: one of {', '.join(MODES)}, batchx2, batchx4, nodes=K")
+    return ("batch", int(found.group(1))) if found.group(1) else ("nodes", int(found.group(2)))
+
+
+def predict(summary: dict, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str]:
+    """The model's step for MODE from the run's breakdown: seconds and the one-line model."""
+    b = Breakdown.from_summary(summary)
+    kind, value = parse_mode(mode)
+    if kind == "nodes":
+        base = planning.Base(b, planning.CPU, slots, link_gbit, "")
+        return planning.step_at(base, int(value or 1) * slots, link_gbit)
+    if not link_gbit:
+        raise VerifyError("no link rate (run `fab check`): the compression and batch what-ifs need it")
+    wanted = f"batch x{value} per GPU" if kind == "batch" else ("none" if mode == "none" else mode)
+    for p in what_ifs(b, link_gbit):
+        if p.name.split()[0] == wanted or p.name == wanted:
+            return p.step_s, p.model
+    raise VerifyError(f"the model has no {mode} what-if for this run (PowerSGD needs its calibration)")
+
+
+def changes(config: dict, summary: dict, mode: str, slots: int) -> dict:
+    """The short run's TrainRequest fields: the run's own settings with MODE's one change."""
+    kind, value = parse_mode(mode)
+    world = int(summary.get("world_size") or 1)
+    batch = int(config.get("batch_per_gpu") or 1)
+    fields = {
+        "recipe": summary.get("recipe") or config.get("recipe"),
+        "steps": VERIFY_STEPS,
+        "batch_per_gpu": batch,
+        "grad_compression": summary.get("grad_compression") or "none",
+        "nodes": max(1, world // slots),
+        "data": config.get("data"),
+        "extra_args": kept_args(config),
+    }
+    if kind == "compression":
+        fields["grad_compression"] = mode
+    elif kind == "batch":
+        fields["batch_per_gpu"] = batch * int(value or 1)
+    else:
+        ranks = int(value or 1) * slots
+        if (batch * world) % ranks:
+            raise VerifyError(f"the global batch {batch * world} does not split over {ranks} rank(s)")
+        fields.update(nodes=int(value or 1), batch_per_gpu=batch * world // ranks)
+    return fields
+
+
+def kept_args(config: dict) -> tuple[str, ...]:
+    """The run's trainer settings as flags (its model, batching, precision, optimizer, DDP buckets),
+    so the short run trains what the run trained: config.json's fields, the task's model part only."""
+    part = "vision" if str(config.get("recipe", "")).startswith("resnet") else "model"
+    settings = [*((k, v) for k, v in config.items() if k not in ("model", "vision")), *config.get(part, {}).items()]
+    args: list[str] = []
+    for key, value in settings:
+        if key in NOT_KEPT or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            args += [flag, "true" if value else "false"]
+        else:
+            args += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    return tuple(args)
+
+
+def pair(mode: str, predicted: float, model: str, measured: float, run: str) -> dict:
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mode": mode,
+        "predicted_s": predicted,
+        "measured_s": measured,
+        "error": predicted / measured - 1 if measured else None,
+        "model": model,
+        "run": run,
+    }
+
+
+def lines(pairs: Sequence[dict]) -> list[str]:
+    """The report's section: every scored what-if, and the mean absolute error."""
+    if not pairs:
+        return []
+    out = ["", "## Predictions scored on this cluster", "", "| what if | predicted | measured | error | run |"]
+    out.append("|---|---|---|---|---|")
+    for p in pairs:
+        error = p.get("error")
+        out.append(
+            f"| {p['mode']} | {p['predicted_s'] * 1e3:.0f} ms | {p['measured_s'] * 1e3:.0f} ms | "
+            f"{'' if error is None else f'{error:+.0%}'} | {p.get('run', '')} |"
+        )
+    errors = [abs(p["error"]) for p in pairs if p.get("error") is not None]
+    if errors:
+        out += ["", f"mean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} prediction(s)"]
+    return out
+
+
+def replaced(request, fields: dict, run: str):
+    """The short run's request: fab's short-run reporting flags after the run's own settings."""
+    extra = (*fields.get("extra_args", ()), *request.extra_args)
+    return dataclasses.replace(request, run=run, **{**fields, "extra_args": extra})

@@ -1,0 +1,354 @@
+"""A run's lifecycle on the head node: the claim and start (the supervisor), follow, stop, state,
+the runs on /data, and fetching one home. Plain functions taking a connection; SSH is remote's."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Callable, Optional
+
+from fabric import Connection
+from invoke.exceptions import CommandTimedOut
+
+from cluster_node.protocol import rundir
+from clusterops.inventory import Inventory
+from clusterops.nodes import command as nodecmd
+from clusterops.nodes import health, remote
+from clusterops.nodes.view import detect_interface
+from clusterops.run import launch, logfilter
+from train import catalog
+
+q = shlex.quote
+
+
+def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    """The run directory whose launcher is alive on the head node, if any."""
+    active = remote.sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
+    if not active:
+        return None
+    pid_file = q(f"{active}/{rundir.LAUNCHER_PID}")
+    alive = remote.sh(connection, f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null && echo yes || echo no').strip()
+    return active if alive == "yes" else None
+
+
+def ensure_idle(connection: Connection, inventory: Inventory) -> None:
+    running = active_run(connection, inventory)
+    if running:
+        raise remote.RemoteError(
+            f"a run is already going in {running}: `fab logs --follow` to watch it, `fab stop` to end it"
+        )
+
+
+def run_state(connection: Connection, run_dir: str) -> dict:
+    status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    summary = remote.read_json(connection, f"{run_dir}/{rundir.SUMMARY}") or {}
+    restarts: list = remote.read_json(connection, f"{run_dir}/{rundir.RESTARTS}") or []  # type: ignore[assignment]
+    return {"status": status, "progress": progress, "summary": summary, "restarts": restarts}
+
+
+def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    out = remote.sh(
+        connection, f"ls -1dt {q(inventory.data_dir)}/{rundir.RUNS}/*/ 2>/dev/null | head -n 1 || true"
+    ).strip()
+    return out.rstrip("/") or None
+
+
+def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, dict]]:
+    """The active (else latest) run and its run_state, or None when there is no run yet: one round
+    trip instead of seven (cluster_node.programs.runs overview)."""
+    command = nodecmd.node_command(inventory, "programs.runs", "overview", "--data", inventory.data_dir)
+    found = json.loads(remote.sh(connection, command).strip().splitlines()[-1])
+    if not found["run"]:
+        return None
+    return found["run"], {key: found[key] for key in ("status", "progress", "summary", "restarts")}
+
+
+# On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc
+# probes at start-up (a listener there made every mpirun hang).
+_EXCEPTION = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception): \S")
+
+
+def _failure_line(output: str) -> str:
+    """The most telling line of a failed run: the first exception a rank raised (the launcher's own
+    come after it), else an `error:` line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    exceptions = [line for line in lines if _EXCEPTION.match(line)]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (exceptions[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
+
+
+def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
+    """A few real training steps across the cluster with the trainer's own collectives (step counts,
+    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
+    scratch = launch.check_dir(inventory)
+    prepare, train = launch.check_argvs(inventory, code_dir)
+    try:
+        remote.sh(connection, f"rm -rf {q(scratch)} && mkdir -p {q(scratch)}")
+        remote.sh(connection, "timeout 300 " + shlex.join(prepare))
+        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
+    finally:
+        remote.sh(connection, f"rm -rf {q(scratch)}", check=False)
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
+    if result.exited != 0 or not summary:
+        raise remote.RemoteError(
+            f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
+        )
+    ranks = len(inventory.nodes) * inventory.gpus_per_node
+    return (
+        f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
+        f"({summary[-1][len('summary: ') :]})"
+    )
+
+
+# ---------------------------------------------------------------- training
+
+
+def plan_launch(
+    connection: Connection, inventory: Inventory, request: launch.TrainRequest, code_dir: str
+) -> launch.LaunchPlan:
+    """A launch with no health check (`fab scale`'s runs; `fab train` plans its own, checked)."""
+    request.validate()
+    nodes = launch.check_nodes(inventory, request)
+    return launch.LaunchPlan(request, tuple(nodes), detect_interface(connection, inventory.head), code_dir)
+
+
+def start_training(connection: Connection, inventory: Inventory, plan: launch.LaunchPlan) -> tuple[str, int]:
+    """Write the run spec into the run directory and start the supervisor detached, as planned.
+    Returns the run directory and the log's size before this launch (where its output starts)."""
+    request = plan.request
+    ensure_idle(connection, inventory)
+    dataset = request.dataset or launch.default_dataset(request.recipe)
+    data_path = launch.request_data(inventory, request)
+    if "--synthetic" not in request.extra_args:
+        _check_data(connection, request.recipe, data_path, dataset)
+    spec = launch.train_spec(
+        inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
+    )
+    # The claim and the start are one step on the head node (cluster_node.programs.start): two launches at once
+    # give one run and one refusal. The payload travels as a file in the head's /tmp, not on /data.
+    payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"
+    probe = health.probe_command(inventory, plan.code_dir)
+    remote.write_file(connection, payload, json.dumps({"spec": spec.to_json(), "probe": probe}))
+    out = remote.sh(
+        connection, nodecmd.node_command(inventory, "programs.start", payload, code_dir=plan.code_dir), check=False
+    )
+    try:
+        result = json.loads(out.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise remote.RemoteError(f"the launch on {inventory.head.name} answered {out.strip()[-300:]!r}") from None
+    if "run" not in result:
+        raise remote.RemoteError(result.get("refused") or result.get("error") or str(result))
+    return result["run"], int(result["log_offset"])
+
+
+def _check_data(connection: Connection, recipe: str, data_path: str, dataset: str) -> None:
+    """A prepared data set (meta.json or an image folder's train/) that the recipe can read: one line
+    before the launch (was: "started", then a failure on every rank)."""
+    folder = f"test -d {q(data_path + '/train')} && echo folder || echo none"
+    out = remote.sh(connection, f"{folder}; cat {q(data_path + '/meta.json')} 2>/dev/null || true")
+    first, _, text = out.partition("\n")
+    try:
+        meta = json.loads(text) if text.strip() else None
+    except ValueError:
+        meta = None
+    if meta is None and first.strip() != "folder":
+        raise remote.RemoteError(f"no prepared data set at {data_path}: {catalog.missing_data(dataset)}")
+    mismatch = catalog.input_mismatch(recipe, PurePosixPath(data_path).name, meta, first.strip() == "folder")
+    if mismatch:
+        raise remote.RemoteError(mismatch)
+
+
+def follow_log(
+    connection: Connection,
+    run_dir: str,
+    out=sys.stdout,
+    poll: float = 1.0,
+    timeout: Optional[float] = None,
+    follow: bool = True,
+    offset: int = 0,
+    on_progress: Optional[Callable[[dict], None]] = None,
+    on_status: Optional[Callable[[dict], None]] = None,
+    quiet_s: float = 10.0,
+) -> dict:
+    """Print train.log from byte `offset` as it grows until the run is no longer running;
+    return the run status. on_progress(progress.json) is called on each poll while following,
+    on_status(run-status.json) on each read of it (a caller keeps it if a later read fails). Following,
+    `quiet_s` without a log line prints where the run is (a long step, eval or start-up is not a hang)."""
+    deadline = (time.monotonic() + timeout) if timeout else None
+    heard = time.monotonic()
+    log = f"{run_dir}/{rundir.TRAIN_LOG}"
+    # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
+    shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
+    while True:
+        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}", strict=True) or {}
+        if on_status:
+            on_status(status)
+        if on_progress and follow:
+            on_progress(remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {})
+        chunk = remote.sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
+        if chunk:
+            out.write(shown.feed(chunk) if shown else chunk)
+            out.flush()
+            offset += len(chunk.encode())
+            heard = time.monotonic()
+        elif follow and time.monotonic() - heard >= quiet_s:
+            out.write(_quiet_line(connection, run_dir, time.monotonic() - heard))
+            out.flush()
+            heard = time.monotonic()
+        if not follow or status.get("state") not in (None, "running"):
+            out.write(shown.flush() if shown else "")
+            return status
+        if deadline and time.monotonic() > deadline:
+            raise remote.RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def _quiet_line(connection: Connection, run_dir: str, quiet: float) -> str:
+    """Where a run is that has logged nothing for a while, from progress.json (refreshed every few seconds)."""
+    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
+    if progress.get("step") is None:
+        return f"  ... no step yet ({quiet:.0f} s without a log line: starting up)\n"
+    return f"  ... at step {progress['step']}/{progress.get('max_steps', '?')} ({quiet:.0f} s without a log line)\n"
+
+
+def then_stop_outcome(
+    connection: Connection, run_dir: str, status: dict, wait: float = 330.0, poll: float = 1.0, read_s: float = 30.0
+) -> dict:
+    """The final status once --then-stop has answered (then_stop `sent` or `failed`): the supervisor
+    gives its stop request up to 300 s (nodes.Nodes.then_stop). Still `stopping` after `wait`: as it is.
+    A `stopping` older than `wait` by the node's clock is `requested`: its head went down before it could
+    write the outcome and was started again since (a follow re-attached after `fab start`), nothing to
+    wait for. A read that hangs `read_s` (a silent path to a node going down) ends the wait."""
+    if status.get("then_stop") != "stopping":
+        return status
+    path = f"{run_dir}/{rundir.RUN_STATUS}"
+    try:
+        if _age_s(connection, status.get("time", ""), read_s) > wait:
+            return {**status, "then_stop": "requested"}
+        deadline = time.monotonic() + wait
+        while status.get("then_stop") == "stopping" and time.monotonic() < deadline:
+            time.sleep(poll)
+            status = remote.read_json(connection, path, timeout=read_s) or status
+    except CommandTimedOut:
+        pass
+    return status
+
+
+def _age_s(connection: Connection, iso: str, read_s: float) -> float:
+    """How long ago `iso` (a run file's UTC time) was by the node's clock; 0 if it does not parse."""
+    try:
+        then = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return 0.0
+    return float(remote.sh(connection, "date +%s", timeout=read_s).strip()) - then
+
+
+def request_stop(
+    connection: Connection, run_dir: str, wait: float = 120.0, say: Callable[[str], None] = print, every: float = 10.0
+) -> dict:
+    """Graceful stop: the trainer checkpoints at the next step, then exits. Every `every` seconds of the
+    wait, what it waits for (an eval already under way finishes first)."""
+    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
+    started = time.monotonic()
+    told = started
+    while time.monotonic() < started + wait:
+        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+        if status.get("state") not in (None, "running"):
+            return status
+        if time.monotonic() - told >= every:
+            told = time.monotonic()
+            say(f"stop: still waiting ({told - started:.0f} s): {_stop_wait(connection, run_dir)}")
+        time.sleep(1.0)
+    raise remote.RemoteError(
+        f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
+        "Wait, or end it hard with `fab stop --force`"
+    )
+
+
+def _stop_wait(connection: Connection, run_dir: str) -> str:
+    """What a stop waits for, from rank 0's heartbeat (its last finished step) and the run's eval cadence."""
+    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    beat = remote.sh(connection, f"cat {q(str(rundir.rank_beat(Path(run_dir), 0)))} 2>/dev/null || true").split()
+    if not beat or not beat[0].isdigit():
+        return "the run has not finished a step yet (start-up); the stop comes at its first"
+    step, every = int(beat[0]), config.get("eval_every") or 0
+    if every and step % every == 0 or step == config.get("max_steps"):
+        return f"rank 0 is in the eval after step {step}: the stop comes after it (`fab stop --force` ends it now)"
+    return f"rank 0 finished step {step}; the checkpoint comes after its next step"
+
+
+def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> None:
+    """Kill mpirun and the ranks; the supervisor survives to record the end (reason: FORCED), and
+    launches no further attempt."""
+    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.FORCED}')}")
+    remote.sh(connection, f'kill -TERM "$(cat {q(f"{run_dir}/{rundir.MPIRUN_PID}")} 2>/dev/null)" 2>/dev/null || true')
+    for node in inventory.nodes:
+        remote.sh(
+            connection,
+            f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
+            # [-]: the pattern must not match the remote shell that runs pkill
+            f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true",
+            check=False,
+        )
+
+
+def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Path], Optional[Path]]:
+    """Best (else newest) checkpoint, config, vocabulary, summary, log, `fab report`'s report.md and
+    PNGs, and the last eval texts into
+    a fresh dest: an earlier copy is moved to DEST.previous, never merged with. Marks the run as
+    fetched on the cluster. Returns the files and where the earlier copy went, if there was one."""
+    staging = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    fetched = _download_run(connection, run_dir, staging)
+    previous = None
+    if dest.exists():
+        previous = dest.with_name(dest.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        dest.rename(previous)
+    staging.rename(dest)
+    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.FETCHED}')}")
+    return [dest / p.relative_to(staging) for p in fetched], previous
+
+
+def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
+    wanted = list(rundir.FETCHED_FILES)
+    checkpoints = f"{q(run_dir)}/{rundir.CHECKPOINTS}"
+    newest = f"ls -1 {checkpoints}/{rundir.CHECKPOINT_GLOB} 2>/dev/null | sort | tail -n 1"
+    # A live run: its newest checkpoint (best.pt is an earlier eval's); an ended one: the best.
+    live = (remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}).get("state") in (None, "running")
+    pick = newest if live else f"ls -1 {checkpoints}/{rundir.BEST_CHECKPOINT} 2>/dev/null || {newest}"
+    chosen = remote.sh(connection, f"{pick} || true").strip()
+    if chosen:
+        wanted.append(chosen[len(run_dir) + 1 :])
+    last_eval = remote.sh(
+        connection, f"ls -1 {q(run_dir)}/{rundir.EVAL}/ 2>/dev/null | sort | tail -n 3 || true"
+    ).split()
+    wanted += [f"{rundir.EVAL}/{name}" for name in last_eval]
+    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    fetched = []
+    sftp = connection.sftp()
+    for rel in wanted:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            sftp.get(f"{run_dir}/{rel}", str(target))
+            fetched.append(target)
+        except FileNotFoundError:
+            target.unlink(missing_ok=True)  # sftp.get creates the local file before it finds none
+    if config.get("data"):  # a text data set's vocabulary (an image data set has none)
+        try:
+            sftp.get(f"{config['data']}/spm.model", str(dest / "spm.model"))
+            fetched.append(dest / "spm.model")
+        except FileNotFoundError:
+            (dest / "spm.model").unlink(missing_ok=True)  # sftp.get creates the local file first: 0 bytes
+    return fetched
