@@ -154,3 +154,44 @@ def test_no_upward_import():
             bad += [f"{name} -> {t}" for t in targets if t.split(".")[0] in LAPTOP]
     bad = [line for line in bad if tuple(line.split(" -> ")) not in NODE_LIBRARIES]
     assert not bad, "upward imports (the node side imports the standard library and itself):\n" + "\n".join(sorted(bad))
+
+
+# The subpackages by noun (issue 31), each on a layer: a module imports its own subpackage and the layers
+# below it, never a sibling on its own layer or a layer above (the base imports no subpackage).
+LAYERS = {
+    "clusterops": {"": 0, "aws": 1, "local": 1, "nodes": 1, "predict": 2, "run": 3},
+    "cluster_node": {"": 0, "protocol": 0, "programs": 1, "supervisor": 2, "daemons": 2},
+}
+
+
+def _place(dotted: str) -> tuple[str, str]:
+    """(package, subpackage) of a module; "" for the package's base modules."""
+    top, *rest = dotted.split(".")
+    sub = rest[0] if len(rest) > 1 and rest[0] in LAYERS.get(top, {}) else ""
+    return top, sub
+
+
+def downward(name: str, target: str) -> bool:
+    (top, sub), (target_top, target_sub) = _place(name), _place(target)
+    if top != target_top or top not in LAYERS or sub == target_sub:
+        return True
+    layers = LAYERS[top]
+    return layers[target_sub] < layers[sub] or (target_sub in ("", "protocol") and layers[target_sub] == layers[sub])
+
+
+def test_the_layer_rule_refuses_a_sibling_and_an_upward_arrow():
+    assert downward("clusterops.run.launch", "clusterops.nodes.remote")
+    assert downward("clusterops.nodes.remote", "clusterops.inventory")
+    assert not downward("clusterops.nodes.view", "clusterops.run.launch")
+    assert not downward("clusterops.aws.audit", "clusterops.local.cluster")
+    assert not downward("clusterops.inventory", "clusterops.nodes.remote")
+    assert downward("cluster_node.protocol.rundir", "cluster_node.tools")
+    assert not downward("cluster_node.programs.runs", "cluster_node.supervisor.goodput")
+
+
+def test_every_subpackage_imports_only_its_own_and_the_layers_below():
+    known = set(LAYERS["clusterops"]) | set(LAYERS["cluster_node"])
+    subpackages = {p.parent.name for top in ("clusterops", "cluster_node") for p in PACKAGES[top].glob("*/__init__.py")}
+    assert subpackages - {"autostop"} <= known, f"give these a layer in LAYERS: {subpackages - known}"
+    bad = [f"{name} -> {t}" for name, targets in graph().items() for t in targets if not downward(name, t)]
+    assert not bad, "arrows running back up or sideways (move the shared piece down):\n" + "\n".join(sorted(bad))

@@ -8,6 +8,7 @@ import pytest
 from cluster_node.protocol.spec import RunSpec
 from clusterops import terminal
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
+from clusterops.nodes import remote, view
 from clusterops.run import launch, lifecycle
 
 
@@ -158,10 +159,10 @@ IP_ADDR = """1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever p
 
 
 def test_interface_is_the_one_holding_the_node_address():
-    assert launch.parse_interface(IP_ADDR, "10.42.0.5") == "ens5"
-    assert launch.parse_interface(IP_ADDR, "127.0.0.1") == "lo"
-    with pytest.raises(launch.LaunchError, match="no interface holds 10.42.0.9"):
-        launch.parse_interface(IP_ADDR, "10.42.0.9")
+    assert view.parse_interface(IP_ADDR, "10.42.0.5") == "ens5"
+    assert view.parse_interface(IP_ADDR, "127.0.0.1") == "lo"
+    with pytest.raises(remote.RemoteError, match="no interface holds 10.42.0.9"):
+        view.parse_interface(IP_ADDR, "10.42.0.9")
 
 
 @pytest.mark.parametrize(

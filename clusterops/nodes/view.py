@@ -4,6 +4,7 @@ sample. Each sends one line (`python -m cluster_node.X`) and parses its JSON."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from typing import Optional
 
@@ -13,13 +14,23 @@ from clusterops import terminal
 from clusterops.inventory import Inventory, Node
 from clusterops.nodes import command as nodecmd
 from clusterops.nodes import remote
-from clusterops.run import launch
 
 q = shlex.quote
+_IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
 
 def detect_interface(connection: Connection, node: Node) -> str:
-    return launch.parse_interface(remote.sh(connection, "ip -o -4 addr show"), node.private_ip)
+    return parse_interface(remote.sh(connection, "ip -o -4 addr show"), node.private_ip)
+
+
+def parse_interface(ip_addr_output: str, address: str) -> str:
+    """The interface holding `address`, from `ip -o -4 addr show` output."""
+    for line in ip_addr_output.splitlines():
+        match = _IFACE.match(line.strip())
+        if match and match.group(2) == address:
+            return match.group(1)
+    stale = "is the inventory stale? (`fab inventory` or `fab local.up`)"
+    raise remote.RemoteError(f"no interface holds {address}: {stale}")
 
 
 # ---------------------------------------------------------------- status

@@ -16,7 +16,6 @@ from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_d
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
-_IFACE = re.compile(r"^\d+:\s+(\S+)\s+inet\s+(\d+\.\d+\.\d+\.\d+)/\d+")
 
 
 # On EFA clusters NCCL must use the image's aws-ofi-nccl, or fail: NCCL_NET_PLUGIN=ofi loads
@@ -117,15 +116,6 @@ class LaunchPlan:
 
 def data_path(inventory: Inventory, dataset: str) -> str:
     return dataset_dir(dataset, inventory.data_dir)
-
-
-def parse_interface(ip_addr_output: str, address: str) -> str:
-    """The interface holding `address`, from `ip -o -4 addr show` output."""
-    for line in ip_addr_output.splitlines():
-        match = _IFACE.match(line.strip())
-        if match and match.group(2) == address:
-            return match.group(1)
-    raise LaunchError(f"no interface holds {address}: is the inventory stale? (`fab inventory` or `fab local.up`)")
 
 
 def run_dir(inventory: Inventory, run_name: str) -> str:
