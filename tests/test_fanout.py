@@ -142,8 +142,8 @@ def test_sync_ships_the_node_package_beside_the_training_program(nodes_via_proxy
     result = run_fab("sync", GPU_CLUSTER_INVENTORY=str(path))
     assert result.returncode == 0, result.stderr
     code = Path(Inventory.load(path).data_dir) / "code"
-    assert (code / "train" / "train.py").is_file() and (code / "cluster_node" / "probe.py").is_file()
-    assert (code / "cluster_node" / "autostop" / "watchdog.py").is_file()
+    assert (code / "train" / "train.py").is_file() and (code / "cluster_node" / "programs" / "probe.py").is_file()
+    assert (code / "cluster_node" / "daemons" / "autostop" / "watchdog.py").is_file()
     assert not list(code.rglob("__pycache__")), "no bytecode of the laptop's Python on the nodes"
     assert f"to {code}" in result.stdout
 

@@ -17,10 +17,10 @@ from clusterops.run import launch
 
 DOCKERFILE = REPO / "assets" / "docker" / "Dockerfile"
 SCRIPTS = [REPO / "assets" / "docker" / "entrypoint.sh"]
-SUPERVISOR = [REPO / "assets" / "cluster_node" / "nodes.py", REPO / "assets" / "cluster_node" / "hang.py"]
+SUPERVISOR = [REPO / "assets" / "cluster_node" / "supervisor" / n for n in ("nodes.py", "hang.py")]
 BOOTSTRAP = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"  # its `docker exec CONTAINER COMMAND`s
 # Python files whose `sh(connection, "...")` commands run in the container (fab connects to it).
-SENDERS = [*sorted((REPO / "clusterops").glob("*.py")), *sorted((REPO / "fabfile").glob("*.py"))]
+SENDERS = [*sorted((REPO / "clusterops").rglob("*.py")), *sorted((REPO / "fabfile").glob("*.py"))]
 TRAIN_REQUIREMENTS = REPO / "assets" / "train" / "requirements.txt"
 
 BASE = "NGC base"
@@ -385,7 +385,7 @@ def test_the_image_build_imports_every_node_module_the_entrypoint_and_fab_run():
     says: only the image build can catch a wrong COPY, PYTHONPATH or module name (a fresh read of the
     deploy path). The Dockerfile's smoke import must name every `python -m cluster_node.X` the
     entrypoint, fab and the supervisor run."""
-    sources = [*(REPO / "clusterops").glob("*.py"), *(REPO / "assets" / "cluster_node").rglob("*.py")]
+    sources = [*(REPO / "clusterops").rglob("*.py"), *(REPO / "assets" / "cluster_node").rglob("*.py")]
     sources.append(REPO / "assets" / "docker" / "entrypoint.sh")
     run = set()
     for path in sources:

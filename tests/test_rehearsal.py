@@ -158,13 +158,13 @@ def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -
     node_program([*watchdog, "--interval", "1"], env, seconds=8)
     file_system = next(iter(deployed.physical_of("AWS::EFS::FileSystem")))
     meter = (
-        "from cluster_node import efsio; import time; "
+        "from cluster_node.supervisor import efsio; import time; "
         f"print(efsio.measure({file_system!r}, {REGION!r}, time.time() - 3600, time.time()))"
     )
     node_program(["-c", meter], env)
     ids = tuple(deployed.instances)
     billing = node_program(
-        ["-c", f"from cluster_node import ec2state; print(ec2state.billing_ids({ids!r}, {REGION!r}))"], env
+        ["-c", f"from cluster_node.supervisor import ec2state; print(ec2state.billing_ids({ids!r}, {REGION!r}))"], env
     )
     assert "i-" in billing, billing  # the budget meter's nodes that bill, from EC2's instance state
     stopped = node_program([*watchdog, "--stop-now"], env)

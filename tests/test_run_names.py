@@ -13,7 +13,7 @@ from conftest import REPO
 from cluster_node.protocol import clusterdir, rundir
 
 NODE = REPO / "assets" / "cluster_node"
-SPELLERS = {NODE / "rundir.py", NODE / "clusterdir.py", NODE / "protocol.py"}
+SPELLERS = {NODE / "protocol" / "rundir.py", NODE / "protocol" / "clusterdir.py", NODE / "protocol" / "table.py"}
 # Directory words too common to grep; their paths go through rundir's and clusterdir's helpers.
 GENERIC = {"runs", "ranks", "stacks", "probes", "checkpoints", "tensorboard", "eval", "ssh", "ready", "heartbeat"}
 GENERIC |= {"autostop", "busy", ".cluster", "specs"}
