@@ -114,7 +114,7 @@ def test_row4_a_hang_collects_stacks_names_the_rank_and_keeps_them(tmp_path):
     (tmp_path / "ranks").mkdir()
     sup.launch()
     (tmp_path / "ranks" / "rank0").write_text("12 7 n0\n")
-    sup.state = sup.step()
+    sup.step()
     assert sup.state == State.STOPPING and ("stacks", ("h1", "h2")) in nodes.calls
     assert "hang: no rank finished a step for 70 s (window 60 s); rank 0 (pid 7 on n0) is behind" in sup.reason
     assert (tmp_path / "hang-stacks-1").is_dir() and json.loads((tmp_path / "hangs.json").read_text())[0]["rank"] == 0
@@ -154,13 +154,39 @@ def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):
     assert _status(tmp_path)["reason"] == "stopped by fab stop --force" and len(mpirun.starts) == 1
 
 
+def _trainer_ended(run: Path, step: int, ended: str, ended_by: Optional[str]) -> None:
+    """The trainer's last words: its log line and progress.json's end record (callbacks.ProgressFile)."""
+    with open(run / "train.log", "a") as log:
+        log.write(f"x\n[1,0]<stdout>:run ended at step {step}: {ended}\n")
+    end = rundir.Progress(step=step, max_steps=100, loss=None, ended=ended, ended_by=ended_by)
+    rundir.write_record(run / "progress.json", end)
+
+
 def test_row8_a_clean_end_is_finished_with_the_trainers_last_line(tmp_path):
     sup, _, _ = _supervisor(tmp_path, [0], Script())
-    (tmp_path / "train.log").write_text("x\n[1,0]<stdout>:run ended at step 50: max_steps\n")
+    _trainer_ended(tmp_path, 50, "max_steps", "steps")
     assert sup.run_all() == 0
     status = _status(tmp_path)
     assert status["state"] == "finished" and status["reason"] == "run ended at step 50: max_steps"
-    assert not (tmp_path / "active").exists()
+    assert "kind" not in status and not (tmp_path / "active").exists()
+
+
+def test_row8_a_stop_the_trainer_honoured_ends_stopped_as_its_end_record_says(tmp_path):
+    """The end record's `ended_by` decides, not its words: `stopped` (resumable) for a stop, `finished` for a
+    target reached whatever the words; a record from before `ended_by` is read by its words."""
+    for ended, ended_by, state in (
+        ("stop requested (checkpoint now, no eval)", "stop", "stopped"),
+        ("stop requested by the target", "target", "finished"),
+        ("stop requested (checkpoint now, no eval)", None, "stopped"),
+        ("max_steps", None, "finished"),
+    ):
+        run = tmp_path / f"{ended_by}-{len(ended)}"
+        run.mkdir()
+        sup, _, _ = _supervisor(run, [0], Script())
+        _trainer_ended(run, 40, ended, ended_by)
+        sup.run_all()
+        status = _status(run)
+        assert (status["state"], status["reason"]) == (state, f"run ended at step 40: {ended}"), ended_by
 
 
 def _notice(run: Path, host: str, action_time: str = "") -> rundir.Interruption:
@@ -298,7 +324,7 @@ def test_the_restart_line_says_what_was_lost_since_the_start_and_why(tmp_path):
     (tmp_path / "ranks" / "rank0").write_text("55 1 n0\n")
     (tmp_path / "ranks" / "rank1").write_text("54 2 n1\n")
     for expected in (State.STOPPING, State.RESTARTING, State.STARTING):
-        sup.state = sup.step()
+        sup.step()
         assert sup.state == expected
     line = (tmp_path / "train.log").read_text().splitlines()[-2]
     assert "restart 1/1 on 2 node(s) node0 node1 from the start (lost 55 steps since the start: the recipe" in line
