@@ -76,6 +76,7 @@ class Outcome:
 
 
 _ERROR = re.compile(r"mpirun noticed|exited on signal|Error|error:")
+_ENDED = re.compile(r"run ended at step.*")  # the trainer's last line (from the match on)
 
 
 def now_iso(now: Optional[float] = None) -> str:
@@ -232,7 +233,8 @@ class Supervisor:
             return Outcome(State.RESTARTING, EndKind.SPOT, spot)
         resume = shlex.join(self.spec.resume) if spot and self.spec.resume else None
         end = trainer_end(self.run)
-        reason = f"run ended at step {end.step}: {end.ended}" if end is not None else ""
+        # Its words as it logged them; a program with no end record (fab check's, a stand-in): its log line.
+        reason = f"run ended at step {end.step}: {end.ended}" if end is not None else _last(self.run, _ENDED)
         stopped = end is not None and end.end == EndedBy.STOP
         if self.meter and self.meter.stopped:
             step = restart_plan.last_checkpoint_step(self.run)
@@ -422,12 +424,16 @@ def _nonempty(path: Path) -> bool:
 
 
 def _last(run: Path, pattern: re.Pattern) -> str:
-    """The last line of train.log that matches `pattern`."""
+    """The last line of train.log that matches `pattern` (_ENDED: from the match on)."""
     try:
         lines = (run / rundir.TRAIN_LOG).read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    return next((line for line in reversed(lines) if pattern.search(line)), "")
+    for line in reversed(lines):
+        match = pattern.search(line)
+        if match:
+            return line[match.start() :] if pattern is _ENDED else line
+    return ""
 
 
 def main(argv: list[str]) -> int:
