@@ -99,11 +99,22 @@ class Supervisor:
         self.started = clock()  # this segment of the run (a resume starts another)
         self.meter = Meter.of(spec, clock())  # --budget-usd; its `stopped` line once reached
 
-    # The latest outcome's parts, for the records and for tests.
-    state = property(lambda self: self.outcome.state)
-    kind = property(lambda self: self.outcome.kind)
-    reason = property(lambda self: self.outcome.reason)
-    code = property(lambda self: self.outcome.code)
+    # The latest outcome's parts, as the records and the tests read them.
+    @property
+    def state(self) -> State:
+        return self.outcome.state
+
+    @property
+    def kind(self) -> Optional[EndKind]:
+        return self.outcome.kind
+
+    @property
+    def reason(self) -> str:
+        return self.outcome.reason
+
+    @property
+    def code(self) -> int:
+        return self.outcome.code
 
     # ------------------------------------------------------------ records
 
