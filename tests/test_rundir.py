@@ -273,3 +273,15 @@ def test_the_guard_sees_a_state_compared_assigned_or_passed_but_not_a_key():
         (2, "sent"),
         (3, "hang"),
     ]
+
+
+def test_what_ended_the_trainer_is_read_from_ended_by_or_from_an_older_records_words():
+    assert rundir.Progress(step=5, ended="max_steps", ended_by="stop").end == rundir.EndedBy.STOP  # the value decides
+    older = {
+        "max_steps": "steps",
+        "stop requested (checkpoint now, no eval)": "stop",
+        "target bleu 30.0 reached": "target",
+    }
+    for words, by in older.items():
+        assert rundir.Summary.from_json({"recipe": "r", "steps": 5, "ended": words}).end == by
+    assert rundir.Progress(step=5).end is None and rundir.Progress(step=5, ended_by="a later one").end is None

@@ -4,16 +4,19 @@ a lost node, restarts used up, a stop and a forced stop during a restart, a Spot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Optional
 
+import pytest
 from supervisor_fixture import write_spec
 
 from cluster_node import restart_plan, rundir, spec
 from cluster_node.observe import Observation
-from cluster_node.supervisor import State, Supervisor
+from cluster_node.rundir import EndKind
+from cluster_node.supervisor import Outcome, State, Supervisor
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
 NOW = 1_800_000_000.0
@@ -345,3 +348,28 @@ def test_row17_the_retried_cleanup_of_a_dropped_node_spares_a_run_started_during
     monkeypatch.setattr(module.time, "sleep", lambda s: active.write_text("/data/runs/next\n"))  # fab train, meanwhile
     sup.retry_cleanup(active)
     assert ("cleanup", "h2") not in nodes.calls
+
+
+def test_a_decision_is_a_frozen_outcome_the_loop_applies(tmp_path):
+    """Issue 31: the outcome was five attributes each decision set piecemeal; now one value per decision."""
+    sup, _, _ = _supervisor(tmp_path, [None], Script(), restarts=1)
+    sup.launch()
+    (tmp_path / "train.log").write_text("RuntimeError: boom\n")
+    outcome = sup.decide(Observation(NOW, exited=1))
+    assert outcome == Outcome(State.RESTARTING, EndKind.DIED, "RuntimeError: boom", 1)
+    assert (sup.state, sup.kind, sup.code) == (State.STARTING, None, 0)  # decided, not applied
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        outcome.reason = "changed"  # type: ignore[misc]
+    assert sup.apply(outcome) == State.RESTARTING and (sup.kind, sup.reason, sup.code) == ("died", outcome.reason, 1)
+
+
+def test_a_run_that_finishes_after_a_restart_has_no_kind_in_its_status(tmp_path):
+    """A clean end has no kind (run-status.json's contract); the restart's kind outlived it: `died` on a
+    finished run. restarts.json keeps the restart's."""
+    sup, mpirun, _ = _supervisor(tmp_path, [1, 0], Script(), restarts=1)
+    (tmp_path / "train.log").write_text("RuntimeError: boom\n")
+    _trainer_ended(tmp_path, 60, "max_steps", "steps")
+    assert sup.run_all() == 0 and len(mpirun.starts) == 2
+    status = _status(tmp_path)
+    assert status["state"] == "finished" and "kind" not in status, status
+    assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "died"
