@@ -58,17 +58,17 @@ def test_a_run_that_reaches_its_budget_is_asked_to_checkpoint_and_ends_saying_wh
     (tmp_path / "progress.json").write_text(json.dumps({"step": 17, "max_steps": 1000}))
     sup.launch()
     now[0] = NOW + 3
-    sup.state = sup.decide(Observation(NOW + 3, first_step=True))
+    sup.apply(sup.decide(Observation(NOW + 3, first_step=True)))
     assert not (tmp_path / "STOP").exists()  # $6.30 of $10
     now[0] = NOW + 6
-    sup.state = sup.decide(Observation(NOW + 6, first_step=True))
+    sup.apply(sup.decide(Observation(NOW + 6, first_step=True)))
     stop = (tmp_path / "STOP").read_text()
     assert stop.startswith("now: budget: $10.00 reached at step 17 ($12.60 spent")  # checkpoint, no eval
     (tmp_path / "checkpoints" / "step_00000018.pt").write_bytes(b"x")
     with open(tmp_path / "train.log", "a") as log:
         log.write("run ended at step 18: stop requested\n")
     now[0] = NOW + 9
-    sup.state = sup.decide(Observation(NOW + 9, exited=0))
+    sup.apply(sup.decide(Observation(NOW + 9, exited=0)))
     sup.finish()
     status = json.loads((tmp_path / "run-status.json").read_text())
     assert status["state"] == "finished" and status["kind"] == "budget"
@@ -180,11 +180,11 @@ def test_a_budget_stop_that_lands_during_a_restart_keeps_the_budgets_line_and_ki
         (tmp_path / "probes" / host).write_text(HEALTHY)
     sup.launch()
     now[0] = NOW + 6
-    sup.state = sup.decide(Observation(NOW + 6, first_step=True))
+    sup.apply(sup.decide(Observation(NOW + 6, first_step=True)))
     assert (tmp_path / "STOP").exists()
-    sup.state = sup.decide(Observation(NOW + 7, exited=1))
+    sup.apply(sup.decide(Observation(NOW + 7, exited=1)))
     assert sup.state.value == "restarting" and sup.kind == "died"
-    sup.state = sup.step()
+    sup.step()
     sup.finish()
     status = json.loads((tmp_path / "run-status.json").read_text())
     assert status["kind"] == "budget" and status["state"] == "stopped", status

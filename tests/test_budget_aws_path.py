@@ -105,13 +105,13 @@ def test_an_unwritable_budget_json_does_not_kill_a_healthy_run(tmp_path, monkeyp
     monkeypatch.setattr(rundir, "write_record", failing)
     for t in (1, 2):  # two polls: one log line, not one per poll
         now[0] = NOW + t
-        sup.state = sup.decide(Observation(NOW + t, first_step=True))
+        sup.apply(sup.decide(Observation(NOW + t, first_step=True)))
     log = (tmp_path / "train.log").read_text()
     assert log.count("could not save budget.json") == 1 and "No space left on device" in log
     assert sup.meter.node_hours == pytest.approx(2 * 2 / 3600)  # still metered
     monkeypatch.setattr(rundir, "write_record", real)
     now[0] = NOW + 3
-    sup.state = sup.decide(Observation(NOW + 3, first_step=True))
+    sup.apply(sup.decide(Observation(NOW + 3, first_step=True)))
     assert json.loads((tmp_path / rundir.BUDGET).read_text())["time"] == NOW + 3  # saved again once it can
 
 

@@ -5,6 +5,7 @@ the protocol table names every file."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -214,3 +215,76 @@ def test_the_protocol_table_lists_every_name_the_modules_define():
     assert rows[0] == "| name | writer | readers | format |" and len(rows) == len(protocol.FILES) + 2
     for row in protocol.FILES:
         assert row.record is None or row.record in {r.__name__ for r in rundir.RECORDS}
+
+
+# Words of the protocol's vocabularies that mean something else where these modules spell them.
+OTHER_MEANINGS = {
+    ("cluster_node/daemons/autostop/cloud.py", "running"): "an EC2 instance state",
+    ("cluster_node/daemons/autostop/cloud.py", "stopping"): "an EC2 instance state",
+    ("cluster_node/daemons/autostop/watchdog.py", "stopping"): "an EC2 instance state",
+    ("cluster_node/supervisor/ec2state.py", "running"): "an EC2 instance state",
+    ("cluster_node/programs/health.py", "unreachable"): "a node's health verdict (restarts.json's `dropped`)",
+    ("cluster_node/programs/health.py", "failed"): "nvidia-smi's output",
+    ("cluster_node/programs/node_status.py", "failed"): "a marker span's outcome word",
+}
+
+
+def _spelled(tree: ast.AST, words: set[str]) -> list[tuple[int, str]]:
+    """String constants equal to one of `words`, but not as a key (`x["k"]`, `{"k": v}`, `.get("k")`) nor as
+    an Enum member's value (the supervisor's State)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            skip.add(id(node.slice))
+        elif isinstance(node, ast.Dict):
+            skip.update(id(key) for key in node.keys if key is not None)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            if node.func.attr in ("get", "pop", "setdefault"):
+                skip.add(id(node.args[0]))
+        elif isinstance(node, ast.ClassDef) and any("Enum" in ast.unparse(base) for base in node.bases):
+            skip.update(id(n) for n in ast.walk(node))
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in words and id(node) not in skip
+    )
+
+
+def test_no_module_on_the_nodes_spells_a_run_state_or_a_kind_as_a_bare_string():
+    """rundir's enums (RunState, EndKind, ThenStopState) spell run-status.json's, restarts.json's and
+    phases.jsonl's words once (27 literals under assets/ spelled them, issue 31)."""
+    words = {v.value for enum in (rundir.RunState, rundir.EndKind, rundir.ThenStopState) for v in enum}
+    assets = Path(rundir.__file__).parents[2]
+    found = []
+    for path in sorted(assets.rglob("*.py")):
+        name = path.relative_to(assets).as_posix()
+        if name == "cluster_node/protocol/rundir.py":
+            continue
+        spelled = _spelled(ast.parse(path.read_text()), words)
+        found += [f"{name}:{line}: {word!r}" for line, word in spelled if (name, word) not in OTHER_MEANINGS]
+    assert not found, "use rundir.RunState / EndKind / ThenStopState:\n" + "\n".join(found)
+
+
+def test_the_guard_sees_a_state_compared_assigned_or_passed_but_not_a_key():
+    tree = ast.parse(
+        'if state != "running": kind = "spot"\nf(then_stop="sent")\nreturn why, "hang"\n'
+        'x = d["failed"]; y = d.get("died"); z = {"forced": 1}\nclass S(str, Enum):\n    A = "budget"\n'
+    )
+    assert _spelled(tree, {"running", "spot", "sent", "hang", "failed", "died", "forced", "budget"}) == [
+        (1, "running"),
+        (1, "spot"),
+        (2, "sent"),
+        (3, "hang"),
+    ]
+
+
+def test_what_ended_the_trainer_is_read_from_ended_by_or_from_an_older_records_words():
+    assert rundir.Progress(step=5, ended="max_steps", ended_by="stop").end == rundir.EndedBy.STOP  # the value decides
+    older = {
+        "max_steps": "steps",
+        "stop requested (checkpoint now, no eval)": "stop",
+        "target bleu 30.0 reached": "target",
+    }
+    for words, by in older.items():
+        assert rundir.Summary.from_json({"recipe": "r", "steps": 5, "ended": words}).end == by
+    assert rundir.Progress(step=5).end is None and rundir.Progress(step=5, ended_by="a later one").end is None

@@ -32,6 +32,12 @@ def test_progress_reads_both_shapes_the_trainer_writes(tmp_path):
     assert final.loss is None and final.ended == "max_steps" and "loss" in final.to_json()
 
 
+SUMMARY_KEYS = {"recipe", "steps", "world_size", "global_batch", "objects", "avg_step_time_s", "objects_per_s"}
+SUMMARY_KEYS |= {"warmup", "flops_per_step", "mfu", "mfu_peak", "batch_shapes", "checkpoint_mb", "precision"}
+SUMMARY_KEYS |= {"grad_compression", "resumed_from", "ended", "wall_time_s", "breakdown", "calibration"}
+SUMMARY_KEYS |= {"auto_compression"}
+
+
 def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     out = run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1").stdout
     # Issue 32 §7: step 1's speed, parts and ETA (start-up) misled: "208 ms/step ... compute 877"
@@ -42,8 +48,17 @@ def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     summary = rundir.read_record(tmp_path / rundir.SUMMARY, rundir.Summary)
     assert summary is not None and summary.to_json() == json.loads((tmp_path / rundir.SUMMARY).read_text())
     assert summary.steps == 2 and summary.ended == "max_steps" and "best_bleu" in summary.metrics
+    assert summary.end == rundir.EndedBy.STEPS and summary.ended_by == "steps"  # what ended it, as a value
+    keys = set(json.loads((tmp_path / rundir.SUMMARY).read_text())) - {"ended_by"}
+    assert keys == SUMMARY_KEYS | {
+        "eval_loss",
+        "bleu",
+        "exact_match",
+        "best_bleu",
+    }  # the hand-built dict's keys, through the record
     progress = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
     assert progress is not None and progress.ended == "max_steps" and not progress.extra
+    assert progress.end == rundir.EndedBy.STEPS and progress.ended_by == "steps"
     assert (tmp_path / rundir.CONFIG).is_file() and rundir.checkpoint(tmp_path, 2).is_file()
     written = (tmp_path / rundir.SUMMARY).read_text()
     run_trainer(numbers_data, tmp_path, "--max-steps", "2", "--log-every", "1")  # trains nothing

@@ -4,16 +4,19 @@ a lost node, restarts used up, a stop and a forced stop during a restart, a Spot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Optional
 
+import pytest
 from supervisor_fixture import write_spec
 
 from cluster_node.protocol import rundir, spec
+from cluster_node.protocol.rundir import EndKind
 from cluster_node.supervisor import restart_plan
-from cluster_node.supervisor.loop import State, Supervisor
+from cluster_node.supervisor.loop import Outcome, State, Supervisor
 from cluster_node.supervisor.observe import Observation
 
 HEALTHY = json.dumps({"time": 0, "mounted": True, "writable": True, "free_gb": 100, "xids": [], "gpus": []})
@@ -115,7 +118,7 @@ def test_row4_a_hang_collects_stacks_names_the_rank_and_keeps_them(tmp_path):
     (tmp_path / "ranks").mkdir()
     sup.launch()
     (tmp_path / "ranks" / "rank0").write_text("12 7 n0\n")
-    sup.state = sup.step()
+    sup.step()
     assert sup.state == State.STOPPING and ("stacks", ("h1", "h2")) in nodes.calls
     assert "hang: no rank finished a step for 70 s (window 60 s); rank 0 (pid 7 on n0) is behind" in sup.reason
     assert (tmp_path / "hang-stacks-1").is_dir() and json.loads((tmp_path / "hangs.json").read_text())[0]["rank"] == 0
@@ -155,13 +158,39 @@ def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):
     assert _status(tmp_path)["reason"] == "stopped by fab stop --force" and len(mpirun.starts) == 1
 
 
+def _trainer_ended(run: Path, step: int, ended: str, ended_by: Optional[str]) -> None:
+    """The trainer's last words: its log line and progress.json's end record (callbacks.ProgressFile)."""
+    with open(run / "train.log", "a") as log:
+        log.write(f"x\n[1,0]<stdout>:run ended at step {step}: {ended}\n")
+    end = rundir.Progress(step=step, max_steps=100, loss=None, ended=ended, ended_by=ended_by)
+    rundir.write_record(run / "progress.json", end)
+
+
 def test_row8_a_clean_end_is_finished_with_the_trainers_last_line(tmp_path):
     sup, _, _ = _supervisor(tmp_path, [0], Script())
-    (tmp_path / "train.log").write_text("x\n[1,0]<stdout>:run ended at step 50: max_steps\n")
+    _trainer_ended(tmp_path, 50, "max_steps", "steps")
     assert sup.run_all() == 0
     status = _status(tmp_path)
     assert status["state"] == "finished" and status["reason"] == "run ended at step 50: max_steps"
-    assert not (tmp_path / "active").exists()
+    assert "kind" not in status and not (tmp_path / "active").exists()
+
+
+def test_row8_a_stop_the_trainer_honoured_ends_stopped_as_its_end_record_says(tmp_path):
+    """The end record's `ended_by` decides, not its words: `stopped` (resumable) for a stop, `finished` for a
+    target reached whatever the words; a record from before `ended_by` is read by its words."""
+    for ended, ended_by, state in (
+        ("stop requested (checkpoint now, no eval)", "stop", "stopped"),
+        ("stop requested by the target", "target", "finished"),
+        ("stop requested (checkpoint now, no eval)", None, "stopped"),
+        ("max_steps", None, "finished"),
+    ):
+        run = tmp_path / f"{ended_by}-{len(ended)}"
+        run.mkdir()
+        sup, _, _ = _supervisor(run, [0], Script())
+        _trainer_ended(run, 40, ended, ended_by)
+        sup.run_all()
+        status = _status(run)
+        assert (status["state"], status["reason"]) == (state, f"run ended at step 40: {ended}"), ended_by
 
 
 def _notice(run: Path, host: str, action_time: str = "") -> rundir.Interruption:
@@ -299,7 +328,7 @@ def test_the_restart_line_says_what_was_lost_since_the_start_and_why(tmp_path):
     (tmp_path / "ranks" / "rank0").write_text("55 1 n0\n")
     (tmp_path / "ranks" / "rank1").write_text("54 2 n1\n")
     for expected in (State.STOPPING, State.RESTARTING, State.STARTING):
-        sup.state = sup.step()
+        sup.step()
         assert sup.state == expected
     line = (tmp_path / "train.log").read_text().splitlines()[-2]
     assert "restart 1/1 on 2 node(s) node0 node1 from the start (lost 55 steps since the start: the recipe" in line
@@ -320,3 +349,28 @@ def test_row17_the_retried_cleanup_of_a_dropped_node_spares_a_run_started_during
     monkeypatch.setattr(module.time, "sleep", lambda s: active.write_text("/data/runs/next\n"))  # fab train, meanwhile
     sup.retry_cleanup(active)
     assert ("cleanup", "h2") not in nodes.calls
+
+
+def test_a_decision_is_a_frozen_outcome_the_loop_applies(tmp_path):
+    """Issue 31: the outcome was five attributes each decision set piecemeal; now one value per decision."""
+    sup, _, _ = _supervisor(tmp_path, [None], Script(), restarts=1)
+    sup.launch()
+    (tmp_path / "train.log").write_text("RuntimeError: boom\n")
+    outcome = sup.decide(Observation(NOW, exited=1))
+    assert outcome == Outcome(State.RESTARTING, EndKind.DIED, "RuntimeError: boom", 1)
+    assert (sup.state, sup.kind, sup.code) == (State.STARTING, None, 0)  # decided, not applied
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        outcome.reason = "changed"  # type: ignore[misc]
+    assert sup.apply(outcome) == State.RESTARTING and (sup.kind, sup.reason, sup.code) == ("died", outcome.reason, 1)
+
+
+def test_a_run_that_finishes_after_a_restart_has_no_kind_in_its_status(tmp_path):
+    """A clean end has no kind (run-status.json's contract); the restart's kind outlived it: `died` on a
+    finished run. restarts.json keeps the restart's."""
+    sup, mpirun, _ = _supervisor(tmp_path, [1, 0], Script(), restarts=1)
+    (tmp_path / "train.log").write_text("RuntimeError: boom\n")
+    _trainer_ended(tmp_path, 60, "max_steps", "steps")
+    assert sup.run_all() == 0 and len(mpirun.starts) == 2
+    status = _status(tmp_path)
+    assert status["state"] == "finished" and "kind" not in status, status
+    assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "died"

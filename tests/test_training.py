@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import REPO, TRAIN_DIR, tool_env
 
+from cluster_node.protocol import rundir
 from train import checkpoint, strict_device
 from train.recipes import transformer_lr
 
@@ -135,6 +136,9 @@ def test_stop_checkpoints_at_the_next_step_and_a_now_stop_skips_the_eval(numbers
     assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_00000001.pt"]
     assert ("eval step 1" in result.stdout) is evaluated and not (tmp_path / "STOP").exists()
     assert ("(checkpoint now, no eval)" in result.stdout) is not evaluated
+    progress = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
+    summary = rundir.read_record(tmp_path / rundir.SUMMARY, rundir.Summary)
+    assert progress and summary and (progress.ended_by, summary.ended_by) == ("stop", "stop")  # the supervisor reads it
 
 
 def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, tmp_path):

@@ -81,11 +81,8 @@ def reporting(config: TrainConfig, info: distributed.DistInfo) -> list[Callback]
 
 def _summary_line(summary: dict) -> str:
     shown = ("steps", "avg_step_time_s", "objects_per_s", "eval_loss", "bleu", "top1", "checkpoint_mb")
-    return "summary: " + ", ".join(
-        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-        for k, v in summary.items()
-        if k in shown and v is not None
-    )
+    values = [(k, summary[k]) for k in shown if summary.get(k) is not None]  # in this order
+    return "summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values)
 
 
 def main(argv=None) -> int:

@@ -237,12 +237,13 @@ class Trainer:
             callback.on_progress(self.step, values)
 
     def fit(self) -> dict:
+        """Train to max_steps, a STOP or the target metric; summary.json's values."""
         c, metric = self.config, self.task.metric
         global_batch = c.batch_per_gpu * self.info.world_size * c.grad_accum
         step_times: list[float] = []
         pending: list = []  # (step, loss sum on the device, units) not yet read
         last_eval: dict = {}
-        ended = "max_steps"
+        ended, ended_by = "max_steps", rundir.EndedBy.STEPS
         started = self.fit_started = time.time()
         if self.step >= c.max_steps:
             self.log(f"run already at step {self.step} >= max steps {c.max_steps}")
@@ -267,16 +268,17 @@ class Trainer:
             elif self.step % c.checkpoint_every == 0 or self.checkpoint_due:
                 self.save()
             if stop:
-                ended = "stop requested (checkpoint now, no eval)"
+                ended, ended_by = "stop requested (checkpoint now, no eval)", rundir.EndedBy.STOP
                 if self.info.is_main:
                     (self.run_dir / rundir.STOP).unlink(missing_ok=True)
                 break
             if reached:
-                ended = f"target {metric} {c.target_metric} reached"
+                ended, ended_by = f"target {metric} {c.target_metric} reached", rundir.EndedBy.TARGET
                 break
         self._flush_losses(pending)
         self.log(f"run ended at step {self.step}: {ended}")
-        return self._summary(step_times, global_batch, last_eval, ended, time.time() - started)
+        wall = time.time() - started
+        return self._summary(step_times, global_batch, last_eval, (ended, ended_by), wall).to_json()
 
     def _log_step(self, pending: list, step_times: list[float], global_batch: int) -> None:
         """Per step: LR and timing; at log steps also the losses so far, memory and the log line."""
@@ -352,7 +354,7 @@ class Trainer:
         self._interval("eval", start)
         return result
 
-    def _summary(self, step_times, global_batch, last_eval, ended, wall) -> dict:
+    def _summary(self, step_times, global_batch, last_eval, end: tuple[str, rundir.EndedBy], wall) -> rundir.Summary:
         warmup = perf.steady_state(step_times)  # the averages are the steady steps'
         avg = warmup["steady_step_s"]
         parts = self._summary_breakdown(warmup["steady_steps"])
@@ -360,14 +362,9 @@ class Trainer:
         peak = perf.peak_tflops(self.device_name)
         shapes = getattr(self.task, "shapes", None)
         steps = checkpoint.list_steps(self.run_dir)
-        summary = {
-            "recipe": self.config.recipe,
-            "steps": self.step,
-            "world_size": self.info.world_size,
-            "global_batch": global_batch,
-            "objects": self.task.objects,
-            "avg_step_time_s": avg,
-            "objects_per_s": global_batch / avg if avg else 0.0,
+        ended, ended_by = end
+        # The measurements and the task's metrics beside the record's keys: its `extra`.
+        extra = {
             "warmup": warmup,
             "flops_per_step": flops,
             "mfu": perf.mfu(flops, avg, peak, self.info.world_size),
@@ -375,19 +372,31 @@ class Trainer:
             "batch_shapes": shapes.summary() if shapes is not None else None,
             **last_eval,
             f"best_{self.task.metric}": self.best if self.best > float("-inf") else None,
-            "checkpoint_mb": checkpoint.size_mb(steps[-1]) if steps else None,
-            "precision": self.config.precision,
-            "grad_compression": self.config.grad_compression,
-            "resumed_from": self.resumed_from,
-            "ended": ended,
-            "wall_time_s": wall,
-            "breakdown": parts,
-            "calibration": self.calibration,
-            "auto_compression": self.auto_compression,
         }
+        summary = rundir.Summary(
+            recipe=self.config.recipe,
+            steps=self.step,
+            world_size=self.info.world_size,
+            global_batch=global_batch,
+            objects=self.task.objects,
+            avg_step_time_s=avg,
+            objects_per_s=global_batch / avg if avg else 0.0,
+            checkpoint_mb=checkpoint.size_mb(steps[-1]) if steps else None,
+            precision=self.config.precision,
+            grad_compression=self.config.grad_compression,
+            resumed_from=self.resumed_from,
+            ended=ended,
+            ended_by=ended_by,
+            wall_time_s=wall,
+            breakdown=parts,
+            calibration=self.calibration,
+            auto_compression=self.auto_compression,
+            extra=extra,
+        )
         if self.info.is_main and (step_times or not (self.run_dir / rundir.SUMMARY).exists()):
-            rundir.write_json(self.run_dir / rundir.SUMMARY, summary, indent=2)  # never zeros over a result
-        self._progress(loss=None, avg_step_time_s=avg, ended=ended)  # after the summary, as readers expect
+            rundir.write_record(self.run_dir / rundir.SUMMARY, summary, indent=2)  # never zeros over a result
+        # after the summary, as readers expect
+        self._progress(loss=None, avg_step_time_s=avg, ended=ended, ended_by=ended_by)
         if self.info.is_main:
             if self.writer:
                 self.writer.close()

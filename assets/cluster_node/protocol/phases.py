@@ -32,7 +32,7 @@ class Phase(Record):
     time: float = _key("float", required=True)  # epoch s; an interval's start
     end: Optional[float] = _key("float")  # eval, checkpoint: the interval's end; detect: the last beat
     step: Optional[int] = _key("int")
-    kind: Optional[str] = _key("str")  # detect: died, hang, unreachable, spot, start, forced
+    kind: Optional[str] = _key("str")  # detect, decide, done: a rundir.EndKind
 
 
 def mark(run: Path, event: str, when: Optional[float] = None, **fields) -> None:

@@ -92,6 +92,59 @@ class RunState(str, Enum):
 
 
 STATES = tuple(state.value for state in RunState)
+
+
+class EndKind(str, Enum):
+    """Why an attempt or the run ended: restarts.json's and run-status.json's `kind`, phases.jsonl's detect
+    `kind`. A str, as RunState."""
+
+    DIED = "died"  # mpirun exited non-zero: a rank died
+    HANG = "hang"  # no rank finished a step within the hang window, or progress.json stalled
+    UNREACHABLE = "unreachable"  # a node stopped answering ssh
+    START = "start"  # no first step within limits.start
+    SPOT = "spot"  # a Spot notice (another node: a restart; the supervisor's own: the end, resumable)
+    FORCED = "forced"  # fab stop --force
+    BUDGET = "budget"  # --budget-usd reached
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(kind.value for kind in EndKind)
+
+
+class EndedBy(str, Enum):
+    """What ended the training program (Progress's end record and Summary: `ended_by`; `ended` keeps the
+    words the trainer logs)."""
+
+    STEPS = "steps"  # max_steps reached
+    TARGET = "target"  # the target metric reached
+    STOP = "stop"  # a STOP (fab stop, a Spot notice, the budget): a checkpoint, resumable
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, ended_by: Optional[str], ended: Optional[str]) -> Optional[EndedBy]:
+        """A record's `ended_by`; for a record written before it (`ended`'s words only), from the words those
+        trainers wrote; None when the record says neither (not an end record) or a value this reader lacks."""
+        if ended_by is not None:
+            return next((by for by in cls if by.value == ended_by), None)
+        legacy = {"max_steps": cls.STEPS, "stop requested": cls.STOP, "target ": cls.TARGET}
+        return next((by for words, by in legacy.items() if (ended or "").startswith(words)), None)
+
+
+class ThenStopState(str, Enum):
+    """run-status.json's `then_stop`: --then-stop's request is going out, went out, or failed."""
+
+    STOPPING = "stopping"
+    SENT = "sent"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.programs.start says why)
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
 
@@ -221,15 +274,15 @@ class RunStatus(Record):
     """run-status.json: the supervisor's verdict on the run (cluster_node.supervisor.loop)."""
 
     FILE: ClassVar[str] = RUN_STATUS
-    state: str = _key("str", required=True)  # one of STATES
+    state: str = _key("str", required=True)  # a RunState
     exit_code: Optional[int] = _key("int", required=True, null=True)
     reason: str = _key("str", required=True)
     time: str = _key("str", required=True)  # ISO UTC, whole seconds
     head: str = _key("str", required=True)  # hostname of the node that wrote it
     live: Optional[str] = _key("str")  # the supervisor's State while `state` is running
-    kind: Optional[str] = _key("str")  # why it ended: spot, hang, died, ... (absent on a clean end)
+    kind: Optional[str] = _key("str")  # why it ended: an EndKind (absent on a clean end)
     resume: Optional[str] = _key("str")  # the command that resumes a run a Spot notice ended
-    then_stop: Optional[str] = _key("str")  # --then-stop: stopping (the request goes out), sent, failed
+    then_stop: Optional[str] = _key("str")  # --then-stop: a ThenStopState
 
 
 @dataclass(frozen=True)
@@ -246,7 +299,13 @@ class Progress(Record):
     breakdown: Optional[Mapping[str, Any]] = _key("dict")
     elapsed_s: Optional[float] = _key("float")
     eta_s: Optional[float] = _key("float")
-    ended: Optional[str] = _key("str")  # only in the end record: why the run ended
+    ended: Optional[str] = _key("str")  # only in the end record: why the run ended, in words
+    ended_by: Optional[str] = _key("str")  # only in the end record: an EndedBy
+
+    @property
+    def end(self) -> Optional[EndedBy]:
+        """What ended the trainer; None before its end record."""
+        return EndedBy.of(self.ended_by, self.ended)
 
 
 @dataclass(frozen=True)
@@ -266,7 +325,8 @@ class Summary(Record):
     precision: Optional[str] = _key("str")
     grad_compression: Optional[str] = _key("str")
     resumed_from: Optional[str] = _key("str", null=True)
-    ended: Optional[str] = _key("str")
+    ended: Optional[str] = _key("str")  # in words, as logged
+    ended_by: Optional[str] = _key("str")  # an EndedBy (absent in a summary from before it: see `end`)
     wall_time_s: Optional[float] = _key("float")
     breakdown: Optional[Mapping[str, Any]] = _key("dict")
     calibration: Optional[Mapping[str, Any]] = _key("dict", null=True)
@@ -279,6 +339,10 @@ class Summary(Record):
     def metrics(self) -> Mapping[str, Any]:
         return self.extra
 
+    @property
+    def end(self) -> Optional[EndedBy]:
+        return EndedBy.of(self.ended_by, self.ended)
+
 
 @dataclass(frozen=True)
 class Restart(Record):
@@ -286,7 +350,7 @@ class Restart(Record):
 
     FILE: ClassVar[str] = RESTARTS
     time: str = _key("str", required=True)  # ISO UTC
-    kind: str = _key("str", required=True)  # died, hang, unreachable, start, spot
+    kind: str = _key("str", required=True)  # an EndKind: died, hang, unreachable, start, spot
     reason: str = _key("str", required=True)
     nodes_before: tuple[str, ...] = _key("list", required=True)
     nodes_after: tuple[str, ...] = _key("list", required=True)

@@ -20,7 +20,6 @@ from cluster_node.protocol.spec import Budget, RunSpec
 from cluster_node.supervisor.ec2state import Ec2Billing
 from cluster_node.supervisor.efsio import EfsIo
 
-DURING_RESTART = "stopped during a restart"
 SPOT_WARNING_S = 120.0  # a notice without a time: EC2 acts two minutes after it (the notice's contract)
 
 
@@ -144,10 +143,3 @@ class Meter:
         rundir.write_bytes(run / rundir.STOP, f"{rundir.URGENT_STOP_WORD}: {self.stopped}\n".encode())
         log(f"launcher: {self.stopped}; asked the trainer to checkpoint and end")
         return self.stopped
-
-
-def during_restart(meter: Optional[Meter], step: Optional[int], reason: str, kind: str) -> tuple[str, str]:
-    """The reason and kind of a run a STOP ended during a restart: the budget's line and kind when the meter
-    wrote the STOP, the restart's kind otherwise."""
-    stopped = f"{DURING_RESTART} at checkpoint {step} ({reason})"
-    return (f"{meter.stopped}; {stopped}", "budget") if meter and meter.stopped else (stopped, kind)

@@ -2,8 +2,9 @@
 `fab train` after it wrote RUN_DIR/spec.json. One loop, observe -> decide -> act (the shape of
 torchelastic's SimpleElasticAgent._invoke_run), over the states below; mpirun is its child. It logs to
 train.log (`launcher:`, `watchdog:` and one short `mpirun:` line per attempt; the whole mpirun line goes
-to its own output, launcher.log) and writes run-status.json: `state` stays running/finished/
-failed for its readers, `live` carries the State while it runs.
+to its own output, launcher.log) and writes run-status.json: `state` is a rundir.RunState for its readers,
+`live` carries the State while it runs. Each decision returns an Outcome (torchelastic's RunResult shape):
+the next State and, should it be the last, what ended the run and how; the loop applies it.
 
 A Spot notice for the node the supervisor itself runs on (design §3.4): never relaunch from it. The trainer
 is already checkpointing (spotwatch wrote `STOP now`); wait for mpirun until the notice's action time less
@@ -14,6 +15,7 @@ https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/spot-instance-termination-no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shlex
@@ -21,15 +23,17 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from cluster_node.protocol import phases, rundir
 from cluster_node.protocol import spec as specs
+from cluster_node.protocol.rundir import EndedBy, EndKind, RunState, ThenStopState
 from cluster_node.protocol.spec import RunSpec
 from cluster_node.supervisor import goodput, hang, restart_plan
-from cluster_node.supervisor.budget import DURING_RESTART, Meter, during_restart, epoch
+from cluster_node.supervisor.budget import Meter, epoch
 from cluster_node.supervisor.nodes import Mpirun, Nodes
 from cluster_node.supervisor.observe import Observation, Observer
 
@@ -45,7 +49,35 @@ class State(str, Enum):
 
 TERMINAL = (State.FINISHED, State.FAILED)
 FORCED_REASON = "stopped by fab stop --force"
+DURING_RESTART = "stopped during a restart"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One decision: the next State and, should it be the last, why (`kind`, `reason`), mpirun's exit code,
+    the command that resumes the run (a Spot notice ended it) and whether it ended on a stop request at a
+    checkpoint (`stopped`: run-status.json says stopped, resumable with `fab train --run NAME`)."""
+
+    state: State
+    kind: Optional[EndKind] = None
+    reason: str = ""
+    code: int = 0
+    resume: Optional[str] = None
+    stopped: bool = False
+
+    def then(self, state: State, **changes: Any) -> Outcome:
+        return dataclasses.replace(self, state=state, **changes)
+
+    @property
+    def run_state(self) -> RunState:
+        """run-status.json's `state` once the loop ended."""
+        if self.state == State.FINISHED:
+            return RunState.STOPPED if self.stopped else RunState.FINISHED
+        return RunState.FAILED if self.state == State.FAILED else RunState.RUNNING
+
+
 _ERROR = re.compile(r"mpirun noticed|exited on signal|Error|error:")
+_ENDED = re.compile(r"run ended at step.*")  # the trainer's last line (from the match on)
 
 
 def now_iso(now: Optional[float] = None) -> str:
@@ -61,14 +93,29 @@ class Supervisor:
     ):
         self.run, self.spec, self.launcher, self.nodes, self.clock = run, spec, launcher, nodes, clock
         self.make_observer = observer
-        self.state = State.STARTING
-        self.code, self.reason, self.kind = 0, "", ""
-        self.resume: Optional[str] = None
+        self.outcome = Outcome(State.STARTING)
         self.unreached: set[str] = set()
         self.observer: Optional[Any] = None
         self.attempts = 0
         self.started = clock()  # this segment of the run (a resume starts another)
         self.meter = Meter.of(spec, clock())  # --budget-usd; its `stopped` line once reached
+
+    # The latest outcome's parts, as the records and the tests read them.
+    @property
+    def state(self) -> State:
+        return self.outcome.state
+
+    @property
+    def kind(self) -> Optional[EndKind]:
+        return self.outcome.kind
+
+    @property
+    def reason(self) -> str:
+        return self.outcome.reason
+
+    @property
+    def code(self) -> int:
+        return self.outcome.code
 
     # ------------------------------------------------------------ records
 
@@ -76,16 +123,19 @@ class Supervisor:
         with open(self.run / rundir.TRAIN_LOG, "a") as handle:
             handle.write(f"{now_iso(self.clock())} {line}\n")
 
-    def status(self, state: str, code: Optional[int], reason: str, then_stop: Optional[str] = None) -> None:
+    def status(
+        self, state: RunState, code: Optional[int], reason: str, then_stop: Optional[ThenStopState] = None
+    ) -> None:
+        running = state == RunState.RUNNING
         record = rundir.RunStatus(
             state=state,
             exit_code=code,
             reason=reason,
             time=now_iso(self.clock()),
             head=socket.gethostname(),
-            live=self.state.value if state == "running" else None,
-            kind=self.kind or None if state != "running" else None,
-            resume=self.resume,
+            live=self.state.value if running else None,
+            kind=self.kind if not running else None,
+            resume=self.outcome.resume,
             then_stop=then_stop,
         )
         rundir.write_record(self.run / rundir.RUN_STATUS, record)
@@ -94,28 +144,33 @@ class Supervisor:
 
     def run_all(self) -> int:
         (self.run / rundir.LAUNCHER_PID).write_text(f"{os.getpid()}\n")
-        self.status("running", None, "")
+        self.status(RunState.RUNNING, None, "")
         phases.mark(self.run, "run", self.clock())
         for old in self.run.glob(rundir.HANG_STACKS.format(n="*")):
             shutil.rmtree(old, ignore_errors=True)
         self.launch()
         while self.state not in TERMINAL:
-            self.state = self.step()
+            self.step()
         self.finish()
         return self.code
 
     def step(self) -> State:
+        """One turn of the loop: observe (STARTING, RUNNING), decide, apply the outcome; its State."""
         if self.state == State.RESTARTING:
-            return self.restarting()
+            return self.apply(self.restarting())
         if self.state == State.STOPPING:
-            return self.stopping()
+            return self.apply(self.stopping())
         exited = self.launcher.wait(self.spec.limits.poll)
         assert self.observer is not None
-        state = self.decide(self.observer.observe(exited))
-        if state in (State.STOPPING, State.RESTARTING) or (state == State.FAILED and self.kind):
+        outcome = self.decide(self.observer.observe(exited))
+        if outcome.state in (State.STOPPING, State.RESTARTING) or (outcome.state == State.FAILED and outcome.kind):
             step, beat = phases.last_beat(self.run)
-            phases.mark(self.run, "detect", self.clock(), kind=self.kind or None, step=step, end=beat)
-        return state
+            phases.mark(self.run, "detect", self.clock(), kind=outcome.kind, step=step, end=beat)
+        return self.apply(outcome)
+
+    def apply(self, outcome: Outcome) -> State:
+        self.outcome = outcome
+        return outcome.state
 
     def launch(self) -> None:
         self.attempts += 1
@@ -128,9 +183,8 @@ class Supervisor:
         self.observer = self.make_observer(self.run, self.spec, self.nodes.ssh_ok, self.clock)
         phases.mark(self.run, "launch", self.clock())
         self.launcher.start(self.spec)
-        self.state = State.STARTING
 
-    def decide(self, obs: Observation) -> State:
+    def decide(self, obs: Observation) -> Outcome:
         """STARTING/RUNNING: rows 2-10 and 16 of the design's table."""
         if obs.own_notice is not None:
             return self.own_spot(obs.own_notice, obs.exited)
@@ -140,15 +194,16 @@ class Supervisor:
             self.meter.check(self.run, self.clock(), self.log)
         watchdog = self._watchdog(obs)
         if watchdog:
-            self.reason, self.kind = watchdog
-            return State.STOPPING
-        return State.RUNNING if obs.first_step else self.state
+            reason, kind = watchdog
+            return self.outcome.then(State.STOPPING, reason=reason, kind=kind)
+        return self.outcome.then(State.RUNNING) if obs.first_step else self.outcome
 
-    def _watchdog(self, obs: Observation) -> Optional[tuple[str, str]]:
+    def _watchdog(self, obs: Observation) -> Optional[tuple[str, EndKind]]:
         limits = self.spec.limits
         if obs.unreachable:
             silent = int(limits.unreachable * limits.poll)
-            return f"{self.spec.name(obs.unreachable)} unreachable (no ssh answer for {silent}+ s)", "unreachable"
+            why = f"{self.spec.name(obs.unreachable)} unreachable (no ssh answer for {silent}+ s)"
+            return why, EndKind.UNREACHABLE
         if obs.hang:
             self.nodes.collect_stacks(self.spec.hosts)
             evidence = hang.record(self.run, self.clock())
@@ -156,71 +211,83 @@ class Supervisor:
             (self.run / rundir.STACKS).rename(stacks)  # the next attempt starts a fresh stacks/
             age, window = obs.hang
             why = f"hang: no rank finished a step for {age} s (window {window} s); {evidence}; stacks in {stacks}"
-            return why, "hang"
+            return why, EndKind.HANG
         if obs.stall is not None:
-            return f"no training progress for {obs.stall} s", "hang"
+            return f"no training progress for {obs.stall} s", EndKind.HANG
         if obs.start_timeout:
             start = int(limits.start)
             stuck = f"mpirun or the data load is stuck: see {rundir.TRAIN_LOG}"
             why = f"no training step within {start} s of the start ({stuck})"
-            return why, "start"
+            return why, EndKind.START
         return None
 
-    def ended(self, code: int) -> State:
+    def ended(self, code: int) -> Outcome:
         """mpirun ended by itself: rows 7-10."""
-        self.code = code
         self.log(f"launcher: mpirun exited with {code}")
         if code != 0:
             self.cleanup_all()
         if (self.run / rundir.FORCED).exists():
-            self.reason, self.kind = FORCED_REASON, "forced"
-            return State.FAILED
+            return Outcome(State.FAILED, EndKind.FORCED, FORCED_REASON, code)
         if code == 0:
-            assert self.observer is not None
-            spot = restart_plan.spot_ended(self.run, self.spec.hosts, self.observer.started)
-            if spot and self.spec.limits.max_restarts > 0:
-                self.reason, self.kind = spot, "spot"
-                return State.RESTARTING
-            if spot:
-                self.resume = shlex.join(self.spec.resume) if self.spec.resume else None
-            self.reason = _last(self.run, re.compile(r"run ended at step.*"))
-            if self.meter and self.meter.stopped:
-                step = restart_plan.last_checkpoint_step(self.run)
-                self.reason, self.kind = f"{self.meter.stopped}; checkpoint step {step}", "budget"
-            return State.FINISHED
+            return self.clean_end()
         lost = [h for h in self.spec.hosts if h in self.unreached]  # the clean-up's ssh did not get through
         if lost:
-            self.kind = "unreachable"
-            self.reason = f"{self.spec.names_of(lost)} unreachable (mpirun exited with {code})"
+            why, kind = f"{self.spec.names_of(lost)} unreachable (mpirun exited with {code})", EndKind.UNREACHABLE
         else:
-            self.reason, self.kind = _last(self.run, _ERROR), "died"
+            why, kind = _last(self.run, _ERROR), EndKind.DIED
+        return Outcome(self.after_failure(), kind, why, code)
+
+    def clean_end(self) -> Outcome:
+        """Rows 8, 9: mpirun exited 0. The trainer's end record says what ended it (a stop: resumable)."""
+        assert self.observer is not None
+        spot = restart_plan.spot_ended(self.run, self.spec.hosts, self.observer.started)
+        if spot and self.spec.limits.max_restarts > 0:
+            return Outcome(State.RESTARTING, EndKind.SPOT, spot)
+        resume = shlex.join(self.spec.resume) if spot and self.spec.resume else None
+        end = trainer_end(self.run)
+        # Its words as it logged them; a program with no end record (fab check's, a stand-in): its log line.
+        reason = f"run ended at step {end.step}: {end.ended}" if end is not None else _last(self.run, _ENDED)
+        stopped = end is not None and end.end == EndedBy.STOP
+        if self.meter and self.meter.stopped:
+            step = restart_plan.last_checkpoint_step(self.run)
+            reason = f"{self.meter.stopped}; checkpoint step {step}"
+            return Outcome(State.FINISHED, EndKind.BUDGET, reason, resume=resume, stopped=stopped)
+        return Outcome(State.FINISHED, None, reason, resume=resume, stopped=stopped)
+
+    def after_failure(self) -> State:
         return State.RESTARTING if self.spec.limits.max_restarts > 0 else State.FAILED
 
-    def stopping(self) -> State:
+    def stopping(self) -> Outcome:
         """Row 11: end the attempt the watchdog gave up on."""
         self.log(f"watchdog: {self.reason}; ending the attempt")
-        self.code = self.launcher.end()
-        self.log(f"launcher: mpirun exited with {self.code}")
+        code = self.launcher.end()
+        self.log(f"launcher: mpirun exited with {code}")
         self.cleanup_all()
-        self.reason = f"watchdog: {self.reason}"
-        return State.RESTARTING if self.spec.limits.max_restarts > 0 else State.FAILED
+        return self.outcome.then(self.after_failure(), reason=f"watchdog: {self.reason}", code=code)
 
-    def interrupted(self) -> Optional[State]:
+    def interrupted(self) -> Optional[Outcome]:
         """Rows 12, 13, 16 during a restart: a hard stop, a graceful stop, a notice for this node."""
         if (self.run / rundir.FORCED).exists():
-            self.reason, self.kind = FORCED_REASON, "forced"
-            return State.FAILED
+            return self.outcome.then(State.FAILED, kind=EndKind.FORCED, reason=FORCED_REASON)
         if self.meter:  # the spend goes on while the nodes are probed
             self.meter.check(self.run, self.clock(), self.log)
         if (self.run / rundir.STOP).exists():
-            step = restart_plan.last_checkpoint_step(self.run)
-            self.reason, self.kind = during_restart(self.meter, step, self.reason, self.kind)
-            return State.FINISHED
+            return self.stopped_during_restart()
         assert self.observer is not None
         notice = self.observer.own_notice()
         return self.own_spot(notice, self.code) if notice is not None else None
 
-    def restarting(self) -> State:
+    def stopped_during_restart(self) -> Outcome:
+        """Row 13: a STOP while restarting ends the run at its last checkpoint, resumable; the budget's line
+        and kind when the meter wrote the STOP, the restart's kind otherwise."""
+        stopped = f"{DURING_RESTART} at checkpoint {restart_plan.last_checkpoint_step(self.run)} ({self.reason})"
+        if self.meter and self.meter.stopped:
+            return self.outcome.then(
+                State.FINISHED, reason=f"{self.meter.stopped}; {stopped}", kind=EndKind.BUDGET, stopped=True
+            )
+        return self.outcome.then(State.FINISHED, reason=stopped, stopped=True)
+
+    def restarting(self) -> Outcome:
         """Rows 12-15: probe the pool, plan; a new spec and a new attempt, or the end."""
         stopped = self.interrupted()
         if stopped is not None:
@@ -229,20 +296,19 @@ class Supervisor:
         stopped = self.interrupted()
         if stopped is not None:
             return stopped
-        assert self.observer is not None
+        assert self.observer is not None and self.kind is not None
         plan = restart_plan.plan(self.run, self.spec, self.kind, self.reason, since=self.observer.started)
         if plan.spec is None or plan.record is None:
-            self.reason += f"; {plan.line}"
-            return State.FAILED
+            return self.outcome.then(State.FAILED, reason=f"{self.reason}; {plan.line}")
         self.log(f"launcher: {self.reason}; {plan.line}")
         rundir.append(self.run / rundir.RESTARTS, plan.record)
-        phases.mark(self.run, "decide", self.clock(), step=plan.record.resume_step, kind=self.kind or None)
+        phases.mark(self.run, "decide", self.clock(), step=plan.record.resume_step, kind=self.kind)
         self.spec = plan.spec
         specs.write(self.run, self.spec)
         self.launch()
-        return State.STARTING
+        return self.outcome.then(State.STARTING)
 
-    def own_spot(self, notice: rundir.Interruption, exited: Optional[int]) -> State:
+    def own_spot(self, notice: rundir.Interruption, exited: Optional[int]) -> Outcome:
         """Row 16: the supervisor's own node will go. Let the checkpoint land, end, say how to resume."""
         deadline = (epoch(notice.action_time) or self.clock() + 120) - self.spec.limits.spot_margin
         if exited is None:
@@ -250,10 +316,9 @@ class Supervisor:
         if exited is None:
             self.log("launcher: the checkpoint did not end the attempt in time; ending mpirun")
             exited = self.launcher.end()
-        self.code = exited
         step = restart_plan.last_checkpoint_step(self.run)
         where = f"node{notice.node} ({notice.host})" if notice.node is not None else str(notice.host)
-        self.kind, self.resume = "spot", self.resume_command(notice)
+        resume = self.resume_command(notice)
         # fab reaches the cluster through node0: it must be back (EC2 restarts a stopped persistent Spot
         # node when capacity returns, with a new public address) before the resume can run.
         # --then-stop (a budget implies it) stops every node with StopInstances: EC2 restarts no instance a user
@@ -264,12 +329,15 @@ class Supervisor:
             if notice.action != "terminate"
             else ("node0 is fab's way in: replace it (`cdk deploy`), `fab inventory`, then")
         )
-        self.reason = (
+        reason = (
             f"spot: {where} will {notice.action or 'stop'} at {notice.action_time or 'an unknown time'}; "
-            f"checkpoint step {step}; resumable, {first} {self.resume}"
+            f"checkpoint step {step}; resumable, {first} {resume}"
         )
-        self.log(f"launcher: {self.reason}")
-        return State.FAILED if self.spec.limits.max_restarts > 0 else State.FINISHED
+        self.log(f"launcher: {reason}")
+        if self.spec.limits.max_restarts > 0:
+            return Outcome(State.FAILED, EndKind.SPOT, reason, exited, resume)
+        stopped = (end := trainer_end(self.run)) is not None and end.end == EndedBy.STOP
+        return Outcome(State.FINISHED, EndKind.SPOT, reason, exited, resume, stopped)
 
     def resume_command(self, notice: rundir.Interruption) -> str:
         """`fab train --run NAME ...` as fab train wrote it; after a terminate notice without this node and
@@ -298,22 +366,22 @@ class Supervisor:
     def finish(self) -> None:
         """The final status and .active first, then --then-stop: stopping the instances may end this
         process (the container goes with its node), so nothing may be left to write after it."""
-        phases.mark(self.run, "done", self.clock(), kind=self.kind or None)
+        phases.mark(self.run, "done", self.clock(), kind=self.kind)
         if self.meter:  # the spend up to the end
             self.meter.save(self.run, self.clock(), self.log)
         goodput.record(self.run)  # the account into summary.json, before anything may stop this node
-        state = final_state(self.run, self.state, self.reason)
+        state, reason = self.outcome.run_state, self.reason
         if self.spec.then_stop is not None:  # then_stop: stopping, then sent or failed (a follower waits for it)
-            self.reason = f"{self.reason}; then-stop: stopping the cluster".lstrip("; ")
-        self.status(state, self.code, self.reason, "stopping" if self.spec.then_stop else None)
+            reason = f"{reason}; then-stop: stopping the cluster".lstrip("; ")
+        self.status(state, self.code, reason, ThenStopState.STOPPING if self.spec.then_stop else None)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
         active = _free_head(self.run, Path(self.spec.active_file))
         if self.spec.then_stop is not None:
             stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
             if not stopped:
                 self.log("launcher: --then-stop failed")
-                self.reason += " failed: the cluster keeps running"
-            self.status(state, self.code, self.reason, "sent" if stopped else "failed")
+                reason += " failed: the cluster keeps running"
+            self.status(state, self.code, reason, ThenStopState.SENT if stopped else ThenStopState.FAILED)
         self.retry_cleanup(active)
 
     def crashed(self, error: Exception) -> None:
@@ -324,13 +392,14 @@ class Supervisor:
         stop = "; then-stop: stopping the cluster" if self.spec.then_stop is not None else ""
         reason = f"supervisor crashed ({line}); see {rundir.LAUNCHER_LOG}{stop}"
         with contextlib.suppress(Exception):  # /data may be what failed: the stop below must still run
-            self.status("failed", None, reason, "stopping" if stop else None)  # a follower waits for the outcome
+            # a follower waits for the outcome
+            self.status(RunState.FAILED, None, reason, ThenStopState.STOPPING if stop else None)
         _free_head(self.run, Path(self.spec.active_file))
         if self.spec.then_stop is not None:  # last (it may end this process): "however it ends" includes a bug
             stopped = False
             with contextlib.suppress(Exception):
                 stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
-                self.status("failed", None, reason, "sent" if stopped else "failed")
+                self.status(RunState.FAILED, None, reason, ThenStopState.SENT if stopped else ThenStopState.FAILED)
 
     def retry_cleanup(self, active: Path, pause: float = 5.0) -> None:
         """A partitioned node keeps its MPI daemon until reached: retry a while, unless a new run started."""
@@ -345,13 +414,10 @@ class Supervisor:
                     self.unreached.discard(host)
 
 
-def final_state(run: Path, state: State, reason: str) -> str:
-    """run-status.json's `state`: `stopped` (resumable with `fab train --run NAME`) for a run that ended on a
-    stop request (fab stop, a Spot notice: the trainer's end record says so) or was stopped during a restart."""
-    ended = (rundir.read_record(run / rundir.PROGRESS, rundir.Progress) or rundir.Progress(step=0)).ended or ""
-    if state == State.FINISHED and (ended.startswith("stop requested") or DURING_RESTART in reason):
-        return "stopped"
-    return state.value
+def trainer_end(run: Path) -> Optional[rundir.Progress]:
+    """The trainer's end record (progress.json once it says what ended the run); None without one."""
+    progress = rundir.read_record(run / rundir.PROGRESS, rundir.Progress)
+    return progress if progress is not None and progress.end is not None else None
 
 
 def _free_head(run: Path, active: Path) -> Path:
@@ -370,7 +436,7 @@ def _nonempty(path: Path) -> bool:
 
 
 def _last(run: Path, pattern: re.Pattern) -> str:
-    """The last match of `pattern` in train.log (the whole rest of the line)."""
+    """The last line of train.log that matches `pattern` (_ENDED: from the match on)."""
     try:
         lines = (run / rundir.TRAIN_LOG).read_text(errors="replace").splitlines()
     except OSError:
@@ -378,7 +444,7 @@ def _last(run: Path, pattern: re.Pattern) -> str:
     for line in reversed(lines):
         match = pattern.search(line)
         if match:
-            return line[match.start() :] if pattern.pattern.startswith("run ended") else line
+            return line[match.start() :] if pattern is _ENDED else line
     return ""
 
 

@@ -126,7 +126,9 @@ def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Uni
     return config["batch_per_gpu"] * config["grad_accum"] * len(spec.hosts) * spec.slots, config["batch_per_gpu"]
 
 
-def plan(run: Path, spec: RunSpec, kind: str, reason: str, since: float = 0.0, now: Optional[float] = None) -> Plan:
+def plan(
+    run: Path, spec: RunSpec, kind: rundir.EndKind, reason: str, since: float = 0.0, now: Optional[float] = None
+) -> Plan:
     """Restart on the healthy nodes of the pool, the same global batch; after a Spot notice (kind spot)
     the noticed nodes are left out too: they still answer, for two minutes."""
     history = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
@@ -138,7 +140,7 @@ def plan(run: Path, spec: RunSpec, kind: str, reason: str, since: float = 0.0, n
         return Plan(kept)
     global_batch, max_per_rank = kept
     verdicts = judge(run, spec.pool, spec.slots)
-    if kind == "spot":
+    if kind == rundir.EndKind.SPOT:
         for host, entry in notices(run, since).items():
             verdicts[host] = [*verdicts.get(host, []), notice_line(entry)]
     healthy = tuple(h for h in spec.pool if not verdicts.get(h))

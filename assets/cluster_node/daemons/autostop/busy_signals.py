@@ -88,8 +88,8 @@ def launched_run(data_dir: Path, now: float) -> tuple[bool, Optional[str]]:
     try:
         state = json.loads((run / rundir.RUN_STATUS).read_text()).get("state")
     except (OSError, ValueError):
-        state = "running"  # fab train starts the launcher right after writing .active
-    if state != "running":
+        state = rundir.RunState.RUNNING  # fab train starts the launcher right after writing .active
+    if state != rundir.RunState.RUNNING:
         return False, None
     started = max(_mtime(active), _mtime(run / rundir.RANKS))
     if _mtime(run / rundir.PROGRESS) >= started:
