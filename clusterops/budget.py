@@ -92,22 +92,18 @@ def budget_line(request: TrainRequest, budget: Budget, predicted: str) -> str:
 def spent_before(saved: Optional[Saved]) -> float:
     """What a resumed run spent so far (its budget.json) less the launch-time rate's estimate of its EFS I/O
     after io_to, which the resumed segment's meter charges itself (io_tail); 0 for a new run."""
-    budget = saved.budget if saved else {}
-    try:
-        return float(budget.get("spent") or 0.0) - float(budget.get("io_estimate") or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
+    budget = saved.budget if saved else None
+    return budget.spent - (budget.io_estimate or 0.0) if budget else 0.0
 
 
 def io_tail(saved: Optional[Saved]) -> tuple[float, ...]:
     """The resumed run's EFS I/O window its last segment's meter had not read from CloudWatch (budget.json's
     io_to to its time: CloudWatch's lag, or all of it when CloudWatch did not answer), for this segment's meter
     to ask once published and charge at the launch-time rate until then; () for none."""
-    budget = saved.budget if saved else {}
-    try:
-        since, until = float(budget["io_to"]), float(budget["time"])
-    except (KeyError, TypeError, ValueError):
+    budget = saved.budget if saved else None
+    if budget is None or budget.io_to is None:
         return ()
+    since, until = budget.io_to, budget.time
     return (since, until) if since < until else ()
 
 
