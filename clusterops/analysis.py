@@ -62,8 +62,8 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
     scored = verify.lines(_pairs(connection, run_dir))
     account = run_account(connection, inventory, run_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        lines, written = bottleneck.write_report(  # the step model reads summary.json's JSON (train.stepmodel)
-            Path(run_dir).name, summary.to_json(), link, tmp, scale, scored, what_ifs=not heading, heading=heading
+        lines, written = bottleneck.write_report(
+            Path(run_dir).name, summary, link, tmp, scale, scored, what_ifs=not heading, heading=heading
         )
         lines += ["", *goodput.lines(account)]
         if account is not None:
@@ -113,7 +113,7 @@ def verify_run(
     found = noderecords.read(connection, inventory, run_dir, rd.SUMMARY, rd.CONFIG)
     if found.summary is None or not found.summary.breakdown:
         raise remote.RemoteError(f"{run_dir} has no {rd.SUMMARY} breakdown: the run has not ended")
-    summary, config = found.summary.to_json(), found.config  # the step model reads summary.json's JSON
+    summary, config = found.summary, found.config
     slots = inventory.gpus_per_node if inventory.source == "aws" else 1
     try:
         predicted, model = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
@@ -148,8 +148,8 @@ def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> d
     link (measured by `fab check`, else a local cluster's cap)."""
     log = remote.sh(connection, f"grep -a '^eval step ' {q(run_dir + '/' + rd.TRAIN_LOG)} || true")
     found = noderecords.read(connection, inventory, run_dir, rd.SUMMARY, rd.CONFIG)
-    return {  # the plan's step model reads summary.json's JSON (train.stepmodel)
-        "summary": found.summary.to_json() if found.summary else {},
+    return {
+        "summary": found.summary,
         "config": dict(found.config),
         "eval_log": log,
         "link": measured_link_gbit(connection, inventory),
@@ -243,7 +243,7 @@ def run_scale(
                 raise remote.RemoteError(
                     f"{name} {status and status.state}: {status and status.reason} (see {rdir}/{rd.TRAIN_LOG})"
                 )
-            summaries.append(summary.to_json())  # scaling's points read summary.json's JSON, as the step model
+            summaries.append(summary)
             step_ms, rate = (summary.avg_step_time_s or 0) * 1000, summary.objects_per_s or 0
             say(f"{name}: {step_ms:.0f} ms/step, {rate:.0f} objects/s")
         points.append(scaling.point_from_summaries(nodes, summaries))

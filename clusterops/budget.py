@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from cluster_node.rundir import Summary
 from cluster_node.spec import Budget
 
 from . import plan as planning
@@ -118,10 +119,11 @@ def steps_to_run(request: TrainRequest, saved: Optional[Saved]) -> tuple[int, st
     return left, f"the {left} steps left ({total} - checkpoint {saved.step})"
 
 
-def checkpoint_gb(summary: dict, config: dict, steps: int) -> float:
+def checkpoint_gb(summary: Optional[Summary], config: dict, steps: int) -> float:
     """GB the run writes to EFS in checkpoints (as `fab plan` counts them)."""
     every = config.get("checkpoint_every") or 0
-    return (summary.get("checkpoint_mb") or 0.0) * (steps // every) / 1000 if every else 0.0
+    size = (summary.checkpoint_mb if summary else None) or 0.0
+    return size * (steps // every) / 1000 if every else 0.0
 
 
 def predict(base: planning.Base, offer: planning.Offer, nodes: int, steps: int, write_gb: float) -> planning.Estimate:
@@ -190,8 +192,8 @@ def prediction(
     if on_aws and known is None:
         raise planning.PlanError(f"unknown instance type {instance_type!r}")
     gpu, gpus = (known.gpu, gpus_per_node) if known else (planning.CPU, 1)
-    base = planning.base_from_run("base", inputs.get("summary") or {}, gpu, gpus, inputs.get("link") or (None, ""))
+    base = planning.base_from_run("base", inputs.get("summary"), gpu, gpus, inputs.get("link") or (None, ""))
     cpus = 0 if on_aws else len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
     offer = planning.Offer(instance_type, gpu, gpus, price, source, base.link_gbit, "the base run's", cpus)
-    write_gb = checkpoint_gb(inputs.get("summary") or {}, inputs.get("config") or {}, steps)
+    write_gb = checkpoint_gb(inputs.get("summary"), inputs.get("config") or {}, steps)
     return predict(base, offer, nodes, steps, write_gb)

@@ -14,7 +14,7 @@ import pytest
 from test_budget_efsio import LAUNCH_RATE, WRITE, _budget, _put
 
 from cluster_node import efsio, rundir
-from cluster_node.budget import Meter
+from cluster_node.budget import Meter, Spend
 from clusterops import budget as budgets
 from clusterops.resume import Saved
 
@@ -52,7 +52,7 @@ def _segment(efs: Efs, run, budget, start: float, end: float) -> dict:
 
 
 def _resumed(saved: dict, fs: str):
-    before = Saved(config={}, spec={}, budget=saved, step=None)
+    before = Saved(config={}, spec=None, budget=Spend.from_json(saved), step=None)
     return _budget(
         file_system_id=fs, usd_per_node_hour=0.0, spent=budgets.spent_before(before), io_tail=budgets.io_tail(before)
     )
@@ -69,7 +69,7 @@ def test_two_segments_with_a_resume_between_count_every_byte_once(tmp_path, aws_
     efs.run(s2, e2)
     first = _segment(efs, tmp_path, _budget(file_system_id=fs, usd_per_node_hour=0.0), s1, e1)
     second = _segment(efs, tmp_path, _resumed(first, fs), s2, e2)
-    measured = budgets.spent_before(Saved(config={}, spec={}, budget=second, step=None))
+    measured = budgets.spent_before(Saved(config={}, spec=None, budget=Spend.from_json(second), step=None))
     print(
         f"gap {gap_s:.0f} s: {measured / WRITE:.1f} GB metered before io_to, {efs.gb_before(second['io_to'])} written"
     )
