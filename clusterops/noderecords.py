@@ -68,7 +68,7 @@ ROLES: dict[str, tuple[str, Any]] = {
     rundir.BUDGET: ("spend", Spend),
     rundir.SPEC: ("spec", RunSpec),
 }
-_LISTS = {name for name, (role, _) in ROLES.items() if isinstance(RunFiles.__dataclass_fields__[role].default, tuple)}
+_LISTS = {rundir.RESTARTS, rundir.HANGS, rundir.SEGMENTS, rundir.INTERRUPTIONS, rundir.PHASES}  # JSON lists
 
 
 def _record(run: str, name: str, kind: Any, value: Any) -> Any:

@@ -14,7 +14,6 @@ import paramiko
 from invoke.exceptions import Exit, ThreadException
 
 from cluster_node import restart_plan, rundir
-from cluster_node.rundir import Progress, RunState, RunStatus
 from clusterops import analysis, health, launch, lifecycle, nodeprobe, noderecords, nodeview, remote, resume, terminal
 from clusterops import budget as budgets
 from clusterops import cost as costs
@@ -251,7 +250,7 @@ def _projector(inv: Inventory):
     hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
     printed: list[str] = []
 
-    def on_progress(progress: Optional[Progress]) -> None:
+    def on_progress(progress: Optional[rundir.Progress]) -> None:
         if printed or not costs.projection(progress, hourly):
             return
         line = costs.projection(progress, hourly, efs_io_rate(inv)) or ""
@@ -270,14 +269,11 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
-    seen: list[Optional[RunStatus]] = [None]  # the last status read, kept if a read after it fails
+    seen: list[Optional[rundir.RunStatus]] = [None]  # the last status read, kept if a read after it fails
     state: Optional[noderecords.RunFiles] = None
 
-    def keep(status: Optional[RunStatus]) -> None:
-        seen[0] = status or seen[0]
-
-    def then_stop() -> Optional[str]:
-        return seen[0].then_stop if seen[0] else None
+    def keep(status: Optional[rundir.RunStatus]) -> None:
+        seen[0] = status
 
     stopped = f"stopped following {rdir}; the run goes on (on AWS, billed): "
     stopped += "`fab logs --follow` re-attaches, `fab stop` ends it"
@@ -287,9 +283,10 @@ def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, 
             state = lifecycle.run_state(conn, inv, rdir)
             status_ = lifecycle.then_stop_outcome(conn, inv, rdir, state.status or status_)
     except CONNECTION_LOST as error:
-        if isinstance(error, remote.RemoteError) and conn.is_connected and then_stop() != "stopping":
+        stopping = bool(seen[0] and seen[0].then_stop == "stopping")
+        if isinstance(error, remote.RemoteError) and conn.is_connected and not stopping:
             raise  # the node answered: a real error of the run's files (a stopping head cuts commands off)
-        if then_stop() != "stopping":
+        if not stopping:
             detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
             raise Exit(
                 f"error: lost the connection to {node} ({conn.host}) while following {rdir} ({detail}); "
@@ -304,7 +301,7 @@ def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, 
     _print_end(rdir, state, status_)
 
 
-def _print_end(rdir: str, state: noderecords.RunFiles, status_: Optional[RunStatus]) -> None:
+def _print_end(rdir: str, state: noderecords.RunFiles, status_: Optional[rundir.RunStatus]) -> None:
     """The run's last line and summary, what --then-stop did; exit 1 if the run or the stop failed."""
     print(terminal.run_line(rdir, state))
     history = restart_plan.history_lines([restart.to_json() for restart in state.restarts])
@@ -315,7 +312,7 @@ def _print_end(rdir: str, state: noderecords.RunFiles, status_: Optional[RunStat
     stop_line, stop_failed = terminal.then_stop_line(status_), bool(status_ and status_.then_stop == "failed")
     if stop_line:  # a failed stop leaves the cluster billing: on stderr, and exit 1
         print(stop_line, file=sys.stderr if stop_failed else sys.stdout, flush=True)
-    if status_ is None or status_.state not in (RunState.FINISHED, RunState.STOPPED):
+    if status_ is None or status_.state not in (rundir.RunState.FINISHED, rundir.RunState.STOPPED):
         raise Exit(f"error: run {status_ and status_.state}: {status_ and status_.reason}", code=1)
     if stop_failed:
         raise Exit(code=1)
@@ -333,7 +330,7 @@ def logs(c, run=None, follow=False):
         rdir = run_dir(conn, inv, run)
         if follow:
             _follow(conn, inv, rdir, node=inv.head.name)
-        elif (ended := lifecycle.follow_log(conn, inv, rdir, follow=False)) and ended.state == RunState.STOPPED:
+        elif (ended := lifecycle.follow_log(conn, inv, rdir, follow=False)) and ended.state == rundir.RunState.STOPPED:
             print(f"run {rdir}: stopped (resumable: {terminal.resume_hint(rdir)})")
 
 
@@ -358,7 +355,7 @@ def stop(c, run=None, force=False):
         else:
             progress(f"stop: asked {rdir} to checkpoint at its next step (no eval) and end; waiting (up to 120 s) ...")
             result = lifecycle.request_stop(conn, inv, rdir, say=progress)
-            if result.state == RunState.STOPPED:
+            if result.state == rundir.RunState.STOPPED:
                 print(f"stopped {rdir}: {result.reason}; resumable: {terminal.resume_hint(rdir)}")
             else:  # it ended on its own meanwhile
                 print(f"{rdir} ended: {result.state} {result.reason}")
