@@ -13,6 +13,7 @@ from typing import Optional
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from cluster_node.protocol.rundir import Progress
 from cluster_node.supervisor import efsio
 
 TABLE = json.loads((Path(__file__).with_name("prices.json")).read_text())
@@ -295,10 +296,14 @@ class Estimate:
         return lines
 
 
-def projection(progress: dict, usd_per_hour: Optional[float], io_usd_per_hour: Optional[float] = None) -> Optional[str]:
+def projection(
+    progress: Optional[Progress], usd_per_hour: Optional[float], io_usd_per_hour: Optional[float] = None
+) -> Optional[str]:
     """Time and dollars to reach max steps from the measured step time, or None before it is known.
     EFS I/O is projected at its last hour's rate when given."""
-    step, total, step_time = progress.get("step"), progress.get("max_steps"), progress.get("avg_step_time_s")
+    if progress is None:
+        return None
+    step, total, step_time = progress.step, progress.max_steps, progress.avg_step_time_s
     if not step or not total or not step_time:
         return None
     hours = max(0, total - step) * step_time / 3600

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from cluster_node.protocol.rundir import Progress, RunState, RunStatus, Summary
+
+if TYPE_CHECKING:
+    from clusterops.nodes.records import RunFiles
 
 QUIET_AFTER_S = 120  # a running run whose progress is older than this says so
 
@@ -16,47 +21,44 @@ def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def _quiet_seconds(status: dict, progress: dict, now: float) -> Optional[float]:
+def _quiet_seconds(status: Optional[RunStatus], progress: Optional[Progress], now: float) -> Optional[float]:
     """How long a running run has shown no progress (since its start when it has no step yet)."""
-    if status.get("state") != "running":
+    if status is None or status.state != RunState.RUNNING:
         return None
-    last = progress.get("time")
-    if last is None and status.get("time"):
-        last = datetime.fromisoformat(status["time"].replace("Z", "+00:00")).timestamp()
+    last = progress.time if progress else None
+    if last is None and status.time:
+        last = datetime.fromisoformat(status.time.replace("Z", "+00:00")).timestamp()
     return now - last if last is not None else None
 
 
-def run_line(run_dir: str, state: dict, now: Optional[float] = None) -> str:
-    status, progress, summary = state["status"], state["progress"], state["summary"]
-    parts = [f"run {run_dir}: {status.get('state', 'unknown')}"]
-    if status.get("state") == "stopped":
+def run_line(run_dir: str, state: RunFiles, now: Optional[float] = None) -> str:
+    status, progress, summary = state.status, state.progress, state.summary
+    parts = [f"run {run_dir}: {status.state if status else 'unknown'}"]
+    if state.state == RunState.STOPPED:
         parts[0] += f" (resumable: {resume_hint(run_dir)})"
     quiet = _quiet_seconds(status, progress, time.time() if now is None else now)
     if quiet is not None and quiet > QUIET_AFTER_S:
-        parts.append(
-            f"no progress for {quiet / 60:.0f} min"
-            if progress.get("step") is not None
-            else f"no step yet after {quiet / 60:.0f} min"
-        )
-    if progress.get("step") is not None:
-        parts.append(f"step {progress['step']}/{progress.get('max_steps', '?')}")
-    if progress.get("avg_step_time_s"):
-        parts.append(f"{progress['avg_step_time_s'] * 1000:.0f} ms/step")
-    if progress.get("eta_s") is not None and status.get("state") == "running":
-        eta = round(progress["eta_s"])
+        parts.append(f"no progress for {quiet / 60:.0f} min" if progress else f"no step yet after {quiet / 60:.0f} min")
+    if progress:
+        parts.append(f"step {progress.step}/{'?' if progress.max_steps is None else progress.max_steps}")
+    if progress and progress.avg_step_time_s:
+        parts.append(f"{progress.avg_step_time_s * 1000:.0f} ms/step")
+    if progress and progress.eta_s is not None and state.state == RunState.RUNNING:
+        eta = round(progress.eta_s)
         parts.append(f"ETA {eta // 60}m{eta % 60:02d}s")
-    if status.get("reason"):
-        parts.append(f"({status['reason']})")
-    if quality(summary) and status.get("state") != "running":
+    if status and status.reason:
+        parts.append(f"({status.reason})")
+    if quality(summary) and state.state != RunState.RUNNING:
         parts.append(quality(summary))
     return " | ".join(parts)
 
 
-def quality(summary: dict) -> str:
+def quality(summary: Optional[Summary]) -> str:
     """A run's result, in one form wherever shown: BLEU and top-1 both 0..100 with one decimal."""
-    if summary.get("bleu") is not None:
-        return f"BLEU {summary['bleu']:.1f}"
-    return f"top-1 {summary['top1']:.1f}%" if summary.get("top1") is not None else ""
+    metrics = summary.metrics if summary else {}
+    if metrics.get("bleu") is not None:
+        return f"BLEU {metrics['bleu']:.1f}"
+    return f"top-1 {metrics['top1']:.1f}%" if metrics.get("top1") is not None else ""
 
 
 def resume_hint(run_dir: str) -> str:
@@ -64,40 +66,34 @@ def resume_hint(run_dir: str) -> str:
     return f"`fab train --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}` continues from its checkpoint"
 
 
-def then_stop_line(status: dict) -> Optional[str]:
+def then_stop_line(status: Optional[RunStatus]) -> Optional[str]:
     """What --then-stop did, once the run ended (run-status.json's then_stop); None without it.
     `stopping` is also the last word of a head node that went down before it could write `sent`."""
-    then_stop = status.get("then_stop")
+    then_stop = status.then_stop if status else None
     if then_stop == "failed":
         return (
             "error: --then-stop failed: the cluster keeps running (on AWS, billed): the run's log says why "
             "(`fab logs`); `fab stop-cluster` stops it"
         )
-    if then_stop == "requested":  # a head that went down before it could write the outcome, started since
-        return (
-            f"--then-stop was requested when the run ended ({status.get('time')}); `fab status` shows the cluster now"
-        )
+    if status and then_stop == "requested":  # a head that went down before it could write the outcome, started since
+        return f"--then-stop was requested when the run ended ({status.time}); `fab status` shows the cluster now"
     return "the cluster is stopping (--then-stop): `fab start` brings it back" if then_stop else None
 
 
-def summary_lines(summary: dict) -> list[str]:
-    keys = (
-        "steps",
-        "world_size",
-        "avg_step_time_s",
-        "objects_per_s",
-        "eval_loss",
-        "bleu",
-        "exact_match",
-        "top1",
-        "top5",
-        "checkpoint_mb",
-        "ended",
-    )
+METRICS = ("eval_loss", "bleu", "exact_match", "top1", "top5")  # the task's eval metrics, in summary.metrics
+
+
+def summary_lines(summary: Optional[Summary]) -> list[str]:
+    if summary is None:
+        return []
+    shown: list[tuple[str, Any]] = [("steps", summary.steps), ("world_size", summary.world_size)]
+    shown += [("avg_step_time_s", summary.avg_step_time_s), ("objects_per_s", summary.objects_per_s)]
+    shown += [(key, summary.metrics.get(key)) for key in METRICS]
+    shown += [("checkpoint_mb", summary.checkpoint_mb), ("ended", summary.ended)]
     return [  # only what the run measured: a synthetic run has no eval, its eval keys are None
-        f"  {key:>16}: {summary[key]:.4g}" if isinstance(summary[key], float) else f"  {key:>16}: {summary[key]}"
-        for key in keys
-        if summary.get(key) is not None
+        f"  {key:>16}: {value:.4g}" if isinstance(value, float) else f"  {key:>16}: {value}"
+        for key, value in shown
+        if value is not None
     ]
 
 

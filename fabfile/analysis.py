@@ -259,7 +259,8 @@ def _offer(inv, name: str, base, link, spot: bool):
 
 def _checkpoint_gb(inputs, steps: int) -> float:
     """GB the run writes to EFS in checkpoints: the run's checkpoint size x how often it saves."""
-    size = (inputs.get("summary") or {}).get("checkpoint_mb") or 0.0
+    summary = inputs.get("summary")  # a Summary record (analysis.plan_inputs), or none
+    size = (summary.checkpoint_mb if summary else None) or 0.0
     every = (inputs.get("config") or {}).get("checkpoint_every") or 0
     return size * (steps // every) / 1000 if every else 0.0
 

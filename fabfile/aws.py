@@ -192,7 +192,7 @@ def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=F
         with head(inv) as conn:
             run = lifecycle.active_run(conn, inv)
             line = run and costs.projection(
-                lifecycle.run_state(conn, run)["progress"], estimate.usd_per_hour, efs_io_rate(inv, session)
+                lifecycle.run_state(conn, inv, run).progress, estimate.usd_per_hour, efs_io_rate(inv, session)
             )
         print(line or "no run going")
 

@@ -44,7 +44,7 @@ def status(c):
         overview = lifecycle.run_overview(connections.get(inv.head), inv) if rows[0].get("reachable") else None
     if overview:
         print(terminal.run_line(*overview))
-        for line in restart_plan.history_lines(overview[1]["restarts"]):
+        for line in restart_plan.history_lines([restart.to_json() for restart in overview[1].restarts]):
             print(line)
     if inv.extra.get("dashboard_url"):
         print(f"dashboard: {inv.extra['dashboard_url']}")

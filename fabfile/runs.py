@@ -20,6 +20,7 @@ from clusterops import terminal
 from clusterops.inventory import Inventory
 from clusterops.nodes import health, remote
 from clusterops.nodes import probe as nodeprobe
+from clusterops.nodes import records as noderecords
 from clusterops.nodes import view as nodeview
 from clusterops.predict import plan as planning
 from clusterops.run import analysis, launch, lifecycle, resume
@@ -150,7 +151,7 @@ def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follo
         if not saved and resume.close_run(request.run_name, taken):  # a typo in --run starts a new run
             print(f"note: {resume.close_run(request.run_name, taken)}")
         if follow:
-            _follow(conn, rdir, log_offset, _projector(inv), node=inv.head.name)
+            _follow(conn, inv, rdir, log_offset, _projector(inv), node=inv.head.name)
 
 
 def _split(extra: str) -> tuple[str, ...]:
@@ -255,7 +256,7 @@ def _projector(inv: Inventory):
     hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
     printed: list[str] = []
 
-    def on_progress(progress: dict) -> None:
+    def on_progress(progress: Optional[rundir.Progress]) -> None:
         if printed or not costs.projection(progress, hourly):
             return
         line = costs.projection(progress, hourly, efs_io_rate(inv)) or ""
@@ -273,25 +274,25 @@ CONNECTION_LOST = (paramiko.SSHException, OSError, EOFError, ThreadException, re
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
-def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
-    seen: dict = {}  # the last status read, kept if a read after it fails
-    state: Optional[dict] = None
+def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
+    seen: list[Optional[rundir.RunStatus]] = [None]  # the last status read, kept if a read after it fails
+    state: Optional[noderecords.RunFiles] = None
 
-    def keep(status: dict) -> None:
-        seen.clear()
-        seen.update(status)
+    def keep(status: Optional[rundir.RunStatus]) -> None:
+        seen[0] = status
 
     stopped = f"stopped following {rdir}; the run goes on (on AWS, billed): "
     stopped += "`fab logs --follow` re-attaches, `fab stop` ends it"
     try:
         with ctrl_c_ends(stopped, code=130):  # 128 + SIGINT, as a shell reports a Ctrl-C
-            status_ = lifecycle.follow_log(conn, rdir, offset=offset, on_progress=on_progress, on_status=keep)
-            state = lifecycle.run_state(conn, rdir)
-            status_ = lifecycle.then_stop_outcome(conn, rdir, state["status"] or status_)
+            status_ = lifecycle.follow_log(conn, inv, rdir, offset=offset, on_progress=on_progress, on_status=keep)
+            state = lifecycle.run_state(conn, inv, rdir)
+            status_ = lifecycle.then_stop_outcome(conn, inv, rdir, state.status or status_)
     except CONNECTION_LOST as error:
-        if isinstance(error, remote.RemoteError) and conn.is_connected and seen.get("then_stop") != "stopping":
+        stopping = bool(seen[0] and seen[0].then_stop == "stopping")
+        if isinstance(error, remote.RemoteError) and conn.is_connected and not stopping:
             raise  # the node answered: a real error of the run's files (a stopping head cuts commands off)
-        if seen.get("then_stop") != "stopping":
+        if not stopping:
             detail = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
             raise Exit(
                 f"error: lost the connection to {node} ({conn.host}) while following {rdir} ({detail}); "
@@ -299,25 +300,26 @@ def _follow(conn, rdir: str, offset: int = 0, on_progress=None, node: str = "the
                 code=1,
             ) from None
         # The run ended and --then-stop is taking the head node down under these reads: as expected.
-        status_ = seen
-        state = state or {"status": status_, "progress": {}, "summary": {}, "restarts": []}
+        status_ = seen[0]
+        state = state or noderecords.RunFiles(run=rdir, status=status_)
     except KeyboardInterrupt:  # off the main thread (no handler there): Invoke would exit 1 without a word
         raise Exit(stopped, code=130) from None
     _print_end(rdir, state, status_)
 
 
-def _print_end(rdir: str, state: dict, status_: dict) -> None:
+def _print_end(rdir: str, state: noderecords.RunFiles, status_: Optional[rundir.RunStatus]) -> None:
     """The run's last line and summary, what --then-stop did; exit 1 if the run or the stop failed."""
     print(terminal.run_line(rdir, state))
-    for line in terminal.summary_lines(state["summary"]) + restart_plan.history_lines(state["restarts"]):
+    history = restart_plan.history_lines([restart.to_json() for restart in state.restarts])
+    for line in terminal.summary_lines(state.summary) + history:
         print(line)
-    if status_.get("resume"):  # a Spot notice ended it: the checkpoint is on /data
-        print(f"resume with: {status_['resume']}")
-    stop_line, stop_failed = terminal.then_stop_line(status_), status_.get("then_stop") == "failed"
+    if status_ and status_.resume:  # a Spot notice ended it: the checkpoint is on /data
+        print(f"resume with: {status_.resume}")
+    stop_line, stop_failed = terminal.then_stop_line(status_), bool(status_ and status_.then_stop == "failed")
     if stop_line:  # a failed stop leaves the cluster billing: on stderr, and exit 1
         print(stop_line, file=sys.stderr if stop_failed else sys.stdout, flush=True)
-    if status_.get("state") not in ("finished", "stopped"):
-        raise Exit(f"error: run {status_.get('state')}: {status_.get('reason')}", code=1)
+    if status_ is None or status_.state not in (rundir.RunState.FINISHED, rundir.RunState.STOPPED):
+        raise Exit(f"error: run {status_ and status_.state}: {status_ and status_.reason}", code=1)
     if stop_failed:
         raise Exit(code=1)
 
@@ -333,8 +335,8 @@ def logs(c, run=None, follow=False):
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)
         if follow:
-            _follow(conn, rdir, node=inv.head.name)
-        elif lifecycle.follow_log(conn, rdir, follow=False).get("state") == "stopped":
+            _follow(conn, inv, rdir, node=inv.head.name)
+        elif (ended := lifecycle.follow_log(conn, inv, rdir, follow=False)) and ended.state == rundir.RunState.STOPPED:
             print(f"run {rdir}: stopped (resumable: {terminal.resume_hint(rdir)})")
 
 
@@ -358,11 +360,11 @@ def stop(c, run=None, force=False):
             print(f"killed {rdir}")
         else:
             progress(f"stop: asked {rdir} to checkpoint at its next step (no eval) and end; waiting (up to 120 s) ...")
-            result = lifecycle.request_stop(conn, rdir, say=progress)
-            if result.get("state") == "stopped":
-                print(f"stopped {rdir}: {result.get('reason', '')}; resumable: {terminal.resume_hint(rdir)}")
+            result = lifecycle.request_stop(conn, inv, rdir, say=progress)
+            if result.state == rundir.RunState.STOPPED:
+                print(f"stopped {rdir}: {result.reason}; resumable: {terminal.resume_hint(rdir)}")
             else:  # it ended on its own meanwhile
-                print(f"{rdir} ended: {result.get('state')} {result.get('reason', '')}")
+                print(f"{rdir} ended: {result.state} {result.reason}")
 
 
 @task(
@@ -376,7 +378,7 @@ def fetch(c, run=None, dest="runs"):
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run)
         target = Path(dest) / Path(rdir).name
-        files, previous = lifecycle.fetch_run(conn, rdir, target)
+        files, previous = lifecycle.fetch_run(conn, inv, rdir, target)
     print(
         f"fetched {len(files)} file(s) into {target}/" + (f" (the earlier copy is now {previous}/)" if previous else "")
     )

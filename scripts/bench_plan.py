@@ -77,11 +77,12 @@ def errors(summaries: dict, link: str) -> list[str]:
     rate = analysis.tc_rate_gbit(link)
     local = planning.Offer("local", planning.CPU, 1, None, "none", rate, link, cpus)
     lines = [f"{'from':<8} {'nodes':>5} {'predicted':>9} {'measured':>9} {'error':>7}"]
+    records = {nodes: rundir.Summary.from_json(summary) for nodes, summary in summaries.items()}
     for source in (1, 2):
-        base = planning.base_from_run(f"plan-n{source}", summaries[source], planning.CPU, 1, (rate, link))
-        for nodes, summary in summaries.items():
+        base = planning.base_from_run(f"plan-n{source}", records[source], planning.CPU, 1, (rate, link))
+        for nodes, summary in records.items():
             e = planning.estimate(base, local, nodes, 1, planning.Storage())
-            measured = summary["avg_step_time_s"]
+            measured = summary.avg_step_time_s or 0.0
             assert e.step_s is not None, e.refused
             error = e.step_s / measured - 1
             lines.append(f"{source} node  {nodes:>5} {e.step_s * 1e3:>9.0f} {measured * 1e3:>9.0f} {error:>+7.0%}")

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -171,5 +172,7 @@ def one_node_inventory(tmp_path: Path, cluster: str, port: int, key: str) -> Pat
         gpus_per_node=1,
         ssh=SshSettings("root", port, str(tmp_path / key), str(tmp_path / "known_hosts")),
         data_dir=str(tmp_path / "data"),
+        python=sys.executable,  # the node programs (cluster_node.programs.runs reads the run files) from the checkout
+        code_dir=str(REPO / "assets" / "train"),
     ).save(path)
     return path

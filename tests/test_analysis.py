@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from invoke.exceptions import Exit
+from runfiles import full_status, read_here, run_files
 from test_launch import inventory
 
+from cluster_node.protocol.rundir import Summary
 from clusterops.predict import bottleneck, scaling
 from clusterops.run import analysis
 from fabfile.analysis import node_counts
@@ -44,7 +46,7 @@ SUMMARY = {
 
 
 def test_report_without_a_link_measurement_says_so_and_predicts_only_the_batch(tmp_path):
-    lines, written = bottleneck.write_report("tiny", SUMMARY, None, tmp_path)
+    lines, written = bottleneck.write_report("tiny", Summary.from_json(SUMMARY), None, tmp_path)
     text = "\n".join(lines)
     assert "No link measurement" in text and "fab check" in text
     names = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and "what if" not in line]
@@ -56,7 +58,7 @@ def test_report_with_the_link_and_a_scale_series_draws_both_plots(tmp_path):
     link = {"median_gbit": 0.95, "pairs": [{"src": "node0", "dst": "node1", "gbit": 0.95}], "allreduce_busbw_gbit": 0.9}
     point = scaling.Point(2, 2, [0.31, 0.33], [206.0, 194.0], [0.25, 0.27])
     scale = {"recipe": "transformer-tiny", "points": [scaling.Point(1, 1, [0.3], [107.0], []).__dict__, point.__dict__]}
-    lines, written = bottleneck.write_report("tiny", SUMMARY, link, tmp_path, scale)
+    lines, written = bottleneck.write_report("tiny", Summary.from_json(SUMMARY), link, tmp_path, scale)
     assert lines[0] == "# Run tiny: mixed"  # 26% of the step is exposed communication
     assert any("median 0.95 Gbit/s over 1 pair" in line for line in lines)
     assert any(line.startswith("| powersgd |") for line in lines)
@@ -66,20 +68,13 @@ def test_report_with_the_link_and_a_scale_series_draws_both_plots(tmp_path):
 
 def test_runs_table_compares_runs_at_a_glance():
     runs = [
-        {
-            "run": "tiny",
-            "summary": SUMMARY,
-            "progress": {},
-            "config": {"max_steps": 30, "precision": "fp32"},
-            "run_status": {"state": "finished"},
-        },
-        {
-            "run": "going",
-            "summary": {},
-            "progress": {"step": 12, "avg_step_time_s": 0.5, "world_size": 4},
-            "config": {"max_steps": 100, "precision": "bf16", "grad_compression": "powersgd"},
-            "run_status": {"state": "running"},
-        },
+        run_files("tiny", summary=SUMMARY, config={"max_steps": 30, "precision": "fp32"}, status={"state": "finished"}),
+        run_files(
+            "going",
+            progress={"step": 12, "avg_step_time_s": 0.5, "world_size": 4},
+            config={"max_steps": 100, "precision": "bf16", "grad_compression": "powersgd"},
+            status={"state": "running"},
+        ),
     ]
     table = analysis.runs_table(runs, usd_per_node_hour=0.526, slots=1).splitlines()
     assert table[0].split() == analysis.RUN_COLUMNS + ["cost"]
@@ -88,7 +83,9 @@ def test_runs_table_compares_runs_at_a_glance():
     assert table[3].split()[:8] == ["going", "running", "12/100", "500", "bf16", "powersgd", "4", "n/a"]
     assert "cost" not in analysis.runs_table(runs, None, 1).splitlines()[0]
     # Issue 32 §11: "top-1 78.000" beside "BLEU 0.1": one form for both
-    image = dict(runs[0], run="img", summary={k: v for k, v in SUMMARY.items() if k != "bleu"} | {"top1": 78.0})
+    image = run_files(
+        "img", summary={k: v for k, v in SUMMARY.items() if k != "bleu"} | {"top1": 78.0}, status={"state": "finished"}
+    )
     assert "top-1 78.0%" in analysis.runs_table([image], None, 1).splitlines()[2]
 
 
@@ -104,7 +101,7 @@ def test_the_runs_script_reads_every_run_directory(tmp_path):
         text=True,
     )
     rows = json.loads(out.stdout)
-    assert [r["run"] for r in rows] == ["tiny"] and rows[0]["run_status"] == {"state": "finished"}
+    assert [r["run"] for r in rows] == ["tiny"] and rows[0]["files"]["run-status.json"] == {"state": "finished"}
 
 
 @pytest.mark.parametrize("text, counts", [("1,2", [1, 2]), ("2,1,2", [1, 2]), ("4", [4])])
@@ -192,16 +189,18 @@ def test_report_on_a_failed_run_reports_what_it_measured_up_to_its_end(tmp_path,
     gets one line naming its state."""
     import shutil
 
+    from clusterops.nodes import records as noderecords
     from clusterops.nodes import remote
     from clusterops.run import analysis
 
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
-    (run / "run-status.json").write_text(json.dumps({"state": "failed", "reason": "node1 unreachable"}))
+    (run / "run-status.json").write_text(json.dumps(full_status(state="failed", reason="node1 unreachable")))
     (run / "config.json").write_text(json.dumps({"recipe": "transformer-tiny", "batch_per_gpu": 8, "grad_accum": 1}))
     monkeypatch.setattr(
         remote, "read_json", lambda _c, path: json.loads(Path(path).read_text()) if Path(path).exists() else None
     )
+    monkeypatch.setattr(noderecords, "read", read_here)
     monkeypatch.setattr(remote, "sh", lambda _c, command, **_: "")  # phases.jsonl: none, no goodput
 
     class Put:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster_node.protocol.rundir import Summary
 from clusterops.predict.bottleneck import Breakdown, powersgd_wire_bytes, ring_wire_bytes, verdict, what_ifs
 
 MB = 1e6
@@ -144,6 +145,8 @@ def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
     from clusterops.predict.bottleneck import write_report
 
     summary = {
+        "recipe": "transformer-base",
+        "steps": 100,
         "world_size": 2,
         "global_batch": 256,
         "grad_compression": "none",
@@ -158,7 +161,7 @@ def test_the_report_names_the_verdict_writes_markdown_and_a_chart(tmp_path):
         },
     }
     summary["calibration"] = {"powersgd_wire_bytes": powersgd_wire_bytes([(512, 2048), (2048,)], 4, 2)}
-    lines, written = write_report("base", summary, {"median_gbit": 0.96}, tmp_path)
+    lines, written = write_report("base", Summary.from_json(summary), {"median_gbit": 0.96}, tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("# Run base: communication-bound")
     for what_if in ("fp16 gradients", "powersgd", "batch x2 per GPU", "10 Gbit/s link", "100 Gbit/s link (EFA)"):

@@ -93,7 +93,9 @@ def test_durations_and_the_eta_in_fab_status():
 
     assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
     progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
-    line = terminal.run_line("/runs/r", {"status": {"state": "running"}, "progress": progress, "summary": {}})
+    from runfiles import run_files
+
+    line = terminal.run_line("/runs/r", run_files(status={"state": "running"}, progress=progress))
     assert "step 300/600 | 100 ms/step | ETA 2m10s" in line
 
 

@@ -14,6 +14,7 @@ from supervisor_fixture import write_spec
 from test_supervisor import HEALTHY, NOW, FakeMpirun, FakeNodes, Script
 
 from cluster_node.protocol import rundir, spec
+from cluster_node.protocol.rundir import Summary
 from cluster_node.supervisor.budget import Meter, Spend
 from cluster_node.supervisor.loop import Supervisor
 from cluster_node.supervisor.observe import Observation
@@ -105,11 +106,13 @@ def test_an_unknown_price_refuses_a_budget():
 
 MB = 1e6
 PARTS = {"data_s": 0.01, "compute_s": 0.5, "comm_exposed_s": 0.05, "optimizer_s": 0.02, "other_s": 0.02}
-MEASURED = {  # a run on 2 nodes x 4 ranks (-c gpus_per_node=4 on 8-GPU p4d nodes)
-    "world_size": 8,
-    "global_batch": 256,
-    "breakdown": {**PARTS, "wire_bytes": 175 * MB, "grad_bytes": 100 * MB, "buckets": 4},
-}
+MEASURED = Summary(  # a run on 2 nodes x 4 ranks (-c gpus_per_node=4 on 8-GPU p4d nodes)
+    recipe="transformer-base",
+    steps=100,
+    world_size=8,
+    global_batch=256,
+    breakdown={**PARTS, "wire_bytes": 175 * MB, "grad_bytes": 100 * MB, "buckets": 4},
+)
 
 
 def test_the_prediction_places_the_inventorys_ranks_per_node_not_the_instance_types_gpus():
@@ -215,8 +218,8 @@ def test_the_budget_line_says_how_many_nodes_it_meters_and_whether_they_stop():
 
 SAVED_RUN = resume.Saved(
     config={"recipe": "transformer-tiny", "data": "/data/datasets/numbers", "max_steps": 1000},
-    spec={},
-    budget={"usd": 6.0, "spent": 4.5, "time": NOW},
+    spec=None,
+    budget=Spend(usd=6.0, spent=4.5, time=NOW),
     step=700,
 )
 

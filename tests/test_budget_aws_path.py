@@ -19,7 +19,7 @@ from test_supervisor import NOW
 
 from cluster_node.protocol import rundir
 from cluster_node.supervisor import efsio
-from cluster_node.supervisor.budget import Meter
+from cluster_node.supervisor.budget import Meter, Spend
 from cluster_node.supervisor.observe import Observation
 
 UTC = timezone.utc
@@ -260,7 +260,7 @@ def test_the_efs_io_cloudwatch_had_not_published_when_a_segment_ended_is_metered
     saved = json.loads((tmp_path / rundir.BUDGET).read_text())
     assert first.efs.measured_usd == pytest.approx(10 * READ)
 
-    window = budgets.io_tail(Saved(config={}, spec={}, budget=saved, step=None))
+    window = budgets.io_tail(Saved(config={}, spec=None, budget=Spend.from_json(saved), step=None))
     assert window == (efsio.minute(start + 600 - efsio.LAG_S), start + 660)
     carried = _budget(file_system_id=fs, spent=saved["spent"], io_tail=window)
     second = Meter(carried, start + 900)

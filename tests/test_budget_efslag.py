@@ -15,7 +15,7 @@ from test_budget_efsio import LAUNCH_RATE, WRITE, _budget, _put
 
 from cluster_node.protocol import rundir
 from cluster_node.supervisor import efsio
-from cluster_node.supervisor.budget import Meter
+from cluster_node.supervisor.budget import Meter, Spend
 from clusterops.run import budget as budgets
 from clusterops.run.resume import Saved
 
@@ -53,7 +53,7 @@ def _segment(efs: Efs, run, budget, start: float, end: float) -> dict:
 
 
 def _resumed(saved: dict, fs: str):
-    before = Saved(config={}, spec={}, budget=saved, step=None)
+    before = Saved(config={}, spec=None, budget=Spend.from_json(saved), step=None)
     return _budget(
         file_system_id=fs, usd_per_node_hour=0.0, spent=budgets.spent_before(before), io_tail=budgets.io_tail(before)
     )
@@ -70,7 +70,7 @@ def test_two_segments_with_a_resume_between_count_every_byte_once(tmp_path, aws_
     efs.run(s2, e2)
     first = _segment(efs, tmp_path, _budget(file_system_id=fs, usd_per_node_hour=0.0), s1, e1)
     second = _segment(efs, tmp_path, _resumed(first, fs), s2, e2)
-    measured = budgets.spent_before(Saved(config={}, spec={}, budget=second, step=None))
+    measured = budgets.spent_before(Saved(config={}, spec=None, budget=Spend.from_json(second), step=None))
     print(
         f"gap {gap_s:.0f} s: {measured / WRITE:.1f} GB metered before io_to, {efs.gb_before(second['io_to'])} written"
     )

@@ -170,8 +170,8 @@ class FakeConnection:
             out = FakeConnection.runs
         elif command.startswith("stat -c"):
             out = "0\n"
-        elif command.startswith("cat ") and "run-status.json" in command:
-            out = json.dumps({"state": "starting"})
+        elif "cluster_node.programs.runs files" in command:  # a run's files: none yet (a new run)
+            out = json.dumps({"run": command.split("--run ")[1].split()[0], "files": {}, "torn": {}})
         elif "cluster_node.programs.start" in command:  # the claim and start on the head node
             out = json.dumps({"run": "/data/runs/transformer-tiny", "log_offset": 0})
         return SimpleNamespace(stdout=out, stderr="", exited=0)

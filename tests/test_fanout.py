@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_fab
+from runfiles import full_status
 
 from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
 from clusterops.nodes import remote
@@ -103,7 +104,7 @@ def test_status_opens_one_connection_per_node_and_shows_the_run(nodes_via_proxy)
     inventory = Inventory.load(path)
     run = Path(inventory.data_dir) / "runs" / "r1"
     run.mkdir(parents=True)
-    (run / "run-status.json").write_text(json.dumps({"state": "finished", "reason": "done"}))
+    (run / "run-status.json").write_text(json.dumps(full_status(state="finished", reason="done")))
     (run / "progress.json").write_text(json.dumps({"step": 7, "max_steps": 7, "avg_step_time_s": 0.25}))
     result = run_fab("status", GPU_CLUSTER_INVENTORY=str(path))
     assert result.returncode == 0, result.stderr
@@ -129,11 +130,11 @@ def test_run_overview_matches_the_step_by_step_probes(nodes_via_proxy):
         for name, state in (("old", "finished"), ("new", "running")):
             run = Path(inventory.data_dir) / "runs" / name
             run.mkdir(parents=True)
-            (run / "run-status.json").write_text(json.dumps({"state": state}))
+            (run / "run-status.json").write_text(json.dumps(full_status(state=state)))
             time.sleep(0.02)
         (run / "summary.json").write_text("{not json")
         latest = lifecycle.active_run(conn, inventory) or lifecycle.latest_run(conn, inventory)
-        assert lifecycle.run_overview(conn, inventory) == (latest, lifecycle.run_state(conn, latest))
+        assert lifecycle.run_overview(conn, inventory) == (latest, lifecycle.run_state(conn, inventory, latest))
 
 
 def test_sync_ships_the_node_package_beside_the_training_program(nodes_via_proxy):
@@ -155,7 +156,7 @@ def test_fetch_during_a_run_brings_its_newest_checkpoint_or_says_there_is_none(n
     inventory = Inventory.load(path)
     run = Path(inventory.data_dir) / "runs" / "live"
     (run / "checkpoints").mkdir(parents=True)
-    (run / "run-status.json").write_text(json.dumps({"state": "running"}))
+    (run / "run-status.json").write_text(json.dumps(full_status(state="running")))
     (run / "config.json").write_text(json.dumps({"checkpoint_every": 100}))
     dest = tmp_path / "home"
     result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
@@ -165,7 +166,7 @@ def test_fetch_during_a_run_brings_its_newest_checkpoint_or_says_there_is_none(n
         (run / "checkpoints" / name).write_bytes(name.encode())
     result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
     assert "checkpoint: checkpoints/step_00000200.pt" in result.stdout, result.stdout + result.stderr
-    (run / "run-status.json").write_text(json.dumps({"state": "finished"}))
+    (run / "run-status.json").write_text(json.dumps(full_status(state="finished")))
     result = run_fab("fetch", "live", "--dest", str(dest), GPU_CLUSTER_INVENTORY=str(path))
     assert "checkpoint: checkpoints/best.pt" in result.stdout, result.stdout + result.stderr
 
@@ -180,8 +181,8 @@ def test_a_long_wait_is_announced_before_it_starts(nodes_via_proxy):
     assert json.loads(result.stdout)["nodes"], result.stdout
     run = Path(inventory.data_dir) / "runs" / "r1"
     run.mkdir(parents=True)
-    (run / "run-status.json").write_text(json.dumps({"state": "running"}))
-    ends = threading.Timer(1.5, lambda: (run / "run-status.json").write_text(json.dumps({"state": "finished"})))
+    (run / "run-status.json").write_text(json.dumps(full_status(state="running")))
+    ends = threading.Timer(1.5, lambda: (run / "run-status.json").write_text(json.dumps(full_status(state="finished"))))
     ends.start()
     result = run_fab("stop", "r1", GPU_CLUSTER_INVENTORY=str(path))
     ends.join()

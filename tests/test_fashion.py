@@ -269,9 +269,12 @@ def test_the_package_is_installed_by_setup_and_by_the_image():
 def test_fab_shows_the_runs_top1_and_nothing_unmeasured():
     """What `fab train --follow` prints at the end (terminal.summary_lines): an image run's top-1, and
     no `eval_loss: None` for a synthetic run, which evaluates nothing (issue 23 §10)."""
+    from cluster_node.protocol.rundir import Summary
     from clusterops.terminal import summary_lines
 
-    measured = "\n".join(summary_lines({"steps": 40, "eval_loss": 1.672, "top1": 34.0, "top5": 88.5, "bleu": None}))
+    image = {"recipe": "resnet-small", "steps": 40, "eval_loss": 1.672, "top1": 34.0, "top5": 88.5, "bleu": None}
+    measured = "\n".join(summary_lines(Summary.from_json(image)))
     assert "top1: 34" in measured and "top5: 88.5" in measured and "None" not in measured
-    synthetic = "\n".join(summary_lines({"steps": 3, "eval_loss": None, "top1": None, "top5": None}))
+    synthetic = {"recipe": "resnet-small", "steps": 3, "eval_loss": None, "top1": None, "top5": None}
+    synthetic = "\n".join(summary_lines(Summary.from_json(synthetic)))
     assert "None" not in synthetic and "eval_loss" not in synthetic and "steps: 3" in synthetic

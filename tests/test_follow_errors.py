@@ -14,6 +14,7 @@ import time
 
 import pytest
 from conftest import REPO, one_node_inventory, tool_env
+from runfiles import full_status
 from test_fanout import _free_port, _sshd_config, pytestmark  # noqa: F401 - same needs: root and sshd
 
 from clusterops.inventory import write_known_hosts
@@ -81,7 +82,7 @@ def followed(tmp_path):
     write_known_hosts(tmp_path / "known_hosts", ["127.0.0.1"], (tmp_path / "host.pub").read_text(), relay.port)
     run = tmp_path / "data" / "runs" / "r1"
     run.mkdir(parents=True)
-    (run / "run-status.json").write_text(json.dumps({"state": "running"}))
+    (run / "run-status.json").write_text(json.dumps(full_status(state="running")))
     (run / "train.log").write_text("step 1 loss 2.0\n")
     yield one_node_inventory(tmp_path, "follow", relay.port, "client"), relay
     sshd.terminate()

@@ -146,7 +146,8 @@ def test_the_timeline_png_and_the_runs_column(tmp_path):
     acc = goodput.account(_marks())
     path = plots.goodput_timeline(acc, tmp_path / "goodput.png", "r")
     assert path.read_bytes()[:4] == b"\x89PNG"
-    run = {"run": "r", "summary": {}, "progress": {}, "config": {}, "run_status": {}}
-    run["phases"] = [m.to_json() for m in _marks()]
+    from runfiles import run_files
+
+    run = run_files("r", phases=[m.to_json() for m in _marks()])
     assert analysis.run_row(run, None)["goodput"] == "38%"
-    assert analysis.run_row({**run, "phases": []}, None)["goodput"] == ""
+    assert analysis.run_row(run_files("r"), None)["goodput"] == ""

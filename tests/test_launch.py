@@ -284,12 +284,15 @@ def test_a_quiet_running_run_says_how_long_it_has_shown_no_progress():
 
     running = {"state": "running", "time": "2026-01-01T00:00:00Z"}
     start = 1767225600.0  # 2026-01-01T00:00:00Z
-    quiet = {"status": running, "progress": {"step": 40, "max_steps": 100, "time": start}, "summary": {}}
+    from runfiles import run_files
+
+    progress = {"step": 40, "max_steps": 100, "time": start}
+    quiet = run_files(status=running, progress=progress)
     assert "no progress for 10 min" in terminal.run_line("/data/runs/r", quiet, now=start + 600)
     assert "no progress" not in terminal.run_line("/data/runs/r", quiet, now=start + 30)
-    never = {"status": running, "progress": {}, "summary": {}}
+    never = run_files(status=running)
     assert "no step yet after 16 min" in terminal.run_line("/data/runs/r", never, now=start + 960)
-    ended = {"status": {"state": "finished"}, "progress": quiet["progress"], "summary": {}}
+    ended = run_files(status={"state": "finished"}, progress=progress)
     assert "no progress" not in terminal.run_line("/data/runs/r", ended, now=start + 6000)
 
 

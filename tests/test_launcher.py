@@ -2,13 +2,17 @@
 status it writes is JSON whatever the failure said, and its start-up deadline ends a run that never reaches a step."""
 
 import io
+import json
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from runfiles import full_status, here
 from supervisor_fixture import status, supervise, write_spec
+from test_lifecycle import inventory
 
+from cluster_node.protocol.rundir import Progress, RunStatus
 from clusterops.nodes import remote
 from clusterops.run import lifecycle
 
@@ -49,11 +53,11 @@ class LocalShell:
 def test_follow_stops_with_a_clear_message_on_an_unreadable_status(tmp_path):
     (tmp_path / "run-status.json").write_text('{"state": "failed", "reason": "bad \\q"}')
     with pytest.raises(remote.RemoteError, match="run-status.json is not valid JSON"):
-        lifecycle.follow_log(LocalShell(), str(tmp_path), timeout=5, poll=0.01)
+        lifecycle.follow_log(LocalShell(), here(inventory()), str(tmp_path), timeout=5, poll=0.01)
 
 
 def test_follow_prints_the_log_as_it_grows_and_reports_progress_until_the_run_ends(tmp_path):
-    (tmp_path / "run-status.json").write_text('{"state": "running"}')
+    (tmp_path / "run-status.json").write_text(json.dumps(full_status(state="running")))
     (tmp_path / "progress.json").write_text('{"step": 3}')
     (tmp_path / "train.log").write_text("step 1\n")
     seen, out = [], io.StringIO()
@@ -63,8 +67,11 @@ def test_follow_prints_the_log_as_it_grows_and_reports_progress_until_the_run_en
         if len(seen) == 2:  # the run writes more, then ends
             with open(tmp_path / "train.log", "a") as log:
                 log.write("step 2 \u00e9\n")
-            (tmp_path / "run-status.json").write_text('{"state": "finished"}')
+            (tmp_path / "run-status.json").write_text(json.dumps(full_status(state="finished")))
 
-    status = lifecycle.follow_log(LocalShell(), str(tmp_path), out=out, timeout=5, poll=0.01, on_progress=on_progress)
-    assert status == {"state": "finished"} and seen[0] == {"step": 3}
+    inv = here(inventory())
+    status = lifecycle.follow_log(
+        LocalShell(), inv, str(tmp_path), out=out, timeout=5, poll=0.01, on_progress=on_progress
+    )
+    assert status == RunStatus.from_json(full_status(state="finished")) and seen[0] == Progress(step=3)
     assert out.getvalue() == "step 1\nstep 2 \u00e9\n"  # each byte once, across polls

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from runfiles import full_status, here, run_files
 from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write_spec
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.spec import Limits, RunSpec
 from clusterops.inventory import Inventory, Node, SshSettings
 from clusterops.nodes import remote
 from clusterops.run import analysis, launch, lifecycle, resume
@@ -78,17 +80,16 @@ def test_a_run_ended_by_a_stop_request_is_stopped_and_its_segment_recorded(tmp_p
 
 def test_runs_shows_stopped_and_the_wall_time_of_every_segment():
     """Before: the wall column was the last segment's summary.wall_time_s (30 s here)."""
-    run = {
-        "run": "tiny",
-        "summary": {"steps": 77, "wall_time_s": 30.0},
-        "progress": {},
-        "config": {"max_steps": 300},
-        "run_status": {"state": "stopped"},
-        "segments": [
+    run = run_files(
+        "tiny",
+        summary={"recipe": "transformer-tiny", "steps": 77, "wall_time_s": 30.0},
+        config={"max_steps": 300},
+        status={"state": "stopped"},
+        segments=[
             {"started": 0.0, "ended": 100.0, "state": "stopped"},
             {"started": 500.0, "ended": 560.0, "state": "stopped"},
         ],
-    }
+    )
     row = analysis.run_row(run, None)
     assert (row["state"], row["steps"], row["wall"]) == ("stopped", "77/300", "2.7 min")
 
@@ -104,12 +105,25 @@ def inventory() -> Inventory:
     )
 
 
+SPEC = RunSpec(
+    run="/data/runs/tiny",
+    attempt=1,
+    supervisor_host="10.0.0.1",
+    hosts=("10.0.0.1",),
+    pool=("10.0.0.1",),
+    slots=1,
+    env={"MASTER_PORT": "29600"},
+    process_env={},
+    mpirun_options=(),
+    program=(),
+    ssh_config="",
+    active_file="",
+    python="python",
+    limits=Limits(max_restarts=2, min_nodes=1, hang_floor=90.0, stall=600.0, start=900.0),
+)
 SAVED = resume.Saved(
     config={"recipe": "transformer-tiny", "data": "/data/datasets/numbers", "max_steps": 300, "batch_per_gpu": 32},
-    spec={
-        "limits": {"max_restarts": 2, "min_nodes": 1, "hang_floor": 90.0, "stall": 600.0, "start": 900.0},
-        "env": {"MASTER_PORT": "29600"},
-    },
+    spec=RunSpec.from_json(SPEC.to_json()),  # as spec.json reads back
 )
 
 
@@ -171,7 +185,7 @@ def test_a_resume_with_another_recipe_or_data_set_is_one_line(request_, given, w
 
 def test_the_trainers_own_resume_checks_run_on_the_laptop():
     """Before: --batch-per-gpu on a resume was refused by every rank, after mpirun started."""
-    saved = resume.Saved(saved_config(), {})
+    saved = resume.Saved(saved_config(), None)
     request = resume.resumed(launch.TrainRequest(run="tiny", batch_per_gpu=7), set(), saved, inventory())
     with pytest.raises(launch.LaunchError, match=r"^--batch-per-gpu 7 differs from the run's 64: a resumed run keeps"):
         resume.check_trainer(inventory(), request, saved)
@@ -182,7 +196,7 @@ def test_the_trainers_own_resume_checks_run_on_the_laptop():
 def test_a_finished_run_is_refused_with_how_to_train_more_or_start_anew():
     """Issue 32 §1: the same `fab train` after a finished run 'resumed' it, trained nothing and rewrote
     its summary with zeros."""
-    saved = dataclasses.replace(resume.Saved(saved_config(), {}), step=300)
+    saved = dataclasses.replace(resume.Saved(saved_config(), None), step=300)
     request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
     max_steps = resume.check_trainer(inventory(), request, saved)
     with pytest.raises(launch.LaunchError) as refused:
@@ -227,10 +241,10 @@ def test_fetch_brings_the_goodput_plot_and_no_empty_vocabulary_for_an_image_run(
     (run / rundir.CHECKPOINTS).mkdir(parents=True)
     data.mkdir(parents=True)
     (run / rundir.CONFIG).write_text(json.dumps({"recipe": "resnet-small", "data": str(data)}))
-    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "finished"}))
+    (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="finished")))
     (run / rundir.GOODPUT_PNG).write_bytes(b"\x89PNG")
     (run / rundir.CHECKPOINTS / "step_00000005.pt").write_bytes(b"pt")
-    files, _ = lifecycle.fetch_run(_HereConnection(), str(run), tmp_path / "home" / "img")
+    files, _ = lifecycle.fetch_run(_HereConnection(), here(inventory()), str(run), tmp_path / "home" / "img")
     names = sorted(str(f.relative_to(tmp_path / "home" / "img")) for f in files)
     assert names == ["checkpoints/step_00000005.pt", "config.json", "goodput.png", "run-status.json"]
     assert not (tmp_path / "home" / "img" / "spm.model").exists()
@@ -240,12 +254,12 @@ def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):
     """Issue 32 §9: `fab stop` was silent for 30 s while an eval ran first."""
     run = tmp_path / "runs" / "r"
     (run / rundir.RANKS).mkdir(parents=True)
-    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "running"}))
+    (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="running")))
     (run / rundir.CONFIG).write_text(json.dumps({"eval_every": 10, "max_steps": 100}))
     rundir.rank_beat(run, 0).write_text("20 123 node0\n")
     said: list[str] = []
     with pytest.raises(remote.RemoteError, match="did not stop within 3 s"):
-        lifecycle.request_stop(_HereConnection(), str(run), wait=3, say=said.append, every=1)
+        lifecycle.request_stop(_HereConnection(), here(inventory()), str(run), wait=3, say=said.append, every=1)
     assert said and said[0].startswith("stop: still waiting (") and "rank 0 is in the eval after step 20" in said[0]
     assert (run / rundir.STOP).exists()
 
@@ -257,13 +271,15 @@ def test_follow_says_where_a_quiet_run_is(tmp_path):
 
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
-    (run / rundir.RUN_STATUS).write_text(json.dumps({"state": "running"}))
+    (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="running")))
     (run / rundir.PROGRESS).write_text(json.dumps({"step": 7, "max_steps": 60}))
     (run / rundir.TRAIN_LOG).write_text("step 1/60 (1%) | loss 7.2\n")
-    finish = threading.Timer(2.5, (run / rundir.RUN_STATUS).write_text, [json.dumps({"state": "finished"})])
+    finish = threading.Timer(2.5, (run / rundir.RUN_STATUS).write_text, [json.dumps(full_status(state="finished"))])
     finish.start()
     out = io.StringIO()
-    status = lifecycle.follow_log(_HereConnection(), str(run), out=out, poll=0.2, timeout=30, quiet_s=1.0)
+    status = lifecycle.follow_log(
+        _HereConnection(), here(inventory()), str(run), out=out, poll=0.2, timeout=30, quiet_s=1.0
+    )
     finish.join()
-    assert status["state"] == "finished" and out.getvalue().startswith("step 1/60 (1%) | loss 7.2\n")
+    assert status and status.state == "finished" and out.getvalue().startswith("step 1/60 (1%) | loss 7.2\n")
     assert "  ... at step 7/60 (1 s without a log line)" in out.getvalue(), out.getvalue()

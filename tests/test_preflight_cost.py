@@ -10,6 +10,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, run_fab, tool_env
 
+from cluster_node.protocol.rundir import Progress
 from clusterops import cost
 from clusterops.aws import preflight
 from clusterops.inventory import Inventory, Node, SshSettings
@@ -360,7 +361,7 @@ def test_a_missing_price_is_unknown_everywhere_never_zero_or_an_exception():
     assert price.usd_per_hour is None and price.source.startswith("unknown")
     estimate = cost.Estimate(2, price, 200, 1.0)
     assert estimate.usd_per_hour is None and "= unknown/hour (unknown/day)" in estimate.lines()[0]
-    line = cost.projection({"step": 10, "max_steps": 110, "avg_step_time_s": 36.0}, None)
+    line = cost.projection(Progress.from_json({"step": 10, "max_steps": 110, "avg_step_time_s": 36.0}), None)
     assert "1.0 h and unknown more for the nodes" in line
     assert cost.spent([datetime.now(timezone.utc)], None) is None
 
@@ -379,9 +380,9 @@ def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
             ssh=SshSettings("root", 4444, "/k", "/kh"),
         )
         on_progress = fabfile.runs._projector(inv)
-        on_progress({"step": 5})  # step time not known yet: nothing
-        on_progress({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0})
-        on_progress({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0})  # printed once
+        on_progress(Progress.from_json({"step": 5}))  # step time not known yet: nothing
+        on_progress(Progress.from_json({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0}))
+        on_progress(Progress.from_json({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0}))  # printed once
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
     hour_of = {t: table_price(t) for t in ("g6.xlarge", "p4de.24xlarge")}  # 3600 steps left at 1 s/step
@@ -397,10 +398,12 @@ def test_estimate_with_efs_io_projection_and_spend():
     assert estimate.ebs_usd_per_month == pytest.approx(4 * 200 * 0.08)
     assert estimate.efs_usd_per_month == pytest.approx(13.0 * 0.30)
     assert "EFS Elastic I/O: up to 13,500 GB read (150 GB x 90 epochs) = $405.00" in estimate.lines()[3]
-    line = cost.projection({"step": 1000, "max_steps": 50_000, "avg_step_time_s": 1.71}, estimate.usd_per_hour, 0.5)
+    line = cost.projection(
+        Progress.from_json({"step": 1000, "max_steps": 50_000, "avg_step_time_s": 1.71}), estimate.usd_per_hour, 0.5
+    )
     hours = 49_000 * 1.71 / 3600
     assert f"{hours:.1f} h" in line and f"${hours * 3.008:.2f}" in line and f"${hours * 0.5:.2f} EFS I/O" in line
-    assert cost.projection({"step": 5, "max_steps": 10}, 3.0) is None
+    assert cost.projection(Progress.from_json({"step": 5, "max_steps": 10}), 3.0) is None
     now = datetime(2026, 11, 22, 12, tzinfo=timezone.utc)
     assert cost.spent([now - timedelta(hours=2), now - timedelta(hours=1)], 0.752, now) == pytest.approx(3 * 0.752)
 

@@ -1,8 +1,11 @@
 """`fab report --verify`: which short run scores which what-if, the prediction it is scored against,
 and the report's section of kept pairs."""
 
+import dataclasses
+
 import pytest
 
+from cluster_node.protocol.rundir import Summary
 from clusterops.inventory import Inventory, Node, SshSettings
 from clusterops.predict import verify
 from clusterops.predict.bottleneck import ring_wire_bytes
@@ -10,22 +13,25 @@ from clusterops.run import launch
 from train.config import RESUMABLE_CHANGES
 
 MB = 1e6
-SUMMARY = {
-    "recipe": "transformer-tiny",
-    "world_size": 2,
-    "global_batch": 24,
-    "grad_compression": "none",
-    "breakdown": {
-        "data_s": 0.01,
-        "compute_s": 0.5,
-        "comm_exposed_s": 0.75,
-        "optimizer_s": 0.02,
-        "other_s": 0.02,
-        "wire_bytes": ring_wire_bytes(100 * MB, 2),
-        "grad_bytes": 100 * MB,
-        "buckets": 4,
-    },
-}
+SUMMARY = Summary.from_json(
+    {
+        "recipe": "transformer-tiny",
+        "steps": 100,
+        "world_size": 2,
+        "global_batch": 24,
+        "grad_compression": "none",
+        "breakdown": {
+            "data_s": 0.01,
+            "compute_s": 0.5,
+            "comm_exposed_s": 0.75,
+            "optimizer_s": 0.02,
+            "other_s": 0.02,
+            "wire_bytes": ring_wire_bytes(100 * MB, 2),
+            "grad_bytes": 100 * MB,
+            "buckets": 4,
+        },
+    }
+)
 CONFIG = {"recipe": "transformer-tiny", "batch_per_gpu": 12}
 
 
@@ -86,7 +92,7 @@ def test_the_short_run_trains_what_the_run_trained(recipe):
     given += ["--d-model", "256", "--ffn", "1024", "--layers", "2", "--batching", "sentences"]
     given += ["--width", "16", "--image-size", "32", "--synthetic", "--adam-betas", "0.8", "0.9"]
     run = config_from_args(build_parser("t").parse_args(given)).to_dict()
-    summary = {**SUMMARY, "recipe": recipe}
+    summary = dataclasses.replace(SUMMARY, recipe=recipe)
     request = verify.replaced(
         launch.TrainRequest(extra_args=("--log-every", "10")), verify.changes(run, summary, "fp16", 1), "r-verify"
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from cluster_node.protocol import clusterdir, rundir
+from cluster_node.protocol.rundir import Summary
 from train.stepmodel import (  # noqa: F401 - the model's names, for the report's callers
     MODES,
     Breakdown,
@@ -66,7 +67,7 @@ def link_rate(link: Optional[dict]) -> Optional[float]:
     return link.get("link_gbit") or link.get("median_gbit") or link.get("allreduce_busbw_gbit")
 
 
-def evidence_lines(summary: dict, b: Breakdown, link: Optional[dict]) -> list[str]:
+def evidence_lines(summary: Summary, b: Breakdown, link: Optional[dict]) -> list[str]:
     """What the verdict rests on, beyond the shares: the link measured and where GPU use is known."""
     lines = []
     if link:
@@ -76,7 +77,7 @@ def evidence_lines(summary: dict, b: Breakdown, link: Optional[dict]) -> list[st
             f"{link.get('allreduce_busbw_gbit') or 0:.2f} Gbit/s, measured {link.get('measured_at', '?')}; "
             f"taken as the link: {link_rate(link) or 0:.2f} Gbit/s ({link.get('link_source', 'TCP')})"
         )
-    gpu = summary.get("gpu_util") or (summary.get("breakdown") or {}).get("gpu_util")
+    gpu = summary.metrics.get("gpu_util") or (summary.breakdown or {}).get("gpu_util")
     lines.append(f"GPU utilisation: {gpu:.0f}%" if isinstance(gpu, (int, float)) else "GPU utilisation: not measured")
     lines.append(
         f"{b.world_size} rank(s), {b.objects_per_step:.0f} objects per step, compression {b.compression}"
@@ -86,10 +87,10 @@ def evidence_lines(summary: dict, b: Breakdown, link: Optional[dict]) -> list[st
 
 
 def report_lines(
-    name: str, summary: dict, link: Optional[dict], predictions: list[Prediction], b: Optional[Breakdown] = None
+    name: str, summary: Summary, link: Optional[dict], predictions: list[Prediction], b: Optional[Breakdown] = None
 ) -> list[str]:
     """The screen `fab report` prints, and the body of report.md (markdown that reads as text)."""
-    b = b or Breakdown.from_summary(summary)
+    b = b or Breakdown.from_summary(summary.to_json())
     rate = link_rate(link)
     v = verdict(b, rate)
     lines = [f"# Run {name}: {v.kind}", "", v.evidence, ""]
@@ -122,7 +123,7 @@ def predictions_for(b: Breakdown, rate: Optional[float]) -> list[Prediction]:
 
 def write_report(
     name: str,
-    summary: dict,
+    summary: Summary,
     link: Optional[dict],
     out_dir,
     scale: Optional[dict] = None,
@@ -137,7 +138,7 @@ def write_report(
     from clusterops.predict import plots
 
     out_dir = Path(out_dir)
-    b = Breakdown.from_summary(summary)
+    b = Breakdown.from_summary(summary.to_json())  # the step model (train.stepmodel) reads summary.json's JSON
     predictions = predictions_for(b, link_rate(link)) if what_ifs else []
     lines = [*heading, *report_lines(name, summary, link, predictions, b), *scored]
     rows = [("measured", dict(zip(("data", "compute", "exposed", "optimizer", "other"), _parts(b))))]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.rundir import Summary
 from clusterops.cost import HOURS_PER_MONTH, TABLE, efs_io_usd
 from clusterops.predict.bottleneck import Breakdown, comm_seconds, hidden_seconds, ring_wire_bytes
 
@@ -98,13 +99,13 @@ class Estimate:
         return sum(parts) if len(parts) == 3 else None
 
 
-def base_from_run(name: str, summary: dict, gpu: str, ranks_per_node: int, link: tuple) -> Base:
+def base_from_run(name: str, summary: Optional[Summary], gpu: str, ranks_per_node: int, link: tuple) -> Base:
     """The plan's base from a finished run's summary.json and the link (rate, where it comes from)."""
-    if not summary.get("breakdown"):
+    if summary is None or not summary.breakdown:
         raise PlanError(f"run {name} has no {rundir.SUMMARY} breakdown (not finished, or an older trainer)")
-    b = Breakdown.from_summary(summary)
+    b = Breakdown.from_summary(summary.to_json())  # the step model reads summary.json's JSON
     where = f"run {name}: {b.world_size} rank(s) on {gpu}, {b.step * 1e3:.0f} ms/step as measured"
-    return Base(b, gpu, ranks_per_node, link[0], f"{where}; link {link[1]}", summary.get("precision") or "fp16")
+    return Base(b, gpu, ranks_per_node, link[0], f"{where}; link {link[1]}", summary.precision or "fp16")
 
 
 def base_from_step(step_s: float, grad_mb: float, gpu: str, instance_type: str, objects: float = 1.0) -> Base:

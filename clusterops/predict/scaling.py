@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from cluster_node.protocol.rundir import Summary
 from clusterops import terminal
 
 
@@ -32,18 +33,18 @@ class Point:
         return max(self.objects_per_s) - min(self.objects_per_s)
 
 
-def point_from_summaries(nodes: int, summaries: Sequence[dict]) -> Point:
+def point_from_summaries(nodes: int, summaries: Sequence[Summary]) -> Point:
     shares = []
     for summary in summaries:
-        parts = summary.get("breakdown") or {}
-        step = summary.get("avg_step_time_s") or 0.0
+        parts = summary.breakdown or {}
+        step = summary.avg_step_time_s or 0.0
         if parts and step:
             shares.append(parts.get("comm_exposed_s", 0.0) / step)
     return Point(
         nodes,
-        summaries[0]["world_size"],
-        [s["avg_step_time_s"] for s in summaries],
-        [s["objects_per_s"] for s in summaries],
+        summaries[0].world_size or 1,  # a finished run's summary has all three
+        [s.avg_step_time_s or 0.0 for s in summaries],
+        [s.objects_per_s or 0.0 for s in summaries],
         shares,
     )
 

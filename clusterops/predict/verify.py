@@ -10,6 +10,7 @@ import re
 import time
 from typing import Optional, Sequence
 
+from cluster_node.protocol.rundir import Summary
 from clusterops.predict import plan as planning
 from clusterops.predict.bottleneck import MODES, Breakdown, what_ifs
 from train.config import RESUMABLE_CHANGES
@@ -35,9 +36,9 @@ def parse_mode(text: str) -> tuple[str, Optional[int]]:
     return ("batch", int(found.group(1))) if found.group(1) else ("nodes", int(found.group(2)))
 
 
-def predict(summary: dict, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str]:
+def predict(summary: Summary, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str]:
     """The model's step for MODE from the run's breakdown: seconds and the one-line model."""
-    b = Breakdown.from_summary(summary)
+    b = Breakdown.from_summary(summary.to_json())  # the step model reads summary.json's JSON
     kind, value = parse_mode(mode)
     if kind == "nodes":
         base = planning.Base(b, planning.CPU, slots, link_gbit, "")
@@ -51,16 +52,16 @@ def predict(summary: dict, link_gbit: Optional[float], mode: str, slots: int) ->
     raise VerifyError(f"the model has no {mode} what-if for this run (PowerSGD needs its calibration)")
 
 
-def changes(config: dict, summary: dict, mode: str, slots: int) -> dict:
+def changes(config: dict, summary: Summary, mode: str, slots: int) -> dict:
     """The short run's TrainRequest fields: the run's own settings with MODE's one change."""
     kind, value = parse_mode(mode)
-    world = int(summary.get("world_size") or 1)
+    world = int(summary.world_size or 1)
     batch = int(config.get("batch_per_gpu") or 1)
     fields = {
-        "recipe": summary.get("recipe") or config.get("recipe"),
+        "recipe": summary.recipe or config.get("recipe"),
         "steps": VERIFY_STEPS,
         "batch_per_gpu": batch,
-        "grad_compression": summary.get("grad_compression") or "none",
+        "grad_compression": summary.grad_compression or "none",
         "nodes": max(1, world // slots),
         "data": config.get("data"),
         "extra_args": kept_args(config),

@@ -17,7 +17,7 @@ from cluster_node.protocol import rundir as rd
 from cluster_node.supervisor import goodput
 from clusterops import terminal
 from clusterops.inventory import Inventory
-from clusterops.nodes import command as nodecmd
+from clusterops.nodes import records as noderecords
 from clusterops.nodes import remote
 from clusterops.predict import bottleneck, plots, scaling, verify
 from clusterops.run import launch, lifecycle
@@ -55,16 +55,16 @@ def scale_dir(inventory: Inventory, recipe: str) -> str:
 def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> list[str]:
     """The verdict screen for one run; report.md and its PNGs are written into the run directory. A run
     without summary.json (failed, stopped hard, still running) is reported up to its last logged step."""
-    summary = remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}")
+    summary = noderecords.read(connection, inventory, run_dir, rd.SUMMARY).summary
     heading: list[str] = []
-    if not summary:
-        summary, heading = measured_so_far(connection, run_dir)
-    elif not summary.get("breakdown"):
+    if summary is None:
+        summary, heading = measured_so_far(connection, inventory, run_dir)
+    elif not summary.breakdown:
         raise remote.RemoteError(f"{run_dir}/{rd.SUMMARY} has no step breakdown (a run from an older trainer)")
     link = remote.read_json(connection, link_file(inventory))
-    scale = remote.read_json(connection, f"{scale_dir(inventory, summary.get('recipe', ''))}/{rd.SCALE_JSON}")
+    scale = remote.read_json(connection, f"{scale_dir(inventory, summary.recipe)}/{rd.SCALE_JSON}")
     scored = verify.lines(_pairs(connection, run_dir))
-    account = run_account(connection, run_dir)
+    account = run_account(connection, inventory, run_dir)
     with tempfile.TemporaryDirectory() as tmp:
         lines, written = bottleneck.write_report(
             Path(run_dir).name, summary, link, tmp, scale, scored, what_ifs=not heading, heading=heading
@@ -77,34 +77,33 @@ def report_run(connection: Connection, inventory: Inventory, run_dir: str) -> li
     return lines + ["", f"written: {', '.join(f'{run_dir}/{p.name}' for p in written)}"]
 
 
-def run_account(connection: Connection, run_dir: str) -> Optional[goodput.Account]:
+def run_account(connection: Connection, inventory: Inventory, run_dir: str) -> Optional[goodput.Account]:
     """The goodput account of the run's phases.jsonl (None without one)."""
-    text = remote.sh(connection, f"cat {q(run_dir + '/' + rd.PHASES)} 2>/dev/null || true")
-    return goodput.account(phases.parse(text.splitlines()))
+    return goodput.account(noderecords.read(connection, inventory, run_dir, rd.PHASES).phases)
 
 
-def measured_so_far(connection: Connection, run_dir: str) -> tuple[dict, list[str]]:
-    """A summary-shaped record from the last progress.json of a run that wrote no summary, and the line
-    saying so; one line naming the state when the run logged no step at all."""
-    status = remote.read_json(connection, f"{run_dir}/{rd.RUN_STATUS}") or {}
-    progress = remote.read_json(connection, f"{run_dir}/{rd.PROGRESS}") or {}
-    config = remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {}
-    state, name = status.get("state") or "running", Path(run_dir).name
-    reason = f" ({status['reason']})" if status.get("reason") else ""
-    if not progress.get("breakdown"):
+def measured_so_far(connection: Connection, inventory: Inventory, run_dir: str) -> tuple[rd.Summary, list[str]]:
+    """A summary record from the last progress.json of a run that wrote no summary, and the line saying
+    so; one line naming the state when the run logged no step at all."""
+    found = noderecords.read(connection, inventory, run_dir, rd.RUN_STATUS, rd.PROGRESS, rd.CONFIG)
+    status, progress, config = found.status, found.progress, found.config
+    state, name = (status and status.state) or "running", Path(run_dir).name
+    reason = f" ({status.reason})" if status and status.reason else ""
+    if progress is None or not progress.breakdown:
         raise remote.RemoteError(f"run {name} is {state}{reason} and logged no step yet: nothing measured to report")
-    world = progress.get("world_size") or 1
-    summary = {
-        "recipe": config.get("recipe", ""),
-        "grad_compression": config.get("grad_compression", "none"),
-        "world_size": world,
-        "global_batch": (config.get("batch_per_gpu") or 0) * world * (config.get("grad_accum") or 1),
-        "avg_step_time_s": progress.get("avg_step_time_s"),
+    world = progress.world_size or 1
+    summary = rd.Summary(
+        recipe=config.get("recipe", ""),
+        steps=progress.step,
+        grad_compression=config.get("grad_compression", "none"),
+        world_size=world,
+        global_batch=(config.get("batch_per_gpu") or 0) * world * (config.get("grad_accum") or 1),
+        avg_step_time_s=progress.avg_step_time_s,
         # progress.json's interval breakdown carries no wire bytes: the what-ifs need the run's summary
-        "breakdown": {"wire_bytes": 0.0, "grad_bytes": 0.0, **progress["breakdown"]},
-    }
+        breakdown={"wire_bytes": 0.0, "grad_bytes": 0.0, **progress.breakdown},
+    )
     line = (
-        f"run {name} is {state}{reason}: measured up to step {progress.get('step')}/{progress.get('max_steps')} "
+        f"run {name} is {state}{reason}: measured up to step {progress.step}/{progress.max_steps} "
         "(its last log; no summary.json, so no what-ifs)"
     )
     return summary, [line, ""]
@@ -115,10 +114,10 @@ def verify_run(
 ) -> list[str]:
     """`fab report --verify MODE`: the model's step for MODE from this run, a short run that makes
     the change, the pair kept in the run's predictions.json; the lines to print."""
-    summary = remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {}
-    if not summary.get("breakdown"):
+    found = noderecords.read(connection, inventory, run_dir, rd.SUMMARY, rd.CONFIG)
+    if found.summary is None or not found.summary.breakdown:
         raise remote.RemoteError(f"{run_dir} has no {rd.SUMMARY} breakdown: the run has not ended")
-    config = remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {}
+    summary, config = found.summary, found.config
     slots = inventory.gpus_per_node if inventory.source == "aws" else 1
     try:
         predicted, model = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
@@ -132,15 +131,13 @@ def verify_run(
     rdir, _ = lifecycle.start_training(
         connection, inventory, lifecycle.plan_launch(connection, inventory, one, code_dir)
     )
-    status = lifecycle.follow_log(connection, rdir, out=_Discard(), timeout=3600)
-    measured = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}") or {}
-    if status.get("state") != "finished" or not measured.get("avg_step_time_s"):
+    status = lifecycle.follow_log(connection, inventory, rdir, out=_Discard(), timeout=3600)
+    measured = noderecords.read(connection, inventory, rdir, rd.SUMMARY).summary
+    if status is None or status.state != rd.RunState.FINISHED or not measured or not measured.avg_step_time_s:
         raise remote.RemoteError(
-            f"the {mode} run {status.get('state')}: {status.get('reason')} (see {rdir}/{rd.TRAIN_LOG})"
+            f"the {mode} run {status and status.state}: {status and status.reason} (see {rdir}/{rd.TRAIN_LOG})"
         )
-    pairs = _pairs(connection, run_dir) + [
-        verify.pair(mode, predicted, model, measured["avg_step_time_s"], one.run_name)
-    ]
+    pairs = _pairs(connection, run_dir) + [verify.pair(mode, predicted, model, measured.avg_step_time_s, one.run_name)]
     remote.write_file(connection, f"{run_dir}/{rd.PREDICTIONS}", json.dumps(pairs, indent=2))
     last = pairs[-1]
     return [
@@ -154,9 +151,10 @@ def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> d
     """What `fab plan` reads from a run: summary.json, config.json, its eval lines (train.log) and the
     link (measured by `fab check`, else a local cluster's cap)."""
     log = remote.sh(connection, f"grep -a '^eval step ' {q(run_dir + '/' + rd.TRAIN_LOG)} || true")
+    found = noderecords.read(connection, inventory, run_dir, rd.SUMMARY, rd.CONFIG)
     return {
-        "summary": remote.read_json(connection, f"{run_dir}/{rd.SUMMARY}") or {},
-        "config": remote.read_json(connection, f"{run_dir}/{rd.CONFIG}") or {},
+        "summary": found.summary,
+        "config": dict(found.config),
         "eval_log": log,
         "link": measured_link_gbit(connection, inventory),
     }
@@ -168,49 +166,43 @@ def _pairs(connection: Connection, run_dir: str) -> list[dict]:
     return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
 
 
-def list_runs(connection: Connection, inventory: Inventory) -> list[dict]:
-    """Every run on /data: its run-status, progress, summary and config (one round trip)."""
-    out = remote.sh(connection, nodecmd.node_command(inventory, "programs.runs", "list", "--data", inventory.data_dir))
-    return json.loads(out.strip().splitlines()[-1])
+def list_runs(connection: Connection, inventory: Inventory) -> list[noderecords.RunFiles]:
+    """Every run on /data: its run-status, progress, summary, config, segments and phases (one round trip)."""
+    return noderecords.listing(connection, inventory)
 
 
-def run_row(run: dict, usd_per_node_hour: Optional[float], slots: int = 1) -> dict:
+def run_row(run: noderecords.RunFiles, usd_per_node_hour: Optional[float], slots: int = 1) -> dict:
     """One line of `fab runs`: what two runs are compared by."""
-    summary, progress, config, status = run["summary"], run["progress"], run["config"], run["run_status"]
-    step_s = summary.get("avg_step_time_s") or progress.get("avg_step_time_s")
-    world = summary.get("world_size") or progress.get("world_size")
+    summary, progress, config = run.summary, run.progress, run.config
+    step_s = (summary and summary.avg_step_time_s) or (progress and progress.avg_step_time_s)
+    world = (summary and summary.world_size) or (progress and progress.world_size)
     nodes = max(1, world // max(1, slots)) if world else None
-    wall = run_wall(run) or summary.get("wall_time_s")
+    wall = run_wall(run) or (summary and summary.wall_time_s)
     quality = terminal.quality(summary)
+    steps = summary.steps if summary else progress.step if progress else "?"
     cost = ""
     if usd_per_node_hour is not None and wall and nodes:
         cost = f"${usd_per_node_hour * nodes * wall / 3600:.2f}"
     return {
-        "run": run["run"],
-        "state": status.get("state", "finished" if summary else "?"),
-        "steps": f"{summary.get('steps', progress.get('step', '?'))}/{config.get('max_steps', '?')}",
+        "run": run.run,
+        "state": run.state or ("finished" if summary else "?"),
+        "steps": f"{steps}/{config.get('max_steps', '?')}",
         "step_ms": f"{step_s * 1000:.0f}" if step_s else "",
-        "objects/s": f"{summary['objects_per_s']:.0f}" if summary.get("objects_per_s") else "",
+        "objects/s": f"{summary.objects_per_s:.0f}" if summary and summary.objects_per_s else "",
         "precision": config.get("precision", ""),
-        "compression": summary.get("grad_compression") or config.get("grad_compression", ""),
+        "compression": (summary and summary.grad_compression) or config.get("grad_compression", ""),
         "nodes": nodes or "",
         "quality": quality,
         "wall": (f"{wall:.0f} s" if wall < 120 else f"{wall / 60:.1f} min") if wall else "",
-        "goodput": goodput.short(goodput.account(parse_phases(run.get("phases") or []))),
+        "goodput": goodput.short(goodput.account(run.phases)),
         "cost": cost or "n/a",
     }
 
 
-def run_wall(run: dict) -> Optional[float]:
+def run_wall(run: noderecords.RunFiles) -> Optional[float]:
     """The run's wall time over every segment (each `fab train` that started or resumed it), from its
     segments.json; None for a run that has none (the trainer's summary has the last segment's)."""
-    segments = [s for s in run.get("segments") or [] if isinstance(s, dict)]
-    spans = [
-        s["ended"] - s["started"]
-        for s in segments
-        if all(isinstance(s.get(k), (int, float)) for k in ("started", "ended"))
-    ]
-    return sum(spans) if spans else None
+    return sum(s.ended - s.started for s in run.segments) if run.segments else None
 
 
 RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "precision", "compression", "nodes", "quality", "wall"]
@@ -221,7 +213,7 @@ def parse_phases(rows: Sequence[dict]) -> tuple:
     return phases.parse(json.dumps(row) for row in rows)
 
 
-def runs_table(runs: Sequence[dict], usd_per_node_hour: Optional[float], slots: int) -> str:
+def runs_table(runs: Sequence[noderecords.RunFiles], usd_per_node_hour: Optional[float], slots: int) -> str:
     rows = [run_row(run, usd_per_node_hour, slots) for run in runs]
     columns = RUN_COLUMNS + (["cost"] if usd_per_node_hour is not None else [])
     return terminal.table(rows, columns) if rows else "no runs yet: start one with `fab train`"
@@ -249,14 +241,15 @@ def run_scale(
             rdir, _ = lifecycle.start_training(
                 connection, inventory, lifecycle.plan_launch(connection, inventory, one, code_dir)
             )
-            status = lifecycle.follow_log(connection, rdir, out=_Discard(), timeout=3600)
-            summary = remote.read_json(connection, f"{rdir}/{rd.SUMMARY}")
-            if status.get("state") != "finished" or not summary:
+            status = lifecycle.follow_log(connection, inventory, rdir, out=_Discard(), timeout=3600)
+            summary = noderecords.read(connection, inventory, rdir, rd.SUMMARY).summary
+            if status is None or status.state != rd.RunState.FINISHED or not summary:
                 raise remote.RemoteError(
-                    f"{name} {status.get('state')}: {status.get('reason')} (see {rdir}/{rd.TRAIN_LOG})"
+                    f"{name} {status and status.state}: {status and status.reason} (see {rdir}/{rd.TRAIN_LOG})"
                 )
             summaries.append(summary)
-            say(f"{name}: {summary['avg_step_time_s'] * 1000:.0f} ms/step, {summary['objects_per_s']:.0f} objects/s")
+            step_ms, rate = (summary.avg_step_time_s or 0) * 1000, summary.objects_per_s or 0
+            say(f"{name}: {step_ms:.0f} ms/step, {rate:.0f} objects/s")
         points.append(scaling.point_from_summaries(nodes, summaries))
     return points
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from cluster_node.protocol.rundir import Summary
 from cluster_node.protocol.spec import Budget
 from clusterops.cost import TABLE
 from clusterops.predict import plan as planning
@@ -91,22 +92,18 @@ def budget_line(request: TrainRequest, budget: Budget, predicted: str) -> str:
 def spent_before(saved: Optional[Saved]) -> float:
     """What a resumed run spent so far (its budget.json) less the launch-time rate's estimate of its EFS I/O
     after io_to, which the resumed segment's meter charges itself (io_tail); 0 for a new run."""
-    budget = saved.budget if saved else {}
-    try:
-        return float(budget.get("spent") or 0.0) - float(budget.get("io_estimate") or 0.0)
-    except (TypeError, ValueError):
-        return 0.0
+    budget = saved.budget if saved else None
+    return budget.spent - (budget.io_estimate or 0.0) if budget else 0.0
 
 
 def io_tail(saved: Optional[Saved]) -> tuple[float, ...]:
     """The resumed run's EFS I/O window its last segment's meter had not read from CloudWatch (budget.json's
     io_to to its time: CloudWatch's lag, or all of it when CloudWatch did not answer), for this segment's meter
     to ask once published and charge at the launch-time rate until then; () for none."""
-    budget = saved.budget if saved else {}
-    try:
-        since, until = float(budget["io_to"]), float(budget["time"])
-    except (KeyError, TypeError, ValueError):
+    budget = saved.budget if saved else None
+    if budget is None or budget.io_to is None:
         return ()
+    since, until = budget.io_to, budget.time
     return (since, until) if since < until else ()
 
 
@@ -121,10 +118,11 @@ def steps_to_run(request: TrainRequest, saved: Optional[Saved]) -> tuple[int, st
     return left, f"the {left} steps left ({total} - checkpoint {saved.step})"
 
 
-def checkpoint_gb(summary: dict, config: dict, steps: int) -> float:
+def checkpoint_gb(summary: Optional[Summary], config: dict, steps: int) -> float:
     """GB the run writes to EFS in checkpoints (as `fab plan` counts them)."""
     every = config.get("checkpoint_every") or 0
-    return (summary.get("checkpoint_mb") or 0.0) * (steps // every) / 1000 if every else 0.0
+    size = (summary.checkpoint_mb if summary else None) or 0.0
+    return size * (steps // every) / 1000 if every else 0.0
 
 
 def predict(base: planning.Base, offer: planning.Offer, nodes: int, steps: int, write_gb: float) -> planning.Estimate:
@@ -193,8 +191,8 @@ def prediction(
     if on_aws and known is None:
         raise planning.PlanError(f"unknown instance type {instance_type!r}")
     gpu, gpus = (known.gpu, gpus_per_node) if known else (planning.CPU, 1)
-    base = planning.base_from_run("base", inputs.get("summary") or {}, gpu, gpus, inputs.get("link") or (None, ""))
+    base = planning.base_from_run("base", inputs.get("summary"), gpu, gpus, inputs.get("link") or (None, ""))
     cpus = 0 if on_aws else len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
     offer = planning.Offer(instance_type, gpu, gpus, price, source, base.link_gbit, "the base run's", cpus)
-    write_gb = checkpoint_gb(inputs.get("summary") or {}, inputs.get("config") or {}, steps)
+    write_gb = checkpoint_gb(inputs.get("summary"), inputs.get("config") or {}, steps)
     return predict(base, offer, nodes, steps, write_gb)

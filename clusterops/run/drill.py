@@ -25,6 +25,7 @@ from cluster_node.protocol import clusterdir, phases, rundir
 from clusterops.inventory import Inventory
 from clusterops.local import cluster as localcluster
 from clusterops.local import net as localnet
+from clusterops.nodes import records as noderecords
 from clusterops.nodes import remote
 from clusterops.run import lifecycle
 
@@ -255,10 +256,8 @@ class Watch:
     log_offset: int  # train.log's size then: the supervisor's lines after it are the drill's
 
 
-def _marks(conn, run_dir: str) -> tuple[phases.Phase, ...]:
-    return phases.parse(
-        remote.sh(conn, f"cat {remote.q(run_dir + '/' + rundir.PHASES)} 2>/dev/null || true").split("\n")
-    )
+def _marks(conn, inventory: Inventory, run_dir: str) -> tuple[phases.Phase, ...]:
+    return noderecords.read(conn, inventory, run_dir, rundir.PHASES).phases
 
 
 def acted(marks, since: float) -> Optional[str]:
@@ -273,11 +272,11 @@ def acted(marks, since: float) -> Optional[str]:
     return None
 
 
-def await_outcome(conn, watch: Watch, drill: Drill, poll: float = 0.5) -> tuple[str, tuple]:
+def await_outcome(conn, inventory: Inventory, watch: Watch, drill: Drill, poll: float = 0.5) -> tuple[str, tuple]:
     """Until the supervisor has acted (or, for a fault held --seconds, that long), at most --wait."""
     deadline = watch.started + (drill.seconds if drill.kind in HOLDS else drill.wait)
     while True:
-        marks = _marks(conn, watch.run_dir)
+        marks = _marks(conn, inventory, watch.run_dir)
         outcome = acted(marks, watch.started)
         if outcome == "ended" or (outcome and drill.kind not in HOLDS):
             return outcome, marks
@@ -286,11 +285,11 @@ def await_outcome(conn, watch: Watch, drill: Drill, poll: float = 0.5) -> tuple[
         time.sleep(poll)
 
 
-def await_log_step(conn, run_dir: str, since: float, wait: float, poll: float = 0.5) -> tuple:
+def await_log_step(conn, inventory: Inventory, run_dir: str, since: float, wait: float, poll: float = 0.5) -> tuple:
     """The marks once a log step (or the run's end) lands after `since`; at most `wait` seconds."""
     deadline = since + wait
     while True:
-        marks = _marks(conn, run_dir)
+        marks = _marks(conn, inventory, run_dir)
         if any(m.event in ("steps", "done") and m.time > since for m in marks) or time.time() >= deadline:
             return marks
         time.sleep(poll)
@@ -319,14 +318,11 @@ def rehearse(inventory: Inventory, drill: Drill) -> list[str]:
         step = _furthest_step(conn, run_dir)
         watch = Watch(run_dir, time.time(), offset)
         with INJECTIONS[drill.kind](inventory, drill) as what:
-            outcome, marks = await_outcome(conn, watch, drill)
+            outcome, marks = await_outcome(conn, inventory, watch, drill)
         if outcome == "held":  # a stall shows in the account only once the next log step lands
-            marks = await_log_step(conn, watch.run_dir, time.time(), drill.wait)
+            marks = await_log_step(conn, inventory, watch.run_dir, time.time(), drill.wait)
         ended = time.time()
         supervisor_lines = remote.sh(conn, f"tail -c +{offset + 1} {log} 2>/dev/null || true").splitlines()
-        restarts = json.loads(
-            remote.sh(conn, f"cat {remote.q(run_dir + '/' + rundir.RESTARTS)} 2>/dev/null || true") or "[]"
-        )
-        status = remote.read_json(conn, f"{run_dir}/{rundir.RUN_STATUS}") or {}
+        found = noderecords.read(conn, inventory, run_dir, rundir.RESTARTS, rundir.RUN_STATUS)
     head = f"drill {drill.kind} on {node.name} ({node.private_ip}), run {run_dir} at step {step}: {what}"
-    return drillreport.lines(head, watch, ended, outcome, marks, supervisor_lines, restarts, status)
+    return drillreport.lines(head, watch, ended, outcome, marks, supervisor_lines, found.restarts, found.status)

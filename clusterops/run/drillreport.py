@@ -7,10 +7,11 @@ from __future__ import annotations
 import calendar
 import re
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from cluster_node.protocol import rundir
 from cluster_node.protocol.phases import Phase
+from cluster_node.protocol.rundir import Restart, RunStatus
 from cluster_node.supervisor import goodput
 
 TIMELINE = ("detect", "decide", "launch", "process", "rendezvous", "ready", "first_step", "checkpoint", "end", "done")
@@ -94,23 +95,25 @@ def _short(line: str, width: int = 200) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-def supervisor(log_lines: Sequence[str], restarts: Sequence[dict], status: dict, started: float) -> list[str]:
+def supervisor(
+    log_lines: Sequence[str], restarts: Sequence[Restart], status: Optional[RunStatus], started: float
+) -> list[str]:
     """What the supervisor did: its log lines since the injection, its new restart records, the status."""
     own = [_short(line) for line in log_lines if SUPERVISOR_LINE.match(line)]
     out = ["supervisor:"] + [f"  | {line}" for line in own[-MAX_LOG_LINES:]]
     if len(own) > MAX_LOG_LINES:
         out.insert(1, f"  | ({len(own) - MAX_LOG_LINES} earlier lines in {rundir.TRAIN_LOG})")
     for number, r in enumerate(restarts, 1):
-        if _epoch(r.get("time", "")) < int(started):
+        if _epoch(r.time) < int(started):
             continue
-        dropped = ", ".join(f"{k} ({v})" for k, v in (r.get("dropped") or {}).items()) or "none"
+        dropped = ", ".join(f"{k} ({v})" for k, v in r.dropped.items()) or "none"
         out.append(
-            f"  restart {number} ({r.get('kind')}): {r.get('reason')}; dropped {dropped}; "
-            f"{len(r.get('nodes_after') or [])} node(s) on, global batch {r.get('global_batch')} "
-            f"({r.get('batch_per_gpu')} per rank x {r.get('grad_accum')} accumulated), {_from(r.get('resume_step'))}"
+            f"  restart {number} ({r.kind}): {r.reason}; dropped {dropped}; "
+            f"{len(r.nodes_after)} node(s) on, global batch {r.global_batch} "
+            f"({r.batch_per_gpu} per rank x {r.grad_accum} accumulated), {_from(r.resume_step)}"
         )
-    reason = f": {status['reason']}" if status.get("reason") else ""
-    out.append(f"  run-status: {status.get('state', '?')}{reason}")
+    reason = f": {status.reason}" if status and status.reason else ""
+    out.append(f"  run-status: {status.state if status else '?'}{reason}")
     return out
 
 
@@ -121,8 +124,8 @@ def lines(
     outcome: str,
     marks: Sequence[Phase],
     log_lines: Sequence[str],
-    restarts: Sequence[dict],
-    status: dict,
+    restarts: Sequence[Restart],
+    status: Optional[RunStatus],
 ) -> list[str]:
     verdict = {
         "relaunched": "the supervisor restarted the run and it is stepping again",

@@ -3,6 +3,7 @@ the runs on /data, and fetching one home. Plain functions taking a connection; S
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,9 +20,11 @@ from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.rundir import Progress, RunState, RunStatus
 from clusterops.inventory import Inventory
 from clusterops.nodes import command as nodecmd
 from clusterops.nodes import health, remote
+from clusterops.nodes import records as noderecords
 from clusterops.nodes.view import detect_interface
 from clusterops.run import launch, logfilter
 from train import catalog
@@ -47,12 +50,12 @@ def ensure_idle(connection: Connection, inventory: Inventory) -> None:
         )
 
 
-def run_state(connection: Connection, run_dir: str) -> dict:
-    status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
-    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
-    summary = remote.read_json(connection, f"{run_dir}/{rundir.SUMMARY}") or {}
-    restarts: list = remote.read_json(connection, f"{run_dir}/{rundir.RESTARTS}") or []  # type: ignore[assignment]
-    return {"status": status, "progress": progress, "summary": summary, "restarts": restarts}
+def run_state(connection: Connection, inventory: Inventory, run_dir: str) -> noderecords.RunFiles:
+    """The run's status, progress, summary and restarts (cluster_node.programs.runs overview's files)."""
+    return noderecords.read(connection, inventory, run_dir, *STATE_FILES)
+
+
+STATE_FILES = (rundir.RUN_STATUS, rundir.PROGRESS, rundir.SUMMARY, rundir.RESTARTS)
 
 
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
@@ -62,14 +65,11 @@ def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     return out.rstrip("/") or None
 
 
-def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, dict]]:
+def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, noderecords.RunFiles]]:
     """The active (else latest) run and its run_state, or None when there is no run yet: one round
     trip instead of seven (cluster_node.programs.runs overview)."""
-    command = nodecmd.node_command(inventory, "programs.runs", "overview", "--data", inventory.data_dir)
-    found = json.loads(remote.sh(connection, command).strip().splitlines()[-1])
-    if not found["run"]:
-        return None
-    return found["run"], {key: found[key] for key in ("status", "progress", "summary", "restarts")}
+    found = noderecords.overview(connection, inventory)
+    return None if found is None else (found.run, found)
 
 
 # On the head node's loopback. Not 6006: ports 6000-6063 are X displays :0-:63, which Open MPI's hwloc
@@ -169,18 +169,19 @@ def _check_data(connection: Connection, recipe: str, data_path: str, dataset: st
 
 def follow_log(
     connection: Connection,
+    inventory: Inventory,
     run_dir: str,
     out=sys.stdout,
     poll: float = 1.0,
     timeout: Optional[float] = None,
     follow: bool = True,
     offset: int = 0,
-    on_progress: Optional[Callable[[dict], None]] = None,
-    on_status: Optional[Callable[[dict], None]] = None,
+    on_progress: Optional[Callable[[Optional[Progress]], None]] = None,
+    on_status: Optional[Callable[[Optional[RunStatus]], None]] = None,
     quiet_s: float = 10.0,
-) -> dict:
+) -> Optional[RunStatus]:
     """Print train.log from byte `offset` as it grows until the run is no longer running;
-    return the run status. on_progress(progress.json) is called on each poll while following,
+    return the run status (None: none written). on_progress(progress.json) is called on each poll while following,
     on_status(run-status.json) on each read of it (a caller keeps it if a later read fails). Following,
     `quiet_s` without a log line prints where the run is (a long step, eval or start-up is not a hang)."""
     deadline = (time.monotonic() + timeout) if timeout else None
@@ -189,11 +190,12 @@ def follow_log(
     # Following: Open MPI's and the ranks' error output stays in the log, out of the stream.
     shown = logfilter.FollowFilter(f"`fab logs --run {run_dir.rstrip('/').rsplit('/', 1)[-1]}`") if follow else None
     while True:
-        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}", strict=True) or {}
+        files = noderecords.read(connection, inventory, run_dir, *_FOLLOWED[bool(on_progress and follow)], strict=True)
+        status = files.status
         if on_status:
             on_status(status)
         if on_progress and follow:
-            on_progress(remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {})
+            on_progress(files.progress)
         chunk = remote.sh(connection, f"tail -c +{offset + 1} {q(log)} 2>/dev/null || true")
         if chunk:
             out.write(shown.feed(chunk) if shown else chunk)
@@ -201,10 +203,10 @@ def follow_log(
             offset += len(chunk.encode())
             heard = time.monotonic()
         elif follow and time.monotonic() - heard >= quiet_s:
-            out.write(_quiet_line(connection, run_dir, time.monotonic() - heard))
+            out.write(_quiet_line(connection, inventory, run_dir, time.monotonic() - heard))
             out.flush()
             heard = time.monotonic()
-        if not follow or status.get("state") not in (None, "running"):
+        if not follow or not files.running:
             out.write(shown.flush() if shown else "")
             return status
         if deadline and time.monotonic() > deadline:
@@ -212,32 +214,44 @@ def follow_log(
         time.sleep(poll)
 
 
-def _quiet_line(connection: Connection, run_dir: str, quiet: float) -> str:
+# What each poll of follow_log reads: the status, and progress.json when someone wants it.
+_FOLLOWED = {False: (rundir.RUN_STATUS,), True: (rundir.RUN_STATUS, rundir.PROGRESS)}
+
+
+def _quiet_line(connection: Connection, inventory: Inventory, run_dir: str, quiet: float) -> str:
     """Where a run is that has logged nothing for a while, from progress.json (refreshed every few seconds)."""
-    progress = remote.read_json(connection, f"{run_dir}/{rundir.PROGRESS}") or {}
-    if progress.get("step") is None:
+    progress = noderecords.read(connection, inventory, run_dir, rundir.PROGRESS).progress
+    if progress is None:
         return f"  ... no step yet ({quiet:.0f} s without a log line: starting up)\n"
-    return f"  ... at step {progress['step']}/{progress.get('max_steps', '?')} ({quiet:.0f} s without a log line)\n"
+    total = "?" if progress.max_steps is None else progress.max_steps
+    return f"  ... at step {progress.step}/{total} ({quiet:.0f} s without a log line)\n"
 
 
 def then_stop_outcome(
-    connection: Connection, run_dir: str, status: dict, wait: float = 330.0, poll: float = 1.0, read_s: float = 30.0
-) -> dict:
+    connection: Connection,
+    inventory: Inventory,
+    run_dir: str,
+    status: Optional[RunStatus],
+    wait: float = 330.0,
+    poll: float = 1.0,
+    read_s: float = 30.0,
+) -> Optional[RunStatus]:
     """The final status once --then-stop has answered (then_stop `sent` or `failed`): the supervisor
     gives its stop request up to 300 s (nodes.Nodes.then_stop). Still `stopping` after `wait`: as it is.
     A `stopping` older than `wait` by the node's clock is `requested`: its head went down before it could
     write the outcome and was started again since (a follow re-attached after `fab start`), nothing to
     wait for. A read that hangs `read_s` (a silent path to a node going down) ends the wait."""
-    if status.get("then_stop") != "stopping":
+    if status is None or status.then_stop != "stopping":
         return status
-    path = f"{run_dir}/{rundir.RUN_STATUS}"
     try:
-        if _age_s(connection, status.get("time", ""), read_s) > wait:
-            return {**status, "then_stop": "requested"}
+        if _age_s(connection, status.time, read_s) > wait:
+            return dataclasses.replace(status, then_stop="requested")
         deadline = time.monotonic() + wait
-        while status.get("then_stop") == "stopping" and time.monotonic() < deadline:
+        while status.then_stop == "stopping" and time.monotonic() < deadline:
             time.sleep(poll)
-            status = remote.read_json(connection, path, timeout=read_s) or status
+            status = (
+                noderecords.read(connection, inventory, run_dir, rundir.RUN_STATUS, timeout=read_s).status or status
+            )
     except CommandTimedOut:
         pass
     return status
@@ -253,20 +267,25 @@ def _age_s(connection: Connection, iso: str, read_s: float) -> float:
 
 
 def request_stop(
-    connection: Connection, run_dir: str, wait: float = 120.0, say: Callable[[str], None] = print, every: float = 10.0
-) -> dict:
+    connection: Connection,
+    inventory: Inventory,
+    run_dir: str,
+    wait: float = 120.0,
+    say: Callable[[str], None] = print,
+    every: float = 10.0,
+) -> RunStatus:
     """Graceful stop: the trainer checkpoints at the next step, then exits. Every `every` seconds of the
     wait, what it waits for (an eval already under way finishes first)."""
     remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
     started = time.monotonic()
     told = started
     while time.monotonic() < started + wait:
-        status = remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}
-        if status.get("state") not in (None, "running"):
+        status = noderecords.read(connection, inventory, run_dir, rundir.RUN_STATUS).status
+        if status is not None and status.state != RunState.RUNNING:
             return status
         if time.monotonic() - told >= every:
             told = time.monotonic()
-            say(f"stop: still waiting ({told - started:.0f} s): {_stop_wait(connection, run_dir)}")
+            say(f"stop: still waiting ({told - started:.0f} s): {_stop_wait(connection, inventory, run_dir)}")
         time.sleep(1.0)
     raise remote.RemoteError(
         f"the run did not stop within {wait:.0f} s; it may be stuck in eval. "
@@ -274,9 +293,9 @@ def request_stop(
     )
 
 
-def _stop_wait(connection: Connection, run_dir: str) -> str:
+def _stop_wait(connection: Connection, inventory: Inventory, run_dir: str) -> str:
     """What a stop waits for, from rank 0's heartbeat (its last finished step) and the run's eval cadence."""
-    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
+    config = noderecords.read(connection, inventory, run_dir, rundir.CONFIG).config
     beat = remote.sh(connection, f"cat {q(str(rundir.rank_beat(Path(run_dir), 0)))} 2>/dev/null || true").split()
     if not beat or not beat[0].isdigit():
         return "the run has not finished a step yet (start-up); the stop comes at its first"
@@ -301,7 +320,9 @@ def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> No
         )
 
 
-def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Path], Optional[Path]]:
+def fetch_run(
+    connection: Connection, inventory: Inventory, run_dir: str, dest: Path
+) -> tuple[list[Path], Optional[Path]]:
     """Best (else newest) checkpoint, config, vocabulary, summary, log, `fab report`'s report.md and
     PNGs, and the last eval texts into
     a fresh dest: an earlier copy is moved to DEST.previous, never merged with. Marks the run as
@@ -309,7 +330,7 @@ def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Pa
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    fetched = _download_run(connection, run_dir, staging)
+    fetched = _download_run(connection, inventory, run_dir, staging)
     previous = None
     if dest.exists():
         previous = dest.with_name(dest.name + ".previous")
@@ -320,13 +341,14 @@ def fetch_run(connection: Connection, run_dir: str, dest: Path) -> tuple[list[Pa
     return [dest / p.relative_to(staging) for p in fetched], previous
 
 
-def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path]:
+def _download_run(connection: Connection, inventory: Inventory, run_dir: str, dest: Path) -> list[Path]:
     wanted = list(rundir.FETCHED_FILES)
     checkpoints = f"{q(run_dir)}/{rundir.CHECKPOINTS}"
     newest = f"ls -1 {checkpoints}/{rundir.CHECKPOINT_GLOB} 2>/dev/null | sort | tail -n 1"
     # A live run: its newest checkpoint (best.pt is an earlier eval's); an ended one: the best.
-    live = (remote.read_json(connection, f"{run_dir}/{rundir.RUN_STATUS}") or {}).get("state") in (None, "running")
-    pick = newest if live else f"ls -1 {checkpoints}/{rundir.BEST_CHECKPOINT} 2>/dev/null || {newest}"
+    found = noderecords.read(connection, inventory, run_dir, rundir.RUN_STATUS, rundir.CONFIG)
+    config = found.config
+    pick = newest if found.running else f"ls -1 {checkpoints}/{rundir.BEST_CHECKPOINT} 2>/dev/null || {newest}"
     chosen = remote.sh(connection, f"{pick} || true").strip()
     if chosen:
         wanted.append(chosen[len(run_dir) + 1 :])
@@ -334,7 +356,6 @@ def _download_run(connection: Connection, run_dir: str, dest: Path) -> list[Path
         connection, f"ls -1 {q(run_dir)}/{rundir.EVAL}/ 2>/dev/null | sort | tail -n 3 || true"
     ).split()
     wanted += [f"{rundir.EVAL}/{name}" for name in last_eval]
-    config = remote.read_json(connection, f"{run_dir}/{rundir.CONFIG}") or {}
     fetched = []
     sftp = connection.sftp()
     for rel in wanted:

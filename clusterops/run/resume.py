@@ -9,24 +9,27 @@ import dataclasses
 import difflib
 import shlex
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from fabric import Connection
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.spec import RunSpec
+from cluster_node.supervisor.budget import Spend
 from clusterops.inventory import Inventory
+from clusterops.nodes import records as noderecords
 from clusterops.nodes import remote
 from clusterops.run import launch
 
 KEEP = "a resumed run keeps its settings; start a new --run to change them"
 # fab train's flags that only say how the run is supervised, and where spec.json keeps each one.
-LIMITS = {
-    "max_restarts": lambda spec: spec["limits"]["max_restarts"],
-    "min_nodes": lambda spec: spec["limits"]["min_nodes"],
-    "hang_seconds": lambda spec: spec["limits"]["hang_floor"],
-    "stall_minutes": lambda spec: spec["limits"]["stall"] / 60,
-    "start_minutes": lambda spec: spec["limits"]["start"] / 60,
-    "master_port": lambda spec: int(spec["env"]["MASTER_PORT"]),
+LIMITS: dict[str, Callable[[RunSpec], Any]] = {
+    "max_restarts": lambda spec: spec.limits.max_restarts,
+    "min_nodes": lambda spec: spec.limits.min_nodes,
+    "hang_seconds": lambda spec: spec.limits.hang_floor,
+    "stall_minutes": lambda spec: spec.limits.stall / 60,
+    "start_minutes": lambda spec: spec.limits.start / 60,
+    "master_port": lambda spec: int(spec.env["MASTER_PORT"]),
 }
 
 
@@ -35,22 +38,25 @@ class Saved:
     """A run's saved settings, read from the head node: config.json (the trainer's), spec.json, budget.json
     (--budget-usd's limit and the spend so far) and the step of the newest checkpoint (where it resumes)."""
 
-    config: dict
-    spec: dict
-    budget: dict = dataclasses.field(default_factory=dict)
+    config: dict[str, Any]
+    spec: Optional[RunSpec]  # None: none saved, or one an older fab wrote that is not today's RunSpec
+    budget: Optional[Spend] = None
     step: Optional[int] = None
 
 
 def saved(connection: Connection, inventory: Inventory, run: str) -> Optional[Saved]:
     """The run's saved settings; None for a new run (no config.json: it never reached its first step)."""
     rdir = launch.run_dir(inventory, run)
-    config = remote.read_json(connection, f"{rdir}/{rundir.CONFIG}")
-    if not config:
+    found = noderecords.read(connection, inventory, rdir, rundir.CONFIG, rundir.SPEC, rundir.BUDGET, lenient=LENIENT)
+    if not found.config:
         return None
     listing = remote.sh(connection, f"ls -1 {shlex.quote(rdir)}/{rundir.CHECKPOINTS} 2>/dev/null || true")
     steps = [rundir.checkpoint_step(Path(name)) for name in listing.split()]
-    spec, budget = (remote.read_json(connection, f"{rdir}/{name}") or {} for name in (rundir.SPEC, rundir.BUDGET))
-    return Saved(config, spec, budget, max((s for s in steps if s is not None), default=None))
+    return Saved(found.config, found.spec, found.spend, max((s for s in steps if s is not None), default=None))
+
+
+# A spec.json an older fab wrote may not be today's RunSpec: the resume then takes this launch's limits.
+LENIENT = (rundir.SPEC,)
 
 
 def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory: Inventory) -> launch.TrainRequest:
@@ -62,14 +68,14 @@ def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory
     if request.dataset is not None and launch.data_path(inventory, request.dataset) != data:
         raise launch.LaunchError(f"--dataset {request.dataset} differs from run {name}'s data {data}: {KEEP}")
     kept: dict[str, Any] = {"recipe": recipe, "data": data}
-    if request.budget_usd is None and run.budget.get("usd"):
-        kept["budget_usd"] = float(run.budget["usd"])  # a new --budget-usd replaces the limit (never the spend)
+    if request.budget_usd is None and run.budget and run.budget.usd:
+        kept["budget_usd"] = run.budget.usd  # a new --budget-usd replaces the limit (never the spend)
     for field, read in LIMITS.items():
-        if field not in given:
+        if field not in given and run.spec is not None:
             try:
                 kept[field] = read(run.spec)
-            except (KeyError, TypeError, ValueError):
-                continue  # a spec from an older fab: this launch's value
+            except (KeyError, ValueError):
+                continue  # no MASTER_PORT in a spec from an older fab: this launch's value
     extra = tuple(request.extra_args)
     if (run.config.get("vision") or {}).get("synthetic") and "--synthetic" not in extra:
         extra += ("--synthetic",)  # the run's data is generated: no data set to look for

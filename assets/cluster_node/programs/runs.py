@@ -1,6 +1,8 @@
 """The runs on /data for the laptop, one round trip each, JSON on stdout:
 python -m cluster_node.programs.runs overview --data /data   the active (else latest) run and its state files
-python -m cluster_node.programs.runs list --data /data       every run's progress, summary, config, run_status"""
+python -m cluster_node.programs.runs list --data /data       every run's progress, summary, config, status, ...
+python -m cluster_node.programs.runs files --run RUN NAME... RUN's run files (rundir names) as JSON: the laptop's
+    clusterops.nodes.records decodes them into rundir's records (in place of `cat` over SSH)"""
 
 from __future__ import annotations
 
@@ -36,36 +38,72 @@ def current(data: Path) -> Optional[Path]:
 
 
 def overview(data: Path) -> dict:
-    """{"run": path or null, "status", "progress", "summary": dicts, "restarts": list}; a missing or
-    unreadable file is empty."""
+    """The active (else latest) run's state files, as `files` gives them; {"run": null} without a run."""
     run = current(data)
-    if run is None:
-        return {"run": None}
-    files = {"status": rundir.RUN_STATUS, "progress": rundir.PROGRESS, "summary": rundir.SUMMARY}
-    found = {key: rundir.read_json(run / name, {}) for key, name in files.items()}
-    return {"run": str(run), **found, "restarts": rundir.read_json(run / rundir.RESTARTS, []) or []}
+    return {"run": None} if run is None else files(run, OVERVIEW)
 
 
 def listing(data: Path) -> list[dict]:
-    """One row per run directory (one with a spec.json or a summary.json; scale series are not runs)."""
-    names = {"progress": rundir.PROGRESS, "summary": rundir.SUMMARY, "config": rundir.CONFIG}
+    """One `files` answer per run directory (one with a spec.json or a summary.json; scale series are
+    not runs), "run" its name."""
     rows = []
     for run in sorted((data / rundir.RUNS).glob("*/")):
         if (run / rundir.SPEC).exists() or (run / rundir.SUMMARY).exists():
-            row = {key: rundir.read_json(run / name, {}) for key, name in names.items()}
-            row |= {"segments": rundir.read_json(run / rundir.SEGMENTS, []) or []}
-            row["phases"] = [mark.to_json() for mark in phases.read(run)]  # for fab runs' goodput column
-            rows.append({"run": run.name, **row, "run_status": rundir.read_json(run / rundir.RUN_STATUS, {})})
+            rows.append({**files(run, LISTED), "run": run.name})  # phases: fab runs' goodput column
     return rows
+
+
+# The run files `files` reads: rundir's JSON files, and phases.jsonl as the list of its lines.
+FILES: tuple[str, ...] = (
+    rundir.RUN_STATUS,
+    rundir.PROGRESS,
+    rundir.SUMMARY,
+    rundir.CONFIG,
+    rundir.RESTARTS,
+    rundir.HANGS,
+)
+FILES += (rundir.SEGMENTS, rundir.BUDGET, rundir.SPEC, rundir.INTERRUPTIONS, rundir.PHASES)
+OVERVIEW = (rundir.RUN_STATUS, rundir.PROGRESS, rundir.SUMMARY, rundir.RESTARTS)
+LISTED = (rundir.RUN_STATUS, rundir.PROGRESS, rundir.SUMMARY, rundir.CONFIG, rundir.SEGMENTS, rundir.PHASES)
+
+
+def files(run: Path, names: Sequence[str]) -> dict:
+    """{"run": RUN, "files": {NAME: its JSON, null when missing or empty}, "torn": {NAME: why, for a file
+    that is not JSON (read as missing, as rundir.read_json reads it)}}. phases.jsonl: its lines' records."""
+    found: dict = {}
+    torn: dict = {}
+    for name in names:
+        if name == rundir.PHASES:
+            found[name] = [mark.to_json() for mark in phases.read(run)]
+            continue
+        try:
+            text = (run / name).read_text()
+        except OSError:
+            text = ""
+        try:
+            found[name] = json.loads(text) if text.strip() else None
+        except ValueError as error:
+            found[name], torn[name] = None, f"{error}: {text.strip()[:200]!r}"
+    return {"run": str(run), "files": found, "torn": torn}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster_node.programs.runs", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("overview", "list"))
+    parser.add_argument("what", choices=("overview", "list", "files"))
     parser.add_argument("--data", default="/data")
-    args = parser.parse_args(argv)
-    data = Path(args.data)
-    print(json.dumps(overview(data) if args.what == "overview" else listing(data)))
+    parser.add_argument("--run", help="files: the run directory")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"files: of {', '.join(FILES)}")
+    args = parser.parse_intermixed_args(argv)  # the NAMEs after --run RUN
+    unknown = [name for name in args.names if name not in FILES]
+    if args.what == "files" and (not args.run or not args.names or unknown):
+        parser.error(
+            f"files needs --run RUN and NAMEs of {', '.join(FILES)}" + f" (not {', '.join(unknown)})" * bool(unknown)
+        )
+    if args.what == "files":
+        print(json.dumps(files(Path(args.run), args.names)))
+    else:
+        data = Path(args.data)
+        print(json.dumps(overview(data) if args.what == "overview" else listing(data)))
     return 0
 
 
