@@ -45,20 +45,31 @@ def deploy(aws_env: dict, work: Path, context: dict[str, str], instance_type: st
     )
     args = [*MOTO_LIMITS, *(a for k, v in {"key_name": key_name, **context}.items() for a in ("-c", f"{k}={v}"))]
     outputs = work / "cdk-outputs.json"
-    for command in (
-        # The CLI synthesizes the app for bootstrap (and destroy) too: the same context as the deploy.
-        ["bootstrap", f"aws://{ACCOUNT}/{REGION}", *args],
-        ["deploy", "--method=direct", "--require-approval", "never", "-o", str(work / "cdk.out"), *args],
-    ):
-        if command[0] == "deploy":
-            command += ["--outputs-file", str(outputs)]
-        result = subprocess.run(
-            [str(REPO / "node_modules" / ".bin" / "cdk"), *command, "--no-notices"],
-            cwd=app,
-            env=tool_env(**aws_env),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+    bootstrap(aws_env, work)
+    deploy = ["deploy", "--method=direct", "--require-approval", "never", "-o", str(work / "cdk.out"), *args]
+    _cdk([*deploy, "--outputs-file", str(outputs)], app, aws_env)
     return outputs
+
+
+_BOOTSTRAPPED: set[str] = set()
+
+
+def bootstrap(aws_env: dict, work: Path) -> None:
+    """`cdk bootstrap` once per moto server (the CDKToolkit stack is per account and region), from outside the
+    app: the CLI synthesizes an app it finds, which a deploy does again anyway."""
+    if aws_env["AWS_ENDPOINT_URL"] in _BOOTSTRAPPED:
+        return
+    _cdk(["bootstrap", f"aws://{ACCOUNT}/{REGION}"], work, aws_env)
+    _BOOTSTRAPPED.add(aws_env["AWS_ENDPOINT_URL"])
+
+
+def _cdk(command: list[str], cwd: Path, aws_env: dict) -> None:
+    result = subprocess.run(
+        [str(REPO / "node_modules" / ".bin" / "cdk"), *command, "--no-notices"],
+        cwd=cwd,
+        env=tool_env(**aws_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
