@@ -16,6 +16,7 @@ import time
 
 import pytest
 from conftest import REPO
+from runfiles import full_status
 from test_local_cluster import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
@@ -33,7 +34,7 @@ def test_ctrl_c_on_a_follower_says_the_run_goes_on_and_how_to_reattach_and_stop(
     try:
         run = cluster.run_dir("r1")
         run.mkdir(parents=True)
-        (run / "run-status.json").write_text(json.dumps({"state": "running"}))
+        (run / "run-status.json").write_text(json.dumps(full_status(state="running")))
         (run / "train.log").write_text("step 1 loss 2.0\n")
         follower = subprocess.Popen(
             ["fab", "logs", "--run", "r1", "--follow"],
@@ -47,11 +48,12 @@ def test_ctrl_c_on_a_follower_says_the_run_goes_on_and_how_to_reattach_and_stop(
         if where == "ssh-round-trip":
             status = run / "run-status.json"
             status.unlink()
-            os.mkfifo(status)  # the next poll's `cat` blocks on the node until the end of the test
+            os.mkfifo(status)  # the next poll's read blocks on the node until the end of the test
             deadline = time.monotonic() + 20
-            while not cluster.processes(0, r"^cat .*run-status\.json") and time.monotonic() < deadline:
+            reading = r"cluster_node\.programs\.runs files .*run-status\.json"  # the laptop's read of the run files
+            while not cluster.processes(0, reading) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert cluster.processes(0, r"^cat .*run-status\.json"), "the follower's read never started"
+            assert cluster.processes(0, reading), "the follower's read never started"
         else:
             time.sleep(1.5)  # inside a poll's sleep or a quick SSH round trip
         sent = time.monotonic()

@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import pytest
+from runfiles import full_status
 from test_local_cluster import Cluster, _running
 
 from clusterops.local import cluster as localcluster
@@ -26,8 +27,10 @@ NAME, SUBNET = "tf", "10.213.150.0/24"
 def _write_run(cluster: Cluster, run: str) -> None:
     run_dir = cluster.run_dir(run)
     (run_dir / "checkpoints").mkdir(parents=True)
-    for name in ("config.json", "summary.json", "run-status.json"):
-        (run_dir / name).write_text('{"state": "finished"}\n')
+    # the files as the trainer and the supervisor write them: fab fetch reads them as records
+    (run_dir / "config.json").write_text(json.dumps({"recipe": "transformer-tiny", "max_steps": 10}))
+    (run_dir / "summary.json").write_text(json.dumps({"recipe": "transformer-tiny", "steps": 10}))
+    (run_dir / "run-status.json").write_text(json.dumps(full_status(state="finished", exit_code=0)))
     (run_dir / "checkpoints" / "step_00000010.pt").write_bytes(b"weights")
 
 
