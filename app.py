@@ -13,7 +13,6 @@ from pathlib import Path
 import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
-from stacks.cluster_stack import GpuClusterStack
 from stacks.contextkeys import check_context_keys, settings_keys
 from stacks.pins import UnpinnedError, synth_config, unpinned_config
 
@@ -28,6 +27,8 @@ try:
     except UnpinnedError as error:  # fails synth/diff/deploy as an error annotation, not `cdk destroy`
         config, unpinned = unpinned_config(app.node.try_get_context, region=region), f"error: {error}"
     stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
+    from stacks.cluster_stack import GpuClusterStack  # after the checks: bad context fails in a second, not three
+
     stack = GpuClusterStack(
         app,
         stack_name,
