@@ -43,7 +43,8 @@ if [[ $got != "$want_python $want_torch $want_numpy" ]]; then
   exit 1
 fi
 echo "image-torch: the training program's tests on Python/torch/numpy $got (as $tag)"
-mapfile -t modules < <(grep -v '^#' tests/trainer_tests.txt | grep .)
+mapfile -t modules < <(grep -v '^[#-]' tests/trainer_tests.txt | grep .)
+mapfile -t deselect < <(sed -n 's/^- \([^ #]*\).*/--deselect=\1/p' tests/trainer_tests.txt)
 # The repository is not installed there: the packages come from the checkout, as the image puts /workspace
 # on PYTHONPATH.
-PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "$@"
+PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "${deselect[@]}" "$@"

@@ -65,6 +65,7 @@ NOT_THE_TRAINERS = {
     "test_launch": "builds mpirun lines; parses trainer flags only",
     "test_verify": "the short run's flags, parsed with train.config only",
     "test_restarts": "the supervisor's decisions on recorded facts",
+    "test_spotwatch": "the watcher; its one trainer run is the STOP path test_training's [spot-notice] case covers",
     "test_lifecycle": "the laptop parses trainer flags with train.config only; the supervisor runs a stand-in",
     # Run the trainer, but what they add under 2.6 is covered by listed modules, and the phase's time
     # is the suite's: the same 2-rank trainer (test_training) and image pipeline (test_imagepipe).
@@ -83,10 +84,28 @@ def _imports(path) -> set[str]:
     return names
 
 
+def _trainer_tests() -> tuple[set[str], dict[str, str]]:
+    """tests/trainer_tests.txt: the modules listed, and the deselected node-id prefixes with why."""
+    listed, deselected = set(), {}
+    for line in (REPO / "tests" / "trainer_tests.txt").read_text().splitlines():
+        if line.startswith("- "):
+            node, _, why = line[2:].partition("#")
+            deselected[node.strip()] = why.strip()
+        elif line and line[0] != "#":
+            listed.add(line)
+    return listed, deselected
+
+
+def test_every_deselection_from_the_images_torch_names_a_test_of_a_listed_module_and_why():
+    listed, deselected = _trainer_tests()
+    for node, why in deselected.items():
+        path, _, name = node.partition("::")
+        assert path in listed and why, f"{node}: a listed module's test, with why (# ...)"
+        assert re.search(rf"^def {re.escape(name)}\(", (REPO / path).read_text(), re.M), f"{node}: no such test"
+
+
 def test_every_test_module_that_runs_the_trainer_runs_on_the_images_torch_too():
-    listed = {
-        line for line in (REPO / "tests" / "trainer_tests.txt").read_text().splitlines() if line and line[0] != "#"
-    }
+    listed, _ = _trainer_tests()
     assert all((REPO / path).is_file() for path in listed), listed
     for path in sorted((REPO / "tests").glob("test_*.py")):
         text = path.read_text()
