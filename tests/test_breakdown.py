@@ -80,8 +80,12 @@ def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_d
     s = summary(tmp_path)
     b = s["breakdown"]
     parts = sum(b[k] for k in breakdown.PARTS)
-    print(f"breakdown sum {parts * 1000:.1f} ms vs measured step {s['avg_step_time_s'] * 1000:.1f} ms")
-    assert abs(parts - s["avg_step_time_s"]) <= 0.1 * s["avg_step_time_s"]
+    print(f"breakdown sum {parts * 1000:.1f} ms, its rank's step {b['step_s'] * 1000:.1f} ms, rank 0's measured step "
+          f"{s['avg_step_time_s'] * 1000:.1f} ms")  # fmt: skip
+    # The parts account for their rank's whole step; that rank and rank 0 step together (the all-reduce),
+    # measured over windows a loaded machine may skew apart (13% seen in a loaded `make test`): within 25%.
+    assert parts == pytest.approx(b["step_s"], rel=1e-6)
+    assert abs(b["step_s"] - s["avg_step_time_s"]) <= 0.25 * s["avg_step_time_s"]
     assert b["compute_s"] > 0 and b["comm_exposed_s"] > 0 and len(b["per_rank"]) == 2
     assert b["grad_bytes"] == b["payload_bytes"] and b["wire_bytes"] == b["payload_bytes"]  # ring of 2: 2(N-1)/N = 1
     progress = json.loads((tmp_path / "progress.json").read_text())
