@@ -103,6 +103,8 @@ def _name_unknown_options() -> None:
         return
 
     def see_positional_arg(self, value: str) -> None:
+        if self.context and self.initial and value in self.initial.flags:
+            return _core_flag(self, value)  # `fab report --help`: Invoke's own core-flag branch, not a run name
         if value.startswith("-") and value != "-" and self.context:
             flags = [flag for flag in self.context.flags if flag.startswith("--")]
             close = difflib.get_close_matches(value.split("=")[0], flags, n=1)
@@ -113,6 +115,17 @@ def _name_unknown_options() -> None:
 
     see_positional_arg.named_options = True  # type: ignore[attr-defined]
     ParseMachine.see_positional_arg = see_positional_arg  # type: ignore[method-assign]
+
+
+def _core_flag(machine, token: str) -> None:
+    """A core flag after a task that still waits for a positional argument: what Invoke's parser does with it
+    after any other task (ParseMachine.handle, "Initial-context flag being given as per-task flag"): --help/-h
+    takes the task's name as its value (the task's help), any other core flag reads on as a flag."""
+    flag = machine.initial.flags[token]
+    if flag.name == "help":
+        flag.value = machine.context.name
+    else:
+        machine.switch_to_flag(token)
 
 
 _name_unknown_options()

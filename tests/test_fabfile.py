@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import socket
 from types import SimpleNamespace
 
@@ -286,3 +287,30 @@ def test_a_reader_that_goes_away_gets_no_traceback(args):
     done = subprocess.run(["fab", *args], cwd=REPO, env=tool_env(), stdout=write, stderr=subprocess.PIPE, text=True)
     os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr[-2000:]
+
+
+def listed_tasks() -> list[str]:
+    """The task names `fab --list` prints (what a user can type)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert fab("--list") == 0
+    return re.findall(r"^  (\S+)", out.getvalue(), flags=re.MULTILINE)  # a wrapped line starts further in
+
+
+def test_fab_list_lists_every_task():
+    assert sorted(listed_tasks()) == TASKS
+
+
+@pytest.mark.parametrize("task", listed_tasks())
+def test_fab_task_help_prints_the_tasks_help_for_every_task(task, capsys):
+    """Issue 31 §6: `fab train --help`, `fab report -h` said "no option --help" or took `--help` as a run name
+    (the optional positional run name's patch ate it). -h where no option of the task took it."""
+    flags = next(context.flags for context in fabfile.ns.to_contexts() if context.name == task)
+    for flag in ["--help"] + ([] if "-h" in flags else ["-h"]):
+        assert fab(task, flag) == 0, capsys.readouterr().err
+        out, err = capsys.readouterr()
+        assert out.startswith(f"Usage: fab [--core-opts] {task} ") and "Docstring:" in out, (flag, out, err)
+        assert not err, err
