@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import shlex
 import shutil
@@ -111,6 +112,14 @@ def check_training(connection: Connection, inventory: Inventory, prefix: list[st
 # ---------------------------------------------------------------- training
 
 
+def code_dir_on(conn: Connection, inv: Inventory) -> str:
+    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
+    synced = posixpath.join(nodecmd.synced_root(inv), "train")
+    if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
+        return synced
+    return inv.code_dir
+
+
 def plan_launch(
     connection: Connection, inventory: Inventory, request: launch.TrainRequest, code_dir: str
 ) -> launch.LaunchPlan:
@@ -207,6 +216,23 @@ def follow_log(
         if deadline and time.monotonic() > deadline:
             raise remote.RemoteError(f"the run in {run_dir} is still going after {timeout:.0f} s")
         time.sleep(poll)
+
+
+def follow_to_end(
+    connection: Connection,
+    run_dir: str,
+    offset: int = 0,
+    on_progress: Optional[Callable[[dict], None]] = None,
+    on_status: Optional[Callable[[dict], None]] = None,
+    on_state: Optional[Callable[[dict], None]] = None,
+) -> tuple[dict, dict]:
+    """follow_log to the run's end, then the run's state and what --then-stop did: (state, final status).
+    `on_state` has the state as soon as it is read (a connection the stopping head cuts later keeps it)."""
+    status = follow_log(connection, run_dir, offset=offset, on_progress=on_progress, on_status=on_status)
+    state = run_state(connection, run_dir)
+    if on_state:
+        on_state(state)
+    return state, then_stop_outcome(connection, run_dir, state["status"] or status)
 
 
 def _quiet_line(connection: Connection, run_dir: str, quiet: float) -> str:

@@ -10,15 +10,13 @@ from invoke.exceptions import Exit
 
 from cluster_node import rundir as rd
 from clusterops import analysis, launch, terminal
+from clusterops.meter import aws_session, kept_price, node_price
 from train import catalog
 
 from .common import (
     aws_errors,
-    aws_session,
     head,
-    kept_price,
     load_inventory,
-    node_price,
     number,
     run_dir,
     settings,

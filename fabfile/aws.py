@@ -24,17 +24,14 @@ from clusterops.inventory import (
     stack_outputs_from_aws,
     stack_outputs_from_file,
 )
+from clusterops.meter import aws_session, efs_io_rate, kept_price, pricing_client
 
 from .common import (
     aws_errors,
-    aws_session,
     cluster_config,
-    efs_io_rate,
     head,
     inventory_path,
-    kept_price,
     load_inventory,
-    pricing_client,
     task,
 )
 

@@ -365,7 +365,7 @@ def test_a_missing_price_is_unknown_everywhere_never_zero_or_an_exception():
 
 
 def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
-    import fabfile
+    from clusterops import meter
 
     for instance_type in ("g6.xlarge", "p4de.24xlarge", "x9.unknown"):
         inv = Inventory(
@@ -377,7 +377,7 @@ def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
             nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-1")],
             ssh=SshSettings("root", 4444, "/k", "/kh"),
         )
-        on_progress = fabfile.runs._projector(inv)
+        on_progress = meter.projector(inv)
         on_progress({"step": 5})  # step time not known yet: nothing
         on_progress({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0})
         on_progress({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0})  # printed once
