@@ -314,3 +314,61 @@ def test_fab_task_help_prints_the_tasks_help_for_every_task(task, capsys):
         out, err = capsys.readouterr()
         assert out.startswith(f"Usage: fab [--core-opts] {task} ") and "Docstring:" in out, (flag, out, err)
         assert not err, err
+
+
+def clusterops_calls(module, task: str) -> set[str]:
+    """The clusterops functions task `task` of `module` calls, in its body or through its module's helpers:
+    `x.f(...)` for `from clusterops import x`, `f(...)` for `from clusterops.x import f`. Classes (a request,
+    an error), clusterops.terminal (formatting) and PLUMBING are not use cases."""
+    tree = ast.parse(module.read_text())
+    modules, functions = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "clusterops":
+            for alias in node.names:
+                if node.module == "clusterops":
+                    modules[alias.asname or alias.name] = alias.name
+                else:
+                    functions[alias.asname or alias.name] = f"{node.module.split('.')[1]}.{alias.name}"
+    defs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    found: set[str] = set()
+    seen: set[str] = set()
+    todo = [defs[task]]
+    while todo:
+        function = todo.pop()
+        if function.name in seen:
+            continue
+        seen.add(function.name)
+        for call in (n for n in ast.walk(function) if isinstance(n, ast.Call)):
+            target = call.func
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                module_name = modules.get(target.value.id)
+                if module_name and module_name != "terminal" and not target.attr[0].isupper():
+                    found.add(f"{module_name}.{target.attr}")
+            elif isinstance(target, ast.Name) and target.id in functions and not target.id[0].isupper():
+                found.add(functions[target.id])
+            elif isinstance(target, ast.Name) and target.id in defs:
+                todo.append(defs[target.id])
+    return found - PLUMBING
+
+
+# A session, a client or a connection: what a task hands its use case, not a use case.
+PLUMBING = {"meter.aws_session", "meter.pricing_client", "remote.connect", "remote.on_all"}
+TASK_BODIES = [
+    (module, node.name)
+    for module in TASK_MODULES
+    for node in ast.parse(module.read_text()).body
+    if isinstance(node, ast.FunctionDef) and any("task" in ast.dump(d) for d in node.decorator_list)
+]
+# Tasks still holding a use case of their own (issue 31 §5), each to move into clusterops as fab train's did.
+NOT_YET_THIN = {"scale", "plan", "preflight", "cost", "audit", "inventory", "check"}
+
+
+@pytest.mark.parametrize("module, task", TASK_BODIES, ids=[f"{m.stem}.{t}" for m, t in TASK_BODIES])
+def test_each_task_parses_flags_calls_its_use_case_and_prints(module, task):
+    """Issue 31 §5: fab train held its launch, budget and prediction (29 clusterops calls through
+    fabfile/runs.py's helpers). A task calls at most three library functions: its use case and, where it
+    streams or follows, what it prints from."""
+    calls = clusterops_calls(module, task)
+    if task in NOT_YET_THIN:
+        pytest.xfail(f"{task} still holds its use case: {sorted(calls)}")
+    assert len(calls) <= 3, f"{module.name} {task} calls {len(calls)} clusterops functions: {sorted(calls)}"
