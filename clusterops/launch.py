@@ -48,12 +48,13 @@ class TrainRequest:
     dataset: Optional[str] = None
     data: Optional[str] = None  # the data set's path on the nodes: a resumed run's saved one (clusterops.resume)
     master_port: int = 29500
-    stall_minutes: float = 10.0
-    start_minutes: float = 15.0
+    # The supervisor's limits default to its own (cluster_node.spec.Limits), in the units fab train takes.
+    stall_minutes: float = Limits.stall / 60
+    start_minutes: float = Limits.start / 60
     then_stop: bool = False
-    max_restarts: int = 0
-    min_nodes: Optional[int] = None
-    hang_seconds: float = 60.0
+    max_restarts: int = Limits.max_restarts
+    min_nodes: Optional[int] = None  # None: Limits.min_nodes
+    hang_seconds: float = Limits.hang_floor
     allow_tcp: bool = False  # on an EFA cluster: let NCCL fall back to sockets
     budget_usd: Optional[float] = None  # end the run gracefully when its spend reaches this
     budget_margin: float = 0.2  # refuse when fab plan predicts more than budget x (1 + margin)
@@ -185,7 +186,7 @@ def run_spec(
     nodes: Sequence[Node],
     interface: str,
     program: Sequence[str] = (),
-    master_port: int = 29500,
+    master_port: int = TrainRequest.master_port,
     allow_tcp: bool = False,
     **more,
 ) -> RunSpec:
@@ -208,7 +209,11 @@ def run_spec(
 
 
 def mpirun_prefix(
-    inventory: Inventory, nodes: Sequence[Node], interface: str, master_port: int = 29500, allow_tcp: bool = False
+    inventory: Inventory,
+    nodes: Sequence[Node],
+    interface: str,
+    master_port: int = TrainRequest.master_port,
+    allow_tcp: bool = False,
 ) -> list[str]:
     """mpirun and its options, up to the program (fab check's all-reduce and training steps)."""
     return run_spec(inventory, nodes, interface, (), master_port, allow_tcp).argv()
@@ -248,7 +253,7 @@ def limits(request: TrainRequest) -> Limits:
         poll=float(min(5, max(1, int(request.hang_seconds // 3)))),
         hang_floor=float(int(request.hang_seconds)),
         max_restarts=request.max_restarts,
-        min_nodes=request.min_nodes or 1,
+        min_nodes=request.min_nodes or Limits.min_nodes,
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from cluster_node import rundir
+from stacks.config import ClusterConfig
 
 from .bottleneck import Breakdown, comm_seconds, hidden_seconds, ring_wire_bytes
 from .cost import HOURS_PER_MONTH, TABLE, efs_io_usd
@@ -75,7 +76,7 @@ def cpu_share(nodes: int, cpus: int) -> float:
 
 @dataclass(frozen=True)
 class Storage:
-    root_gb: float = 200.0  # per node (the stack's root_volume_gb default)
+    root_gb: float = ClusterConfig.root_volume_gb  # per node: the stack's default
     efs_gb: float = 0.0
     read_gb: float = 0.0  # EFS bytes read over the run (the data set x epochs)
     write_gb: float = 0.0  # checkpoints written

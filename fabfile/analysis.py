@@ -10,6 +10,7 @@ from invoke.exceptions import Exit
 
 from cluster_node import rundir as rd
 from clusterops import analysis, launch, terminal
+from clusterops import plan as planning
 from clusterops.meter import aws_session, kept_price, node_price
 from train import catalog
 
@@ -146,19 +147,17 @@ def scale(
         "link_gbit": "the link between nodes (default: the run's, measured by `fab check`)",
         "read_gb": "GB read from EFS over the run (data set x epochs; default 0)",
         "efs_gb": "GB stored on EFS (default 0)",
-        "root_gb": "root volume GB per node (default 200, the stack's)",
+        "root_gb": f"root volume GB per node (default {planning.Storage.root_gb:g}, the stack's)",
     }
 )
 def plan(
     c, run=None, steps=None, metric=None, step_s=None, grad_mb="0", types=None, max_nodes="4", deadline=None,
-    spot=False, link_gbit=None, read_gb="0", efs_gb="0", root_gb="200",
+    spot=False, link_gbit=None, read_gb="0", efs_gb="0", root_gb=None,
 ):  # fmt: skip
     """Time and dollars to a target, per node count and type, before paying.
 
     Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
     time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
-    from clusterops import plan as planning
-
     inv = load_inventory(c)
     names = [t.strip() for t in (types or inv.instance_type).split(",") if t.strip()]
     try:
@@ -169,7 +168,8 @@ def plan(
         link = number(link_gbit, "--link-gbit") if link_gbit else None
         offers = [_offer(inv, name, base, link, bool(spot)) for name in names]
         storage = planning.Storage(
-            number(root_gb, "--root-gb"), number(efs_gb, "--efs-gb"), number(read_gb, "--read-gb"),
+            planning.Storage.root_gb if root_gb is None else number(root_gb, "--root-gb"),
+            number(efs_gb, "--efs-gb"), number(read_gb, "--read-gb"),
             _checkpoint_gb(inputs, target),
         )  # fmt: skip
     except planning.PlanError as error:
@@ -195,8 +195,6 @@ def plan(
 
 
 def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
-    from clusterops import plan as planning
-
     if step_s:
         gpu = _gpu(inv, first_type)
         return planning.base_from_step(number(step_s, "--step-s"), number(grad_mb, "--grad-mb"), gpu, first_type)
@@ -207,8 +205,6 @@ def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
 
 
 def _plan_target(inputs, steps, metric):
-    from clusterops import plan as planning
-
     if steps:
         return whole_number(steps, "--steps"), "given"
     if metric:

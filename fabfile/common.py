@@ -207,10 +207,9 @@ def aws_errors(what: str = "AWS"):
 # The tasks' defaults, in one place; fabric.yaml (or ~/.fabric.yaml) overrides them per user.
 DEFAULTS = {
     "inventory": str(DEFAULT_INVENTORY),
-    "recipe": "transformer-tiny",
-    "master_port": 29500,
-    "stall_minutes": 10,
-    "start_minutes": 15,
+    **{
+        name: getattr(launch.TrainRequest, name) for name in ("recipe", "master_port", "stall_minutes", "start_minutes")
+    },
 }
 
 

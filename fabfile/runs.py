@@ -12,11 +12,12 @@ import paramiko
 from invoke.exceptions import Exit, ThreadException
 
 from cluster_node import restart_plan, rundir
-from clusterops import budget as budgets
+from cluster_node.spec import Limits
 from clusterops import launch, lifecycle, meter, remote, terminal, trainlaunch
 from train import catalog
 
 from .common import (
+    DEFAULTS,
     ctrl_c_ends,
     head,
     load_inventory,
@@ -27,6 +28,9 @@ from .common import (
     task,
     whole_number,
 )
+
+_STALL, _START, _PORT = (DEFAULTS[name] for name in ("stall_minutes", "start_minutes", "master_port"))
+_HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_margin
 
 
 @task(
@@ -43,17 +47,20 @@ from .common import (
         "dataset": "data set under /data/datasets",
         "follow": "stream the log until the run ends",
         "extra": "more train.py arguments, quoted",
-        "stall_minutes": "watchdog: end the run after this long without progress (fabric.yaml: 10)",
-        "start_minutes": "watchdog: end the run if no step comes this long after the start (default 15)",
-        "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)",
+        "stall_minutes": f"watchdog: end the run after this long without progress (fabric.yaml: {_STALL:g})",
+        "start_minutes": f"watchdog: end the run if no step comes this long after the start (default {_START:g})",
+        "master_port": f"torch.distributed rendezvous port on the head node (fabric.yaml: {_PORT})",
         "then_stop": "stop the cluster's instances as soon as the run ends (fab start brings them back)",
-        "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest (default 0)",
-        "min_nodes": "with --max-restarts: give up when fewer healthy nodes remain (default 1)",
-        "hang_seconds": "a hang: no step on any rank for max(20 x step time, this) seconds (default 60)",
+        "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest "
+        f"(default {launch.TrainRequest.max_restarts})",
+        "min_nodes": f"with --max-restarts: give up when fewer healthy nodes remain (default {Limits.min_nodes})",
+        "hang_seconds": f"a hang: no step on any rank for max({Limits.hang_factor:g} x step time, this) seconds "
+        f"(default {Limits.hang_floor:g})",
         "allow_tcp": "on an EFA cluster: train even where `fab check` found NCCL on sockets (no plugin forced)",
         "budget_usd": "end the run gracefully (checkpoint) when its spend reaches this many dollars, then stop "
         "the nodes; refuse to start when `fab plan` predicts more (a resumed run keeps its budget and spend)",
-        "budget_margin": "with --budget-usd: refuse only above budget x (1 + this) (default 0.2: fab plan's 20%)",
+        "budget_margin": "with --budget-usd: refuse only above budget x (1 + this) "
+        f"(default {_MARGIN:g}: fab plan's {_MARGIN:.0%})",
         "keep_nodes": "with --budget-usd: leave the nodes up when the run ends (a budget implies --then-stop)",
     },
 )
@@ -103,10 +110,12 @@ def train(
         then_stop=then_stop,
         max_restarts=whole_number(max_restarts, "--max-restarts") or 0,
         min_nodes=whole_number(min_nodes, "--min-nodes"),
-        hang_seconds=60.0 if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
+        hang_seconds=launch.TrainRequest.hang_seconds
+        if hang_seconds is None
+        else number(hang_seconds, "--hang-seconds"),
         allow_tcp=allow_tcp,
         budget_usd=None if budget_usd is None else number(budget_usd, "--budget-usd"),
-        budget_margin=budgets.DEFAULT_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
+        budget_margin=_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
         keep_nodes=keep_nodes,
         extra_args=_split(extra),
     )
