@@ -123,14 +123,11 @@ def scale(
         raise Exit(f"error: invalid --repeat {repeat!r}: at least 1", code=1)
     request.validate()
     code_dir = training_code_dir(inv)
+    local = Path(dest or Path(rd.RUNS, rd.SCALE_DIR.format(recipe=recipe)))
     with head(inv) as conn:
-        points = analysis.run_scale(conn, inv, request, counts, repeats, code_dir)
-        local = Path(dest or Path(rd.RUNS, rd.SCALE_DIR.format(recipe=recipe)))
-        written = analysis.write_scale(conn, inv, recipe, points, local)
-    from clusterops import scaling
-
-    print(scaling.table(points, scaling.shared_cores(inv.source)))
-    print(f"written: {', '.join(str(p) for p in written)} (and {analysis.scale_dir(inv, recipe)}/ on the cluster)")
+        scaled = analysis.scale(conn, inv, request, counts, repeats, code_dir, local)
+    print(scaled.table)
+    print(f"written: {', '.join(str(p) for p in scaled.written)} (and {scaled.cluster_dir}/ on the cluster)")
 
 
 @task(

@@ -277,11 +277,7 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False, forc
     name, session = _cluster_and_session(c, cluster)
     clients = {k: session.client(k) for k in AUDIT_CLIENTS}
     with aws_errors("fab audit"):
-        if delete and not force:
-            _refuse_live_stack(clients["cloudformation"], name)
-        found = audits.find(clients, name)
-    shared = [x for x in found if x.kind == "cdk-assets"]
-    leftovers = [x for x in found if x.kind != "cdk-assets"]
+        shared, leftovers = audits.survey(clients, name, refuse_live=delete and not force)
     for x in shared:
         print(
             f"CDK bootstrap bucket {x.id}: {x.detail}, {costs.usd(x.usd_per_month)}/month ({audits.KEPT['cdk-assets']})"
@@ -310,17 +306,6 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False, forc
     failed = audits.delete(clients, leftovers, include_retained=include_retained)
     if failed:
         raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
-
-
-def _refuse_live_stack(cloudformation, cluster: str) -> None:
-    """A live stack's resources are CloudFormation's: deleting them under it loses a running
-    cluster's /data and leaves the stack failing its own delete."""
-    for stack, status in audits.live_stacks(cloudformation, cluster):
-        raise Exit(
-            f"error: stack {stack} ({status}) still holds cluster {cluster}: `npx cdk destroy` it first "
-            "(fab audit --delete --force deletes under a live stack)",
-            code=1,
-        )
 
 
 @task(

@@ -19,7 +19,7 @@ import fabric
 from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
-from clusterops import drill, launch, lifecycle, localcluster, remote, terminal
+from clusterops import audit, drill, launch, lifecycle, localcluster, remote, terminal
 from clusterops.inventory import (
     DEFAULT_INVENTORY,
     DEFAULT_OUTPUTS,
@@ -35,6 +35,7 @@ ERRORS = (
     localcluster.LocalClusterError,
     drill.DrillError,
     AwsConfigError,
+    audit.AuditError,
 )
 # A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
 # timeout at connect_timeout), or a failed handshake, host key or login (SSHException).
