@@ -32,6 +32,15 @@ def aws_session(region=None):
         raise AwsConfigError(f"AWS configuration: {error} (check AWS_PROFILE / `aws configure`)") from None
 
 
+def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
+    """The AZ the inventory's nodes run in (Spot prices are per AZ); None without AWS nodes."""
+    ids = [n.instance_id for n in inv.nodes if n.instance_id] if inv and inv.source == "aws" else []
+    if not ids:
+        return None
+    zones = [i["Placement"]["AvailabilityZone"] for i in describe(session.client("ec2"), ids).values()]
+    return zones[0] if zones else None
+
+
 def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.Price]:
     """The price `fab inventory` kept, if it is for this type."""
     if inv is None or inv.usd_per_hour is None or inv.instance_type != instance_type:

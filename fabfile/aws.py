@@ -4,7 +4,6 @@ restarting. AWS errors are one line (aws_errors)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -12,7 +11,7 @@ from invoke.exceptions import Exit
 
 from clusterops import audit as audits
 from clusterops import cost as costs
-from clusterops import lifecycle, terminal
+from clusterops import deployed, lifecycle, terminal
 from clusterops import preflight as checks
 from clusterops.instances import release_spot as release_spot_requests
 from clusterops.instances import start_cluster, stop_nodes
@@ -20,11 +19,8 @@ from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
     InventoryError,
-    from_outputs,
-    stack_outputs_from_aws,
-    stack_outputs_from_file,
 )
-from clusterops.meter import aws_session, efs_io_rate, kept_price, pricing_client
+from clusterops.meter import aws_session, efs_io_rate, kept_price, nodes_zone, pricing_client
 
 from .common import (
     aws_errors,
@@ -45,17 +41,6 @@ def context_file() -> Path:
     """cdk.context.json, where `fab preflight` caches the AZs offering the type and pins the AMI for
     `cdk synth`."""
     return Path(os.environ.get("GPU_CLUSTER_CDK_CONTEXT", "cdk.context.json"))
-
-
-def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
-    """The AZ the inventory's nodes run in (Spot prices are per AZ); None without AWS nodes."""
-    from clusterops.inventory import describe
-
-    ids = [n.instance_id for n in inv.nodes if n.instance_id] if inv and inv.source == "aws" else []
-    if not ids:
-        return None
-    zones = [i["Placement"]["AvailabilityZone"] for i in describe(session.client("ec2"), ids).values()]
-    return zones[0] if zones else None
 
 
 def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
@@ -321,33 +306,9 @@ def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_f
     """Build .cluster/inventory.json from the deploy's outputs and EC2.
 
     Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
-    if not from_aws and not Path(outputs).exists() and stack:
-        print(f"no {outputs}: describing stack {stack} instead")
-        from_aws = True
-    if from_aws:
-        if not stack:
-            raise InventoryError("--from-aws needs --stack NAME")
-        session = aws_session()
-        name, outs = stack, stack_outputs_from_aws(stack, session)
-    else:
-        name, outs = stack_outputs_from_file(Path(outputs))
-        if stack and stack != name:
-            raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
-        session = aws_session(outs.get("Region"))
-    target = inventory_path(c)
     with aws_errors("fab inventory"):
-        inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
-        price, _ = costs.node_price(
-            session.client("ec2"),
-            pricing_client(session),
-            inv.instance_type,
-            inv.region or session.region_name or "us-east-1",
-            inv.spot,
-            nodes_zone(session, inv) if inv.spot else None,
-        )
-    inv = replace(inv, usd_per_hour=price.usd_per_hour, price_source=price.source)
-    inv.save(target)
+        inv, price = deployed.inventory(stack, Path(outputs), from_aws, key_file, inventory_path(c), say=print)
     print(
-        f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
+        f"{inventory_path(c)}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
         f"{costs.usd(price.usd_per_hour)}/node-hour [{price.source}]"
     )

@@ -770,7 +770,7 @@ def test_a_spot_dry_run_carries_the_nodes_market_options():
 
 
 def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_price(aws_env):
-    from fabfile.aws import nodes_zone
+    from clusterops.meter import nodes_zone
 
     session = boto3.session.Session()
     ids = moto_instances(2, "spotcost")
