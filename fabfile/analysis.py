@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from invoke.exceptions import Exit
 
 from cluster_node import rundir as rd
-from clusterops import analysis, launch, terminal
+from clusterops import analysis, launch, planner, terminal
 from clusterops import plan as planning
-from clusterops.meter import aws_session, kept_price, node_price
+from clusterops.meter import node_price
 from train import catalog
 
 from .common import (
@@ -156,102 +155,37 @@ def plan(
     Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
     time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
     inv = load_inventory(c)
-    names = [t.strip() for t in (types or inv.instance_type).split(",") if t.strip()]
-    try:
-        with head(inv) as conn:
-            inputs = analysis.plan_inputs(conn, inv, run_dir(conn, inv, run)) if (run or not step_s) else {}
-        base = _plan_base(inv, inputs, step_s, grad_mb, names[0], run)
-        target, target_model = _plan_target(inputs, steps, metric)
-        link = number(link_gbit, "--link-gbit") if link_gbit else None
-        offers = [_offer(inv, name, base, link, bool(spot)) for name in names]
-        storage = planning.Storage(
-            planning.Storage.root_gb if root_gb is None else number(root_gb, "--root-gb"),
-            number(efs_gb, "--efs-gb"), number(read_gb, "--read-gb"),
-            _checkpoint_gb(inputs, target),
-        )  # fmt: skip
-    except planning.PlanError as error:
-        raise Exit(f"error: {error}", code=1) from None
-    limit = _hours(deadline)
-    estimates = planning.plan(base, offers, whole_number(max_nodes, "--max-nodes"), target, storage)
-    print(f"from {base.source}")
-    print(f"target: {target} steps ({target_model}); fixed global batch across N")
-    for o in offers:
+    query = planner.Query(
+        types=tuple(t.strip() for t in (types or inv.instance_type).split(",") if t.strip()),
+        steps=whole_number(steps, "--steps") if steps else None,
+        metric=metric,
+        step_s=number(step_s, "--step-s") if step_s else None,
+        grad_mb=number(grad_mb, "--grad-mb"),
+        max_nodes=whole_number(max_nodes, "--max-nodes"),
+        deadline_h=_hours(deadline),
+        spot=bool(spot),
+        link_gbit=number(link_gbit, "--link-gbit") if link_gbit else None,
+        root_gb=planning.Storage.root_gb if root_gb is None else number(root_gb, "--root-gb"),
+        efs_gb=number(efs_gb, "--efs-gb"),
+        read_gb=number(read_gb, "--read-gb"),
+    )
+    with head(inv) as conn, aws_errors("Spot price"):  # the connection opens when a run is read
+        planned = planner.plan(conn, inv, run_dir(conn, inv, run) if (run or not step_s) else None, run, query)
+    limit, best = query.deadline_h, planned.best
+    print(f"from {planned.base.source}")
+    print(f"target: {planned.target} steps ({planned.target_model}); fixed global batch across N")
+    for o in planned.offers:
         print(f"{o.instance_type}: {o.gpus_per_node} x {o.gpu} per node, link {o.link_source}; price {o.price_source}")
-    print(terminal.table(planning.table_rows(estimates, limit), list(planning.table_rows(estimates, limit)[0])))
-    best = planning.cheapest(estimates, limit)
-    timed = [e for e in estimates if e.hours is not None]
-    if best is None and not timed:
+    print(terminal.table(planned.rows, list(planned.rows[0])))
+    if best is None and planned.fastest is None:
         return
     if best is None:
         print("no priced plan meets the deadline" if limit else "no priced plan (prices unknown)")
-        best = min(timed, key=lambda e: e.hours or 0.0)
+        best = planned.fastest
         print(f"fastest: {best.nodes} x {best.instance_type}")
     else:
         print(f"cheapest{f' within {limit:g} h' if limit else ''}: {best.nodes} x {best.instance_type}")
     print("\n".join(f"  {figure}: {model}" for figure, model in best.models))
-
-
-def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
-    if step_s:
-        gpu = _gpu(inv, first_type)
-        return planning.base_from_step(number(step_s, "--step-s"), number(grad_mb, "--grad-mb"), gpu, first_type)
-    slots = inv.gpus_per_node if inv.source == "aws" else 1
-    return planning.base_from_run(
-        run or "latest", inputs["summary"], _gpu(inv, inv.instance_type), slots, inputs["link"]
-    )
-
-
-def _plan_target(inputs, steps, metric):
-    if steps:
-        return whole_number(steps, "--steps"), "given"
-    if metric:
-        name, value = planning.parse_metric(metric)
-        return planning.steps_to(planning.eval_curve(inputs.get("eval_log", "")), name, value)
-    max_steps = (inputs.get("config") or {}).get("max_steps")
-    if not max_steps:
-        raise planning.PlanError("no target: give --steps N or --metric NAME=VALUE")
-    return int(max_steps), "the run's --steps"
-
-
-def _gpu(inv, instance_type: str) -> str:
-    from clusterops import plan as planning
-    from stacks.instance_types import lookup
-
-    if instance_type == inv.instance_type and inv.source != "aws":
-        return planning.CPU
-    known = lookup(instance_type)
-    if known is None:
-        raise planning.PlanError(f"unknown instance type {instance_type!r}")
-    return known.gpu
-
-
-def _offer(inv, name: str, base, link, spot: bool):
-    from clusterops import cost as costs
-    from clusterops import plan as planning
-    from stacks.instance_types import lookup
-
-    gpu = _gpu(inv, name)
-    known = lookup(name)
-    # the cluster's own type runs the ranks it was deployed with (-c gpus_per_node); the emulated one: 1
-    gpus = inv.gpus_per_node if name == inv.instance_type else (known.gpus if known else 1)
-    rate, where = (link, "given") if link else (base.link_gbit, "the base run's")
-    if gpu == planning.CPU:
-        cpus = len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
-        return planning.Offer(name, gpu, gpus, None, "the emulated cluster: no price", rate, where, cpus)
-    kept = kept_price(inv, name)
-    price = kept or costs.offline_price(name, inv.region or "us-east-1")
-    if spot and not (inv.spot and kept):  # a Spot cluster's own type: fab inventory's price, in its nodes' AZ
-        with aws_errors("Spot price"):
-            ec2 = aws_session(inv.region).client("ec2")
-            price, _ = costs.node_price(ec2, None, name, inv.region or "us-east-1", spot=True)
-    return planning.Offer(name, gpu, gpus, price.usd_per_hour, price.source, rate, where)
-
-
-def _checkpoint_gb(inputs, steps: int) -> float:
-    """GB the run writes to EFS in checkpoints: the run's checkpoint size x how often it saves."""
-    size = (inputs.get("summary") or {}).get("checkpoint_mb") or 0.0
-    every = (inputs.get("config") or {}).get("checkpoint_every") or 0
-    return size * (steps // every) / 1000 if every else 0.0
 
 
 def _hours(text):

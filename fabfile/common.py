@@ -20,6 +20,7 @@ from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
 from clusterops import audit, drill, launch, lifecycle, localcluster, remote, terminal
+from clusterops import plan as planning
 from clusterops.inventory import (
     DEFAULT_INVENTORY,
     DEFAULT_OUTPUTS,
@@ -36,6 +37,7 @@ ERRORS = (
     drill.DrillError,
     AwsConfigError,
     audit.AuditError,
+    planning.PlanError,
 )
 # A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
 # timeout at connect_timeout), or a failed handshake, host key or login (SSHException).

@@ -360,7 +360,7 @@ TASK_BODIES = [
     if isinstance(node, ast.FunctionDef) and any("task" in ast.dump(d) for d in node.decorator_list)
 ]
 # Tasks still holding a use case of their own (issue 31 §5), each to move into clusterops as fab train's did.
-NOT_YET_THIN = {"plan", "cost", "check"}
+NOT_YET_THIN = {"cost", "check"}
 
 
 @pytest.mark.parametrize("module, task", TASK_BODIES, ids=[f"{m.stem}.{t}" for m, t in TASK_BODIES])
@@ -372,3 +372,15 @@ def test_each_task_parses_flags_calls_its_use_case_and_prints(module, task):
     if task in NOT_YET_THIN:
         pytest.xfail(f"{task} still holds its use case: {sorted(calls)}")
     assert len(calls) <= 3, f"{module.name} {task} calls {len(calls)} clusterops functions: {sorted(calls)}"
+
+
+def test_fab_plan_from_a_step_time_needs_no_node(unreachable, capsys):
+    """`fab plan --step-s` plans from the step time alone: its use case (clusterops.planner) reads no run, so
+    a cluster whose node does not answer still gets its table and the cheapest plan."""
+    argv = ["plan", "--step-s", "0.5", "--steps", "3600", "--types", "g5.xlarge,g4dn.xlarge", "--deadline", "2"]
+    assert fab(*argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.startswith("from ") and "target: 3600 steps (given); fixed global batch across N" in out
+    assert "g5.xlarge: 1 x A10G per node" in out and "cheapest within 2 h: " in out, out
+    assert fab("plan", "--step-s", "0.5", "--types", "x9.unknown") == 1
+    assert capsys.readouterr().err.strip() == "error: unknown instance type 'x9.unknown'"
