@@ -8,8 +8,11 @@ import os
 from typing import Callable, Optional
 
 from . import cost as costs
+from . import lifecycle, remote
 from .instances import spot_interrupted
 from .inventory import Inventory, describe
+
+Say = Callable[[str], None]
 
 
 class AwsConfigError(RuntimeError):
@@ -123,3 +126,65 @@ def projector(inv: Inventory, say: Callable[[str], None] = lambda line: print(li
         printed.append(line)
 
     return on_progress
+
+
+def cost_report(
+    inv: Optional[Inventory], config, spot: bool, size: Optional[float], passes: Optional[float], say: Say = print
+) -> None:
+    """`fab cost`'s use case: the cluster's $/hour (`config`, a stacks.config.ClusterConfig: cdk.json and the
+    task's overrides), storage and EFS I/O; on AWS what the running nodes spent; the running job's projection."""
+    on_aws = inv if inv is not None and inv.source == "aws" else None  # the inventory of AWS nodes
+    aws = on_aws is not None
+    session = aws_session(on_aws.region if on_aws else None)
+    region = session.region_name or "us-east-1"
+    price, saving = costs.node_price(
+        session.client("ec2") if session.region_name else None,
+        pricing_client(session),
+        config.instance_type,
+        region,
+        spot,
+        (nodes_zone(session, inv) if spot else None) or config.availability_zone,
+        kept=kept_price(inv if aws else None, config.instance_type),
+    )
+    if saving:
+        say(saving)
+    efs_gb = 0.0
+    if on_aws and on_aws.file_system_id:
+        fs = session.client("efs").describe_file_systems(FileSystemId=on_aws.file_system_id)["FileSystems"][0]
+        efs_gb = fs["SizeInBytes"]["Value"] / 1e9
+    estimate = costs.Estimate(
+        config.nodes, price, config.root_volume_gb, efs_gb, size, passes, private_subnet=config.private_subnet
+    )
+    say("\n".join(estimate.lines()))
+    if on_aws:
+        _spent(session, on_aws, price, say)
+    say(costs.table_line())
+    if inv is not None and inv.source == "local":
+        say(
+            f"the emulated cluster {inv.cluster!r} costs nothing: the estimate above is for "
+            f"{config.nodes} x {config.instance_type} on AWS (cdk.json, or --nodes/--instance-type); "
+            "a CPU step time says nothing about a GPU's, so no run projection"
+        )
+    elif inv is not None:
+        with remote.connect(inv, inv.head) as conn:
+            run = lifecycle.active_run(conn, inv)
+            line = run and costs.projection(
+                lifecycle.run_state(conn, run)["progress"], estimate.usd_per_hour, efs_io_rate(inv, session)
+            )
+        say(line or "no run going")
+
+
+def _spent(session, inv: Inventory, price: costs.Price, say: Say = print) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    ids = [n.instance_id for n in inv.nodes if n.instance_id]
+    reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+    launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
+    say(f"spent since the running nodes started: {costs.usd(costs.spent(launched, price.usd_per_hour))}")
+    if inv.file_system_id:
+        now = datetime.now(timezone.utc)
+        read, written = costs.efs_io_gb(session.client("cloudwatch"), inv.file_system_id, now - timedelta(days=1), now)
+        say(
+            f"EFS I/O in the last 24 h: {read:.1f} GB read, {written:.1f} GB written = "
+            f"${costs.efs_io_usd(read, written):.2f}"
+        )

@@ -11,7 +11,7 @@ from invoke.exceptions import Exit
 
 from clusterops import audit as audits
 from clusterops import cost as costs
-from clusterops import deployed, lifecycle, terminal
+from clusterops import deployed, meter, terminal
 from clusterops import preflight as checks
 from clusterops.instances import release_spot as release_spot_requests
 from clusterops.instances import start_cluster, stop_nodes
@@ -20,12 +20,11 @@ from clusterops.inventory import (
     Inventory,
     InventoryError,
 )
-from clusterops.meter import aws_session, efs_io_rate, kept_price, nodes_zone, pricing_client
+from clusterops.meter import aws_session, pricing_client
 
 from .common import (
     aws_errors,
     cluster_config,
-    head,
     inventory_path,
     load_inventory,
     task,
@@ -138,60 +137,8 @@ def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=F
         instance_type=instance_type or (inv.instance_type if aws else None),
     )
     spot = spot or (inv.spot if aws else config.spot)
-    session = aws_session(inv.region if aws else None)
-    region = session.region_name or "us-east-1"
     with aws_errors("fab cost"):
-        price, saving = costs.node_price(
-            session.client("ec2") if session.region_name else None,
-            pricing_client(session),
-            config.instance_type,
-            region,
-            spot,
-            (nodes_zone(session, inv) if spot else None) or config.availability_zone,
-            kept=kept_price(inv if aws else None, config.instance_type),
-        )
-        if saving:
-            print(saving)
-        efs_gb = 0.0
-        if aws and inv.file_system_id:
-            fs = session.client("efs").describe_file_systems(FileSystemId=inv.file_system_id)["FileSystems"][0]
-            efs_gb = fs["SizeInBytes"]["Value"] / 1e9
-        estimate = costs.Estimate(
-            config.nodes, price, config.root_volume_gb, efs_gb, size, passes, private_subnet=config.private_subnet
-        )
-        print("\n".join(estimate.lines()))
-        if aws:
-            _spent(session, inv, price)
-    print(costs.table_line())
-    if inv is not None and inv.source == "local":
-        print(
-            f"the emulated cluster {inv.cluster!r} costs nothing: the estimate above is for "
-            f"{config.nodes} x {config.instance_type} on AWS (cdk.json, or --nodes/--instance-type); "
-            "a CPU step time says nothing about a GPU's, so no run projection"
-        )
-    elif inv is not None:
-        with head(inv) as conn:
-            run = lifecycle.active_run(conn, inv)
-            line = run and costs.projection(
-                lifecycle.run_state(conn, run)["progress"], estimate.usd_per_hour, efs_io_rate(inv, session)
-            )
-        print(line or "no run going")
-
-
-def _spent(session, inv: Inventory, price: costs.Price) -> None:
-    from datetime import datetime, timedelta, timezone
-
-    ids = [n.instance_id for n in inv.nodes if n.instance_id]
-    reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
-    launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
-    print(f"spent since the running nodes started: {costs.usd(costs.spent(launched, price.usd_per_hour))}")
-    if inv.file_system_id:
-        now = datetime.now(timezone.utc)
-        read, written = costs.efs_io_gb(session.client("cloudwatch"), inv.file_system_id, now - timedelta(days=1), now)
-        print(
-            f"EFS I/O in the last 24 h: {read:.1f} GB read, {written:.1f} GB written = "
-            f"${costs.efs_io_usd(read, written):.2f}"
-        )
+        meter.cost_report(inv, config, spot, size, passes, say=print)
 
 
 def _on_instances(c, what: str, action):

@@ -360,7 +360,7 @@ TASK_BODIES = [
     if isinstance(node, ast.FunctionDef) and any("task" in ast.dump(d) for d in node.decorator_list)
 ]
 # Tasks still holding a use case of their own (issue 31 §5), each to move into clusterops as fab train's did.
-NOT_YET_THIN = {"cost", "check"}
+NOT_YET_THIN = {"check"}
 
 
 @pytest.mark.parametrize("module, task", TASK_BODIES, ids=[f"{m.stem}.{t}" for m, t in TASK_BODIES])

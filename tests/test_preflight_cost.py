@@ -526,7 +526,7 @@ def aws_inventory(cluster: str, ids: list[str], **extra) -> Inventory:
 
 
 def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
-    from fabfile.aws import _spent
+    from clusterops.meter import _spent
 
     ids = moto_instances(2, "spend")
     fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
