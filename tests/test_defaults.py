@@ -30,7 +30,7 @@ KNOBS = {
 def _literal(node) -> bool:
     """A number other than 0 (0 is "none", not a default), a number in a string (a task's option), a recipe's
     name, or a help text that spells a number as the default ("(default 60)", "(fabric.yaml: 10)")."""
-    from train.catalog import RECIPES
+    from clusterops.launch import RECIPES
 
     if not isinstance(node, ast.Constant) or isinstance(node.value, bool):
         return False

@@ -360,7 +360,7 @@ TASK_BODIES = [
     if isinstance(node, ast.FunctionDef) and any("task" in ast.dump(d) for d in node.decorator_list)
 ]
 # Tasks still holding a use case of their own (issue 31 §5), each to move into clusterops as fab train's did.
-NOT_YET_THIN = {"check"}
+NOT_YET_THIN: set[str] = set()
 
 
 @pytest.mark.parametrize("module, task", TASK_BODIES, ids=[f"{m.stem}.{t}" for m, t in TASK_BODIES])
@@ -384,3 +384,25 @@ def test_fab_plan_from_a_step_time_needs_no_node(unreachable, capsys):
     assert "g5.xlarge: 1 x A10G per node" in out and "cheapest within 2 h: " in out, out
     assert fab("plan", "--step-s", "0.5", "--types", "x9.unknown") == 1
     assert capsys.readouterr().err.strip() == "error: unknown instance type 'x9.unknown'"
+
+
+def test_fab_check_quick_prints_its_use_cases_verdicts(unreachable, monkeypatch, capsys):
+    """`fab check` through its use case (clusterops.checkup) on recorded probe facts: the JSON and exit 0 when
+    fit; the table, then one line naming the bad node and exit 1."""
+    import time
+
+    cpu = {"time": time.time(), "mounted": True, "writable": True, "free_gb": 500.0, "xids": [], "gpus": []}
+    cpu.update(torch="2.6.0", cuda=None, nccl=None)
+
+    def probed(inv, nodes):
+        return {n.name: dict(cpu) for n in nodes}, {n.name: "eth0" for n in nodes}
+
+    monkeypatch.setattr(nodeprobe, "probe_nodes", probed)
+    assert fab("check", "--quick", "--json") == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fit_to_train"] is True and [n["verdict"] for n in doc["nodes"]] == ["ok"], doc
+    cpu["writable"] = False
+    assert fab("check", "--quick") == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split() == ["node", "verdict", "interface", "gpus", "transport", "reasons"], out
+    assert err.strip().splitlines()[-1].startswith("error: not fit to train: node0 (/data is not writable"), err
