@@ -4,12 +4,17 @@ NCCL transport (kept on /data for `fab train`) and a few real training steps; a 
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from fabric import Connection
+
+from cluster_node import rundir
+
 from . import health, launch, lifecycle, linkcheck, nodeprobe, remote
-from .inventory import InventoryError
+from .inventory import Inventory, InventoryError
 
 Say = Callable[..., None]
 # What a cluster test may raise on purpose (a ValueError too: LaunchError, a bad reading); it becomes a problem.
@@ -80,7 +85,7 @@ def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say, progress
                 transport = {n.name: "gloo (no NCCL)" for n in nodes}
             prefix = launch.mpirun_prefix(inv, nodes, interface)
             progress(f"check: a few training steps across {len(nodes)} node(s) ...")
-            training = lifecycle.check_training(conn, inv, prefix, code_dir)
+            training = check_training(conn, inv, prefix, code_dir)
     except (*ERRORS, OSError) as error:
         problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
     return link, transport, training
@@ -100,3 +105,74 @@ def _keep_transport(inv, transport: dict, expect_efa: bool, problems: list) -> N
 
 def _links(link) -> dict:
     return {(p["src"], p["dst"]): p["gbit"] for p in (link or {}).get("pairs", [])}
+
+
+CHECK_STEPS = 3
+
+
+def check_dir(inventory: Inventory) -> str:
+    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.CHECK_RUN}"
+
+
+def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
+    """`fab check`'s training steps: train.prepare for a tiny numbers set, then train.train for CHECK_STEPS
+    steps and an eval (every collective the trainer uses), both in check_dir."""
+    scratch = check_dir(inventory)
+    prepare = [
+        *launch.node_program(inventory, code_dir, "prepare"),
+        "numbers",
+        "--out",
+        f"{scratch}/numbers",
+        "--train",
+        "1000",
+        "--valid",
+        "16",
+        "--test",
+        "8",
+        "--vocab",
+        "200",
+    ]
+    train = [
+        *launch.rank_program(inventory, code_dir, "train"),
+        "--recipe",
+        "transformer-tiny",
+        "--data",
+        f"{scratch}/numbers",
+        "--run-dir",
+        f"{scratch}/run",
+        "--max-steps",
+        str(CHECK_STEPS),
+        "--batch-per-gpu",
+        "4",
+        "--eval-every",
+        str(CHECK_STEPS),
+        "--eval-samples",
+        "8",
+        "--log-every",
+        "1",
+        "--dist-timeout-s",
+        "120",
+    ]
+    return prepare, train
+
+
+def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
+    """A few real training steps across the cluster with the trainer's own collectives (step counts,
+    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
+    scratch = check_dir(inventory)
+    prepare, train = check_argvs(inventory, code_dir)
+    try:
+        remote.sh(connection, f"rm -rf {shlex.quote(scratch)} && mkdir -p {shlex.quote(scratch)}")
+        remote.sh(connection, "timeout 300 " + shlex.join(prepare))
+        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
+    finally:
+        remote.sh(connection, f"rm -rf {shlex.quote(scratch)}", check=False)
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
+    if result.exited != 0 or not summary:
+        why = lifecycle._failure_line(result.stderr + result.stdout)
+        raise remote.RemoteError(f"the training steps failed (exit {result.exited}): {why}")
+    ranks = len(inventory.nodes) * inventory.gpus_per_node
+    return (
+        f"training: {CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
+        f"({summary[-1][len('summary: ') :]})"
+    )

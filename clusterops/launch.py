@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from cluster_node import clusterdir, rundir
+from cluster_node import rundir
 from cluster_node.contract import CONTAINER_SSH_PORT
 from cluster_node.spec import Budget, Limits, RunSpec, ThenStop
-from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
+from train.catalog import COMPRESSIONS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 from .inventory import Inventory, Node
 from .nodecmd import package_root, python_path
@@ -305,55 +305,6 @@ def mpirun_argv(
     return train_spec(inventory, request, interface, code_dir, nodes=nodes).argv()
 
 
-CHECK_STEPS = 3
-
-
-def check_dir(inventory: Inventory) -> str:
-    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.CHECK_RUN}"
-
-
-def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
-    """`fab check`'s training steps: train.prepare for a tiny numbers set, then train.train for CHECK_STEPS
-    steps and an eval (every collective the trainer uses), both in check_dir."""
-    scratch = check_dir(inventory)
-    prepare = [
-        *node_program(inventory, code_dir, "prepare"),
-        "numbers",
-        "--out",
-        f"{scratch}/numbers",
-        "--train",
-        "1000",
-        "--valid",
-        "16",
-        "--test",
-        "8",
-        "--vocab",
-        "200",
-    ]
-    train = [
-        *rank_program(inventory, code_dir, "train"),
-        "--recipe",
-        "transformer-tiny",
-        "--data",
-        f"{scratch}/numbers",
-        "--run-dir",
-        f"{scratch}/run",
-        "--max-steps",
-        str(CHECK_STEPS),
-        "--batch-per-gpu",
-        "4",
-        "--eval-every",
-        str(CHECK_STEPS),
-        "--eval-samples",
-        "8",
-        "--log-every",
-        "1",
-        "--dist-timeout-s",
-        "120",
-    ]
-    return prepare, train
-
-
 EMULATOR_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
@@ -384,22 +335,3 @@ def then_stop(inventory: Inventory, request: TrainRequest, environ: dict) -> Opt
 # Open MPI's hwloc probes X displays at start-up: display :N is TCP port 6000+N, so a TensorBoard on
 # 6006 made `orte_init` block in XOpenDisplay. Its GL component is what probes; leave it out.
 LAUNCH_ENVIRONMENT = {"HWLOC_COMPONENTS": "-gl"}
-
-
-def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:
-    """The train.prepare command for `fab data`."""
-    if dataset not in DATASETS:
-        raise LaunchError(f"invalid --dataset {dataset!r}: one of {', '.join(DATASETS)}")
-    # The marker keeps the autostop watchdog from stopping the cluster during a long preparation.
-    argv = [
-        *node_program(inventory, code_dir, "prepare"),
-        "--busy-dir",
-        f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.BUSY_DIR}",
-        dataset,
-    ]
-    if dataset == "imagenet":
-        if "--source" not in extra_args:
-            argv += ["--source", data_path(inventory, dataset)]
-    else:
-        argv += ["--out", data_path(inventory, dataset)]
-    return argv + list(extra_args)

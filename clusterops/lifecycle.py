@@ -86,29 +86,6 @@ def _failure_line(output: str) -> str:
     return (exceptions[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
 
 
-def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
-    """A few real training steps across the cluster with the trainer's own collectives (step counts,
-    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
-    scratch = launch.check_dir(inventory)
-    prepare, train = launch.check_argvs(inventory, code_dir)
-    try:
-        remote.sh(connection, f"rm -rf {q(scratch)} && mkdir -p {q(scratch)}")
-        remote.sh(connection, "timeout 300 " + shlex.join(prepare))
-        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
-    finally:
-        remote.sh(connection, f"rm -rf {q(scratch)}", check=False)
-    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
-    if result.exited != 0 or not summary:
-        raise remote.RemoteError(
-            f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
-        )
-    ranks = len(inventory.nodes) * inventory.gpus_per_node
-    return (
-        f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
-        f"({summary[-1][len('summary: ') :]})"
-    )
-
-
 # ---------------------------------------------------------------- training
 
 

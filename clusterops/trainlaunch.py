@@ -1,4 +1,4 @@
-"""`fab train`'s use case: start(conn, inventory, request, given) -> Started. It resumes a run that exists
+"""`fab train`'s use case: start(inventory, request, given) -> Started. It resumes a run that exists
 (clusterops.resume), checks the nodes (the quick probe; the transport `fab check` found), prices a --budget-usd
 (clusterops.meter, clusterops.budget: refused when `fab plan`'s prediction is over it) and starts the
 supervisor on the head node (lifecycle.start_training)."""
@@ -34,12 +34,16 @@ class Started:
         return f"{self.how} in {self.run_dir} on {self.nodes} node(s) ({self.code_dir})"
 
 
-def start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], say: Say = print) -> Started:
+def start(inv: Inventory, request: launch.TrainRequest, given: set[str], say: Say = print) -> Started:
     """`fab train`'s use case. A run that exists resumes with its saved settings (`given`: the flags typed,
-    which may differ); the trainer's flags are checked with its own parser before anything starts. `conn`:
-    the head node's connection, opened lazily (a bad selection is refused before it connects); `say`: the
-    warnings and the budget's line, as they come."""
+    which may differ); the trainer's flags are checked with its own parser before anything starts; decided
+    once, on one connection to the head node. `say`: the warnings and the budget's line, as they come."""
     selected = inv.select(request.nodes, request.exclude)  # the one selection: a bad one is refused before connecting
+    with remote.connect(inv, inv.head) as conn:
+        return _start(conn, inv, request, given, selected, say)
+
+
+def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], selected, say: Say) -> Started:
     saved = resume.saved(conn, inv, request.run_name)
     request = resume.resumed(request, given, saved, inv) if saved else request
     max_steps = resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched

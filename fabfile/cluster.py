@@ -12,11 +12,11 @@ from invoke.exceptions import Exit
 
 import cluster_node
 from cluster_node import restart_plan
-from clusterops import checkup, health, launch, lifecycle, linkcheck, nodecmd, nodeview, remote, terminal
+from clusterops import checkup, dataprep, health, lifecycle, linkcheck, nodecmd, nodeview, remote, terminal
 from clusterops import tensorboard as board
 from stacks import images
 
-from .common import head, load_inventory, number, progress, task, training_code_dir, whole_number
+from .common import head, load_inventory, number, progress, task, whole_number
 
 
 @task
@@ -149,13 +149,7 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
 
     Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = load_inventory(c)
-    argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
-    for node in inv.nodes if all_nodes else [inv.head]:
-        progress(f"data: preparing {dataset} on {node.name} (prepare.py; a data set already there is reused) ...")
-        with remote.connect(inv, node) as conn:
-            result = conn.run(shlex.join(argv), in_stream=False, warn=True)
-        if result.exited != 0:
-            raise Exit(f"error: prepare.py {dataset} failed on {node.name} (exit {result.exited})", code=1)
+    dataprep.prepare(inv, dataset, shlex.split(extra), all_nodes, progress=progress)
     if "--stage-to" in extra:
         print(
             "note: instance-store NVMe (e.g. /opt/dlami/nvme) is erased when a node stops (autostop, "

@@ -123,12 +123,12 @@ def train(
     flags = dict(recipe=recipe, max_restarts=max_restarts, min_nodes=min_nodes, hang_seconds=hang_seconds)
     flags.update(stall_minutes=stall_minutes, start_minutes=start_minutes, master_port=master_port)
     given = {name for name, value in flags.items() if value is not None}
-    with head(inv) as conn:  # one connection for the launch and the follow; opened at its first command
-        started = trainlaunch.start(conn, inv, request, given, say=print)
-        print(started.line)
-        if started.note:
-            print(f"note: {started.note}")
-        if follow:
+    started = trainlaunch.start(inv, request, given, say=print)
+    print(started.line)
+    if started.note:
+        print(f"note: {started.note}")
+    if follow:
+        with head(inv) as conn:
             _follow(conn, started.run_dir, started.log_offset, meter.projector(inv), node=inv.head.name)
 
 

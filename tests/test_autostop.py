@@ -24,7 +24,7 @@ from cluster_node.autostop import cloud
 from cluster_node.autostop import watchdog as autostop
 from cluster_node.autostop.idle_state import IdleState
 from cluster_node.autostop.watchdog import Observation, Watchdog, decide
-from clusterops import launch
+from clusterops import dataprep, launch
 from clusterops.inventory import Inventory, Node, SshSettings
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ALARM_GRACE_MINUTES, MAX_IDLE_MINUTES, ClusterConfig, alarm_minutes
@@ -234,7 +234,7 @@ def test_fab_data_passes_the_marker_directory():
         nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5")],
         ssh=SshSettings("root", 4444, "/k", "/kh"),
     )
-    argv = launch.prepare_argv(inv, "imagenet", "/workspace/train", ["--stage-to", "/opt/dlami/nvme/imagenet"])
+    argv = dataprep.prepare_argv(inv, "imagenet", "/workspace/train", ["--stage-to", "/opt/dlami/nvme/imagenet"])
     assert argv[:5] == ["env", "PYTHONPATH=/workspace", "python", "-m", "train.prepare"]
     assert argv[5:7] == ["--busy-dir", "/data/.cluster/busy"] and argv[7] == "imagenet"
 

@@ -379,11 +379,11 @@ def test_gpu_ranks_get_gloo_for_cpu_tensors_besides_nccl():
 
 
 def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp_path):
-    """lifecycle.check_training as `fab check` runs it, on this machine: a local shell for the head node's
+    """checkup.check_training as `fab check` runs it, on this machine: a local shell for the head node's
     connection and torchrun (strict-device mode) for mpirun."""
     from invoke import Context
 
-    from clusterops import launch, lifecycle
+    from clusterops import checkup
     from clusterops.inventory import Inventory, Node, SshSettings
 
     inv = Inventory(
@@ -407,10 +407,10 @@ def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp
         "2",
         "--no-python",
     ]
-    line = lifecycle.check_training(Context(), inv, prefix, inv.code_dir)
+    line = checkup.check_training(Context(), inv, prefix, inv.code_dir)
     assert re.match(
-        rf"training: {launch.CHECK_STEPS} steps on 2 ranks with the trainer's collectives: ok "
-        rf"\(steps={launch.CHECK_STEPS}, .*eval_loss=",
+        rf"training: {checkup.CHECK_STEPS} steps on 2 ranks with the trainer's collectives: ok "
+        rf"\(steps={checkup.CHECK_STEPS}, .*eval_loss=",
         line,
     ), line
     assert not (tmp_path / "runs" / ".check").exists()
