@@ -65,30 +65,11 @@ _HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_ma
     },
 )
 def train(
-    c,
-    recipe=None,
-    run=None,
-    steps=None,
-    batch_per_gpu=None,
-    precision=None,
-    grad_compression=None,
-    nodes=None,
-    exclude=None,
-    dataset=None,
-    follow=False,
-    extra="",
-    stall_minutes=None,
-    start_minutes=None,
-    master_port=None,
-    then_stop=False,
-    max_restarts=None,
-    min_nodes=None,
-    hang_seconds=None,
-    allow_tcp=False,
-    budget_usd=None,
-    budget_margin=None,
-    keep_nodes=False,
-):
+    c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=None, grad_compression=None, nodes=None,
+    exclude=None, dataset=None, follow=False, extra="", stall_minutes=None, start_minutes=None, master_port=None,
+    then_stop=False, max_restarts=None, min_nodes=None, hang_seconds=None, allow_tcp=False, budget_usd=None,
+    budget_margin=None, keep_nodes=False,
+):  # fmt: skip
     """Start a run across the nodes, supervised on the head node.
 
     Start mpirun across the nodes, detached on the head node, with a watchdog."""
@@ -110,9 +91,7 @@ def train(
         then_stop=then_stop,
         max_restarts=whole_number(max_restarts, "--max-restarts") or 0,
         min_nodes=whole_number(min_nodes, "--min-nodes"),
-        hang_seconds=launch.TrainRequest.hang_seconds
-        if hang_seconds is None
-        else number(hang_seconds, "--hang-seconds"),
+        hang_seconds=_HANG if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
         allow_tcp=allow_tcp,
         budget_usd=None if budget_usd is None else number(budget_usd, "--budget-usd"),
         budget_margin=_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
