@@ -359,8 +359,6 @@ TASK_BODIES = [
     for node in ast.parse(module.read_text()).body
     if isinstance(node, ast.FunctionDef) and any("task" in ast.dump(d) for d in node.decorator_list)
 ]
-# Tasks still holding a use case of their own (issue 31 §5), each to move into clusterops as fab train's did.
-NOT_YET_THIN: set[str] = set()
 
 
 @pytest.mark.parametrize("module, task", TASK_BODIES, ids=[f"{m.stem}.{t}" for m, t in TASK_BODIES])
@@ -369,8 +367,6 @@ def test_each_task_parses_flags_calls_its_use_case_and_prints(module, task):
     fabfile/runs.py's helpers). A task calls at most three library functions: its use case and, where it
     streams or follows, what it prints from."""
     calls = clusterops_calls(module, task)
-    if task in NOT_YET_THIN:
-        pytest.xfail(f"{task} still holds its use case: {sorted(calls)}")
     assert len(calls) <= 3, f"{module.name} {task} calls {len(calls)} clusterops functions: {sorted(calls)}"
 
 
@@ -406,3 +402,21 @@ def test_fab_check_quick_prints_its_use_cases_verdicts(unreachable, monkeypatch,
     out, err = capsys.readouterr()
     assert out.splitlines()[0].split() == ["node", "verdict", "interface", "gpus", "transport", "reasons"], out
     assert err.strip().splitlines()[-1].startswith("error: not fit to train: node0 (/data is not writable"), err
+
+
+def test_the_use_case_guard_sees_every_task_and_calls_through_helpers(tmp_path):
+    named = {"local.up": "local_up", "local.down": "local_down"}
+    assert sorted(task for _, task in TASK_BODIES) == sorted(named.get(t, t.replace("-", "_")) for t in TASKS)
+    module = tmp_path / "tasks.py"
+    module.write_text(
+        "from clusterops import lifecycle, resume, terminal\nfrom clusterops.budget import refusal\n"
+        "@task\ndef train(c):\n    _launch(c)\n    print(terminal.table([], []))\n"
+        "def _launch(c):\n    resume.saved(c)\n    lifecycle.start_training(c)\n    refusal(1)\n    _more(c)\n"
+        "def _more(c):\n    lifecycle.follow_log(c)\n    raise resume.Refused()\n"
+    )
+    assert clusterops_calls(module, "train") == {
+        "resume.saved",
+        "lifecycle.start_training",
+        "budget.refusal",
+        "lifecycle.follow_log",
+    }
