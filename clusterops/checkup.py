@@ -19,6 +19,7 @@ from .inventory import Inventory, InventoryError
 Say = Callable[..., None]
 # What a cluster test may raise on purpose (a ValueError too: LaunchError, a bad reading); it becomes a problem.
 ERRORS = (InventoryError, remote.RemoteError, ValueError)
+ALLREDUCE_MB, PAIR_SECONDS = 64.0, 2  # fab check's defaults: the all-reduce's payload, each pair's TCP test
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,11 @@ def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say, progress
             if len(nodes) > 1:
                 pairs = len(nodes) * (len(nodes) - 1)
                 progress(
-                    f"check: the link between {pairs} node pair(s), {per_pair or 2} s each, then a "
-                    f"{payload or 64:g} MB all-reduce across {len(nodes)} nodes ..."
+                    f"check: the link between {pairs} node pair(s), {per_pair or PAIR_SECONDS} s each, then a "
+                    f"{payload or ALLREDUCE_MB:g} MB all-reduce across {len(nodes)} nodes ..."
                 )
                 link, output = linkcheck.measure(
-                    inv, nodes, interface, code_dir, per_pair or 2, payload or 64, gpus, streams
+                    inv, nodes, interface, code_dir, per_pair or PAIR_SECONDS, payload or ALLREDUCE_MB, gpus, streams
                 )
                 say("\n".join(line for line in output.splitlines() if "NCCL INFO" not in line), flush=True)
                 hosts = {facts[n.name]["hostname"]: n.name for n in nodes}

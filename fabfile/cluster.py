@@ -49,8 +49,9 @@ def status(c):
 # traceback for "abc" before the task runs; the task parses them (one line on bad input).
 @task(
     help={
-        "mb": "all-reduce payload in MB (default 64)",
-        "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
+        "mb": f"all-reduce payload in MB (default {checkup.ALLREDUCE_MB:g})",
+        "seconds": "seconds per direction of each pair's TCP test "
+        f"(default {checkup.PAIR_SECONDS}, after 1 s of ramp-up)",
         "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
         "streams": "TCP streams per pair (default: as many as NCCL's socket transport opens on the NIC: 16 on AWS)",
         "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
@@ -59,7 +60,7 @@ def status(c):
         "slow_pairs, allreduce_busbw_gbit, busbw_fraction, measured_at, nodes, tool}, training}",
     }
 )
-def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
+def check(c, mb=None, seconds=None, quick=False, json=False, streams=None):
     """A health verdict per node, then the links, the all-reduce and a few steps.
 
     A health verdict per node (ok / degraded / bad, with reasons): GPUs, ECC, Xid, versions, /data,

@@ -24,6 +24,14 @@ KNOBS = {
     "budget margin": {"budget_margin", "DEFAULT_MARGIN"},
     "root volume": {"root_gb", "root_volume_gb"},
     "recipe": {"recipe"},
+    "all-reduce payload": {"mb", "payload", "ALLREDUCE_MB"},
+    "seconds per pair": {"seconds", "per_pair", "PAIR_SECONDS"},
+}
+# A knob whose names other tasks use for knobs of their own (fab drill's --mb and --seconds): read only where it
+# lives.
+WHERE = {
+    "all-reduce payload": ("fabfile/cluster.py", "clusterops/checkup.py"),
+    "seconds per pair": ("fabfile/cluster.py", "clusterops/checkup.py"),
 }
 
 
@@ -60,13 +68,17 @@ def literal_defaults() -> dict[str, list[str]]:
                     pairs.append((node.target.id, node.value))
                 elif isinstance(node, ast.Assign):
                     pairs += [(t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+                    for t in node.targets:  # A, B = 1, 2
+                        if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                            pairs += [(n.id, v) for n, v in zip(t.elts, node.value.elts) if isinstance(n, ast.Name)]
                 elif isinstance(node, ast.Call):
                     pairs += [(k.arg, k.value) for k in node.keywords if k.arg]
                 elif isinstance(node, ast.Dict):
                     pairs += [(k.value, v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)]
                 for name, value in pairs:
-                    if name in names and _literal(value):
-                        found[names[name]].append(f"{where}:{value.lineno}")
+                    knob = names.get(name)
+                    if knob and _literal(value) and str(where) in WHERE.get(knob, (str(where),)):
+                        found[knob].append(f"{where}:{value.lineno}")
     return found
 
 
