@@ -15,6 +15,7 @@ from train import catalog
 
 from .common import (
     aws_errors,
+    given,
     head,
     load_inventory,
     number,
@@ -137,7 +138,7 @@ def scale(
         "step_s": "plan from this step time (seconds, 1 node of the first --types) instead of a run",
         "grad_mb": "with --step-s: fp32 gradient MB per step (for the all-reduce; default 0)",
         "types": "instance types, comma-separated (default: this cluster's)",
-        "max_nodes": "plan N = 1..this (default 4)",
+        "max_nodes": f"plan N = 1..this (default {planner.Query.max_nodes})",
         "deadline": "hours, e.g. 3 or 3h: the cheapest N and type within it",
         "spot": "price nodes at the Spot price in effect (AWS credentials)",
         "link_gbit": "the link between nodes (default: the run's, measured by `fab check`)",
@@ -147,27 +148,25 @@ def scale(
     }
 )
 def plan(
-    c, run=None, steps=None, metric=None, step_s=None, grad_mb="0", types=None, max_nodes="4", deadline=None,
-    spot=False, link_gbit=None, read_gb="0", efs_gb="0", root_gb=None,
+    c, run=None, steps=None, metric=None, step_s=None, grad_mb=None, types=None, max_nodes=None, deadline=None,
+    spot=False, link_gbit=None, read_gb=None, efs_gb=None, root_gb=None,
 ):  # fmt: skip
     """Time and dollars to a target, per node count and type, before paying.
 
     Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
     time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
     inv = load_inventory(c)
+    sizes = dict(grad_mb=number(grad_mb, "--grad-mb"), root_gb=number(root_gb, "--root-gb"))
+    sizes.update(efs_gb=number(efs_gb, "--efs-gb"), read_gb=number(read_gb, "--read-gb"))
     query = planner.Query(
         types=tuple(t.strip() for t in (types or inv.instance_type).split(",") if t.strip()),
         steps=whole_number(steps, "--steps") if steps else None,
         metric=metric,
         step_s=number(step_s, "--step-s") if step_s else None,
-        grad_mb=number(grad_mb, "--grad-mb"),
-        max_nodes=whole_number(max_nodes, "--max-nodes"),
         deadline_h=_hours(deadline),
         spot=bool(spot),
         link_gbit=number(link_gbit, "--link-gbit") if link_gbit else None,
-        root_gb=planning.Storage.root_gb if root_gb is None else number(root_gb, "--root-gb"),
-        efs_gb=number(efs_gb, "--efs-gb"),
-        read_gb=number(read_gb, "--read-gb"),
+        **given(max_nodes=whole_number(max_nodes, "--max-nodes"), **sizes),
     )
     with head(inv) as conn, aws_errors("Spot price"):  # the connection opens when a run is read
         planned = planner.plan(conn, inv, run_dir(conn, inv, run) if (run or not step_s) else None, run, query)

@@ -194,6 +194,11 @@ def whole_number(value, flag: str):
     return number(value, flag, kind=int)
 
 
+def given(**values) -> dict:
+    """The options given (not None): the rest take the use case's own defaults, each written once."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 @contextlib.contextmanager
 def aws_errors(what: str = "AWS"):
     """botocore's errors as one actionable line (the service's own message names the cause)."""

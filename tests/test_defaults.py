@@ -26,12 +26,30 @@ KNOBS = {
     "recipe": {"recipe"},
     "all-reduce payload": {"mb", "payload", "ALLREDUCE_MB"},
     "seconds per pair": {"seconds", "per_pair", "PAIR_SECONDS"},
+    "drill's fault time": {"seconds"},
+    "drill's rate": {"rate"},
+    "drill's file": {"mb"},
+    "drill's wait": {"wait"},
+    "emulated nodes": {"nodes"},
+    "emulated slots": {"slots"},
+    "emulated subnet": {"subnet"},
+    "plan's node counts": {"max_nodes"},
 }
 # A knob whose names other tasks use for knobs of their own (fab drill's --mb and --seconds): read only where it
 # lives.
+CHECK, DRILL = ("fabfile/cluster.py", "clusterops/checkup.py"), ("fabfile/drill.py", "clusterops/drill.py")
+LOCAL = ("fabfile/local.py", "clusterops/localcluster.py")
 WHERE = {
-    "all-reduce payload": ("fabfile/cluster.py", "clusterops/checkup.py"),
-    "seconds per pair": ("fabfile/cluster.py", "clusterops/checkup.py"),
+    "all-reduce payload": CHECK,
+    "seconds per pair": CHECK,
+    "drill's fault time": DRILL,
+    "drill's rate": DRILL,
+    "drill's file": DRILL,
+    "drill's wait": DRILL,
+    "emulated nodes": LOCAL,
+    "emulated slots": LOCAL,
+    "emulated subnet": LOCAL,
+    "plan's node counts": ("fabfile/analysis.py", "clusterops/planner.py"),
 }
 
 
