@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -10,16 +9,16 @@ from invoke.exceptions import Exit
 
 from cluster_node.protocol import rundir as rd
 from clusterops import terminal
-from clusterops.run import analysis, launch
+from clusterops.predict import plan as planning
+from clusterops.run import analysis, launch, planner
+from clusterops.run.meter import node_price
 from train import catalog
 
 from .common import (
     aws_errors,
-    aws_session,
+    given,
     head,
-    kept_price,
     load_inventory,
-    node_price,
     number,
     run_dir,
     settings,
@@ -125,14 +124,11 @@ def scale(
         raise Exit(f"error: invalid --repeat {repeat!r}: at least 1", code=1)
     request.validate()
     code_dir = training_code_dir(inv)
+    local = Path(dest or Path(rd.RUNS, rd.SCALE_DIR.format(recipe=recipe)))
     with head(inv) as conn:
-        points = analysis.run_scale(conn, inv, request, counts, repeats, code_dir)
-        local = Path(dest or Path(rd.RUNS, rd.SCALE_DIR.format(recipe=recipe)))
-        written = analysis.write_scale(conn, inv, recipe, points, local)
-    from clusterops.predict import scaling
-
-    print(scaling.table(points, scaling.shared_cores(inv.source)))
-    print(f"written: {', '.join(str(p) for p in written)} (and {analysis.scale_dir(inv, recipe)}/ on the cluster)")
+        scaled = analysis.scale(conn, inv, request, counts, repeats, code_dir, local)
+    print(scaled.table)
+    print(f"written: {', '.join(str(p) for p in scaled.written)} (and {scaled.cluster_dir}/ on the cluster)")
 
 
 @task(
@@ -143,126 +139,53 @@ def scale(
         "step_s": "plan from this step time (seconds, 1 node of the first --types) instead of a run",
         "grad_mb": "with --step-s: fp32 gradient MB per step (for the all-reduce; default 0)",
         "types": "instance types, comma-separated (default: this cluster's)",
-        "max_nodes": "plan N = 1..this (default 4)",
+        "max_nodes": f"plan N = 1..this (default {planner.Query.max_nodes})",
         "deadline": "hours, e.g. 3 or 3h: the cheapest N and type within it",
         "spot": "price nodes at the Spot price in effect (AWS credentials)",
         "link_gbit": "the link between nodes (default: the run's, measured by `fab check`)",
         "read_gb": "GB read from EFS over the run (data set x epochs; default 0)",
         "efs_gb": "GB stored on EFS (default 0)",
-        "root_gb": "root volume GB per node (default 200, the stack's)",
+        "root_gb": f"root volume GB per node (default {planning.Storage.root_gb:g}, the stack's)",
     }
 )
 def plan(
-    c, run=None, steps=None, metric=None, step_s=None, grad_mb="0", types=None, max_nodes="4", deadline=None,
-    spot=False, link_gbit=None, read_gb="0", efs_gb="0", root_gb="200",
+    c, run=None, steps=None, metric=None, step_s=None, grad_mb=None, types=None, max_nodes=None, deadline=None,
+    spot=False, link_gbit=None, read_gb=None, efs_gb=None, root_gb=None,
 ):  # fmt: skip
     """Time and dollars to a target, per node count and type, before paying.
 
     Time and dollars to a target before paying: for N = 1..k nodes of each type, the predicted step,
     time, node, storage and EFS I/O dollars, each with its model, and the cheapest within --deadline."""
-    from clusterops.predict import plan as planning
-
     inv = load_inventory(c)
-    names = [t.strip() for t in (types or inv.instance_type).split(",") if t.strip()]
-    try:
-        with head(inv) as conn:
-            inputs = analysis.plan_inputs(conn, inv, run_dir(conn, inv, run)) if (run or not step_s) else {}
-        base = _plan_base(inv, inputs, step_s, grad_mb, names[0], run)
-        target, target_model = _plan_target(inputs, steps, metric)
-        link = number(link_gbit, "--link-gbit") if link_gbit else None
-        offers = [_offer(inv, name, base, link, bool(spot)) for name in names]
-        storage = planning.Storage(
-            number(root_gb, "--root-gb"), number(efs_gb, "--efs-gb"), number(read_gb, "--read-gb"),
-            _checkpoint_gb(inputs, target),
-        )  # fmt: skip
-    except planning.PlanError as error:
-        raise Exit(f"error: {error}", code=1) from None
-    limit = _hours(deadline)
-    estimates = planning.plan(base, offers, whole_number(max_nodes, "--max-nodes"), target, storage)
-    print(f"from {base.source}")
-    print(f"target: {target} steps ({target_model}); fixed global batch across N")
-    for o in offers:
+    sizes = dict(grad_mb=number(grad_mb, "--grad-mb"), root_gb=number(root_gb, "--root-gb"))
+    sizes.update(efs_gb=number(efs_gb, "--efs-gb"), read_gb=number(read_gb, "--read-gb"))
+    query = planner.Query(
+        types=tuple(t.strip() for t in (types or inv.instance_type).split(",") if t.strip()),
+        steps=whole_number(steps, "--steps") if steps else None,
+        metric=metric,
+        step_s=number(step_s, "--step-s") if step_s else None,
+        deadline_h=_hours(deadline),
+        spot=bool(spot),
+        link_gbit=number(link_gbit, "--link-gbit") if link_gbit else None,
+        **given(max_nodes=whole_number(max_nodes, "--max-nodes"), **sizes),
+    )
+    with head(inv) as conn, aws_errors("Spot price"):  # the connection opens when a run is read
+        planned = planner.plan(conn, inv, run_dir(conn, inv, run) if (run or not step_s) else None, run, query)
+    limit, best = query.deadline_h, planned.best
+    print(f"from {planned.base.source}")
+    print(f"target: {planned.target} steps ({planned.target_model}); fixed global batch across N")
+    for o in planned.offers:
         print(f"{o.instance_type}: {o.gpus_per_node} x {o.gpu} per node, link {o.link_source}; price {o.price_source}")
-    print(terminal.table(planning.table_rows(estimates, limit), list(planning.table_rows(estimates, limit)[0])))
-    best = planning.cheapest(estimates, limit)
-    timed = [e for e in estimates if e.hours is not None]
-    if best is None and not timed:
+    print(terminal.table(planned.rows, list(planned.rows[0])))
+    if best is None and planned.fastest is None:
         return
     if best is None:
         print("no priced plan meets the deadline" if limit else "no priced plan (prices unknown)")
-        best = min(timed, key=lambda e: e.hours or 0.0)
+        best = planned.fastest
         print(f"fastest: {best.nodes} x {best.instance_type}")
     else:
         print(f"cheapest{f' within {limit:g} h' if limit else ''}: {best.nodes} x {best.instance_type}")
     print("\n".join(f"  {figure}: {model}" for figure, model in best.models))
-
-
-def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
-    from clusterops.predict import plan as planning
-
-    if step_s:
-        gpu = _gpu(inv, first_type)
-        return planning.base_from_step(number(step_s, "--step-s"), number(grad_mb, "--grad-mb"), gpu, first_type)
-    slots = inv.gpus_per_node if inv.source == "aws" else 1
-    return planning.base_from_run(
-        run or "latest", inputs["summary"], _gpu(inv, inv.instance_type), slots, inputs["link"]
-    )
-
-
-def _plan_target(inputs, steps, metric):
-    from clusterops.predict import plan as planning
-
-    if steps:
-        return whole_number(steps, "--steps"), "given"
-    if metric:
-        name, value = planning.parse_metric(metric)
-        return planning.steps_to(planning.eval_curve(inputs.get("eval_log", "")), name, value)
-    max_steps = (inputs.get("config") or {}).get("max_steps")
-    if not max_steps:
-        raise planning.PlanError("no target: give --steps N or --metric NAME=VALUE")
-    return int(max_steps), "the run's --steps"
-
-
-def _gpu(inv, instance_type: str) -> str:
-    from clusterops.predict import plan as planning
-    from stacks.instance_types import lookup
-
-    if instance_type == inv.instance_type and inv.source != "aws":
-        return planning.CPU
-    known = lookup(instance_type)
-    if known is None:
-        raise planning.PlanError(f"unknown instance type {instance_type!r}")
-    return known.gpu
-
-
-def _offer(inv, name: str, base, link, spot: bool):
-    from clusterops import cost as costs
-    from clusterops.predict import plan as planning
-    from stacks.instance_types import lookup
-
-    gpu = _gpu(inv, name)
-    known = lookup(name)
-    # the cluster's own type runs the ranks it was deployed with (-c gpus_per_node); the emulated one: 1
-    gpus = inv.gpus_per_node if name == inv.instance_type else (known.gpus if known else 1)
-    rate, where = (link, "given") if link else (base.link_gbit, "the base run's")
-    if gpu == planning.CPU:
-        cpus = len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
-        return planning.Offer(name, gpu, gpus, None, "the emulated cluster: no price", rate, where, cpus)
-    kept = kept_price(inv, name)
-    price = kept or costs.offline_price(name, inv.region or "us-east-1")
-    if spot and not (inv.spot and kept):  # a Spot cluster's own type: fab inventory's price, in its nodes' AZ
-        with aws_errors("Spot price"):
-            ec2 = aws_session(inv.region).client("ec2")
-            price, _ = costs.node_price(ec2, None, name, inv.region or "us-east-1", spot=True)
-    return planning.Offer(name, gpu, gpus, price.usd_per_hour, price.source, rate, where)
-
-
-def _checkpoint_gb(inputs, steps: int) -> float:
-    """GB the run writes to EFS in checkpoints: the run's checkpoint size x how often it saves."""
-    summary = inputs.get("summary")  # a Summary record (analysis.plan_inputs), or none
-    size = (summary.checkpoint_mb if summary else None) or 0.0
-    every = (inputs.get("config") or {}).get("checkpoint_every") or 0
-    return size * (steps // every) / 1000 if every else 0.0
 
 
 def _hours(text):

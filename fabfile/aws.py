@@ -4,7 +4,6 @@ restarting. AWS errors are one line (aws_errors)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -13,29 +12,23 @@ from invoke.exceptions import Exit
 from clusterops import cost as costs
 from clusterops import terminal
 from clusterops.aws import audit as audits
+from clusterops.aws import deployed
 from clusterops.aws import preflight as checks
 from clusterops.aws.instances import release_spot as release_spot_requests
 from clusterops.aws.instances import start_cluster, stop_nodes
+from clusterops.aws.session import aws_session, pricing_client
 from clusterops.inventory import (
     DEFAULT_OUTPUTS,
     Inventory,
     InventoryError,
-    from_outputs,
-    stack_outputs_from_aws,
-    stack_outputs_from_file,
 )
-from clusterops.run import lifecycle
+from clusterops.run import meter
 
 from .common import (
     aws_errors,
-    aws_session,
     cluster_config,
-    efs_io_rate,
-    head,
     inventory_path,
-    kept_price,
     load_inventory,
-    pricing_client,
     task,
 )
 
@@ -49,17 +42,6 @@ def context_file() -> Path:
     """cdk.context.json, where `fab preflight` caches the AZs offering the type and pins the AMI for
     `cdk synth`."""
     return Path(os.environ.get("GPU_CLUSTER_CDK_CONTEXT", "cdk.context.json"))
-
-
-def nodes_zone(session, inv: Optional[Inventory]) -> Optional[str]:
-    """The AZ the inventory's nodes run in (Spot prices are per AZ); None without AWS nodes."""
-    from clusterops.inventory import describe
-
-    ids = [n.instance_id for n in inv.nodes if n.instance_id] if inv and inv.source == "aws" else []
-    if not ids:
-        return None
-    zones = [i["Placement"]["AvailabilityZone"] for i in describe(session.client("ec2"), ids).values()]
-    return zones[0] if zones else None
 
 
 def deploy_config(cli: list[str], **overrides) -> tuple[dict, "ClusterConfig"]:
@@ -157,60 +139,8 @@ def cost(c, nodes=None, instance_type=None, dataset_gb=None, epochs=None, spot=F
         instance_type=instance_type or (inv.instance_type if aws else None),
     )
     spot = spot or (inv.spot if aws else config.spot)
-    session = aws_session(inv.region if aws else None)
-    region = session.region_name or "us-east-1"
     with aws_errors("fab cost"):
-        price, saving = costs.node_price(
-            session.client("ec2") if session.region_name else None,
-            pricing_client(session),
-            config.instance_type,
-            region,
-            spot,
-            (nodes_zone(session, inv) if spot else None) or config.availability_zone,
-            kept=kept_price(inv if aws else None, config.instance_type),
-        )
-        if saving:
-            print(saving)
-        efs_gb = 0.0
-        if aws and inv.file_system_id:
-            fs = session.client("efs").describe_file_systems(FileSystemId=inv.file_system_id)["FileSystems"][0]
-            efs_gb = fs["SizeInBytes"]["Value"] / 1e9
-        estimate = costs.Estimate(
-            config.nodes, price, config.root_volume_gb, efs_gb, size, passes, private_subnet=config.private_subnet
-        )
-        print("\n".join(estimate.lines()))
-        if aws:
-            _spent(session, inv, price)
-    print(costs.table_line())
-    if inv is not None and inv.source == "local":
-        print(
-            f"the emulated cluster {inv.cluster!r} costs nothing: the estimate above is for "
-            f"{config.nodes} x {config.instance_type} on AWS (cdk.json, or --nodes/--instance-type); "
-            "a CPU step time says nothing about a GPU's, so no run projection"
-        )
-    elif inv is not None:
-        with head(inv) as conn:
-            run = lifecycle.active_run(conn, inv)
-            line = run and costs.projection(
-                lifecycle.run_state(conn, inv, run).progress, estimate.usd_per_hour, efs_io_rate(inv, session)
-            )
-        print(line or "no run going")
-
-
-def _spent(session, inv: Inventory, price: costs.Price) -> None:
-    from datetime import datetime, timedelta, timezone
-
-    ids = [n.instance_id for n in inv.nodes if n.instance_id]
-    reservations = session.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
-    launched = [i["LaunchTime"] for r in reservations for i in r["Instances"] if i["State"]["Name"] == "running"]
-    print(f"spent since the running nodes started: {costs.usd(costs.spent(launched, price.usd_per_hour))}")
-    if inv.file_system_id:
-        now = datetime.now(timezone.utc)
-        read, written = costs.efs_io_gb(session.client("cloudwatch"), inv.file_system_id, now - timedelta(days=1), now)
-        print(
-            f"EFS I/O in the last 24 h: {read:.1f} GB read, {written:.1f} GB written = "
-            f"${costs.efs_io_usd(read, written):.2f}"
-        )
+        meter.cost_report(inv, config, spot, size, passes, say=print)
 
 
 def _on_instances(c, what: str, action):
@@ -281,11 +211,7 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False, forc
     name, session = _cluster_and_session(c, cluster)
     clients = {k: session.client(k) for k in AUDIT_CLIENTS}
     with aws_errors("fab audit"):
-        if delete and not force:
-            _refuse_live_stack(clients["cloudformation"], name)
-        found = audits.find(clients, name)
-    shared = [x for x in found if x.kind == "cdk-assets"]
-    leftovers = [x for x in found if x.kind != "cdk-assets"]
+        shared, leftovers = audits.survey(clients, name, refuse_live=delete and not force)
     for x in shared:
         print(
             f"CDK bootstrap bucket {x.id}: {x.detail}, {costs.usd(x.usd_per_month)}/month ({audits.KEPT['cdk-assets']})"
@@ -316,17 +242,6 @@ def audit(c, cluster=None, delete=False, yes=False, include_retained=False, forc
         raise Exit(f"error: {len(failed)} resource(s) could not be deleted; run `fab audit` again", code=1)
 
 
-def _refuse_live_stack(cloudformation, cluster: str) -> None:
-    """A live stack's resources are CloudFormation's: deleting them under it loses a running
-    cluster's /data and leaves the stack failing its own delete."""
-    for stack, status in audits.live_stacks(cloudformation, cluster):
-        raise Exit(
-            f"error: stack {stack} ({status}) still holds cluster {cluster}: `npx cdk destroy` it first "
-            "(fab audit --delete --force deletes under a live stack)",
-            code=1,
-        )
-
-
 @task(
     help={
         "stack": "stack name (default: the one cluster stack in the outputs file)",
@@ -340,33 +255,9 @@ def inventory(c, stack=None, outputs=str(DEFAULT_OUTPUTS), from_aws=False, key_f
     """Build .cluster/inventory.json from the deploy's outputs and EC2.
 
     Build .cluster/inventory.json (deploy outputs, EC2's addresses, keys, node price)."""
-    if not from_aws and not Path(outputs).exists() and stack:
-        print(f"no {outputs}: describing stack {stack} instead")
-        from_aws = True
-    if from_aws:
-        if not stack:
-            raise InventoryError("--from-aws needs --stack NAME")
-        session = aws_session()
-        name, outs = stack, stack_outputs_from_aws(stack, session)
-    else:
-        name, outs = stack_outputs_from_file(Path(outputs))
-        if stack and stack != name:
-            raise InventoryError(f"{outputs} holds stack {name}, not {stack}")
-        session = aws_session(outs.get("Region"))
-    target = inventory_path(c)
     with aws_errors("fab inventory"):
-        inv = from_outputs(name, outs, session, target.parent / "keys", key_file=key_file)
-        price, _ = costs.node_price(
-            session.client("ec2"),
-            pricing_client(session),
-            inv.instance_type,
-            inv.region or session.region_name or "us-east-1",
-            inv.spot,
-            nodes_zone(session, inv) if inv.spot else None,
-        )
-    inv = replace(inv, usd_per_hour=price.usd_per_hour, price_source=price.source)
-    inv.save(target)
+        inv, price = deployed.inventory(stack, Path(outputs), from_aws, key_file, inventory_path(c), say=print)
     print(
-        f"{target}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
+        f"{inventory_path(c)}: {len(inv.nodes)} node(s) of {inv.instance_type}, head {inv.head.public_ip}, "
         f"{costs.usd(price.usd_per_hour)}/node-hour [{price.source}]"
     )

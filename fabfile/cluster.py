@@ -15,13 +15,12 @@ from cluster_node.supervisor import restart_plan
 from clusterops import terminal
 from clusterops.nodes import command as nodecmd
 from clusterops.nodes import health, remote
-from clusterops.nodes import probe as nodeprobe
 from clusterops.nodes import view as nodeview
-from clusterops.run import launch, lifecycle, linkcheck
+from clusterops.run import checkup, dataprep, lifecycle, linkcheck
 from clusterops.run import tensorboard as board
 from stacks import images
 
-from .common import ERRORS, head, load_inventory, number, progress, task, training_code_dir, whole_number
+from .common import head, load_inventory, number, progress, task, whole_number
 
 
 @task
@@ -54,8 +53,9 @@ def status(c):
 # traceback for "abc" before the task runs; the task parses them (one line on bad input).
 @task(
     help={
-        "mb": "all-reduce payload in MB (default 64)",
-        "seconds": "seconds per direction of each pair's TCP test (default 2, after 1 s of ramp-up)",
+        "mb": f"all-reduce payload in MB (default {checkup.ALLREDUCE_MB:g})",
+        "seconds": "seconds per direction of each pair's TCP test "
+        f"(default {checkup.PAIR_SECONDS}, after 1 s of ramp-up)",
         "quick": "only the per-node probe (what `fab train` runs first): no links, all-reduce or training steps",
         "streams": "TCP streams per pair (default: as many as NCCL's socket transport opens on the NIC: 16 on AWS)",
         "json": "machine-readable output: {fit_to_train, problems, nodes: [{node, verdict (ok|degraded|bad), "
@@ -64,7 +64,7 @@ def status(c):
         "slow_pairs, allreduce_busbw_gbit, busbw_fraction, measured_at, nodes, tool}, training}",
     }
 )
-def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
+def check(c, mb=None, seconds=None, quick=False, json=False, streams=None):
     """A health verdict per node, then the links, the all-reduce and a few steps.
 
     A health verdict per node (ok / degraded / bad, with reasons): GPUs, ECC, Xid, versions, /data,
@@ -78,79 +78,21 @@ def check(c, mb="64", seconds="2", quick=False, json=False, streams=None):
     if count is not None and not 1 <= count <= linkcheck.MAX_SOCKETS:
         raise Exit(f"error: invalid --streams {streams!r}: 1 to {linkcheck.MAX_SOCKETS}", code=1)
     say = (lambda *a, **k: None) if json else print
-    progress(f"check: probing {len(inv.nodes)} node(s): GPUs, Xid, ECC, versions, /data, clock ...")
-    facts, interfaces = nodeprobe.probe_nodes(inv, inv.nodes)
-    reachable = [node for node in inv.nodes if facts[node.name] is not None]
-    problems: list[str] = []
-    link, transport, training = None, {}, None
-    if len(set(interfaces.values())) > 1:
-        problems.append(f"interfaces differ ({interfaces}); NCCL/GLOO_SOCKET_IFNAME needs one name")
-    elif not quick and reachable:
-        tests = _cluster_tests(inv, reachable, interfaces, facts, (payload, per_pair, count), problems, say)
-        link, transport, training = tests
-    count, model = health.expected_gpus(inv.instance_type, inv.gpus_per_node)
-    expect_efa = bool(inv.extra.get("efa_cards"))
-    verdicts = health.assess(facts, count, model, links=_links(link), transport=transport, expect_efa=expect_efa)
-    if transport:
-        _keep_transport(inv, transport, expect_efa, problems)
-    fit = health.fit_to_train(verdicts) and not problems
+    checked = checkup.check(inv, (payload, per_pair, count), quick, say=say, progress=progress)
+    verdicts, link, training, problems, fit = (
+        checked.verdicts,
+        checked.link,
+        checked.training,
+        checked.problems,
+        checked.fit,
+    )
     if json:
         print(health.as_json(verdicts, fit_to_train=fit, problems=problems, link=link, training=training))
     else:
-        _print_check(verdicts, interfaces, facts, link, training, problems, _cluster_image(inv))
+        _print_check(verdicts, checked.interfaces, checked.facts, link, training, problems, _cluster_image(inv))
     if not fit:
         bad = [f"{h.node} ({'; '.join(h.reasons)})" for h in verdicts if h.verdict == "bad"]
         raise Exit("error: not fit to train: " + "; ".join(bad + problems), code=1)
-
-
-def _cluster_tests(inv, nodes, interfaces, facts, sizes, problems, say):
-    """Link matrix + all-reduce (link.json), the transport, the training steps; failures go to problems.
-    sizes: (all-reduce MB, seconds per pair, TCP streams per pair), None for the defaults."""
-    payload, per_pair, streams = sizes
-    gpus = any(facts[n.name]["gpus"] for n in nodes)
-    link, transport, training = None, {}, None
-    try:
-        code_dir = training_code_dir(inv)
-        with head(inv) as conn:
-            lifecycle.ensure_idle(conn, inv)
-            interface = interfaces[nodes[0].name]
-            if len(nodes) > 1:
-                pairs = len(nodes) * (len(nodes) - 1)
-                progress(
-                    f"check: the link between {pairs} node pair(s), {per_pair or 2} s each, then a "
-                    f"{payload or 64:g} MB all-reduce across {len(nodes)} nodes ..."
-                )
-                link, output = linkcheck.measure(
-                    inv, nodes, interface, code_dir, per_pair or 2, payload or 64, gpus, streams
-                )
-                say("\n".join(line for line in output.splitlines() if "NCCL INFO" not in line), flush=True)
-                hosts = {facts[n.name]["hostname"]: n.name for n in nodes}
-                found = linkcheck.parse_transport(output)
-                transport = {hosts.get(h, h): t for h, t in found.items()} if gpus else {}
-            if not gpus:
-                transport = {n.name: "gloo (no NCCL)" for n in nodes}
-            prefix = launch.mpirun_prefix(inv, nodes, interface)
-            progress(f"check: a few training steps across {len(nodes)} node(s) ...")
-            training = lifecycle.check_training(conn, inv, prefix, code_dir)
-    except (*ERRORS, ValueError, OSError) as error:
-        problems.append(f"{type(error).__name__}: {error}" if isinstance(error, OSError) else str(error))
-    return link, transport, training
-
-
-def _keep_transport(inv, transport: dict, expect_efa: bool, problems: list) -> None:
-    """The transport verdict on /data, where `fab train` reads it (sockets where EFA was expected refuse)."""
-    import json as json_module
-
-    verdict = health.transport_verdict(transport, expect_efa, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    try:
-        with head(inv) as conn:
-            remote.write_file(conn, health.transport_file(inv), json_module.dumps(verdict, indent=2) + "\n")
-    except (*ERRORS, OSError) as error:
-        problems.append(f"could not keep the transport verdict for fab train: {error}")
-
-
-def _links(link) -> dict:
-    return {(p["src"], p["dst"]): p["gbit"] for p in (link or {}).get("pairs", [])}
 
 
 def _cluster_image(inv) -> str:
@@ -212,13 +154,7 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
 
     Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = load_inventory(c)
-    argv = launch.prepare_argv(inv, dataset, training_code_dir(inv), shlex.split(extra))
-    for node in inv.nodes if all_nodes else [inv.head]:
-        progress(f"data: preparing {dataset} on {node.name} (prepare.py; a data set already there is reused) ...")
-        with remote.connect(inv, node) as conn:
-            result = conn.run(shlex.join(argv), in_stream=False, warn=True)
-        if result.exited != 0:
-            raise Exit(f"error: prepare.py {dataset} failed on {node.name} (exit {result.exited})", code=1)
+    dataprep.prepare(inv, dataset, shlex.split(extra), all_nodes, progress=progress)
     if "--stage-to" in extra:
         print(
             "note: instance-store NVMe (e.g. /opt/dlami/nvme) is erased when a node stops (autostop, "

@@ -8,35 +8,41 @@ import difflib
 import functools
 import inspect
 import os
-import posixpath
 import shlex
 import signal
 import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
 
 import fabric
 from invoke.exceptions import Exit
 from paramiko.ssh_exception import NoValidConnectionsError, SSHException
 
-from clusterops import cost as costs
 from clusterops import terminal
-from clusterops.aws.instances import spot_interrupted
+from clusterops.aws import audit
+from clusterops.aws.session import AwsConfigError, aws_session
 from clusterops.inventory import (
     DEFAULT_INVENTORY,
     DEFAULT_OUTPUTS,
     Inventory,
     InventoryError,
-    describe,
 )
 from clusterops.local import cluster as localcluster
-from clusterops.nodes import command as nodecmd
 from clusterops.nodes import remote
+from clusterops.predict import plan as planning
 from clusterops.run import drill, launch, lifecycle
 
-ERRORS = (InventoryError, launch.LaunchError, remote.RemoteError, localcluster.LocalClusterError, drill.DrillError)
+ERRORS = (
+    InventoryError,
+    launch.LaunchError,
+    remote.RemoteError,
+    localcluster.LocalClusterError,
+    drill.DrillError,
+    AwsConfigError,
+    audit.AuditError,
+    planning.PlanError,
+)
 # A node SSH cannot reach: refused or unanswered (paramiko's NoValidConnectionsError, the socket's
 # timeout at connect_timeout), or a failed handshake, host key or login (SSHException).
 SSH_ERRORS = (NoValidConnectionsError, socket.timeout, SSHException)
@@ -107,6 +113,8 @@ def _name_unknown_options() -> None:
         return
 
     def see_positional_arg(self, value: str) -> None:
+        if self.context and self.initial and value in self.initial.flags:
+            return _core_flag(self, value)  # `fab report --help`: Invoke's own core-flag branch, not a run name
         if value.startswith("-") and value != "-" and self.context:
             flags = [flag for flag in self.context.flags if flag.startswith("--")]
             close = difflib.get_close_matches(value.split("=")[0], flags, n=1)
@@ -117,6 +125,17 @@ def _name_unknown_options() -> None:
 
     see_positional_arg.named_options = True  # type: ignore[attr-defined]
     ParseMachine.see_positional_arg = see_positional_arg  # type: ignore[method-assign]
+
+
+def _core_flag(machine, token: str) -> None:
+    """A core flag after a task that still waits for a positional argument: what Invoke's parser does with it
+    after any other task (ParseMachine.handle, "Initial-context flag being given as per-task flag"): --help/-h
+    takes the task's name as its value (the task's help), any other core flag reads on as a flag."""
+    flag = machine.initial.flags[token]
+    if flag.name == "help":
+        flag.value = machine.context.name
+    else:
+        machine.switch_to_flag(token)
 
 
 _name_unknown_options()
@@ -179,6 +198,11 @@ def whole_number(value, flag: str):
     return number(value, flag, kind=int)
 
 
+def given(**values) -> dict:
+    """The options given (not None): the rest take the use case's own defaults, each written once."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 @contextlib.contextmanager
 def aws_errors(what: str = "AWS"):
     """botocore's errors as one actionable line (the service's own message names the cause)."""
@@ -192,29 +216,12 @@ def aws_errors(what: str = "AWS"):
         raise Exit(f"error: {what}: {error} (check AWS_PROFILE / `aws configure` / the network)", code=1) from None
 
 
-def aws_session(region=None):
-    """A boto3 session, or one actionable line when the AWS configuration is broken."""
-    import boto3
-    from botocore.exceptions import BotoCoreError
-
-    # The region the CDK CLI deploys to: AWS_REGION, then AMAZON_REGION, before botocore's own
-    # AWS_DEFAULT_REGION and profile (aws-cdk's region lookup), so preflight pins for that region.
-    region = region or os.environ.get("AWS_REGION") or os.environ.get("AMAZON_REGION") or None
-    try:
-        session = boto3.session.Session(region_name=region)
-        session.get_credentials()
-        return session
-    except BotoCoreError as error:
-        raise Exit(f"error: AWS configuration: {error} (check AWS_PROFILE / `aws configure`)", code=1) from None
-
-
 # The tasks' defaults, in one place; fabric.yaml (or ~/.fabric.yaml) overrides them per user.
 DEFAULTS = {
     "inventory": str(DEFAULT_INVENTORY),
-    "recipe": "transformer-tiny",
-    "master_port": 29500,
-    "stall_minutes": 10,
-    "start_minutes": 15,
+    **{
+        name: getattr(launch.TrainRequest, name) for name in ("recipe", "master_port", "stall_minutes", "start_minutes")
+    },
 }
 
 
@@ -297,80 +304,7 @@ def cluster_config(**overrides):
         raise fail(error) from None
 
 
-def code_dir_on(conn, inv: Inventory) -> str:
-    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
-    synced = posixpath.join(nodecmd.synced_root(inv), "train")
-    if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
-        return synced
-    return inv.code_dir
-
-
 def training_code_dir(inv: Inventory) -> str:
-    """code_dir_on, over a connection of its own."""
+    """lifecycle.code_dir_on, over a connection of its own."""
     with head(inv) as conn:
-        return code_dir_on(conn, inv)
-
-
-def kept_price(inv: Optional[Inventory], instance_type: str) -> Optional[costs.Price]:
-    """The price `fab inventory` kept, if it is for this type."""
-    if inv is None or inv.usd_per_hour is None or inv.instance_type != instance_type:
-        return None
-    return costs.Price(inv.usd_per_hour, inv.price_source)
-
-
-def node_price(inv: Inventory) -> costs.Price:
-    """The inventory's node price: the one `fab inventory` kept, else the offline table's."""
-    return kept_price(inv, inv.instance_type) or costs.offline_price(inv.instance_type, inv.region or "us-east-1")
-
-
-def pricing_client(session):
-    from botocore.config import Config
-
-    return session.client(
-        "pricing",
-        region_name="us-east-1",
-        config=Config(connect_timeout=5, read_timeout=10, retries={"max_attempts": 1}),
-    )
-
-
-def budget_price(inv: Inventory, session=None) -> costs.Price:
-    """The node price a --budget-usd meters at: node_price, but on a Spot cluster on AWS the most a Spot
-    node-hour can cost (its max price, else On-Demand), not the Spot price `fab inventory` saw."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    if inv.source != "aws" or not inv.spot:
-        return node_price(inv)
-    region, ids = inv.region or "us-east-1", [n.instance_id for n in inv.nodes if n.instance_id]
-    try:
-        session = session or aws_session(inv.region)
-        ec2, pricing = session.client("ec2"), pricing_client(session)
-    except (BotoCoreError, ClientError):
-        ec2 = pricing = None
-    return costs.spot_ceiling(ec2, pricing, inv.instance_type, region, ids)
-
-
-def billed_nodes(inv: Inventory, session=None) -> int:
-    """The cluster's nodes that bill: all but a Spot node EC2 interrupted and still holds stopped (only EC2
-    starts it again; a stopped instance bills no usage); all when EC2 cannot say: the safe side of a budget."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    ids = [n.instance_id for n in inv.nodes if n.instance_id]
-    if inv.source != "aws" or not ids:
-        return len(inv.nodes)
-    try:
-        return len(inv.nodes) - len(spot_interrupted(describe((session or aws_session(inv.region)).client("ec2"), ids)))
-    except (BotoCoreError, ClientError):
-        return len(inv.nodes)
-
-
-def efs_io_rate(inv: Inventory, session=None) -> Optional[float]:
-    """EFS Elastic-throughput dollars per hour at the last hour's rate; None when unknown."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    if inv.source != "aws" or not inv.file_system_id:
-        return None
-    try:
-        cloudwatch = (session or aws_session(inv.region)).client("cloudwatch")
-        return costs.efs_io_usd_per_hour(cloudwatch, inv.file_system_id)
-    except (BotoCoreError, ClientError):
-        return None
+        return lifecycle.code_dir_on(conn, inv)

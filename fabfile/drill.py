@@ -6,7 +6,7 @@ import dataclasses
 
 from clusterops.run import drill as drills
 
-from .common import load_inventory, number, progress, task, whole_number
+from .common import given, load_inventory, number, progress, task, whole_number
 
 
 @task(
@@ -14,26 +14,23 @@ from .common import load_inventory, number, progress, task, whole_number
         "kind": "; ".join(f"{k}: {v}" for k, v in drills.KINDS.items()),
         "node": "the node to hit, its rank or name (default: the last); kill-node and cut-link refuse node0 "
         "(the supervisor's)",
-        "seconds": "slow-link, fill-data: how long the fault holds (default 30)",
-        "rate": "slow-link: the cap, a tc rate (default 10mbit)",
-        "mb": "fill-data: the file's size in MB (default 256; removed afterwards)",
-        "wait": "the longest wait for the supervisor to act, in seconds (default 180)",
+        "seconds": f"slow-link, fill-data: how long the fault holds (default {drills.Drill.seconds:g})",
+        "rate": f"slow-link: the cap, a tc rate (default {drills.Drill.rate})",
+        "mb": f"fill-data: the file's size in MB (default {drills.Drill.mb}; removed afterwards)",
+        "wait": f"the longest wait for the supervisor to act, in seconds (default {drills.Drill.wait:g})",
     },
 )
-def drill(c, kind=None, node=None, seconds="30", rate="10mbit", mb="256", wait="180"):
+def drill(c, kind=None, node=None, seconds=None, rate=None, mb=None, wait=None):
     """Inject one failure into the running job and show what the supervisor did.
 
     Then print the supervisor's log lines and restart, the incident's timeline and the goodput lost.
     On AWS only stop-rank runs; the others are refused (docs/operations.md, "Failure drills")."""
     if not kind:
         raise drills.DrillError(f"give a drill: `fab drill KIND`, KIND one of {', '.join(drills.KINDS)}")
-    plan = drills.Drill(
-        kind=kind,
-        seconds=number(seconds, "--seconds"),
-        rate=rate,
-        mb=whole_number(mb, "--mb"),
-        wait=number(wait, "--wait"),
+    options = given(
+        seconds=number(seconds, "--seconds"), rate=rate, mb=whole_number(mb, "--mb"), wait=number(wait, "--wait")
     )
+    plan = drills.Drill(kind=kind, **options)
     drills.check_options(plan)
     inv = load_inventory(c)
     if node is not None:  # a rank or a name, as fab train --exclude takes them

@@ -9,32 +9,33 @@ from invoke import Collection
 from clusterops.local import cluster as localcluster
 from clusterops.local import repair as localrepair
 
-from .common import fail, inventory_path, progress, task, whole_number
+from .common import fail, given, inventory_path, progress, task, whole_number
+
+_SPEC = localcluster.LocalSpec()  # the emulated cluster's defaults
 
 
 @task(
     name="up",
     help={
-        "nodes": "node count (default 2)",
+        "nodes": f"node count (default {_SPEC.nodes})",
         "link": "cap each link, e.g. 1gbit",
-        "slots": "ranks per node (default 1)",
-        "name": "cluster name (default local)",
-        "subnet": "node addresses (default 10.213.0.0/24)",
+        "slots": f"ranks per node (default {_SPEC.slots})",
+        "name": f"cluster name (default {_SPEC.name})",
+        "subnet": f"node addresses (default {_SPEC.subnet})",
         "replace": "replace a running cluster of that name, deleting its /data",
         "repair": "restart the dead nodes of the running cluster NAME, keeping /data (its recorded options stay)",
     },
 )
-def local_up(c, nodes="2", link=None, slots="1", name="local", subnet="10.213.0.0/24", replace=False, repair=False):
+def local_up(c, nodes=None, link=None, slots=None, name=None, subnet=None, replace=False, repair=False):
     """Start an emulated cluster on this machine (root): namespaces, sshd, /data."""
     if repair:
-        return _repair(c, name, replace)
-    spec = localcluster.LocalSpec(
-        name=name, nodes=whole_number(nodes, "--nodes"), slots=whole_number(slots, "--slots"), link=link, subnet=subnet
-    )
+        return _repair(c, name or _SPEC.name, replace)
+    numbers = dict(nodes=whole_number(nodes, "--nodes"), slots=whole_number(slots, "--slots"))
+    spec = localcluster.LocalSpec(**given(name=name, link=link, subnet=subnet, **numbers))
     started = time.perf_counter()
     inv = localcluster.up(spec, inventory_path(c), replace=replace)
     print(
-        f"local cluster {name}: {len(inv.nodes)} node(s) "
+        f"local cluster {spec.name}: {len(inv.nodes)} node(s) "
         f"{', '.join(n.private_ip for n in inv.nodes)} up in {time.perf_counter() - started:.2f} s"
         + (f", links capped at {link}" if link else "")
     )
@@ -55,12 +56,13 @@ def _repair(c, name: str, replace: bool) -> None:
 @task(
     name="down",
     help={
-        "name": "cluster name (default local)",
+        "name": f"cluster name (default {_SPEC.name})",
         "yes": "delete /data even if it holds runs not fetched since they changed",
     },
 )
-def local_down(c, name="local", yes=False):
+def local_down(c, name=None, yes=False):
     """Stop the emulated cluster, leaving no namespace, mount or process behind."""
+    name = name or _SPEC.name
     unfetched = localcluster.unfetched_runs(localcluster.STATE_ROOT / name / "shared")
     if unfetched and not yes and (localcluster.STATE_ROOT / name / "cluster.json").exists():
         # like `local.up` without --replace: nothing is deleted until the user says so

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shlex
@@ -14,28 +13,20 @@ import paramiko
 from invoke.exceptions import Exit, ThreadException
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.spec import Limits
 from cluster_node.supervisor import restart_plan
-from clusterops import cost as costs
 from clusterops import terminal
 from clusterops.inventory import Inventory
-from clusterops.nodes import health, remote
-from clusterops.nodes import probe as nodeprobe
 from clusterops.nodes import records as noderecords
-from clusterops.nodes import view as nodeview
-from clusterops.predict import plan as planning
-from clusterops.run import analysis, launch, lifecycle, resume
-from clusterops.run import budget as budgets
+from clusterops.nodes import remote
+from clusterops.run import launch, lifecycle, meter, trainlaunch
 from train import catalog
 
 from .common import (
-    billed_nodes,
-    budget_price,
-    code_dir_on,
+    DEFAULTS,
     ctrl_c_ends,
-    efs_io_rate,
     head,
     load_inventory,
-    node_price,
     number,
     progress,
     run_dir,
@@ -43,6 +34,9 @@ from .common import (
     task,
     whole_number,
 )
+
+_STALL, _START, _PORT = (DEFAULTS[name] for name in ("stall_minutes", "start_minutes", "master_port"))
+_HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_margin
 
 
 @task(
@@ -59,45 +53,29 @@ from .common import (
         "dataset": "data set under /data/datasets",
         "follow": "stream the log until the run ends",
         "extra": "more train.py arguments, quoted",
-        "stall_minutes": "watchdog: end the run after this long without progress (fabric.yaml: 10)",
-        "start_minutes": "watchdog: end the run if no step comes this long after the start (default 15)",
-        "master_port": "torch.distributed rendezvous port on the head node (fabric.yaml: 29500)",
+        "stall_minutes": f"watchdog: end the run after this long without progress (fabric.yaml: {_STALL:g})",
+        "start_minutes": f"watchdog: end the run if no step comes this long after the start (default {_START:g})",
+        "master_port": f"torch.distributed rendezvous port on the head node (fabric.yaml: {_PORT})",
         "then_stop": "stop the cluster's instances as soon as the run ends (fab start brings them back)",
-        "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest (default 0)",
-        "min_nodes": "with --max-restarts: give up when fewer healthy nodes remain (default 1)",
-        "hang_seconds": "a hang: no step on any rank for max(20 x step time, this) seconds (default 60)",
+        "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest "
+        f"(default {launch.TrainRequest.max_restarts})",
+        "min_nodes": f"with --max-restarts: give up when fewer healthy nodes remain (default {Limits.min_nodes})",
+        "hang_seconds": f"a hang: no step on any rank for max({Limits.hang_factor:g} x step time, this) seconds "
+        f"(default {Limits.hang_floor:g})",
         "allow_tcp": "on an EFA cluster: train even where `fab check` found NCCL on sockets (no plugin forced)",
         "budget_usd": "end the run gracefully (checkpoint) when its spend reaches this many dollars, then stop "
         "the nodes; refuse to start when `fab plan` predicts more (a resumed run keeps its budget and spend)",
-        "budget_margin": "with --budget-usd: refuse only above budget x (1 + this) (default 0.2: fab plan's 20%)",
+        "budget_margin": "with --budget-usd: refuse only above budget x (1 + this) "
+        f"(default {_MARGIN:g}: fab plan's {_MARGIN:.0%})",
         "keep_nodes": "with --budget-usd: leave the nodes up when the run ends (a budget implies --then-stop)",
     },
 )
 def train(
-    c,
-    recipe=None,
-    run=None,
-    steps=None,
-    batch_per_gpu=None,
-    precision=None,
-    grad_compression=None,
-    nodes=None,
-    exclude=None,
-    dataset=None,
-    follow=False,
-    extra="",
-    stall_minutes=None,
-    start_minutes=None,
-    master_port=None,
-    then_stop=False,
-    max_restarts=None,
-    min_nodes=None,
-    hang_seconds=None,
-    allow_tcp=False,
-    budget_usd=None,
-    budget_margin=None,
-    keep_nodes=False,
-):
+    c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=None, grad_compression=None, nodes=None,
+    exclude=None, dataset=None, follow=False, extra="", stall_minutes=None, start_minutes=None, master_port=None,
+    then_stop=False, max_restarts=None, min_nodes=None, hang_seconds=None, allow_tcp=False, budget_usd=None,
+    budget_margin=None, keep_nodes=False,
+):  # fmt: skip
     """Start a run across the nodes, supervised on the head node.
 
     Start mpirun across the nodes, detached on the head node, with a watchdog."""
@@ -119,39 +97,24 @@ def train(
         then_stop=then_stop,
         max_restarts=whole_number(max_restarts, "--max-restarts") or 0,
         min_nodes=whole_number(min_nodes, "--min-nodes"),
-        hang_seconds=60.0 if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
+        hang_seconds=_HANG if hang_seconds is None else number(hang_seconds, "--hang-seconds"),
         allow_tcp=allow_tcp,
         budget_usd=None if budget_usd is None else number(budget_usd, "--budget-usd"),
-        budget_margin=budgets.DEFAULT_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
+        budget_margin=_MARGIN if budget_margin is None else number(budget_margin, "--budget-margin"),
         keep_nodes=keep_nodes,
         extra_args=_split(extra),
     )
     request.validate()
     flags = dict(recipe=recipe, max_restarts=max_restarts, min_nodes=min_nodes, hang_seconds=hang_seconds)
     flags.update(stall_minutes=stall_minutes, start_minutes=start_minutes, master_port=master_port)
-    _launch(inv, request, {name for name, value in flags.items() if value is not None}, follow)
-
-
-def _launch(inv: Inventory, request: launch.TrainRequest, given: set[str], follow: bool) -> None:
-    """A run that exists resumes with its saved settings (`given`: the flags typed, which may differ);
-    the trainer's flags are checked with its own parser before anything starts."""
-    selected = inv.select(request.nodes, request.exclude)  # the one selection: a bad one is refused before connecting
-    with head(inv) as conn:
-        saved = resume.saved(conn, inv, request.run_name)
-        request = resume.resumed(request, given, saved, inv) if saved else request
-        max_steps = resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
-        taken = resume.run_names(conn, inv)
-        if saved:  # a finished run is never rewritten by a launch that trains nothing
-            resume.refuse_finished(request, saved, max_steps, taken)
-        nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
-        plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes)), saved)
-        rdir, log_offset = lifecycle.start_training(conn, inv, plan)
-        how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
-        print(f"{how} in {rdir} on {len(plan.nodes)} node(s) ({plan.code_dir})")
-        if not saved and resume.close_run(request.run_name, taken):  # a typo in --run starts a new run
-            print(f"note: {resume.close_run(request.run_name, taken)}")
-        if follow:
-            _follow(conn, inv, rdir, log_offset, _projector(inv), node=inv.head.name)
+    given = {name for name, value in flags.items() if value is not None}
+    started = trainlaunch.start(inv, request, given, say=print)
+    print(started.line)
+    if started.note:
+        print(f"note: {started.note}")
+    if follow:
+        with head(inv) as conn:
+            _follow(conn, inv, started.run_dir, started.log_offset, meter.projector(inv), node=inv.head.name)
 
 
 def _split(extra: str) -> tuple[str, ...]:
@@ -159,111 +122,6 @@ def _split(extra: str) -> tuple[str, ...]:
         return tuple(shlex.split(extra))
     except ValueError as error:  # an unclosed quote
         raise Exit(f"error: invalid --extra {extra!r}: {error}", code=1) from None
-
-
-def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -> launch.LaunchPlan:
-    """The launch decided once, on one connection to the head node: where the program is, that the
-    transport `fab check` found is fit (unless --allow-tcp), the head node's interface."""
-    if not request.allow_tcp:
-        _refuse_tcp(conn, inv, nodes)
-    interface = nodeview.detect_interface(conn, inv.head)
-    return launch.LaunchPlan(request, tuple(nodes), interface, code_dir_on(conn, inv), tuple(verdicts))
-
-
-def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved) -> launch.LaunchPlan:
-    """--budget-usd (or a resumed run's saved one): priced as `fab cost` prices the nodes (the price `fab
-    inventory` kept; on a Spot cluster the most a node-hour can cost: budget_price) over every node of the
-    cluster that bills (on AWS the meter asks EC2 which at every reading), and EFS I/O, on top of
-    what the run spent before; refused before anything is written when the run already spent it, or when
-    `fab plan`, from the latest measured run, predicts more than is left of it and its margin."""
-    request = plan.request
-    if request.budget_usd is None:
-        return plan
-    price, spent = budget_price(inv), budgets.spent_before(saved)
-    efs = (inv.file_system_id or "", inv.region or "") if inv.source == "aws" else ("", "")
-    io_rate = efs_io_rate(inv) if efs[0] else 0.0  # no file system on AWS (the emulated cluster): no EFS bill
-    tail = budgets.io_tail(saved) if efs[0] else ()  # the last segment's I/O CloudWatch had not published
-    nodes = billed_nodes(inv)  # every node that bills, also those this run leaves out
-    ids = tuple(n.instance_id for n in inv.nodes if n.instance_id) if inv.source == "aws" else ()
-    where = (nodes, spent, *efs, tail, ids, inv.source == "local")  # the emulated cluster bills nothing: said so
-    budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, io_rate, *where)
-    steps, what = budgets.steps_to_run(request, saved)
-    estimate, why = _prediction(conn, inv, plan, steps, price, nodes)
-    refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)
-    if refused:
-        raise budgets.BudgetError(refused)
-    predicted = (
-        f"fab plan predicts ${estimate.usd_total or 0:,.2f} for {what}"
-        if estimate
-        else f"no prediction ({why}): metered on the head node as the run goes"
-    )
-    print(budgets.budget_line(request, budget, predicted))
-    return dataclasses.replace(plan, budget=budget)
-
-
-def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, steps: int, price, billed: int) -> tuple:
-    """fab plan's estimate for this launch from the run of that name, else the latest measured run, priced
-    over every node of the cluster; (None, why) when neither gives one."""
-    why = "no finished run with a step breakdown"
-    for base in dict.fromkeys([launch.run_dir(inv, plan.request.run_name), lifecycle.latest_run(conn, inv)]):
-        if not base:
-            continue
-        try:
-            inputs = analysis.plan_inputs(conn, inv, base)
-            on_aws, nodes = inv.source == "aws", len(plan.nodes)
-            estimate = budgets.prediction(
-                inputs, inv.instance_type, on_aws, nodes, steps, price.usd_per_hour, price.source, inv.gpus_per_node
-            )
-            if estimate.usd_total is None:
-                raise planning.PlanError(estimate.refused or "the prices are unknown")
-            return budgets.billed(estimate, billed), ""
-        except planning.PlanError as error:
-            why = str(error)
-    return None, why
-
-
-def _refuse_bad_nodes(inv: Inventory, nodes) -> list:
-    """The quick health check (reachable, /data writable, versions, GPUs): one line naming a bad node
-    and how to train without it; degraded nodes are a warning."""
-    verdicts = nodeprobe.quick(inv, nodes)
-    for verdict in verdicts:
-        if verdict.verdict == "bad":
-            rank = next(n.rank for n in nodes if n.name == verdict.node)
-            raise Exit(
-                f"error: {verdict.node} is bad ({'; '.join(verdict.reasons)}): fix it, or train without it "
-                f"with `fab train --exclude {rank}`",
-                code=1,
-            )
-        if verdict.verdict == "degraded":
-            print(f"warning: {verdict.node} is degraded: {'; '.join(verdict.reasons)}")
-    return verdicts
-
-
-def _refuse_tcp(conn, inv: Inventory, nodes) -> None:
-    """An EFA cluster whose last `fab check` found NCCL on sockets does not train (one line; --allow-tcp)."""
-    verdict = remote.read_json(conn, health.transport_file(inv))
-    refusal = health.transport_refusal(verdict, [n.name for n in nodes], bool(inv.extra.get("efa_cards")))
-    if refusal:
-        raise Exit(refusal, code=1)
-
-
-def _projector(inv: Inventory):
-    """On AWS: print once what the run will cost (nodes and EFS I/O), as soon as its step time is
-    known; "unknown" where no price is known, never an exception after the run has started."""
-    if inv.source != "aws":
-        return None
-    price = node_price(inv)
-    hourly = None if price.usd_per_hour is None else price.usd_per_hour * len(inv.nodes)
-    printed: list[str] = []
-
-    def on_progress(progress: Optional[rundir.Progress]) -> None:
-        if printed or not costs.projection(progress, hourly):
-            return
-        line = costs.projection(progress, hourly, efs_io_rate(inv)) or ""
-        print(f"cost: {line} [{price.source}]", flush=True)
-        printed.append(line)
-
-    return on_progress
 
 
 # A dropped SSH connection reaches the follower as one of these (paramiko raises SSHException or the
@@ -276,7 +134,7 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, node: str = "the head node") -> None:
     seen: list[Optional[rundir.RunStatus]] = [None]  # the last status read, kept if a read after it fails
-    state: Optional[noderecords.RunFiles] = None
+    read: list[noderecords.RunFiles] = []  # the run's state, once read
 
     def keep(status: Optional[rundir.RunStatus]) -> None:
         seen[0] = status
@@ -285,9 +143,7 @@ def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, 
     stopped += "`fab logs --follow` re-attaches, `fab stop` ends it"
     try:
         with ctrl_c_ends(stopped, code=130):  # 128 + SIGINT, as a shell reports a Ctrl-C
-            status_ = lifecycle.follow_log(conn, inv, rdir, offset=offset, on_progress=on_progress, on_status=keep)
-            state = lifecycle.run_state(conn, inv, rdir)
-            status_ = lifecycle.then_stop_outcome(conn, inv, rdir, state.status or status_)
+            state, status_ = lifecycle.follow_to_end(conn, inv, rdir, offset, on_progress, keep, read.append)
     except CONNECTION_LOST as error:
         stopping = bool(seen[0] and seen[0].then_stop == "stopping")
         if isinstance(error, remote.RemoteError) and conn.is_connected and not stopping:
@@ -301,7 +157,7 @@ def _follow(conn, inv: Inventory, rdir: str, offset: int = 0, on_progress=None, 
             ) from None
         # The run ended and --then-stop is taking the head node down under these reads: as expected.
         status_ = seen[0]
-        state = state or noderecords.RunFiles(run=rdir, status=status_)
+        state = read[0] if read else noderecords.RunFiles(run=rdir, status=status_)
     except KeyboardInterrupt:  # off the main thread (no handler there): Invoke would exit 1 without a word
         raise Exit(stopped, code=130) from None
     _print_end(rdir, state, status_)

@@ -171,15 +171,13 @@ def _failed_stack_cloudformation(cluster: str, then: str = "DELETE_COMPLETE"):
 def test_a_stack_whose_delete_failed_is_listed_and_deleted_after_what_it_left(aws_env):
     """Before: DELETE_FAILED counted as live, so `fab audit --delete` refused ("cdk destroy it first", which had
     just failed) and what the stack could not delete billed on."""
-    from fabfile.aws import _refuse_live_stack
-
     cluster = f"dfail{uuid.uuid4().hex[:6]}"
     volume = boto3.client("ec2").create_volume(
         AvailabilityZone="us-east-1a", Size=1, TagSpecifications=tagged(cluster, "volume")
     )["VolumeId"]
     cfn, stubber = _failed_stack_cloudformation(cluster)
     with stubber:
-        _refuse_live_stack(cfn, cluster)  # no refusal
+        audit.refuse_live_stack(cfn, cluster)  # no refusal
         found = audit.find({**clients(), "cloudformation": cfn}, cluster)
         stack = next(x for x in found if x.kind == "stack")
         assert stack.id == f"GpuCluster-{cluster}" and stack.detail.startswith("DELETE_FAILED (The following")

@@ -25,7 +25,7 @@ from cluster_node.daemons.autostop.idle_state import IdleState
 from cluster_node.daemons.autostop.watchdog import Observation, Watchdog, decide
 from cluster_node.protocol import spec
 from clusterops.inventory import Inventory, Node, SshSettings
-from clusterops.run import launch
+from clusterops.run import dataprep, launch
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ALARM_GRACE_MINUTES, MAX_IDLE_MINUTES, ClusterConfig, alarm_minutes
 from train import prepare
@@ -234,7 +234,7 @@ def test_fab_data_passes_the_marker_directory():
         nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5")],
         ssh=SshSettings("root", 4444, "/k", "/kh"),
     )
-    argv = launch.prepare_argv(inv, "imagenet", "/workspace/train", ["--stage-to", "/opt/dlami/nvme/imagenet"])
+    argv = dataprep.prepare_argv(inv, "imagenet", "/workspace/train", ["--stage-to", "/opt/dlami/nvme/imagenet"])
     assert argv[:5] == ["env", "PYTHONPATH=/workspace", "python", "-m", "train.prepare"]
     assert argv[5:7] == ["--busy-dir", "/data/.cluster/busy"] and argv[7] == "imagenet"
 

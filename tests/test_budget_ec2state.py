@@ -140,13 +140,13 @@ def _aws_inventory(tmp_path, ids, spot=False) -> Inventory:
 
 
 def _budgeted(inv: Inventory, monkeypatch) -> tuple[launch.LaunchPlan, str]:
-    from fabfile import runs
+    from clusterops.run import trainlaunch
 
-    monkeypatch.setattr(runs, "_prediction", lambda *args: (None, "no finished run"))  # it reads the head node
+    monkeypatch.setattr(trainlaunch, "_prediction", lambda *args: (None, "no finished run"))  # it reads the head node
     plan = launch.LaunchPlan(launch.TrainRequest(budget_usd=50.0), tuple(inv.nodes), "ens5", "/w")
     out = io.StringIO()
     with redirect_stdout(out):
-        planned = runs._budgeted(None, inv, plan, None)
+        planned = trainlaunch._budgeted(None, inv, plan, None)
     return planned, out.getvalue()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import socket
 from types import SimpleNamespace
 
@@ -289,3 +290,138 @@ def test_a_reader_that_goes_away_gets_no_traceback(args):
     done = subprocess.run(["fab", *args], cwd=REPO, env=tool_env(), stdout=write, stderr=subprocess.PIPE, text=True)
     os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr[-2000:]
+
+
+def listed_tasks() -> list[str]:
+    """The task names `fab --list` prints (what a user can type)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert fab("--list") == 0
+    return re.findall(r"^  (\S+)", out.getvalue(), flags=re.MULTILINE)  # a wrapped line starts further in
+
+
+def test_fab_list_lists_every_task():
+    assert sorted(listed_tasks()) == TASKS
+
+
+@pytest.mark.parametrize("task", listed_tasks())
+def test_fab_task_help_prints_the_tasks_help_for_every_task(task, capsys):
+    """Issue 31 §6: `fab train --help`, `fab report -h` said "no option --help" or took `--help` as a run name
+    (the optional positional run name's patch ate it). -h where no option of the task took it."""
+    flags = next(context.flags for context in fabfile.ns.to_contexts() if context.name == task)
+    for flag in ["--help"] + ([] if "-h" in flags else ["-h"]):
+        assert fab(task, flag) == 0, capsys.readouterr().err
+        out, err = capsys.readouterr()
+        assert out.startswith(f"Usage: fab [--core-opts] {task} ") and "Docstring:" in out, (flag, out, err)
+        assert not err, err
+
+
+def clusterops_calls(module, task: str) -> set[str]:
+    """The clusterops functions task `task` of `module` calls, in its body or through its module's helpers:
+    `x.f(...)` for `from clusterops[.sub] import x` (x a module), `f(...)` for `from clusterops[.sub].x import f`.
+    Classes (a request, an error), clusterops.terminal (formatting) and PLUMBING are not use cases."""
+    tree = ast.parse(module.read_text())
+    modules, functions = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "clusterops":
+            package = REPO.joinpath(*node.module.split("."))
+            for alias in node.names:
+                if (package / f"{alias.name}.py").exists():
+                    modules[alias.asname or alias.name] = alias.name
+                else:
+                    functions[alias.asname or alias.name] = f"{node.module.rsplit('.', 1)[1]}.{alias.name}"
+    defs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    found: set[str] = set()
+    seen: set[str] = set()
+    todo = [defs[task]]
+    while todo:
+        function = todo.pop()
+        if function.name in seen:
+            continue
+        seen.add(function.name)
+        for call in (n for n in ast.walk(function) if isinstance(n, ast.Call)):
+            target = call.func
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                module_name = modules.get(target.value.id)
+                if module_name and module_name != "terminal" and not target.attr[0].isupper():
+                    found.add(f"{module_name}.{target.attr}")
+            elif isinstance(target, ast.Name) and target.id in functions and not target.id[0].isupper():
+                found.add(functions[target.id])
+            elif isinstance(target, ast.Name) and target.id in defs:
+                todo.append(defs[target.id])
+    return found - PLUMBING
+
+
+# A session, a client or a connection: what a task hands its use case, not a use case; and dollars as text.
+PLUMBING = {"session.aws_session", "session.pricing_client", "remote.connect", "remote.on_all", "cost.usd"}
+TASK_BODIES = [
+    (module, node.name)
+    for module in TASK_MODULES
+    for node in ast.parse(module.read_text()).body
+    if isinstance(node, ast.FunctionDef) and any("task" in ast.dump(d) for d in node.decorator_list)
+]
+
+
+@pytest.mark.parametrize("module, task", TASK_BODIES, ids=[f"{m.stem}.{t}" for m, t in TASK_BODIES])
+def test_each_task_parses_flags_calls_its_use_case_and_prints(module, task):
+    """Issue 31 §5: fab train held its launch, budget and prediction (29 clusterops calls through
+    fabfile/runs.py's helpers). A task calls at most three library functions: its use case and, where it
+    streams or follows, what it prints from."""
+    calls = clusterops_calls(module, task)
+    assert len(calls) <= 3, f"{module.name} {task} calls {len(calls)} clusterops functions: {sorted(calls)}"
+
+
+def test_fab_plan_from_a_step_time_needs_no_node(unreachable, capsys):
+    """`fab plan --step-s` plans from the step time alone: its use case (clusterops.run.planner) reads no run, so
+    a cluster whose node does not answer still gets its table and the cheapest plan."""
+    argv = ["plan", "--step-s", "0.5", "--steps", "3600", "--types", "g5.xlarge,g4dn.xlarge", "--deadline", "2"]
+    assert fab(*argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.startswith("from ") and "target: 3600 steps (given); fixed global batch across N" in out
+    assert "g5.xlarge: 1 x A10G per node" in out and "cheapest within 2 h: " in out, out
+    assert fab("plan", "--step-s", "0.5", "--types", "x9.unknown") == 1
+    assert capsys.readouterr().err.strip() == "error: unknown instance type 'x9.unknown'"
+
+
+def test_fab_check_quick_prints_its_use_cases_verdicts(unreachable, monkeypatch, capsys):
+    """`fab check` through its use case (clusterops.run.checkup) on recorded probe facts: the JSON and exit 0 when
+    fit; the table, then one line naming the bad node and exit 1."""
+    import time
+
+    cpu = {"time": time.time(), "mounted": True, "writable": True, "free_gb": 500.0, "xids": [], "gpus": []}
+    cpu.update(torch="2.6.0", cuda=None, nccl=None)
+
+    def probed(inv, nodes):
+        return {n.name: dict(cpu) for n in nodes}, {n.name: "eth0" for n in nodes}
+
+    monkeypatch.setattr(nodeprobe, "probe_nodes", probed)
+    assert fab("check", "--quick", "--json") == 0, capsys.readouterr().err
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fit_to_train"] is True and [n["verdict"] for n in doc["nodes"]] == ["ok"], doc
+    cpu["writable"] = False
+    assert fab("check", "--quick") == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split() == ["node", "verdict", "interface", "gpus", "transport", "reasons"], out
+    assert err.strip().splitlines()[-1].startswith("error: not fit to train: node0 (/data is not writable"), err
+
+
+def test_the_use_case_guard_sees_every_task_and_calls_through_helpers(tmp_path):
+    named = {"local.up": "local_up", "local.down": "local_down"}
+    assert sorted(task for _, task in TASK_BODIES) == sorted(named.get(t, t.replace("-", "_")) for t in TASKS)
+    module = tmp_path / "tasks.py"
+    module.write_text(
+        "from clusterops import terminal\nfrom clusterops.run import lifecycle, resume\n"
+        "from clusterops.run.budget import refusal\n"
+        "@task\ndef train(c):\n    _launch(c)\n    print(terminal.table([], []))\n"
+        "def _launch(c):\n    resume.saved(c)\n    lifecycle.start_training(c)\n    refusal(1)\n    _more(c)\n"
+        "def _more(c):\n    lifecycle.follow_log(c)\n    raise resume.Refused()\n"
+    )
+    assert clusterops_calls(module, "train") == {
+        "resume.saved",
+        "lifecycle.start_training",
+        "budget.refusal",
+        "lifecycle.follow_log",
+    }

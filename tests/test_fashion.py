@@ -218,11 +218,11 @@ def test_every_recipe_defaults_to_a_data_set_fab_data_prepares():
     """Issue 23 §10: `fab train --recipe resnet-small` pointed at imagenet-small, which `fab data`
     rejects. Each recipe's default data set is one `fab data --dataset` accepts, and train.py's
     own default for the recipe is the same directory."""
-    from clusterops.run import launch
+    from clusterops.run import dataprep, launch
     from train.catalog import RECIPES
 
     for recipe in launch.RECIPES:
-        assert launch.default_dataset(recipe) in launch.DATASETS, recipe
+        assert launch.default_dataset(recipe) in dataprep.DATASETS, recipe
     assert launch.default_dataset("resnet-small") == "fashion-mnist"
     assert RECIPES["resnet-small"]["data"] == "/data/datasets/fashion-mnist"
 
@@ -232,7 +232,7 @@ def test_fab_data_runs_prepare_fashion_mnist_as_the_head_node_would(tmp_path):
     from conftest import TRAIN_DIR, tool_env
 
     from clusterops.inventory import Inventory, Node, SshSettings
-    from clusterops.run import launch
+    from clusterops.run import dataprep
 
     inv = Inventory(
         cluster="c",
@@ -244,7 +244,9 @@ def test_fab_data_runs_prepare_fashion_mnist_as_the_head_node_would(tmp_path):
         nodes=[Node(0, "node0", "127.0.0.1", "127.0.0.1")],
         ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"),
     )
-    argv = launch.prepare_argv(inv, "fashion-mnist", str(TRAIN_DIR), ["--train-per-class", "2", "--val-per-class", "1"])
+    argv = dataprep.prepare_argv(
+        inv, "fashion-mnist", str(TRAIN_DIR), ["--train-per-class", "2", "--val-per-class", "1"]
+    )
     assert argv[-7:-4] == ["fashion-mnist", "--out", f"{tmp_path}/datasets/fashion-mnist"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=tool_env())
     assert done.returncode == 0, done.stderr[-2000:]

@@ -9,7 +9,7 @@ from cluster_node.protocol.spec import RunSpec
 from clusterops import terminal
 from clusterops.inventory import Inventory, InventoryError, Node, SshSettings, write_known_hosts
 from clusterops.nodes import remote, view
-from clusterops.run import launch, lifecycle
+from clusterops.run import checkup, dataprep, launch, lifecycle
 
 
 def inventory(nodes=3, gpus=4, source="aws") -> Inventory:
@@ -113,13 +113,13 @@ def test_check_training_steps_are_a_valid_short_run_in_a_scratch_directory():
     from train.config import build_parser, config_from_args
 
     inv = inventory()
-    prepare, train = launch.check_argvs(inv, "/code/train")
+    prepare, train = checkup.check_argvs(inv, "/code/train")
     assert prepare[:6] == ["env", "PYTHONPATH=/code:/workspace", "python", "-m", "train.prepare", "numbers"]
     assert prepare[7] == "/data/runs/.check/numbers"
     assert train[:5] == ["-x", "PYTHONPATH=/code:/workspace", "python", "-m", "train.train"]
     config = config_from_args(build_parser("").parse_args(train[5:]))
-    assert config.run_dir.startswith(launch.check_dir(inv) + "/") and config.data == prepare[7]
-    assert config.max_steps == launch.CHECK_STEPS and config.eval_every == launch.CHECK_STEPS
+    assert config.run_dir.startswith(checkup.check_dir(inv) + "/") and config.data == prepare[7]
+    assert config.max_steps == checkup.CHECK_STEPS and config.eval_every == checkup.CHECK_STEPS
 
 
 def test_versions_line_names_every_version_that_differs_and_where():
@@ -369,7 +369,7 @@ def test_recipes_datasets_precisions_and_compressions_are_the_training_packages_
     from train import catalog
     from train.config import build_parser, config_from_args
 
-    assert (launch.RECIPES, launch.DATASETS) == (catalog.RECIPES, catalog.DATASETS)
+    assert (launch.RECIPES, dataprep.DATASETS) == (catalog.RECIPES, catalog.DATASETS)
     assert (launch.PRECISIONS, launch.COMPRESSIONS) == (catalog.PRECISIONS, catalog.COMPRESSIONS)
     for recipe in catalog.RECIPES:
         config = config_from_args(build_parser("").parse_args(["--recipe", recipe]))

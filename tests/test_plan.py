@@ -145,13 +145,13 @@ def test_plan_spot_prices_a_spot_clusters_own_type_where_its_nodes_run(monkeypat
     """`fab plan --spot` for the cluster's own type takes the Spot price `fab inventory` read in the nodes'
     AZ (the price fab cost and the budget meter use), not the region's cheapest AZ; other types are read."""
     from clusterops.inventory import Inventory, Node, SshSettings
-    from fabfile import analysis as tasks
+    from clusterops.run import planner
 
     node = Node(0, "node0", "1.2.3.4", "10.0.0.1", "i-0")
     inv = Inventory("c", "aws", [node], 1, SshSettings("ubuntu", 4444, "k", "kh"), instance_type="g4dn.xlarge")
     inv = replace(inv, region="us-east-1", spot=True, usd_per_hour=0.2104, price_source="Spot in us-east-1b")
-    monkeypatch.setattr(tasks, "aws_session", lambda region: (_ for _ in ()).throw(AssertionError("AWS asked")))
-    own = tasks._offer(inv, "g4dn.xlarge", base(gpu="T4"), None, spot=True)
+    monkeypatch.setattr(planner, "aws_session", lambda region: (_ for _ in ()).throw(AssertionError("AWS asked")))
+    own = planner._offer(inv, "g4dn.xlarge", base(gpu="T4"), None, spot=True)
     assert (own.usd_per_hour, own.price_source) == (0.2104, "Spot in us-east-1b")
     with pytest.raises(AssertionError, match="AWS asked"):
-        tasks._offer(inv, "g5.xlarge", base(gpu="T4"), None, spot=True)
+        planner._offer(inv, "g5.xlarge", base(gpu="T4"), None, spot=True)

@@ -110,7 +110,7 @@ def test_preflight_uses_the_region_the_cdk_cli_deploys_to(monkeypatch):
     AWS_DEFAULT_REGION and the profile (aws-cdk's region lookup); botocore reads only
     AWS_DEFAULT_REGION. With both set differently, preflight pinned the AZ and AMI under the other
     region and synth kept refusing."""
-    from fabfile.common import aws_session
+    from clusterops.aws.session import aws_session
 
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")

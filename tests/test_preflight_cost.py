@@ -367,7 +367,7 @@ def test_a_missing_price_is_unknown_everywhere_never_zero_or_an_exception():
 
 
 def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
-    import fabfile
+    from clusterops.run import meter
 
     for instance_type in ("g6.xlarge", "p4de.24xlarge", "x9.unknown"):
         inv = Inventory(
@@ -379,7 +379,7 @@ def test_fab_train_follow_projection_never_raises_for_any_type(capsys):
             nodes=[Node(0, "node0", "1.2.3.4", "10.0.0.5", "i-1")],
             ssh=SshSettings("root", 4444, "/k", "/kh"),
         )
-        on_progress = fabfile.runs._projector(inv)
+        on_progress = meter.projector(inv)
         on_progress(Progress.from_json({"step": 5}))  # step time not known yet: nothing
         on_progress(Progress.from_json({"step": 10, "max_steps": 3610, "avg_step_time_s": 1.0}))
         on_progress(Progress.from_json({"step": 20, "max_steps": 3610, "avg_step_time_s": 1.0}))  # printed once
@@ -530,7 +530,7 @@ def aws_inventory(cluster: str, ids: list[str], **extra) -> Inventory:
 
 
 def test_spend_and_efs_io_of_a_running_cluster(aws_env, capsys):
-    from fabfile.aws import _spent
+    from clusterops.run.meter import _spent
 
     ids = moto_instances(2, "spend")
     fs = boto3.client("efs").create_file_system(CreationToken="spend")["FileSystemId"]
@@ -774,7 +774,7 @@ def test_a_spot_dry_run_carries_the_nodes_market_options():
 
 
 def test_fab_cost_prices_spot_nodes_in_their_az_and_fab_inventory_keeps_that_price(aws_env):
-    from fabfile.aws import nodes_zone
+    from clusterops.aws.session import nodes_zone
 
     session = boto3.session.Session()
     ids = moto_instances(2, "spotcost")

@@ -193,7 +193,7 @@ def test_fab_data_builds_the_ding_data_set_where_train_looks_for_it(tmp_path):
     from conftest import TRAIN_DIR, tool_env
 
     from clusterops.inventory import Inventory, Node, SshSettings
-    from clusterops.run import launch
+    from clusterops.run import dataprep
 
     inv = Inventory(
         cluster="c",
@@ -205,7 +205,7 @@ def test_fab_data_builds_the_ding_data_set_where_train_looks_for_it(tmp_path):
         nodes=[Node(0, "node0", "127.0.0.1", "127.0.0.1")],
         ssh=SshSettings(user="root", port=4444, key_file="/k", known_hosts="/kh"),
     )
-    argv = launch.prepare_argv(inv, "ding", str(TRAIN_DIR), ["--vocab", "1000"])
+    argv = dataprep.prepare_argv(inv, "ding", str(TRAIN_DIR), ["--vocab", "1000"])
     assert argv[-5:] == ["ding", "--out", f"{tmp_path}/datasets/ding", "--vocab", "1000"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=tool_env())
     assert done.returncode == 0, done.stderr[-2000:]

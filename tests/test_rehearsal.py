@@ -253,7 +253,7 @@ LAPTOP_TASKS = ("preflight", "cost", "inventory", "status-aws", "stop-cluster", 
 
 BUDGET = (
     "from pathlib import Path; from clusterops.inventory import Inventory; "
-    "from fabfile.common import budget_price, efs_io_rate; inv = Inventory.load(Path({inventory!r})); "
+    "from clusterops.run.meter import budget_price, efs_io_rate; inv = Inventory.load(Path({inventory!r})); "
     "print(f'price={{budget_price(inv)}} efs_rate={{efs_io_rate(inv)}}')"
 )
 

@@ -199,7 +199,7 @@ def test_a_budget_meters_the_nodes_that_bill_not_a_spot_node_ec2_holds_stopped(t
     a stopped instance bills no usage. Before: len(inventory.nodes), 3/2 of the real rate."""
     from dataclasses import replace
 
-    from fabfile.common import billed_nodes
+    from clusterops.run.meter import billed_nodes
 
     ec2, stubber = ec2_stub()
     ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2", "i-0aaaaaaaaaaaaaaa3"]

@@ -383,12 +383,12 @@ def test_gpu_ranks_get_gloo_for_cpu_tensors_besides_nccl():
 
 
 def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp_path):
-    """lifecycle.check_training as `fab check` runs it, on this machine: a local shell for the head node's
+    """checkup.check_training as `fab check` runs it, on this machine: a local shell for the head node's
     connection and torchrun (strict-device mode) for mpirun."""
     from invoke import Context
 
     from clusterops.inventory import Inventory, Node, SshSettings
-    from clusterops.run import launch, lifecycle
+    from clusterops.run import checkup
 
     inv = Inventory(
         cluster="c",
@@ -411,10 +411,10 @@ def test_fab_checks_training_steps_run_the_trainers_collectives_and_clean_up(tmp
         "2",
         "--no-python",
     ]
-    line = lifecycle.check_training(Context(), inv, prefix, inv.code_dir)
+    line = checkup.check_training(Context(), inv, prefix, inv.code_dir)
     assert re.match(
-        rf"training: {launch.CHECK_STEPS} steps on 2 ranks with the trainer's collectives: ok "
-        rf"\(steps={launch.CHECK_STEPS}, .*eval_loss=",
+        rf"training: {checkup.CHECK_STEPS} steps on 2 ranks with the trainer's collectives: ok "
+        rf"\(steps={checkup.CHECK_STEPS}, .*eval_loss=",
         line,
     ), line
     assert not (tmp_path / "runs" / ".check").exists()

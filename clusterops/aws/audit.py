@@ -15,9 +15,13 @@ from clusterops.aws.leftover import KEPT, Leftover
 from clusterops.aws.teardown import Pace, delete
 from clusterops.cost import HOURS_PER_MONTH, TABLE, offline_price
 
-__all__ = ["KEPT", "Leftover", "Pace", "delete", "failed_stacks", "find", "live_stacks", "monthly_total"]
+__all__ = ["KEPT", "Leftover", "Pace", "delete", "failed_stacks", "find", "live_stacks", "monthly_total", "survey"]
 
 CDK_QUALIFIER = "hnb659fds"  # the default `cdk bootstrap` qualifier
+
+
+class AuditError(RuntimeError):
+    """A delete refused (the cluster's stack still holds what it would delete)."""
 
 
 def _tag_filter(cluster: str) -> list[dict]:
@@ -274,6 +278,25 @@ def find(clients: dict, cluster: str) -> list[Leftover]:
     if "sts" in clients and "s3" in clients:
         found += cdk_assets(clients["sts"], clients["s3"], ec2.meta.region_name)
     return found
+
+
+def survey(clients: dict, cluster: str, refuse_live: bool = False) -> tuple[list[Leftover], list[Leftover]]:
+    """`fab audit`'s use case: what find() finds, as (the shared CDK bootstrap bucket, the cluster's leftovers);
+    with `refuse_live` (before a delete) refused while the cluster's stack is alive."""
+    if refuse_live:
+        refuse_live_stack(clients["cloudformation"], cluster)
+    found = find(clients, cluster)
+    return [x for x in found if x.kind == "cdk-assets"], [x for x in found if x.kind != "cdk-assets"]
+
+
+def refuse_live_stack(cloudformation, cluster: str) -> None:
+    """A live stack's resources are CloudFormation's: deleting them under it loses a running
+    cluster's /data and leaves the stack failing its own delete."""
+    for stack, status in live_stacks(cloudformation, cluster):
+        raise AuditError(
+            f"stack {stack} ({status}) still holds cluster {cluster}: `npx cdk destroy` it first "
+            "(fab audit --delete --force deletes under a live stack)"
+        )
 
 
 def monthly_total(leftovers: list[Leftover]) -> str:

@@ -25,6 +25,7 @@ from cluster_node.protocol import rundir
 from cluster_node.protocol.rundir import Summary
 from clusterops.cost import HOURS_PER_MONTH, TABLE, efs_io_usd
 from clusterops.predict.bottleneck import Breakdown, comm_seconds, hidden_seconds, ring_wire_bytes
+from stacks.config import ClusterConfig
 
 # Peak dense FP16 tensor TFLOPS (sparsity off), from NVIDIA's data sheets: T4 (65), V100 SXM2 (125),
 # A100 SXM (312), L4 (121: 242 with sparsity), L40S (362), H100 SXM (989). A10G (g5) has no NVIDIA
@@ -75,7 +76,7 @@ def cpu_share(nodes: int, cpus: int) -> float:
 
 @dataclass(frozen=True)
 class Storage:
-    root_gb: float = 200.0  # per node (the stack's root_volume_gb default)
+    root_gb: float = ClusterConfig.root_volume_gb  # per node: the stack's default
     efs_gb: float = 0.0
     read_gb: float = 0.0  # EFS bytes read over the run (the data set x epochs)
     write_gb: float = 0.0  # checkpoints written

@@ -283,6 +283,31 @@ def write_scale(connection: Connection, inventory: Inventory, recipe: str, point
     return written
 
 
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """`fab scale`'s result: the table, the files written here and the series' directory on the cluster."""
+
+    table: str
+    written: list[Path]
+    cluster_dir: str
+
+
+def scale(
+    connection: Connection,
+    inventory: Inventory,
+    request: launch.TrainRequest,
+    node_counts: Sequence[int],
+    repeat: int,
+    code_dir: str,
+    local_dir: Path,
+) -> Scaled:
+    """`fab scale`'s use case: the short runs (run_scale), then their files here and on /data (write_scale)."""
+    points = run_scale(connection, inventory, request, node_counts, repeat, code_dir)
+    written = write_scale(connection, inventory, request.recipe, points, local_dir)
+    table = scaling.table(points, scaling.shared_cores(inventory.source))
+    return Scaled(table, written, scale_dir(inventory, request.recipe))
+
+
 def scale_runs(recipe: str, points) -> list[str]:
     """The names of the short runs behind the points (run_scale's)."""
     return [scale_run(recipe, p.nodes, attempt) for p in points for attempt in range(1, len(p.step_s) + 1)]

@@ -18,7 +18,7 @@ from clusterops.run.resume import Saved
 
 # fab plan's time model is held to 20% of measured runs (issue 22 part 1, tests/test_plan.py): a prediction
 # less than 20% over the budget may still fit; the meter on the head node stops it if it does not.
-DEFAULT_MARGIN = 0.2
+DEFAULT_MARGIN = TrainRequest.budget_margin
 
 
 class BudgetError(LaunchError):

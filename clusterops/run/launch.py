@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from cluster_node.protocol import clusterdir, rundir
+from cluster_node.protocol import rundir
 from cluster_node.protocol.contract import CONTAINER_SSH_PORT
 from cluster_node.protocol.spec import Budget, Limits, RunSpec, ThenStop
 from clusterops.inventory import Inventory, Node
 from clusterops.nodes.command import package_root, python_path
-from train.catalog import COMPRESSIONS, DATASETS, PRECISIONS, RECIPES, dataset_dir, default_dataset
+from train.catalog import COMPRESSIONS, PRECISIONS, RECIPES, dataset_dir, default_dataset
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 NAME_RULE = "a letter or digit first, then letters, digits, '.', '_' or '-' (64 at most)"
@@ -46,12 +46,13 @@ class TrainRequest:
     dataset: Optional[str] = None
     data: Optional[str] = None  # the data set's path on the nodes: a resumed run's saved one (clusterops.run.resume)
     master_port: int = 29500
-    stall_minutes: float = 10.0
-    start_minutes: float = 15.0
+    # The supervisor's limits default to its own (cluster_node.protocol.spec.Limits), in the units fab train takes.
+    stall_minutes: float = Limits.stall / 60
+    start_minutes: float = Limits.start / 60
     then_stop: bool = False
-    max_restarts: int = 0
-    min_nodes: Optional[int] = None
-    hang_seconds: float = 60.0
+    max_restarts: int = Limits.max_restarts
+    min_nodes: Optional[int] = None  # None: Limits.min_nodes
+    hang_seconds: float = Limits.hang_floor
     allow_tcp: bool = False  # on an EFA cluster: let NCCL fall back to sockets
     budget_usd: Optional[float] = None  # end the run gracefully when its spend reaches this
     budget_margin: float = 0.2  # refuse when fab plan predicts more than budget x (1 + margin)
@@ -174,7 +175,7 @@ def run_spec(
     nodes: Sequence[Node],
     interface: str,
     program: Sequence[str] = (),
-    master_port: int = 29500,
+    master_port: int = TrainRequest.master_port,
     allow_tcp: bool = False,
     **more,
 ) -> RunSpec:
@@ -197,7 +198,11 @@ def run_spec(
 
 
 def mpirun_prefix(
-    inventory: Inventory, nodes: Sequence[Node], interface: str, master_port: int = 29500, allow_tcp: bool = False
+    inventory: Inventory,
+    nodes: Sequence[Node],
+    interface: str,
+    master_port: int = TrainRequest.master_port,
+    allow_tcp: bool = False,
 ) -> list[str]:
     """mpirun and its options, up to the program (fab check's all-reduce and training steps)."""
     return run_spec(inventory, nodes, interface, (), master_port, allow_tcp).argv()
@@ -237,7 +242,7 @@ def limits(request: TrainRequest) -> Limits:
         poll=float(min(5, max(1, int(request.hang_seconds // 3)))),
         hang_floor=float(int(request.hang_seconds)),
         max_restarts=request.max_restarts,
-        min_nodes=request.min_nodes or 1,
+        min_nodes=request.min_nodes or Limits.min_nodes,
     )
 
 
@@ -289,55 +294,6 @@ def mpirun_argv(
     return train_spec(inventory, request, interface, code_dir, nodes=nodes).argv()
 
 
-CHECK_STEPS = 3
-
-
-def check_dir(inventory: Inventory) -> str:
-    return f"{inventory.data_dir}/{rundir.RUNS}/{rundir.CHECK_RUN}"
-
-
-def check_argvs(inventory: Inventory, code_dir: str) -> tuple[list[str], list[str]]:
-    """`fab check`'s training steps: train.prepare for a tiny numbers set, then train.train for CHECK_STEPS
-    steps and an eval (every collective the trainer uses), both in check_dir."""
-    scratch = check_dir(inventory)
-    prepare = [
-        *node_program(inventory, code_dir, "prepare"),
-        "numbers",
-        "--out",
-        f"{scratch}/numbers",
-        "--train",
-        "1000",
-        "--valid",
-        "16",
-        "--test",
-        "8",
-        "--vocab",
-        "200",
-    ]
-    train = [
-        *rank_program(inventory, code_dir, "train"),
-        "--recipe",
-        "transformer-tiny",
-        "--data",
-        f"{scratch}/numbers",
-        "--run-dir",
-        f"{scratch}/run",
-        "--max-steps",
-        str(CHECK_STEPS),
-        "--batch-per-gpu",
-        "4",
-        "--eval-every",
-        str(CHECK_STEPS),
-        "--eval-samples",
-        "8",
-        "--log-every",
-        "1",
-        "--dist-timeout-s",
-        "120",
-    ]
-    return prepare, train
-
-
 EMULATOR_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
 
 
@@ -368,22 +324,3 @@ def then_stop(inventory: Inventory, request: TrainRequest, environ: dict) -> Opt
 # Open MPI's hwloc probes X displays at start-up: display :N is TCP port 6000+N, so a TensorBoard on
 # 6006 made `orte_init` block in XOpenDisplay. Its GL component is what probes; leave it out.
 LAUNCH_ENVIRONMENT = {"HWLOC_COMPONENTS": "-gl"}
-
-
-def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:
-    """The train.prepare command for `fab data`."""
-    if dataset not in DATASETS:
-        raise LaunchError(f"invalid --dataset {dataset!r}: one of {', '.join(DATASETS)}")
-    # The marker keeps the autostop watchdog from stopping the cluster during a long preparation.
-    argv = [
-        *node_program(inventory, code_dir, "prepare"),
-        "--busy-dir",
-        f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.BUSY_DIR}",
-        dataset,
-    ]
-    if dataset == "imagenet":
-        if "--source" not in extra_args:
-            argv += ["--source", data_path(inventory, dataset)]
-    else:
-        argv += ["--out", data_path(inventory, dataset)]
-    return argv + list(extra_args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import posixpath
 import re
 import shlex
 import shutil
@@ -86,30 +87,15 @@ def _failure_line(output: str) -> str:
     return (exceptions[:1] or errors[-1:] or lines[-1:] or ["no output"])[0][:400]
 
 
-def check_training(connection: Connection, inventory: Inventory, prefix: list[str], code_dir: str) -> str:
-    """A few real training steps across the cluster with the trainer's own collectives (step counts,
-    DDP, loss, eval, all_gather_object) on a tiny data set in a scratch directory, removed after."""
-    scratch = launch.check_dir(inventory)
-    prepare, train = launch.check_argvs(inventory, code_dir)
-    try:
-        remote.sh(connection, f"rm -rf {q(scratch)} && mkdir -p {q(scratch)}")
-        remote.sh(connection, "timeout 300 " + shlex.join(prepare))
-        result = connection.run("timeout 600 " + shlex.join(prefix + train), hide=True, warn=True, in_stream=False)
-    finally:
-        remote.sh(connection, f"rm -rf {q(scratch)}", check=False)
-    summary = [line for line in result.stdout.splitlines() if line.startswith("summary: ")]
-    if result.exited != 0 or not summary:
-        raise remote.RemoteError(
-            f"the training steps failed (exit {result.exited}): {_failure_line(result.stderr + result.stdout)}"
-        )
-    ranks = len(inventory.nodes) * inventory.gpus_per_node
-    return (
-        f"training: {launch.CHECK_STEPS} steps on {ranks} ranks with the trainer's collectives: ok "
-        f"({summary[-1][len('summary: ') :]})"
-    )
-
-
 # ---------------------------------------------------------------- training
+
+
+def code_dir_on(conn: Connection, inv: Inventory) -> str:
+    """The synced copy on /data when `fab sync` made one, else the image's (or checkout's) program."""
+    synced = posixpath.join(nodecmd.synced_root(inv), "train")
+    if remote.sh(conn, f"test -f {shlex.quote(synced + '/train.py')} && echo yes || true").strip():
+        return synced
+    return inv.code_dir
 
 
 def plan_launch(
@@ -216,6 +202,24 @@ def follow_log(
 
 # What each poll of follow_log reads: the status, and progress.json when someone wants it.
 _FOLLOWED = {False: (rundir.RUN_STATUS,), True: (rundir.RUN_STATUS, rundir.PROGRESS)}
+
+
+def follow_to_end(
+    connection: Connection,
+    inventory: Inventory,
+    run_dir: str,
+    offset: int = 0,
+    on_progress: Optional[Callable[[Optional[Progress]], None]] = None,
+    on_status: Optional[Callable[[Optional[RunStatus]], None]] = None,
+    on_state: Optional[Callable[[noderecords.RunFiles], None]] = None,
+) -> tuple[noderecords.RunFiles, Optional[RunStatus]]:
+    """follow_log to the run's end, then the run's state and what --then-stop did: (state, final status).
+    `on_state` has the state as soon as it is read (a connection the stopping head cuts later keeps it)."""
+    status = follow_log(connection, inventory, run_dir, offset=offset, on_progress=on_progress, on_status=on_status)
+    state = run_state(connection, inventory, run_dir)
+    if on_state:
+        on_state(state)
+    return state, then_stop_outcome(connection, inventory, run_dir, state.status or status)
 
 
 def _quiet_line(connection: Connection, inventory: Inventory, run_dir: str, quiet: float) -> str:
