@@ -60,8 +60,8 @@ _HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_ma
         "max_restarts": "after a rank dies or hangs: probe the nodes, drop bad ones, resume on the rest "
         f"(default {launch.TrainRequest.max_restarts})",
         "min_nodes": f"with --max-restarts: give up when fewer healthy nodes remain (default {Limits.min_nodes})",
-        "hang_seconds": f"a hang: no step on any rank for max({Limits.hang_factor:g} x step time, this) seconds "
-        f"(default {Limits.hang_floor:g})",
+        "hang_seconds": f"a hang: no step on any rank for max({Limits.hang_factor:g} x step time, this) seconds, "
+        f"at most --stall-minutes (default {Limits.hang_floor:g})",
         "allow_tcp": "on an EFA cluster: train even where `fab check` found NCCL on sockets (no plugin forced)",
         "budget_usd": "end the run gracefully (checkpoint) when its spend reaches this many dollars, then stop "
         "the nodes; refuse to start when `fab plan` predicts more (a resumed run keeps its budget and spend)",
