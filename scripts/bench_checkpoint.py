@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cluster_node.protocol import rundir
 from train import checkpoint, snapshot
 from train.config import ModelConfig, TrainConfig
 from train.model import Transformer
@@ -62,7 +63,7 @@ def measure(run_dir: Path, repeats: int = 2, shm: Path | None = None) -> dict:
         writer.flush()
         writes.append(time.perf_counter() - began)
     with tempfile.TemporaryDirectory(dir=shm or "/dev/shm") as memory:
-        path = Path(memory) / "snapshot.pt"
+        path = Path(memory) / rundir.SNAPSHOT
         began = time.perf_counter()
         writer.submit(state, [checkpoint.persist_snapshot(path, run_dir)])
         writer.flush()
