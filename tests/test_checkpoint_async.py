@@ -1,6 +1,7 @@
 """Background checkpoints and in-memory snapshots (issue 30): the loop's stall, a writer killed mid-write,
 the resume's choice between a checkpoint and the nodes' snapshots, and a resume from a snapshot."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, tool_env
-from test_training import SMALL, losses, train
+from test_training import SMALL, TORCHRUN, losses, train
 
 from cluster_node.protocol import rundir
 from train import checkpoint, snapshot
@@ -175,3 +176,49 @@ def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_sam
     assert start >= 4 and f"resuming from this node's snapshot {shm}" in second.stdout
     assert resumed == {step: loss for step, loss in losses(whole.stdout).items() if step > start}
     assert not list(shm.rglob("*.pt")), "a run that ended at its checkpoint leaves no snapshot in memory"
+
+
+def _worker(*args: str, procs: int = 1) -> subprocess.CompletedProcess:
+    launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
+    result = subprocess.run(
+        [*launcher, str(REPO / "tests" / "async_worker.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_a_stop_ends_the_trainer_only_after_its_checkpoint_is_on_disk(numbers_data, tmp_path):
+    """Every checkpoint write 3 s slow: the STOP's records come after it and the process (which ends with
+    os._exit, the writer thread with it) leaves it on disk."""
+    (tmp_path / rundir.STOP).write_text("now: spot notice")
+    run = ["--data", str(numbers_data), "--run-dir", str(tmp_path), *SMALL, "--max-steps", "50"]
+    result = _worker("slow-writer", *run, "--batch-per-gpu", "4")
+    assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_00000001.pt"]
+    assert result.stdout.index(f"checkpoint {tmp_path}") < result.stdout.index("run ended at step 1: stop requested")
+    progress = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
+    assert progress and progress.ended_by == "stop"
+
+
+@pytest.mark.parametrize("rank1_holds, resumed", [(True, 4), (False, 2)], ids=["both-nodes", "rank1-node-without"])
+def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_step(
+    numbers_data, tmp_path, rank1_holds, resumed
+):
+    """Two ranks as two nodes (each its own snapshot directory), through the real gather and broadcast:
+    rank 1's node without the snapshot sends both ranks to the checkpoint."""
+    run = tmp_path / "run"
+    flags = ["--data", str(numbers_data), "--run-dir", str(run), *SMALL[2:], "--batch-per-gpu", "4"]
+    train(numbers_data, run, "--max-steps", "2", "--batch-per-gpu", "4")
+    state = checkpoint.load_latest(run)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes[: 2 if rank1_holds else 1]:
+        path = snapshot.snapshot_path(run, {rundir.SNAPSHOT_DIR_ENV: str(node)})
+        checkpoint.persist_snapshot(path, run)({**state, "step": 4}, 0.0)
+    result = _worker("resume", *map(str, nodes), "--recipe", "transformer-tiny", *flags, procs=2)
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == resumed for r in ranks), ranks
+    if rank1_holds:
+        assert all(r["path"].startswith(str(nodes[r["rank"]])) for r in ranks), ranks
