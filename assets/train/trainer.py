@@ -196,6 +196,10 @@ class Trainer:
             if refusal:
                 print(f"warning: {refusal}", flush=True)
                 self.snapshot_file = None
+                if not self.info.is_main:  # no checkpoints to write either: no buffers
+                    self.state_writer.close()
+                    self.state_writer = None
+                    return
             elif self.info.is_main:
                 self.log(
                     f"snapshots every {self.config.snapshot_seconds:g} s to {self.snapshot_file} ({size / 1e6:.0f} MB)"
@@ -230,7 +234,7 @@ class Trainer:
         stop_file = self.run_dir / rundir.STOP
         if self.info.is_main and stop_file.exists():
             stop, urgent = True, _urgent(stop_file)
-        # units (exact below 2**24), stop, stop without eval, checkpoint due (rank 0 decides each flag)
+        # units (exact below 2**24), stop, stop without eval, checkpoint due, snapshot due (rank 0 decides each flag)
         counts = torch.zeros(5, device=self.device)
         for batch in batches:
             counts[0] += self.task.units(batch)
