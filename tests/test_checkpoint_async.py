@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, tool_env
 from test_training import SMALL, TORCHRUN, losses, train
 
@@ -222,3 +223,17 @@ def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_ste
     assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == resumed for r in ranks), ranks
     if rank1_holds:
         assert all(r["path"].startswith(str(nodes[r["rank"]])) for r in ranks), ranks
+
+
+def test_the_written_copy_is_the_state_at_the_copy_and_tied_tensors_stay_tied(tmp_path):
+    """The loop changes the state in place right after submit: the file holds the values at the copy."""
+    weight = torch.ones(1000)
+    state = {"step": 1, "model": {"embed": weight, "out": weight.view(1000)}, "config": {"lr": [1.0]}}
+    writer = snapshot.StateWriter(torch.device("cpu"))
+    writer.submit(state, [checkpoint.persist(tmp_path, 1, keep=1, best=False, log=lambda line: None)])
+    weight.add_(1)
+    state["config"]["lr"][0] = 2.0
+    writer.close()
+    saved = checkpoint.load_latest(tmp_path)
+    assert torch.equal(saved["model"]["embed"], torch.ones(1000)) and saved["config"]["lr"] == [1.0]
+    assert saved["model"]["embed"].data_ptr() == saved["model"]["out"].data_ptr()

@@ -27,16 +27,21 @@ class _Slot:
         self.index = index
 
 
-def flatten(state: Any, tensors: list[torch.Tensor]) -> Any:
-    """The state's template: every tensor replaced by its _Slot (appended to `tensors`), every other leaf
-    copied (the config, param groups, the scheduler: small, and the loop changes them after the copy)."""
+def flatten(state: Any, tensors: list[torch.Tensor], seen: Optional[dict] = None) -> Any:
+    """The state's template: every tensor replaced by its _Slot (appended to `tensors`; one slot for two
+    views of the same memory, as torch.save keeps tied weights once), every other leaf copied (the config,
+    param groups, the scheduler: small, and the loop changes them after the copy)."""
+    seen = {} if seen is None else seen
     if isinstance(state, torch.Tensor):
-        tensors.append(state.detach())
-        return _Slot(len(tensors) - 1)
+        key = (state.data_ptr(), state.device, state.dtype, tuple(state.shape), state.stride())
+        if key not in seen:
+            tensors.append(state.detach())
+            seen[key] = _Slot(len(tensors) - 1)
+        return seen[key]
     if isinstance(state, dict):
-        return {key: flatten(value, tensors) for key, value in state.items()}
+        return {key: flatten(value, tensors, seen) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        items = [flatten(value, tensors) for value in state]
+        items = [flatten(value, tensors, seen) for value in state]
         return items if isinstance(state, list) else tuple(items)
     return copy.deepcopy(state)
 
@@ -75,9 +80,6 @@ class StateWriter:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.result()
-
-    def busy(self) -> bool:
-        return self.pending is not None and not self.pending.done()
 
     def reserve(self, state: Any) -> None:
         """Allocate (and touch) the host buffers for a state of this shape on the writer thread, ahead of the
