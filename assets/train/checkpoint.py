@@ -1,10 +1,13 @@
 """Checkpoints in RUN_DIR/checkpoints: written by global rank 0 only, atomically (temp file, fsync,
-rename); the last K kept plus best.pt; the newest loadable one is resumed, corrupt ones skipped."""
+rename), in the background (train.snapshot.StateWriter runs persist()); the last K kept plus best.pt; the
+newest loadable one is resumed, corrupt ones skipped, unless every rank holds a newer snapshot of the run
+in its node's memory (persist_snapshot, load_agreed)."""
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +41,55 @@ def save(run_dir: str | os.PathLike, step: int, state: dict, keep: int, best: bo
     return path
 
 
+def persist(run_dir: str | os.PathLike, step: int, keep: int, best: bool, log=print):
+    """The write StateWriter runs for a checkpoint: save(), then the `checkpoint` line (after its rename:
+    a line in train.log names a durable file)."""
+
+    def write(state: dict, stalled: float) -> None:
+        began = time.perf_counter()
+        path = save(run_dir, step, state, keep, best=best)
+        took = time.perf_counter() - began
+        log(
+            f"checkpoint {path} ({size_mb(path):.1f} MB in {took:.2f} s) in the background; "
+            f"the loop waited {stalled:.3f} s"
+        )
+
+    return write
+
+
+def persist_snapshot(path: Path, run_dir: str | os.PathLike):
+    """The write StateWriter runs for this node's snapshot: one file, replaced atomically; a killed
+    writer's temp file (RAM, on /dev/shm) is removed by the next write."""
+
+    def write(state: dict, stalled: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        marked = {**state, "run_dir": str(Path(run_dir).resolve())}
+        atomic_write_bytes(path, lambda f: torch.save(marked, f))
+        remove_stale(path)
+
+    return write
+
+
+def remove_stale(path: Path) -> None:
+    """Temp files beside `path` left by a writer killed mid-write: their process is gone (emulated nodes
+    share /dev/shm when GPU_CLUSTER_SNAPSHOT_DIR is unset: another's live write is left alone)."""
+    for stale in path.parent.glob(f".{path.name}.tmp.*"):
+        pid = stale.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            continue
+        stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def list_steps(run_dir: str | os.PathLike) -> list[Path]:
     directory = checkpoint_dir(run_dir)
     if not directory.is_dir():
@@ -48,30 +100,96 @@ def list_steps(run_dir: str | os.PathLike) -> list[Path]:
 def load_latest(run_dir: str | os.PathLike, log=print) -> Optional[dict]:
     """The newest checkpoint that loads; corrupt or truncated ones are reported and skipped."""
     for path in reversed(list_steps(run_dir)):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(state, dict) or "step" not in state or "model" not in state:
-                raise ValueError("not a training checkpoint")
-        except Exception as error:  # noqa: BLE001 - any unreadable file is skipped the same way
-            log(f"skipping unreadable checkpoint {path.name}: {type(error).__name__}: {error}")
-            continue
-        state["path"] = str(path)
-        return state
+        state = _load_checked(path, log)
+        if state is not None:
+            return state
     return None
 
 
-def load_agreed(run_dir: str | os.PathLike, is_main: bool, broadcast, log=print) -> Optional[dict]:
+def _load_checked(path: Path, log) -> Optional[dict]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if not isinstance(state, dict) or "step" not in state or "model" not in state:
+            raise ValueError("not a training checkpoint")
+    except Exception as error:  # noqa: BLE001 - any unreadable file is skipped the same way
+        log(f"skipping unreadable checkpoint {path.name}: {type(error).__name__}: {error}")
+        return None
+    state["path"] = str(path)
+    return state
+
+
+def load_agreed(
+    run_dir: str | os.PathLike,
+    is_main: bool,
+    broadcast,
+    log=print,
+    snapshot: Optional[Path] = None,
+    gather=None,
+) -> Optional[dict]:
     """Rank 0 picks the newest loadable checkpoint and `broadcast`s its path; every other rank loads
-    that exact file. Ranks never choose on their own: on NFS each one's listing can lag."""
-    state = load_latest(run_dir, log) if is_main else None
-    path = broadcast(state["path"] if state else None)
-    if is_main or path is None:
+    that exact file. Ranks never choose on their own: on NFS each one's listing can lag.
+    With `snapshot` (this node's file; every rank passes one or none) and `gather` (every rank's value): a
+    snapshot newer than that checkpoint wins when every rank holds one at the same step (each loads its
+    node's); a snapshot on some nodes only, or at different steps, is not used."""
+    held = load_snapshot(snapshot, run_dir, log) if snapshot is not None else None
+    steps = gather(held["step"] if held else None) if snapshot is not None and gather else [None]
+    state, choice = _choose(run_dir, steps, log) if is_main else (None, None)
+    choice = broadcast(choice)
+    if choice is None:
+        return None
+    if "snapshot" in choice:
+        if held is None or held["step"] != choice["snapshot"]:  # rank 0 saw every rank's step: a bug
+            raise FileNotFoundError(f"snapshot at step {choice['snapshot']} is not held here ({snapshot})")
+        return held
+    if is_main:
         return state
+    path = choice["path"]
     try:
         state = load_file(path)
     except OSError as error:
         raise FileNotFoundError(f"checkpoint {path}, chosen by rank 0, is not readable here: {error}") from None
     state["path"] = path
+    return state
+
+
+def agreed_step(steps: list) -> Optional[int]:
+    """The step every rank's snapshot holds, or None (one rank without, or two steps)."""
+    return steps[0] if steps and None not in steps and len(set(steps)) == 1 else None
+
+
+def _choose(run_dir: str | os.PathLike, steps: list, log) -> tuple[Optional[dict], Optional[dict]]:
+    """Rank 0: (the checkpoint's state or None, the choice to broadcast). Checkpoints older than the agreed
+    snapshot are not even read (727 MB each, from EFS). A snapshot only resumes a run that has config.json:
+    a new run under an old name never resumes its namesake's snapshot."""
+    agreed = agreed_step(steps)
+    if agreed is not None and not (Path(run_dir) / rundir.CONFIG).exists():
+        agreed = None
+    for path in reversed(list_steps(run_dir)):
+        step = rundir.checkpoint_step(path)
+        if agreed is not None and step is not None and agreed > step:
+            break
+        state = _load_checked(path, log)
+        if state is not None:
+            return state, {"path": state["path"]}
+    return None, ({"snapshot": agreed} if agreed is not None else None)
+
+
+def load_snapshot(path: Path, run_dir: str | os.PathLike, log=print) -> Optional[dict]:
+    """This node's snapshot of this run, or None: absent, unreadable (a writer killed before its rename
+    leaves only its temp file; this is for anything else) or another run directory's."""
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tmpfs: no copy until used
+        if not isinstance(state, dict) or "step" not in state or "model" not in state:
+            raise ValueError("not a training snapshot")
+    except Exception as error:  # noqa: BLE001 - any unreadable file is skipped the same way
+        log(f"skipping unreadable snapshot {path}: {type(error).__name__}: {error}")
+        return None
+    if state.get("run_dir") != str(Path(run_dir).resolve()):
+        log(f"ignoring snapshot {path}: it is {state.get('run_dir')}'s")
+        return None
+    state["path"] = str(path)
     return state
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster_node.protocol import rundir
-from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf
+from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf, snapshot
 from train.callbacks import Callback, start_wandb
 from train.config import TrainConfig, resolve_precision
 
@@ -58,7 +58,13 @@ class Trainer:
         self.urgent_stop = False
         self.checkpoint_due = False  # rank 0's time bound, agreed through the step's flag all-reduce
         self.fit_started = time.time()
-        self.last_save = time.monotonic()
+        self.last_save = self.last_snapshot = time.monotonic()
+        self.snapshot_due = False  # rank 0's clock, agreed like checkpoint_due: every node snapshots one step
+        # Every rank reads its node's snapshot at a resume; local rank 0 writes it.
+        self.snapshot_source = snapshot.snapshot_path(self.run_dir) if config.snapshot_seconds > 0 else None
+        self.snapshot_file = self.snapshot_source if info.local_rank == 0 else None
+        writes = info.is_main or self.snapshot_file is not None
+        self.state_writer = snapshot.StateWriter(device) if writes else None
         self._resume()
         self.timer = breakdown.StepTimer(breakdown.clock_for(device))
         self.wire = breakdown.AllReduceCounter()
@@ -112,7 +118,14 @@ class Trainer:
         self.stop_requested = True
 
     def _resume(self) -> None:
-        state = checkpoint.load_agreed(self.run_dir, self.info.is_main, distributed.broadcast_from_main, log=self.log)
+        state = checkpoint.load_agreed(
+            self.run_dir,
+            self.info.is_main,
+            distributed.broadcast_from_main,
+            log=self.log,
+            snapshot=self.snapshot_source,
+            gather=distributed.all_gather_objects,
+        )
         if state is None:
             self.log(f"starting a new run in {self.run_dir}")
             return
@@ -126,7 +139,8 @@ class Trainer:
         self.step = state["step"]
         self.best = state.get("best", float("-inf"))
         self.resumed_from = state["path"]
-        self.log(f"resuming from {state['path']} at step {self.step}")
+        kind = "this node's snapshot " if "run_dir" in state else ""  # persist_snapshot marks its files
+        self.log(f"resuming from {kind}{state['path']} at step {self.step}")
 
     def _state(self) -> dict:
         return {
@@ -142,13 +156,60 @@ class Trainer:
         }
 
     def save(self, best: bool = False) -> None:
-        if self.info.is_main:
+        self.persist(True, best)
+
+    def persist(self, checkpoint_now: bool, best: bool = False) -> None:
+        """The checkpoint (rank 0) and this node's snapshot (when due, local rank 0 of each node): the loop
+        only copies the state (snapshot.StateWriter); the files are written behind it. The `checkpoint`
+        phase is the loop's stall."""
+        writes = []
+        if checkpoint_now and self.info.is_main:
+            writes.append(checkpoint.persist(self.run_dir, self.step, self.config.keep_checkpoints, best, self.log))
+        if self.snapshot_due and self.snapshot_file is not None:
+            writes.append(checkpoint.persist_snapshot(self.snapshot_file, self.run_dir))
+        if writes:
+            assert self.state_writer is not None
             start = time.time()
-            began = time.perf_counter()
-            path = checkpoint.save(self.run_dir, self.step, self._state(), self.config.keep_checkpoints, best=best)
-            self.log(f"checkpoint {path} ({checkpoint.size_mb(path):.1f} MB in {time.perf_counter() - began:.2f} s)")
-            self._interval("checkpoint", start)
-        self.last_save = time.monotonic()
+            self.state_writer.submit(self._state(), writes)
+            if checkpoint_now and self.info.is_main:
+                self._interval("checkpoint", start)
+        now = time.monotonic()
+        if checkpoint_now:
+            self.last_save = now
+        if self.snapshot_due:
+            self.last_snapshot = now
+
+    def flush_writes(self) -> None:
+        """Every write taken is durable: before STOP's and the end's records say so."""
+        if self.state_writer is not None:
+            self.state_writer.flush()
+
+    def _reserve(self) -> None:
+        """After the first step (the optimizer's state exists): the writer's host buffers, and this node's
+        check that a snapshot fits in its memory (a one-line warning turns them off here)."""
+        if self.state_writer is None:
+            return
+        state = self._state()
+        if self.snapshot_file is not None:
+            size = snapshot.nbytes(state)
+            refusal = snapshot.memory_refusal(size, self.snapshot_file.parent)
+            if refusal:
+                print(f"warning: {refusal}", flush=True)
+                self.snapshot_file = None
+                if not self.info.is_main:  # no checkpoints to write either: no buffers
+                    self.state_writer.close()
+                    self.state_writer = None
+                    return
+            elif self.info.is_main:
+                self.log(
+                    f"snapshots every {self.config.snapshot_seconds:g} s to {self.snapshot_file} ({size / 1e6:.0f} MB)"
+                )
+        self.state_writer.reserve(state)
+
+    def _snapshot_bound(self) -> bool:
+        """Rank 0: this node's snapshot is older than --snapshot-seconds."""
+        seconds = self.config.snapshot_seconds
+        return self.info.is_main and seconds > 0 and time.monotonic() - self.last_snapshot >= seconds
 
     def _time_bound(self) -> bool:
         """Rank 0: the newest checkpoint is older than --checkpoint-minutes."""
@@ -173,12 +234,12 @@ class Trainer:
         stop_file = self.run_dir / rundir.STOP
         if self.info.is_main and stop_file.exists():
             stop, urgent = True, _urgent(stop_file)
-        # units (exact below 2**24), stop, stop without eval, checkpoint due (rank 0 decides each flag)
-        counts = torch.zeros(4, device=self.device)
+        # units (exact below 2**24), stop, stop without eval, checkpoint due, snapshot due (rank 0 decides each flag)
+        counts = torch.zeros(5, device=self.device)
         for batch in batches:
             counts[0] += self.task.units(batch)
-        local = [0.0, float(stop), float(urgent), float(self._time_bound())]
-        counts[1], counts[2], counts[3] = local[1:]
+        local = [0.0, float(stop), float(urgent), float(self._time_bound()), float(self._snapshot_bound())]
+        counts[1], counts[2], counts[3], counts[4] = local[1:]
         # Summed while the first forward runs; waited for only where the loss needs the global units.
         wait_counts = distributed.start_all_reduce_sum(counts)
         flags = None
@@ -216,8 +277,8 @@ class Trainer:
         self.timer.current["payload_bytes"] = self.wire.take()
         self.timer.end()
         assert flags is not None, "a step has at least one micro-batch"
-        _, stop_votes, urgent_votes, due_votes = flags.values()
-        self.urgent_stop, self.checkpoint_due = urgent_votes > 0, due_votes > 0
+        _, stop_votes, urgent_votes, due_votes, snapshot_votes = flags.values()
+        self.urgent_stop, self.checkpoint_due, self.snapshot_due = urgent_votes > 0, due_votes > 0, snapshot_votes > 0
         return total, units, stop_votes > 0
 
     def _flush_losses(self, pending: list) -> float | None:
@@ -255,9 +316,12 @@ class Trainer:
             step_times.append(self.clock() - tick)
             pending.append((self.step, loss_sum, units))
             self._log_step(pending, step_times, global_batch)
+            if len(step_times) == 1:
+                self._reserve()
             reached = False
             if stop:  # fab stop or a Spot notice: a checkpoint now, no eval (one may outlast fab stop's wait)
                 self.save()
+                self.flush_writes()  # durable before the trainer exits, the urgent one too
             elif self.step % c.eval_every == 0 or self.step == c.max_steps or stop:
                 last_eval = self.run_eval()
                 score = last_eval.get(metric)
@@ -265,8 +329,8 @@ class Trainer:
                 self.best = max(self.best, score) if score is not None else self.best
                 reached = c.target_metric is not None and score is not None and score >= c.target_metric
                 self.save(best=improved)
-            elif self.step % c.checkpoint_every == 0 or self.checkpoint_due:
-                self.save()
+            else:
+                self.persist(self.step % c.checkpoint_every == 0 or self.checkpoint_due)
             if stop:
                 ended, ended_by = "stop requested (checkpoint now, no eval)", rundir.EndedBy.STOP
                 if self.info.is_main:
@@ -275,10 +339,16 @@ class Trainer:
             if reached:
                 ended, ended_by = f"target {metric} {c.target_metric} reached", rundir.EndedBy.TARGET
                 break
+        self.flush_writes()  # the end's records (the log line, summary.json, progress.json) after it
         self._flush_losses(pending)
         self.log(f"run ended at step {self.step}: {ended}")
         wall = time.time() - started
-        return self._summary(step_times, global_batch, last_eval, (ended, ended_by), wall).to_json()
+        summary = self._summary(step_times, global_batch, last_eval, (ended, ended_by), wall).to_json()
+        if step_times and self.snapshot_file is not None:
+            # The run ended at a checkpoint as new (rank 0 flushed it before the summary's gather): the
+            # snapshot would hold the node's memory for nothing.
+            self.snapshot_file.unlink(missing_ok=True)
+        return summary
 
     def _log_step(self, pending: list, step_times: list[float], global_batch: int) -> None:
         """Per step: LR and timing; at log steps also the losses so far, memory and the log line."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from cluster_node.protocol import clusterdir
+from cluster_node.protocol import clusterdir, rundir
 from cluster_node.protocol.contract import CONTAINER_SSH_PORT
 from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
 from clusterops.local import net as localnet
@@ -137,6 +137,8 @@ def _node_script(
         **image_env,
         "DATA_DIR": spec.data_dir,
         "RUNTIME_DIR": "/run/gpu-cluster",
+        # The trainer's in-memory snapshot in this node's own /run (a tmpfs per node): nodes share /dev/shm.
+        rundir.SNAPSHOT_DIR_ENV: "/run/gpu-cluster/snapshots",
         "EXTRA_AUTHORIZED_KEYS": str(extra_keys),
         "SSHD_CONFIG": str(SSHD_CONFIG),
     }

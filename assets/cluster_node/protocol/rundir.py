@@ -146,6 +146,11 @@ class ThenStopState(str, Enum):
 
 
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.programs.start says why)
+# Each node's in-memory snapshot of a run (train.snapshot): SNAPSHOT_ROOT/NAME/SNAPSHOT, outside /data and
+# the ranks, so it outlives them; $SNAPSHOT_DIR_ENV replaces the root (emulated nodes share one machine).
+SNAPSHOT_ROOT = "/dev/shm/gpu-cluster"
+SNAPSHOT_DIR_ENV = "GPU_CLUSTER_SNAPSHOT_DIR"
+SNAPSHOT = "snapshot.pt"
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
 
 

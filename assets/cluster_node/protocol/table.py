@@ -130,6 +130,13 @@ FILES: tuple[ProtocolFile, ...] = (
         "cluster_node.programs.start",
         "cluster_node.programs.start",
     ),
+    _at(
+        "node",
+        f"{rd.SNAPSHOT_ROOT}/NAME/{rd.SNAPSHOT}",
+        f"torch state, the newest every --snapshot-seconds (the root: ${rd.SNAPSHOT_DIR_ENV} when set)",
+        "train.snapshot (local rank 0 of each node)",
+        "trainer (resume, when every rank holds the same step)",
+    ),
     _at("runs", rd.CHECK_RUN, "fab check's run directory", "fab check", "fab check"),
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_JSON}", "JSON", "fab scale", "fab scale"),
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_MD}", "Markdown", "fab scale", "people"),
@@ -159,7 +166,13 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("cluster", cd.DRILL_FILL, "--mb of zeros; removed when the drill ends", "fab drill fill-data", "nobody"),
 )
 
-_WHERE = {"head": "", "run": f"DATA/{rd.RUNS}/NAME/", "runs": f"DATA/{rd.RUNS}/", "cluster": f"DATA/{cd.CLUSTER}/"}
+_WHERE = {
+    "head": "",
+    "node": "",
+    "run": f"DATA/{rd.RUNS}/NAME/",
+    "runs": f"DATA/{rd.RUNS}/",
+    "cluster": f"DATA/{cd.CLUSTER}/",
+}
 
 
 def protocol_table(files: Iterable[ProtocolFile] = FILES) -> str:

@@ -1,0 +1,239 @@
+"""Background checkpoints and in-memory snapshots (issue 30): the loop's stall, a writer killed mid-write,
+the resume's choice between a checkpoint and the nodes' snapshots, and a resume from a snapshot."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, tool_env
+from test_training import SMALL, TORCHRUN, losses, train
+
+from cluster_node.protocol import rundir
+from train import checkpoint, snapshot
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_checkpoint  # noqa: E402
+
+
+def test_the_loops_stall_per_checkpoint_is_at_most_a_tenth_of_a_synchronous_save(tmp_path):
+    """transformer-base (model + Adam, 727 MB) on CPU, both ways in one process: the synchronous save the
+    trainer did before, and the copy the loop now waits for (the write runs on the writer thread)."""
+    figures = bench_checkpoint.measure(tmp_path, repeats=2)
+    print(bench_checkpoint.line(figures))
+    assert figures["mb"] > 700
+    assert figures["stall_s"] <= 0.10 * figures["sync_s"], figures
+    assert [p.name for p in checkpoint.list_steps(tmp_path)][-1] == "step_00000004.pt"  # written, flushed
+
+
+CHILD = """
+import sys, time, torch
+from pathlib import Path
+from train import checkpoint, snapshot
+run, kind = Path(sys.argv[1]), sys.argv[2]
+writer = snapshot.StateWriter(torch.device("cpu"))
+def write(step):
+    if kind == "snapshot":
+        return checkpoint.persist_snapshot(run / "shm" / "snapshot.pt", run)
+    return checkpoint.persist(run, step, keep=3, best=False, log=lambda line: None)
+writer.submit({"step": 1, "model": {"w": torch.ones(4)}}, [write(1)])
+writer.flush()
+big = {"step": 2, "model": {f"w{i}": torch.full((25_000_000,), 2.0) for i in range(16)}}  # 1.6 GB
+writer.submit(big, [write(2)])
+print("writing", flush=True)
+time.sleep(600)
+"""
+
+
+def _kill_mid_write(run: Path, kind: str) -> Path:
+    """A writer process (the real StateWriter) killed while its temp file grows; returns that file."""
+    target = run / "shm" / rundir.SNAPSHOT if kind == "snapshot" else rundir.checkpoint(run, 2)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(run), kind],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=tool_env(),
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            partial = [p for p in target.parent.glob(f".{target.name}.tmp.*") if p.stat().st_size > 0]
+            if partial:
+                child.send_signal(signal.SIGKILL)
+                child.wait(10)
+                return partial[0]
+            time.sleep(0.001)
+        raise AssertionError("the writer never started its temp file")
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_the_resume_point(tmp_path):
+    partial = _kill_mid_write(tmp_path, "checkpoint")
+    assert partial.exists() and not rundir.checkpoint(tmp_path, 2).exists()
+    assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_00000001.pt"]
+    assert checkpoint.load_agreed(tmp_path, True, lambda choice: choice)["step"] == 1
+    checkpoint.save(tmp_path, 3, {"step": 3, "model": {}}, keep=3)  # the next write clears the dead one's file
+    assert not partial.exists()
+
+
+def test_a_snapshot_writer_killed_mid_write_leaves_the_previous_snapshot(tmp_path):
+    partial = _kill_mid_write(tmp_path, "snapshot")
+    path = tmp_path / "shm" / rundir.SNAPSHOT
+    assert partial.exists() and checkpoint.load_snapshot(path, tmp_path)["step"] == 1
+    (tmp_path / rundir.CONFIG).write_text("{}")
+    state = checkpoint.load_agreed(tmp_path, True, lambda c: c, snapshot=path, gather=lambda step: [step])
+    assert state["step"] == 1 and state["path"] == str(path)
+    checkpoint.persist_snapshot(path, tmp_path)({"step": 3, "model": {}}, 0.0)  # RAM: the dead one's file goes
+    assert not partial.exists() and checkpoint.load_snapshot(path, tmp_path)["step"] == 3
+
+
+def _snapshot(run: Path, step: int) -> Path:
+    path = run / "shm" / rundir.SNAPSHOT
+    checkpoint.persist_snapshot(path, run)({"step": step, "model": {}}, 0.0)
+    return path
+
+
+@pytest.mark.parametrize(
+    "snapshot_steps, config, resumed",
+    [
+        ([6, 6], True, 6),  # every rank holds step 6: newer than the checkpoint at 4
+        ([3, 3], True, 4),  # older than the checkpoint
+        ([4, 4], True, 4),  # as new: the checkpoint (durable, on /data)
+        ([6, None], True, 4),  # one node has none (a replaced node)
+        ([6, 5], True, 4),  # a node whose last snapshot write was killed
+        ([6, 6], False, 4),  # no config.json: a new run under the name of an old one
+    ],
+    ids=["newer", "older", "tie", "one-node-without", "steps-differ", "new-run"],
+)
+def test_the_resume_takes_a_snapshot_only_when_every_rank_holds_one_newer_than_the_checkpoint(
+    tmp_path, snapshot_steps, config, resumed
+):
+    for step in (2, 4):
+        checkpoint.save(tmp_path, step, {"step": step, "model": {}}, keep=3)
+    if config:
+        (tmp_path / rundir.CONFIG).write_text("{}")
+    path = _snapshot(tmp_path, snapshot_steps[0])
+    state = checkpoint.load_agreed(tmp_path, True, lambda c: c, snapshot=path, gather=lambda mine: snapshot_steps)
+    assert state["step"] == resumed
+    assert (state["path"] == str(path)) is (resumed == snapshot_steps[0] and resumed == 6)
+
+
+def test_a_snapshot_of_another_run_directory_is_ignored(tmp_path):
+    path = _snapshot(tmp_path / "old", 9)
+    assert checkpoint.load_snapshot(path, tmp_path / "new", log=lambda line: None) is None
+
+
+def test_the_snapshot_is_per_node_and_the_local_cluster_can_move_it():
+    assert snapshot.snapshot_path("/data/runs/base", {}) == Path("/dev/shm/gpu-cluster/base/snapshot.pt")
+    moved = snapshot.snapshot_path("/data/runs/base", {rundir.SNAPSHOT_DIR_ENV: "/run/gpu-cluster/snapshots"})
+    assert moved == Path("/run/gpu-cluster/snapshots/base/snapshot.pt")
+
+
+def test_a_snapshot_that_does_not_fit_the_nodes_memory_is_refused_in_one_line(tmp_path):
+    assert snapshot.memory_refusal(1_000_000, tmp_path) is None
+    refusal = snapshot.memory_refusal(1 << 50, tmp_path)
+    assert refusal and "\n" not in refusal and refusal.startswith("snapshots off on this node")
+
+
+def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_same_losses(numbers_data, tmp_path):
+    """A snapshot every step, no checkpoint before the kill (SIGKILL, as a lost node): the resume starts
+    at the snapshot's step, and its losses are the uninterrupted run's."""
+    shm = tmp_path / "shm"
+    flags = ["--batch-per-gpu", "8", "--dropout", "0.1", "--batching", "tokens", "--eval-every", "1000"]
+    whole = train(numbers_data, tmp_path / "whole", "--max-steps", "10", *flags)
+    command = [sys.executable, "-m", "train.train", "--data", str(numbers_data), "--run-dir", str(tmp_path / "split")]
+    env = tool_env(OMP_NUM_THREADS="1", **{rundir.SNAPSHOT_DIR_ENV: str(shm)})
+    child = subprocess.Popen(
+        [*command, *SMALL, "--max-steps", "40", "--snapshot-seconds", "0.001", *flags],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith("step 6/"):  # step 5's snapshot may be in flight; step 4's is written
+            os.kill(child.pid, signal.SIGKILL)
+            break
+    child.wait(30)
+    assert checkpoint.list_steps(tmp_path / "split") == []
+    second = subprocess.run(
+        [*command, *SMALL, "--max-steps", "10", "--snapshot-seconds", "0.001", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = losses(second.stdout)
+    start = min(resumed) - 1
+    assert start >= 4 and f"resuming from this node's snapshot {shm}" in second.stdout
+    assert resumed == {step: loss for step, loss in losses(whole.stdout).items() if step > start}
+    assert not list(shm.rglob("*.pt")), "a run that ended at its checkpoint leaves no snapshot in memory"
+
+
+def _worker(*args: str, procs: int = 1) -> subprocess.CompletedProcess:
+    launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
+    result = subprocess.run(
+        [*launcher, str(REPO / "tests" / "async_worker.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_a_stop_ends_the_trainer_only_after_its_checkpoint_is_on_disk(numbers_data, tmp_path):
+    """Every checkpoint write 3 s slow: the STOP's records come after it and the process (which ends with
+    os._exit, the writer thread with it) leaves it on disk."""
+    (tmp_path / rundir.STOP).write_text("now: spot notice")
+    run = ["--data", str(numbers_data), "--run-dir", str(tmp_path), *SMALL, "--max-steps", "50"]
+    result = _worker("slow-writer", *run, "--batch-per-gpu", "4")
+    assert [p.name for p in checkpoint.list_steps(tmp_path)] == ["step_00000001.pt"]
+    assert result.stdout.index(f"checkpoint {tmp_path}") < result.stdout.index("run ended at step 1: stop requested")
+    progress = rundir.read_record(tmp_path / rundir.PROGRESS, rundir.Progress)
+    assert progress and progress.ended_by == "stop"
+
+
+@pytest.mark.parametrize("rank1_holds, resumed", [(True, 4), (False, 2)], ids=["both-nodes", "rank1-node-without"])
+def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_step(
+    numbers_data, tmp_path, rank1_holds, resumed
+):
+    """Two ranks as two nodes (each its own snapshot directory), through the real gather and broadcast:
+    rank 1's node without the snapshot sends both ranks to the checkpoint."""
+    run = tmp_path / "run"
+    flags = ["--data", str(numbers_data), "--run-dir", str(run), *SMALL[2:], "--batch-per-gpu", "4"]
+    train(numbers_data, run, "--max-steps", "2", "--batch-per-gpu", "4")
+    state = checkpoint.load_latest(run)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes[: 2 if rank1_holds else 1]:
+        path = snapshot.snapshot_path(run, {rundir.SNAPSHOT_DIR_ENV: str(node)})
+        checkpoint.persist_snapshot(path, run)({**state, "step": 4}, 0.0)
+    result = _worker("resume", *map(str, nodes), "--recipe", "transformer-tiny", *flags, procs=2)
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == resumed for r in ranks), ranks
+    if rank1_holds:
+        assert all(r["path"].startswith(str(nodes[r["rank"]])) for r in ranks), ranks
+
+
+def test_the_written_copy_is_the_state_at_the_copy_and_tied_tensors_stay_tied(tmp_path):
+    """The loop changes the state in place right after submit: the file holds the values at the copy."""
+    weight = torch.ones(1000)
+    state = {"step": 1, "model": {"embed": weight, "out": weight.view(1000)}, "config": {"lr": [1.0]}}
+    writer = snapshot.StateWriter(torch.device("cpu"))
+    writer.submit(state, [checkpoint.persist(tmp_path, 1, keep=1, best=False, log=lambda line: None)])
+    weight.add_(1)
+    state["config"]["lr"][0] = 2.0
+    writer.close()
+    saved = checkpoint.load_latest(tmp_path)
+    assert torch.equal(saved["model"]["embed"], torch.ones(1000)) and saved["config"]["lr"] == [1.0]
+    assert saved["model"]["embed"].data_ptr() == saved["model"]["out"].data_ptr()
