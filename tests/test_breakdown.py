@@ -93,7 +93,7 @@ def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_d
 
 
 def test_durations_and_the_eta_in_fab_status():
-    from train.breakdown import duration
+    from train.trainer import duration
 
     assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
     progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}

@@ -159,16 +159,6 @@ def memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def duration(seconds: float) -> str:
-    """45s, 2m10s, 3h05m"""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
 def parts_line(parts: dict) -> str:
     """data 1 | compute 300 | comm 50 | opt 20 | other 5 ms"""
     names = {
@@ -179,14 +169,3 @@ def parts_line(parts: dict) -> str:
         "other_s": "other",
     }
     return " ".join(f"{name} {parts.get(key, 0.0) * 1000:.0f}" for key, name in names.items()) + " ms"
-
-
-def first_step_line(step: int, max_steps: int, log_every: int, loss: Any, lr: Any, seconds: float) -> str:
-    """The log line of a run's first step: its time is start-up (allocation, the first collectives), and
-    its parts may exceed it (the slowest rank's): no speed, breakdown or ETA from it."""
-    later = min(max(log_every, step + 1), max_steps)
-    return (
-        f"step {step}/{max_steps} ({100 * step // max_steps}%) | loss {loss:.3f} | lr {lr:.2e} | first step "
-        f"{seconds * 1000:.0f} ms "
-        f"(start-up; speed and ETA from step {later})"
-    )

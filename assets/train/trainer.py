@@ -7,7 +7,7 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -365,7 +365,7 @@ class Trainer:
             )
             elapsed = time.time() - self.fit_started
             if len(step_times) == 1 and c.max_steps > 1:  # its speed, parts and ETA would mislead
-                self.log(breakdown.first_step_line(self.step, c.max_steps, c.log_every, loss, lr, step_time))
+                self.log(first_step_line(self.step, c.max_steps, c.log_every, loss, lr, step_time))
                 self._progress(loss=loss, elapsed_s=elapsed)
                 return
             eta = (c.max_steps - self.step) * step_time
@@ -374,7 +374,7 @@ class Trainer:
                 f"{lr:.2e} | {step_time * 1000:.0f} ms/step | "
                 f"{global_batch / step_time:.0f} objects/s{perf.flops_text(parts, self.device_name)} | "
                 f"slowest rank: {breakdown.parts_line(parts)} | "
-                f"elapsed {breakdown.duration(elapsed)} | ETA {breakdown.duration(eta)}"
+                f"elapsed {duration(elapsed)} | ETA {duration(eta)}"
             )
             self._progress(loss=loss, avg_step_time_s=step_time, breakdown=parts, elapsed_s=elapsed, eta_s=eta)
 
@@ -473,3 +473,27 @@ class Trainer:
             if self.wandb:
                 self.wandb.finish()
         return summary
+
+
+# ---------------------------------------------------------------- the step lines rank 0 logs
+
+
+def duration(seconds: float) -> str:
+    """45s, 2m10s, 3h05m"""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def first_step_line(step: int, max_steps: int, log_every: int, loss: Any, lr: Any, seconds: float) -> str:
+    """The log line of a run's first step: its time is start-up (allocation, the first collectives), and
+    its parts may exceed it (the slowest rank's): no speed, breakdown or ETA from it."""
+    later = min(max(log_every, step + 1), max_steps)
+    return (
+        f"step {step}/{max_steps} ({100 * step // max_steps}%) | loss {loss:.3f} | lr {lr:.2e} | first step "
+        f"{seconds * 1000:.0f} ms "
+        f"(start-up; speed and ETA from step {later})"
+    )
