@@ -220,6 +220,7 @@ def test_one_process_reads_its_stop_flags_on_the_host_without_waiting_for_the_de
         model=ModelConfig(d_model=32, layers=1, heads=2, ffn=32, dropout=0.0, max_len=64),
     )
     trainer = compose(config, DistInfo(), torch.device("cpu"))
-    assert trainer.train_step()[2] is False and made[-1].local == [0.0, 0.0, 0.0, 0.0]
+    # units, stop, urgent stop, checkpoint due, snapshot due: all from the host
+    assert trainer.train_step()[2] is False and made[-1].local == [0.0] * 5
     (tmp_path / rundir.STOP).write_text("stop\n")
-    assert trainer.train_step()[2] is True and made[-1].local == [0.0, 1.0, 0.0, 0.0]
+    assert trainer.train_step()[2] is True and made[-1].local == [0.0, 1.0, 0.0, 0.0, 0.0]
