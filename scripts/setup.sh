@@ -32,7 +32,8 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   [[ $(.venv/bin/uv --version 2>/dev/null) == "uv $UV_VERSION"* ]] \
     || .venv/bin/pip install -q --disable-pip-version-check "uv==$UV_VERSION"
   find_links=(); [[ -d /opt/wheels ]] && find_links=(--find-links /opt/wheels)
-  .venv/bin/uv pip sync -q --python .venv/bin/python "${find_links[@]}" requirements.lock
+  # --compile-bytecode: once here, not in every test worker of a fresh checkout's first run (torch, aws_cdk)
+  .venv/bin/uv pip sync -q --compile-bytecode --python .venv/bin/python "${find_links[@]}" requirements.lock
   .venv/bin/uv pip install -q --python .venv/bin/python --offline --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
