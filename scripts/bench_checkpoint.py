@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from cluster_node.protocol import rundir
 from train import checkpoint, snapshot
 from train.config import ModelConfig, TrainConfig
 from train.model import Transformer
@@ -64,9 +63,8 @@ def measure(run_dir: Path, repeats: int = 2, device: torch.device = CPU) -> dict
         writer.flush()
         writes.append(time.perf_counter() - began)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as memory:
-        path = Path(memory) / rundir.SNAPSHOT
         began = time.perf_counter()
-        writer.submit(state, [checkpoint.persist_snapshot(path, run_dir)])
+        writer.submit(state, [checkpoint.persist_snapshot(Path(memory), run_dir, 0)])
         writer.flush()
         snapshot_s = time.perf_counter() - began
     writer.close()

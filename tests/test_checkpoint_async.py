@@ -3,6 +3,7 @@ the resume's choice between a checkpoint and the nodes' snapshots, and a resume 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 from conftest import REPO, tool_env
 from test_training import SMALL, TORCHRUN, losses, train
 
+from cluster_node.programs import snapshots
 from cluster_node.protocol import rundir
 from train import checkpoint, snapshot
 
@@ -39,7 +41,7 @@ run, kind = Path(sys.argv[1]), sys.argv[2]
 writer = snapshot.StateWriter(torch.device("cpu"))
 def write(step):
     if kind == "snapshot":
-        return checkpoint.persist_snapshot(run / "shm" / "snapshot.pt", run)
+        return checkpoint.persist_snapshot(run / "shm", run, step)
     return checkpoint.persist(run, step, keep=3, best=False, log=lambda line: None)
 writer.submit({"step": 1, "model": {"w": torch.ones(4)}}, [write(1)])
 writer.flush()
@@ -52,7 +54,7 @@ time.sleep(600)
 
 def _kill_mid_write(run: Path, kind: str) -> Path:
     """A writer process (the real StateWriter) killed while its temp file grows; returns that file."""
-    target = run / "shm" / rundir.SNAPSHOT if kind == "snapshot" else rundir.checkpoint(run, 2)
+    target = run / "shm" / rundir.SNAPSHOT.format(step=2) if kind == "snapshot" else rundir.checkpoint(run, 2)
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(run), kind],
         stdout=subprocess.PIPE,
@@ -86,19 +88,21 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_the
 
 def test_a_snapshot_writer_killed_mid_write_leaves_the_previous_snapshot(tmp_path):
     partial = _kill_mid_write(tmp_path, "snapshot")
-    path = tmp_path / "shm" / rundir.SNAPSHOT
-    assert partial.exists() and checkpoint.load_snapshot(path, tmp_path)["step"] == 1
+    held = tmp_path / "shm"
+    assert partial.exists() and checkpoint.load_snapshot(held, tmp_path)["step"] == 1
+    assert snapshots.held(tmp_path) == {"shm": {"step": 1, "bytes": (held / "snapshot_00000001.pt").stat().st_size}}
     (tmp_path / rundir.CONFIG).write_text("{}")
-    state = checkpoint.load_agreed(tmp_path, True, lambda c: c, snapshot=path, gather=lambda step: [step])
-    assert state["step"] == 1 and state["path"] == str(path)
-    checkpoint.persist_snapshot(path, tmp_path)({"step": 3, "model": {}}, 0.0)  # RAM: the dead one's file goes
-    assert not partial.exists() and checkpoint.load_snapshot(path, tmp_path)["step"] == 3
+    state = checkpoint.load_agreed(tmp_path, True, lambda c: c, snapshot=held, gather=lambda step: [step])
+    assert state["step"] == 1 and state["path"] == str(held / "snapshot_00000001.pt")
+    checkpoint.persist_snapshot(held, tmp_path, 3)({"step": 3, "model": {}}, 0.0)  # RAM: the dead one's file goes
+    assert not partial.exists() and checkpoint.load_snapshot(held, tmp_path)["step"] == 3
+    assert [p.name for p in held.iterdir()] == ["snapshot_00000003.pt"]  # one snapshot held, the older gone
 
 
 def _snapshot(run: Path, step: int) -> Path:
-    path = run / "shm" / rundir.SNAPSHOT
-    checkpoint.persist_snapshot(path, run)({"step": step, "model": {}}, 0.0)
-    return path
+    held = run / "shm"
+    checkpoint.persist_snapshot(held, run, step)({"step": step, "model": {}}, 0.0)
+    return held
 
 
 @pytest.mark.parametrize(
@@ -106,7 +110,7 @@ def _snapshot(run: Path, step: int) -> Path:
     [
         ([6, 6], True, 6),  # every rank holds step 6: newer than the checkpoint at 4
         ([3, 3], True, 4),  # older than the checkpoint
-        ([4, 4], True, 4),  # as new: the checkpoint (durable, on /data)
+        ([4, 4], True, 4),  # as new: the snapshot (RAM, not a read from /data)
         ([6, None], True, 4),  # one node has none (a replaced node)
         ([6, 5], True, 4),  # a node whose last snapshot write was killed
         ([6, 6], False, 4),  # no config.json: a new run under the name of an old one
@@ -120,21 +124,22 @@ def test_the_resume_takes_a_snapshot_only_when_every_rank_holds_one_newer_than_t
         checkpoint.save(tmp_path, step, {"step": step, "model": {}}, keep=3)
     if config:
         (tmp_path / rundir.CONFIG).write_text("{}")
-    path = _snapshot(tmp_path, snapshot_steps[0])
-    state = checkpoint.load_agreed(tmp_path, True, lambda c: c, snapshot=path, gather=lambda mine: snapshot_steps)
+    held = _snapshot(tmp_path, snapshot_steps[0])
+    state = checkpoint.load_agreed(tmp_path, True, lambda c: c, snapshot=held, gather=lambda mine: snapshot_steps)
     assert state["step"] == resumed
-    assert (state["path"] == str(path)) is (resumed == snapshot_steps[0] and resumed == 6)
+    from_memory = resumed == snapshot_steps[0] and len(set(snapshot_steps)) == 1 and config
+    assert (Path(state["path"]).parent == held) is bool(from_memory)
 
 
 def test_a_snapshot_of_another_run_directory_is_ignored(tmp_path):
-    path = _snapshot(tmp_path / "old", 9)
-    assert checkpoint.load_snapshot(path, tmp_path / "new", log=lambda line: None) is None
+    held = _snapshot(tmp_path / "old", 9)
+    assert checkpoint.load_snapshot(held, tmp_path / "new", log=lambda line: None) is None
 
 
 def test_the_snapshot_is_per_node_and_the_local_cluster_can_move_it():
-    assert snapshot.snapshot_path("/data/runs/base", {}) == Path("/dev/shm/gpu-cluster/base/snapshot.pt")
-    moved = snapshot.snapshot_path("/data/runs/base", {rundir.SNAPSHOT_DIR_ENV: "/run/gpu-cluster/snapshots"})
-    assert moved == Path("/run/gpu-cluster/snapshots/base/snapshot.pt")
+    assert snapshot.snapshot_dir("/data/runs/base", {}) == Path("/dev/shm/gpu-cluster/base")
+    moved = snapshot.snapshot_dir("/data/runs/base", {rundir.SNAPSHOT_DIR_ENV: "/run/gpu-cluster/snapshots"})
+    assert moved == Path("/run/gpu-cluster/snapshots/base")
 
 
 def test_a_snapshot_that_does_not_fit_the_nodes_memory_is_refused_in_one_line(tmp_path):
@@ -143,9 +148,14 @@ def test_a_snapshot_that_does_not_fit_the_nodes_memory_is_refused_in_one_line(tm
     assert refusal and "\n" not in refusal and refusal.startswith("snapshots off on this node")
 
 
-def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_same_losses(numbers_data, tmp_path):
+@pytest.mark.parametrize("held_by", ["this-node", "copied-to-data"])
+def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_same_losses(
+    numbers_data, tmp_path, held_by
+):
     """A snapshot every step, no checkpoint before the kill (SIGKILL, as a lost node): the resume starts
-    at the snapshot's step, and its losses are the uninterrupted run's."""
+    at the snapshot's step, and its losses are the uninterrupted run's. copied-to-data: the restart's node
+    holds none (a replaced node): the survivor's snapshot, copied to /data by the supervisor's
+    `cluster_node.programs.snapshots persist`, is the checkpoint it resumes from."""
     shm = tmp_path / "shm"
     flags = ["--batch-per-gpu", "8", "--dropout", "0.1", "--batching", "tokens", "--eval-every", "1000"]
     whole = train(numbers_data, tmp_path / "whole", "--max-steps", "10", *flags)
@@ -159,11 +169,17 @@ def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_sam
     )
     assert child.stdout is not None
     for line in child.stdout:
-        if line.startswith("step 6/"):  # step 5's snapshot may be in flight; step 4's is written
+        if line.startswith("step 6/"):  # a snapshot may be in flight: the older one is the resume point
             os.kill(child.pid, signal.SIGKILL)
             break
     child.wait(30)
     assert checkpoint.list_steps(tmp_path / "split") == []
+    [(name, held)] = snapshots.held(shm).items()  # the step its newest complete snapshot holds (the probe's)
+    assert name == "split" and held["step"] >= 2
+    if held_by == "copied-to-data":
+        copied = snapshots.persist(tmp_path / "split", held["step"], {rundir.SNAPSHOT_DIR_ENV: str(shm)})
+        assert copied["copied"] and Path(copied["path"]).parent.name == rundir.CHECKPOINTS
+        shutil.rmtree(shm)  # the node that resumes holds nothing
     second = subprocess.run(
         [*command, *SMALL, "--max-steps", "10", "--snapshot-seconds", "0.001", *flags],
         capture_output=True,
@@ -174,7 +190,8 @@ def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_sam
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = losses(second.stdout)
     start = min(resumed) - 1
-    assert start >= 4 and f"resuming from this node's snapshot {shm}" in second.stdout
+    where = f"this node's snapshot {shm}" if held_by == "this-node" else str(tmp_path / "split" / rundir.CHECKPOINTS)
+    assert start == held["step"] and f"resuming from {where}" in second.stdout, second.stdout[-2000:]
     assert resumed == {step: loss for step, loss in losses(whole.stdout).items() if step > start}
     assert not list(shm.rglob("*.pt")), "a run that ended at its checkpoint leaves no snapshot in memory"
 
@@ -216,8 +233,8 @@ def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_ste
     state = checkpoint.load_latest(run)
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes[: 2 if rank1_holds else 1]:
-        path = snapshot.snapshot_path(run, {rundir.SNAPSHOT_DIR_ENV: str(node)})
-        checkpoint.persist_snapshot(path, run)({**state, "step": 4}, 0.0)
+        held = snapshot.snapshot_dir(run, {rundir.SNAPSHOT_DIR_ENV: str(node)})
+        checkpoint.persist_snapshot(held, run, 4)({**state, "step": 4}, 0.0)
     result = _worker("resume", *map(str, nodes), "--recipe", "transformer-tiny", *flags, procs=2)
     ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == resumed for r in ranks), ranks

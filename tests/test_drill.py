@@ -3,11 +3,15 @@ nothing; the outcome detection and the printed timeline / goodput lost from scri
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import REPO
 from test_fabfile import closed_port, fab
 
 from cluster_node.protocol.phases import Phase
+from cluster_node.protocol.rundir import Restart
+from cluster_node.supervisor import goodput
 from clusterops.inventory import Inventory, Node, SshSettings
 from clusterops.run import drill, drillreport
 
@@ -118,7 +122,7 @@ def test_the_timeline_and_the_goodput_lost_from_the_phases():
     shown = drillreport.timeline(MARKS, 117.0)
     assert shown[0] == "  +0.0 s  injected"
     assert "  +3.0 s  supervisor detected the failure (unreachable); its last heartbeat: step 20" in shown
-    assert "  +8.0 s  supervisor decided: restart from the checkpoint at step 10" in shown
+    assert "  +8.0 s  supervisor decided: restart from step 10" in shown
     assert "  +8.1 s  supervisor launched attempt 2" in shown and shown[-1] == "  +12.0 s  first step (11)"
     lost = drillreport.lost(MARKS, 117.0, 129.0)
     # 12 s of drill, none of it kept stepping; the 6 s stepped after the checkpoint are recomputed; and the
@@ -136,9 +140,44 @@ def test_a_restart_before_any_checkpoint_says_from_the_start_not_step_none():
     marks = [Phase("decide", 125.0, step=None, kind="died")]
     assert (
         drillreport.timeline(marks, 117.0)[-1]
-        == "  +8.0 s  supervisor decided: restart from the start (no checkpoint yet)"
+        == "  +8.0 s  supervisor decided: restart from the start (no checkpoint or snapshot yet)"
     )
-    assert drillreport._from(None) == "from the start (no checkpoint yet)" and drillreport._from(7) == "from step 7"
+    restart = Restart.from_json(RESTART)
+    assert drillreport._from(replace(restart, resume_step=None)) == "from the start (no checkpoint or snapshot yet)"
+    assert drillreport._from(restart) == "from the checkpoint at step 7"
+    snapshot = replace(restart, resume_step=18, resume_from="snapshot", resume_holder="10.0.0.2", steps_lost=2)
+    assert drillreport._from(replace(snapshot, lost_s=1.25)) == "from node1's snapshot at step 18; lost 2 steps, 1.2 s"
+
+
+RESTART = {
+    "time": "2026-11-26T10:00:00Z",
+    "kind": "unreachable",
+    "reason": "node2 unreachable",
+    "nodes_before": ["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+    "nodes_after": ["10.0.0.1", "10.0.0.2"],
+    "dropped": {"10.0.0.3": "unreachable"},
+    "rejoined": [],
+    "resume_step": 7,
+    "global_batch": 24,
+    "batch_per_gpu": 12,
+    "grad_accum": 1,
+    "max_batch_per_gpu": 8,
+    "names": {"10.0.0.1": "node0", "10.0.0.2": "node1", "10.0.0.3": "node2"},
+}
+
+
+def test_a_restart_from_a_snapshot_recomputes_only_the_steps_after_its_copy():
+    """Issue 30: the same drill, the survivors holding a snapshot at step 18 (taken at 114.0): the steps
+    from 18 to 20 are recomputed, not those since the checkpoint at 10; the copy's stall is a checkpoint cost."""
+    marks = [*MARKS[:5], Phase("snapshot", 114.0, end=114.1, step=18), *MARKS[5:7]]
+    marks += [Phase("decide", 125.0, step=18, kind="unreachable"), *MARKS[8:]]
+    lost = drillreport.lost(marks, 117.0, 129.0)
+    # recomputed: from the snapshot's copy (114.1) to the last heartbeat (116.5); the copy was before the drill
+    assert "recomputed 2.4 s" in lost[0] and "checkpoint.snapshot" not in lost[0], lost
+    assert lost[1].endswith("2 steps lost (2.4 s to recompute)"), lost
+    acc = goodput.account(marks, now=129.0)
+    assert acc is not None and acc.phases["checkpoint.snapshot"] == pytest.approx(0.1)
+    assert any("checkpoint: " in line and "(snapshot 0.1 s)" in line for line in goodput.lines(acc))
 
 
 def test_a_drill_without_restarts_reports_no_restart_or_recomputed_time():

@@ -54,7 +54,7 @@ def test_plan_drops_the_unreachable_node_and_rewrites_the_job_for_the_rest(tmp_p
     (run / "probes" / "10.0.0.3").write_text("")  # ssh failed: no output
     restart, line, run_spec = _plan(run, run_spec, "died", "rank 2 exited on signal 9")
     assert restart, line
-    assert "restart 1/1 on 2 node(s)" in line and "from step 20" in line
+    assert "restart 1/1 on 2 node(s)" in line and "from the checkpoint at step 20" in line
     assert run_spec.hosts == ("10.0.0.1", "10.0.0.2") and run_spec.process_env == {"HWLOC_COMPONENTS": "-gl"}
     command = " ".join(run_spec.argv())
     assert command.startswith("mpirun --allow-run-as-root -np 2 -H 10.0.0.1:1,10.0.0.2:1 ")
@@ -80,6 +80,70 @@ def test_a_node_that_is_healthy_again_rejoins_at_the_next_restart(tmp_path):
     assert second["rejoined"] == ["10.0.0.3"] and (second["batch_per_gpu"], second["grad_accum"]) == (8, 1)
     assert "-np 3" in " ".join(run_spec.argv())
     assert "rejoined 10.0.0.3" in restart_plan.history_lines(json.loads((run / "restarts.json").read_text()))[1]
+
+
+def _holds(run: Path, host: str, step: int | None, bad: bool = False) -> None:
+    """The probe of a node holding a snapshot of this run at `step` (cluster_node.programs.snapshots.held)."""
+    facts = json.loads(HEALTHY)
+    facts["snapshots"] = {run.resolve().name: {"step": step, "bytes": 1}} if step is not None else {}
+    facts["mounted"] = not bad
+    (run / "probes" / host).write_text(json.dumps(facts) + "\n")
+
+
+def _beats(run: Path, step: int, step_time: float = 0.5) -> None:
+    (run / "ranks").mkdir(exist_ok=True)
+    (run / "ranks" / "rank0").write_text(f"{step} 1 node0\n")
+    (run / "progress.json").write_text(json.dumps({"step": step - 2, "avg_step_time_s": step_time}))
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "snapshot_seconds": 60, "checkpoint_every": 1000}))
+
+
+@pytest.mark.parametrize(
+    "held, resumed, source, holder, copy",
+    [
+        ({"10.0.0.1": 412, "10.0.0.2": 412}, 412, "snapshot", "10.0.0.1", False),  # both survivors: their RAM
+        ({"10.0.0.1": 412, "10.0.0.2": 400}, 412, "snapshot", "10.0.0.1", True),  # a write cut short on one
+        ({"10.0.0.2": 412}, 412, "snapshot", "10.0.0.2", True),  # node1's RAM went with a reboot
+        ({"10.0.0.1": 15, "10.0.0.2": 15}, 20, "checkpoint", None, False),  # older than the checkpoint
+        ({"10.0.0.1": 20, "10.0.0.2": 20}, 20, "checkpoint", None, False),  # a tie: the durable one
+        ({}, 20, "checkpoint", None, False),  # --snapshot-seconds 0
+    ],
+    ids=["all-hold", "steps-differ", "one-holds", "older", "tie", "none"],
+)
+def test_a_restart_resumes_from_the_newest_state_a_node_holds(tmp_path, held, resumed, source, holder, copy):
+    """Issue 30: node3 is lost at step 415; the survivors' probes say which snapshot each holds."""
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    _beats(run, 415)
+    for host in ("10.0.0.1", "10.0.0.2"):
+        _holds(run, host, held.get(host))
+    plan = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "node3 lost")
+    assert plan.point is not None and plan.record is not None, plan.line
+    assert (plan.point.step, plan.point.source, plan.point.holder, plan.point.copy) == (resumed, source, holder, copy)
+    record = plan.record.to_json()
+    assert record["resume_step"] == resumed and record["steps_lost"] == 415 - resumed
+    assert record["lost_s"] == pytest.approx((415 - resumed) * 0.5)
+    if source == "snapshot":
+        assert f"from {holder}'s snapshot at step 412 (lost 3 steps, 1.5 s since {holder}'s snapshot" in plan.line
+        assert "snapshots every 60 s" in plan.line and record["resume_holder"] == holder
+        assert f"{holder}'s snapshot at step 412 on 2 node(s)" in restart_plan.history_lines([record])[0]
+    else:
+        assert f"from the checkpoint at step 20 (lost {415 - 20} steps" in plan.line
+        assert "the recipe checkpoints every 1000 steps" in plan.line and record["resume_from"] == "checkpoint"
+
+
+def test_a_dropped_node_that_still_answers_gives_its_snapshot_and_the_fallback_is_the_checkpoint(tmp_path):
+    """A node with a bad verdict (here /data unmounted) trains no more, but its RAM holds the newest state;
+    with snapshots off (the supervisor's copy failed) the same plan resumes from the checkpoint."""
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    _beats(run, 415)
+    _holds(run, "10.0.0.1", 400)
+    _holds(run, "10.0.0.2", 400)
+    _holds(run, "10.0.0.3", 412, bad=True)
+    plan = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "x")
+    assert plan.point == restart_plan.ResumePoint(412, "snapshot", "10.0.0.3", copy=True)
+    assert plan.spec is not None and plan.spec.hosts == ("10.0.0.1", "10.0.0.2")
+    fallback = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "x", snapshots=False)
+    assert fallback.point == restart_plan.ResumePoint(20) and fallback.record and fallback.record.resume_step == 20
 
 
 def test_plan_gives_up_below_min_nodes_and_on_a_bad_node_verdict(tmp_path):
@@ -111,7 +175,7 @@ def test_a_spot_notice_leaves_its_node_out_of_the_restart_while_it_still_answers
     why = restart_plan.spot_ended(run, hosts, attempt_started)
     assert why == "spot notice: 10.0.0.2: Spot stop at T+2min"
     restart, line, _ = _plan(run, run_spec, "spot", why, since=attempt_started)
-    assert restart and "restart 1/1 on 2 node(s) 10.0.0.1 10.0.0.3 from step 20" in line, line
+    assert restart and "restart 1/1 on 2 node(s) 10.0.0.1 10.0.0.3 from the checkpoint at step 20" in line, line
     [record] = json.loads((run / "restarts.json").read_text())
     assert record["kind"] == "spot" and record["dropped"] == {"10.0.0.2": "Spot stop at T+2min"}
     # A run that reached its last step is done, notice or not.
@@ -171,7 +235,8 @@ def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path)
     assert status["state"] == "finished", status
     log = (tmp_path / "train.log").read_text()
     # mpirun died and the clean-up's ssh did not reach h2: the cause is h2, not the rank's last words.
-    assert "launcher: h2 unreachable (mpirun exited with 1); restart 1/1 on 1 node(s) h1 from step 10" in log
+    restarted = "restart 1/1 on 1 node(s) h1 from the checkpoint at step 10"
+    assert f"launcher: h2 unreachable (mpirun exited with 1); {restarted}" in log
     assert "dropped h2 (unreachable)" in log
     assert "args: -np 1 MASTER_ADDR=h1 --batch-per-gpu 8 --grad-accum 2 --keep-global-batch 16" in log
     assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "unreachable"
@@ -185,7 +250,8 @@ def test_the_launcher_goes_on_without_a_node_whose_spot_notice_ended_the_attempt
     status = _launcher(tmp_path, [], dead="none", keep_trainer=True)
     assert status["state"] == "finished" and "run ended at step 20: max_steps" in status["reason"], status
     log = (tmp_path / "train.log").read_text()
-    assert "spot notice: h2: Spot stop at an unknown time; restart 1/1 on 1 node(s) h1 from step 12" in log, log
+    restarted = "restart 1/1 on 1 node(s) h1 from the checkpoint at step 12"
+    assert f"spot notice: h2: Spot stop at an unknown time; {restarted}" in log, log
     assert json.loads((tmp_path / "restarts.json").read_text())[0]["dropped"] == {"h2": "Spot stop at an unknown time"}
 
 

@@ -59,6 +59,11 @@ class FakeNodes:
             (self.run / "probes" / host).write_text(HEALTHY)
 
     stop_works = True
+    copies: Optional[str] = None  # persist_snapshot's answer: the checkpoint's path, None a failed copy
+
+    def persist_snapshot(self, host: str, step: int) -> Optional[str]:
+        self.calls.append(("persist", host, step))
+        return self.copies
 
     def then_stop(self, log_path) -> bool:
         self.calls.append(("then_stop", (self.run / "run-status.json").read_text()))
@@ -144,11 +149,50 @@ def test_row6_11_14_a_lost_node_ends_the_attempt_and_the_run_goes_on_without_it(
     [restart] = json.loads((tmp_path / "restarts.json").read_text())
     assert restart["dropped"] == {"h2": "unreachable"} and restart["resume_step"] == 30
     log = (tmp_path / "train.log").read_text()
-    assert "watchdog: node1 unreachable (no ssh answer for 2+ s); restart 1/1 on 1 node(s) node0 from step 30" in log
+    restarted = "restart 1/1 on 1 node(s) node0 from the checkpoint at step 30"
+    assert f"watchdog: node1 unreachable (no ssh answer for 2+ s); {restarted}" in log
     assert "dropped node1 (unreachable)" in log and "{" not in log
     [shown] = restart_plan.history_lines([restart])
     assert "resumed from step 30 on 1 node(s) node0, dropped node1" in shown
     assert _status(tmp_path)["state"] == "finished" and ("cleanup", "h2") in nodes.calls
+
+
+def _holding(run: Path, steps: dict) -> None:
+    """The probes of nodes holding snapshots of this run (h2 lost /data: bad, but it answers)."""
+    (run / "probes").mkdir(exist_ok=True)
+    for host, step in steps.items():
+        facts = {**json.loads(HEALTHY), "snapshots": {run.resolve().name: {"step": step, "bytes": 1}}}
+        facts.update({"mounted": False} if host == "h2" else {})
+        (run / "probes" / host).write_text(json.dumps(facts))
+
+
+@pytest.mark.parametrize("copy_works", [True, False], ids=["copied", "copy-failed"])
+def test_row14_a_snapshot_the_next_nodes_lack_is_copied_to_data_by_its_holder_first(tmp_path, copy_works):
+    """Issue 30: node1 (/data gone, still answering) holds step 36, node0 step 35: node1 copies its snapshot into
+    the checkpoints, and the restart on node0 resumes there; a failed copy falls back to the checkpoint."""
+    sup, mpirun, nodes = _supervisor(tmp_path, [1, 0], Script(), restarts=1)
+    (tmp_path / "train.log").write_text("rank 1 exited on signal 9\n")
+    nodes.probe_all = lambda: _holding(tmp_path, {"h1": 35, "h2": 36})
+    nodes.copies = str(tmp_path / "checkpoints" / "step_00000036.pt") if copy_works else None
+    assert sup.run_all() == 0 and ("persist", "h2", 36) in nodes.calls and mpirun.starts[1].hosts == ("h1",)
+    [restart] = json.loads((tmp_path / "restarts.json").read_text())
+    log = (tmp_path / "train.log").read_text()
+    if copy_works:
+        assert "launcher: node1's snapshot at step 36 copied to " in log and "from node1's snapshot at step 36" in log
+        assert (restart["resume_step"], restart["resume_from"], restart["resume_holder"]) == (36, "snapshot", "h2")
+    else:
+        assert "copying node1's snapshot at step 36 to /data failed; restarting from the checkpoint" in log
+        assert "from the checkpoint at step 30" in log
+        assert (restart["resume_step"], restart["resume_from"]) == (30, "checkpoint")
+        assert "resume_holder" not in restart
+
+
+def test_row14_survivors_that_all_hold_the_newest_snapshot_resume_from_their_memory_without_a_copy(tmp_path):
+    script = Script(Observation(NOW, unreachable="h2"))
+    sup, mpirun, nodes = _supervisor(tmp_path, [None, 0], script, restarts=1)
+    nodes.probe_all = lambda: _holding(tmp_path, {"h1": 41})
+    assert sup.run_all() == 0 and not [c for c in nodes.calls if c[0] == "persist"]
+    assert "restart 1/1 on 1 node(s) node0 from node0's snapshot at step 41" in (tmp_path / "train.log").read_text()
 
 
 def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):

@@ -57,23 +57,42 @@ def persist(run_dir: str | os.PathLike, step: int, keep: int, best: bool, log=pr
     return write
 
 
-def persist_snapshot(path: Path, run_dir: str | os.PathLike):
-    """The write StateWriter runs for this node's snapshot: one file, replaced atomically; a killed
-    writer's temp file (RAM, on /dev/shm) is removed by the next write."""
+def persist_snapshot(directory: Path, run_dir: str | os.PathLike, step: int):
+    """The write StateWriter runs for this node's snapshot: DIRECTORY/snapshot_STEP.pt, atomically; then the
+    older ones go (the node holds one; a write in flight is a temp file) and so does a killed writer's temp
+    file (RAM, on /dev/shm)."""
 
     def write(state: dict, stalled: float) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / rundir.SNAPSHOT.format(step=step)
         marked = {**state, "run_dir": str(Path(run_dir).resolve())}
         atomic_write_bytes(path, lambda f: torch.save(marked, f))
+        for older in directory.glob(rundir.SNAPSHOT_GLOB):
+            if older != path:
+                older.unlink(missing_ok=True)
         remove_stale(path)
 
     return write
 
 
+def drop_snapshots(directory: Optional[Path]) -> None:
+    """The end of a run that wrote its final checkpoint: this node's snapshots of it hold nothing newer,
+    and they take the node's RAM (the run directory's own folder goes when empty)."""
+    if directory is None:
+        return
+    for held in directory.glob(rundir.SNAPSHOT_GLOB):
+        held.unlink(missing_ok=True)
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (a writer's temp file of a live process) or gone
+        pass
+
+
 def remove_stale(path: Path) -> None:
-    """Temp files beside `path` left by a writer killed mid-write: their process is gone (emulated nodes
-    share /dev/shm when GPU_CLUSTER_SNAPSHOT_DIR is unset: another's live write is left alone)."""
-    for stale in path.parent.glob(f".{path.name}.tmp.*"):
+    """Temp files of `path`'s kind (snapshot_*.pt's) beside it, left by a writer killed mid-write: their
+    process is gone (emulated nodes share /dev/shm when GPU_CLUSTER_SNAPSHOT_DIR is unset: another's live
+    write is left alone)."""
+    for stale in path.parent.glob(f".{path.name.split('_')[0]}*.tmp.*"):
         pid = stale.name.rsplit(".", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
             continue
@@ -128,9 +147,10 @@ def load_agreed(
 ) -> Optional[dict]:
     """Rank 0 picks the newest loadable checkpoint and `broadcast`s its path; every other rank loads
     that exact file. Ranks never choose on their own: on NFS each one's listing can lag.
-    With `snapshot` (this node's file; every rank passes one or none) and `gather` (every rank's value): a
-    snapshot newer than that checkpoint wins when every rank holds one at the same step (each loads its
-    node's); a snapshot on some nodes only, or at different steps, is not used."""
+    With `snapshot` (this node's snapshot directory; every rank passes one or none) and `gather` (every
+    rank's value): a snapshot as new as that checkpoint or newer wins when every rank holds one at the same
+    step (each loads its node's RAM, not /data); a snapshot on some nodes only, or at different steps, is
+    not used (the supervisor copies the newest one a survivor holds to /data for that restart)."""
     held = load_snapshot(snapshot, run_dir, log) if snapshot is not None else None
     steps = gather(held["step"] if held else None) if snapshot is not None and gather else [None]
     state, choice = _choose(run_dir, steps, log) if is_main else (None, None)
@@ -158,7 +178,7 @@ def agreed_step(steps: list) -> Optional[int]:
 
 
 def _choose(run_dir: str | os.PathLike, steps: list, log) -> tuple[Optional[dict], Optional[dict]]:
-    """Rank 0: (the checkpoint's state or None, the choice to broadcast). Checkpoints older than the agreed
+    """Rank 0: (the checkpoint's state or None, the choice to broadcast). Checkpoints no newer than the agreed
     snapshot are not even read (727 MB each, from EFS). A snapshot only resumes a run that has config.json:
     a new run under an old name never resumes its namesake's snapshot."""
     agreed = agreed_step(steps)
@@ -166,7 +186,7 @@ def _choose(run_dir: str | os.PathLike, steps: list, log) -> tuple[Optional[dict
         agreed = None
     for path in reversed(list_steps(run_dir)):
         step = rundir.checkpoint_step(path)
-        if agreed is not None and step is not None and agreed > step:
+        if agreed is not None and step is not None and agreed >= step:
             break
         state = _load_checked(path, log)
         if state is not None:
@@ -174,23 +194,24 @@ def _choose(run_dir: str | os.PathLike, steps: list, log) -> tuple[Optional[dict
     return None, ({"snapshot": agreed} if agreed is not None else None)
 
 
-def load_snapshot(path: Path, run_dir: str | os.PathLike, log=print) -> Optional[dict]:
-    """This node's snapshot of this run, or None: absent, unreadable (a writer killed before its rename
-    leaves only its temp file; this is for anything else) or another run directory's."""
-    if not path.exists():
-        return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tmpfs: no copy until used
-        if not isinstance(state, dict) or "step" not in state or "model" not in state:
-            raise ValueError("not a training snapshot")
-    except Exception as error:  # noqa: BLE001 - any unreadable file is skipped the same way
-        log(f"skipping unreadable snapshot {path}: {type(error).__name__}: {error}")
-        return None
-    if state.get("run_dir") != str(Path(run_dir).resolve()):
-        log(f"ignoring snapshot {path}: it is {state.get('run_dir')}'s")
-        return None
-    state["path"] = str(path)
-    return state
+def load_snapshot(directory: Path, run_dir: str | os.PathLike, log=print) -> Optional[dict]:
+    """This node's newest snapshot of this run, or None: absent, unreadable (a writer killed before its
+    rename leaves only its temp file; this is for anything else) or another run directory's."""
+    held = sorted(directory.glob(rundir.SNAPSHOT_GLOB), key=lambda p: rundir.snapshot_step(p) or -1)
+    for path in reversed(held):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)  # tmpfs: no copy until used
+            if not isinstance(state, dict) or "step" not in state or "model" not in state:
+                raise ValueError("not a training snapshot")
+        except Exception as error:  # noqa: BLE001 - any unreadable file is skipped the same way
+            log(f"skipping unreadable snapshot {path}: {type(error).__name__}: {error}")
+            continue
+        if state.get("run_dir") != str(Path(run_dir).resolve()):
+            log(f"ignoring snapshot {path}: it is {state.get('run_dir')}'s")
+            return None
+        state["path"] = str(path)
+        return state
+    return None
 
 
 def load_file(path: str | os.PathLike) -> dict:

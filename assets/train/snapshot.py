@@ -143,12 +143,10 @@ def _write_when_ready(ready: Optional[torch.cuda.Event], host: Any, writes: list
 # ---------------------------------------------------------------- the node's snapshot (/dev/shm)
 
 
-def snapshot_path(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
-    """This node's snapshot of the run: SNAPSHOT_ROOT (or $GPU_CLUSTER_SNAPSHOT_DIR, one per emulated node,
-    which share a machine)/RUN/snapshot.pt."""
-    env = os.environ if env is None else env
-    root = env.get(rundir.SNAPSHOT_DIR_ENV) or rundir.SNAPSHOT_ROOT
-    return Path(root) / Path(run_dir).resolve().name / rundir.SNAPSHOT
+def snapshot_dir(run_dir: str | os.PathLike, env: Mapping[str, str] | None = None) -> Path:
+    """Where this node keeps its snapshot of the run: SNAPSHOT_ROOT (or $GPU_CLUSTER_SNAPSHOT_DIR, one per
+    emulated node, which share a machine)/RUN/, one snapshot_STEP.pt in it."""
+    return rundir.snapshot_root(env) / Path(run_dir).resolve().name
 
 
 def available_bytes(directory: Path) -> tuple[int, int]:

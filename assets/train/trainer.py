@@ -61,9 +61,9 @@ class Trainer:
         self.last_save = self.last_snapshot = time.monotonic()
         self.snapshot_due = False  # rank 0's clock, agreed like checkpoint_due: every node snapshots one step
         # Every rank reads its node's snapshot at a resume; local rank 0 writes it.
-        self.snapshot_source = snapshot.snapshot_path(self.run_dir) if config.snapshot_seconds > 0 else None
-        self.snapshot_file = self.snapshot_source if info.local_rank == 0 else None
-        writes = info.is_main or self.snapshot_file is not None
+        self.snapshot_source = snapshot.snapshot_dir(self.run_dir) if config.snapshot_seconds > 0 else None
+        self.snapshot_target = self.snapshot_source if info.local_rank == 0 else None
+        writes = info.is_main or self.snapshot_target is not None
         self.state_writer = snapshot.StateWriter(device) if writes else None
         self._resume()
         self.timer = breakdown.StepTimer(breakdown.clock_for(device))
@@ -139,7 +139,8 @@ class Trainer:
         self.step = state["step"]
         self.best = state.get("best", float("-inf"))
         self.resumed_from = state["path"]
-        kind = "this node's snapshot " if "run_dir" in state else ""  # persist_snapshot marks its files
+        held = self.snapshot_source is not None and Path(state["path"]).parent == self.snapshot_source
+        kind = "this node's snapshot " if held else ""
         self.log(f"resuming from {kind}{state['path']} at step {self.step}")
 
     def _state(self) -> dict:
@@ -165,14 +166,16 @@ class Trainer:
         writes = []
         if checkpoint_now and self.info.is_main:
             writes.append(checkpoint.persist(self.run_dir, self.step, self.config.keep_checkpoints, best, self.log))
-        if self.snapshot_due and self.snapshot_file is not None:
-            writes.append(checkpoint.persist_snapshot(self.snapshot_file, self.run_dir))
+        if self.snapshot_due and self.snapshot_target is not None:
+            writes.append(checkpoint.persist_snapshot(self.snapshot_target, self.run_dir, self.step))
         if writes:
             assert self.state_writer is not None
             start = time.time()
             self.state_writer.submit(self._state(), writes)
             if checkpoint_now and self.info.is_main:
                 self._interval("checkpoint", start)
+            elif self.info.is_main:  # the snapshot's copy: where a resume from it starts, and its stall
+                self._interval("snapshot", start)
         now = time.monotonic()
         if checkpoint_now:
             self.last_save = now
@@ -190,20 +193,19 @@ class Trainer:
         if self.state_writer is None:
             return
         state = self._state()
-        if self.snapshot_file is not None:
+        if self.snapshot_target is not None:
             size = snapshot.nbytes(state)
-            refusal = snapshot.memory_refusal(size, self.snapshot_file.parent)
+            refusal = snapshot.memory_refusal(size, self.snapshot_target)
             if refusal:
                 print(f"warning: {refusal}", flush=True)
-                self.snapshot_file = None
+                self.snapshot_target = None
                 if not self.info.is_main:  # no checkpoints to write either: no buffers
                     self.state_writer.close()
                     self.state_writer = None
                     return
             elif self.info.is_main:
-                self.log(
-                    f"snapshots every {self.config.snapshot_seconds:g} s to {self.snapshot_file} ({size / 1e6:.0f} MB)"
-                )
+                every = self.config.snapshot_seconds
+                self.log(f"snapshots every {every:g} s to {self.snapshot_target} ({size / 1e6:.0f} MB)")
         self.state_writer.reserve(state)
 
     def _snapshot_bound(self) -> bool:
@@ -344,10 +346,10 @@ class Trainer:
         self.log(f"run ended at step {self.step}: {ended}")
         wall = time.time() - started
         summary = self._summary(step_times, global_batch, last_eval, (ended, ended_by), wall).to_json()
-        if step_times and self.snapshot_file is not None:
+        if step_times and self.snapshot_target is not None:
             # The run ended at a checkpoint as new (rank 0 flushed it before the summary's gather): the
             # snapshot would hold the node's memory for nothing.
-            self.snapshot_file.unlink(missing_ok=True)
+            checkpoint.drop_snapshots(self.snapshot_target)
         return summary
 
     def _log_step(self, pending: list, step_times: list[float], global_batch: int) -> None:

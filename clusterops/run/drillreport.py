@@ -27,8 +27,14 @@ def _epoch(iso: str) -> float:
         return 0.0
 
 
-def _from(step) -> str:
-    return f"from step {step}" if step is not None else "from the start (no checkpoint yet)"
+def _from(r: Restart) -> str:
+    if r.resume_step is None:
+        return "from the start (no checkpoint or snapshot yet)"
+    holder = (r.names or {}).get(r.resume_holder or "", r.resume_holder)
+    where = f"{holder}'s snapshot" if r.resume_from == "snapshot" else "the checkpoint"
+    lost = f"; lost {r.steps_lost} steps" if r.steps_lost is not None else ""
+    lost += f", {r.lost_s:.1f} s" if r.steps_lost is not None and r.lost_s is not None else ""
+    return f"from {where} at step {r.resume_step}{lost}"
 
 
 def _what(m: Phase, attempt: int) -> str:
@@ -38,7 +44,7 @@ def _what(m: Phase, attempt: int) -> str:
         return f"supervisor detected the failure{kind}{beat}"
     return {
         "decide": "supervisor decided: restart "
-        + (f"from the checkpoint at step {m.step}" if m.step is not None else "from the start (no checkpoint yet)"),
+        + (f"from step {m.step}" if m.step is not None else "from the start (no checkpoint or snapshot yet)"),
         "launch": f"supervisor launched attempt {attempt}",
         "process": "rank 0's trainer started",
         "rendezvous": "ranks met (rendezvous)",
@@ -110,7 +116,7 @@ def supervisor(
         out.append(
             f"  restart {number} ({r.kind}): {r.reason}; dropped {dropped}; "
             f"{len(r.nodes_after)} node(s) on, global batch {r.global_batch} "
-            f"({r.batch_per_gpu} per rank x {r.grad_accum} accumulated), {_from(r.resume_step)}"
+            f"({r.batch_per_gpu} per rank x {r.grad_accum} accumulated), {_from(r)}"
         )
     reason = f": {status.reason}" if status and status.reason else ""
     out.append(f"  run-status: {status.state if status else '?'}{reason}")

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from cluster_node.protocol import clusterdir
+from cluster_node.programs import snapshots
+from cluster_node.protocol import clusterdir, rundir
 from cluster_node.tools import have, is_mountpoint, run
 
 XID = re.compile(r"NVRM: Xid \([^)]*\): ([0-9]+)")
@@ -123,6 +124,7 @@ def facts(data: Path) -> dict:
         "xid_source": xid_source,
         "dcgm": dcgm(),
         **versions(bool(found)),
+        "snapshots": snapshots.held(rundir.snapshot_root()),  # what a restart can resume from (issue 30)
     }
 
 

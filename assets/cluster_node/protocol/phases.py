@@ -1,7 +1,8 @@
 """RUN_DIR/phases.jsonl: the boundaries of a run's wall-clock, one JSON line each, appended where they
 happen: the supervisor (the run, each attempt's launch, a failure's detection, the restart decision, the
 end) and the trainer's rank 0 (its process start, the rendezvous, ready to step, the first step, each log
-step, every eval and checkpoint, its end). cluster_node.supervisor.goodput turns them into the goodput account.
+step, every eval, checkpoint and snapshot, its end). cluster_node.supervisor.goodput turns them into the goodput
+account.
 Recording never fails the caller: a phase line lost is a gap in the account, not a lost run."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from cluster_node.protocol.rundir import Record, RecordError, _key
 
 # supervisor: run, launch, detect (`kind`; the newest rank heartbeat's step in `step`, its time in `end`),
 # decide (the resume step), done. trainer (rank 0): process, rendezvous, ready (the step it starts from),
-# first_step, steps (each log step), eval and checkpoint (time .. end), end.
+# first_step, steps (each log step), eval, checkpoint and snapshot (time .. end: the loop's stall), end.
 SUPERVISOR_EVENTS = ("run", "launch", "detect", "decide", "done")
-TRAINER_EVENTS = ("process", "rendezvous", "ready", "first_step", "steps", "eval", "checkpoint", "end")
+TRAINER_EVENTS = ("process", "rendezvous", "ready", "first_step", "steps", "eval", "checkpoint", "snapshot", "end")
 
 
 @dataclass(frozen=True)

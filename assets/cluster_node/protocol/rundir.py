@@ -148,9 +148,18 @@ class ThenStopState(str, Enum):
 LAUNCH_LOCK = "/run/gpu-cluster-launch.lock"  # the head node's launch claim (cluster_node.programs.start says why)
 # Each node's in-memory snapshot of a run (train.snapshot): SNAPSHOT_ROOT/NAME/SNAPSHOT, outside /data and
 # the ranks, so it outlives them; $SNAPSHOT_DIR_ENV replaces the root (emulated nodes share one machine).
+# Named by its step, as a checkpoint: the probe reports what a node holds without loading it.
 SNAPSHOT_ROOT = "/dev/shm/gpu-cluster"
 SNAPSHOT_DIR_ENV = "GPU_CLUSTER_SNAPSHOT_DIR"
-SNAPSHOT = "snapshot.pt"
+SNAPSHOT = "snapshot_{step:08d}.pt"
+SNAPSHOT_GLOB = "snapshot_*.pt"
+
+
+def snapshot_root(env: Optional[Mapping[str, str]] = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get(SNAPSHOT_DIR_ENV) or SNAPSHOT_ROOT)
+
+
 URGENT_STOP_WORD = "now"  # a STOP whose first word is this checkpoints without the eval (spotwatch)
 
 
@@ -174,13 +183,18 @@ def checkpoint(run: Path, step: int) -> Path:
     return run / CHECKPOINTS / CHECKPOINT.format(step=step)
 
 
-def checkpoint_step(path: Path) -> Optional[int]:
-    """The step of a CHECKPOINT file; None for any other name (best.pt, a temp file)."""
+def checkpoint_step(path: Path, pattern: str = CHECKPOINT) -> Optional[int]:
+    """The step of a CHECKPOINT file (a SNAPSHOT with pattern=SNAPSHOT); None for any other name (best.pt,
+    a temp file)."""
     stem, dot, ext = path.name.partition(".")
-    prefix = CHECKPOINT.split("{")[0]
+    prefix = pattern.split("{")[0]
     digits = stem[len(prefix) :]
     ok = stem.startswith(prefix) and digits.isdigit() and dot + ext == ".pt"
     return int(digits) if ok else None
+
+
+def snapshot_step(path: Path) -> Optional[int]:
+    return checkpoint_step(path, SNAPSHOT)
 
 
 # ---------------------------------------------------------------- atomic read/write
@@ -367,6 +381,12 @@ class Restart(Record):
     grad_accum: int = _key("int", required=True)
     max_batch_per_gpu: int = _key("int", required=True)
     names: Optional[Mapping[str, str]] = _key("dict")  # host -> the inventory's name (node2), for people
+    # Where resume_step's state is (absent in older records: a checkpoint): "checkpoint", or "snapshot" with
+    # the host that held it (restart_plan.ResumePoint); the steps finished after it and their stepping time.
+    resume_from: Optional[str] = _key("str")
+    resume_holder: Optional[str] = _key("str")
+    steps_lost: Optional[int] = _key("int")
+    lost_s: Optional[float] = _key("float")
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ FILES: tuple[ProtocolFile, ...] = (
         f"{rd.SNAPSHOT_ROOT}/NAME/{rd.SNAPSHOT}",
         f"torch state, the newest every --snapshot-seconds (the root: ${rd.SNAPSHOT_DIR_ENV} when set)",
         "train.snapshot (local rank 0 of each node)",
-        "trainer (resume, when every rank holds the same step)",
+        "trainer (resume, when every rank holds the same step); probe (the step held); programs.snapshots",
     ),
     _at("runs", rd.CHECK_RUN, "fab check's run directory", "fab check", "fab check"),
     _at("runs", f"{rd.SCALE_DIR}/{rd.SCALE_JSON}", "JSON", "fab scale", "fab scale"),

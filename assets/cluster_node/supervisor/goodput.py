@@ -21,6 +21,7 @@ from cluster_node.protocol.phases import Phase
 LABELS = (
     "eval",
     "checkpoint",
+    "checkpoint.snapshot",
     "stall",
     "restart.detect",
     "restart.decide",
@@ -35,6 +36,7 @@ LABELS = (
     "shutdown",
 )
 GROUPS = ("productive", "startup", "eval", "checkpoint", "restart", "recomputed", "stall", "shutdown", "unaccounted")
+SPANS = {"eval": "eval", "checkpoint": "checkpoint", "snapshot": "checkpoint.snapshot"}  # trainer event -> label
 STALL_FACTOR = 2.0  # a log interval slower than this x the run's median step time stalled for the excess
 
 
@@ -43,7 +45,7 @@ class Attempt:
     start: float
     marks: dict = field(default_factory=dict)  # event -> the first Phase of it
     steps: list = field(default_factory=list)  # (time, step): first_step and every log step
-    spans: list = field(default_factory=list)  # (event, start, end, step): evals, checkpoints
+    spans: list = field(default_factory=list)  # (label, start, end, step): evals, checkpoints, snapshots
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Incident:
     decide_s: float  # detection -> the new spec (clean-up, probe, plan)
     relaunch_s: float  # the new spec -> the trainer ready to step (launch, rendezvous, data, resume)
     first_step_s: float  # ready -> its first step
-    steps_lost: int  # finished after the checkpoint it resumed from
+    steps_lost: int  # finished after the checkpoint or snapshot it resumed from
     lost_s: float  # the stepping time those steps took
 
 
@@ -92,8 +94,8 @@ def attempts(marks: Sequence[Phase]) -> tuple[list[Attempt], float, Optional[flo
         if not out or m.event in ("run", "done"):
             continue
         now = out[-1]
-        if m.event in ("eval", "checkpoint"):
-            now.spans.append((m.event, m.time, m.end if m.end is not None else m.time, m.step))
+        if m.event in SPANS:
+            now.spans.append((SPANS[m.event], m.time, m.end if m.end is not None else m.time, m.step))
         elif m.event in ("steps", "first_step", "end"):
             now.steps.append((m.time, m.step))
         now.marks.setdefault(m.event, m)
@@ -146,8 +148,8 @@ def _failure(attempt: Attempt, beat: float, end: float, incidents: list, start: 
     detect, decide = attempt.marks["detect"], attempt.marks.get("decide")
     if decide is None:  # no restart: the run ended; nothing was detected for a restart, nothing recomputed
         return [("shutdown", beat, end)]
-    resume = decide.step
-    saved = [e for event, _, e, step in attempt.spans if event == "checkpoint" and step == resume]
+    resume = decide.step  # a checkpoint's or a snapshot's: the recomputation starts after its copy
+    saved = [e for label, _, e, step in attempt.spans if label.startswith("checkpoint") and step == resume]
     lost_from = max(saved) if saved else _t(attempt, "first_step")
     spans = [("restart.detect", beat, detect.time), ("recomputed", lost_from, beat)]
     spans.append(("restart.decide", detect.time, decide.time))

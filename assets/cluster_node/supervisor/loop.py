@@ -297,7 +297,7 @@ class Supervisor:
         if stopped is not None:
             return stopped
         assert self.observer is not None and self.kind is not None
-        plan = restart_plan.plan(self.run, self.spec, self.kind, self.reason, since=self.observer.started)
+        plan = self.planned()
         if plan.spec is None or plan.record is None:
             return self.outcome.then(State.FAILED, reason=f"{self.reason}; {plan.line}")
         self.log(f"launcher: {self.reason}; {plan.line}")
@@ -307,6 +307,21 @@ class Supervisor:
         specs.write(self.run, self.spec)
         self.launch()
         return self.outcome.then(State.STARTING)
+
+    def planned(self) -> restart_plan.Plan:
+        """The restart's plan; a snapshot that not every node of the next attempt holds is copied to /data by
+        its holder first, and when that copy fails the plan falls back to the newest checkpoint."""
+        assert self.observer is not None and self.kind is not None
+        plan = restart_plan.plan(self.run, self.spec, self.kind, self.reason, since=self.observer.started)
+        point = plan.point
+        if point is None or not point.copy or point.holder is None or point.step is None:
+            return plan
+        copied = self.nodes.persist_snapshot(point.holder, point.step)
+        if copied is not None:
+            self.log(f"launcher: {self.spec.name(point.holder)}'s snapshot at step {point.step} copied to {copied}")
+            return plan
+        self.log(f"launcher: copying {point.words(self.spec)} to /data failed; restarting from the checkpoint")
+        return restart_plan.plan(self.run, self.spec, self.kind, self.reason, self.observer.started, snapshots=False)
 
     def own_spot(self, notice: rundir.Interruption, exited: Optional[int]) -> Outcome:
         """Row 16: the supervisor's own node will go. Let the checkpoint land, end, say how to resume."""

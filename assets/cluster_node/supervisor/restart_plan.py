@@ -1,6 +1,7 @@
-"""After a failed attempt: restart on the healthy nodes of the run's pool, or give up (the decisions that
-were clusterops/supervise.py `plan` and `spot`). Pure given the run directory's files: the probes, the
-Spot notices, config.json, restarts.json, the checkpoints."""
+"""After a failed attempt: restart on the healthy nodes of the run's pool from the newest state a node holds,
+or give up (the decisions that were clusterops/supervise.py `plan` and `spot`). Pure given the run
+directory's files: the probes (with the snapshots each node holds), the Spot notices, config.json,
+restarts.json, the checkpoints."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import calendar
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 from cluster_node.programs import health
 from cluster_node.protocol import rundir
@@ -36,17 +37,73 @@ def resumes_from(step: Optional[int]) -> str:
     return "the start" if step is None else f"step {step}"
 
 
-def lost_work(run: Path, resume_step: Optional[int]) -> str:
-    """What a restart from `resume_step` loses, and why: "lost 55 steps since the start: the recipe
-    checkpoints every 100 steps"."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest state a restart can resume from: the newest checkpoint on /data, or a snapshot a node that
+    answered its probe holds in memory (train.snapshot), whichever is newer (a tie: the checkpoint, durable).
+    `copy`: not every node of the next attempt holds that snapshot (a replaced node, a survivor whose last
+    write was cut short), so the holder copies it to /data first (cluster_node.programs.snapshots persist)."""
+
+    step: Optional[int]
+    source: str = "checkpoint"  # or "snapshot"
+    holder: Optional[str] = None
+    copy: bool = False
+
+    def words(self, spec: RunSpec) -> str:
+        if self.step is None:
+            return "the start"
+        if self.source == "snapshot" and self.holder is not None:
+            return f"{spec.name(self.holder)}'s snapshot at step {self.step}"
+        return f"the checkpoint at step {self.step}"
+
+
+def held_snapshots(run: Path, hosts: Iterable[str]) -> dict[str, int]:
+    """host -> the step of its snapshot of this run, from the probes (cluster_node.programs.probe)."""
+    out = {}
+    for host in hosts:
+        try:
+            facts = health.parse_probe((run / rundir.PROBES / host).read_text())
+            step = (facts.get("snapshots") or {}).get(run.resolve().name, {}).get("step")
+        except (OSError, ValueError, IndexError, AttributeError):
+            continue
+        if isinstance(step, int):
+            out[host] = step
+    return out
+
+
+def resume_point(run: Path, pool: Iterable[str], next_hosts: Sequence[str], snapshots: bool = True) -> ResumePoint:
+    """The newest state any node that answered holds (a dropped node still answering included: a Spot
+    notice leaves two minutes, a bad GPU leaves RAM intact), against the newest checkpoint."""
+    checkpoint = last_checkpoint_step(run)
+    held = held_snapshots(run, pool) if snapshots else {}
+    newest = max(held.values(), default=None)
+    if newest is None or (checkpoint is not None and checkpoint >= newest):
+        return ResumePoint(checkpoint)
+    holders = [h for h in (*next_hosts, *pool) if held.get(h) == newest]
+    copy = any(held.get(h) != newest for h in next_hosts)
+    return ResumePoint(newest, "snapshot", holders[0], copy)
+
+
+def step_time(run: Path) -> Optional[float]:
+    progress = rundir.read_record(run / rundir.PROGRESS, rundir.Progress)
+    return progress.avg_step_time_s if progress else None
+
+
+def lost_work(run: Path, point: ResumePoint, spec: RunSpec) -> tuple[int, Optional[float], str]:
+    """(steps lost, their stepping seconds or None, the words): "lost 3 steps, 2.1 s since node1's snapshot
+    at step 412: snapshots every 60 s" (the bound that applies to where the restart resumes from)."""
     config = rundir.read_json(run / rundir.CONFIG, {}) or {}
-    every, minutes = config.get("checkpoint_every"), config.get("checkpoint_minutes")
-    last = last_step(run)
-    lost = "no steps" if last is None else f"{max(0, last - (resume_step or 0))} steps"
-    since = "the start" if resume_step is None else f"the checkpoint at step {resume_step}"
-    bound = f"the recipe checkpoints every {every} steps" if every else "no checkpoint interval known"
-    bound += f" or {minutes:g} minutes" if minutes else ""
-    return f"lost {lost} since {since}: {bound}"
+    every, minutes, seconds = (config.get(k) for k in ("checkpoint_every", "checkpoint_minutes", "snapshot_seconds"))
+    last, per_step = last_step(run), step_time(run)
+    lost = 0 if last is None else max(0, last - (point.step or 0))
+    lost_s = lost * per_step if per_step is not None else None
+    took = f", {lost_s:.1f} s" if lost_s is not None else ""
+    if point.source == "snapshot":
+        bound = f"snapshots every {seconds:g} s" if seconds else "no snapshot interval known"
+    else:
+        bound = f"the recipe checkpoints every {every} steps" if every else "no checkpoint interval known"
+        bound += f" or {minutes:g} minutes" if minutes else ""
+    return lost, lost_s, f"lost {lost} steps{took} since {point.words(spec)}: {bound}"
 
 
 def rebalance(global_batch: int, ranks: int, max_per_rank: int) -> Optional[tuple[int, int]]:
@@ -114,6 +171,7 @@ class Plan:
     line: str
     spec: Optional[RunSpec] = None
     record: Optional[rundir.Restart] = None
+    point: Optional[ResumePoint] = None
 
 
 def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Union[tuple[int, int], str]:
@@ -127,10 +185,17 @@ def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Uni
 
 
 def plan(
-    run: Path, spec: RunSpec, kind: rundir.EndKind, reason: str, since: float = 0.0, now: Optional[float] = None
+    run: Path,
+    spec: RunSpec,
+    kind: rundir.EndKind,
+    reason: str,
+    since: float = 0.0,
+    now: Optional[float] = None,
+    snapshots: bool = True,
 ) -> Plan:
-    """Restart on the healthy nodes of the pool, the same global batch; after a Spot notice (kind spot)
-    the noticed nodes are left out too: they still answer, for two minutes."""
+    """Restart on the healthy nodes of the pool, the same global batch, from the newest state (ResumePoint;
+    `snapshots` False: the newest checkpoint); after a Spot notice (kind spot) the noticed nodes are left out
+    too: they still answer, for two minutes."""
     history = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
     allowed = spec.limits.max_restarts
     if len(history) >= allowed:
@@ -151,6 +216,8 @@ def plan(
     split = rebalance(global_batch, len(healthy) * spec.slots, max_per_rank)
     if split is None:
         return Plan(f"the global batch {global_batch} does not split evenly over {len(healthy) * spec.slots} ranks")
+    point = resume_point(run, spec.pool, healthy, snapshots)
+    lost, lost_s, lost_words = lost_work(run, point, spec)
     record = rundir.Restart(
         time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         kind=kind,
@@ -159,20 +226,23 @@ def plan(
         nodes_after=healthy,
         dropped=dropped,
         rejoined=tuple(h for h in healthy if h not in spec.hosts),
-        resume_step=last_checkpoint_step(run),
+        resume_step=point.step,
         global_batch=global_batch,
         batch_per_gpu=split[0],
         grad_accum=split[1],
         max_batch_per_gpu=max_per_rank,
         names={h: spec.name(h) for h in spec.pool} if spec.names else None,
+        resume_from=point.source if point.step is not None else None,
+        resume_holder=point.holder,
+        steps_lost=lost,
+        lost_s=round(lost_s, 3) if lost_s is not None else None,
     )
-    start, lost = resumes_from(record.resume_step), lost_work(run, record.resume_step)
     line = (
-        f"restart {len(history) + 1}/{allowed} on {len(healthy)} node(s) {spec.names_of(healthy, ' ')} from {start} "
-        f"({lost}); batch {split[0]}/rank x accumulation {split[1]} (global {global_batch})"
+        f"restart {len(history) + 1}/{allowed} on {len(healthy)} node(s) {spec.names_of(healthy, ' ')} from "
+        f"{point.words(spec)} ({lost_words}); batch {split[0]}/rank x accumulation {split[1]} (global {global_batch})"
         + (f"; dropped {named}" if dropped else "")
     )
-    return Plan(line, spec.restart(healthy, Batch(split[0], split[1], global_batch)), record)
+    return Plan(line, spec.restart(healthy, Batch(split[0], split[1], global_batch)), record, point)
 
 
 def history_lines(restarts: list[dict]) -> list[str]:
@@ -183,8 +253,15 @@ def history_lines(restarts: list[dict]) -> list[str]:
         after, dropped, rejoined = ([names.get(h, h) for h in r[key]] for key in ("nodes_after", "dropped", "rejoined"))
         lines.append(
             f"  restart {i}: {r['time']} {r['kind']}: {r['reason'][:160]}; resumed from "
-            f"{resumes_from(r['resume_step'])} on {len(after)} node(s) {' '.join(after)}"
+            f"{_source(r, names)}{resumes_from(r['resume_step'])} on {len(after)} node(s) {' '.join(after)}"
             + (f", dropped {', '.join(dropped)}" if dropped else "")
             + (f", rejoined {', '.join(rejoined)}" if rejoined else "")
         )
     return lines
+
+
+def _source(restart: dict, names: dict) -> str:
+    holder = restart.get("resume_holder")
+    if restart.get("resume_from") == "snapshot" and holder:
+        return f"{names.get(holder, holder)}'s snapshot at "
+    return ""
