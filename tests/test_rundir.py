@@ -208,7 +208,7 @@ def test_the_protocol_table_lists_every_name_the_modules_define():
     }
     names.pop("URGENT_STOP_WORD")  # a word in STOP, not a file
     names.pop("CHECKPOINT_GLOB")  # a pattern over CHECKPOINT's files
-        names.pop("SNAPSHOT_GLOB")  # a pattern over SNAPSHOT's files
+    names.pop("SNAPSHOT_GLOB")  # a pattern over SNAPSHOT's files
     assert len(names) > 40
     missing = [k for k, v in names.items() if v not in table]
     assert not missing, missing
