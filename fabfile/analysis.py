@@ -186,6 +186,7 @@ def plan(
     else:
         print(f"cheapest{f' within {limit:g} h' if limit else ''}: {best.nodes} x {best.instance_type}")
     print("\n".join(f"  {figure}: {model}" for figure, model in best.models))
+    print(f"  {planned.node_loss(best)}")
 
 
 def _hours(text):

@@ -382,6 +382,8 @@ def test_fab_plan_from_a_step_time_needs_no_node(unreachable, capsys):
     out = capsys.readouterr().out
     assert out.startswith("from ") and "target: 3600 steps (given); fixed global batch across N" in out
     assert "g5.xlarge: 1 x A10G per node" in out and "cheapest within 2 h: " in out, out
+    # no run to read: the trainer's defaults, snapshots every 60 s and checkpoints every 30 minutes
+    assert "  a lost node (--max-restarts): at most 60 s of steps, $" in out and "(the snapshot interval)" in out
     assert fab("plan", "--step-s", "0.5", "--types", "x9.unknown") == 1
     assert capsys.readouterr().err.strip() == "error: unknown instance type 'x9.unknown'"
 

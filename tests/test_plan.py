@@ -107,6 +107,22 @@ def test_the_cheapest_that_meets_the_deadline():
     assert {row["deadline"] for row in rows} == {"ok", "late"}
 
 
+def test_a_lost_node_costs_the_snapshot_interval_or_without_snapshots_the_checkpoint_interval():
+    """Issue 30: 2 nodes at $10/h each ($20/h): a minute of snapshots costs $0.33; with every node's memory
+    lost, or snapshots off, the checkpoint bound: 100 steps (under 30 minutes here)."""
+    e = plan.estimate(base(compute=6.0), offer(price=10.0, link=10.0), 2, 3600, plan.Storage())
+    assert e.step_s is not None and 100 * e.step_s < 1800
+    every = 100 * e.step_s
+    intervals = plan.Intervals(snapshot_s=60, checkpoint_every=100, checkpoint_min=30)
+    line = plan.node_loss(e, intervals)
+    assert line.startswith("a lost node (--max-restarts): at most 60 s of steps, $0.33 (the snapshot interval)")
+    checkpoints = f"{every / 60:.0f} min of steps, ${20 * every / 3600:.2f}"
+    assert line.endswith(f"with every node's memory lost: {checkpoints} (checkpoints)"), line
+    off = plan.node_loss(e, replace(intervals, snapshot_s=0))
+    assert off == f"a lost node (--max-restarts): at most {checkpoints} (the checkpoint interval: --snapshot-seconds 0)"
+    assert "at most 30 min of steps, $10.00" in plan.node_loss(e, plan.Intervals(snapshot_s=0))  # the time bound
+
+
 LOG = """step 10/100 (10%) | loss 3.2 | ...
 eval step 50 | eval_loss 2.100 | bleu 41.200
 eval step 100 | eval_loss 1.500 | bleu 63.000

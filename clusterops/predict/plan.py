@@ -291,6 +291,49 @@ def _names(curve) -> str:
     return ", ".join(sorted({name for _, values in curve for name in values})) or "no evaluations"
 
 
+@dataclass(frozen=True)
+class Intervals:
+    """How often a run keeps its state (train.config's defaults unless the base run's config.json says)."""
+
+    snapshot_s: float = 60.0  # --snapshot-seconds, 0: off
+    checkpoint_every: Optional[int] = None  # --checkpoint-every (steps)
+    checkpoint_min: float = 30.0  # --checkpoint-minutes, 0: steps only
+
+    def checkpoint_s(self, step_s: Optional[float]) -> Optional[float]:
+        """The longest stretch between checkpoints: the step bound or the time bound, the sooner."""
+        bounds = [self.checkpoint_min * 60] if self.checkpoint_min > 0 else []
+        if self.checkpoint_every and step_s:
+            bounds.append(self.checkpoint_every * step_s)
+        return min(bounds) if bounds else None
+
+
+def node_loss(estimate: Estimate, intervals: Intervals) -> str:
+    """What a lost node costs at most on this plan, in recomputed steps (every node of the restart redoes
+    them): the snapshot interval while a survivor holds one, else the checkpoint interval."""
+    rate = estimate.usd_nodes / estimate.hours if estimate.usd_nodes is not None and estimate.hours else None
+    checkpoint = intervals.checkpoint_s(estimate.step_s)
+
+    def cost(seconds: Optional[float]) -> str:
+        if seconds is None:
+            return "the whole run (no checkpoint interval)"
+        return f"{_duration(seconds)} of steps, {_usd(rate * seconds / 3600 if rate is not None else None)}"
+
+    lost = f"a lost node (--max-restarts): at most {cost(intervals.snapshot_s or checkpoint)}"
+    if intervals.snapshot_s > 0:
+        return lost + f" (the snapshot interval); with every node's memory lost: {cost(checkpoint)} (checkpoints)"
+    return lost + " (the checkpoint interval: --snapshot-seconds 0)"
+
+
+def _duration(seconds: float) -> str:
+    return (
+        f"{seconds:g} s"
+        if seconds < 120
+        else f"{seconds / 60:.0f} min"
+        if seconds < 7200
+        else f"{seconds / 3600:.1f} h"
+    )
+
+
 def _usd(value: Optional[float], digits: int = 2) -> str:
     return "unknown" if value is None else f"${value:,.{digits}f}"
 

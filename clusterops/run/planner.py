@@ -49,6 +49,10 @@ class Planned:
     rows: list[dict]
     best: Optional[planning.Estimate]
     fastest: Optional[planning.Estimate]
+    intervals: planning.Intervals = planning.Intervals()
+
+    def node_loss(self, estimate: planning.Estimate) -> str:
+        return planning.node_loss(estimate, self.intervals)
 
 
 def plan(connection, inv: Inventory, run_dir: Optional[str], run: Optional[str], query: Query) -> Planned:
@@ -64,7 +68,17 @@ def plan(connection, inv: Inventory, run_dir: Optional[str], run: Optional[str],
     best = planning.cheapest(estimates, query.deadline_h)
     fastest = min(timed, key=lambda e: e.hours or 0.0) if timed and best is None else None
     rows = planning.table_rows(estimates, query.deadline_h)
-    return Planned(base, target, target_model, offers, rows, best, fastest)
+    return Planned(base, target, target_model, offers, rows, best, fastest, _intervals(inputs.get("config") or {}))
+
+
+def _intervals(config: dict) -> planning.Intervals:
+    """The base run's snapshot and checkpoint intervals (config.json); the trainer's defaults without one."""
+    default = planning.Intervals()
+    return planning.Intervals(
+        float(config.get("snapshot_seconds", default.snapshot_s)),
+        config.get("checkpoint_every"),
+        float(config.get("checkpoint_minutes", default.checkpoint_min)),
+    )
 
 
 def _plan_base(inv, inputs, step_s, grad_mb, first_type, run):
