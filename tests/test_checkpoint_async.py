@@ -99,6 +99,15 @@ def test_a_snapshot_writer_killed_mid_write_leaves_the_previous_snapshot(tmp_pat
     assert [p.name for p in held.iterdir()] == ["snapshot_00000003.pt"]  # one snapshot held, the older gone
 
 
+def test_a_snapshot_that_cannot_be_written_is_one_line_and_the_run_goes_on(tmp_path):
+    """/dev/shm full (DataLoader workers share it) or gone: the write's error stays on the writer's side."""
+    (tmp_path / "shm").write_text("not a directory")
+    said: list[str] = []
+    checkpoint.persist_snapshot(tmp_path / "shm" / "run", tmp_path, 3, said.append)({"step": 3, "model": {}}, 0.0)
+    assert len(said) == 1 and said[0].startswith("warning: snapshot at step 3 not written (")
+    assert said[0].endswith("; the older one stays")
+
+
 def _snapshot(run: Path, step: int) -> Path:
     held = run / "shm"
     checkpoint.persist_snapshot(held, run, step)({"step": step, "model": {}}, 0.0)

@@ -145,8 +145,10 @@ def test_a_restart_before_any_checkpoint_says_from_the_start_not_step_none():
     restart = Restart.from_json(RESTART)
     assert drillreport._from(replace(restart, resume_step=None)) == "from the start (no checkpoint or snapshot yet)"
     assert drillreport._from(restart) == "from the checkpoint at step 7"
-    snapshot = replace(restart, resume_step=18, resume_from="snapshot", resume_holder="10.0.0.2", steps_lost=2)
-    assert drillreport._from(replace(snapshot, lost_s=1.25)) == "from node1's snapshot at step 18; lost 2 steps, 1.2 s"
+    snapshot = replace(restart, resume_step=18, resume_from="snapshot", steps_lost=2, lost_s=1.25)
+    assert drillreport._from(snapshot) == "from the nodes' own snapshots at step 18; lost 2 steps, 1.2 s"
+    copied = drillreport._from(replace(snapshot, resume_holder="10.0.0.2"))
+    assert copied == "from node1's snapshot (copied to /data) at step 18; lost 2 steps, 1.2 s"
 
 
 RESTART = {

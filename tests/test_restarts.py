@@ -99,18 +99,19 @@ def _beats(run: Path, step: int, step_time: float = 0.5) -> None:
 
 
 @pytest.mark.parametrize(
-    "held, resumed, source, holder, copy",
+    "held, resumed, source, holder",
     [
-        ({"10.0.0.1": 412, "10.0.0.2": 412}, 412, "snapshot", "10.0.0.1", False),  # both survivors: their RAM
-        ({"10.0.0.1": 412, "10.0.0.2": 400}, 412, "snapshot", "10.0.0.1", True),  # a write cut short on one
-        ({"10.0.0.2": 412}, 412, "snapshot", "10.0.0.2", True),  # node1's RAM went with a reboot
-        ({"10.0.0.1": 15, "10.0.0.2": 15}, 20, "checkpoint", None, False),  # older than the checkpoint
-        ({"10.0.0.1": 20, "10.0.0.2": 20}, 20, "checkpoint", None, False),  # a tie: the durable one
-        ({}, 20, "checkpoint", None, False),  # --snapshot-seconds 0
+        ({"10.0.0.1": 412, "10.0.0.2": 412}, 412, "snapshot", None),  # both survivors: their own memory
+        ({"10.0.0.1": 412, "10.0.0.2": 400}, 412, "snapshot", "10.0.0.1"),  # a write cut short on one: copied
+        ({"10.0.0.2": 412}, 412, "snapshot", "10.0.0.2"),  # node1's RAM went with a reboot: copied
+        ({"10.0.0.1": 15, "10.0.0.2": 15}, 20, "checkpoint", None),  # older than the checkpoint
+        ({"10.0.0.1": 20, "10.0.0.2": 20}, 20, "snapshot", None),  # a tie: the trainer reads RAM, not /data
+        ({"10.0.0.1": 9000, "10.0.0.2": 9000}, 20, "checkpoint", None),  # past the last step: an older run's
+        ({}, 20, "checkpoint", None),  # --snapshot-seconds 0
     ],
-    ids=["all-hold", "steps-differ", "one-holds", "older", "tie", "none"],
+    ids=["all-hold", "steps-differ", "one-holds", "older", "tie", "older-runs-name", "none"],
 )
-def test_a_restart_resumes_from_the_newest_state_a_node_holds(tmp_path, held, resumed, source, holder, copy):
+def test_a_restart_resumes_from_the_newest_state_a_node_holds(tmp_path, held, resumed, source, holder):
     """Issue 30: node3 is lost at step 415; the survivors' probes say which snapshot each holds."""
     run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
     _beats(run, 415)
@@ -118,32 +119,37 @@ def test_a_restart_resumes_from_the_newest_state_a_node_holds(tmp_path, held, re
         _holds(run, host, held.get(host))
     plan = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "node3 lost")
     assert plan.point is not None and plan.record is not None, plan.line
-    assert (plan.point.step, plan.point.source, plan.point.holder, plan.point.copy) == (resumed, source, holder, copy)
+    assert (plan.point.step, plan.point.source, plan.point.holder) == (resumed, source, holder)
     record = plan.record.to_json()
     assert record["resume_step"] == resumed and record["steps_lost"] == 415 - resumed
     assert record["lost_s"] == pytest.approx((415 - resumed) * 0.5)
+    where = (
+        f"{holder}'s snapshot at step 412, copied to /data" if holder else f"the nodes' own snapshots at step {resumed}"
+    )
     if source == "snapshot":
-        assert f"from {holder}'s snapshot at step 412 (lost 3 steps, 1.5 s since {holder}'s snapshot" in plan.line
-        assert "snapshots every 60 s" in plan.line and record["resume_holder"] == holder
-        assert f"{holder}'s snapshot at step 412 on 2 node(s)" in restart_plan.history_lines([record])[0]
+        assert f"from {where} (lost {415 - resumed} steps, {(415 - resumed) * 0.5:.1f} s since {where}" in plan.line
+        assert "snapshots every 60 s" in plan.line and record.get("resume_holder") == holder
+        shown = restart_plan.history_lines([record])[0]
+        assert (f"{holder}'s snapshot (copied to /data) at step" if holder else "the nodes' snapshots at step") in shown
     else:
         assert f"from the checkpoint at step 20 (lost {415 - 20} steps" in plan.line
         assert "the recipe checkpoints every 1000 steps" in plan.line and record["resume_from"] == "checkpoint"
 
 
-def test_a_dropped_node_that_still_answers_gives_its_snapshot_and_the_fallback_is_the_checkpoint(tmp_path):
+def test_a_dropped_node_that_still_answers_gives_its_snapshot_and_without_the_copy_the_next_newest(tmp_path):
     """A node with a bad verdict (here /data unmounted) trains no more, but its RAM holds the newest state;
-    with snapshots off (the supervisor's copy failed) the same plan resumes from the checkpoint."""
+    when that copy fails, the step the next nodes all hold (what their trainer will take), not the checkpoint."""
     run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
     _beats(run, 415)
     _holds(run, "10.0.0.1", 400)
     _holds(run, "10.0.0.2", 400)
     _holds(run, "10.0.0.3", 412, bad=True)
     plan = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "x")
-    assert plan.point == restart_plan.ResumePoint(412, "snapshot", "10.0.0.3", copy=True)
+    assert plan.point == restart_plan.ResumePoint(412, "snapshot", "10.0.0.3", bytes=1)
     assert plan.spec is not None and plan.spec.hosts == ("10.0.0.1", "10.0.0.2")
-    fallback = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "x", snapshots=False)
-    assert fallback.point == restart_plan.ResumePoint(20) and fallback.record and fallback.record.resume_step == 20
+    fallback = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "x", copy=False)
+    assert fallback.point == restart_plan.ResumePoint(400, "snapshot") and fallback.record
+    assert fallback.record.resume_step == 400 and fallback.record.steps_lost == 15
 
 
 def test_plan_gives_up_below_min_nodes_and_on_a_bad_node_verdict(tmp_path):

@@ -63,3 +63,12 @@ def test_persist_of_a_snapshot_the_node_does_not_hold_is_one_line_and_writes_not
     assert done.stderr.startswith("error: no snapshot of base at step 412 on this node")
     assert done.stderr.count("\n") == 1
     assert not (run / rundir.CHECKPOINTS).exists()
+
+
+def test_drop_frees_the_nodes_memory_of_one_run_only(tmp_path):
+    root = _node(tmp_path, "base", 412, temp=True)
+    _node(tmp_path, "other", 7)
+    done = _program("drop", str(tmp_path / "data" / "runs" / "base"), root=root)
+    assert done.returncode == 0 and json.loads(done.stdout) == {"dropped": 2}
+    assert not (root / "base").exists() and snapshots.held(root) == {"other": {"step": 7, "bytes": 10}}
+    assert json.loads(_program("drop", str(tmp_path / "data" / "runs" / "base"), root=root).stdout) == {"dropped": 0}

@@ -61,9 +61,12 @@ class FakeNodes:
     stop_works = True
     copies: Optional[str] = None  # persist_snapshot's answer: the checkpoint's path, None a failed copy
 
-    def persist_snapshot(self, host: str, step: int) -> Optional[str]:
+    def persist_snapshot(self, host: str, step: int, size: int = 0) -> Optional[str]:
         self.calls.append(("persist", host, step))
         return self.copies
+
+    def drop_snapshots(self, hosts) -> None:
+        self.calls.append(("drop", tuple(hosts)))
 
     def then_stop(self, log_path) -> bool:
         self.calls.append(("then_stop", (self.run / "run-status.json").read_text()))
@@ -169,7 +172,8 @@ def _holding(run: Path, steps: dict) -> None:
 @pytest.mark.parametrize("copy_works", [True, False], ids=["copied", "copy-failed"])
 def test_row14_a_snapshot_the_next_nodes_lack_is_copied_to_data_by_its_holder_first(tmp_path, copy_works):
     """Issue 30: node1 (/data gone, still answering) holds step 36, node0 step 35: node1 copies its snapshot into
-    the checkpoints, and the restart on node0 resumes there; a failed copy falls back to the checkpoint."""
+    the checkpoints, and the restart on node0 resumes there; when the copy fails, from node0's own snapshot at
+    35 (what its trainer will take: as new as the checkpoint at 30 or newer). The run's end frees the RAM."""
     sup, mpirun, nodes = _supervisor(tmp_path, [1, 0], Script(), restarts=1)
     (tmp_path / "train.log").write_text("rank 1 exited on signal 9\n")
     nodes.probe_all = lambda: _holding(tmp_path, {"h1": 35, "h2": 36})
@@ -178,13 +182,14 @@ def test_row14_a_snapshot_the_next_nodes_lack_is_copied_to_data_by_its_holder_fi
     [restart] = json.loads((tmp_path / "restarts.json").read_text())
     log = (tmp_path / "train.log").read_text()
     if copy_works:
-        assert "launcher: node1's snapshot at step 36 copied to " in log and "from node1's snapshot at step 36" in log
+        assert "launcher: node1's snapshot at step 36 copied to " in log
+        assert "from node1's snapshot at step 36, copied to /data" in log
         assert (restart["resume_step"], restart["resume_from"], restart["resume_holder"]) == (36, "snapshot", "h2")
     else:
-        assert "copying node1's snapshot at step 36 to /data failed; restarting from the checkpoint" in log
-        assert "from the checkpoint at step 30" in log
-        assert (restart["resume_step"], restart["resume_from"]) == (30, "checkpoint")
-        assert "resume_holder" not in restart
+        assert "copying node1's snapshot at step 36 to /data failed; the next newest state" in log
+        assert "from the nodes' own snapshots at step 35" in log
+        assert (restart["resume_step"], restart["resume_from"]) == (35, "snapshot") and "resume_holder" not in restart
+    assert nodes.calls[-1] == ("drop", ("h1", "h2"))
 
 
 def test_row14_survivors_that_all_hold_the_newest_snapshot_resume_from_their_memory_without_a_copy(tmp_path):
@@ -192,7 +197,22 @@ def test_row14_survivors_that_all_hold_the_newest_snapshot_resume_from_their_mem
     sup, mpirun, nodes = _supervisor(tmp_path, [None, 0], script, restarts=1)
     nodes.probe_all = lambda: _holding(tmp_path, {"h1": 41})
     assert sup.run_all() == 0 and not [c for c in nodes.calls if c[0] == "persist"]
-    assert "restart 1/1 on 1 node(s) node0 from node0's snapshot at step 41" in (tmp_path / "train.log").read_text()
+    log = (tmp_path / "train.log").read_text()
+    assert "restart 1/1 on 1 node(s) node0 from the nodes' own snapshots at step 41" in log
+
+
+def test_row13_a_stop_during_the_snapshots_copy_ends_the_run_before_any_relaunch(tmp_path):
+    """The copy can take minutes: a `fab stop --force` meanwhile must not be followed by a new attempt."""
+    sup, mpirun, nodes = _supervisor(tmp_path, [1], Script(), restarts=1)
+    nodes.probe_all = lambda: _holding(tmp_path, {"h1": 35, "h2": 36})
+
+    def copy_while_stopped(host: str, step: int, size: int = 0) -> Optional[str]:
+        (tmp_path / "FORCED").touch()
+        return str(tmp_path / "checkpoints" / "step_00000036.pt")
+
+    nodes.persist_snapshot = copy_while_stopped
+    sup.run_all()
+    assert len(mpirun.starts) == 1 and _status(tmp_path)["reason"] == "stopped by fab stop --force"
 
 
 def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):

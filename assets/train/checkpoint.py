@@ -57,16 +57,21 @@ def persist(run_dir: str | os.PathLike, step: int, keep: int, best: bool, log=pr
     return write
 
 
-def persist_snapshot(directory: Path, run_dir: str | os.PathLike, step: int):
+def persist_snapshot(directory: Path, run_dir: str | os.PathLike, step: int, log=print):
     """The write StateWriter runs for this node's snapshot: DIRECTORY/snapshot_STEP.pt, atomically; then the
     older ones go (the node holds one; a write in flight is a temp file) and so does a killed writer's temp
-    file (RAM, on /dev/shm)."""
+    file (RAM, on /dev/shm). A write that fails (/dev/shm full: DataLoader workers share it) is one line
+    and the run goes on: the older snapshot and the checkpoints remain."""
 
     def write(state: dict, stalled: float) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / rundir.SNAPSHOT.format(step=step)
         marked = {**state, "run_dir": str(Path(run_dir).resolve())}
-        atomic_write_bytes(path, lambda f: torch.save(marked, f))
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, lambda f: torch.save(marked, f))
+        except (OSError, RuntimeError) as error:  # torch.save reports a short write as a RuntimeError
+            log(f"warning: snapshot at step {step} not written ({type(error).__name__}: {error}); the older one stays")
+            return
         for older in directory.glob(rundir.SNAPSHOT_GLOB):
             if older != path:
                 older.unlink(missing_ok=True)

@@ -61,11 +61,15 @@ class Tokenizer:
 def atomic_write_bytes(path: Path, write) -> None:
     """write(file) into a temp file next to path, fsync, rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half file left taking its space (RAM, for a snapshot)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _flatten(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

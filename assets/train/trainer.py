@@ -28,6 +28,11 @@ def _urgent(stop_file: Path) -> bool:
         return False
 
 
+def _say(line: str) -> None:
+    """A line from any rank (the node's own snapshot writer, which rank 0's log would not show)."""
+    print(line, flush=True)
+
+
 class Trainer:
     """The loop around a recipe's task. train.py composes it: the task (model, batches, loss, eval), the
     optimizer, the LR schedule and the callbacks are built there and handed in."""
@@ -128,6 +133,7 @@ class Trainer:
         )
         if state is None:
             self.log(f"starting a new run in {self.run_dir}")
+            checkpoint.drop_snapshots(self.snapshot_target)  # an older run's of this name: never this run's
             return
         self.model.load_state_dict(state["model"])
         # The optimizer's implementation is this machine's (fused on a GPU), whatever saved the state.
@@ -167,7 +173,7 @@ class Trainer:
         if checkpoint_now and self.info.is_main:
             writes.append(checkpoint.persist(self.run_dir, self.step, self.config.keep_checkpoints, best, self.log))
         if self.snapshot_due and self.snapshot_target is not None:
-            writes.append(checkpoint.persist_snapshot(self.snapshot_target, self.run_dir, self.step))
+            writes.append(checkpoint.persist_snapshot(self.snapshot_target, self.run_dir, self.step, _say))
         if writes:
             assert self.state_writer is not None
             start = time.time()

@@ -31,7 +31,9 @@ def _from(r: Restart) -> str:
     if r.resume_step is None:
         return "from the start (no checkpoint or snapshot yet)"
     holder = (r.names or {}).get(r.resume_holder or "", r.resume_holder)
-    where = f"{holder}'s snapshot" if r.resume_from == "snapshot" else "the checkpoint"
+    where = "the checkpoint"
+    if r.resume_from == "snapshot":
+        where = f"{holder}'s snapshot (copied to /data)" if holder else "the nodes' own snapshots"
     lost = f"; lost {r.steps_lost} steps" if r.steps_lost is not None else ""
     lost += f", {r.lost_s:.1f} s" if r.steps_lost is not None and r.lost_s is not None else ""
     return f"from {where} at step {r.resume_step}{lost}"

@@ -2,7 +2,8 @@
 restart: `held` prints {run name: {"step", "bytes"}} (the probe reports it too), `persist RUN_DIR STEP`
 copies this node's snapshot of the run at STEP into RUN_DIR/checkpoints as a step checkpoint, so that a
 restart whose nodes do not all hold it (a replaced node, a survivor whose last write was cut short) resumes
-from it, from /data. python -m cluster_node.programs.snapshots held|persist ..."""
+from it, from /data; `drop RUN_DIR` frees this node's memory of a run that ended at a checkpoint.
+python -m cluster_node.programs.snapshots held|persist|drop ..."""
 
 from __future__ import annotations
 
@@ -66,6 +67,20 @@ def persist(run: Path, step: int, env: Optional[Mapping[str, str]] = None) -> di
     return {"path": str(target), "bytes": _size(target), "seconds": round(time.monotonic() - began, 3), "copied": True}
 
 
+def drop(run: Path, env: Optional[Mapping[str, str]] = None) -> int:
+    """Remove this node's snapshots of `run` (and a dead writer's temp files); how many files went."""
+    held = rundir.snapshot_root(env) / run.resolve().name
+    files = [p for p in held.glob("*") if p.is_file()] if held.is_dir() else []
+    for path in files:
+        path.unlink(missing_ok=True)
+    if held.is_dir():
+        try:
+            held.rmdir()
+        except OSError:  # a writer that started meanwhile
+            pass
+    return len(files)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     prog, about = "python -m cluster_node.programs.snapshots", __doc__.splitlines()[0]
     parser = argparse.ArgumentParser(prog=prog, description=about)
@@ -74,9 +89,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     copy = commands.add_parser("persist", help="copy this node's snapshot of a run into its checkpoints")
     copy.add_argument("run_dir", type=Path)
     copy.add_argument("step", type=int)
+    commands.add_parser("drop", help="remove this node's snapshots of a run").add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
     if args.command == "held":
         print(json.dumps(held(rundir.snapshot_root())))
+        return 0
+    if args.command == "drop":
+        print(json.dumps({"dropped": drop(args.run_dir)}))
         return 0
     try:
         print(json.dumps(persist(args.run_dir, args.step)))

@@ -381,8 +381,9 @@ class Restart(Record):
     grad_accum: int = _key("int", required=True)
     max_batch_per_gpu: int = _key("int", required=True)
     names: Optional[Mapping[str, str]] = _key("dict")  # host -> the inventory's name (node2), for people
-    # Where resume_step's state is (absent in older records: a checkpoint): "checkpoint", or "snapshot" with
-    # the host that held it (restart_plan.ResumePoint); the steps finished after it and their stepping time.
+    # Where resume_step's state is (absent in older records: a checkpoint): "checkpoint", or "snapshot" (the
+    # nodes' own; with resume_holder: that host's, copied to /data; restart_plan.ResumePoint); the steps
+    # finished after it and their stepping time.
     resume_from: Optional[str] = _key("str")
     resume_holder: Optional[str] = _key("str")
     steps_lost: Optional[int] = _key("int")

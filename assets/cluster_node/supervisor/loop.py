@@ -298,6 +298,9 @@ class Supervisor:
             return stopped
         assert self.observer is not None and self.kind is not None
         plan = self.planned()
+        stopped = self.interrupted()  # a snapshot's copy can take minutes: a stop meanwhile wins
+        if stopped is not None:
+            return stopped
         if plan.spec is None or plan.record is None:
             return self.outcome.then(State.FAILED, reason=f"{self.reason}; {plan.line}")
         self.log(f"launcher: {self.reason}; {plan.line}")
@@ -314,14 +317,15 @@ class Supervisor:
         assert self.observer is not None and self.kind is not None
         plan = restart_plan.plan(self.run, self.spec, self.kind, self.reason, since=self.observer.started)
         point = plan.point
-        if point is None or not point.copy or point.holder is None or point.step is None:
+        if point is None or point.holder is None or point.step is None or not point.copy:
             return plan
-        copied = self.nodes.persist_snapshot(point.holder, point.step)
+        name, step = self.spec.name(point.holder), point.step
+        copied = self.nodes.persist_snapshot(point.holder, step, point.bytes)
         if copied is not None:
-            self.log(f"launcher: {self.spec.name(point.holder)}'s snapshot at step {point.step} copied to {copied}")
+            self.log(f"launcher: {name}'s snapshot at step {step} copied to {copied}")
             return plan
-        self.log(f"launcher: copying {point.words(self.spec)} to /data failed; restarting from the checkpoint")
-        return restart_plan.plan(self.run, self.spec, self.kind, self.reason, self.observer.started, snapshots=False)
+        self.log(f"launcher: copying {name}'s snapshot at step {step} to /data failed; the next newest state")
+        return restart_plan.plan(self.run, self.spec, self.kind, self.reason, self.observer.started, copy=False)
 
     def own_spot(self, notice: rundir.Interruption, exited: Optional[int]) -> Outcome:
         """Row 16: the supervisor's own node will go. Let the checkpoint land, end, say how to resume."""
@@ -391,6 +395,8 @@ class Supervisor:
         self.status(state, self.code, reason, ThenStopState.STOPPING if self.spec.then_stop else None)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
         active = _free_head(self.run, Path(self.spec.active_file))
+        if self.state == State.FINISHED and self.spec.then_stop is None:  # (a stop frees the nodes' RAM)
+            self.nodes.drop_snapshots(self.spec.pool)  # its checkpoint is as new: the snapshots hold nothing more
         if self.spec.then_stop is not None:
             stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
             if not stopped:

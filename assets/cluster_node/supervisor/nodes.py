@@ -3,6 +3,7 @@ that a node answers, end a run's leftovers, collect stacks, run the health probe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -60,19 +61,36 @@ class Nodes:
         self._each(hosts, one)
         time.sleep(2)  # faulthandler writes from a signal handler: give the ranks a moment
 
-    def persist_snapshot(self, host: str, step: int) -> Optional[str]:
-        """`host` copies its snapshot of the run at `step` into the run's checkpoints (a restart on nodes that
-        do not all hold it); the checkpoint's path, or None when that failed. Up to 30 minutes: a large
-        model's state at EFS's throughput."""
+    def _snapshots(self, host: str, limit: float, *args: str) -> subprocess.CompletedProcess:
+        """`cluster_node.programs.snapshots ARGS` on `host`, ended there too after `limit` s (`timeout`: a copy
+        left running would rename its file into the run under the next attempt); ServerAlive: a holder that
+        dies mid-copy is noticed in 30 s, not TCP's minutes."""
         env = f"PYTHONPATH={self.spec.root}" if self.spec.root else "PYTHONPATH=."
-        program = [self.spec.python, "-m", "cluster_node.programs.snapshots", "persist", str(self.run), str(step)]
+        program = [self.spec.python, "-m", "cluster_node.programs.snapshots", *args]
+        remote = ["timeout", "-k", "5", f"{limit:.0f}", "env", env, *program]
+        alive = ["-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
+        argv = [*self._ssh(host)[:-1], *alive, host, *remote]
+        return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=limit + 30)
+
+    def persist_snapshot(self, host: str, step: int, size: int = 0) -> Optional[str]:
+        """`host` copies its snapshot of the run at `step` into the run's checkpoints (a restart on nodes that
+        do not all hold it); the checkpoint's path, or None when that failed. The limit: the size at 50 MB/s
+        (EFS's single-stream writes run at ~100 MiB/s), plus a minute, at most 30 minutes."""
+        limit = min(1800.0, 60 + size / 50e6)
         try:
-            done = subprocess.run(
-                self._ssh(host, "env", env, *program), stdin=subprocess.DEVNULL, capture_output=True, timeout=1800
-            )
+            done = self._snapshots(host, limit, "persist", str(self.run), str(step))
             return json.loads(done.stdout.decode().strip().splitlines()[-1])["path"] if done.returncode == 0 else None
         except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, KeyError, TypeError):
             return None
+
+    def drop_snapshots(self, hosts: Iterable[str]) -> None:
+        """The run's snapshots off every node (its RAM), best effort: a run that finished at a checkpoint."""
+
+        def one(host: str) -> None:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                self._snapshots(host, 15, "drop", str(self.run))
+
+        self._each(hosts, one)
 
     def probe_all(self) -> None:
         """The health probe (probe.sh, written by fab train) on every node of the pool, in parallel."""

@@ -39,49 +39,65 @@ def resumes_from(step: Optional[int]) -> str:
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """The newest state a restart can resume from: the newest checkpoint on /data, or a snapshot a node that
-    answered its probe holds in memory (train.snapshot), whichever is newer (a tie: the checkpoint, durable).
-    `copy`: not every node of the next attempt holds that snapshot (a replaced node, a survivor whose last
-    write was cut short), so the holder copies it to /data first (cluster_node.programs.snapshots persist)."""
+    """The newest state a restart can resume from (resume_point): the newest checkpoint on /data, or the
+    snapshots every node of the next attempt holds in memory (each rank reads its own node's), or one node's
+    newer snapshot that `holder` copies into the run's checkpoints first (cluster_node.programs.snapshots
+    persist): a replaced node, a survivor whose last write was cut short."""
 
     step: Optional[int]
     source: str = "checkpoint"  # or "snapshot"
-    holder: Optional[str] = None
-    copy: bool = False
+    holder: Optional[str] = None  # a snapshot to copy to /data first; None: each node reads its own
+    bytes: int = 0  # the copy's size (its time limit)
+
+    @property
+    def copy(self) -> bool:
+        return self.source == "snapshot" and self.holder is not None
 
     def words(self, spec: RunSpec) -> str:
         if self.step is None:
             return "the start"
-        if self.source == "snapshot" and self.holder is not None:
-            return f"{spec.name(self.holder)}'s snapshot at step {self.step}"
+        if self.copy and self.holder is not None:
+            return f"{spec.name(self.holder)}'s snapshot at step {self.step}, copied to /data"
+        if self.source == "snapshot":
+            return f"the nodes' own snapshots at step {self.step}"
         return f"the checkpoint at step {self.step}"
 
 
-def held_snapshots(run: Path, hosts: Iterable[str]) -> dict[str, int]:
-    """host -> the step of its snapshot of this run, from the probes (cluster_node.programs.probe)."""
+def held_snapshots(run: Path, hosts: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """host -> (step, bytes) of its snapshot of this run, from the probes (cluster_node.programs.probe)."""
     out = {}
     for host in hosts:
         try:
             facts = health.parse_probe((run / rundir.PROBES / host).read_text())
-            step = (facts.get("snapshots") or {}).get(run.resolve().name, {}).get("step")
+            held = (facts.get("snapshots") or {}).get(run.resolve().name, {})
+            step, size = held.get("step"), held.get("bytes", 0)
         except (OSError, ValueError, IndexError, AttributeError):
             continue
         if isinstance(step, int):
-            out[host] = step
+            out[host] = (step, size if isinstance(size, int) else 0)
     return out
 
 
-def resume_point(run: Path, pool: Iterable[str], next_hosts: Sequence[str], snapshots: bool = True) -> ResumePoint:
-    """The newest state any node that answered holds (a dropped node still answering included: a Spot
-    notice leaves two minutes, a bad GPU leaves RAM intact), against the newest checkpoint."""
-    checkpoint = last_checkpoint_step(run)
-    held = held_snapshots(run, pool) if snapshots else {}
-    newest = max(held.values(), default=None)
-    if newest is None or (checkpoint is not None and checkpoint >= newest):
-        return ResumePoint(checkpoint)
-    holders = [h for h in (*next_hosts, *pool) if held.get(h) == newest]
-    copy = any(held.get(h) != newest for h in next_hosts)
-    return ResumePoint(newest, "snapshot", holders[0], copy)
+def resume_point(
+    run: Path, pool: Iterable[str], next_hosts: Sequence[str], snapshots: bool = True, copy: bool = True
+) -> ResumePoint:
+    """What the trainer of the next attempt will resume from (train.checkpoint.load_agreed: the nodes' own
+    snapshots when every rank holds one at the same step, as new as the newest checkpoint or newer), or a
+    newer snapshot any node that answered holds (a dropped node still answering included: a Spot notice
+    leaves two minutes, a bad GPU leaves RAM intact), to be copied first (`copy` False: the copy failed).
+    A snapshot past the run's last heartbeat is an older run's of the same name: not this run's state."""
+    checkpoint, last = last_checkpoint_step(run), last_step(run)
+    held = {h: v for h, v in held_snapshots(run, pool).items() if last is None or v[0] <= last} if snapshots else {}
+    floor = -1 if checkpoint is None else checkpoint
+    theirs = {held[h][0] if h in held else None for h in next_hosts}
+    together = next(iter(theirs)) if len(theirs) == 1 else None
+    holder = max(held, key=lambda h: (held[h][0], h in next_hosts), default=None)
+    newest = held[holder][0] if holder is not None else None
+    if copy and holder is not None and newest is not None and newest > max(floor, together or -1):
+        return ResumePoint(newest, "snapshot", holder, held[holder][1])
+    if together is not None and together >= floor:
+        return ResumePoint(together, "snapshot")
+    return ResumePoint(checkpoint)
 
 
 def step_time(run: Path) -> Optional[float]:
@@ -191,11 +207,11 @@ def plan(
     reason: str,
     since: float = 0.0,
     now: Optional[float] = None,
-    snapshots: bool = True,
+    copy: bool = True,
 ) -> Plan:
     """Restart on the healthy nodes of the pool, the same global batch, from the newest state (ResumePoint;
-    `snapshots` False: the newest checkpoint); after a Spot notice (kind spot) the noticed nodes are left out
-    too: they still answer, for two minutes."""
+    `copy` False: none that must be copied to /data first); after a Spot notice (kind spot) the noticed nodes
+    are left out too: they still answer, for two minutes."""
     history = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
     allowed = spec.limits.max_restarts
     if len(history) >= allowed:
@@ -216,7 +232,7 @@ def plan(
     split = rebalance(global_batch, len(healthy) * spec.slots, max_per_rank)
     if split is None:
         return Plan(f"the global batch {global_batch} does not split evenly over {len(healthy) * spec.slots} ranks")
-    point = resume_point(run, spec.pool, healthy, snapshots)
+    point = resume_point(run, spec.pool, healthy, copy=copy)
     lost, lost_s, lost_words = lost_work(run, point, spec)
     record = rundir.Restart(
         time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
@@ -262,6 +278,6 @@ def history_lines(restarts: list[dict]) -> list[str]:
 
 def _source(restart: dict, names: dict) -> str:
     holder = restart.get("resume_holder")
-    if restart.get("resume_from") == "snapshot" and holder:
-        return f"{names.get(holder, holder)}'s snapshot at "
-    return ""
+    if restart.get("resume_from") != "snapshot":
+        return ""
+    return f"{names.get(holder, holder)}'s snapshot (copied to /data) at " if holder else "the nodes' snapshots at "
