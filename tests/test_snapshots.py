@@ -4,6 +4,7 @@ the real program, as the supervisor runs it over ssh, on files laid out as train
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,3 +73,40 @@ def test_drop_frees_the_nodes_memory_of_one_run_only(tmp_path):
     assert done.returncode == 0 and json.loads(done.stdout) == {"dropped": 2}
     assert not (root / "base").exists() and snapshots.held(root) == {"other": {"step": 7, "bytes": 10}}
     assert json.loads(_program("drop", str(tmp_path / "data" / "runs" / "base"), root=root).stdout) == {"dropped": 0}
+
+
+LOCAL_SSH = """#!/bin/bash
+# ssh [-F CONFIG] [-o X]... HOST COMMAND...: the command runs here, as sshd would run it on HOST; its options
+# are recorded (the supervisor must keep a dead holder from hanging the copy).
+echo "$@" >> "$SSH_LOG"
+while [[ $1 == -* ]]; do shift 2; done
+shift
+exec "$@"
+"""
+
+
+def test_the_supervisors_copy_runs_the_program_on_the_holder_under_a_time_limit(tmp_path, monkeypatch):
+    """cluster_node.supervisor.nodes.Nodes.persist_snapshot's real command line, through an ssh that runs it
+    here: `timeout` ends the copy on the holder too, ServerAlive notices a holder that died mid-copy."""
+    from supervisor_fixture import write_spec
+
+    from cluster_node.supervisor.nodes import Nodes
+
+    root = _node(tmp_path, "run", 412)
+    run = tmp_path / "run"
+    run.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(LOCAL_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SSH_LOG", str(tmp_path / "ssh.log"))
+    monkeypatch.setenv(rundir.SNAPSHOT_DIR_ENV, str(root))
+    nodes = Nodes(run, write_spec(run, ["train.py"], ["10.0.0.1", "10.0.0.2"]))
+    assert nodes.persist_snapshot("10.0.0.2", 412, size=12) == str(rundir.checkpoint(run, 412))
+    assert rundir.checkpoint(run, 412).read_bytes() == b"state at 412"
+    assert nodes.persist_snapshot("10.0.0.2", 500) is None  # not held there: the plan falls back
+    sent = (tmp_path / "ssh.log").read_text().splitlines()[0]
+    assert "-o ServerAliveInterval=10 -o ServerAliveCountMax=3 10.0.0.2 timeout -k 5 60 env PYTHONPATH=" in sent
+    nodes.drop_snapshots(["10.0.0.1", "10.0.0.2"])
+    assert snapshots.held(root) == {}
