@@ -66,6 +66,37 @@ def test_report_with_the_link_and_a_scale_series_draws_both_plots(tmp_path):
     assert "weak scaling" in (tmp_path / "report.md").read_text()
 
 
+GPU_SUMMARY = {
+    **SUMMARY,
+    "mfu": 0.083,
+    "mfu_peak": {"device": "NVIDIA H100 80GB HBM3", "tflops": 989.0},
+    "warmup": {"settled": True, "note": "settled after 175 steps", "warmup_steps": 175, "warmup_s": 21.4,
+               "steady_steps": 225, "steady_step_s": 0.063},
+}  # fmt: skip
+
+
+def test_the_report_gives_the_mfu_the_warm_up_and_far_from_the_peak_what_a_larger_batch_would_give(tmp_path):
+    """Issue 29 §3-4: the steady step's MFU against the GPU's datasheet peak, the warm-up the step time leaves
+    out, and at 8% MFU the what-if model's 4x batch (as `--verify batchx4` would run it)."""
+    link = {"median_gbit": 10.0, "link_gbit": 10.0, "pairs": [{}], "measured_at": "now"}
+    lines, _ = bottleneck.write_report("gpu", Summary.from_json(GPU_SUMMARY), link, tmp_path)
+    assert "- MFU: 8.3% of NVIDIA H100 80GB HBM3's 989 TFLOP/s (datasheet, dense 16-bit) over the steady step" in lines
+    assert (
+        "- warm-up: 175 steps, 21.4 s until the step time settled; the step time is the mean of 225 steady steps"
+        in lines
+    )
+    [far] = [line for line in lines if line.startswith("MFU 8.3% is far from the GPU's peak")]
+    speedup = float(re.search(r"predicts ([\d.]+)x objects/s", far).group(1))
+    assert speedup > 1 and f"MFU about {min(1.0, 0.083 * speedup):.0%}" in far and "--verify batchx4" in far
+    cpu = bottleneck.write_report("cpu", Summary.from_json(SUMMARY), link, tmp_path)[0]
+    assert "- MFU: not measured (this device: no tensor-core peak known)" in cpu and not any(
+        "far from" in x for x in cpu
+    )
+    assert "- warm-up: not recorded (an older trainer): the step time includes it" in cpu
+    row = analysis.run_row(run_files("gpu", summary=GPU_SUMMARY, config={"max_steps": 400}), None)
+    assert row["mfu"] == "8.3%" and analysis.run_row(run_files("cpu", summary=SUMMARY), None)["mfu"] == ""
+
+
 def test_runs_table_compares_runs_at_a_glance():
     runs = [
         run_files("tiny", summary=SUMMARY, config={"max_steps": 30, "precision": "fp32"}, status={"state": "finished"}),

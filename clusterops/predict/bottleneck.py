@@ -83,7 +83,44 @@ def evidence_lines(summary: Summary, b: Breakdown, link: Optional[dict]) -> list
         f"{b.world_size} rank(s), {b.objects_per_step:.0f} objects per step, compression {b.compression}"
         + (", one DDP bucket (no overlap)" if b.single_bucket else "")
     )
-    return lines
+    return lines + [mfu_line(summary), warmup_line(summary)]
+
+
+FAR_FROM_PEAK = 0.25  # below this MFU a step is mostly not the GPU's matrix work: launches, host, waits
+
+
+def mfu_line(summary: Summary) -> str:
+    device, tflops = summary.peak
+    if summary.mfu is None:
+        return f"MFU: not measured ({device or 'this device'}: no tensor-core peak known)"
+    return f"MFU: {summary.mfu:.1%} of {device}'s {tflops:g} TFLOP/s (datasheet, dense 16-bit) over the steady step"
+
+
+def warmup_line(summary: Summary) -> str:
+    """The warm-up, which the step time above leaves out: the steady steps' mean."""
+    w = summary.warmup
+    if not w:
+        return "warm-up: not recorded (an older trainer): the step time includes it"
+    steady = f"the step time is the mean of {w.get('steady_steps')} steady steps"
+    if not w.get("settled"):
+        return f"warm-up: {w.get('note')}; {steady} after the fifth"
+    return (
+        f"warm-up: {w.get('warmup_steps')} steps, {w.get('warmup_s') or 0:.1f} s until the step time settled; {steady}"
+    )
+
+
+def far_from_peak(summary: Summary, b: Breakdown, predictions: list[Prediction]) -> list[str]:
+    """On a GPU far from its peak: what a larger batch would give, by the what-if model, and how to check it."""
+    larger = next((p for p in predictions if p.name == "batch x4 per GPU"), None)
+    if summary.mfu is None or summary.mfu >= FAR_FROM_PEAK or larger is None:
+        return []
+    speedup = larger.speedup_over(b)
+    return [
+        "",
+        f"MFU {summary.mfu:.1%} is far from the GPU's peak: the step is not mostly matrix work. 4x the batch "
+        f"(`--max-tokens` or `--batch-per-gpu` x4) predicts {speedup:.2f}x objects/s, MFU about "
+        f"{min(1.0, summary.mfu * speedup):.0%} (`fab report --verify batchx4` measures it).",
+    ]
 
 
 def report_lines(
@@ -101,6 +138,7 @@ def report_lines(
         lines.append(
             f"| {p.name} | {p.step_s * 1000:.0f} ms | {p.objects_per_s:.0f} | {p.speedup_over(b):.2f}x | {p.model} |"
         )
+    lines += far_from_peak(summary, b, predictions)
     if rate is None:
         lines += [
             "",

@@ -189,6 +189,7 @@ def run_row(run: noderecords.RunFiles, usd_per_node_hour: Optional[float], slots
         "steps": f"{steps}/{config.get('max_steps', '?')}",
         "step_ms": f"{step_s * 1000:.0f}" if step_s else "",
         "objects/s": f"{summary.objects_per_s:.0f}" if summary and summary.objects_per_s else "",
+        "mfu": f"{summary.mfu:.1%}" if summary and summary.mfu is not None else "",
         "precision": config.get("precision", ""),
         "compression": (summary and summary.grad_compression) or config.get("grad_compression", ""),
         "nodes": nodes or "",
@@ -205,7 +206,8 @@ def run_wall(run: noderecords.RunFiles) -> Optional[float]:
     return sum(s.ended - s.started for s in run.segments) if run.segments else None
 
 
-RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "precision", "compression", "nodes", "quality", "wall"]
+RUN_COLUMNS = ["run", "state", "steps", "step_ms", "objects/s", "mfu", "precision", "compression", "nodes", "quality"]
+RUN_COLUMNS.append("wall")
 RUN_COLUMNS.append("goodput")
 
 

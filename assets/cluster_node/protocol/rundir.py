@@ -362,6 +362,24 @@ class Summary(Record):
     def end(self) -> Optional[EndedBy]:
         return EndedBy.of(self.ended_by, self.ended)
 
+    @property
+    def mfu(self) -> Optional[float]:
+        """Model FLOPs utilisation of the steady step (train.perf); None on a CPU (no tensor-core peak)."""
+        value = self.extra.get("mfu")
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    @property
+    def peak(self) -> tuple[Optional[str], Optional[float]]:
+        """(device, its datasheet dense 16-bit TFLOP/s) the MFU is of."""
+        peak = self.extra.get("mfu_peak") or {}
+        return (peak.get("device"), peak.get("tflops")) if isinstance(peak, dict) else (None, None)
+
+    @property
+    def warmup(self) -> Mapping[str, Any]:
+        """train.perf.steady_state: settled, note, warmup_steps, warmup_s, steady_steps, steady_step_s."""
+        value = self.extra.get("warmup")
+        return value if isinstance(value, dict) else {}
+
 
 @dataclass(frozen=True)
 class Restart(Record):
