@@ -49,6 +49,28 @@ def test_every_second_of_a_restarted_run_is_accounted_once_and_the_lost_steps_ar
     assert "goodput 38%" in text and "restart 1 (died" in text and "10 steps lost" in text
 
 
+def test_the_warm_up_after_a_start_and_after_a_restart_is_its_own_cause():
+    """Issue 29: a GPU step warms up (kernel plans, caches) after every start: steps 1..10 at 3 s, then 1 s;
+    after the restart 21..30 at 2 s. The excess over the median step is `warmup`, the rest productive."""
+    m = [Phase(event="run", time=0.0), Phase(event="launch", time=1.0), Phase(event="ready", time=9.0, step=0)]
+    m += [Phase(event="first_step", time=10.0, step=1), Phase(event="steps", time=37.0, step=10)]
+    m += [Phase(event="steps", time=47.0, step=20), Phase(event="checkpoint", time=47.0, end=48.0, step=20)]
+    m += [Phase(event="steps", time=58.0, step=30), Phase(event="detect", time=60.0, kind="died", step=30, end=58.0)]
+    m += [Phase(event="decide", time=61.0, step=20), Phase(event="launch", time=61.5), Phase(event="ready", time=65.0)]
+    m += [Phase(event="first_step", time=66.0, step=21), Phase(event="steps", time=84.0, step=30)]
+    m += [
+        Phase(event="steps", time=94.0, step=40),
+        Phase(event="end", time=94.0, step=40),
+        Phase(event="done", time=95.0),
+    ]
+    acc = goodput.account(m)
+    assert acc is not None and sum(acc.phases.values()) == pytest.approx(95.0)
+    # median 1 s/step: (27 - 9) s after the start, (18 - 9) s after the restart
+    assert acc.phases["warmup"] == pytest.approx(18 + 9) and acc.group("warmup") == acc.phases["warmup"]
+    assert goodput.as_json(acc)["by_cause_s"]["warmup"] == pytest.approx(27)
+    assert any(line.startswith("  warmup: 27.0 s (28%)") for line in goodput.lines(acc))
+
+
 def test_a_resumed_run_is_accounted_over_every_segment_and_not_the_time_between():
     """A run stopped and resumed by a later `fab train` (the new-user walk: 62 s, then 72 s; the account
     said 86% of 62 s). The second segment starts 1,000 s later: that idle time is nobody's wall-clock."""

@@ -22,6 +22,7 @@ LABELS = (
     "eval",
     "checkpoint",
     "checkpoint.snapshot",
+    "warmup",
     "stall",
     "restart.detect",
     "restart.decide",
@@ -35,9 +36,11 @@ LABELS = (
     "productive",
     "shutdown",
 )
-GROUPS = ("productive", "startup", "eval", "checkpoint", "restart", "recomputed", "stall", "shutdown", "unaccounted")
+GROUPS = ("productive", "startup", "warmup", "eval", "checkpoint", "restart", "recomputed", "stall", "shutdown")
+GROUPS += ("unaccounted",)
 SPANS = {"eval": "eval", "checkpoint": "checkpoint", "snapshot": "checkpoint.snapshot"}  # trainer event -> label
 STALL_FACTOR = 2.0  # a log interval slower than this x the run's median step time stalled for the excess
+WARM_FACTOR = 1.2  # an attempt's first log intervals slower than this x the median: warming up, for the excess
 
 
 @dataclass
@@ -139,7 +142,7 @@ def _intervals(runs: list[Attempt], start: float, end: float) -> tuple[list, lis
         previous = attempt
     if runs and "end" in runs[-1].marks:
         spans.append(("shutdown", runs[-1].marks["end"].time, end))
-    spans += _stalls(runs)
+    spans += _stalls(runs) + _warmups(runs)
     return [s for s in spans if s[1] is not None and s[2] is not None and s[2] > s[1]], incidents
 
 
@@ -168,20 +171,46 @@ def _relaunch(incident: Incident, failed: Attempt, later: Attempt) -> Incident:
     return Incident(**{**incident.__dict__, "relaunch_s": relaunch, "first_step_s": first_step})
 
 
-def _stalls(runs: list[Attempt]) -> list:
-    """Log intervals whose time per step (evals and checkpoints inside taken out) exceeds STALL_FACTOR x
-    the run's median: the excess, at the interval's end."""
+def _rows(attempt: Attempt) -> list[tuple[float, int, float]]:
+    """(end, steps, seconds stepping) of each log interval, evals and checkpoints inside taken out."""
     rows = []
-    for attempt in runs:
-        steps = sorted((t, s) for t, s in attempt.steps if s is not None)
-        for (t0, s0), (t1, s1) in zip(steps, steps[1:]):
-            inside = sum(max(0.0, min(e, t1) - max(b, t0)) for _, b, e, _ in attempt.spans)
-            if s1 > s0:
-                rows.append((t1, s1 - s0, t1 - t0 - inside))
-    if not rows:
+    steps = sorted((t, s) for t, s in attempt.steps if s is not None)
+    for (t0, s0), (t1, s1) in zip(steps, steps[1:]):
+        inside = sum(max(0.0, min(e, t1) - max(b, t0)) for _, b, e, _ in attempt.spans)
+        if s1 > s0:
+            rows.append((t1, s1 - s0, t1 - t0 - inside))
+    return rows
+
+
+def _median(runs: list[Attempt]) -> Optional[float]:
+    rates = [d / n for attempt in runs for _, n, d in _rows(attempt)]
+    return statistics.median(rates) if rates else None
+
+
+def _stalls(runs: list[Attempt]) -> list:
+    """Log intervals whose time per step exceeds STALL_FACTOR x the run's median: the excess, at the
+    interval's end."""
+    median = _median(runs)
+    if median is None:
         return []
-    median = statistics.median(d / n for _, n, d in rows)
+    rows = [row for attempt in runs for row in _rows(attempt)]
     return [("stall", t1 - (d - n * median), t1) for t1, n, d in rows if d > STALL_FACTOR * n * median]
+
+
+def _warmups(runs: list[Attempt]) -> list:
+    """Each attempt's first log intervals while they run slower than WARM_FACTOR x the run's median step (a
+    GPU's kernel plans and caches filling after a start or a restart, issue 29): the excess, at each one's
+    end. The first step itself is start-up (startup.first_step, restart.first_step)."""
+    median = _median(runs)
+    if median is None:
+        return []
+    spans = []
+    for attempt in runs:
+        for t1, n, d in _rows(attempt):
+            if d <= WARM_FACTOR * n * median:
+                break
+            spans.append(("warmup", t1 - (d - n * median), t1))
+    return spans
 
 
 def paint(spans: list, start: float, end: float) -> tuple[dict, list]:
