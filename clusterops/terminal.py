@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from cluster_node.protocol.rundir import Progress, RunState, RunStatus, Summary
+from cluster_node.tools import duration
 
 if TYPE_CHECKING:
     from clusterops.nodes.records import RunFiles
@@ -44,8 +45,7 @@ def run_line(run_dir: str, state: RunFiles, now: Optional[float] = None) -> str:
     if progress and progress.avg_step_time_s:
         parts.append(f"{progress.avg_step_time_s * 1000:.0f} ms/step")
     if progress and progress.eta_s is not None and state.state == RunState.RUNNING:
-        eta = round(progress.eta_s)
-        parts.append(f"ETA {eta // 60}m{eta % 60:02d}s")
+        parts.append(f"ETA {duration(progress.eta_s)}")
     if status and status.reason:
         parts.append(f"({status.reason})")
     if quality(summary) and state.state != RunState.RUNNING:

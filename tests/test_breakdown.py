@@ -93,7 +93,7 @@ def test_two_rank_breakdown_sums_to_the_step_time_and_reaches_progress(numbers_d
 
 
 def test_durations_and_the_eta_in_fab_status():
-    from train.trainer import duration
+    from cluster_node.tools import duration
 
     assert [duration(s) for s in (0.4, 45, 130, 3600 + 5 * 60 + 59)] == ["0s", "45s", "2m10s", "1h05m"]
     progress = {"step": 300, "max_steps": 600, "avg_step_time_s": 0.1, "eta_s": 130.2}
@@ -101,6 +101,8 @@ def test_durations_and_the_eta_in_fab_status():
 
     line = terminal.run_line("/runs/r", run_files(status={"state": "running"}, progress=progress))
     assert "step 300/600 | 100 ms/step | ETA 2m10s" in line
+    later = run_files(status={"state": "running"}, progress={**progress, "eta_s": 3900.0})
+    assert "| ETA 1h05m" in terminal.run_line("/runs/r", later)  # the trainer's own form, not 65m00s
 
 
 def payload(numbers_data, run_dir, compression, *args) -> float:

@@ -50,3 +50,13 @@ def is_mountpoint(path: Path) -> bool:
 
 def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def duration(seconds: float) -> str:
+    """45s, 2m10s, 3h05m: one form for the trainer's step line and fab's status lines."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster_node.protocol import rundir
+from cluster_node.tools import duration
 from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf, snapshot
 from train.callbacks import Callback, start_wandb
 from train.config import TrainConfig, resolve_precision
@@ -484,16 +485,6 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- the step lines rank 0 logs
-
-
-def duration(seconds: float) -> str:
-    """45s, 2m10s, 3h05m"""
-    seconds = max(0, round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def first_step_line(step: int, max_steps: int, log_every: int, loss: Any, lr: Any, seconds: float) -> str:
