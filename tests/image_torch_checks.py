@@ -27,6 +27,17 @@ def test_this_environment_has_the_images_python_torch_and_numpy():
     assert (python, torch.__version__.split("+")[0], numpy.__version__) == (row.python, row.torch_pypi, row.numpy)
 
 
+def test_torchs_modules_are_compiled_once_not_in_every_process():
+    """scripts/test_image_torch.sh compiles the environment's bytecode: without it (PYTHONDONTWRITEBYTECODE set,
+    as on the test machines) every trainer process compiled torch again, ~3 s of CPU each."""
+    import importlib.util
+
+    import torch._dynamo  # what each optimizer's first call imports
+
+    for module in (torch, torch._dynamo, numpy):
+        assert module.__file__ and os.path.exists(importlib.util.cache_from_source(module.__file__)), module.__name__
+
+
 def _train(python, data, run_dir, steps, *args):
     result = subprocess.run(
         [str(python), "-m", "train.train", "--data", str(data), "--run-dir", str(run_dir), *SMALL]

@@ -28,8 +28,10 @@ from test_audit import persistent_spot_request
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for the bootstrap sandbox's mount namespace"),
-    # The sandbox binds host paths (one worker runs every module that does); one moto server holds the deploys.
-    pytest.mark.xdist_group("bootstrap-host-paths"),
+    # One worker runs the laptop rehearsals and the policy check that needs both of them (USED), and so the
+    # boots of the configurations they deploy; the other two configurations are groups of their own (below),
+    # deployed into their worker's moto server. The sandboxes' host paths are shared safely (host_paths' flock).
+    pytest.mark.xdist_group("rehearsal"),
     pytest.mark.slow,
 ]
 
@@ -89,7 +91,14 @@ def world(moto_env):
             yield gate, endpoint
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+# Configurations that no laptop rehearsal deploys: each on a worker of its own (make test: --dist loadgroup).
+ALONE = ("ssm-private", "p4d-efa")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(c, marks=[pytest.mark.xdist_group(f"rehearsal-{c}")] if c in ALONE else []) for c in CONFIGS],
+)
 def deployed(request, world, moto_env, tmp_path_factory) -> Deployed:
     name = request.param
     work = tmp_path_factory.mktemp(name)
