@@ -318,6 +318,21 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     if boto3.client("ssm").get_parameter(Name=host_key)["Parameter"]["Value"].startswith("pending"):
         # What rank 0's bootstrap writes (test_every_node_boots_... runs it for real).
         boto3.client("ssm").put_parameter(Name=host_key, Value=HOST_KEY, Type="String", Overwrite=True)
+    cluster = deployed.context["cluster_name"]
+    if not boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=cluster)["MetricAlarms"]:
+        # Each node's idle alarm, as the template's IdleAlarmN creates it (moto's stack leaves it out): the
+        # audit lists it, reading its tags under the user policy.
+        boto3.client("cloudwatch").put_metric_alarm(
+            AlarmName=f"{cluster}-node0-idle",
+            Namespace="GpuCluster/Autostop",
+            MetricName="Busy",
+            Statistic="Maximum",
+            Period=60,
+            EvaluationPeriods=90,
+            Threshold=1,
+            ComparisonOperator="LessThanThreshold",
+            Tags=[{"Key": "gpu-cluster:name", "Value": cluster}],
+        )
     if deployed.context.get("spot"):
         # The persistent request a Spot node's launch template leaves on EC2 (moto's launch makes none),
         # its node stopped as `fab stop-cluster` stops the cluster's.
@@ -333,5 +348,5 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     assert "price=" in outputs[-1] and "efs_rate=" in outputs[-1], outputs[-1]
     ours = [c for c in gate.calls[before:] if c.principal == f"user-{deployed.name}"]
     print("\n".join(outputs))
-    return {c.action for c in ours}
     assert [v for v in gate.violations if v.startswith(f"user-{deployed.name}")] == [], "\n".join(outputs)
+    return {c.action for c in ours}
