@@ -187,7 +187,7 @@ def test_the_monitor_probe_counts_this_namespaces_cpu_and_the_interfaces_bytes()
     [
         (2, [0, 1], [[0], [1]]),  # this machine: a core each
         (1, [0, 1], [[0, 1]]),
-        (3, [0, 1], [[0], [1], [0]]),  # more nodes than cores: shared round-robin
+        (3, [0, 1], [[0, 1], [0, 1], [0, 1]]),  # more nodes than cores: all of them, shared equally
         (2, [0, 1, 2, 3, 4], [[0, 1], [2, 3]]),
     ],
 )

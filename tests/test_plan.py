@@ -149,12 +149,12 @@ def test_the_target_step_is_the_first_evaluation_that_reached_the_metric():
 
 
 def test_the_emulated_cluster_splits_the_machines_cpus_between_its_nodes():
-    assert [plan.cpu_share(n, 2) for n in (1, 2, 3, 4)] == [2.0, 1.0, 0.5, 0.5]
+    assert [plan.cpu_share(n, 2) for n in (1, 2, 3, 4)] == [2.0, 1.0, 2 / 3, 0.5]
     local = plan.Offer("local", plan.CPU, 1, None, "none", 10.0, "cap", machine_cpus=2)
     one, three = (plan.estimate(base(), local, n, 10, plan.Storage()) for n in (1, 3))
     assert one.step_s == pytest.approx(0.64)
-    # 1/3 of the batch each, at a quarter of the CPU the 1-node run had (0.5 against 2)
-    assert three.step_s == pytest.approx(0.01 / 3 + 0.6 / 3 * 4 + ring_wire_bytes(100 * MB, 3) * 8 / 10e9 + 0.03)
+    # 1/3 of the batch each, at a third of the CPU the 1-node run had (2/3 against 2)
+    assert three.step_s == pytest.approx(0.01 / 3 + 0.6 / 3 * 3 + ring_wire_bytes(100 * MB, 3) * 8 / 10e9 + 0.03)
 
 
 def test_plan_spot_prices_a_spot_clusters_own_type_where_its_nodes_run(monkeypatch):

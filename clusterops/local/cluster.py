@@ -233,12 +233,15 @@ def _make_network(spec: LocalSpec) -> None:
 
 
 def node_cpus(rank: int, nodes: int, cpus: list[int]) -> list[int]:
-    """The machine's CPUs node `rank` may use: an equal slice each (one CPU each, shared round-robin,
-    when there are more nodes than CPUs). A node does not borrow another's cores, as real nodes
-    cannot: without this, one node alone ran on every core and scaling looked worse than it is."""
-    per = max(1, len(cpus) // nodes)
-    start = (rank * per) % len(cpus)
-    return cpus[start : start + per]
+    """The machine's CPUs node `rank` may use: an equal slice each. A node does not borrow another's cores,
+    as real nodes cannot: without this, one node alone ran on every core and scaling looked worse than it
+    is. More nodes than CPUs: every node shares all of them, an equal share each (round-robin gave a
+    3-node cluster on 2 cores nodes of 1/2, 1 and 1/2 a core: every synchronous step waited on the two
+    that shared one while the third core idled half the time)."""
+    if nodes > len(cpus):
+        return list(cpus)
+    per = len(cpus) // nodes
+    return cpus[rank * per : (rank + 1) * per]
 
 
 def _start_node(spec: LocalSpec, rank: int, shared: Path, controller: Path, image_env: Mapping[str, str]) -> int:

@@ -69,9 +69,9 @@ class Offer:
 
 
 def cpu_share(nodes: int, cpus: int) -> float:
-    """CPUs the busiest emulated node gets (localcluster.node_cpus: an equal slice each, one CPU
-    shared round-robin when there are more nodes than CPUs)."""
-    return float(cpus // nodes) if nodes <= cpus else 1.0 / -(-nodes // cpus)
+    """CPUs the busiest emulated node gets (localcluster.node_cpus: an equal slice each; more nodes than
+    CPUs share them all, equally)."""
+    return float(cpus // nodes) if nodes <= cpus else cpus / nodes
 
 
 @dataclass(frozen=True)
