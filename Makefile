@@ -15,13 +15,10 @@ demo: setup
 	bash scripts/demo.sh 2
 
 # make test: everything else on three workers, then the emulated cluster alone (it needs the CPU), then the
-# training program's tests again on the training image's Python, torch and numpy (test-image-torch). Three
-# workers on a 2-core machine: some tests wait on real clocks (the watchdog's backoff, polls), and a third
-# worker fills those waits (the first phase: 9 min 33 s on two, 7 min 53 s on three, CPUs 93% busy).
+# training program's tests again on the training image's Python, torch and numpy (test-image-torch); one line
+# at the end gives each phase's wall time (scripts/test_phases.sh).
 test: setup
-	python -m pytest -n 3 --dist loadgroup -m "not cluster"
-	python -m pytest -m cluster
-	bash scripts/test_image_torch.sh
+	bash scripts/test_phases.sh
 
 test-image-torch: setup  # the training program's tests on the image's torch (stacks/images.py); env cached per lock
 	bash scripts/test_image_torch.sh
