@@ -86,6 +86,12 @@ def test_the_report_gives_the_mfu_the_warm_up_and_far_from_the_peak_what_a_large
         in lines
     )
     [far] = [line for line in lines if line.startswith("MFU 8.3% is far from the GPU's peak")]
+    measured = {
+        **link,
+        "matmul_peak": {"measured_tflops": 700.0, "dtype": "bfloat16", "device": "NVIDIA H100 80GB HBM3"},
+    }
+    checked = bottleneck.write_report("gpu", Summary.from_json(GPU_SUMMARY), measured, tmp_path)[0]
+    assert any(x.endswith("; `fab check` measured 700 TFLOP/s bfloat16 on it: 11.7% of that") for x in checked), checked
     speedup = float(re.search(r"predicts ([\d.]+)x objects/s", far).group(1))
     assert speedup > 1 and f"MFU about {min(1.0, 0.083 * speedup):.0%}" in far and "--verify batchx4" in far
     cpu = bottleneck.write_report("cpu", Summary.from_json(SUMMARY), link, tmp_path)[0]

@@ -127,6 +127,16 @@ def test_the_link_is_measured_with_as_many_streams_as_nccls_socket_transport_ope
     assert linkcheck.nccl_streams(vendor, environ) == streams
 
 
+def test_the_matmul_peak_line_is_read_into_link_json():
+    """Issue 29: `fab check`'s all-reduce program first times the devices' matrix products (the slowest rank)."""
+    gpu = "matmul peak: 712 TFLOP/s bfloat16, the slowest of 8 rank(s) (NVIDIA H100 80GB HBM3; datasheet 989.4)\n"
+    expected = {"measured_tflops": 712.0, "dtype": "bfloat16", "device": "NVIDIA H100 80GB HBM3"}
+    assert linkcheck.parse_peak(gpu + "all_reduce 64 MB over 8 ranks: ...") == expected
+    cpu = "matmul peak: 0.113 TFLOP/s float32, the slowest of 3 rank(s) (cpu; no datasheet peak known)\n"
+    assert linkcheck.parse_peak(cpu) == {"measured_tflops": 0.113, "dtype": "float32", "device": "cpu"}
+    assert linkcheck.parse_peak("busbw 10.0 Gbit/s") is None
+
+
 def test_link_json_names_slow_pairs_and_the_busbw_share_of_the_median():
     pairs = [
         {"src": "node0", "dst": "node1", "gbit": 0.95},

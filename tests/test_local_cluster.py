@@ -152,6 +152,9 @@ def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     assert re.search(r"^link \(iperf3\): median [\d.]+ Gbit/s; node0->node1 [\d.]+, ", out, re.M), out
     assert out.count(" eth0") >= cluster.nodes
     assert re.search(rf"all_reduce 8 MB over {cluster.nodes} ranks: \d+ ms, algbw [\d.]+ Gbit/s", out)
+    peak = rf"^matmul peak: [\d.e+-]+ TFLOP/s float32, the slowest of {cluster.nodes} rank\(s\) "
+    peak += r"\(cpu; no datasheet peak known\)$"
+    assert re.search(peak, out, re.M) and link["matmul_peak"]["device"] == "cpu", out
     # Real training steps with the trainer's own collectives, and one version of everything.
     assert f"training: 3 steps on {cluster.nodes} ranks with the trainer's collectives: ok" in out
     assert re.search(rf"versions: torch 2\.\S+, CUDA none, NCCL none, driver none on all {cluster.nodes} nodes", out)

@@ -1,4 +1,5 @@
-"""All-reduce bandwidth between the ranks (fab check): prints algorithm and bus bandwidth."""
+"""All-reduce bandwidth between the ranks (fab check): prints algorithm and bus bandwidth; first, the matrix
+product peak every rank's device reaches (the slowest rank's), beside the datasheet figure MFU is taken of."""
 
 import argparse
 import statistics
@@ -7,7 +8,21 @@ import time
 import torch
 import torch.distributed as dist
 
-from train import distributed
+from train import distributed, perf
+
+
+def peak_line(info, device) -> None:
+    """`matmul peak: 712.3 TFLOP/s bfloat16, the slowest of 8 rank(s) (NVIDIA H100 80GB HBM3; datasheet 989.4)`."""
+    dtype, tflops = perf.measured_peak(device)
+    slowest = torch.tensor([tflops], dtype=torch.float64, device=device)
+    if info.world_size > 1:
+        dist.all_reduce(slowest, op=dist.ReduceOp.MIN)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    datasheet = perf.peak_tflops(name)
+    if info.is_main:
+        sheet = f"datasheet {datasheet:g}" if datasheet else "no datasheet peak known"
+        ranks = f"the slowest of {info.world_size} rank(s)"
+        print(f"matmul peak: {slowest.item():.3g} TFLOP/s {dtype}, {ranks} ({name}; {sheet})", flush=True)
 
 
 def main() -> None:
@@ -17,6 +32,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     info, device = distributed.setup(timeout_s=60)
+    peak_line(info, device)
     tensor = torch.ones(int(args.mb * 2**20 / 4), device=device)
     times = []
     for i in range(args.warmup + args.iters):

@@ -45,6 +45,32 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
+def measured_peak(device: Any, repeats: int = 10) -> tuple[str, float]:
+    """(dtype, TFLOP/s) this device reaches on square matrix products, the conditions MFU's peak assumes:
+    bf16 (fp16 where the GPU has none) at 8192 on a GPU, fp32 at 512 on a CPU; the fastest of `repeats`
+    timed products after two untimed ones (allocation, kernel choice)."""
+    import time
+
+    import torch
+
+    cuda = getattr(device, "type", "") == "cuda"
+    size = 8192 if cuda else 512
+    dtype = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if cuda else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = float("inf")
+    for i in range(2 + repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        torch.mm(a, b)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            best = min(best, time.perf_counter() - began)
+    return str(dtype).removeprefix("torch."), 2 * size**3 / best / 1e12
+
+
 def mfu(flops_per_step: float, step_s: float, peak: float | None, gpus: int) -> float | None:
     """Model FLOPs utilisation: the step's FLOPs (all ranks) per second over `gpus` x the peak."""
     if not peak or not step_s or not flops_per_step:

@@ -83,17 +83,26 @@ def evidence_lines(summary: Summary, b: Breakdown, link: Optional[dict]) -> list
         f"{b.world_size} rank(s), {b.objects_per_step:.0f} objects per step, compression {b.compression}"
         + (", one DDP bucket (no overlap)" if b.single_bucket else "")
     )
-    return lines + [mfu_line(summary), warmup_line(summary)]
+    return lines + [mfu_line(summary, link), warmup_line(summary)]
 
 
 FAR_FROM_PEAK = 0.25  # below this MFU a step is mostly not the GPU's matrix work: launches, host, waits
 
 
-def mfu_line(summary: Summary) -> str:
+def mfu_line(summary: Summary, link: Optional[dict] = None) -> str:
+    """The MFU against the datasheet, and against what `fab check` measured on this device (link.json)."""
     device, tflops = summary.peak
+    measured = (link or {}).get("matmul_peak") or {}
     if summary.mfu is None:
         return f"MFU: not measured ({device or 'this device'}: no tensor-core peak known)"
-    return f"MFU: {summary.mfu:.1%} of {device}'s {tflops:g} TFLOP/s (datasheet, dense 16-bit) over the steady step"
+    line = f"MFU: {summary.mfu:.1%} of {device}'s {tflops:g} TFLOP/s (datasheet, dense 16-bit) over the steady step"
+    if measured.get("device") == device and measured.get("measured_tflops") and tflops:
+        reached = measured["measured_tflops"]
+        line += (
+            f"; `fab check` measured {reached:g} TFLOP/s {measured.get('dtype')} on it: "
+            f"{summary.mfu * tflops / reached:.1%} of that"
+        )
+    return line
 
 
 def warmup_line(summary: Summary) -> str:

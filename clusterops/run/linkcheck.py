@@ -127,6 +127,18 @@ def parse_busbw(output: str) -> Optional[float]:
     return float(found[-1]) if found else None
 
 
+_PEAK = re.compile(r"^matmul peak: ([\d.e+-]+) TFLOP/s (\w+), the slowest of \d+ rank\(s\) \((.+?); ", re.M)
+
+
+def parse_peak(output: str) -> Optional[dict]:
+    """train.bench_allreduce's `matmul peak:` line: what the slowest device reached, for `fab report`'s MFU."""
+    found = _PEAK.findall(output)
+    if not found:
+        return None
+    tflops, dtype, device = found[-1]
+    return {"measured_tflops": float(tflops), "dtype": dtype, "device": device}
+
+
 def summary(pairs: Sequence[dict], busbw: Optional[float], nodes: Sequence[str], tool: str, efa: bool = False) -> dict:
     """What link.json holds (`fab report` and `fab monitor` read link_gbit): the link is the median
     pair's TCP rate over NCCL's stream count, or on EFA (NCCL's traffic is not TCP) the all-reduce bus
@@ -248,7 +260,8 @@ def measure(
         pairs = matrix(connections, addresses, seconds, tool, inventory, count)
         output = allreduce(head, inventory, nodes, interface, code_dir, mb, gpus)
         efa = bool(inventory.extra.get("efa_cards"))
-        link = summary(pairs, parse_busbw(output), [n.name for n in nodes], tool, efa=efa)
+        link = {**summary(pairs, parse_busbw(output), [n.name for n in nodes], tool, efa=efa)}
+        link["matmul_peak"] = parse_peak(output)
         remote.sh(head, f"mkdir -p {q(inventory.data_dir + '/.cluster')}")
         remote.write_file(head, link_file(inventory), json.dumps(link, indent=2) + "\n")
         return link, output
