@@ -230,16 +230,23 @@ def test_a_stop_ends_the_trainer_only_after_its_checkpoint_is_on_disk(numbers_da
     assert progress and progress.ended_by == "stop"
 
 
-@pytest.mark.parametrize("rank1_holds, resumed", [(True, 4), (False, 2)], ids=["both-nodes", "rank1-node-without"])
+@pytest.mark.parametrize(
+    "rank1_holds, checkpoints, resumed",
+    [(True, True, 4), (False, True, 2), (False, False, 0)],
+    ids=["both-nodes", "rank1-node-without", "rank1-node-without-no-checkpoint"],
+)
 def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_step(
-    numbers_data, tmp_path, rank1_holds, resumed
+    numbers_data, tmp_path, rank1_holds, checkpoints, resumed
 ):
     """Two ranks as two nodes (each its own snapshot directory), through the real gather and broadcast:
-    rank 1's node without the snapshot sends both ranks to the checkpoint."""
+    rank 1's node without the snapshot sends both ranks to the checkpoint, or without one to the start;
+    then node0 keeps its snapshot (the run's own: the supervisor may still copy it for a later attempt)."""
     run = tmp_path / "run"
     flags = ["--data", str(numbers_data), "--run-dir", str(run), *SMALL[2:], "--batch-per-gpu", "4"]
     train(numbers_data, run, "--max-steps", "2", "--batch-per-gpu", "4")
     state = checkpoint.load_latest(run)
+    if not checkpoints:
+        shutil.rmtree(run / rundir.CHECKPOINTS)
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes[: 2 if rank1_holds else 1]:
         held = snapshot.snapshot_dir(run, {rundir.SNAPSHOT_DIR_ENV: str(node)})
@@ -249,6 +256,7 @@ def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_ste
     assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["step"] == resumed for r in ranks), ranks
     if rank1_holds:
         assert all(r["path"].startswith(str(nodes[r["rank"]])) for r in ranks), ranks
+    assert list((nodes[0] / "run").glob(rundir.SNAPSHOT_GLOB)), "this run's snapshot was dropped"
 
 
 def test_the_written_copy_is_the_state_at_the_copy_and_tied_tensors_stay_tied(tmp_path):

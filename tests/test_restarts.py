@@ -152,6 +152,25 @@ def test_a_dropped_node_that_still_answers_gives_its_snapshot_and_without_the_co
     assert fallback.record.resume_step == 400 and fallback.record.steps_lost == 15
 
 
+def test_snapshots_of_a_run_that_takes_none_or_past_the_first_attempts_steps_are_not_its_state(tmp_path):
+    """Issue 30, a second read: a run with --snapshot-seconds 0 reads no snapshot, so one its nodes hold is an
+    older run's of the name; past the last heartbeat only at the first restart (later attempts' heartbeats
+    start over, and lag)."""
+    run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+    _beats(run, 415)
+    for host in ("10.0.0.1", "10.0.0.2"):
+        _holds(run, host, 412)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "snapshot_seconds": 0}))
+    plan = restart_plan.plan(run, run_spec, restart_plan.rundir.EndKind.DIED, "x")
+    assert plan.point == restart_plan.ResumePoint(20)
+    (run / "config.json").write_text(json.dumps(config))
+    _beats(run, 410)  # the second attempt's heartbeats, behind the snapshot its nodes took in the first
+    restart_plan.rundir.append(run / "restarts.json", plan.record)
+    hosts = ("10.0.0.1", "10.0.0.2")
+    assert restart_plan.resume_point(run, run_spec.pool, hosts) == restart_plan.ResumePoint(412, "snapshot")
+
+
 def test_plan_gives_up_below_min_nodes_and_on_a_bad_node_verdict(tmp_path):
     run, run_spec = _run_dir(tmp_path, ["10.0.0.1", "10.0.0.2"], min_nodes=2)
     (run / "probes" / "10.0.0.1").write_text(HEALTHY)

@@ -213,6 +213,17 @@ def test_row13_a_stop_during_the_snapshots_copy_ends_the_run_before_any_relaunch
     nodes.persist_snapshot = copy_while_stopped
     sup.run_all()
     assert len(mpirun.starts) == 1 and _status(tmp_path)["reason"] == "stopped by fab stop --force"
+    assert not [c for c in nodes.calls if c[0] == "drop"]  # a failed run keeps its snapshots for a resume
+
+
+def test_row13_a_graceful_stop_during_a_restart_keeps_the_nodes_snapshots(tmp_path):
+    """Stopped during a restart: resumable from the newest state, which the nodes' snapshots may hold (36, the
+    checkpoint 30): `fab train --run NAME` resumes from them; freeing them is for a run ended at a checkpoint."""
+    sup, mpirun, nodes = _supervisor(tmp_path, [1], Script(), restarts=1)
+    nodes.probe_all = lambda: _holding(tmp_path, {"h1": 36, "h2": 36}) or (tmp_path / "STOP").write_text("fab stop")
+    sup.run_all()
+    assert _status(tmp_path)["state"] == "stopped" and len(mpirun.starts) == 1
+    assert not [c for c in nodes.calls if c[0] == "drop"]
 
 
 def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):

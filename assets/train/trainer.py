@@ -134,7 +134,8 @@ class Trainer:
         )
         if state is None:
             self.log(f"starting a new run in {self.run_dir}")
-            checkpoint.drop_snapshots(self.snapshot_target)  # an older run's of this name: never this run's
+            if not (self.run_dir / rundir.CONFIG).exists():  # a new run: a namesake's snapshots are not its own
+                checkpoint.drop_snapshots(self.snapshot_target)
             return
         self.model.load_state_dict(state["model"])
         # The optimizer's implementation is this machine's (fused on a GPU), whatever saved the state.

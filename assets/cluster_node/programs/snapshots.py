@@ -52,7 +52,7 @@ def persist(run: Path, step: int, env: Optional[Mapping[str, str]] = None) -> di
         return {"path": str(target), "bytes": _size(target), "seconds": 0.0, "copied": False}
     if not source.exists():
         raise PersistError(f"no snapshot of {run.name} at step {step} on this node ({source})")
-    began = time.monotonic()
+    began, caller = time.monotonic(), os.getppid()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
     try:
@@ -60,6 +60,8 @@ def persist(run: Path, step: int, env: Optional[Mapping[str, str]] = None) -> di
             shutil.copyfileobj(src, dst, 16 << 20)
             dst.flush()
             os.fsync(dst.fileno())
+        if os.getppid() != caller:  # the supervisor's ssh is gone: it has planned without this copy
+            raise PersistError(f"the copy's caller went away; {target.name} not written")
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -55,8 +55,9 @@ DURING_RESTART = "stopped during a restart"
 @dataclass(frozen=True)
 class Outcome:
     """One decision: the next State and, should it be the last, why (`kind`, `reason`), mpirun's exit code,
-    the command that resumes the run (a Spot notice ended it) and whether it ended on a stop request at a
-    checkpoint (`stopped`: run-status.json says stopped, resumable with `fab train --run NAME`)."""
+    the command that resumes the run (a Spot notice ended it), whether it ended on a stop request at a
+    checkpoint (`stopped`: run-status.json says stopped, resumable with `fab train --run NAME`) and whether the
+    trainer ended it at a checkpoint of its last step (`at_checkpoint`: the nodes' snapshots hold nothing newer)."""
 
     state: State
     kind: Optional[EndKind] = None
@@ -64,6 +65,7 @@ class Outcome:
     code: int = 0
     resume: Optional[str] = None
     stopped: bool = False
+    at_checkpoint: bool = False
 
     def then(self, state: State, **changes: Any) -> Outcome:
         return dataclasses.replace(self, state=state, **changes)
@@ -251,8 +253,8 @@ class Supervisor:
         if self.meter and self.meter.stopped:
             step = restart_plan.last_checkpoint_step(self.run)
             reason = f"{self.meter.stopped}; checkpoint step {step}"
-            return Outcome(State.FINISHED, EndKind.BUDGET, reason, resume=resume, stopped=stopped)
-        return Outcome(State.FINISHED, None, reason, resume=resume, stopped=stopped)
+            return Outcome(State.FINISHED, EndKind.BUDGET, reason, resume=resume, stopped=stopped, at_checkpoint=True)
+        return Outcome(State.FINISHED, None, reason, resume=resume, stopped=stopped, at_checkpoint=True)
 
     def after_failure(self) -> State:
         return State.RESTARTING if self.spec.limits.max_restarts > 0 else State.FAILED
@@ -394,9 +396,10 @@ class Supervisor:
             reason = f"{reason}; then-stop: stopping the cluster".lstrip("; ")
         self.status(state, self.code, reason, ThenStopState.STOPPING if self.spec.then_stop else None)
         rundir.append(self.run / rundir.SEGMENTS, rundir.Segment(started=self.started, ended=self.clock(), state=state))
+        if self.outcome.at_checkpoint and self.spec.then_stop is None:  # (a stop frees the nodes' RAM)
+            # Before the head is free: a new `fab train --run NAME` must not lose its own snapshots to this.
+            self.nodes.drop_snapshots(self.spec.pool)
         active = _free_head(self.run, Path(self.spec.active_file))
-        if self.state == State.FINISHED and self.spec.then_stop is None:  # (a stop frees the nodes' RAM)
-            self.nodes.drop_snapshots(self.spec.pool)  # its checkpoint is as new: the snapshots hold nothing more
         if self.spec.then_stop is not None:
             stopped = self.nodes.then_stop(self.run / rundir.TRAIN_LOG)
             if not stopped:

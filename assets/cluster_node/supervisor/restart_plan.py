@@ -85,9 +85,16 @@ def resume_point(
     snapshots when every rank holds one at the same step, as new as the newest checkpoint or newer), or a
     newer snapshot any node that answered holds (a dropped node still answering included: a Spot notice
     leaves two minutes, a bad GPU leaves RAM intact), to be copied first (`copy` False: the copy failed).
-    A snapshot past the run's last heartbeat is an older run's of the same name: not this run's state."""
+    A snapshot past the run's last heartbeat at the first restart is an older run's of the same name, and a
+    run with --snapshot-seconds 0 takes none: neither is this run's state."""
     checkpoint, last = last_checkpoint_step(run), last_step(run)
-    held = {h: v for h, v in held_snapshots(run, pool).items() if last is None or v[0] <= last} if snapshots else {}
+    config = rundir.read_json(run / rundir.CONFIG, {}) or {}
+    snapshots = snapshots and config.get("snapshot_seconds") != 0  # its trainer reads none: an older run's
+    held = held_snapshots(run, pool) if snapshots else {}
+    if last is not None and not rundir.read_list(run / rundir.RESTARTS, rundir.Restart):
+        # The first restart only: later attempts' heartbeats start over (and lag), and the first attempt's
+        # trainers have dropped a namesake's snapshots by then.
+        held = {h: v for h, v in held.items() if v[0] <= last}
     floor = -1 if checkpoint is None else checkpoint
     theirs = {held[h][0] if h in held else None for h in next_hosts}
     together = next(iter(theirs)) if len(theirs) == 1 else None
