@@ -140,6 +140,23 @@ def aws_env(moto_env):
         yield moto_env
 
 
+def idle_alarm(name: str, cluster: str) -> None:
+    """A node's idle alarm in the moto server, tagged with its cluster, as the stack's IdleAlarmN creates it."""
+    import boto3
+
+    boto3.client("cloudwatch").put_metric_alarm(
+        AlarmName=name,
+        MetricName="Busy",
+        Namespace="GpuCluster/Autostop",
+        Statistic="Maximum",
+        Period=60,
+        EvaluationPeriods=1,
+        Threshold=1,
+        ComparisonOperator="LessThanThreshold",
+        Tags=[{"Key": "gpu-cluster:name", "Value": cluster}],
+    )
+
+
 def moto_instances(count: int, cluster: str | None = None, instance_type: str = "g4dn.xlarge") -> list[str]:
     """Launch instances in the moto server (optionally tagged as a cluster's); returns their ids."""
     import boto3

@@ -10,7 +10,7 @@ import uuid
 import boto3
 import pytest
 from botocore.stub import ANY, Stubber
-from conftest import ACCOUNT, REGION, REPO, run_fab, tool_env
+from conftest import ACCOUNT, REGION, REPO, idle_alarm, run_fab, tool_env
 
 from clusterops.aws import audit
 
@@ -58,17 +58,7 @@ def leftovers(aws_env):
         Name=f"/gpu-cluster/{CLUSTER}/ssh-host-key", Value="ssh-ed25519 AAAA", Type="String", Overwrite=True
     )
     boto3.client("logs").create_log_group(logGroupName=f"/{CLUSTER}/flows", tags={"gpu-cluster:name": CLUSTER})
-    boto3.client("cloudwatch").put_metric_alarm(
-        AlarmName=f"{CLUSTER}-idle",
-        MetricName="Busy",
-        Namespace="GpuCluster/Autostop",
-        Statistic="Maximum",
-        Period=60,
-        EvaluationPeriods=1,
-        Threshold=1,
-        ComparisonOperator="LessThanThreshold",
-        Tags=TAGS,
-    )
+    idle_alarm(f"{CLUSTER}-idle", CLUSTER)
     s3 = boto3.client("s3")
     made = BUCKET not in {b["Name"] for b in s3.list_buckets()["Buckets"]}  # `cdk bootstrap` may have made it
     if made:

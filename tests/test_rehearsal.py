@@ -20,7 +20,7 @@ import sys
 import boto3
 import pytest
 from bootstrap_sandbox import Sandbox, host_paths
-from conftest import ACCOUNT, REGION, REPO, environment, run_fab, tool_env
+from conftest import ACCOUNT, REGION, REPO, environment, idle_alarm, run_fab, tool_env
 from iampolicy import Request, evaluate
 from moto_deploy import MOTO_LIMITS, deploy
 from rehearsal import Gate, efs_mount_refusals, user_data
@@ -322,17 +322,7 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     if not boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=cluster)["MetricAlarms"]:
         # Each node's idle alarm, as the template's IdleAlarmN creates it (moto's stack leaves it out): the
         # audit lists it, reading its tags under the user policy.
-        boto3.client("cloudwatch").put_metric_alarm(
-            AlarmName=f"{cluster}-node0-idle",
-            Namespace="GpuCluster/Autostop",
-            MetricName="Busy",
-            Statistic="Maximum",
-            Period=60,
-            EvaluationPeriods=90,
-            Threshold=1,
-            ComparisonOperator="LessThanThreshold",
-            Tags=[{"Key": "gpu-cluster:name", "Value": cluster}],
-        )
+        idle_alarm(f"{cluster}-node0-idle", cluster)
     if deployed.context.get("spot"):
         # The persistent request a Spot node's launch template leaves on EC2 (moto's launch makes none),
         # its node stopped as `fab stop-cluster` stops the cluster's.
