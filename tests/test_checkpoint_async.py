@@ -1,6 +1,7 @@
 """Background checkpoints and in-memory snapshots (issue 30): the loop's stall, a writer killed mid-write,
 the resume's choice between a checkpoint and the nodes' snapshots, and a resume from a snapshot."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -19,8 +20,17 @@ from cluster_node.programs import snapshots
 from cluster_node.protocol import rundir
 from train import checkpoint, snapshot
 
-sys.path.insert(0, str(REPO / "scripts"))
-import bench_checkpoint  # noqa: E402
+
+def _script(name: str):
+    """A script of scripts/ as a module, loaded from its path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_checkpoint = _script("bench_checkpoint")
 
 
 def test_the_loops_stall_per_checkpoint_is_at_most_a_tenth_of_a_synchronous_save(tmp_path):
