@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 from conftest import REPO, tool_env
@@ -199,10 +200,8 @@ def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_sam
         copied = snapshots.persist(tmp_path / "split", held["step"], {rundir.SNAPSHOT_DIR_ENV: str(shm)})
         assert copied["copied"] and Path(copied["path"]).parent.name == rundir.CHECKPOINTS
         shutil.rmtree(shm)  # the node that resumes holds nothing
-    second = subprocess.run(
+    second = prewarmed.run(
         [*command, *SMALL, "--max-steps", "10", "--snapshot-seconds", "0.001", *flags],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=env,
     )
@@ -217,10 +216,8 @@ def test_a_run_killed_between_checkpoints_resumes_from_its_snapshot_with_the_sam
 
 def _worker(*args: str, procs: int = 1) -> subprocess.CompletedProcess:
     launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
-    result = subprocess.run(
+    result = prewarmed.run(
         [*launcher, str(REPO / "tests" / "async_worker.py"), *args],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
     )

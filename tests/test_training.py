@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import prewarmed
 import pytest
 import torch
 from conftest import REPO, TRAIN_DIR, tool_env
@@ -33,18 +34,17 @@ SMALL = [
 ]
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+TORCHRUN = prewarmed.TORCHRUN
 
 
 def train(data, run_dir, *args, procs=1, check=True, strict=True):
     """train.py alone, or under torchrun with `procs` ranks in strict-device mode (strict_device.py):
-    a collective given a tensor made without device= fails the run, as NCCL would on GPUs."""
+    a collective given a tensor made without device= fails the run, as NCCL would on GPUs. Forked from
+    the pre-imported interpreter (prewarmed.py), or started for real with GPU_CLUSTER_TEST_PREWARM=0."""
     launcher = [*TORCHRUN, str(procs)] if procs > 1 else [sys.executable]
     strict_env = {strict_device.ENV: "1"} if procs > 1 and strict else {}
-    result = subprocess.run(
+    result = prewarmed.run(
         [*launcher, "-m", "train.train", "--data", str(data), "--run-dir", str(run_dir), *SMALL, *args],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **strict_env),
     )
@@ -154,7 +154,7 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, t
 def test_ranks_resume_from_the_checkpoint_rank_0_chose_even_when_their_listing_lags(numbers_data, tmp_path):
     train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2")
     assert [p.name for p in checkpoint.list_steps(tmp_path)][-2:] == ["step_00000002.pt", "step_00000004.pt"]
-    result = subprocess.run(
+    result = prewarmed.run(
         [
             *TORCHRUN,
             "2",
@@ -169,8 +169,6 @@ def test_ranks_resume_from_the_checkpoint_rank_0_chose_even_when_their_listing_l
             "--batch-per-gpu",
             "4",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=tool_env(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"),
     )
@@ -289,7 +287,7 @@ def test_beam_search_of_width_one_is_greedy_and_wider_beams_decode(numbers_data)
 
 
 def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path):
-    result = subprocess.run(
+    result = prewarmed.run(
         [
             sys.executable,
             "-m",
@@ -304,15 +302,13 @@ def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path
             "--batch-per-gpu",
             "4",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=tool_env(WANDB_API_KEY="x" * 40, WANDB_MODE="offline", WANDB_SILENT="true"),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
-    without = subprocess.run(
+    without = prewarmed.run(
         [
             sys.executable,
             "-m",
@@ -327,8 +323,6 @@ def test_weights_and_biases_logs_when_a_key_is_configured(numbers_data, tmp_path
             "--batch-per-gpu",
             "4",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
         env=tool_env(WANDB_API_KEY=""),
     )
