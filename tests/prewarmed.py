@@ -7,12 +7,15 @@ starts the trainer here: a server per test process imports torch once, then fork
 becomes `python -m train.train ARGS` as the interpreter would make it: its own sys.argv, environment,
 working directory, stdio (the caller's pipes, passed over a Unix socket), sys.path[0], random seed and
 exit status, with the trainer's own modules imported afresh in the child (the server imports none). Two
-ranks get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), and a
-failed rank ends the others, as torchrun does.
+ranks get the torchrun variables the trainer and env:// read (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT), write-through stdout (torchrun's -u), each rank its own server (its own hash seed), and a
+failed rank ends the others with status 1, as torchrun does.
 
 What keeps real launches: the emulated cluster (mpirun over ssh), the tests that run torchrun itself
 (test_training.TORCHRUN) or their own command line, and every run when GPU_CLUSTER_TEST_PREWARM=0.
-What a forked child shares with its siblings that fresh interpreters would not: the hash seed.
+What a child inherits that a fresh interpreter would not have: its server's string hash seed (shared by
+the runs of one rank), warnings torch printed at import (on the server's stderr, not the child's), the
+temporary directory tempfile chose then, and multiprocessing's authkey.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import time
 ENABLE = "GPU_CLUSTER_TEST_PREWARM"
 # What an interpreter reads at start-up or torch at import: a server serves only requests that agree.
 IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_")
+SET_BY_TORCH = {"TORCHINDUCTOR_CACHE_DIR"}  # set by importing torch._dynamo: in a test process that did, or not
 HEADER = struct.Struct("!I")
 FAILED_GRACE_S = 10  # a failed rank's siblings: SIGTERM, then SIGKILL after this
 
@@ -58,7 +62,11 @@ def serve(path: str) -> dict:
     while os.getppid() == parent:  # the test process gone: so is its server
         for key, _ in selector.select(timeout=0.2):
             if key.fileobj is listener:
-                request = _accept(listener, selector, children)
+                try:
+                    request = _accept(listener, selector, children)
+                except (OSError, ValueError) as error:  # that request fails (its caller sees the connection
+                    print(f"prewarmed: {error!r}", file=sys.stderr)  # close), the server goes on
+                    continue
                 if request is not None:
                     return request
             else:
@@ -71,8 +79,12 @@ def serve(path: str) -> dict:
 
 def _accept(listener, selector, children: dict) -> dict | None:
     conn, _ = listener.accept()
-    request, fds = _receive(conn)
-    pid = os.fork()
+    try:
+        request, fds = _receive(conn)
+        pid = os.fork()
+    except BaseException:
+        conn.close()
+        raise
     if pid == 0:
         selector.close()
         listener.close()
@@ -91,7 +103,11 @@ def _accept(listener, selector, children: dict) -> dict | None:
 
 def _client_gone(key, selector, children: dict) -> None:
     """The caller closed its end (its timeout, or it died): its child is killed, not left running."""
-    if not key.fileobj.recv(1):
+    try:
+        gone = not key.fileobj.recv(1)
+    except OSError:
+        gone = True
+    if gone:
         selector.unregister(key.fileobj)
         _kill(key.data, signal.SIGKILL)
 
@@ -120,7 +136,10 @@ def _kill(pid: int, sig: int) -> None:
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
     while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
-        data += conn.recv(1 << 16)
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            raise ValueError("a request ended early")
+        data += chunk
     return json.loads(data[HEADER.size :]), list(fds)
 
 
@@ -130,6 +149,8 @@ def become(request: dict) -> None:
     import random
     import runpy
 
+    import numpy
+
     for target, fd in enumerate(request["fds"]):
         os.dup2(fd, target)
         os.close(fd)
@@ -137,6 +158,10 @@ def become(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter's, not the server's
+    numpy.random.seed()
+    if "RANK" in request["env"]:  # torchrun starts its ranks with -u
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
     if request.get("module"):
         sys.path[0] = os.getcwd()  # what -m puts first
         sys.argv = ["-m", *request["args"]]
@@ -177,17 +202,23 @@ class Server:
 _servers: dict[tuple, Server] = {}
 
 
-def _server(env: dict) -> Server:
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
-    if key not in _servers:
+def _server(env: dict, rank: int) -> Server:
+    """The server for this environment's import-time variables and this rank (ranks from different
+    servers get different string hash seeds, as separate interpreters do); a dead one is replaced."""
+    key = (
+        rank,
+        *sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_BY_TORCH),
+    )
+    if key not in _servers or _servers[key].process.poll() is not None:
         _servers[key] = Server(env)
     return _servers[key]
 
 
 def _line(conn: socket.socket) -> str:
+    """One line, read a byte at a time: the pid's line never takes the exit status's with it."""
     data = b""
     while not data.endswith(b"\n"):
-        chunk = conn.recv(64)
+        chunk = conn.recv(1)
         if not chunk:
             raise ConnectionError("the pre-imported server closed the connection")
         data += chunk
@@ -211,12 +242,15 @@ def run(cmd: list[str], *, env: dict, timeout: float) -> subprocess.CompletedPro
     err_read, err_write = os.pipe()
     null = os.open(os.devnull, os.O_RDONLY)
     try:
-        started = [_server(e).start(program, e, os.getcwd(), [null, out_write, err_write]) for e in envs]
+        started = [
+            _server(e, rank).start(program, e, os.getcwd(), [null, out_write, err_write]) for rank, e in enumerate(envs)
+        ]
     finally:
         for fd in (null, out_write, err_write):
             os.close(fd)
     out, err, codes = _collect(started, out_read, err_read, timeout, cmd)
-    return subprocess.CompletedProcess(cmd, next((c for c in codes if c != 0), 0), out, err)  # the first to fail
+    failed = next((c for c in codes if c != 0), 0)  # the first rank to fail
+    return subprocess.CompletedProcess(cmd, (1 if failed else 0) if ranks > 1 else failed, out, err)  # torchrun: 1
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
