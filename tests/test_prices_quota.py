@@ -4,22 +4,12 @@ real response shapes; EC2 (Spot requests) from the moto server."""
 
 import json
 
-import boto3
 import pytest
+from aws_stubs import offline
 from botocore.stub import Stubber
 
 from clusterops import cost
 from clusterops.aws import preflight
-
-
-def offline(service: str):
-    return boto3.client(
-        service,
-        region_name="us-east-1",
-        aws_access_key_id="x",
-        aws_secret_access_key="x",
-        endpoint_url=f"https://{service}.invalid",
-    )
 
 
 def product(usd: str, sku: str = "ABC", **attributes) -> str:
