@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from test_local_cluster import Cluster, prepare_numbers
+from cluster_harness import Cluster, prepare_numbers
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")

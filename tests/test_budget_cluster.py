@@ -10,8 +10,8 @@ import os
 import re
 
 import pytest
+from cluster_harness import QUICK, start_cluster, stop_cluster
 from conftest import moto_instances
-from test_local_cluster import QUICK, _start, _stop
 
 from clusterops.local import cluster as localcluster
 
@@ -21,13 +21,13 @@ USD_PER_NODE_HOUR = 360.0  # $0.10 a node-second: a budget of a few dollars last
 
 @pytest.fixture(scope="module")
 def priced(tmp_path_factory):
-    cluster = _start("tbudget", 2, "10.213.150.0/24", tmp_path_factory.mktemp("budget"))
+    cluster = start_cluster("tbudget", 2, "10.213.150.0/24", tmp_path_factory.mktemp("budget"))
     inventory = json.loads(cluster.inventory.read_text())
     inventory.update(usd_per_hour=USD_PER_NODE_HOUR, price_source="the test's price table")
     cluster.inventory.write_text(json.dumps(inventory))
     localcluster.set_link_rate(cluster.name, "1gbit", cluster.inventory)  # the link fab plan prices comm at
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def test_a_run_stops_at_its_budget_with_a_checkpoint_and_a_run_predicted_over_it_is_refused(priced, aws_env):

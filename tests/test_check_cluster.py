@@ -9,7 +9,7 @@ import re
 import subprocess
 
 import pytest
-from test_local_cluster import QUICK, Cluster, _stop
+from cluster_harness import QUICK, Cluster, stop_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 
@@ -83,4 +83,4 @@ def test_check_json_then_a_bad_node_is_named_refused_and_excluded(tmp_path):
         status, _ = cluster.wait_for_end("without1", timeout=60)
         assert status["state"] == "finished", status
     finally:
-        _stop(cluster)
+        stop_cluster(cluster)

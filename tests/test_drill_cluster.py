@@ -10,7 +10,7 @@ import re
 import time
 
 import pytest
-from test_local_cluster import _start, _stop
+from cluster_harness import start_cluster, stop_cluster
 from test_restarts_cluster import RESTARTING, TINY, _restarts
 
 STEPS = 200  # still going when the drill, a few seconds after step 15, strikes
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason=
 
 
 def test_drill_kill_node_prints_the_restart_its_timeline_and_the_goodput_lost_and_the_run_finishes(tmp_path):
-    cluster = _start("dr", 3, "10.213.170.0/24", tmp_path)
+    cluster = start_cluster("dr", 3, "10.213.170.0/24", tmp_path)
     try:
         cluster.fab("train", "--run", "drilled", "--steps", str(STEPS), *RESTARTING, "--extra", BETWEEN_CHECKPOINTS)
         cluster.wait_for_step("drilled", 15)
@@ -62,4 +62,4 @@ def test_drill_kill_node_prints_the_restart_its_timeline_and_the_goodput_lost_an
         assert float(lost.group(1)) <= float(lost.group(3)) + SNAPSHOTS + 1, out
         assert re.search(r"^incident \(\w+\): detected .* \d+ steps lost", out, re.M), out
     finally:
-        _stop(cluster)
+        stop_cluster(cluster)

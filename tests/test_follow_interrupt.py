@@ -15,9 +15,9 @@ import subprocess
 import time
 
 import pytest
+from cluster_harness import Cluster
 from conftest import REPO
 from runfiles import full_status
-from test_local_cluster import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 NAME, SUBNET = "tc", "10.213.160.0/24"

@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from test_local_cluster import _start, _stop
+from cluster_harness import start_cluster, stop_cluster
 from test_restarts_cluster import RESTARTING, TINY, _beat, _restarts, _wait_for_restart
 
 from cluster_node.protocol import phases
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason=
 
 
 def test_a_killed_node_run_accounts_for_its_wall_clock_and_loses_the_steps_after_its_checkpoint(tmp_path):
-    cluster = _start("gp", 3, "10.213.140.0/24", tmp_path)
+    cluster = start_cluster("gp", 3, "10.213.140.0/24", tmp_path)
     try:
         cluster.fab("train", "--run", "gp", "--steps", "40", *RESTARTING, "--extra", TINY)
         cluster.wait_for_step("gp", 15)
@@ -49,7 +49,7 @@ def test_a_killed_node_run_accounts_for_its_wall_clock_and_loses_the_steps_after
         assert "goodput " in report and "restart 1 (" in report and (cluster.run_dir("gp") / "goodput.png").exists()
         assert "goodput" in cluster.fab("runs").stdout.splitlines()[0]
     finally:
-        _stop(cluster)
+        stop_cluster(cluster)
 
 
 def _between_checkpoints(cluster, run: str, every: int = 10, timeout: float = 60) -> int:

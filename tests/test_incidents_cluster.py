@@ -12,8 +12,8 @@ import subprocess
 import time
 
 import pytest
+from cluster_harness import start_cluster, stop_cluster
 from conftest import REPO
-from test_local_cluster import _start, _stop
 
 from clusterops.local import cluster as localcluster
 
@@ -24,9 +24,9 @@ EXTRA = "--eval-every 1000 --eval-samples 16 --checkpoint-every 100 --log-every 
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory):
-    cluster = _start("inc", 3, "10.213.140.0/24", tmp_path_factory.mktemp("inc"))
+    cluster = start_cluster("inc", 3, "10.213.140.0/24", tmp_path_factory.mktemp("inc"))
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def test_a_lost_node_is_named_with_the_lost_steps_and_follow_shows_no_open_mpi_noise(trio):

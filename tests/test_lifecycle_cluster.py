@@ -8,17 +8,17 @@ import os
 import subprocess
 
 import pytest
+from cluster_harness import QUICK, start_cluster, stop_cluster
 from conftest import REPO
-from test_local_cluster import QUICK, _start, _stop
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    cluster = _start("tl2", 2, "10.213.140.0/24", tmp_path_factory.mktemp("tl2"))
+    cluster = start_cluster("tl2", 2, "10.213.140.0/24", tmp_path_factory.mktemp("tl2"))
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def test_two_trains_at_once_then_stop_and_a_refused_resume(two):

@@ -4,7 +4,6 @@ side of the shared directory and the namespaces' process lists."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -12,110 +11,18 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cluster_harness import QUICK, Cluster, running, start_cluster, stop_cluster
 from conftest import REPO, TRAIN_DIR, moto_instances, serve_imds, tool_env
 
 from clusterops.inventory import Inventory, write_known_hosts
 from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
-QUICK = "--eval-every 100 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
-
-
-class Cluster:
-    def __init__(self, name: str, nodes: int, subnet: str, workdir: Path):
-        self.name, self.nodes, self.subnet = name, nodes, subnet
-        self.inventory = workdir / "inventory.json"
-        self.env = tool_env(GPU_CLUSTER_INVENTORY=str(self.inventory))
-        self.shared = localcluster.STATE_ROOT / name / "shared"
-
-    def fab(
-        self, *args: str, check: bool = True, timeout: float = 600, env: dict | None = None
-    ) -> subprocess.CompletedProcess:
-        result = subprocess.run(
-            ["fab", *args], cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout
-        )
-        if check:
-            assert result.returncode == 0, f"fab {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        return result
-
-    def run_dir(self, run: str) -> Path:
-        return self.shared / "runs" / run
-
-    def progress(self, run: str) -> dict:
-        path = self.run_dir(run) / "progress.json"
-        return json.loads(path.read_text()) if path.exists() else {}
-
-    def run_status(self, run: str) -> dict:
-        path = self.run_dir(run) / "run-status.json"
-        return json.loads(path.read_text()) if path.exists() else {}
-
-    def wait_for_step(self, run: str, step: int, timeout: float = 180) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            current = self.progress(run).get("step", 0)
-            if current >= step:
-                return current
-            assert self.run_status(run).get("state") in (None, "running"), self.run_status(run)
-            time.sleep(0.5)
-        raise AssertionError(f"{run} did not reach step {step} in {timeout} s")
-
-    def wait_for_end(self, run: str, timeout: float) -> tuple[dict, float]:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            status = self.run_status(run)
-            if status.get("state") not in (None, "running"):
-                return status, time.monotonic() - started
-            time.sleep(0.5)
-        raise AssertionError(f"{run} still running after {timeout} s")
-
-    def processes(self, rank: int, pattern: str) -> list[int]:
-        netns = localcluster.LocalSpec(name=self.name, nodes=self.nodes).netns(rank)
-        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
-        found = []
-        for pid in pids:
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if re.search(pattern, cmdline):
-                found.append(int(pid))
-        return found
-
-
-def _start(name: str, nodes: int, subnet: str, workdir: Path):
-    cluster = Cluster(name, nodes, subnet, workdir)
-    # --replace: a cluster left by an interrupted test run is replaced, not refused
-    up = cluster.fab("local.up", "--nodes", str(nodes), "--name", name, "--subnet", subnet, "--replace")
-    assert f"{nodes} node(s)" in up.stdout
-    prepare_numbers(cluster, "--train 20000 --valid 200 --test 100")
-    return cluster
-
-
-DATA_CACHE = Path(tempfile.gettempdir()) / f"gpu-cluster-test-data-{os.getpid()}"
-atexit.register(shutil.rmtree, DATA_CACHE, ignore_errors=True)
-
-
-def prepare_numbers(cluster: Cluster, extra: str) -> None:
-    """`fab data` with these prepare.py arguments. The BPE training is the slow part (7 s for 20000
-    pairs): a data set made once in this session is copied in first, and `fab data` then finds it
-    complete (prepare.py's re-run with the same arguments is a no-op)."""
-    cached = DATA_CACHE / re.sub(r"\W+", "_", extra)
-    target = cluster.shared / "datasets" / "numbers"
-    if cached.exists():
-        shutil.copytree(cached, target, dirs_exist_ok=True)
-    cluster.fab("data", "--extra", extra)
-    if not cached.exists():
-        shutil.copytree(target, cached)
-
-
-def _stop(cluster: Cluster):
-    cluster.fab("local.down", "--name", cluster.name, "--yes", check=False)
 
 
 @pytest.fixture(scope="module", params=[3], ids=lambda n: f"{n}-nodes")
@@ -123,9 +30,9 @@ def cluster(request, tmp_path_factory):
     """Three nodes (a head and two others: every path a larger cluster takes); the 2-node `pair`
     below carries the failure tests, so both sizes run."""
     nodes = request.param
-    cluster = _start(f"t{nodes}", nodes, f"10.213.{100 + nodes}.0/24", tmp_path_factory.mktemp(f"c{nodes}"))
+    cluster = start_cluster(f"t{nodes}", nodes, f"10.213.{100 + nodes}.0/24", tmp_path_factory.mktemp(f"c{nodes}"))
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def test_status_shows_every_node_ready(cluster):
@@ -204,7 +111,6 @@ def test_bad_task_input_is_one_line_and_starts_nothing(cluster):
 
 
 def test_sync_ships_an_edited_program_that_train_then_uses(cluster, tmp_path):
-    import shutil
 
     program = tmp_path / "train"
     shutil.copytree(TRAIN_DIR, program, ignore=shutil.ignore_patterns("__pycache__"))
@@ -367,9 +273,9 @@ def test_fabric_yaml_settings_are_read(cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    cluster = _start("tf", 2, "10.213.120.0/24", tmp_path_factory.mktemp("tf"))
+    cluster = start_cluster("tf", 2, "10.213.120.0/24", tmp_path_factory.mktemp("tf"))
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def test_train_learns_then_logs_status_and_fetch(pair, tmp_path):
@@ -497,7 +403,7 @@ def test_a_spot_notice_on_the_supervisors_node_ends_the_run_resumable_before_the
     assert f"resume with: {status['resume']}" in followed.stdout, followed.stdout + followed.stderr
 
 
-def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
+def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_leftrunning(pair):
     pair.fab("train", "--run", "cuttest", "--steps", "5000", "--extra", QUICK.replace("timeout-s 30", "timeout-s 10"))
     pair.wait_for_step("cuttest", 1)  # running its collectives: the watchdog needs no checkpoint
     localcluster.set_link("tf", 1, up_=False)
@@ -524,14 +430,6 @@ def test_a_cut_link_is_ended_by_the_watchdog_and_nothing_is_left_running(pair):
         assert not leftovers, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in leftovers]
     finally:
         localcluster.set_link("tf", 1, up_=True)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (where PID 1 does not reap orphans, killed nodes stay as zombies)."""
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
 
 
 def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
@@ -562,7 +460,7 @@ def test_down_leaves_no_namespace_bridge_process_or_mount(tmp_path):
         if n.startswith("gc-td-")
     ]
     assert subprocess.run(["ip", "link", "show", "gcbr-td"], capture_output=True).returncode != 0
-    assert not [p for p in pids if _running(p)]
+    assert not [p for p in pids if running(p)]
     assert not (localcluster.STATE_ROOT / "td").exists() and not cluster.inventory.exists()
     assert "td" not in Path("/proc/self/mountinfo").read_text()
     again = cluster.fab("local.down", "--name", "td")  # nothing to do is not an error

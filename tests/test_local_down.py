@@ -15,8 +15,8 @@ import subprocess
 import time
 
 import pytest
+from cluster_harness import Cluster, running
 from runfiles import full_status
-from test_local_cluster import Cluster, _running
 
 from clusterops.local import cluster as localcluster
 
@@ -84,4 +84,4 @@ def test_down_refuses_to_delete_unfetched_runs_and_repair_brings_a_dead_node_bac
         assert not _namespaces() and not (localcluster.STATE_ROOT / NAME).exists()
     finally:
         cluster.fab("local.down", "--name", NAME, "--yes", check=False)
-        assert not [p for r in range(2) for p in cluster.processes(r, r".") if _running(p)]
+        assert not [p for r in range(2) for p in cluster.processes(r, r".") if running(p)]

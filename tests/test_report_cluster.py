@@ -9,7 +9,7 @@ import os
 import re
 
 import pytest
-from test_local_cluster import Cluster, _stop, prepare_numbers
+from cluster_harness import Cluster, prepare_numbers, stop_cluster
 
 from clusterops.local import cluster as localcluster
 
@@ -28,7 +28,7 @@ def lab(tmp_path_factory):
     cluster.fab("local.up", "--nodes", "2", "--name", "tr", "--subnet", cluster.subnet, "--replace")
     prepare_numbers(cluster, "--train 20000 --valid 200 --test 100")
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def train(lab, run: str, *args: str, steps: int = 10, nodes: int = 2) -> dict:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from test_local_cluster import Cluster, _start, _stop
+from cluster_harness import Cluster, start_cluster, stop_cluster
 
 from clusterops.local import cluster as localcluster
 
@@ -34,7 +34,7 @@ def _final_loss(cluster: Cluster, run: str) -> float:
 def trio(tmp_path_factory):
     """Three nodes, and the final loss of two uninterrupted runs (two seeds): their gap is the noise a
     restarted run is held to."""
-    cluster = _start("tr", 3, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
+    cluster = start_cluster("tr", 3, "10.213.130.0/24", tmp_path_factory.mktemp("tr"))
     cluster.losses = {}
     for seed in ("1234", "99"):
         extra = f"{TINY} --seed {seed}"
@@ -43,7 +43,7 @@ def trio(tmp_path_factory):
         )
         cluster.losses[seed] = _final_loss(cluster, f"base{seed}")
     yield cluster
-    _stop(cluster)
+    stop_cluster(cluster)
 
 
 def _restarts(cluster: Cluster, run: str) -> list[dict]:
