@@ -8,31 +8,20 @@ import pytest
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk.assertions import Match, Template
 from conftest import REPO, cdk_app
+from stack_templates import AMI, SSH_CIDR, cluster_template, launch_templates
 
-from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.network import ClusterNetwork
-from stacks.pins import synth_config
 from stacks.storage import SharedStorage
-
-SSH_CIDR = "203.0.113.0/24"
-AMI = "ami-0123456789abcdef0"
-# What `fab preflight` pins (or -c gives): offline synth passes both explicitly.
-PINS = {"availability_zone": "us-east-1a", "ami_id": AMI}
 
 
 def _stack() -> cdk.Stack:
     return cdk.Stack(cdk_app(), "Test")
 
 
-def _cluster(region=None, **context) -> Template:
-    config = synth_config({"ssh_cidr": SSH_CIDR, **PINS, **context}, region=region)
-    return Template.from_stack(GpuClusterStack(cdk_app(), "Cluster", config=config))
-
-
 @pytest.fixture(scope="module", params=[1, 2, 8], ids=lambda n: f"{n}-nodes")
 def cluster(request) -> tuple[int, Template]:
-    return request.param, _cluster(nodes=str(request.param))
+    return request.param, cluster_template(nodes=str(request.param))
 
 
 # ---------------------------------------------------------------- network
@@ -178,7 +167,7 @@ def test_the_nodes_nfs_mount_is_allowed_by_the_file_system_policy(action):
     the bootstrap's plain NFS mount (aws-cdk #33669): the policy must allow what the mount is."""
     mount = _bootstrap_mount()
     assert mount["type"] == "nfs4"  # no efs-utils: an anonymous client
-    fs = next(iter(_cluster().find_resources("AWS::EFS::FileSystem").values()))
+    fs = next(iter(cluster_template().find_resources("AWS::EFS::FileSystem").values()))
     policy = fs["Properties"].get("FileSystemPolicy")
     assert efs_client_allowed(policy, action, iam=mount["iam"], tls=mount["tls"]), (
         f"EFS would refuse {action} to the bootstrap's NFS client: {json.dumps(policy)}"
@@ -215,10 +204,12 @@ def test_the_policy_evaluator_refuses_what_efs_refuses():
 
 def test_the_subnet_is_in_an_az_that_offers_the_type():
     offered = {offerings_context_key("us-east-1", "p4d.24xlarge"): ["us-east-1f", "us-east-1c"]}
-    template = _cluster(region="us-east-1", instance_type="p4d.24xlarge", availability_zone=None, **offered)
+    template = cluster_template(region="us-east-1", instance_type="p4d.24xlarge", availability_zone=None, **offered)
     template.resource_count_is("AWS::EC2::Subnet", 1)
     template.has_resource_properties("AWS::EC2::Subnet", {"AvailabilityZone": "us-east-1c"})
-    pinned = _cluster(region="us-east-1", instance_type="p4d.24xlarge", availability_zone="us-east-1f", **offered)
+    pinned = cluster_template(
+        region="us-east-1", instance_type="p4d.24xlarge", availability_zone="us-east-1f", **offered
+    )
     pinned.has_resource_properties("AWS::EC2::Subnet", {"AvailabilityZone": "us-east-1f"})
 
 
@@ -232,7 +223,7 @@ def test_the_ami_is_the_dlami_whose_driver_supports_the_family(instance_type, fl
         ami_context_key("us-east-1", path): f"ami-0{str(i) * 16}" for i, path in enumerate(AMI_PARAMETERS.values())
     }
     expected = pinned[ami_context_key("us-east-1", AMI_PARAMETERS[flavour])]
-    template = _cluster(region="us-east-1", instance_type=instance_type, ami_id=None, **pinned)
+    template = cluster_template(region="us-east-1", instance_type=instance_type, ami_id=None, **pinned)
     images = {i["Properties"]["ImageId"] for i in template.find_resources("AWS::EC2::Instance").values()}
     assert images == {expected}
 
@@ -290,7 +281,7 @@ def test_no_ingress_from_the_world_and_a_self_referencing_rule(cluster):
 
 
 def test_world_ssh_appears_only_with_the_opt_in():
-    template = _cluster(ssh_cidr="0.0.0.0/0", allow_world_ssh="true")
+    template = cluster_template(ssh_cidr="0.0.0.0/0", allow_world_ssh="true")
     rules = [
         r
         for sg in template.find_resources("AWS::EC2::SecurityGroup").values()
@@ -341,7 +332,7 @@ def test_user_data_fits_the_ec2_limit_with_every_token_at_its_longest(cluster):
 
 
 def test_node_role_is_least_privilege():
-    template = _cluster()
+    template = cluster_template()
     policies = template.find_resources("AWS::IAM::Policy")
     statements = [s for p in policies.values() for s in p["Properties"]["PolicyDocument"]["Statement"]]
     actions = sorted(a for s in statements for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"]))
@@ -352,10 +343,10 @@ def test_node_role_is_least_privilege():
 
 
 def test_the_stack_creates_a_key_pair_whose_private_key_is_in_ssm_unless_one_is_named():
-    generated = _cluster()
+    generated = cluster_template()
     generated.resource_count_is("AWS::EC2::KeyPair", 1)
     generated.has_output("KeyParameterName", {"Value": {"Fn::Join": ["", ["/ec2/keypair/", Match.any_value()]]}})
-    named = _cluster(key_name="my-key")
+    named = cluster_template(key_name="my-key")
     named.resource_count_is("AWS::EC2::KeyPair", 0)
     named.has_output("KeyParameterName", {"Value": "none"})
     named.has_resource_properties("AWS::EC2::Instance", {"KeyName": "my-key"})
@@ -383,7 +374,7 @@ def test_outputs_for_the_fab_tasks(cluster):
 
 
 def test_placement_group_can_be_turned_off():
-    template = _cluster(placement_group="false")
+    template = cluster_template(placement_group="false")
     template.resource_count_is("AWS::EC2::PlacementGroup", 0)
 
 
@@ -454,7 +445,7 @@ def test_user_data_stays_under_ec2s_16_kb_with_the_longest_values_and_over_it_is
         "nodes": "64",
         "idle_minutes": "1410",
     }
-    template = _cluster(**longest)
+    template = cluster_template(**longest)
     sizes = [
         check_user_data_size(i["Properties"]["UserData"], "node")
         for i in template.find_resources("AWS::EC2::Instance").values()
@@ -503,7 +494,7 @@ def _ingress(template: Template) -> list[dict]:
 
 @pytest.mark.parametrize("private", ["false", "true"])
 def test_access_ssm_has_no_ingress_from_outside_the_cluster(private):
-    template = _cluster(ssh_cidr=None, access="ssm", private_subnet=private)
+    template = cluster_template(ssh_cidr=None, access="ssm", private_subnet=private)
     for rule in _ingress(template):
         assert "CidrIp" not in rule and "CidrIpv6" not in rule, rule
         assert "SourceSecurityGroupId" in rule
@@ -511,7 +502,7 @@ def test_access_ssm_has_no_ingress_from_outside_the_cluster(private):
 
 
 def test_a_private_subnet_has_no_public_ips_a_nat_and_session_manager_endpoints():
-    template = _cluster(ssh_cidr=None, access="ssm", private_subnet="true")
+    template = cluster_template(ssh_cidr=None, access="ssm", private_subnet="true")
     template.resource_count_is("AWS::EC2::NatGateway", 1)
     services = json.dumps(
         [e["Properties"]["ServiceName"] for e in template.find_resources("AWS::EC2::VPCEndpoint").values()]
@@ -533,14 +524,10 @@ def test_a_private_subnet_has_no_public_ips_a_nat_and_session_manager_endpoints(
 # ---------------------------------------------------------------- Spot nodes
 
 
-def _launch_templates(template: Template) -> list[dict]:
-    return [r["Properties"]["LaunchTemplateData"] for r in template.find_resources("AWS::EC2::LaunchTemplate").values()]
-
-
 @pytest.mark.parametrize("max_price, expected", [(None, None), ("0.45", "0.45"), ("12.5", "12.5")])
 def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, expected):
-    template = _cluster(nodes="3", spot="true", **({"spot_max_price": max_price} if max_price else {}))
-    datas = _launch_templates(template)
+    template = cluster_template(nodes="3", spot="true", **({"spot_max_price": max_price} if max_price else {}))
+    datas = launch_templates(template)
     assert len(datas) == 3
     for data in datas:
         assert data["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1}
@@ -573,95 +560,19 @@ def test_spot_nodes_are_persistent_requests_stopped_when_interrupted(max_price, 
 def test_on_demand_nodes_have_no_market_options_and_unchanged_user_data(cluster):
     _, template = cluster
     assert all(
-        "InstanceMarketOptions" not in data and "TagSpecifications" not in data for data in _launch_templates(template)
+        "InstanceMarketOptions" not in data and "TagSpecifications" not in data for data in launch_templates(template)
     )
     template.has_output("Spot", {"Value": "false"})
     assert "SPOT=" not in _user_data(template, 0)  # the node config says SPOT=false
 
 
-# ---------------------------------------------------------------- EFA
-
-
-def _efa_interfaces(template: Template) -> list[list[dict]]:
-    return [
-        t["Properties"]["LaunchTemplateData"].get("NetworkInterfaces", [])
-        for t in template.find_resources("AWS::EC2::LaunchTemplate").values()
-    ]
-
-
-@pytest.mark.parametrize(
-    "instance_type, context, cards",
-    [
-        ("p4d.24xlarge", {"access": "ssm", "private_subnet": "true"}, 4),
-        ("p5.48xlarge", {"access": "ssm", "private_subnet": "true"}, 32),
-        ("g5.12xlarge", {"efa": "on"}, 1),  # no GPUDirect RDMA: auto leaves EFA off (tests/test_efa.py)
-        ("g4dn.2xlarge", {}, 0),
-    ],
-)
-def test_each_node_gets_one_efa_per_card_of_its_type(instance_type, context, cards):
-    params = {"ssh_cidr": None} if context.get("access") == "ssm" else {}
-    template = _cluster(instance_type=instance_type, nodes="2", **params, **context)
-    per_node = _efa_interfaces(template)
-    assert len(per_node) == 2  # one launch template per node (IMDSv2 required in each)
-    for interfaces in per_node:
-        efa = [i for i in interfaces if i["InterfaceType"] in ("efa", "efa-only")]
-        assert len(efa) == cards
-        assert sorted({i["NetworkCardIndex"] for i in efa}) == list(range(cards))
-        if interfaces:
-            primary = [i for i in interfaces if (i["NetworkCardIndex"], i["DeviceIndex"]) == (0, 0)]
-            assert len(primary) == 1 and primary[0]["InterfaceType"] in (
-                "efa",
-                "interface",
-            )  # efa-only can't be primary
-            assert all(i["Groups"] and i["SubnetId"] for i in interfaces)
-            assert (len(interfaces) == 1) == ("AssociatePublicIpAddress" in primary[0])
-    for instance in template.find_resources("AWS::EC2::Instance").values():
-        assert ("SubnetId" in instance["Properties"]) == (cards == 0)
-    template.has_resource_properties(
-        "AWS::EC2::LaunchTemplate", {"LaunchTemplateData": {"MetadataOptions": {"HttpTokens": "required"}}}
-    )
-
-
-def test_the_node_group_admits_and_sends_all_traffic_to_itself_for_efa():
-    template = _cluster(instance_type="g5.12xlarge")
-    template.has_resource_properties(
-        "AWS::EC2::SecurityGroupEgress",
-        {"IpProtocol": "-1", "DestinationSecurityGroupId": {"Fn::GetAtt": Match.array_with(["GroupId"])}},
-    )
-
-
-@pytest.mark.parametrize(
-    "context, words",
-    [
-        ({"instance_type": "g4dn.2xlarge", "efa": "on"}, "has no EFA"),
-        ({"instance_type": "g5.12xlarge", "efa": "on", "placement_group": "false"}, "one cluster placement group"),
-        ({"instance_type": "p5.48xlarge", "efa": "on"}, "no public IP"),
-    ],
-)
-def test_efa_on_where_it_cannot_work_is_one_line(context, words):
-    from stacks.config import ConfigError
-
-    with pytest.raises(ConfigError, match=words) as caught:
-        ClusterConfig.from_context(context)
-    assert "\n" not in str(caught.value)
+# ---------------------------------------------------------------- outputs
 
 
 def test_the_stack_outputs_are_what_the_inventory_reads():
     """One list of output keys (assets/cluster_node) for the stack and the inventory."""
     from cluster_node.protocol.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
 
-    outputs = set(_cluster().find_outputs("*"))
+    outputs = set(cluster_template().find_outputs("*"))
     assert outputs == set(OUTPUT_KEYS)
     assert set(REQUIRED_OUTPUTS) <= outputs
-
-
-def test_spot_nodes_with_efa_carry_the_market_options_in_their_efa_template():
-    template = _cluster(
-        instance_type="p4d.24xlarge", nodes="2", ssh_cidr=None, access="ssm", private_subnet="true", spot="true"
-    )
-    datas = _launch_templates(template)
-    assert len(datas) == 2 and all(
-        any(i["InterfaceType"] in ("efa", "efa-only") for i in d["NetworkInterfaces"]) for d in datas
-    )
-    assert all(d["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == "stop" for d in datas)
-    assert all(d["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1} for d in datas)

@@ -1,7 +1,10 @@
 """Which types `efa=auto` turns EFA on for (stacks/instance_types.py's `gpudirect_rdma`, read by
-stacks/config.py), and what `efa=on` still allows."""
+stacks/config.py), what `efa=on` still allows, and the template each gives: one EFA per network card in
+each node's launch template, the node group open to itself, Spot's market options alongside."""
 
 import pytest
+from aws_cdk.assertions import Match, Template
+from stack_templates import cluster_template, launch_templates
 
 from stacks.config import ClusterConfig
 from stacks.instance_types import INSTANCE_TYPES
@@ -46,3 +49,82 @@ def test_the_table_marks_gpudirect_rdma_only_on_p4d_p4de_and_p5():
     marked = {t.family for t in INSTANCE_TYPES.values() if t.gpudirect_rdma}
     assert marked == {"p4d", "p4de", "p5"}
     assert all(t.efa for t in INSTANCE_TYPES.values() if t.gpudirect_rdma)
+
+
+# ---------------------------------------------------------------- the template
+
+
+def _efa_interfaces(template: Template) -> list[list[dict]]:
+    return [
+        t["Properties"]["LaunchTemplateData"].get("NetworkInterfaces", [])
+        for t in template.find_resources("AWS::EC2::LaunchTemplate").values()
+    ]
+
+
+@pytest.mark.parametrize(
+    "instance_type, context, cards",
+    [
+        ("p4d.24xlarge", {"access": "ssm", "private_subnet": "true"}, 4),
+        ("p5.48xlarge", {"access": "ssm", "private_subnet": "true"}, 32),
+        ("g5.12xlarge", {"efa": "on"}, 1),  # no GPUDirect RDMA: auto leaves EFA off (tests/test_efa.py)
+        ("g4dn.2xlarge", {}, 0),
+    ],
+)
+def test_each_node_gets_one_efa_per_card_of_its_type(instance_type, context, cards):
+    params = {"ssh_cidr": None} if context.get("access") == "ssm" else {}
+    template = cluster_template(instance_type=instance_type, nodes="2", **params, **context)
+    per_node = _efa_interfaces(template)
+    assert len(per_node) == 2  # one launch template per node (IMDSv2 required in each)
+    for interfaces in per_node:
+        efa = [i for i in interfaces if i["InterfaceType"] in ("efa", "efa-only")]
+        assert len(efa) == cards
+        assert sorted({i["NetworkCardIndex"] for i in efa}) == list(range(cards))
+        if interfaces:
+            primary = [i for i in interfaces if (i["NetworkCardIndex"], i["DeviceIndex"]) == (0, 0)]
+            assert len(primary) == 1 and primary[0]["InterfaceType"] in (
+                "efa",
+                "interface",
+            )  # efa-only can't be primary
+            assert all(i["Groups"] and i["SubnetId"] for i in interfaces)
+            assert (len(interfaces) == 1) == ("AssociatePublicIpAddress" in primary[0])
+    for instance in template.find_resources("AWS::EC2::Instance").values():
+        assert ("SubnetId" in instance["Properties"]) == (cards == 0)
+    template.has_resource_properties(
+        "AWS::EC2::LaunchTemplate", {"LaunchTemplateData": {"MetadataOptions": {"HttpTokens": "required"}}}
+    )
+
+
+def test_the_node_group_admits_and_sends_all_traffic_to_itself_for_efa():
+    template = cluster_template(instance_type="g5.12xlarge")
+    template.has_resource_properties(
+        "AWS::EC2::SecurityGroupEgress",
+        {"IpProtocol": "-1", "DestinationSecurityGroupId": {"Fn::GetAtt": Match.array_with(["GroupId"])}},
+    )
+
+
+@pytest.mark.parametrize(
+    "context, words",
+    [
+        ({"instance_type": "g4dn.2xlarge", "efa": "on"}, "has no EFA"),
+        ({"instance_type": "g5.12xlarge", "efa": "on", "placement_group": "false"}, "one cluster placement group"),
+        ({"instance_type": "p5.48xlarge", "efa": "on"}, "no public IP"),
+    ],
+)
+def test_efa_on_where_it_cannot_work_is_one_line(context, words):
+    from stacks.config import ConfigError
+
+    with pytest.raises(ConfigError, match=words) as caught:
+        ClusterConfig.from_context(context)
+    assert "\n" not in str(caught.value)
+
+
+def test_spot_nodes_with_efa_carry_the_market_options_in_their_efa_template():
+    template = cluster_template(
+        instance_type="p4d.24xlarge", nodes="2", ssh_cidr=None, access="ssm", private_subnet="true", spot="true"
+    )
+    datas = launch_templates(template)
+    assert len(datas) == 2 and all(
+        any(i["InterfaceType"] in ("efa", "efa-only") for i in d["NetworkInterfaces"]) for d in datas
+    )
+    assert all(d["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == "stop" for d in datas)
+    assert all(d["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1} for d in datas)
