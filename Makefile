@@ -15,7 +15,7 @@ demo: setup
 	bash scripts/demo.sh 2
 
 # make test: everything else on three workers, then the emulated cluster alone (it needs the CPU), then the
-# training program's tests again on the training image's Python, torch and numpy (test-image-torch); one line
+# training program's tests on the training image's Python, torch and numpy (test-image-torch); one line
 # at the end gives each phase's wall time (scripts/test_phases.sh).
 test: setup
 	bash scripts/test_phases.sh

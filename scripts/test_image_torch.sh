@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The training program's tests (tests/trainer_tests.txt) a second time, in an environment matching the
+# The training program's tests (tests/trainer_tests.txt), in an environment matching the
 # training image: its Python, torch and numpy (stacks/images.py), pinned with hashes in
 # requirements-image.lock. The environment (~3 GB: PyPI's torch is a CUDA build, which runs on CPU) is
 # built outside the checkout, once per lock: ~/.cache/gpu-cluster/image-env-<lock hash>, reused while the

@@ -31,6 +31,44 @@ os.environ.update(OFFLINE_ENV)
 os.environ["PATH"] = f"{REPO / 'node_modules' / '.bin'}:{os.environ.get('PATH', '')}"
 
 
+def trainer_tests() -> tuple[set[str], dict[str, str]]:
+    """tests/trainer_tests.txt: the modules `make test-image-torch` runs on the image's torch, and the
+    node-id prefixes it leaves out (with why): those run in `make test`'s first phase only."""
+    listed, deselected = set(), {}
+    for line in (REPO / "tests" / "trainer_tests.txt").read_text().splitlines():
+        if line.startswith("- "):
+            node, _, why = line[2:].partition("#")
+            deselected[node.strip()] = why.strip()
+        elif line and line[0] != "#":
+            listed.add(line)
+    return listed, deselected
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--except-image-torch",
+        action="store_true",
+        help="leave out the tests that make test-image-torch runs (tests/trainer_tests.txt): make test's first phase",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """--except-image-torch: the trainer's tests run once in `make test`, on the torch that trains (the
+    image's, in its third phase); the checkout's torch runs the trainer end to end in the cluster phase."""
+    if not config.getoption("except_image_torch"):
+        return
+    listed, not_on_image = trainer_tests()
+    elsewhere = [
+        item
+        for item in items
+        if item.nodeid.split("::")[0] in listed and not any(item.nodeid.startswith(n) for n in not_on_image)
+    ]
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        dropped = set(elsewhere)
+        items[:] = [item for item in items if item not in dropped]
+
+
 def cdk_app(**context):
     """An app with cdk.json's context (its feature flags change what constructs synthesize: the
     EFS file-system policy, for one), as `cdk synth` builds it."""

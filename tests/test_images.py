@@ -6,7 +6,7 @@ import ast
 import re
 
 import pytest
-from conftest import REPO
+from conftest import REPO, trainer_tests
 
 from stacks import images
 from stacks.instance_types import INSTANCE_TYPES
@@ -84,28 +84,33 @@ def _imports(path) -> set[str]:
     return names
 
 
-def _trainer_tests() -> tuple[set[str], dict[str, str]]:
-    """tests/trainer_tests.txt: the modules listed, and the deselected node-id prefixes with why."""
-    listed, deselected = set(), {}
-    for line in (REPO / "tests" / "trainer_tests.txt").read_text().splitlines():
-        if line.startswith("- "):
-            node, _, why = line[2:].partition("#")
-            deselected[node.strip()] = why.strip()
-        elif line and line[0] != "#":
-            listed.add(line)
-    return listed, deselected
-
-
 def test_every_deselection_from_the_images_torch_names_a_test_of_a_listed_module_and_why():
-    listed, deselected = _trainer_tests()
+    listed, deselected = trainer_tests()
     for node, why in deselected.items():
         path, _, name = node.partition("::")
         assert path in listed and why, f"{node}: a listed module's test, with why (# ...)"
         assert re.search(rf"^def {re.escape(name)}\(", (REPO / path).read_text(), re.M), f"{node}: no such test"
 
 
+def test_make_tests_first_phase_leaves_out_exactly_what_the_images_torch_runs():
+    """--except-image-torch: each trainer test runs once in make test (on the image's torch); the ones
+    the image's phase deselects, and every other module's, stay in the first phase."""
+    import conftest
+
+    listed, not_on_image = trainer_tests()
+    module, kept_node = next((n.split("::")[0], n) for n in not_on_image)
+    names = [f"{module}::test_runs_there", kept_node, "tests/test_config.py::test_x", f"{sorted(listed)[0]}::test_y"]
+    items = [type("Item", (), {"nodeid": name})() for name in names]
+    deselected = []
+    hook = type("Hook", (), {"pytest_deselected": lambda self, items: deselected.extend(items)})()
+    config = type("Config", (), {"hook": hook, "getoption": lambda self, name: name == "except_image_torch"})()
+    conftest.pytest_collection_modifyitems(config, items)
+    assert [i.nodeid for i in items] == [kept_node, "tests/test_config.py::test_x"]
+    assert sorted(i.nodeid for i in deselected) == sorted([names[0], names[3]])
+
+
 def test_every_test_module_that_runs_the_trainer_runs_on_the_images_torch_too():
-    listed, _ = _trainer_tests()
+    listed, _ = trainer_tests()
     assert all((REPO / path).is_file() for path in listed), listed
     for path in sorted((REPO / "tests").glob("test_*.py")):
         text = path.read_text()
