@@ -17,6 +17,7 @@ from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 USD_PER_NODE_HOUR = 360.0  # $0.10 a node-second: a budget of a few dollars lasts seconds
+BUDGET = 3  # about 15 s of two nodes: the start (~5 s) and some 50 steps with checkpoints every 10
 
 
 @pytest.fixture(scope="module")
@@ -35,28 +36,43 @@ def test_a_run_stops_at_its_budget_with_a_checkpoint_and_a_run_predicted_over_it
 
     ids = moto_instances(2, "tbudget")  # the cluster's instances, as the watchdog's --stop-now finds them
     out = priced.fab(
-        "train", "--run", "budgeted", "--steps", "5000", "--budget-usd", "6", "--follow", "--extra", QUICK, env=aws_env
+        "train",
+        "--run",
+        "budgeted",
+        "--steps",
+        "5000",
+        "--budget-usd",
+        str(BUDGET),
+        "--follow",
+        "--extra",
+        QUICK,
+        env=aws_env,
     )
     assert "metered over 2 node(s)" in out.stdout and "the nodes stop when the run ends" in out.stdout
     status = priced.run_status("budgeted")
     assert status["state"] == "stopped" and status["kind"] == "budget", status  # resumable with a larger budget
-    found = re.match(r"budget: \$6\.00 reached at step (\d+) \(\$([\d.]+) spent: nodes \$[\d.]+ = ", status["reason"])
-    assert found and float(found.group(2)) >= 6.0, status["reason"]
+    found = re.match(
+        rf"budget: \${BUDGET}\.00 reached at step (\d+) \(\$([\d.]+) spent: nodes \$[\d.]+ = ", status["reason"]
+    )
+    assert found and float(found.group(2)) >= BUDGET, status["reason"]
     step = int(re.search(r"checkpoint step (\d+); then-stop: stopping the cluster$", status["reason"]).group(1))
     assert step >= int(found.group(1)) and (priced.run_dir("budgeted") / "checkpoints" / f"step_{step:08d}.pt").exists()
-    assert "launcher: budget: $6.00 reached at step" in out.stdout
+    assert f"launcher: budget: ${BUDGET}.00 reached at step" in out.stdout
     described = boto3.client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
     assert {i["State"]["Name"] for r in described for i in r["Instances"]} <= {"stopping", "stopped"}
     print(f"budget run: {status['reason']}")
 
     spent = json.loads((priced.run_dir("budgeted") / "budget.json").read_text())
-    assert spent["usd"] == 6.0 and spent["spent"] >= float(found.group(2)), spent
+    assert spent["usd"] == BUDGET and spent["spent"] >= float(found.group(2)), spent
     again = priced.fab("train", "--run", "budgeted", check=False)  # the saved budget, already spent
-    assert again.returncode == 1 and f"run already spent ${spent['spent']:.2f} of its --budget-usd 6" in again.stderr
+    assert (
+        again.returncode == 1
+        and f"run already spent ${spent['spent']:.2f} of its --budget-usd {BUDGET}" in again.stderr
+    )
     assert priced.run_status("budgeted") == status  # nothing started
 
     runs = sorted(p.name for p in (priced.shared / "runs").iterdir())
-    refused = priced.fab("train", "--run", "toolong", "--steps", "100000", "--budget-usd", "6", check=False)
+    refused = priced.fab("train", "--run", "toolong", "--steps", "100000", "--budget-usd", str(BUDGET), check=False)
     assert refused.returncode == 1, refused.stdout
     [line] = refused.stderr.strip().splitlines()
     assert line.startswith("error: fab plan predicts $") and "for 100000 steps on 2 x" in line, line

@@ -98,17 +98,15 @@ def test_report_and_runs_on_a_two_node_run_and_fetch_brings_them_home(lab, cappe
     assert not (tmp_path / "capped" / "scaling.png").exists()  # no scale series: not an empty file either
 
 
-@pytest.mark.parametrize("mode, name", [("fp16", "fp16 gradients"), ("powersgd", "powersgd")])
+# powersgd first: its step is mostly compute, so it is scored right after the baseline run (this machine's
+# speed drifts over minutes: misses of 20-21% in CI when it came after fp16's verify run); fp16's step is
+# mostly the link's, which does not drift.
+@pytest.mark.parametrize("mode, name", [("powersgd", "powersgd"), ("fp16", "fp16 gradients")])
 def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, name):
     """HONESTY, as the user scores it: `fab report --verify MODE` runs the baseline with MODE (its own
     model and settings, 20 steps), prints the report's prediction against the measured step, keeps the
-    pair in the run, and the report lists it."""
+    pair in the run after any scored before, and the report lists it."""
     run, report = "capped", capped[1]
-    if mode == "powersgd":  # its step is mostly compute: predicted from a baseline run just before it,
-        # as this machine's speed drifts over the minutes since the first (misses of 20-21% in CI)
-        run = "capped-again"
-        train(lab, run, steps=12)
-        report = lab.fab("report", "--run", run, check=False).stdout
     out = lab.fab("report", "--run", run, "--verify", mode).stdout
     line = rf"^{mode}: predicted (\d+) ms/step \((.+)\), measured (\d+) ms in {run}-verify: error ([-+]\d+)%"
     scored = re.search(line, out, re.M)
@@ -117,7 +115,7 @@ def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, 
     verified = json.loads((lab.run_dir(f"{run}-verify") / "config.json").read_text())
     assert verified["grad_compression"] == mode and verified["model"]["d_model"] == 256, verified  # MID's model
     kept = json.loads((lab.run_dir(run) / "predictions.json").read_text())
-    assert [(p["mode"], round(p["predicted_s"] * 1000)) for p in kept] == [(mode, int(scored.group(1)))]
+    assert [(p["mode"], round(p["predicted_s"] * 1000)) for p in kept][-1] == (mode, int(scored.group(1)))
     assert f"| {mode} | {scored.group(1)} ms | {scored.group(3)} ms |" in lab.fab("report", "--run", run).stdout
     baseline = "\n".join(report.splitlines()[:3])
     steps = lab.fab("logs", "--run", f"{run}-verify").stdout
