@@ -53,8 +53,11 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """--except-image-torch: the trainer's tests run once in `make test`, on the torch that trains (the
-    image's, in its third phase); the checkout's torch runs the trainer end to end in the cluster phase."""
+    """Slow tests first: xdist hands tests out in this order, so a long one never starts last and ends
+    the phase alone (a stable sort: the rest keep their order). --except-image-torch: the trainer's tests
+    run once in `make test`, on the torch that trains (the image's, in its third phase); the checkout's
+    torch runs the trainer end to end in the cluster phase."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not config.getoption("except_image_torch"):
         return
     listed, not_on_image = trainer_tests()

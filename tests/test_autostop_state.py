@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs
 
 import boto3
+import pytest
 from conftest import moto_instances, tool_env
 
 IDLE_S = 12.0  # IDLE_MINUTES=0.2
@@ -65,6 +66,7 @@ def wait_for(condition, timeout: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_restarted_watchdog_resumes_its_idle_clock_and_reports_idle(aws_env, tmp_path):
     """The entrypoint restarts a watchdog that died (and Docker a container that died): the second
     one goes on from the first one's idle time, without a "watchdog starting" busy beat."""
@@ -138,6 +140,7 @@ class RefusingEc2(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_stop_that_ec2_refuses_is_retried_with_backoff_the_clock_kept_and_the_heartbeat_idle(aws_env, tmp_path):
     RefusingEc2.stops = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), RefusingEc2)
@@ -167,6 +170,7 @@ def test_a_stop_that_ec2_refuses_is_retried_with_backoff_the_clock_kept_and_the_
     assert values and max(values) == 0.0  # idle heartbeats: the alarm's count goes on
 
 
+@pytest.mark.slow
 def test_a_watchdog_with_autostop_off_beats_busy_and_applies_idle_minutes_set_later(aws_env, tmp_path):
     """Issue 28: a cluster deployed with idle_minutes=0 had no watchdog (the container read 0 once, at
     its creation); `cdk deploy -c idle_minutes=N` then created the alarms over a heartbeat nobody

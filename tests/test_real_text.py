@@ -108,6 +108,7 @@ def test_without_the_package_prepare_says_how_to_install_it_in_one_line(tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_model_memorises_a_few_hundred_real_pairs_across_two_ranks(ding_data, tmp_path):
     """Tokenizer -> Transformer -> greedy decode -> BLEU on real German: 256 short pairs seen in
     training are translated back almost perfectly (it learned to read the source, not a language model)."""
@@ -127,6 +128,7 @@ def test_a_model_memorises_a_few_hundred_real_pairs_across_two_ranks(ding_data, 
     assert "2 process(es) via torchrun" in result.stdout and summary["bleu"] > 90
 
 
+@pytest.mark.slow
 def test_a_short_run_on_the_train_split_beats_copying_the_source_on_held_out_text(ding_data, tmp_path):
     result = train(
         ding_data, tmp_path, *SHORT, "--max-steps", "300", "--batch-per-gpu", "16", "--lr-scale", "0.5",

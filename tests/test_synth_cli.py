@@ -250,6 +250,7 @@ def test_what_a_deploy_would_guess_stops_synth_in_one_line(args, key, tmp_path):
     assert not [line for line in result.stderr.splitlines() if "AwsSolutions-" in line or "NIST" in line]
 
 
+@pytest.mark.slow
 def test_cdk_destroy_needs_none_of_the_deploys_values(moto_env, tmp_path):
     """The CDK CLI runs the app for `cdk destroy` too (aws-cdk's `_destroyWithAction` synthesizes
     without `validateStacks`): tearing a cluster down must work with no `-c` value, no cached AZ and
