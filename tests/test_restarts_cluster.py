@@ -1,6 +1,6 @@
 """fab train --max-restarts on the emulated cluster (3 nodes): a hung rank, restarts used up, a lost
-node. The real launcher, health probe over SSH, mpirun, gloo and the trainer; the tests look at the
-shared /data from the host side and at the namespaces' processes."""
+node (and that run's goodput account). The real launcher, health probe over SSH, mpirun, gloo and the
+trainer; the tests look at the shared /data from the host side and at the namespaces' processes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 import torch
 from cluster_harness import Cluster, start_cluster, stop_cluster
 
+from cluster_node.protocol import phases
+from cluster_node.supervisor import goodput
 from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
@@ -143,9 +145,11 @@ def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_che
 
 
 def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(trio):
-    """Last in the file: node2 stays dead."""
+    """Last in the file: node2 stays dead. Killed between checkpoints, so the run loses steps; its goodput
+    account is checked on the same run (_goodput_accounts_for_the_run)."""
     trio.fab("train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--extra", TINY)
     trio.wait_for_step("lost", 15)
+    reached = _between_checkpoints(trio, "lost")
     netns = localcluster.LocalSpec(name=trio.name, nodes=trio.nodes).netns(2)
     killed_at, old_pid = _beat(trio, "lost")
     for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
@@ -167,6 +171,36 @@ def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(t
     assert (record["global_batch"], record["batch_per_gpu"], record["grad_accum"]) == (24, 6, 2)
     assert f"resuming from /data/runs/lost/checkpoints/step_{record['resume_step']:08d}.pt" in log
     assert abs(loss - base) <= noise
+    _goodput_accounts_for_the_run(trio, "lost", reached, record)
+
+
+def _goodput_accounts_for_the_run(cluster: Cluster, run: str, reached: int, record: dict) -> None:
+    """The goodput account of the restarted run: the phases sum to the wall-clock, the steps lost are
+    those after the last checkpoint, and fab report / fab runs show it."""
+    acc = goodput.account(phases.read(cluster.run_dir(run)))
+    [incident] = acc.incidents
+    print("\n".join(goodput.lines(acc)))
+    named = sum(v for k, v in acc.phases.items() if k != "unaccounted")
+    assert abs(named - acc.wall_s) <= 0.05 * acc.wall_s, acc.phases
+    detect = next(m for m in phases.read(cluster.run_dir(run)) if m.event == "detect")
+    assert detect.step >= reached  # the ranks went on between our read and the kill
+    assert incident.steps_lost == detect.step - record["resume_step"] > 0
+    assert acc.steps_kept == STEPS and 0 < acc.goodput < 1
+    summary = json.loads((cluster.run_dir(run) / "summary.json").read_text())["goodput"]  # the supervisor's
+    assert summary["goodput"] == round(acc.goodput, 4) and summary["restarts"][0]["steps_lost"] > 0, summary
+    report = cluster.fab("report", "--run", run).stdout
+    assert "goodput " in report and "restart 1 (" in report and (cluster.run_dir(run) / "goodput.png").exists()
+    assert "goodput" in cluster.fab("runs").stdout.splitlines()[0]
+
+
+def _between_checkpoints(cluster: Cluster, run: str, every: int = 10, timeout: float = 60) -> int:
+    """A step (from the per-step heartbeat) well past a checkpoint, so the kill loses steps: progress is
+    written at log steps, which are also checkpoint steps (CI once killed at step 20, losing none)."""
+    deadline = time.monotonic() + timeout
+    while (step := _beat(cluster, run)[0]) % every not in range(2, every - 2):
+        assert time.monotonic() < deadline, f"{run} stuck at step {step}"
+        time.sleep(0.05)
+    return step
 
 
 def trio_ip(cluster: Cluster, rank: int) -> str:
