@@ -55,7 +55,7 @@ class Cluster:
             if current >= step:
                 return current
             assert self.run_status(run).get("state") in (None, "running"), self.run_status(run)
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise AssertionError(f"{run} did not reach step {step} in {timeout} s")
 
     def wait_for_end(self, run: str, timeout: float) -> tuple[dict, float]:
@@ -64,7 +64,7 @@ class Cluster:
             status = self.run_status(run)
             if status.get("state") not in (None, "running"):
                 return status, time.monotonic() - started
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise AssertionError(f"{run} still running after {timeout} s")
 
     def processes(self, rank: int, pattern: str) -> list[int]:

@@ -57,7 +57,7 @@ def _wait_for_restart(cluster: Cluster, run: str, timeout: float = 60) -> float:
     started = time.monotonic()
     while not _restarts(cluster, run):
         assert time.monotonic() - started < timeout, cluster.run_status(run)
-        time.sleep(0.2)
+        time.sleep(0.1)
     return time.monotonic() - started
 
 
