@@ -51,8 +51,12 @@ if [[ $got != "$want_python $want_torch $want_numpy" ]]; then
   exit 1
 fi
 echo "image-torch: the training program's tests on Python/torch/numpy $got (as $tag)"
-mapfile -t modules < <(grep -v '^[#-]' tests/trainer_tests.txt | grep .)
-mapfile -t deselect < <(sed -n 's/^- \([^ #]*\).*/--deselect=\1/p' tests/trainer_tests.txt)
+# The modules and deselections of tests/trainer_tests.txt, read by the parser `make test`'s first phase uses
+# (conftest.trainer_tests): a test the first phase leaves out is one this phase runs.
+mapfile -t selection < <(cd tests && ../.venv/bin/python -c 'from conftest import trainer_tests
+listed, left_out = trainer_tests()
+print("\n".join([*sorted(listed), *(f"--deselect={node}" for node in left_out)]))')
+[[ ${#selection[@]} -gt 0 ]] || { echo "error: no test selected from tests/trainer_tests.txt (see the error above)" >&2; exit 1; }
 # The repository is not installed there: the packages come from the checkout, as the image puts /workspace
 # on PYTHONPATH.
-PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${modules[@]}" "${deselect[@]}" "$@"
+PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${selection[@]}" "$@"
