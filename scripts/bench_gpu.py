@@ -3,16 +3,18 @@
     python3 scripts/bench_gpu.py --json bench-gpu.json          # on a GPU machine, from the repo root
     python3 scripts/bench_gpu.py --smoke --json /tmp/smoke.json  # a CPU: tiny sizes, seconds
 
-Runs (each trainer a `python -m train.train` process of its own, cold like a real start, its figures
-from its summary.json): transformer-base at the recipe's token budget and at 16k tokens a step, each
-stopped and resumed (a new process: after-resume warm-up); the same at the budget with torch's own
-SDPA choice (cuDNN) and with --pad-multiple 1; ResNet-50 on a synthetic batch and on generated JPEGs.
-Peers (scripts/gpu_peers.py, in this process): the plain loop fed the trainer's own batches with
-padding masks (torch's SDPA choice, and flash/efficient pinned: the faster is the peer), and the plain
-loop at one fixed shape of the same tokens (baseline.py); plain ResNet-50. Data: Ding-like lengths
-(gpu_peers.text_data). Prints one table, the issue's bounds checked below it, and writes --json.
-Every measurement is tried on its own (an error is printed and recorded, the rest still run), in order
-of importance, each skipped when --budget-s would be passed.
+Every measurement is a fresh process, cold like a real start: each trainer a `python -m train.train`
+(its figures from its summary.json, its step times from its TensorBoard scalars), each plain loop this
+script with --peer. In order of importance, each skipped when --budget-s would be passed:
+transformer-base at the recipe's token budget, stopped and resumed (a new process: the after-resume
+warm-up), the plain loop fed the trainer's own batches with padding masks (flash/efficient pinned; its
+figures in the same form) and at one fixed shape of the same tokens (baseline.py); ResNet-50 on a
+synthetic batch against the plain loop, and on generated JPEGs; the same Transformer runs at 16k
+tokens a step; kernel launches from one thread while another allocates a snapshot's host buffers
+(pinned per tensor, registered, pageable); then the variants (--attention torch, --pad-multiple 1) and
+the plain loop with torch's own SDPA choice (cuDNN on Hopper). Data: Ding-like lengths
+(gpu_peers.text_data). Prints one table, the issue's bounds checked below it, and writes --json;
+every measurement is tried on its own (an error is printed and recorded, the rest still run).
 """
 
 from __future__ import annotations
@@ -40,17 +42,17 @@ SIZES = {
     "gpu": dict(
         model=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=200,
         resnet=["--batch-per-gpu", "256"], r_batch=256, r_size=224, r_width=64, r_steps=200,
-        jpeg=(50, 80, 1.0), j_args=["--workers", "15"], j_steps=150,
+        jpeg=(50, 80, 1.0), j_args=["--workers", "15"], j_steps=150, profile=(231, 250),
     ),
     "smoke": dict(
         model=["--d-model", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--max-len", "64"],
         vocab=300, pairs=1500, steps=60, resume=50, big=512, big_steps=60, plain=20,
         resnet=["--batch-per-gpu", "4", "--width", "8", "--image-size", "32"], r_batch=4, r_size=32, r_width=8,
-        r_steps=10, jpeg=(2, 4, 0.15), j_args=["--workers", "1"], j_steps=6,
+        r_steps=10, jpeg=(2, 4, 0.15), j_args=["--workers", "1"], j_steps=6, profile=(5, 9),
     ),
 }  # fmt: skip
 # Estimated seconds per measurement on an H100, for the budget's skips.
-ESTIMATE = {"trainer": 35, "resume": 25, "plain": 15, "resnet": 35, "jpeg": 60}
+ESTIMATE = {"trainer": 35, "resume": 25, "plain": 20, "resnet": 45, "jpeg": 60, "contention": 15}
 
 
 class Bench:
@@ -83,18 +85,36 @@ class Bench:
         # What is measured so far survives a run cut short (main writes the whole at the end).
         Path(self.args.json).write_text(json.dumps({"partial": True, "results": self.results}, indent=2))
 
-    def train(self, argv: list[str], run: Path) -> dict:
-        """One trainer process; its summary's figures."""
+    def env(self) -> dict:
         env = dict(os.environ, PYTHONPATH=str(REPO / "assets"))
         if self.args.smoke:
             env["OMP_NUM_THREADS"] = "1"  # a shared CPU: spinning intra-op threads only slow tiny steps
+        return env
+
+    def train(self, argv: list[str], run: Path, after: int = 0) -> dict:
+        """One trainer process (a resume: of a run at step `after`); its summary's figures and its step times."""
         command = [sys.executable, "-m", "train.train", "--run-dir", str(run), *argv]
         done = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
+            command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
         )
         if done.returncode:
             raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
-        return figures(json.loads((run / rundir.SUMMARY).read_text()))
+        summary = json.loads((run / rundir.SUMMARY).read_text())
+        return dict(figures(summary), windows_ms=step_windows(run, after, summary["steps"]))
+
+    def peer(self, spec: dict) -> dict:
+        """One plain loop (run_peer) in a fresh process: its figures."""
+        out = self.tmp / "peer.json"
+        out.unlink(missing_ok=True)
+        command = [sys.executable, __file__, "--peer", json.dumps(spec), "--json", str(out)]
+        if self.args.smoke:
+            command.append("--smoke")
+        done = subprocess.run(
+            command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
+        )
+        if done.returncode:
+            raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+        return json.loads(out.read_text())
 
     def text_argv(self, tokens: list[str], attention: str = "auto", pad: int = 8) -> list[str]:
         return [
@@ -109,26 +129,19 @@ class Bench:
         argv, run = self.text_argv(tokens), self.tmp / f"run-{label}"
         self.attempt(f"{label}: trainer", "trainer", lambda: self.train([*argv, "--max-steps", str(steps)], run))
         total = str(steps + self.size["resume"])
-        self.attempt(f"{label}: trainer resumed", "resume", lambda: self.train([*argv, "--max-steps", total], run))
-        try:
-            batches, model_args = trainer_batches(argv, self.size["plain"])
-        except Exception as error:
-            traceback.print_exc()
-            self.results[f"{label}: plain, trainer's batches"] = {"error": f"{type(error).__name__}: {error}"}
-            return
-        tokens_per_batch = sum((b[0].numel() + b[2].numel()) / 2 for b in batches) / len(batches)
-        for peer, backends in (("torch SDPA", None), ("flash/efficient", "auto")):
-            self.attempt(
-                f"{label}: plain, trainer's batches, {peer}",
-                "plain",
-                lambda b=backends: peers.plain_transformer(model_args, batches, self.size["plain"], True, pinned(b)),
-            )
+        resume = [*argv, "--max-steps", total]
+        self.attempt(f"{label}: trainer resumed", "resume", lambda: self.train(resume, run, steps))
+        plain = {"argv": argv, "steps": self.size["plain"]}
+        self.attempt(
+            f"{label}: plain, trainer's batches, flash/efficient",
+            "plain",
+            lambda: self.peer({**plain, "kind": "batches", "backends": "auto"}),
+        )
+        self.attempt(f"{label}: plain, fixed shape", "plain", lambda: self.peer({**plain, "kind": "fixed"}))
 
-        def fixed() -> dict:
-            one = peers.fixed_batches(model_args["vocab"], int(tokens_per_batch))
-            return dict(peers.plain_transformer(model_args, one, self.size["plain"], False), tokens=tokens_per_batch)
-
-        self.attempt(f"{label}: plain, fixed shape", "plain", fixed)
+    def cudnn_peer(self, label: str, tokens: list[str]) -> None:
+        spec = {"kind": "batches", "argv": self.text_argv(tokens), "steps": self.size["plain"], "backends": None}
+        self.attempt(f"{label}: plain, trainer's batches, torch SDPA", "plain", lambda: self.peer(spec))
 
     def resnet_runs(self):
         s = self.size
@@ -140,11 +153,8 @@ class Bench:
             "resnet",
             lambda: self.train([*common, "--synthetic", *steps, "--data", str(self.tmp)], self.tmp / "run-r50"),
         )
-        self.attempt(
-            "resnet50 synthetic: plain",
-            "plain",
-            lambda: peers.plain_resnet(s["r_batch"], s["r_size"], s["r_width"], s["r_steps"] // 2),
-        )
+        spec = {"kind": "resnet", "batch": s["r_batch"], "size": s["r_size"], "width": s["r_width"]}
+        self.attempt("resnet50 synthetic: plain", "plain", lambda: self.peer({**spec, "steps": s["r_steps"] // 2}))
 
         def jpeg_run() -> dict:
             root = self.tmp / "jpegs"
@@ -152,13 +162,33 @@ class Bench:
             argv = [*common, *s["j_args"], "--data", str(root), "--max-steps", str(s["j_steps"])]
             return dict(self.train(argv, self.tmp / "run-jpeg"), jpeg_kib=kib)
 
-        return jpeg_run
+        self.attempt("resnet50 jpegs: trainer", "jpeg", jpeg_run)
 
     def variant(self, name: str, attention: str, pad: int) -> None:
         argv = [*self.text_argv([], attention, pad), "--max-steps", str(self.size["steps"])]
         self.attempt(
             f"budget, {name}: trainer", "trainer", lambda: self.train(argv, self.tmp / f"run-{attention}-{pad}")
         )
+
+    def profiles(self) -> None:
+        """--profile: the trainer and the plain loop on its batches, the same steps under torch.profiler."""
+        first, last = self.size["profile"]
+        self.results["data"] = {"vocab": peers.text_data(self.data, self.size["vocab"], self.size["pairs"])}
+        argv = [*self.text_argv([]), "--max-steps", str(last)]
+        spec = {"kind": "batches", "argv": argv, "steps": last, "backends": "auto", "window": [first, last]}
+        self.attempt("budget: trainer, profiled", "trainer", lambda: self.profiled_trainer(argv, first, last))
+        self.attempt("budget: plain, trainer's batches, profiled", "plain", lambda: self.peer(spec))
+
+    def profiled_trainer(self, argv: list[str], first: int, last: int) -> dict:
+        out = self.tmp / "profile.json"
+        run = ["--run-dir", str(self.tmp / "run-profiled")]
+        command = [sys.executable, __file__, "--profile-trainer", json.dumps([*argv, *run, first, last])]
+        done = subprocess.run(
+            [*command, "--json", str(out)], cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=600
+        )
+        if done.returncode:
+            raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+        return json.loads(out.read_text())
 
     def run(self) -> None:
         """In order of importance: what the issue's bounds need first."""
@@ -168,11 +198,52 @@ class Bench:
         except Exception:
             traceback.print_exc()
         self.text_runs("budget", [], s["steps"])
-        self.text_runs("16k", ["--max-tokens", str(s["big"])], s["big_steps"])
-        jpeg_run = self.resnet_runs()
+        self.resnet_runs()
+        big = ["--max-tokens", str(s["big"])]
+        self.text_runs("16k", big, s["big_steps"])
+        self.attempt("launch contention", "contention", lambda: self.peer({"kind": "contention"}))
         self.variant("--attention torch", "torch", 8)
-        self.attempt("resnet50 jpegs: trainer", "jpeg", jpeg_run)
         self.variant("--pad-multiple 1", "auto", 1)
+        self.cudnn_peer("budget", [])
+        self.cudnn_peer("16k", big)
+
+
+def run_peer(spec: dict) -> dict:
+    """One plain loop in this process (a fresh one: bench_gpu.py --peer)."""
+    if spec["kind"] == "resnet":
+        return peers.plain_resnet(spec["batch"], spec["size"], spec["width"], spec["steps"])
+    if spec["kind"] == "contention":
+        from train.config import build_parser, config_from_args
+        from train.model import Transformer
+
+        config = config_from_args(build_parser("").parse_args(["--recipe", "transformer-base", "--run-dir", "x"]))
+        return peers.launch_contention(peers.state_specs(Transformer(config.model, 8000)))
+    batches, model_args = trainer_batches(spec["argv"], spec["steps"])
+    if spec["kind"] == "fixed":
+        tokens = sum((b[0].numel() + b[2].numel()) / 2 for b in batches) / len(batches)
+        one = peers.fixed_batches(model_args["vocab"], int(tokens))
+        return dict(peers.plain_transformer(model_args, one, spec["steps"], False), tokens=tokens)
+    window = peers.ProfileWindow(*spec["window"]) if spec.get("window") else None
+    return peers.plain_transformer(model_args, batches, spec["steps"], True, pinned(spec["backends"]), window)
+
+
+def profile_trainer(argv: list) -> dict:
+    """The trainer in this process (bench_gpu.py --profile-trainer), steps first..last under torch.profiler."""
+    from train import train, trainer
+
+    *argv, first, last = argv
+    window = peers.ProfileWindow(first, last)
+    plain_step = trainer.Trainer.train_step
+    count = [0]
+
+    def train_step(self):
+        count[0] += 1
+        return window.around(count[0], lambda: plain_step(self))
+
+    trainer.Trainer.train_step = train_step  # type: ignore[method-assign]
+    if train.main(argv):
+        raise SystemExit("the trainer failed")
+    return window.summary
 
 
 def pinned(choice: str | None):
@@ -194,6 +265,17 @@ def trainer_batches(argv: list[str], steps: int) -> tuple[list, dict]:
     batches = [tuple(t.to(dev) for t in task._host_batches(step)[0]) for step in range(steps)]
     m = config.model
     return batches, dict(vocab=task.vocab, d_model=m.d_model, heads=m.heads, layers=m.layers, ffn=m.ffn)
+
+
+def step_windows(run: Path, first: int, last: int) -> list[float]:
+    """The trainer's step times (its TensorBoard scalars) from step first + 1 to last, as window means
+    in ms, step first + 1 on its own first (the process's start-up)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / rundir.TENSORBOARD), size_guidance={"scalars": 0}).Reload()
+    times = {e.step: e.value for e in events.Scalars("perf/step_time_s") if first < e.step <= last}
+    ordered = [times[step] for step in sorted(times)]
+    return [round(1000 * ordered[0], 1), *peers.window_means(ordered)] if ordered else []
 
 
 def figures(summary: dict) -> dict:
@@ -220,7 +302,16 @@ def main() -> None:
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (the default without a GPU)")
     parser.add_argument("--budget-s", type=float, default=360.0, help="skip what would run past this")
+    parser.add_argument("--profile", action="store_true", help="only the trainer and its plain peer, profiled")
+    parser.add_argument("--peer", help=argparse.SUPPRESS)  # one plain loop, in a fresh process (Bench.peer)
+    parser.add_argument("--profile-trainer", help=argparse.SUPPRESS)  # the trainer, profiled (Bench.profiles)
     args = parser.parse_args()
+    if args.peer or args.profile_trainer:
+        if args.smoke:
+            torch.set_num_threads(1)
+        spec = json.loads(args.peer or args.profile_trainer)
+        Path(args.json).write_text(json.dumps(run_peer(spec) if args.peer else profile_trainer(spec)))
+        return
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA device: the smoke sizes", flush=True)
         args.smoke = True
@@ -230,12 +321,16 @@ def main() -> None:
         bench = Bench(args, Path(tmp))
         machine = gpu_report.machine()
         print(json.dumps(machine), flush=True)
-        bench.run()
-    checks = gpu_report.checks(bench.results)
-    print(gpu_report.table(bench.results, machine))
-    print(gpu_report.checks_text(checks))
-    out = {"machine": machine, "smoke": args.smoke, "elapsed_s": time.monotonic() - bench.started}
-    Path(args.json).write_text(json.dumps({**out, "results": bench.results, "checks": checks}, indent=2))
+        bench.profiles() if args.profile else bench.run()
+    out: dict = {"machine": machine, "smoke": args.smoke, "elapsed_s": time.monotonic() - bench.started}
+    if args.profile:
+        print(gpu_report.profiles(bench.results))
+    else:
+        out["checks"] = gpu_report.checks(bench.results)
+        print(gpu_report.table(bench.results, machine))
+        print(gpu_report.details(bench.results))
+        print(gpu_report.checks_text(out["checks"]))
+    Path(args.json).write_text(json.dumps({**out, "results": bench.results}, indent=2))
     print(f"wrote {args.json} ({out['elapsed_s']:.0f} s)")
 
 

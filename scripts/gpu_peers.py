@@ -38,22 +38,37 @@ def sync() -> None:
 
 
 def timed_windows(step, steps: int) -> dict:
-    """Mean step time per WINDOW steps (one sync per window, as a loop runs ahead of the device);
-    the steady step as the trainer's summary finds it (perf.steady_state)."""
-    times: list[float] = []
-    for _ in range(0, steps, WINDOW):
+    """Step 1 on its own (the process's first: start-up, as the trainer reports it), then the mean step
+    time per WINDOW steps (one sync per window, as a loop runs ahead of the device); the steady step
+    and the first-50 mean as the trainer's summary finds them (perf.steady_state)."""
+    sync()
+    started = time.perf_counter()
+    step()
+    sync()
+    times = [time.perf_counter() - started]
+    while len(times) < steps:
+        count = min(WINDOW, steps - len(times))
         sync()
         started = time.perf_counter()
-        for _ in range(WINDOW):
+        for _ in range(count):
             step()
         sync()
-        times += [(time.perf_counter() - started) / WINDOW] * WINDOW
+        times += [(time.perf_counter() - started) / count] * count
     state = steady_state(times)
     return {
         "steady_step_s": state["steady_step_s"],
         "settled": state["settled"],
+        "warmup_steps": state["warmup_steps"],
         "first_50_mean_s": state["first_50_mean_s"],
+        "first_step_s": state["first_step_s"],
+        "windows_ms": window_means(times),
     }
+
+
+def window_means(times: list[float], width: int = WINDOW) -> list[float]:
+    """Mean milliseconds per `width` steps (step 1 on its own: it is start-up)."""
+    rest = times[1:]
+    return [round(1000 * statistics.fmean(rest[i : i + width]), 1) for i in range(0, len(rest), width)]
 
 
 def text_data(out: Path, vocab: int, pairs: int, seed: int = 0) -> int:
@@ -110,9 +125,12 @@ class PlainTransformer(nn.Module):
         return hidden @ self.emb.weight.t()
 
 
-def plain_transformer(model_args: dict, batches: list, steps: int, masks: bool, backends=None) -> dict:
+def plain_transformer(
+    model_args: dict, batches: list, steps: int, masks: bool, backends=None, window: ProfileWindow | None = None
+) -> dict:
     """The plain loop over `batches` (src, tgt_in, tgt_out on the device), cycled; bf16 autocast and
-    fused Adam on a GPU. `backends`: SDPA backends to pin (None: torch's own choice)."""
+    fused Adam on a GPU. `backends`: SDPA backends to pin (None: torch's own choice). `window`: profile
+    those steps instead (its summary)."""
     dev = device()
     torch.manual_seed(0)
     model = PlainTransformer(**model_args).to(dev)
@@ -132,12 +150,19 @@ def plain_transformer(model_args: dict, batches: list, steps: int, masks: bool, 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def profiled() -> dict:
+        assert window is not None
+        for number in range(1, window.last + 1):
+            window.around(number, step)
+        return window.summary
+
+    measure = profiled if window else lambda: timed_windows(step, steps)
     if backends is None:
-        return timed_windows(step, steps)
+        return measure()
     from torch.nn.attention import sdpa_kernel
 
     with sdpa_kernel(backends):
-        return timed_windows(step, steps)
+        return measure()
 
 
 def fixed_batches(vocab: int, tokens: int, seq: int = 20) -> list:
@@ -193,3 +218,123 @@ def jpegs(root: Path, classes: int, per_class: int, scale: float = 1.0) -> float
     )
     sizes = [p.stat().st_size for p in root.rglob("*.JPEG")]
     return statistics.fmean(sizes) / 1024
+
+
+def state_specs(model: nn.Module) -> list[tuple[torch.Size, torch.dtype]]:
+    """The shapes of a training state like the trainer's snapshot: each parameter, Adam's two moments
+    for it and its step count."""
+    params = [(p.shape, p.dtype) for p in model.parameters()]
+    return params * 3 + [(torch.Size([]), torch.float32)] * len(params)
+
+
+def launch_contention(specs: list, seconds: float = 1.0) -> dict:
+    """Kernel launches a second from this thread, alone and while another thread allocates host buffers
+    for `specs` (a training state) each way a snapshot writer could: pinned per tensor by torch's caching
+    host allocator (what train.snapshot.StateWriter does), pinned as one block, one pageable block
+    touched then registered with CUDA (cudaHostRegister), pageable only. Each: the allocation's seconds
+    and the launch rate meanwhile against alone; the registered block's seconds with no launches beside
+    it too (the allocator caches what it frees: its ways are timed once). Nothing on a CPU."""
+    if not torch.cuda.is_available():
+        return {"cuda": False}
+    import threading
+
+    x = torch.zeros(1024, device="cuda")
+    cudart = torch.cuda.cudart()
+    total = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
+
+    def launches(until) -> float:
+        count, started = 0, time.perf_counter()
+        while not until(count, time.perf_counter() - started):
+            for _ in range(100):
+                x.add_(1.0)
+            count += 100
+        sync()
+        return count / (time.perf_counter() - started)
+
+    def block() -> torch.Tensor:
+        return torch.zeros(total, dtype=torch.uint8)  # pageable, its pages touched
+
+    def pinned_block() -> torch.Tensor:
+        return torch.empty(total, dtype=torch.uint8, pin_memory=True)
+
+    def registered() -> torch.Tensor:
+        memory = block()
+        torch.cuda.check_error(cudart.cudaHostRegister(memory.data_ptr(), total, 0))
+        return memory
+
+    def unregister(memory: torch.Tensor) -> None:
+        torch.cuda.check_error(cudart.cudaHostUnregister(memory.data_ptr()))
+
+    ways = {  # allocate, and undo the registration (also timed with no launches beside it)
+        "pinned per tensor (today)": (lambda: [torch.empty(s, dtype=d, pin_memory=True) for s, d in specs], None),
+        "pinned, one block (rounded up to a power of two)": (pinned_block, None),
+        "one pageable block, registered": (registered, unregister),
+        "pageable only": (block, None),
+    }
+    alone = launches(lambda n, t: t >= seconds)
+    out: dict = {"state_mb": total / 1e6, "tensors": len(specs), "launches_per_s_alone": alone}
+    for name, (allocate, release) in ways.items():
+        held: list = []
+
+        def work(allocate=allocate, held=held) -> None:
+            started = time.perf_counter()
+            held.append(allocate())
+            held.append(time.perf_counter() - started)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        rate = launches(lambda n, t, thread=thread: not thread.is_alive() and n > 0)
+        thread.join()
+        out[name] = {"allocate_s": held[1], "launch_rate_vs_alone": rate / alone}
+        if release:
+            release(held[0])
+            started = time.perf_counter()
+            again = allocate()
+            out[name]["allocate_alone_s"] = time.perf_counter() - started
+            release(again)
+    return out
+
+
+class ProfileWindow:
+    """torch.profiler over steps first..last of a loop (call around(step_number, step)); its summary per
+    step: wall, self CPU and device time, kernel launches, and the top operators by self CPU time."""
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.summary: dict = {}
+        self.profiler = None
+        self.started = 0.0
+
+    def around(self, number: int, step):
+        from torch.profiler import ProfilerActivity, profile
+
+        if number == self.first:
+            sync()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.__enter__()
+            self.started = time.perf_counter()
+        result = step()
+        if number == self.last and self.profiler is not None:
+            sync()
+            wall = time.perf_counter() - self.started
+            self.profiler.__exit__(None, None, None)
+            self.summary = self._summarise(self.profiler.key_averages(), wall, self.last - self.first + 1)
+        return result
+
+    @staticmethod
+    def _summarise(events, wall: float, steps: int) -> dict:
+        def device_us(e) -> float:
+            return getattr(e, "self_device_time_total", 0) or 0
+
+        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]
+        return {
+            "steps": steps,
+            "wall_ms": 1000 * wall / steps,
+            "self_cpu_ms": sum(e.self_cpu_time_total for e in events) / steps / 1000,
+            "device_ms": sum(device_us(e) for e in events) / steps / 1000,
+            "launches": sum(e.count for e in events if "LaunchKernel" in e.key) / steps,
+            "top": [
+                [e.key, e.count / steps, e.self_cpu_time_total / steps / 1000, device_us(e) / steps / 1000] for e in top
+            ],
+        }

@@ -142,3 +142,45 @@ def checks_text(found: list[dict]) -> str:
         value = f"{c['value']:.3f}" if isinstance(c["value"], (int, float)) else "not measured"
         lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {value} (bound {c['bound']})")
     return "\n".join(lines)
+
+
+def details(results: dict) -> str:
+    """Each run's step times by window (step 1 first: start-up) and the launch-contention figures."""
+    lines = ["\nstep times, ms (step 1, then 10-step windows):"]
+    for name, r in results.items():
+        if isinstance(r, dict) and r.get("windows_ms"):
+            shown = ", ".join(f"{w:g}" for w in r["windows_ms"][:16])
+            lines.append(f"  {name}: {shown}{', ...' if len(r['windows_ms']) > 16 else ''}")
+    contention = results.get("launch contention") or {}
+    if "launches_per_s_alone" in contention:
+        lines.append(
+            f"\nkernel launches from one thread: {contention['launches_per_s_alone']:,.0f}/s alone; while another "
+            f"thread allocates a {contention['state_mb']:.0f} MB state's buffers ({contention['tensors']} tensors):"
+        )
+        for way, figures in contention.items():
+            if isinstance(figures, dict):
+                solo = f" ({figures['allocate_alone_s']:.2f} s alone)" if "allocate_alone_s" in figures else ""
+                lines.append(
+                    f"  {way}: {_x(figures['launch_rate_vs_alone'])} the rate, allocation {figures['allocate_s']:.2f} s"
+                    + solo
+                )
+    return "\n".join(lines)
+
+
+def profiles(results: dict) -> str:
+    """--profile's two runs side by side: per step, and the operators whose self CPU time differs most."""
+    trainer = results.get("budget: trainer, profiled") or {}
+    plain = results.get("budget: plain, trainer's batches, profiled") or {}
+    if "wall_ms" not in trainer or "wall_ms" not in plain:
+        return f"\nprofiles: trainer {trainer.get('error', 'not run')}; plain {plain.get('error', 'not run')}"
+    lines = [f"\nper step over steps {plain['steps']} profiled | trainer | plain loop, its batches |", "|---|---|---|"]
+    for key, what in (("wall_ms", "wall ms"), ("self_cpu_ms", "self CPU ms"), ("device_ms", "device ms")):
+        lines.append(f"| {what} | {trainer[key]:.1f} | {plain[key]:.1f} |")
+    lines.append(f"| kernel launches | {trainer['launches']:.0f} | {plain['launches']:.0f} |")
+    ops = {row[0]: row for row in plain["top"]}
+    rows = [(row, ops.get(row[0], [row[0], 0, 0.0, 0.0])) for row in trainer["top"]]
+    lines += ["\n| operator (trainer's top by self CPU) | trainer calls, CPU ms | plain calls, CPU ms |"]
+    lines.append("|---|---|---|")
+    for mine, theirs in sorted(rows, key=lambda pair: pair[1][2] - pair[0][2]):
+        lines.append(f"| {mine[0][:60]} | {mine[1]:.0f}, {mine[2]:.2f} | {theirs[1]:.0f}, {theirs[2]:.2f} |")
+    return "\n".join(lines)

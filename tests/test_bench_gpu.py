@@ -1,6 +1,6 @@
 """scripts/bench_gpu.py's smoke run on a CPU: every measurement and peer it runs on a GPU, at tiny
-sizes, each trainer its own `python -m train.train` process; the table, the issue's bounds and the
-JSON. The figures themselves mean nothing on a CPU: only that each was measured."""
+sizes, each trainer and each plain loop a process of its own; the table, the issue's bounds, the step
+times by window and the JSON. The figures themselves mean nothing on a CPU: only that each was measured."""
 
 import json
 import subprocess
@@ -39,12 +39,33 @@ def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_pat
     }
     expected |= {"resnet50 synthetic: trainer", "resnet50 synthetic: plain", "resnet50 jpegs: trainer"}
     expected |= {"budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer", "data"}
-    assert set(result["results"]) == expected
+    assert set(result["results"]) == expected | {"launch contention"}
+    assert result["results"]["launch contention"] == {"cuda": False}  # no launches to slow on a CPU
     for name in expected - {"data"}:
-        assert result["results"][name]["steady_step_s"] > 0, name
+        measured = result["results"][name]
+        assert measured["steady_step_s"] > 0 and measured["first_step_s"] > 0, name
+        assert measured["windows_ms"] and all(w > 0 for w in measured["windows_ms"]), name
     resumed = result["results"]["budget: trainer resumed"]
     assert resumed["steps"] == 110 and resumed["first_50_mean_s"] > 0
     text = result["results"]["budget: trainer"]
     assert text["flops_per_step"] > 0 and text["distinct_shapes"] >= 1 and 0 < text["padded_fraction"] < 0.5
     assert len(result["checks"]) == 10 and all(c["value"] is not None for c in result["checks"])
     assert "| budget: trainer (peer: " in done.stdout and "issue 29 bounds:" in done.stdout
+    assert "\n  budget: trainer resumed: " in done.stdout  # its step times by window
+
+
+def test_the_profile_run_sets_the_trainer_beside_its_plain_peer_over_the_same_steps(tmp_path):
+    out = tmp_path / "profile.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_gpu.py"), "--smoke", "--profile", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    trainer, plain = results["budget: trainer, profiled"], results["budget: plain, trainer's batches, profiled"]
+    for profiled in (trainer, plain):
+        assert profiled["steps"] == 5 and profiled["wall_ms"] > 0 and profiled["self_cpu_ms"] > 0
+        assert any(op[0] == "aten::mm" and op[1] > 0 for op in profiled["top"])  # the model's matrix products
+    assert "| kernel launches |" in done.stdout and "| aten::mm |" in done.stdout
