@@ -145,7 +145,7 @@ class Bench:
 
     def resnet_runs(self):
         s = self.size
-        common = ["--recipe", "resnet50", *s["resnet"], "--precision", "bf16", "--eval-samples", "64"]
+        common = ["--recipe", "resnet50", *s["resnet"], "--eval-samples", "64"]  # `auto` precision: fp16 on GPUs
         common += ["--eval-batch", "64", "--eval-every", "1000000", "--checkpoint-every", "1000000"]
         steps = ["--max-steps", str(s["r_steps"])]
         self.attempt(
@@ -163,6 +163,14 @@ class Bench:
             return dict(self.train(argv, self.tmp / "run-jpeg"), jpeg_kib=kib)
 
         self.attempt("resnet50 jpegs: trainer", "jpeg", jpeg_run)
+
+    def resnet_bf16(self) -> None:
+        """The ResNet trainer in bf16, against its `auto` choice (fp16) above."""
+        s = self.size
+        argv = ["--recipe", "resnet50", *s["resnet"], "--precision", "bf16", "--synthetic", "--data", str(self.tmp)]
+        argv += ["--eval-every", "1000000", "--checkpoint-every", "1000000", "--max-steps", str(s["r_steps"])]
+        name = "resnet50 synthetic, --precision bf16: trainer"
+        self.attempt(name, "resnet", lambda: self.train(argv, self.tmp / "run-r50-bf16"))
 
     def variant(self, name: str, attention: str, pad: int) -> None:
         argv = [*self.text_argv([], attention, pad), "--max-steps", str(self.size["steps"])]
@@ -206,6 +214,7 @@ class Bench:
         self.variant("--pad-multiple 1", "auto", 1)
         self.cudnn_peer("budget", [])
         self.cudnn_peer("16k", big)
+        self.resnet_bf16()
 
 
 def run_peer(spec: dict) -> dict:

@@ -131,7 +131,8 @@ def table(results: dict, machine: dict) -> str:
     for variant in ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer"):
         lines.append(_row(results, variant, plain, fixed, None))
     resnet_plain = _get(results, "resnet50 synthetic: plain", "steady_step_s")
-    for name in ("resnet50 synthetic: trainer", "resnet50 jpegs: trainer"):
+    resnets = ("resnet50 synthetic: trainer", "resnet50 jpegs: trainer")
+    for name in (*resnets, "resnet50 synthetic, --precision bf16: trainer"):
         lines.append(_row(results, name, resnet_plain, None, None))
     return "\n".join(lines)
 
