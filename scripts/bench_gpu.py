@@ -8,13 +8,15 @@ Every measurement is a fresh process, cold like a real start: each trainer a `py
 script with --peer. In order of importance, each skipped when --budget-s would be passed:
 transformer-base at the recipe's token budget, stopped and resumed (a new process: the after-resume
 warm-up), the plain loop fed the trainer's own batches with padding masks (flash/efficient pinned; its
-figures in the same form) and at one fixed shape of the same tokens (baseline.py); ResNet-50 on a
-synthetic batch against the plain loop, and on generated JPEGs; the same Transformer runs at 16k
-tokens a step; kernel launches from one thread while another allocates a snapshot's host buffers
-(pinned per tensor, registered, pageable); then the variants (--attention torch, --pad-multiple 1) and
-the plain loop with torch's own SDPA choice (cuDNN on Hopper). Data: Ding-like lengths
-(gpu_peers.text_data). Prints one table, the issue's bounds checked below it, and writes --json;
-every measurement is tried on its own (an error is printed and recorded, the rest still run).
+figures in the same form) and at one fixed shape of the same tokens (baseline.py); kernel launches
+from one thread while another allocates a snapshot's host buffers four ways, and the snapshot's copy
+into pinned and pageable memory (gpu_peers.launch_contention); ResNet-50 on a synthetic batch against
+the plain loop, and on generated JPEGs; the same Transformer runs at 16k tokens a step; then the
+variants (--attention torch, --pad-multiple 1), the plain loop with torch's own SDPA choice (cuDNN on
+Hopper) and ResNet-50 in bf16. Data: Ding-like lengths (gpu_peers.text_data). Prints one table, the
+step times by window and the issue's bounds, and writes --json; every measurement is tried on its own
+(an error is printed and recorded, the rest still run). --profile runs only the trainer and its plain
+peer over the same steps under torch.profiler, side by side (about a minute).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from cluster_node.protocol import rundir  # noqa: E402
 
 SIZES = {
     "gpu": dict(
-        model=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=200,
+        model=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=150,
         resnet=["--batch-per-gpu", "256"], r_batch=256, r_size=224, r_width=64, r_steps=200,
         jpeg=(50, 80, 1.0), j_args=["--workers", "15"], j_steps=150, profile=(231, 250),
     ),
@@ -52,7 +54,7 @@ SIZES = {
     ),
 }  # fmt: skip
 # Estimated seconds per measurement on an H100, for the budget's skips.
-ESTIMATE = {"trainer": 35, "resume": 25, "plain": 20, "resnet": 45, "jpeg": 60, "contention": 15}
+ESTIMATE = {"trainer": 35, "resume": 25, "plain": 17, "resnet": 45, "jpeg": 60, "contention": 30}
 
 
 class Bench:
@@ -206,10 +208,10 @@ class Bench:
         except Exception:
             traceback.print_exc()
         self.text_runs("budget", [], s["steps"])
+        self.attempt("launch contention", "contention", lambda: self.peer({"kind": "contention"}))
         self.resnet_runs()
         big = ["--max-tokens", str(s["big"])]
         self.text_runs("16k", big, s["big_steps"])
-        self.attempt("launch contention", "contention", lambda: self.peer({"kind": "contention"}))
         self.variant("--attention torch", "torch", 8)
         self.variant("--pad-multiple 1", "auto", 1)
         self.cudnn_peer("budget", [])

@@ -233,7 +233,8 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
     host allocator (what train.snapshot.StateWriter does), pinned as one block, one pageable block
     touched then registered with CUDA (cudaHostRegister), pageable only. Each: the allocation's seconds
     and the launch rate meanwhile against alone; the registered block's seconds with no launches beside
-    it too (the allocator caches what it frees: its ways are timed once). Nothing on a CPU."""
+    it too (the allocator caches what it frees: its ways are timed once); then what a snapshot's copy
+    costs into pinned and into pageable buffers (snapshot_copies). Nothing on a CPU."""
     if not torch.cuda.is_available():
         return {"cuda": False}
     import threading
@@ -292,6 +293,24 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
             again = allocate()
             out[name]["allocate_alone_s"] = time.perf_counter() - started
             release(again)
+    out["copy_s"] = snapshot_copies(specs)
+    return out
+
+
+def snapshot_copies(specs: list) -> dict:
+    """Seconds to copy a state of `specs` from the GPU into host buffers, per tensor as the snapshot
+    writer does: pinned (asynchronous, then one wait) against pageable (each copy synchronous)."""
+    state = [torch.ones(shape, dtype=dtype, device="cuda") for shape, dtype in specs]
+    out = {}
+    for name, pin in (("pinned", True), ("pageable", False)):
+        buffers = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for shape, dtype in specs]
+        for _ in range(2):  # the second copy is timed: the first touches what it must
+            sync()
+            started = time.perf_counter()
+            for buffer, tensor in zip(buffers, state):
+                buffer.copy_(tensor, non_blocking=True)
+            sync()
+            out[name] = time.perf_counter() - started
     return out
 
 

@@ -158,8 +158,10 @@ def details(results: dict) -> str:
             f"\nkernel launches from one thread: {contention['launches_per_s_alone']:,.0f}/s alone; while another "
             f"thread allocates a {contention['state_mb']:.0f} MB state's buffers ({contention['tensors']} tensors):"
         )
+        copies = contention.get("copy_s") or {}
+        lines.append(f"  a snapshot's copy from the GPU: {', '.join(f'{k} {v:.3f} s' for k, v in copies.items())}")
         for way, figures in contention.items():
-            if isinstance(figures, dict):
+            if isinstance(figures, dict) and way != "copy_s":
                 solo = f" ({figures['allocate_alone_s']:.2f} s alone)" if "allocate_alone_s" in figures else ""
                 lines.append(
                     f"  {way}: {_x(figures['launch_rate_vs_alone'])} the rate, allocation {figures['allocate_s']:.2f} s"
