@@ -54,7 +54,7 @@ SIZES = {
     ),
 }  # fmt: skip
 # Estimated seconds per measurement on an H100, for the budget's skips.
-ESTIMATE = {"trainer": 35, "resume": 25, "plain": 17, "resnet": 45, "jpeg": 60, "contention": 30}
+ESTIMATE = {"trainer": 40, "resume": 25, "plain": 25, "resnet": 45, "jpeg": 60, "contention": 30}
 
 
 class Bench:
@@ -101,8 +101,12 @@ class Bench:
         )
         if done.returncode:
             raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
-        summary = json.loads((run / rundir.SUMMARY).read_text())
-        return dict(figures(summary), windows_ms=step_windows(run, after, summary["steps"]))
+        result = figures(json.loads((run / rundir.SUMMARY).read_text()))
+        try:
+            result["windows_ms"] = step_windows(run, after, result["steps"])
+        except Exception as error:  # the summary's figures stand without them
+            result["windows_error"] = f"{type(error).__name__}: {error}"
+        return result
 
     def peer(self, spec: dict) -> dict:
         """One plain loop (run_peer) in a fresh process: its figures."""
@@ -194,7 +198,7 @@ class Bench:
         run = ["--run-dir", str(self.tmp / "run-profiled")]
         command = [sys.executable, __file__, "--profile-trainer", json.dumps([*argv, *run, first, last])]
         done = subprocess.run(
-            [*command, "--json", str(out)], cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=600
+            [*command, "--json", str(out)], cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=300
         )
         if done.returncode:
             raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
@@ -312,7 +316,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (the default without a GPU)")
-    parser.add_argument("--budget-s", type=float, default=360.0, help="skip what would run past this")
+    parser.add_argument(
+        "--budget-s", type=float, default=330.0, help="skip what would run past this (the table prints after)"
+    )
     parser.add_argument("--profile", action="store_true", help="only the trainer and its plain peer, profiled")
     parser.add_argument("--peer", help=argparse.SUPPRESS)  # one plain loop, in a fresh process (Bench.peer)
     parser.add_argument("--profile-trainer", help=argparse.SUPPRESS)  # the trainer, profiled (Bench.profiles)

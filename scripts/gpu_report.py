@@ -161,7 +161,9 @@ def details(results: dict) -> str:
         copies = contention.get("copy_s") or {}
         lines.append(f"  a snapshot's copy from the GPU: {', '.join(f'{k} {v:.3f} s' for k, v in copies.items())}")
         for way, figures in contention.items():
-            if isinstance(figures, dict) and way != "copy_s":
+            if isinstance(figures, dict) and "error" in figures:
+                lines.append(f"  {way}: {figures['error']}")
+            elif isinstance(figures, dict) and way != "copy_s":
                 solo = f" ({figures['allocate_alone_s']:.2f} s alone)" if "allocate_alone_s" in figures else ""
                 lines.append(
                     f"  {way}: {_x(figures['launch_rate_vs_alone'])} the rate, allocation {figures['allocate_s']:.2f} s"
@@ -176,7 +178,7 @@ def profiles(results: dict) -> str:
     plain = results.get("budget: plain, trainer's batches, profiled") or {}
     if "wall_ms" not in trainer or "wall_ms" not in plain:
         return f"\nprofiles: trainer {trainer.get('error', 'not run')}; plain {plain.get('error', 'not run')}"
-    lines = [f"\nper step over steps {plain['steps']} profiled | trainer | plain loop, its batches |", "|---|---|---|"]
+    lines = [f"\n| per step, {plain['steps']} steps profiled | trainer | plain loop, its batches |", "|---|---|---|"]
     for key, what in (("wall_ms", "wall ms"), ("self_cpu_ms", "self CPU ms"), ("device_ms", "device ms")):
         lines.append(f"| {what} | {trainer[key]:.1f} | {plain[key]:.1f} |")
     lines.append(f"| kernel launches | {trainer['launches']:.0f} | {plain['launches']:.0f} |")
