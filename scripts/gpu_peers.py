@@ -229,19 +229,13 @@ def state_specs(model: nn.Module) -> list[tuple[torch.Size, torch.dtype]]:
 
 def launch_contention(specs: list, seconds: float = 1.0) -> dict:
     """Kernel launches a second from this thread, alone and while another thread allocates host buffers
-    for `specs` (a training state) each way a snapshot writer could: pinned per tensor by torch's caching
-    host allocator (what train.snapshot.StateWriter does), pinned as one block, one pageable block
-    touched then registered with CUDA (cudaHostRegister), pageable only. Each: the allocation's seconds
-    and the launch rate meanwhile against alone; the registered block's seconds with no launches beside
-    it too (the allocator caches what it frees: its ways are timed once); then what a snapshot's copy
-    costs into pinned and into pageable buffers (snapshot_copies). Nothing on a CPU."""
+    for `specs` (a training state) each way a snapshot writer could (allocation_ways). Each: the
+    allocation's seconds and the launch rate meanwhile against alone; a registered block's seconds with
+    no launches beside it too (the allocator caches what it frees: its ways are timed once); then what a
+    snapshot's copy costs into pinned and into pageable buffers (snapshot_copies). Nothing on a CPU."""
     if not torch.cuda.is_available():
         return {"cuda": False}
-    import threading
-
     x = torch.zeros(1024, device="cuda")
-    cudart = torch.cuda.cudart()
-    total = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
 
     def launches(until) -> float:
         count, started = 0, time.perf_counter()
@@ -252,11 +246,30 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
         sync()
         return count / (time.perf_counter() - started)
 
+    total = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs)
+    alone = launches(lambda n, t: t >= seconds)
+    out: dict = {"state_mb": total / 1e6, "tensors": len(specs), "launches_per_s_alone": alone}
+    for name, (allocate, release) in allocation_ways(specs, total).items():
+        out[name] = beside_launches(allocate, launches, alone)
+        if release and "error" not in out[name]:
+            release(out[name].pop("held"))
+            started = time.perf_counter()
+            again = allocate()
+            out[name]["allocate_alone_s"] = time.perf_counter() - started
+            release(again)
+        out[name].pop("held", None)
+    out["copy_s"] = snapshot_copies(specs)
+    return out
+
+
+def allocation_ways(specs: list, total: int) -> dict:
+    """name: (allocate, undo its registration or None): pinned per tensor by torch's caching host
+    allocator (what train.snapshot.StateWriter does), pinned as one block, one pageable block touched
+    then registered with CUDA (cudaHostRegister), pageable only."""
+    cudart = torch.cuda.cudart()
+
     def block() -> torch.Tensor:
         return torch.zeros(total, dtype=torch.uint8)  # pageable, its pages touched
-
-    def pinned_block() -> torch.Tensor:
-        return torch.empty(total, dtype=torch.uint8, pin_memory=True)
 
     def registered() -> torch.Tensor:
         memory = block()
@@ -266,41 +279,39 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
     def unregister(memory: torch.Tensor) -> None:
         torch.cuda.check_error(cudart.cudaHostUnregister(memory.data_ptr()))
 
-    ways = {  # allocate, and undo the registration (also timed with no launches beside it)
+    return {
         "pinned per tensor (today)": (lambda: [torch.empty(s, dtype=d, pin_memory=True) for s, d in specs], None),
-        "pinned, one block (rounded up to a power of two)": (pinned_block, None),
+        "pinned, one block (rounded up to a power of two)": (
+            lambda: torch.empty(total, dtype=torch.uint8, pin_memory=True),
+            None,
+        ),
         "one pageable block, registered": (registered, unregister),
         "pageable only": (block, None),
     }
-    alone = launches(lambda n, t: t >= seconds)
-    out: dict = {"state_mb": total / 1e6, "tensors": len(specs), "launches_per_s_alone": alone}
-    for name, (allocate, release) in ways.items():
-        held: list = []
 
-        def work(allocate=allocate, held=held) -> None:
-            started = time.perf_counter()
-            try:
-                held.append(allocate())
-            except Exception as error:  # one way refused (a host without registration): the others still run
-                held.append(error)
-            held.append(time.perf_counter() - started)
 
-        thread = threading.Thread(target=work)
-        thread.start()
-        rate = launches(lambda n, t, thread=thread: not thread.is_alive() and n > 0)
-        thread.join()
-        if isinstance(held[0], Exception):
-            out[name] = {"error": f"{type(held[0]).__name__}: {held[0]}"}
-            continue
-        out[name] = {"allocate_s": held[1], "launch_rate_vs_alone": rate / alone}
-        if release:
-            release(held[0])
-            started = time.perf_counter()
-            again = allocate()
-            out[name]["allocate_alone_s"] = time.perf_counter() - started
-            release(again)
-    out["copy_s"] = snapshot_copies(specs)
-    return out
+def beside_launches(allocate, launches, alone: float) -> dict:
+    """allocate() on another thread while this one launches kernels: its seconds, the launch rate against
+    `alone`, and what it allocated (`held`); an allocation that raises is recorded, not raised."""
+    import threading
+
+    held: list = []
+
+    def work() -> None:
+        started = time.perf_counter()
+        try:
+            held.append(allocate())
+        except Exception as error:  # one way refused (a host without registration): the others still run
+            held.append(error)
+        held.append(time.perf_counter() - started)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    rate = launches(lambda n, t: not thread.is_alive() and n > 0)
+    thread.join()
+    if isinstance(held[0], Exception):
+        return {"error": f"{type(held[0]).__name__}: {held[0]}"}
+    return {"allocate_s": held[1], "launch_rate_vs_alone": rate / alone, "held": held[0]}
 
 
 def snapshot_copies(specs: list) -> dict:
