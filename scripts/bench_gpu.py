@@ -10,7 +10,8 @@ transformer-base at the recipe's token budget, stopped and resumed (a new proces
 warm-up), the plain loop fed the trainer's own batches with padding masks (flash/efficient pinned; its
 figures in the same form) and at one fixed shape of the same tokens (baseline.py); kernel launches
 from one thread while another allocates a snapshot's host buffers four ways, and the snapshot's copy
-into pinned and pageable memory (gpu_peers.launch_contention); ResNet-50 on a synthetic batch against
+into pinned and pageable memory (gpu_peers.launch_contention), and the budget's trainer without that
+reservation (patched_trainer); ResNet-50 on a synthetic batch against
 the plain loop, and on generated JPEGs; the same Transformer runs at 16k tokens a step; then the
 variants (--attention torch, --pad-multiple 1), the plain loop with torch's own SDPA choice (cuDNN on
 Hopper) and ResNet-50 in bf16. Data: Ding-like lengths (gpu_peers.text_data). Prints one table, the
@@ -93,14 +94,21 @@ class Bench:
             env["OMP_NUM_THREADS"] = "1"  # a shared CPU: spinning intra-op threads only slow tiny steps
         return env
 
-    def train(self, argv: list[str], run: Path, after: int = 0) -> dict:
-        """One trainer process (a resume: of a run at step `after`); its summary's figures and its step times."""
-        command = [sys.executable, "-m", "train.train", "--run-dir", str(run), *argv]
+    def train(self, argv: list[str], run: Path, after: int = 0, patch: dict | None = None) -> dict:
+        """One trainer process (a resume: of a run at step `after`); its summary's figures and its step
+        times. `patch`: run it through patched_trainer (a profile window: its summary is the result)."""
+        argv = ["--run-dir", str(run), *argv]
+        out = self.tmp / "trainer.json"
+        command = [sys.executable, "-m", "train.train", *argv]
+        if patch is not None:
+            command = [sys.executable, __file__, "--trainer", json.dumps({**patch, "argv": argv}), "--json", str(out)]
         done = subprocess.run(
             command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
         )
         if done.returncode:
             raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+        if patch and patch.get("window"):
+            return json.loads(out.read_text())
         result = figures(json.loads((run / rundir.SUMMARY).read_text()))
         try:
             result["windows_ms"] = step_windows(run, after, result["steps"])
@@ -190,19 +198,17 @@ class Bench:
         self.results["data"] = {"vocab": peers.text_data(self.data, self.size["vocab"], self.size["pairs"])}
         argv = [*self.text_argv([]), "--max-steps", str(last)]
         spec = {"kind": "batches", "argv": argv, "steps": last, "backends": "auto", "window": [first, last]}
-        self.attempt("budget: trainer, profiled", "trainer", lambda: self.profiled_trainer(argv, first, last))
+        profiled = {"window": [first, last]}
+        run = self.tmp / "run-profiled"
+        self.attempt("budget: trainer, profiled", "trainer", lambda: self.train(argv, run, patch=profiled))
         self.attempt("budget: plain, trainer's batches, profiled", "plain", lambda: self.peer(spec))
 
-    def profiled_trainer(self, argv: list[str], first: int, last: int) -> dict:
-        out = self.tmp / "profile.json"
-        run = ["--run-dir", str(self.tmp / "run-profiled")]
-        command = [sys.executable, __file__, "--profile-trainer", json.dumps([*argv, *run, first, last])]
-        done = subprocess.run(
-            [*command, "--json", str(out)], cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=300
-        )
-        if done.returncode:
-            raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
-        return json.loads(out.read_text())
+    def unreserved(self) -> None:
+        """The budget's trainer without the snapshot writer's host-buffer reservation after step 1: is
+        that reservation the warm-up (docs/measured.md, session 14)?"""
+        argv = [*self.text_argv([]), "--max-steps", str(self.size["steps"])]
+        name, run = "budget, no host-buffer reservation: trainer", self.tmp / "run-unreserved"
+        self.attempt(name, "trainer", lambda: self.train(argv, run, patch={"reserve": False}))
 
     def run(self) -> None:
         """In order of importance: what the issue's bounds need first."""
@@ -213,6 +219,7 @@ class Bench:
             traceback.print_exc()
         self.text_runs("budget", [], s["steps"])
         self.attempt("launch contention", "contention", lambda: self.peer({"kind": "contention"}))
+        self.unreserved()
         self.resnet_runs()
         big = ["--max-tokens", str(s["big"])]
         self.text_runs("16k", big, s["big_steps"])
@@ -242,23 +249,27 @@ def run_peer(spec: dict) -> dict:
     return peers.plain_transformer(model_args, batches, spec["steps"], True, pinned(spec["backends"]), window)
 
 
-def profile_trainer(argv: list) -> dict:
-    """The trainer in this process (bench_gpu.py --profile-trainer), steps first..last under torch.profiler."""
+def patched_trainer(spec: dict) -> dict:
+    """The trainer in this process (bench_gpu.py --trainer SPEC) on spec["argv"]. "window": [first, last]
+    profiles those steps (their summary is the result); "reserve": false leaves out the snapshot writer's
+    host-buffer reservation after step 1 (the buffers are then allocated at the first snapshot or
+    checkpoint, on the training thread)."""
     from train import train, trainer
 
-    *argv, first, last = argv
-    window = peers.ProfileWindow(first, last)
-    plain_step = trainer.Trainer.train_step
-    count = [0]
+    window = peers.ProfileWindow(*spec["window"]) if spec.get("window") else None
+    if window is not None:
+        plain_step, count = trainer.Trainer.train_step, [0]
 
-    def train_step(self):
-        count[0] += 1
-        return window.around(count[0], lambda: plain_step(self))
+        def train_step(self):
+            count[0] += 1
+            return window.around(count[0], lambda: plain_step(self))
 
-    trainer.Trainer.train_step = train_step  # type: ignore[method-assign]
-    if train.main(argv):
+        trainer.Trainer.train_step = train_step  # type: ignore[method-assign]
+    if spec.get("reserve") is False:
+        trainer.Trainer._reserve = lambda self: None  # type: ignore[method-assign]
+    if train.main(spec["argv"]):
         raise SystemExit("the trainer failed")
-    return window.summary
+    return window.summary if window is not None else {}
 
 
 def pinned(choice: str | None):
@@ -321,13 +332,13 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="only the trainer and its plain peer, profiled")
     parser.add_argument("--peer", help=argparse.SUPPRESS)  # one plain loop, in a fresh process (Bench.peer)
-    parser.add_argument("--profile-trainer", help=argparse.SUPPRESS)  # the trainer, profiled (Bench.profiles)
+    parser.add_argument("--trainer", help=argparse.SUPPRESS)  # the trainer, patched (Bench.train)
     args = parser.parse_args()
-    if args.peer or args.profile_trainer:
+    if args.peer or args.trainer:
         if args.smoke:
             torch.set_num_threads(1)
-        spec = json.loads(args.peer or args.profile_trainer)
-        Path(args.json).write_text(json.dumps(run_peer(spec) if args.peer else profile_trainer(spec)))
+        spec = json.loads(args.peer or args.trainer)
+        Path(args.json).write_text(json.dumps(run_peer(spec) if args.peer else patched_trainer(spec)))
         return
     if not torch.cuda.is_available() and not args.smoke:
         print("no CUDA device: the smoke sizes", flush=True)

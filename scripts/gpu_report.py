@@ -128,7 +128,8 @@ def table(results: dict, machine: dict) -> str:
             lines[-1] = lines[-1].replace(f"| {label}: trainer |", f"| {label}: trainer (peer: {peer}) |")
     plain, _ = plain_peer(results, "budget")
     fixed = _get(results, "budget: plain, fixed shape", "steady_step_s")
-    for variant in ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer"):
+    variants = ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer")
+    for variant in ("budget, no host-buffer reservation: trainer", *variants):
         lines.append(_row(results, variant, plain, fixed, None))
     resnet_plain = _get(results, "resnet50 synthetic: plain", "steady_step_s")
     resnets = ("resnet50 synthetic: trainer", "resnet50 jpegs: trainer")
