@@ -117,7 +117,10 @@ class Bench:
         return result
 
     def peer(self, spec: dict) -> dict:
-        """One plain loop (run_peer) in a fresh process: its figures."""
+        """One plain loop (run_peer) in a fresh process: its figures. A smoke run's main measurements run
+        them in this process (a CPU has no start-up worth timing; --profile's peer keeps the path tested)."""
+        if self.args.smoke and not spec.get("window"):
+            return run_peer(spec)
         out = self.tmp / "peer.json"
         out.unlink(missing_ok=True)
         command = [sys.executable, __file__, "--peer", json.dumps(spec), "--json", str(out)]

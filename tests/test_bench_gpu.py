@@ -1,6 +1,7 @@
 """scripts/bench_gpu.py's smoke run on a CPU: every measurement and peer it runs on a GPU, at tiny
-sizes, each trainer and each plain loop a process of its own; the table, the issue's bounds, the step
-times by window and the JSON. The figures themselves mean nothing on a CPU: only that each was measured."""
+sizes, each trainer a process of its own (the plain loops too in the profile's run); the table, the
+issue's bounds, the step times by window and the JSON. The figures themselves mean nothing on a CPU:
+only that each was measured."""
 
 import json
 import subprocess
