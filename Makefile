@@ -14,9 +14,9 @@ setup:
 demo: setup
 	bash scripts/demo.sh 2
 
-# make test: everything else on three workers, then the emulated cluster alone (it needs the CPU), then the
-# training program's tests on the training image's Python, torch and numpy (test-image-torch); one line
-# at the end gives each phase's wall time (scripts/test_phases.sh).
+# make test: everything but the emulated cluster on three workers, beside it the cluster tests no other load
+# can fail and the training program's tests on the training image's Python, torch and numpy (test-image-torch);
+# then the `timed` cluster tests alone. One line at the end gives each part's wall time (scripts/test_phases.sh).
 test: setup
 	bash scripts/test_phases.sh
 

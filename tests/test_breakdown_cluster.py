@@ -8,7 +8,11 @@ import os
 import pytest
 from cluster_harness import Cluster, prepare_numbers
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timed,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
+]
 PARTS = ("data_s", "compute_s", "comm_exposed_s", "optimizer_s", "other_s")
 
 

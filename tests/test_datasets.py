@@ -5,6 +5,8 @@ import contextlib
 import http.server
 import io
 import json
+import subprocess
+import sys
 import tarfile
 import threading
 
@@ -40,6 +42,17 @@ def test_numbers_rerun_is_a_no_op(numbers_data, capsys):
     )
     assert "already prepared" in capsys.readouterr().out
     assert (numbers_data / "train-00000.pt").stat().st_mtime_ns == before
+
+
+def test_a_rerun_answers_without_importing_torch(numbers_data):
+    """Every `fab data` runs prepare.py on the head node, mostly on a prepared set: that answer must not
+    cost torch's import (~1.5 s of CPU a call). -X importtime lists every module the run imported."""
+    args = ["--out", str(numbers_data), "--train", "6000", "--valid", "200", "--test", "100", "--vocab", "400"]
+    command = [sys.executable, "-X", "importtime", "-m", "train.prepare", "numbers", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == f"{numbers_data}: already prepared\n", done
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert "cluster_node.protocol.rundir" in imported and not imported & {"torch", "numpy"}
 
 
 # ---------------------------------------------------------------- WMT16 from a loopback mirror

@@ -18,7 +18,11 @@ STEPS = 200  # still going when the drill, a few seconds after step 15, strikes
 SNAPSHOTS = 3.0
 BETWEEN_CHECKPOINTS = f"{TINY} --checkpoint-every 1000 --checkpoint-minutes 30 --snapshot-seconds {SNAPSHOTS:g}"
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timed,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
+]
 
 
 def test_drill_kill_node_prints_the_restart_its_timeline_and_the_goodput_lost_and_the_run_finishes(tmp_path):

@@ -19,7 +19,11 @@ from cluster_harness import Cluster
 from conftest import REPO
 from runfiles import full_status
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timed,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
+]
 NAME, SUBNET = "tc", "10.213.160.0/24"
 
 

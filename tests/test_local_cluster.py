@@ -42,6 +42,7 @@ def test_status_shows_every_node_ready(cluster):
     assert all(r[1:6] == ["True", "yes", "-", "up", "yes"] for r in rows), out  # deploy: no timeline here
 
 
+@pytest.mark.timed  # a slow pair: below 70% of the median link
 def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     # Capped: unshaped veth pairs run at whatever CPU is left (18-27 Gbit/s here), and one pair below
     # 70% of the median would rightly be a slow link.

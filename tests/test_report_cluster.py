@@ -14,6 +14,7 @@ from cluster_harness import Cluster, prepare_numbers, stop_cluster
 from clusterops.local import cluster as localcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+timed = pytest.mark.timed  # all but fab scale's table: a link share, predictions, a verdict from the step's parts
 
 # A small transformer (transformer-tiny's code, wider and shallower: d_model 256, unlike the recipe's, so a
 # verify run that dropped the run's model would show): ~5 MB of gradients, ~0.4 s on a 100 Mbit link
@@ -72,6 +73,7 @@ def capped(lab):
     return summary, report.stdout + report.stderr, monitor
 
 
+@timed
 def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(capped):
     """A communication-bound run keeps its 100 Mbit links busy: each node's tx share is high, and
     CPU is the node's own (its processes), not the host's load."""
@@ -85,6 +87,7 @@ def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(ca
     assert max(int(row[6]) for row in rows) >= 40, monitor  # the links carry the gradients
 
 
+@timed
 def test_report_and_runs_on_a_two_node_run_and_fetch_brings_them_home(lab, capped, tmp_path):
     summary, report, _ = capped
     assert report.startswith("# Run capped: communication-bound"), report
@@ -118,6 +121,7 @@ def verify(lab, run: str, mode: str, baseline_compute_s: float) -> str:
 # powersgd first: its step is mostly compute, so it is scored right after the baseline run (this machine's
 # speed drifts over minutes: misses of 20-21% in CI when it came after fp16's verify run); fp16's step is
 # mostly the link's, which does not drift.
+@timed
 @pytest.mark.parametrize("mode, name", [("powersgd", "powersgd"), ("fp16", "fp16 gradients")])
 def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, name):
     """HONESTY, as the user scores it: `fab report --verify MODE` runs the baseline with MODE (its own
@@ -140,6 +144,7 @@ def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, 
     assert abs(int(scored.group(4))) <= TOLERANCE * 100, f"{out}\n{baseline}\n{steps}"
 
 
+@timed
 def test_the_verdict_flips_to_compute_bound_on_an_unshaped_link(lab, capped):
     """VERDICT FLIP: the same model that waits on a 100 Mbit link is compute-bound without a cap."""
     assert "communication-bound" in capped[1].splitlines()[0]

@@ -19,7 +19,11 @@ from cluster_node.protocol import phases
 from cluster_node.supervisor import goodput
 from clusterops.local import cluster as localcluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timed,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
+]
 STEPS = 40
 # Global batch 3 x 8 = 24; one eval (at the end) on few samples; checkpoints every 10 steps.
 TINY = "--eval-every 1000 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"

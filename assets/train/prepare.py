@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from cluster_node.protocol import clusterdir, rundir
-from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs
 
 
 def number_phrase(value: int, lang: str) -> str:
@@ -66,6 +65,8 @@ def numbers_corpus(count: int, seed: int, max_numbers: int, max_digits: int) -> 
 
 
 def write_dataset(out: Path, splits: dict[str, list[tuple[str, str]]], vocab_size: int, meta: dict) -> None:
+    from train.data import SHARD_PAIRS, Tokenizer, atomic_write_bytes, write_pairs  # (see _write_meta)
+
     out.mkdir(parents=True, exist_ok=True)
     for name, pairs in splits.items():
         for lang, column in (("en", 0), ("de", 1)):
@@ -94,7 +95,15 @@ def write_dataset(out: Path, splits: dict[str, list[tuple[str, str]]], vocab_siz
         vocab_size=tokenizer.vocab_size,
         sizes={name: len(pairs) for name, pairs in splits.items()},
     )
-    atomic_write_bytes(out / "meta.json", lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    _write_meta(out / "meta.json", meta)
+
+
+def _write_meta(path: Path, meta: dict) -> None:
+    """meta.json, atomically: it says the data set is complete. train.data (and torch, ~1.5 s of CPU) is imported
+    only where there is data to write: a re-run on a prepared set (every `fab data`) answers without it."""
+    from train.data import atomic_write_bytes
+
+    atomic_write_bytes(path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
 
 
 def prepare_numbers(args: argparse.Namespace) -> None:
@@ -154,9 +163,11 @@ def prepare_wmt16(args: argparse.Namespace) -> None:
         print(f"{out}: already prepared")
         return
     sizes = wmt16.prepare(out, args.vocab, args.mirror)
+    from train.data import Tokenizer  # (see _write_meta)
+
     vocab = Tokenizer(out / "spm.model").vocab_size
     meta = {"request": request, "src_lang": "en", "tgt_lang": "de", "vocab_size": vocab, "sizes": sizes}
-    atomic_write_bytes(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    _write_meta(meta_path, meta)
     print(f"{out}: {sizes['train']} train, {sizes['valid']} valid, {sizes['test']} test pairs")
 
 
@@ -185,7 +196,7 @@ def prepare_fashion(args: argparse.Namespace) -> None:
         "classes": list(fashion.FOLDERS),
         "sizes": counts,
     }
-    atomic_write_bytes(meta_path, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    _write_meta(meta_path, meta)
     print(f"{out}: {counts['train']} train, {counts['val']} val images in {len(fashion.FOLDERS)} classes")
 
 
