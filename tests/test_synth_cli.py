@@ -76,13 +76,15 @@ def _app_without_cache(tmp_path):
     return app
 
 
-def cdk(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+def cdk(*args: str, cwd=REPO, validated: bool = False) -> subprocess.CompletedProcess:
+    """The pinned CLI; `validated`: with aws-cdk-lib's built-in CloudFormation validation, as a user's synth
+    runs (the suite's other synths leave it out: conftest.OFFLINE_ENV)."""
     return subprocess.run(
         [str(REPO / "node_modules" / ".bin" / "cdk"), *args, "--no-notices"],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env=tool_env(),
+        env=tool_env(CDK_VALIDATION="true" if validated else "false"),
         timeout=300,
     )
 
@@ -93,7 +95,7 @@ def cdk(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
 )
 def synth(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    result = cdk("synth", "-q", "-o", str(out), *CASES[request.param])
+    result = cdk("synth", "-q", "-o", str(out), *CASES[request.param], validated=True)
     assert result.returncode == 0, result.stderr[-3000:]
     template_path = next(out.glob("*.template.json"))
     return request.param, out, template_path, json.loads(template_path.read_text())
@@ -171,6 +173,14 @@ def test_cfn_lint_is_clean(synth):
         ["cfn-lint", str(template_path)], capture_output=True, text=True, env=tool_env(), timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_builtin_cloudformation_validation_finds_nothing(synth):
+    """aws-cdk-lib validates every template a user synthesizes; its findings would only warn there."""
+    _, out, _, _ = synth
+    report = json.loads((out / "validation-report.json").read_text())
+    [builtin] = [p for p in report["pluginReports"] if p["pluginName"] == "CloudFormation Validate"]
+    assert builtin["conclusion"] == "success" and builtin["violations"] == [], builtin["violations"]
 
 
 @pytest.mark.parametrize("pack", ["AwsSolutions", "NIST.800.53.R5"])
