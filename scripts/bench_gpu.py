@@ -5,7 +5,8 @@
 
 Every measurement is a fresh process, cold like a real start: each trainer a `python -m train.train`
 (its figures from its summary.json, its step times from its TensorBoard scalars), each plain loop this
-script with --peer. In order of importance, each skipped when --budget-s would be passed:
+script with --peer. (A smoke run forks its trainers from a server that imported torch once: a CPU's
+start-up is not what it measures.) In order of importance, each skipped when --budget-s would be passed:
 transformer-base at the recipe's token budget, stopped and resumed (a new process: the after-resume
 warm-up), the plain loop fed the trainer's own batches with padding masks (flash/efficient pinned; its
 figures in the same form) and at one fixed shape of the same tokens (baseline.py); kernel launches
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -65,6 +67,10 @@ class Bench:
         self.started = time.monotonic()
         self.results: dict = {}
         self.data = tmp / "text"
+        self.forks = None
+        if args.smoke:
+            self.forks = multiprocessing.get_context("forkserver")
+            self.forks.set_forkserver_preload(["train.train", "torch._dynamo"])  # what every optimizer step imports
 
     def left(self) -> float:
         return self.args.budget_s - (time.monotonic() - self.started)
@@ -99,14 +105,18 @@ class Bench:
         times. `patch`: run it through patched_trainer (a profile window: its summary is the result)."""
         argv = ["--run-dir", str(run), *argv]
         out = self.tmp / "trainer.json"
-        command = [sys.executable, "-m", "train.train", *argv]
-        if patch is not None:
-            command = [sys.executable, __file__, "--trainer", json.dumps({**patch, "argv": argv}), "--json", str(out)]
-        done = subprocess.run(
-            command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
-        )
-        if done.returncode:
-            raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+        if self.forks is not None:
+            self.forked(argv, patch, out)
+        else:
+            command = [sys.executable, "-m", "train.train", *argv]
+            if patch is not None:
+                spec = json.dumps({**patch, "argv": argv})
+                command = [sys.executable, __file__, "--trainer", spec, "--json", str(out)]
+            done = subprocess.run(
+                command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
+            )
+            if done.returncode:
+                raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
         if patch and patch.get("window"):
             return json.loads(out.read_text())
         result = figures(json.loads((run / rundir.SUMMARY).read_text()))
@@ -115,6 +125,19 @@ class Bench:
         except Exception as error:  # the summary's figures stand without them
             result["windows_error"] = f"{type(error).__name__}: {error}"
         return result
+
+    def forked(self, argv: list[str], patch: dict | None, out: Path) -> None:
+        """A smoke run's trainer: a process forked from a server that imported torch once (smoke_trainer).
+        On a CPU the start-up is not what the smoke run measures, and ten of them were most of its time."""
+        log = self.tmp / "trainer.log"
+        child = self.forks.Process(target=smoke_trainer, args=(argv, patch, str(out), self.env(), str(log)))
+        child.start()
+        child.join(timeout=max(60.0, self.left() + 60))
+        if child.is_alive():
+            child.kill()
+            child.join()
+        if child.exitcode:
+            raise RuntimeError(f"exit {child.exitcode}: {log.read_text()[-1500:]}")
 
     def peer(self, spec: dict) -> dict:
         """One plain loop (run_peer) in a fresh process: its figures. A smoke run's main measurements run
@@ -273,6 +296,24 @@ def patched_trainer(spec: dict) -> dict:
     if train.main(spec["argv"]):
         raise SystemExit("the trainer failed")
     return window.summary if window is not None else {}
+
+
+def smoke_trainer(argv: list[str], patch: dict | None, out: str, env: dict, log: str) -> None:
+    """Bench.forked's child: `python -m train.train ARGV` (or --trainer's patched_trainer) as a fresh process
+    would run it: its environment, working directory, output (into `log`) and exit."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # the server read it at import
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from train import distributed, train
+
+    if patch is None:
+        distributed.exit_without_finalizing(train.main(argv))
+    Path(out).write_text(json.dumps(patched_trainer({**patch, "argv": argv})))
+    distributed.exit_without_finalizing(0)
 
 
 def pinned(choice: str | None):

@@ -17,7 +17,12 @@ from conftest import REPO
 
 from clusterops.local import cluster as localcluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
+# --hang-seconds 5 with one restart allowed: a starved rank would be a second incident
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timed,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
+]
 # Checkpoints every 100 steps: a loss at step ~20 loses everything since the start.
 EXTRA = "--eval-every 1000 --eval-samples 16 --checkpoint-every 100 --log-every 10 --dist-timeout-s 30"
 
