@@ -17,12 +17,7 @@ from conftest import REPO
 
 from clusterops.local import cluster as localcluster
 
-# --hang-seconds 5 with one restart allowed: a starved rank would be a second incident
-pytestmark = [
-    pytest.mark.cluster,
-    pytest.mark.timed,
-    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
-]
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")]
 # Checkpoints every 100 steps: a loss at step ~20 loses everything since the start.
 EXTRA = "--eval-every 1000 --eval-samples 16 --checkpoint-every 100 --log-every 10 --dist-timeout-s 30"
 
@@ -36,7 +31,9 @@ def trio(tmp_path_factory):
 
 def test_a_lost_node_is_named_with_the_lost_steps_and_follow_shows_no_open_mpi_noise(trio):
     argv = ["fab", "train", "--run", "lost", "--steps", "60", "--batch-per-gpu", "8", "--max-restarts", "1"]
-    argv += ["--hang-seconds", "5", "--follow", "--extra", EXTRA]
+    # A hang window of 20 s: the restart spends its one try on the lost node, and the quiet seconds after it (the
+    # last eval, checkpoint and teardown: 3-4 s on a loaded machine) must not read as a second incident.
+    argv += ["--hang-seconds", "20", "--follow", "--extra", EXTRA]
     follow = subprocess.Popen(argv, cwd=REPO, env=trio.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         trio.wait_for_step("lost", 15)
