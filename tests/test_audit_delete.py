@@ -61,6 +61,11 @@ def test_nat_gateways_endpoints_keys_and_dashboards_are_listed_and_deleted(aws_e
     nat = ec2.create_nat_gateway(SubnetId=subnet, AllocationId=eip, TagSpecifications=tagged(cluster, "natgateway"))[
         "NatGateway"
     ]["NatGatewayId"]
+    # another cluster's, on the same server (moto lists every NAT gateway whatever the tag filter says)
+    other_eip = ec2.allocate_address(Domain="vpc")["AllocationId"]
+    other = ec2.create_nat_gateway(
+        SubnetId=subnet, AllocationId=other_eip, TagSpecifications=tagged(f"{cluster}x", "natgateway")
+    )["NatGateway"]["NatGatewayId"]
     endpoint = ec2.create_vpc_endpoint(
         VpcId=vpc,
         ServiceName="com.amazonaws.us-east-1.ssm",
@@ -75,6 +80,7 @@ def test_nat_gateways_endpoints_keys_and_dashboards_are_listed_and_deleted(aws_e
     boto3.client("cloudwatch").put_dashboard(DashboardName=cluster, DashboardBody='{"widgets": []}')
     found = {(x.kind, x.id): x for x in audit.find(clients(), cluster)}
     assert found[("nat-gateway", nat)].usd_per_month == 0.045 * 730
+    assert [k for k, _ in found if k == "nat-gateway"] == ["nat-gateway"]  # this cluster's only
     assert found[("vpc-endpoint", endpoint)].usd_per_month == 0.01 * 730
     assert found[("kms-key", key)].usd_per_month == 1.0 and ("kms-key", gone) not in found
     assert found[("dashboard", cluster)].usd_per_month == 3.0
@@ -82,6 +88,7 @@ def test_nat_gateways_endpoints_keys_and_dashboards_are_listed_and_deleted(aws_e
     left = {(x.kind, x.id) for x in audit.find(clients(), cluster)}
     assert not left & {("nat-gateway", nat), ("vpc-endpoint", endpoint), ("kms-key", key), ("dashboard", cluster)}
     assert kms.describe_key(KeyId=key)["KeyMetadata"]["KeyState"] == "PendingDeletion"
+    ec2.delete_nat_gateway(NatGatewayId=other)
 
 
 def stubbed(service):

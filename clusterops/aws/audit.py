@@ -146,7 +146,8 @@ def _network(ec2, cluster: str) -> list[Leftover]:
         Leftover("nat-gateway", n["NatGatewayId"], n["State"], TABLE["nat_gateway_usd_per_hour"] * HOURS_PER_MONTH)
         for page in nats
         for n in page["NatGateways"]
-        if n["State"] not in ("deleting", "deleted", "failed")
+        # the tag again here: a server that ignores the filter (moto does) would list every cluster's
+        if n["State"] not in ("deleting", "deleted", "failed") and _tags(n.get("Tags", [])).get(CLUSTER_TAG) == cluster
     ]
     endpoints = ec2.get_paginator("describe_vpc_endpoints").paginate(Filters=_tag_filter(cluster))
     for e in (e for page in endpoints for e in page["VpcEndpoints"]):
