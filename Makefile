@@ -14,7 +14,7 @@ setup:
 demo: setup
 	bash scripts/demo.sh 2
 
-# make test: everything but the emulated cluster on three workers, beside it the cluster tests no other load
+# make test: everything but the emulated cluster on two workers, beside it the cluster tests no other load
 # can fail and the training program's tests on the training image's Python, torch and numpy (test-image-torch);
 # then the `timed` cluster tests alone. One line at the end gives each part's wall time (scripts/test_phases.sh).
 test: setup

@@ -3,12 +3,13 @@
 # on a 2-core machine; this line is where to read it). A phase that fails ends the run with its exit status,
 # after the line.
 #
-# 1. Everything but the emulated cluster on three xdist workers (some tests wait on real clocks: the watchdog's
-#    backoff, polls; a third worker fills those waits), and beside it, each in a process of its own with its
-#    output shown when it ends: the emulated-cluster tests whose assertions no other load moves (`not timed`:
-#    one cluster at a time still), and the training program's tests on the training image's Python, torch and
-#    numpy. Those run once, on the torch that trains (--except-image-torch leaves them out of the first part;
-#    the checkout's torch runs the trainer end to end on the emulated cluster).
+# 1. Everything but the emulated cluster on two xdist workers, and beside it, each in a process of its own with
+#    its output shown when it ends: the emulated-cluster tests whose assertions no other load moves (`not
+#    timed`: one cluster at a time still), and the training program's tests on the training image's Python,
+#    torch and numpy (one worker). Those run once, on the torch that trains (--except-image-torch leaves them
+#    out of the first part; the checkout's torch runs the trainer end to end on the emulated cluster). The
+#    two cores are busy throughout with two workers and one: more processes only take turns and lose their
+#    caches (three workers and two took 1,050 CPU-seconds for this phase, two and one 909: docs/tests.md).
 # 2. The `timed` cluster tests alone: their windows, predictions and link shares hold on a machine to
 #    themselves (other work slowed them by 16-40%, docs/tests.md).
 set -uo pipefail
@@ -67,8 +68,8 @@ report() {
 # cluster session ~3 s of CPU, the timed one on its clock.
 mapfile -t cluster_modules < <(grep -l 'mark\.cluster' tests/test_*.py)
 beside "cluster (untimed)" python -m pytest -p no:cacheprovider -m "cluster and not timed" "${cluster_modules[@]}"
-beside "image-torch" bash scripts/test_image_torch.sh
-phase "tests" python -m pytest -n 3 --dist loadgroup -m "not cluster" --except-image-torch
+beside "image-torch" bash scripts/test_image_torch.sh -n 1  # its last -n wins
+phase "tests" python -m pytest -n 2 --dist loadgroup -m "not cluster" --except-image-torch
 collect "cluster (untimed)"
 collect "image-torch"
 [[ $status == 0 ]] || exit "$status"
