@@ -21,7 +21,15 @@ unset PYTHONDONTWRITEBYTECODE
 timings=()
 status=0
 logs=$(mktemp -d)
-trap 'report; rm -rf "$logs"' EXIT
+# The emulated cluster and the bootstrap sandbox (tests/bootstrap_sandbox.py) both bind onto the host's /data,
+# each in mount namespaces of its own, and each removes /data after it if it made it: removing it detaches the
+# other's binds, mid-test, and the first phase runs them at once. On a machine without /data (a fresh one),
+# this run makes it first and removes it last, so neither part makes or removes it.
+made_data=false
+if [[ ! -e /data && $EUID == 0 ]]; then
+  mkdir /data && made_data=true
+fi
+trap 'report; rm -rf "$logs"; if $made_data; then rmdir /data 2>/dev/null; fi' EXIT
 
 minutes() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
 
