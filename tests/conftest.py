@@ -128,22 +128,32 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _start_moto() -> tuple[subprocess.Popen, int]:
+    """moto_server on a free port, accepting connections. The port is free when chosen, not reserved: if
+    another process takes it first, moto exits, and it starts again on another."""
+    for _ in range(3):
+        port = _free_port()
+        # All addresses of this machine: the emulated cluster's nodes reach it through their bridge.
+        process = subprocess.Popen(
+            [str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                return process, port
+            except OSError:
+                time.sleep(0.1)
+        process.kill()
+        process.wait()
+    pytest.fail("moto_server did not start: three tries, each on a free port, each given 30 s")
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    port = _free_port()
-    # All addresses of this machine: the emulated cluster's nodes reach it through their bridge.
-    process = subprocess.Popen(
-        [str(REPO / ".venv" / "bin" / "moto_server"), "-H", "0.0.0.0", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+    process, port = _start_moto()
     # `localhost`, not 127.0.0.1: the CDK CLI's S3 client needs it for the template upload.
     yield f"http://localhost:{port}"
     process.terminate()
