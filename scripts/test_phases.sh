@@ -21,6 +21,8 @@ unset PYTHONDONTWRITEBYTECODE
 timings=()
 status=0
 logs=$(mktemp -d)
+# The cluster tests' prepared data sets, made once for both phases (tests/cluster_harness.py).
+export GPU_CLUSTER_TEST_DATA_CACHE=$logs/cluster-data
 # The emulated cluster and the bootstrap sandbox (tests/bootstrap_sandbox.py) both bind onto the host's /data,
 # each in mount namespaces of its own, and each removes /data after it if it made it: removing it detaches the
 # other's binds, mid-test, and the first phase runs them at once. On a machine without /data (a fresh one),

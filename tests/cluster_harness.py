@@ -90,14 +90,20 @@ def start_cluster(name: str, nodes: int, subnet: str, workdir: Path):
     return cluster
 
 
-DATA_CACHE = Path(tempfile.gettempdir()) / f"gpu-cluster-test-data-{os.getpid()}"
-atexit.register(shutil.rmtree, DATA_CACHE, ignore_errors=True)
+# make test's phases share one (scripts/test_phases.sh sets it and removes it): the timed phase's first cluster
+# would otherwise train the tokenizer again on its clock (~5 s).
+DATA_CACHE_ENV = "GPU_CLUSTER_TEST_DATA_CACHE"
+if os.environ.get(DATA_CACHE_ENV):
+    DATA_CACHE = Path(os.environ[DATA_CACHE_ENV])
+else:
+    DATA_CACHE = Path(tempfile.gettempdir()) / f"gpu-cluster-test-data-{os.getpid()}"
+    atexit.register(shutil.rmtree, DATA_CACHE, ignore_errors=True)
 
 
 def prepare_numbers(cluster: Cluster, extra: str) -> None:
     """`fab data` with these prepare.py arguments. The BPE training is the slow part (7 s for 20000
-    pairs): a data set made once in this session is copied in first, and `fab data` then finds it
-    complete (prepare.py's re-run with the same arguments is a no-op)."""
+    pairs): a data set made once in this session (in make test, once for both phases) is copied in first,
+    and `fab data` then finds it complete (prepare.py's re-run with the same arguments is a no-op)."""
     cached = DATA_CACHE / re.sub(r"\W+", "_", extra)
     target = cluster.shared / "datasets" / "numbers"
     if cached.exists():

@@ -21,7 +21,6 @@ from runfiles import full_status
 
 pytestmark = [
     pytest.mark.cluster,
-    pytest.mark.timed,
     pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
 ]
 NAME, SUBNET = "tc", "10.213.160.0/24"
