@@ -109,8 +109,11 @@ def prepare_numbers(cluster: Cluster, extra: str) -> None:
     if cached.exists():
         shutil.copytree(cached, target, dirs_exist_ok=True)
     cluster.fab("data", "--extra", extra)
-    if not cached.exists():
-        shutil.copytree(target, cached)
+    if not cached.exists():  # whole or not at all: a later phase may copy it in
+        partial = cached.with_name(cached.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(target, partial)
+        partial.rename(cached)
 
 
 def stop_cluster(cluster: Cluster):
