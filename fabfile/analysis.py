@@ -87,9 +87,9 @@ def node_counts(text: str, available: int) -> list[int]:
 @task(
     help={
         "recipe": f"one of {', '.join(catalog.RECIPES)} (fabric.yaml default)",
-        "nodes": "node counts, e.g. 1,2,4 (default 1,2)",
-        "steps": "steps per run (default 30; the first 5 are not timed)",
-        "repeat": "runs per node count (default 2): the spread is shown",
+        "nodes": f"node counts, e.g. 1,2,4 (default {','.join(map(str, analysis.SCALE_NODE_COUNTS))})",
+        "steps": f"steps per run (default {analysis.SCALE_STEPS}; the first 5 are not timed)",
+        "repeat": f"runs per node count (default {analysis.SCALE_REPEATS}): the spread is shown",
         "batch_per_gpu": "batch per GPU, fixed across node counts (weak scaling)",
         "grad_compression": catalog.either(catalog.COMPRESSIONS),
         "extra": "more train.py arguments, quoted",
@@ -98,7 +98,7 @@ def node_counts(text: str, available: int) -> list[int]:
     }
 )
 def scale(
-    c, recipe=None, nodes="1,2", steps="30", repeat="2", batch_per_gpu=None, grad_compression=None, extra="", dest=None
+    c, recipe=None, nodes=None, steps=None, repeat=None, batch_per_gpu=None, grad_compression=None, extra="", dest=None
 ):
     """Short runs on 1..N nodes: a weak-scaling table and its plot.
 
@@ -107,11 +107,11 @@ def scale(
     import shlex
 
     inv = load_inventory(c)
-    counts = node_counts(nodes, len(inv.nodes))
+    counts = node_counts(nodes or ",".join(map(str, analysis.SCALE_NODE_COUNTS)), len(inv.nodes))
     recipe = recipe or settings(c)["recipe"]
     request = launch.TrainRequest(
         recipe=recipe,
-        steps=whole_number(steps, "--steps"),
+        steps=analysis.SCALE_STEPS if steps is None else whole_number(steps, "--steps"),
         batch_per_gpu=whole_number(batch_per_gpu, "--batch-per-gpu"),
         grad_compression=grad_compression,
         master_port=whole_number(settings(c)["master_port"], "master_port"),
@@ -119,7 +119,7 @@ def scale(
         start_minutes=number(settings(c)["start_minutes"], "start_minutes"),
         extra_args=tuple(shlex.split(extra or "--eval-samples 16 --checkpoint-every 100000 --log-every 10")),
     )
-    repeats = whole_number(repeat, "--repeat")
+    repeats = analysis.SCALE_REPEATS if repeat is None else whole_number(repeat, "--repeat")
     if not repeats or repeats < 1:
         raise Exit(f"error: invalid --repeat {repeat!r}: at least 1", code=1)
     request.validate()

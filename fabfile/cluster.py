@@ -191,13 +191,14 @@ def _put_tree(conn, src: Path, target: str) -> int:
     return len(files)
 
 
-@task(help={"port": "local port (default 6006)", "stop": "stop the head node's TensorBoard instead"})
-def tensorboard(c, port="6006", stop=False):
+@task(help={"port": f"local port (default {board.LOCAL_PORT})", "stop": "stop the head node's TensorBoard instead"})
+def tensorboard(c, port=None, stop=False):
     """TensorBoard on the head node, through an SSH tunnel.
 
     TensorBoard on the head node (started if needed), through an SSH tunnel: nothing opened."""
     inv = load_inventory(c)
     local_port = whole_number(port, "--port")
+    local_port = board.LOCAL_PORT if local_port is None else local_port
     with head(inv) as conn:
         if stop:
             print("TensorBoard stopped" if board.stop_tensorboard(conn) else "no TensorBoard was running")
@@ -228,8 +229,13 @@ def _port_free(port: int) -> bool:
     return True
 
 
-@task(help={"interval": "seconds per sample (default 2)", "count": "samples (default: until Ctrl-C)"})
-def monitor(c, interval="2", count="0"):
+@task(
+    help={
+        "interval": f"seconds per sample (default {nodeview.SAMPLE_SECONDS})",
+        "count": "samples (default: until Ctrl-C)",
+    }
+)
+def monitor(c, interval=None, count="0"):
     """Live, per node: CPU, GPU utilisation, network against the link.
 
     Per node, sampled live: CPU cores its processes use, GPU utilisation, network rx/tx in Mbit/s
@@ -238,6 +244,7 @@ def monitor(c, interval="2", count="0"):
 
     inv = load_inventory(c)
     interval, count = number(interval, "--interval"), whole_number(count, "--count")
+    interval = nodeview.SAMPLE_SECONDS if interval is None else interval
     taken = 0
     with remote.Connections(inv) as connections:  # kept open from one sample to the next
         link_gbit, link_text = analysis.measured_link_gbit(connections.get(inv.head), inv)

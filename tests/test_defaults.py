@@ -34,11 +34,17 @@ KNOBS = {
     "emulated slots": {"slots"},
     "emulated subnet": {"subnet"},
     "plan's node counts": {"max_nodes"},
+    "monitor's sample": {"interval", "SAMPLE_SECONDS"},
+    "tensorboard's local port": {"port", "LOCAL_PORT"},
+    "scale's node counts": {"nodes", "SCALE_NODE_COUNTS"},
+    "scale's steps": {"steps", "SCALE_STEPS"},
+    "scale's repeats": {"repeat", "repeats", "SCALE_REPEATS"},
 }
 # A knob whose names other tasks use for knobs of their own (fab drill's --mb and --seconds): read only where it
 # lives.
 CHECK, DRILL = ("fabfile/cluster.py", "clusterops/run/checkup.py"), ("fabfile/drill.py", "clusterops/run/drill.py")
 LOCAL = ("fabfile/local.py", "clusterops/local/cluster.py")
+SCALE = ("fabfile/analysis.py", "clusterops/run/analysis.py")
 WHERE = {
     "all-reduce payload": CHECK,
     "seconds per pair": CHECK,
@@ -50,12 +56,18 @@ WHERE = {
     "emulated slots": LOCAL,
     "emulated subnet": LOCAL,
     "plan's node counts": ("fabfile/analysis.py", "clusterops/run/planner.py"),
+    "monitor's sample": ("fabfile/cluster.py", "clusterops/nodes/view.py"),
+    "tensorboard's local port": ("fabfile/cluster.py", "clusterops/run/tensorboard.py"),
+    "scale's node counts": SCALE,
+    "scale's steps": SCALE,
+    "scale's repeats": SCALE,
 }
 
 
 def _literal(node) -> bool:
-    """A number other than 0 (0 is "none", not a default), a number in a string (a task's option), a recipe's
-    name, or a help text that spells a number as the default ("(default 60)", "(fabric.yaml: 10)")."""
+    """A number other than 0 (0 is "none", not a default), a number or a list of them in a string (a task's
+    option: "30", "1,2"), a recipe's name, or a help text that spells a number as the default ("(default 60)",
+    "(fabric.yaml: 10)")."""
     from clusterops.run.launch import RECIPES
 
     if not isinstance(node, ast.Constant) or isinstance(node.value, bool):
@@ -65,13 +77,16 @@ def _literal(node) -> bool:
     if not isinstance(node.value, str):
         return False
     text = node.value
-    numeric = re.fullmatch(r"\d+(\.\d+)?", text) is not None and float(text) != 0
+    numeric = re.fullmatch(r"\d+(\.\d+)?(,\d+)*", text) is not None and text.strip("0,.") != ""
     return numeric or text in RECIPES or re.search(r"(default|fabric\.yaml:) \d", text) is not None
 
 
 def literal_defaults() -> dict[str, list[str]]:
     """knob -> where a literal default of it is written (file:line)."""
-    names = {name: knob for knob, aliases in KNOBS.items() for name in aliases}
+    names: dict[str, list[str]] = defaultdict(list)  # a name can be two tasks' knobs (fab check's and drill's --mb)
+    for knob, aliases in KNOBS.items():
+        for name in aliases:
+            names[name].append(knob)
     found: dict[str, list[str]] = defaultdict(list)
     for root in ROOTS:
         for path in sorted(root.rglob("*.py")):
@@ -94,9 +109,9 @@ def literal_defaults() -> dict[str, list[str]]:
                 elif isinstance(node, ast.Dict):
                     pairs += [(k.value, v) for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)]
                 for name, value in pairs:
-                    knob = names.get(name)
-                    if knob and _literal(value) and str(where) in WHERE.get(knob, (str(where),)):
-                        found[knob].append(f"{where}:{value.lineno}")
+                    for knob in names.get(name, []):
+                        if _literal(value) and str(where) in WHERE.get(knob, (str(where),)):
+                            found[knob].append(f"{where}:{value.lineno}")
     return found
 
 

@@ -42,6 +42,9 @@ def node_status(connection: Connection, inventory: Inventory, node: Node) -> dic
     return {**terminal.status_row(found), "deploy_timeline": found.get("deploy")}
 
 
+SAMPLE_SECONDS = 2  # fab monitor's default sample
+
+
 def sample_node(
     connection: Connection, inventory: Inventory, node: Node, interval: float, link_gbit: Optional[float] = None
 ) -> dict:

@@ -27,6 +27,9 @@ q = shlex.quote
 REPORT_FILES = (rd.REPORT_MD, rd.BREAKDOWN_PNG, rd.SCALING_PNG)
 
 
+# fab scale's defaults: a 1- and a 2-node point, two runs of 30 steps at each (the first 5 not timed)
+SCALE_NODE_COUNTS, SCALE_STEPS, SCALE_REPEATS = (1, 2), 30, 2
+
 TC_UNITS = {"bit": 1e-9, "kbit": 1e-6, "mbit": 1e-3, "gbit": 1.0, "tbit": 1e3}
 
 

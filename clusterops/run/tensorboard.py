@@ -14,6 +14,7 @@ q = shlex.quote
 
 
 TENSORBOARD_PORT = 16006
+LOCAL_PORT = 6006  # TensorBoard's own default, on the laptop's end of the tunnel
 
 
 def stop_tensorboard(connection: Connection) -> bool:
