@@ -6,6 +6,7 @@ dataclass field, a keyword argument or a settings dict."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections import defaultdict
 
@@ -81,6 +82,7 @@ def _literal(node) -> bool:
     return numeric or text in RECIPES or re.search(r"(default|fabric\.yaml:) \d", text) is not None
 
 
+@functools.cache  # one read of the sources for all the knobs' tests
 def literal_defaults() -> dict[str, list[str]]:
     """knob -> where a literal default of it is written (file:line)."""
     names: dict[str, list[str]] = defaultdict(list)  # a name can be two tasks' knobs (fab check's and drill's --mb)
