@@ -24,6 +24,7 @@ import atexit
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -189,6 +190,7 @@ class Server:
         )
         ready = self.process.stdout.readline() if self.process.stdout else ""
         assert ready == "ready\n", f"the pre-imported server did not start (it said {ready!r})"
+        atexit.register(shutil.rmtree, os.path.dirname(self.path), ignore_errors=True)  # after the kill: LIFO
         atexit.register(self.process.kill)
 
     def start(self, program: dict, env: dict, cwd: str, fds: list[int]) -> tuple[socket.socket, int]:
