@@ -1,7 +1,10 @@
 """The trainer against plain PyTorch loops on one GPU (issue 29), in one run of at most ~6 minutes:
 
-    python3 scripts/bench_gpu.py --json bench-gpu.json          # on a GPU machine, from the repo root
-    python3 scripts/bench_gpu.py --smoke --json /tmp/smoke.json  # a CPU: tiny sizes, seconds
+    PYTHONPATH=assets python3 scripts/bench_gpu.py --json bench-gpu.json  # a GPU machine, from the repo root
+    python scripts/bench_gpu.py --smoke --json /tmp/smoke.json             # a CPU (the set-up's venv): seconds
+
+(The venv installs the packages `train` and `cluster_node`; a GPU machine's own Python finds them in
+assets/ through PYTHONPATH, which every process the benchmark starts inherits.)
 
 Every measurement is a fresh process, cold like a real start: each trainer a `python -m train.train`
 (its figures from its summary.json, its step times from its TensorBoard scalars), each plain loop this
@@ -35,13 +38,14 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "assets"))
+try:
+    import gpu_peers as peers
+    import gpu_report
+    import torch
 
-import gpu_peers as peers  # noqa: E402 - after the path
-import gpu_report  # noqa: E402
-import torch  # noqa: E402
-
-from cluster_node.protocol import rundir  # noqa: E402
+    from cluster_node.protocol import rundir
+except ModuleNotFoundError as missing:  # a GPU machine's Python without the venv's packages
+    sys.exit(f"error: {missing} (it needs torch, and assets/ on PYTHONPATH outside the venv: see its first lines)")
 
 SIZES = {
     "gpu": dict(
