@@ -5,9 +5,11 @@ Each caller is a principal: the credentials of a deployed role (assumed through 
 document (the laptop's user policy). Every request names its action (the SigV4 signing scope plus the
 protocol's operation) and its resources (RESOURCES below: an action without a rule there fails the test,
 so a new call cannot slip through unauthorized). A denied call answers AccessDenied, as AWS would, and is
-recorded as a violation. Calls moto does not implement (cloudformation:SignalResource) go to a stand-in that
-checks every name against the deployed stack: the logical ID exists, is an AWS::EC2::Instance with a creation
-policy, and is the signalling node's own resource."""
+recorded as a violation. Calls moto does not implement go to stand-ins: cloudformation:SignalResource checks
+every name against the deployed stack (the logical ID exists, is an AWS::EC2::Instance with a creation
+policy, and is the signalling node's own resource); Session Manager's StartSession answers for an instance
+that exists (a session named after its user, as AWS names them), TerminateSession and ResumeSession for a
+session it started."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 
 import boto3
+import botocore.exceptions
 from botocore.parsers import RpcV2CBORParser
 from iampolicy import Request, evaluate
 
@@ -35,6 +38,11 @@ class Principal:
     name: str
     documents: list[dict]
     instance_id: Optional[str] = None  # a node's own instance (the signal must name its resource)
+    user: bool = False  # an IAM user (the laptop's): its name is the request's aws:username
+
+    def context(self) -> dict:
+        """The request context keys IAM sets from the principal (for policy variables)."""
+        return {"aws:username": self.name} if self.user else {"aws:userid": f"AROAREHEARSAL:{self.instance_id}"}
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,23 @@ def _anything(_gate, _params) -> list[tuple[str, dict]]:
     return [("*", {})]
 
 
+def _session_start(gate: "Gate", params: dict) -> list[tuple[str, dict]]:
+    """StartSession acts on the target instance (its tags as ssm:resourceTag/ and aws:ResourceTag/ keys)
+    and on the session document: AWS's own (AWS-*) have an account-less ARN; without --document-name the CLI
+    starts the account's SSM-SessionManagerRunShell (Session Manager User Guide, "Start a session with a
+    document by specifying the session documents in IAM policies")."""
+    target = params["Target"]
+    tags = gate.instance_tags([target]).get(target, {})
+    context = {f"{prefix}/{k}": v for k, v in tags.items() for prefix in ("ssm:resourceTag", "aws:ResourceTag")}
+    document = params.get("DocumentName", "SSM-SessionManagerRunShell")
+    owner = "" if document.startswith("AWS-") else ACCOUNT
+    return [(_arn("ec2", f"instance/{target}"), context), (f"arn:aws:ssm:{REGION}:{owner}:document/{document}", {})]
+
+
+def _session(_gate, params: dict) -> list[tuple[str, dict]]:
+    return [(_arn("ssm", f"session/{params['SessionId']}"), {})]
+
+
 Rule = Callable[["Gate", dict], list[tuple[str, dict]]]
 # Service Authorization Reference: each action's resource types and condition keys, for the calls made here.
 RESOURCES: dict[str, Rule] = {
@@ -143,6 +168,9 @@ RESOURCES: dict[str, Rule] = {
     "ssm:GetParameter": lambda g, p: _parameter(p),
     "ssm:GetParameters": lambda g, p: _parameter(p),
     "ssm:PutParameter": lambda g, p: _parameter(p),
+    "ssm:StartSession": _session_start,
+    "ssm:TerminateSession": _session,
+    "ssm:ResumeSession": _session,
     "s3:GetObject": lambda g, p: [(f"arn:aws:s3:::{p['Bucket']}/{p['Key']}", {})],
     "s3:ListBucket": lambda g, p: [(f"arn:aws:s3:::{p['Bucket']}", {})],
     "cloudformation:SignalResource": lambda g, p: [(g.stack_arn(p["StackName"]), {})],
@@ -208,6 +236,7 @@ class Gate:
         self.calls: list[Call] = []
         self.violations: list[str] = []
         self.signals: list[dict] = []
+        self.sessions: list[str] = []  # Session Manager sessions started through the gate
         self._lock = threading.Lock()
 
     # --- principals
@@ -241,7 +270,7 @@ class Gate:
     def user(self, name: str, documents: list[dict]) -> dict:
         """Credentials for a principal with these identity policies (the laptop user's)."""
         key = f"AKIAUSER{len(self.principals):012d}"
-        self.principals[key] = Principal(name, documents)
+        self.principals[key] = Principal(name, documents, user=True)
         return {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": "user-secret"}
 
     # --- lookups in the deployed world (as the admin, outside the gate)
@@ -254,7 +283,13 @@ class Gate:
         return next(r["PhysicalResourceId"] for r in summaries if r["LogicalResourceId"] == logical_id)
 
     def instance_tags(self, ids: list[str]) -> dict[str, dict[str, str]]:
-        found = self.admin.client("ec2").describe_instances(InstanceIds=ids)["Reservations"] if ids else []
+        """Each existing instance's tags (one that does not exist is left out)."""
+        try:
+            found = self.admin.client("ec2").describe_instances(InstanceIds=ids)["Reservations"] if ids else []
+        except botocore.exceptions.ClientError as error:
+            if error.response["Error"]["Code"] != "InvalidInstanceID.NotFound":
+                raise
+            found = []
         return {
             i["InstanceId"]: {t["Key"]: t["Value"] for t in i.get("Tags", [])} for r in found for i in r["Instances"]
         }
@@ -266,7 +301,8 @@ class Gate:
             call = Call(principal.name, action, (), False, "the rehearsal has no resource rule for it", params)
         else:
             targets = rule(self, params)
-            decisions = [evaluate(principal.documents, Request(action, arn, ctx)) for arn, ctx in targets]
+            requests = [Request(action, arn, {**principal.context(), **ctx}) for arn, ctx in targets]
+            decisions = [evaluate(principal.documents, request) for request in requests]
             denied = [d.reason for d in decisions if not d.allowed]
             allowed = not denied or action == "sts:GetCallerIdentity"
             reason = "; ".join(denied) or decisions[0].reason
@@ -333,6 +369,26 @@ SIGNAL_OK = (
 )
 
 
+# ---------------------------------------------------------------- the stand-in for Session Manager
+
+SESSION_ACTIONS = ("ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession")
+JSON_1_1 = "application/x-amz-json-1.1"
+
+
+def session_manager(gate: Gate, principal: Principal, action: str, params: dict) -> tuple[int, dict]:
+    """Session Manager's answer (moto has none): a session id begins with the user's name (Session Manager
+    User Guide, "Step 3: Control session access to managed nodes", session ID ARN formats)."""
+    if action != "ssm:StartSession":
+        known = params.get("SessionId") in gate.sessions
+        return (200, {"SessionId": params["SessionId"]}) if known else (400, {"__type": "DoesNotExistException"})
+    if not gate.instance_tags([params["Target"]]):
+        return 400, {"__type": "TargetNotConnected", "message": f"{params['Target']} is not connected."}
+    session_id = f"{principal.name}-{len(gate.sessions):017x}"
+    gate.sessions.append(session_id)
+    stream = f"wss://ssmmessages.{REGION}.amazonaws.com/v1/data-channel/{session_id}?role=publish_subscribe"
+    return 200, {"SessionId": session_id, "TokenValue": "rehearsal-token", "StreamUrl": stream}
+
+
 def _error(code: str, message: str, json_protocol: bool) -> bytes:
     if json_protocol:
         return json.dumps({"__type": code, "message": message}).encode()
@@ -375,6 +431,11 @@ def _handler(gate: Gate):
                     gate.violations.append(f"{principal.name}: SignalResource refused: {refused}")
                     return self._reply(400, _error("ValidationError", refused, False))
                 return self._reply(200, SIGNAL_OK, [("Content-Type", "text/xml")])
+            if action in SESSION_ACTIONS:
+                status, answer = session_manager(gate, principal, action, params)
+                return self._reply(
+                    status, json.dumps(answer).encode(), [("Content-Type", "application/x-amz-json-1.1")]
+                )
             status, headers, data = gate.forward(self.command, self.path, dict(self.headers), body)
             self._reply(status, data, headers)
 

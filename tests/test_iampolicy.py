@@ -63,10 +63,28 @@ def test_if_exists_negation_and_set_qualifiers():
     assert allowed([all_values], "cloudwatch:PutMetricData")  # no keys at all: vacuously true (IAM's caveat)
 
 
+def test_a_policy_variable_in_a_resource_takes_the_requests_value_and_matches_nothing_without_one():
+    own = {"Effect": "Allow", "Action": "ssm:TerminateSession", "Resource": "arn:aws:ssm:*:*:session/${aws:username}-*"}
+    session = "arn:aws:ssm:us-east-1:123456789012:session/alice-0a1b2c3d"
+    assert allowed([own], "ssm:TerminateSession", session, **{"aws:username": "alice"})
+    assert not allowed([own], "ssm:TerminateSession", session, **{"aws:username": "bob"})
+    assert not allowed([own], "ssm:TerminateSession", session)  # a role's session has no aws:username
+    either = dict(own, Resource=[own["Resource"], "arn:aws:ssm:*:*:session/${aws:userid}-*"])
+    assert allowed([either], "ssm:TerminateSession", session, **{"aws:userid": "alice"})
+
+
 def test_what_it_cannot_evaluate_is_refused_not_guessed():
-    variable = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/${aws:username}/*"}
-    with pytest.raises(ValueError, match="policy variables"):
+    variable = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::b/${aws:username, 'x'}/*"}
+    with pytest.raises(ValueError, match="policy variable form"):
         allowed([variable], "s3:GetObject", "arn:aws:s3:::b/u/k")
+    in_a_condition = dict(STOP, Condition={"StringEquals": {"aws:ResourceTag/owner": "${aws:username}"}})
+    with pytest.raises(ValueError, match="policy variables"):
+        allowed(
+            [in_a_condition],
+            "ec2:StopInstances",
+            "arn:aws:ec2:us-east-1:123456789012:instance/i-1",
+            **{"aws:ResourceTag/owner": "u"},
+        )
     numeric = {
         "Effect": "Allow",
         "Action": "s3:GetObject",

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import boto3
 import pytest
@@ -25,6 +26,8 @@ from iampolicy import Request, evaluate
 from moto_deploy import MOTO_LIMITS, deploy
 from rehearsal import Gate, efs_mount_refusals, user_data
 from test_audit import persistent_spot_request
+
+from clusterops.inventory import Inventory
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for the bootstrap sandbox's mount namespace"),
@@ -282,8 +285,9 @@ def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
     return [s for s in steps.values() if s]
 
 
-# Granted for what this test does not run: `cdk deploy`/`destroy` assume the CDK bootstrap's roles.
-USED_ELSEWHERE = {"sts:AssumeRole"}
+# Granted for what these laptop runs do not call: `cdk deploy`/`destroy` assume the CDK bootstrap's roles;
+# Session Manager's actions are the SSH proxy's with access=ssm (test_session_manager_reaches_...).
+USED_ELSEWHERE = {"sts:AssumeRole", "ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession"}
 USED: set[str] = set()
 
 
@@ -300,12 +304,11 @@ def test_the_documented_user_policy_grants_no_action_that_fab_does_not_call():
     assert granted - USED - USED_ELSEWHERE == set()
 
 
-def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
-    """Each fab task that calls AWS, under the documented user policy; returns the actions they called."""
+def user_env(world, name: str, tmp_path) -> dict:
+    """The laptop's environment under the documented user policy, as the IAM user `name`."""
     gate, endpoint = world
-    policy = json.loads(USER_POLICY.read_text())
-    env = {
-        **gate.user(f"user-{deployed.name}", [policy]),
+    return {
+        **gate.user(name, [json.loads(USER_POLICY.read_text())]),
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_REGION": REGION,
         "AWS_DEFAULT_REGION": REGION,
@@ -314,10 +317,20 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
         "GPU_CLUSTER_INVENTORY": str(tmp_path / "inventory.json"),
         "GPU_CLUSTER_CDK_CONTEXT": str(tmp_path / "cdk.context.json"),
     }
+
+
+def publish_host_key(deployed: Deployed) -> None:
+    """What rank 0's bootstrap writes (test_every_node_boots_... runs it for real), for `fab inventory`."""
     host_key = f"/gpu-cluster/{deployed.context['cluster_name']}/ssh-host-key"
     if boto3.client("ssm").get_parameter(Name=host_key)["Parameter"]["Value"].startswith("pending"):
-        # What rank 0's bootstrap writes (test_every_node_boots_... runs it for real).
         boto3.client("ssm").put_parameter(Name=host_key, Value=HOST_KEY, Type="String", Overwrite=True)
+
+
+def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
+    """Each fab task that calls AWS, under the documented user policy; returns the actions they called."""
+    gate, _ = world
+    env = user_env(world, f"user-{deployed.name}", tmp_path)
+    publish_host_key(deployed)
     cluster = deployed.context["cluster_name"]
     if not boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=cluster)["MetricAlarms"]:
         # Each node's idle alarm, as the template's IdleAlarmN creates it (moto's stack leaves it out): the
@@ -340,3 +353,65 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     print("\n".join(outputs))
     assert [v for v in gate.violations if v.startswith(f"user-{deployed.name}")] == [], "\n".join(outputs)
     return {c.action for c in ours}
+
+
+# The Session Manager plugin's stand-in: it records what the AWS CLI hands it, and the session ends at once.
+PLUGIN = """#!/bin/sh
+[ "$1" = --version ] && { echo 1.2.707.0; exit 0; }
+printf '%s\\n' "$*" >> "$SESSIONS_LOG"
+"""
+SHELL_SESSION = "aws ssm start-session --target i-"  # how docs/operations.md has you read a node's boot log
+
+
+@pytest.mark.parametrize(
+    "deployed", [pytest.param("ssm-private", marks=pytest.mark.xdist_group("rehearsal-ssm-private"))], indirect=True
+)
+def test_session_manager_reaches_every_node_under_the_documented_user_policy(deployed, world, tmp_path):
+    """access=ssm, as the real AWS CLI runs it under docs/user-policy.json: `fab inventory`, then each node's
+    SSH proxy command from the inventory (AWS-StartSSHSession) and the checklist's shell session start a
+    session; without the plugin the CLI ends its session itself (TerminateSession); an instance without the
+    cluster's tag is refused."""
+    gate, _ = world
+    publish_host_key(deployed)
+    env = {**user_env(world, "user-sessions", tmp_path), "SESSIONS_LOG": str(tmp_path / "sessions.log")}
+    plugin = tmp_path / "bin" / "session-manager-plugin"
+    plugin.parent.mkdir()
+    plugin.write_text(PLUGIN)
+    plugin.chmod(0o755)
+    inventory = run_fab(
+        "inventory", "--stack", deployed.stack, "--from-aws", "--key-file", str(deployed.key_file), **env
+    )
+    assert inventory.returncode == 0, inventory.stdout + inventory.stderr
+    nodes = Inventory.load(Path(env["GPU_CLUSTER_INVENTORY"]))
+    with_plugin = tool_env(**env, PATH=f"{plugin.parent}:{tool_env()['PATH']}")
+    for node in nodes.nodes:
+        shell = f"aws ssm start-session --target {node.public_ip}"
+        for line in (nodes.ssh.proxy_for(node.public_ip), shell):
+            done = subprocess.run(["bash", "-c", line], env=with_plugin, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{line}: {done.stdout}{done.stderr}"
+    assert SHELL_SESSION in (REPO / "docs" / "operations.md").read_text()
+    started = (tmp_path / "sessions.log").read_text().splitlines()
+    assert len(started) == 2 * len(deployed.instances) and all("StartSession" in s for s in started), started
+    assert sum("AWS-StartSSHSession" in s and "4444" in s for s in started) == len(deployed.instances)
+    no_plugin = subprocess.run(
+        ["bash", "-c", f"aws ssm start-session --target {deployed.instances[0]}"],
+        env=tool_env(**env), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "SessionManagerPlugin is not found" in no_plugin.stderr
+    ours = [c for c in gate.calls if c.principal == "user-sessions"]
+    assert [v for v in gate.violations if v.startswith("user-sessions:")] == []
+    assert {"ssm:StartSession", "ssm:TerminateSession"} <= {c.action for c in ours}
+    untagged = untagged_instance()
+    refused = subprocess.run(
+        ["bash", "-c", f"aws ssm start-session --target {untagged}"],
+        env=with_plugin, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "AccessDenied" in refused.stderr, refused.stderr
+    boto3.client("ec2").terminate_instances(InstanceIds=[untagged])
+
+
+def untagged_instance() -> str:
+    """An instance in the account that is not the cluster's (no gpu-cluster:name tag)."""
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    return ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
