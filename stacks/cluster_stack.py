@@ -75,7 +75,7 @@ class GpuClusterStack(Stack):
     def _outputs(self, config: ClusterConfig) -> dict:
         """What `fab inventory` reads (assets/cluster_node OUTPUT_KEYS names them)."""
         instances = self.nodes.instances
-        public = not config.private_subnet
+        public = config.public_ips
         outputs = {
             "ClusterName": config.cluster_name,
             "Access": config.access,

@@ -353,6 +353,12 @@ class ClusterConfig:
         return self.access == "ssm" and (self.private_subnet or self.vpc_id is not None)
 
     @property
+    def public_ips(self) -> bool:
+        """The nodes have public IPv4 addresses, and the stack's outputs read them (Fn::GetAtt PublicIp fails
+        the stack for an instance that has none)."""
+        return not self.nodes_without_public_ips
+
+    @property
     def efa_note(self) -> Optional[str]:
         """Why auto left EFA off on a type that has it (a synth-time warning), else None."""
         if self.efa != "auto" or not self.type_info.efa or self.efa_cards:

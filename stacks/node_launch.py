@@ -63,7 +63,20 @@ def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> l
     ]
 
 
-def _interfaces(cards: int, subnet: ec2.ISubnet, group: ec2.ISecurityGroup, public: bool) -> list:
+def node_interfaces(cards: int, subnet_id: str, group_id: str, public: bool, existing_subnet: bool) -> list[dict]:
+    """The launch template's network interfaces: EFA's layout; in a given subnet, whose own public-IP
+    setting (MapPublicIpOnLaunch) the stack cannot know, one primary interface that asks for a public IP
+    exactly when the nodes need one; else none (the instance's subnet decides: this stack's public subnets
+    map public IPs, its private one does not)."""
+    if cards:
+        return efa_interfaces(cards, subnet_id, group_id, public)
+    if existing_subnet:
+        common = {"SubnetId": subnet_id, "Groups": [group_id], "DeleteOnTermination": True}
+        return [{**common, "NetworkCardIndex": 0, "DeviceIndex": 0, "AssociatePublicIpAddress": public}]
+    return []
+
+
+def _interfaces(cards: int, subnet: ec2.ISubnet, group: ec2.ISecurityGroup, public: bool, existing: bool) -> list:
     return [
         ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
             subnet_id=i["SubnetId"],
@@ -71,10 +84,10 @@ def _interfaces(cards: int, subnet: ec2.ISubnet, group: ec2.ISecurityGroup, publ
             delete_on_termination=i["DeleteOnTermination"],
             network_card_index=i["NetworkCardIndex"],
             device_index=i["DeviceIndex"],
-            interface_type=i["InterfaceType"],
+            interface_type=i.get("InterfaceType"),
             associate_public_ip_address=i.get("AssociatePublicIpAddress"),
         )
-        for i in efa_interfaces(cards, subnet.subnet_id, group.security_group_id, public)
+        for i in node_interfaces(cards, subnet.subnet_id, group.security_group_id, public, existing)
     ]
 
 
@@ -87,10 +100,12 @@ def attach_launch_template(
     subnet: ec2.ISubnet,
     security_group: ec2.ISecurityGroup,
     public: bool,
+    existing_subnet: bool = False,
     spot: Optional[tuple[Optional[float], dict[str, str]]] = None,
 ) -> ec2.CfnLaunchTemplate:
-    """The node's template (spot: max price and request tags), used at its latest version. With EFA the
-    subnet and group move from the instance into the interfaces."""
+    """The node's template (spot: max price and request tags), used at its latest version. Where it has
+    network interfaces (node_interfaces) the subnet and group move from the instance into them."""
+    interfaces = _interfaces(efa_cards, subnet, security_group, public, existing_subnet)
     template = ec2.CfnLaunchTemplate(
         scope,
         f"Node{rank}LaunchTemplate",
@@ -98,7 +113,7 @@ def attach_launch_template(
             metadata_options=ec2.CfnLaunchTemplate.MetadataOptionsProperty(
                 http_tokens=IMDS_TOKENS, http_put_response_hop_limit=IMDS_HOP_LIMIT
             ),
-            network_interfaces=_interfaces(efa_cards, subnet, security_group, public) if efa_cards else None,
+            network_interfaces=interfaces or None,
         ),
     )
     if spot is not None:
@@ -108,7 +123,7 @@ def attach_launch_template(
     resource.launch_template = ec2.CfnInstance.LaunchTemplateSpecificationProperty(
         launch_template_id=template.ref, version=template.attr_latest_version_number
     )
-    if efa_cards:
+    if interfaces:
         resource.add_property_deletion_override("SubnetId")
         resource.add_property_deletion_override("SecurityGroupIds")
     return template

@@ -325,7 +325,8 @@ class GpuNodes(Construct):
             efa_cards=config.efa_cards,
             subnet=subnet,
             security_group=security_group,
-            public=not config.private_subnet,
+            public=config.public_ips,
+            existing_subnet=config.vpc_id is not None,
             spot=(config.spot_max_price, spot_tags) if config.spot else None,
         )
 

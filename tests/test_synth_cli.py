@@ -114,7 +114,7 @@ def test_template_facts(synth):
         for r in resources
         if r["Type"] == "AWS::EC2::LaunchTemplate"
         for i in r["Properties"]["LaunchTemplateData"].get("NetworkInterfaces", [])
-        if i["InterfaceType"] in ("efa", "efa-only")
+        if i.get("InterfaceType") in ("efa", "efa-only")
     ]
     assert len(efa) == len(instances) * {"ssm-private": 1, "p5-efa": 32}.get(case, 0)
     groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
