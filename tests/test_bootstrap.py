@@ -51,6 +51,8 @@ def test_first_run_mounts_efs_via_fstab_builds_and_starts_the_container_and_sign
         "--ipc=host",
         "--restart unless-stopped",
         "--ulimit memlock=-1",
+        "--ulimit nofile=1048576:1048576",  # Docker 25+ leaves a container a soft 1,024 (moby/moby#45534)
+        "--cap-add SYSLOG",  # the probe's dmesg: the default seccomp profile gates syslog(2) (moby ccd22ff)
         "--shm-size=16g",
         "-v /data:/data",
         "-e IDLE_MINUTES=45",
@@ -153,12 +155,13 @@ def test_a_bare_ami_gets_its_tools_from_apt_waiting_for_the_dpkg_lock(tmp_path):
     "env, bare, step",
     [
         ({"FAIL_DOCKER_BUILD": "1"}, False, "build-image"),  # a plain command in a step function
+        ({"FAIL_DOCKER_PULL_TIMES": "9", "PULL_ATTEMPTS": "3", "PULL_RETRY_SECONDS": "0"}, False, "pull-image"),
         ({"FAIL_APT": "1", "APT_UPDATE_ATTEMPTS": "1"}, True, "docker"),  # in a helper the step calls
         ({"FAIL_S3": "1"}, False, "image-context"),
         ({"CORRUPT_CONTEXT": "1"}, False, "image-context"),  # was in an `a && b` list
         ({"FAIL_IMDS": "public-keys"}, False, "cluster-identity"),  # inside a command substitution
     ],
-    ids=["docker-build", "apt-get", "s3-cp", "unzip", "imds-substitution"],
+    ids=["docker-build", "docker-pull", "apt-get", "s3-cp", "unzip", "imds-substitution"],
 )
 def test_a_failing_command_inside_a_step_signals_failure_naming_the_step_once(tmp_path, env, bare, step):
     sandbox = Sandbox(tmp_path, bare=bare)
@@ -171,6 +174,17 @@ def test_a_failing_command_inside_a_step_signals_failure_naming_the_step_once(tm
     assert not [c for c in calls if c.startswith("docker run")]
     log = (sandbox.root / "state" / "bootstrap.log").read_text()
     assert f"[node0/{step}] FAILED" in log
+
+
+def test_a_pull_that_fails_a_few_times_is_retried_not_a_failed_deploy(sandbox):
+    """nvcr.io's manifest or TLS failing once in a ~10 GB pull: docker retries layers, not the pull."""
+    result = sandbox.run(FAIL_DOCKER_PULL_TIMES="2", PULL_RETRY_SECONDS="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = sandbox.calls()
+    assert len([c for c in calls if c.startswith("docker pull")]) == 3
+    assert [c for c in calls if "signal-resource" in c and "--status SUCCESS" in c]
+    log = (sandbox.root / "state" / "bootstrap.log").read_text()
+    assert "docker pull failed (attempt 2/5); again in 0s" in log
 
 
 @pytest.mark.parametrize("cards, efa", [("0", "0"), ("4", "1")])

@@ -32,6 +32,9 @@ MOUNT_RETRY_SECONDS=${MOUNT_RETRY_SECONDS:-10}
 # unattended-upgrades holds the dpkg lock in the first minutes after boot: apt-get waits this long.
 APT_LOCK_TIMEOUT=${APT_LOCK_TIMEOUT:-300}
 APT_UPDATE_ATTEMPTS=${APT_UPDATE_ATTEMPTS:-30}
+# nvcr.io's manifest or TLS can fail once in a ~10 GB pull; docker retries layers, not the pull itself.
+PULL_ATTEMPTS=${PULL_ATTEMPTS:-5}
+PULL_RETRY_SECONDS=${PULL_RETRY_SECONDS:-30}
 UNITS=/etc/systemd/system
 DOCKER_DROPIN=$UNITS/docker.service.d/gpu-cluster-data.conf
 SELF=/usr/local/sbin/gpu-cluster-bootstrap
@@ -285,7 +288,13 @@ pull_image() {
   STEP=pull-image
   docker image inspect "$IMAGE" >/dev/null 2>&1 && return 0
   log "pulling $BASE_IMAGE"
-  docker pull -q "$BASE_IMAGE" >/dev/null
+  local attempt
+  for ((attempt = 1; ; attempt++)); do
+    if docker pull -q "$BASE_IMAGE" >/dev/null; then return 0; fi
+    ((attempt < PULL_ATTEMPTS)) || { log "docker pull failed $attempt times"; return 1; }
+    log "docker pull failed (attempt $attempt/$PULL_ATTEMPTS); again in ${PULL_RETRY_SECONDS}s"
+    sleep "$PULL_RETRY_SECONDS"
+  done
 }
 
 build_image() {
@@ -319,9 +328,12 @@ start_container() {
   if ((${EFA_CARDS:-0} > 0)); then
     for device in /dev/infiniband/uverbs*; do [[ -e $device ]] && efa+=(--device "$device"); done
   fi
+  # SYSLOG: the health probe's dmesg (its Xid check); Docker's default seccomp profile allows syslog(2)
+  # only with CAP_SYSLOG. nofile: Docker 25+ leaves a container systemd's soft 1024 open files, and NCCL's
+  # socket transport (16 sockets a peer and channel) and DataLoader workers' shared tensors go past it.
   docker run -d --name "$CONTAINER" --restart unless-stopped \
-    --gpus all --net=host --ipc=host --shm-size=16g --cap-add SYS_PTRACE \
-    --ulimit memlock=-1 --ulimit stack=67108864 \
+    --gpus all --net=host --ipc=host --shm-size=16g --cap-add SYS_PTRACE --cap-add SYSLOG \
+    --ulimit memlock=-1 --ulimit stack=67108864 --ulimit nofile=1048576:1048576 \
     -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
     -e "IDLE_MINUTES=$idle_minutes" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
