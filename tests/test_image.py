@@ -8,6 +8,7 @@ import ast
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -398,6 +399,28 @@ def test_the_image_build_imports_every_node_module_the_entrypoint_and_fab_run():
     imported = {name.strip() for name in smoke.group(1).split(",")}
     assert run and run <= imported, f"run on the nodes but not imported at build: {sorted(run - imported)}"
     assert "ENV PYTHONPATH=/workspace${PYTHONPATH:+:${PYTHONPATH}}" in dockerfile
+
+
+def test_the_base_images_pythonpath_survives_the_pythonpath_fab_gives_ranks(tmp_path):
+    """fab hands ranks `-x PYTHONPATH=ROOT` (launch.rank_program), which replaces whatever the NGC base image
+    put there; the build keeps those entries in a .pth file (site.py reads it whatever PYTHONPATH says). Its
+    RUN, run by a fresh venv's Python with a base PYTHONPATH of two directories: a rank's sys.path has both."""
+    dockerfile = DOCKERFILE.read_text()
+    (run,) = [line for line in dockerfile.splitlines() if line.startswith("RUN ") and ".pth" in line]
+    assert dockerfile.index(run) < dockerfile.index("ENV PYTHONPATH=/workspace"), "it must see the base's value"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    base = [tmp_path / "base-a", tmp_path / "base-b"]
+    for directory in base:
+        directory.mkdir()
+    python = str(tmp_path / "venv" / "bin" / "python")
+    command = run[len("RUN ") :].replace("python -c", f"{shlex.quote(python)} -c", 1)
+    subprocess.run(
+        ["sh", "-c", command], check=True, env={"PYTHONPATH": ":".join(map(str, base)), "PATH": "/usr/bin:/bin"}
+    )
+    rank = subprocess.run(
+        [python, "-c", "import sys; print(sys.path)"], env={"PYTHONPATH": "/workspace"}, capture_output=True, text=True
+    )
+    assert all(str(directory) in rank.stdout for directory in base), rank.stdout
 
 
 def _efa_run_instruction() -> str:
