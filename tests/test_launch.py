@@ -40,6 +40,7 @@ def test_mpirun_line_for_the_whole_cluster():
     for export in ("MASTER_ADDR=10.42.0.5", "MASTER_PORT=29500", "NCCL_SOCKET_IFNAME=ens5", "GLOO_SOCKET_IFNAME=ens5"):
         assert f"-x {export}" in line
     assert "--mca oob_tcp_if_include ens5" in line
+    assert "btl_tcp_if" not in line  # HPC-X's conf sets btl_tcp_if_exclude; both are "mutually exclusive"
     assert line.endswith(
         "-x PYTHONPATH=/workspace python -m train.train --recipe transformer-base --data "
         "/data/datasets/wmt16-en-de --run-dir /data/runs/transformer-base"

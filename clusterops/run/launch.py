@@ -136,7 +136,10 @@ def _mpirun_parts(
     options = (
         "-bind-to", "none", "-map-by", "slot",
         "--mca", "plm_rsh_args", f"-F {inventory.cluster_ssh_config}",
-        "--mca", "oob_tcp_if_include", interface, "--mca", "btl_tcp_if_include", interface,
+        # The daemons' own traffic; no btl_tcp_if_include: the ranks never call MPI_Init (no BTL opens),
+        # and beside HPC-X's btl_tcp_if_exclude (its openmpi-mca-params.conf) it is a "mutually-exclusive
+        # MCA variables" help frame in any process that does.
+        "--mca", "oob_tcp_if_include", interface,
         # Daemons notice a lost mpirun in ~25 s (default 480 s) and end their ranks, even when
         # a partition means no one can reach them to clean up.
         "--mca", "oob_tcp_keepalive_time", "10", "--mca", "oob_tcp_keepalive_intvl", "5",
