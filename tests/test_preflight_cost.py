@@ -2,6 +2,7 @@
 statistics (which moto lacks or fakes) through botocore's Stubber with real response shapes."""
 
 import json
+import shlex
 import subprocess
 from datetime import datetime, timedelta, timezone
 
@@ -10,6 +11,7 @@ import pytest
 from aws_stubs import QUOTA_NAME, aws_inventory, offline, quotas_client, table_price
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, tool_env
+from iampolicy import Request, evaluate
 
 from cluster_node.protocol.rundir import Progress
 from clusterops import cost
@@ -162,6 +164,23 @@ def test_the_dry_run_is_a_permission_check_in_the_chosen_az_or_subnet():
     assert check.name == "launch permission (RunInstances dry run)"
     assert no_default_vpc.ok and no_default_vpc.skipped and no_default_vpc.label == "--  "
     assert no_default_vpc.detail == "not checked: no default VPC; the stack creates its own subnet"
+
+
+def test_a_given_vpc_without_dns_hostnames_fails_preflight_with_the_command_that_fixes_it(aws_env):
+    """EFS is mounted by its DNS name, which needs the VPC's DNS resolution and hostnames (a new VPC has
+    hostnames off): the check names the attribute and the command; that command, run by the real AWS CLI,
+    turns it on; the documented user policy lets preflight read the attributes."""
+    ec2 = boto3.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.77.0.0/16")["Vpc"]["VpcId"]
+    off = preflight.vpc_dns(ec2, vpc)
+    assert not off.ok and off.name == "VPC DNS" and "enableDnsHostnames off" in off.detail, off
+    assert "enableDnsSupport" not in off.detail and "\n" not in off.detail
+    command = off.detail.split("; ", 1)[1]
+    assert command == f"aws ec2 modify-vpc-attribute --vpc-id {vpc} --enable-dns-hostnames"
+    subprocess.run(shlex.split(command), env=tool_env(**aws_env), check=True, capture_output=True)
+    assert preflight.vpc_dns(ec2, vpc).ok
+    policy = json.loads((REPO / "docs" / "user-policy.json").read_text())
+    assert evaluate([policy], Request("ec2:DescribeVpcAttribute", "*")).allowed
 
 
 def test_offerings_are_cached_where_synth_reads_them(tmp_path):

@@ -286,8 +286,10 @@ def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
 
 
 # Granted for what these laptop runs do not call: `cdk deploy`/`destroy` assume the CDK bootstrap's roles;
-# Session Manager's actions are the SSH proxy's with access=ssm (test_session_manager_reaches_...).
+# Session Manager's actions are the SSH proxy's with access=ssm (test_session_manager_reaches_...);
+# preflight reads a given VPC's DNS attributes (test_a_given_vpc_without_dns_hostnames_fails_preflight_...).
 USED_ELSEWHERE = {"sts:AssumeRole", "ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession"}
+USED_ELSEWHERE |= {"ec2:DescribeVpcAttribute"}
 USED: set[str] = set()
 
 

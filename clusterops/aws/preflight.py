@@ -215,6 +215,28 @@ def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[
     ), az
 
 
+DNS_ATTRIBUTES = {"enableDnsSupport": "EnableDnsSupport", "enableDnsHostnames": "EnableDnsHostnames"}
+DNS_FLAGS = {"enableDnsSupport": "enable-dns-support", "enableDnsHostnames": "enable-dns-hostnames"}
+
+
+def vpc_dns(ec2, vpc_id: str) -> Check:
+    """A given VPC resolves the EFS file system's DNS name, which the nodes mount /data by: EFS needs the
+    VPC's DNS resolution and DNS hostnames on (AWS EFS User Guide, "Mounting on Amazon EC2 with a DNS name")."""
+    off = []
+    for attribute, key in DNS_ATTRIBUTES.items():
+        try:
+            value = ec2.describe_vpc_attribute(VpcId=vpc_id, Attribute=attribute)[key]["Value"]
+        except ClientError as error:
+            return Check("VPC DNS", False, f"could not read {vpc_id}'s {attribute}: {aws_error(error)}")
+        if not value:
+            off.append(attribute)
+    if not off:
+        return Check("VPC DNS", True, f"{vpc_id} resolves and names hosts (EFS is mounted by its DNS name)")
+    # One attribute a call (EC2 API reference, ModifyVpcAttribute).
+    turn_on = " && ".join(f"aws ec2 modify-vpc-attribute --vpc-id {vpc_id} --{DNS_FLAGS[a]}" for a in off)
+    return Check("VPC DNS", False, f"{vpc_id} has {' and '.join(off)} off: /data (EFS) would not mount; {turn_on}")
+
+
 def dry_run(
     ec2,
     image_id: str,
@@ -361,6 +383,8 @@ def run_preflight(
         cache_offerings(context_file, region, config.instance_type, zones)
     where, az = placement(config, zones)
     checks.append(where)
+    if config.vpc_id:
+        checks.append(vpc_dns(ec2, config.vpc_id))
     quota = _quota(clients, config, spot, checks)
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
