@@ -79,7 +79,7 @@ def preflight(c, context=None, nodes=None, instance_type=None, request_quota=Fal
     values, config = deploy_config(context or [], nodes=nodes, instance_type=instance_type)
     session = aws_session()
     clients = (
-        {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas")}
+        {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas", "kms")}
         if session.region_name
         else {"sts": session.client("sts", region_name="us-east-1")}
     )

@@ -5,7 +5,8 @@ Each caller is a principal: the credentials of a deployed role (assumed through 
 document (the laptop's user policy). Every request names its action (the SigV4 signing scope plus the
 protocol's operation) and its resources (RESOURCES below: an action without a rule there fails the test,
 so a new call cannot slip through unauthorized). A denied call answers AccessDenied, as AWS would, and is
-recorded as a violation. Calls moto does not implement go to stand-ins: cloudformation:SignalResource checks
+recorded as a violation. Calls moto does not implement go to stand-ins (ec2:GetEbsDefaultKmsKeyId answers a new
+account's AWS managed key): cloudformation:SignalResource checks
 every name against the deployed stack (the logical ID exists, is an AWS::EC2::Instance with a creation
 policy, and is the signalling node's own resource); Session Manager's StartSession answers for an instance
 that exists (a session named after its user, as AWS names them), TerminateSession and ResumeSession for a
@@ -193,6 +194,7 @@ RESOURCES: dict[str, Rule] = {
     "ec2:DescribeAddresses": _anything,
     "ec2:DescribeSnapshots": _anything,
     "ec2:DescribeSecurityGroups": _anything,
+    "ec2:GetEbsDefaultKmsKeyId": _anything,
     "ec2:StopInstances": _instances,
     "ec2:StartInstances": _instances,
     "ec2:CancelSpotInstanceRequests": lambda g, p: [
@@ -369,6 +371,13 @@ SIGNAL_OK = (
 )
 
 
+EBS_DEFAULT_KEY = (
+    b'<GetEbsDefaultKmsKeyIdResponse xmlns="http://ec2.amazonaws.com/doc/2016-11-15/"><requestId>rehearsal'
+    b"</requestId><kmsKeyId>arn:aws:kms:" + f"{REGION}:{ACCOUNT}".encode() + b":alias/aws/ebs</kmsKeyId>"
+    b"</GetEbsDefaultKmsKeyIdResponse>"
+)
+
+
 # ---------------------------------------------------------------- the stand-in for Session Manager
 
 SESSION_ACTIONS = ("ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession")
@@ -431,6 +440,8 @@ def _handler(gate: Gate):
                     gate.violations.append(f"{principal.name}: SignalResource refused: {refused}")
                     return self._reply(400, _error("ValidationError", refused, False))
                 return self._reply(200, SIGNAL_OK, [("Content-Type", "text/xml")])
+            if action == "ec2:GetEbsDefaultKmsKeyId":  # moto has none: a new account's, AWS managed
+                return self._reply(200, EBS_DEFAULT_KEY, [("Content-Type", "text/xml")])
             if action in SESSION_ACTIONS:
                 status, answer = session_manager(gate, principal, action, params)
                 return self._reply(

@@ -5,6 +5,7 @@ botocore's Stubber."""
 from datetime import datetime, timedelta, timezone
 
 import boto3
+import pytest
 from aws_stubs import aws_inventory, offline, quotas_client, table_price
 from botocore.stub import ANY, Stubber
 from conftest import moto_instances, run_fab
@@ -126,9 +127,12 @@ def test_preflight_fails_a_spot_max_price_below_the_spot_price():
     assert unread.ok and unread.skipped and unread.detail.startswith("not checked: UnauthorizedOperation")
 
 
-def test_full_spot_preflight_against_the_emulator(aws_env):
+def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
     """moto answers describe_spot_price_history (with a made-up price) and the Spot dry run."""
-    clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm")}
+    clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm", "kms")}
+    # moto has no GetEbsDefaultKmsKeyId: a new account's answer, its AWS managed key
+    default_key = {"KmsKeyId": "arn:aws:kms:us-east-1:123456789012:alias/aws/ebs"}
+    monkeypatch.setattr(clients["ec2"], "get_ebs_default_kms_key_id", lambda: default_key)
     clients["ssm"].put_parameter(Name="/test/preflight/ami", Value="ami-03cf127a", Type="String", Overwrite=True)
     running = preflight.running_vcpus(clients["ec2"], "g4dn.2xlarge", spot=True)
     clients["service-quotas"], stubber = quotas_client(16 + running, code="L-3819A6DF")
@@ -142,6 +146,7 @@ def test_full_spot_preflight_against_the_emulator(aws_env):
         "AZ and subnet",
         "vCPU quota (Spot)",
         "Spot price",
+        "Spot volume key",
         "AMI",
         "launch permission (RunInstances dry run)",
     ]
@@ -149,6 +154,42 @@ def test_full_spot_preflight_against_the_emulator(aws_env):
     zone = found[3].detail.split(" in ")[1].split(" ")[0]
     assert f"[Spot price, {zone}, since " in found[5].detail and "less per node-hour" in found[5].detail
     stubber.assert_no_pending_responses()
+
+
+KEY = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+
+@pytest.mark.parametrize(
+    "default_key, manager",
+    [("arn:aws:kms:us-east-1:123456789012:alias/aws/ebs", None), (KEY, "AWS"), (KEY, "CUSTOMER")],
+)
+def test_a_customer_managed_default_ebs_key_needs_a_grant_for_the_spot_service_role(default_key, manager):
+    """EC2 restarts an interrupted Spot node through AWSServiceRoleForEC2Spot, which needs a grant on a
+    customer managed key (EC2 User Guide, "Service-linked role for Spot Instance requests"); the nodes'
+    root volumes use the account's default EBS key. Response shapes from botocore's models."""
+    ec2, kms = offline("ec2"), offline("kms")
+    with Stubber(ec2) as ec2_stub, Stubber(kms) as kms_stub:
+        ec2_stub.add_response("get_ebs_default_kms_key_id", {"KmsKeyId": default_key})
+        if manager:
+            kms_stub.add_response(
+                "describe_key", {"KeyMetadata": {"KeyId": KEY, "KeyManager": manager}}, {"KeyId": KEY}
+            )
+        found = preflight.spot_volume_key(ec2, kms, "123456789012", "us-east-1")
+    assert found.name == "Spot volume key" and found.ok == (manager != "CUSTOMER"), found
+    if manager == "CUSTOMER":
+        assert (
+            "customer managed: EC2 could not restart an interrupted node; aws kms create-grant --region us-east-1"
+            in found.detail
+        )
+        assert (
+            "arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+            in found.detail
+        )
+    denied = offline("ec2")
+    with Stubber(denied) as stub:
+        stub.add_client_error("get_ebs_default_kms_key_id", "UnauthorizedOperation", "not allowed")
+        unread = preflight.spot_volume_key(denied, kms, "123456789012", "us-east-1")
+    assert unread.ok and unread.skipped and unread.detail.startswith("not checked: UnauthorizedOperation")
 
 
 def test_a_spot_dry_run_carries_the_nodes_market_options():

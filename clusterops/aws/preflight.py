@@ -289,6 +289,36 @@ def spot_check(ec2, pricing, config: ClusterConfig, region: str, zone: Optional[
     return Check("Spot price", True, line, skipped=spot.usd_per_hour is None)
 
 
+SPOT_ROLE = "aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+# What the EC2 User Guide's grant for the Spot service-linked role lists ("Service-linked role for Spot
+# Instance requests", customer managed keys).
+SPOT_KEY_OPERATIONS = (
+    "Decrypt Encrypt GenerateDataKey GenerateDataKeyWithoutPlaintext CreateGrant DescribeKey ReEncryptFrom ReEncryptTo"
+)
+
+
+def spot_volume_key(ec2, kms, account: str, region: str) -> Check:
+    """The nodes' encrypted root volumes use the account's default EBS key. EC2 starts a stopped Spot node
+    again through the AWSServiceRoleForEC2Spot service-linked role, which may use AWS managed keys but a
+    customer managed one only with a grant: without it the first restart after an interruption fails."""
+    try:
+        key = ec2.get_ebs_default_kms_key_id()["KmsKeyId"]
+        manager = "AWS" if key.endswith("alias/aws/ebs") else kms.describe_key(KeyId=key)["KeyMetadata"]["KeyManager"]
+    except ClientError as error:
+        return Check("Spot volume key", True, f"not checked: {aws_error(error)}", skipped=True)
+    if manager == "AWS":
+        return Check("Spot volume key", True, f"the default EBS key is AWS managed ({key})")
+    grant = (
+        f"aws kms create-grant --region {region} --key-id {key} --grantee-principal "
+        f"arn:aws:iam::{account}:role/{SPOT_ROLE} --operations {SPOT_KEY_OPERATIONS}"
+    )
+    return Check(
+        "Spot volume key",
+        False,
+        f"the default EBS key {key} is customer managed: EC2 could not restart an interrupted node; {grant}",
+    )
+
+
 def identity(sts) -> tuple[Check, Optional[str]]:
     try:
         who = sts.get_caller_identity()
@@ -388,6 +418,7 @@ def run_preflight(
     quota = _quota(clients, config, spot, checks)
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
+        checks.append(spot_volume_key(ec2, clients["kms"], account or "ACCOUNT", region))
     ami_check, image_id = ami(
         clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
     )
