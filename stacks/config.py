@@ -359,6 +359,13 @@ class ClusterConfig:
         return not self.nodes_without_public_ips
 
     @property
+    def public_ip_request(self) -> Optional[bool]:
+        """What a node's primary interface asks for: a public IP with access=ssh (fab reaches the node there,
+        whatever the subnet's auto-assign); with access=ssm the subnet decides (a given public subnet keeps
+        its way out to SSM, S3 and nvcr.io; a private one needs its NAT)."""
+        return True if self.access == "ssh" else None
+
+    @property
     def efa_note(self) -> Optional[str]:
         """Why auto left EFA off on a type that has it (a synth-time warning), else None."""
         if self.efa != "auto" or not self.type_info.efa or self.efa_cards:

@@ -40,7 +40,7 @@ class PinnedImage:
         )
 
 
-def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> list[dict]:
+def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: Optional[bool]) -> list[dict]:
     """Launch-template network interfaces for `cards` EFA cards (AWS's layout for multi-card types:
     an ENA primary at card 0 device 0, EFA-only at card 0 device 1 and at device 0 of every other
     card; one card: a single EFA-with-ENA interface, which may keep a public IP)."""
@@ -52,7 +52,7 @@ def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> l
                 "NetworkCardIndex": 0,
                 "DeviceIndex": 0,
                 "InterfaceType": "efa",
-                "AssociatePublicIpAddress": public,
+                **({} if public is None else {"AssociatePublicIpAddress": public}),
             }
         ]
     return [
@@ -63,20 +63,24 @@ def efa_interfaces(cards: int, subnet_id: str, group_id: str, public: bool) -> l
     ]
 
 
-def node_interfaces(cards: int, subnet_id: str, group_id: str, public: bool, existing_subnet: bool) -> list[dict]:
+def node_interfaces(
+    cards: int, subnet_id: str, group_id: str, public: Optional[bool], existing_subnet: bool
+) -> list[dict]:
     """The launch template's network interfaces: EFA's layout; in a given subnet, whose own public-IP
     setting (MapPublicIpOnLaunch) the stack cannot know, one primary interface that asks for a public IP
-    exactly when the nodes need one; else none (the instance's subnet decides: this stack's public subnets
-    map public IPs, its private one does not)."""
+    where the nodes need one (`public`: True); else none (the instance's subnet decides: this stack's public
+    subnets map public IPs, its private one does not)."""
     if cards:
         return efa_interfaces(cards, subnet_id, group_id, public)
-    if existing_subnet:
+    if existing_subnet and public:
         common = {"SubnetId": subnet_id, "Groups": [group_id], "DeleteOnTermination": True}
         return [{**common, "NetworkCardIndex": 0, "DeviceIndex": 0, "AssociatePublicIpAddress": public}]
     return []
 
 
-def _interfaces(cards: int, subnet: ec2.ISubnet, group: ec2.ISecurityGroup, public: bool, existing: bool) -> list:
+def _interfaces(
+    cards: int, subnet: ec2.ISubnet, group: ec2.ISecurityGroup, public: Optional[bool], existing: bool
+) -> list:
     return [
         ec2.CfnLaunchTemplate.NetworkInterfaceProperty(
             subnet_id=i["SubnetId"],
@@ -99,7 +103,7 @@ def attach_launch_template(
     efa_cards: int,
     subnet: ec2.ISubnet,
     security_group: ec2.ISecurityGroup,
-    public: bool,
+    public: Optional[bool],
     existing_subnet: bool = False,
     spot: Optional[tuple[Optional[float], dict[str, str]]] = None,
 ) -> ec2.CfnLaunchTemplate:

@@ -325,7 +325,7 @@ class GpuNodes(Construct):
             efa_cards=config.efa_cards,
             subnet=subnet,
             security_group=security_group,
-            public=config.public_ips,
+            public=config.public_ip_request,
             existing_subnet=config.vpc_id is not None,
             spot=(config.spot_max_price, spot_tags) if config.spot else None,
         )

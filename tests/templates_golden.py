@@ -37,9 +37,25 @@ def synthesize(name: str) -> str:
     app = aws_cdk.App(context=context)
     config = synth_config({**PINS, **CONFIGS[name]}, region=None)
     stack = GpuClusterStack(app, f"GpuCluster-{config.cluster_name}", config=config)
-    template = app.synth().get_stack_by_name(stack.stack_name).template
-    text = json.dumps(template, indent=1, sort_keys=True)
-    return _CONTEXT_TAG.sub(r'\1\2<tag>"', _ASSET_HASH.sub("<asset-hash>", text)) + "\n"
+    template = json.loads(_normalised(json.dumps(app.synth().get_stack_by_name(stack.stack_name).template)))
+    return json.dumps(_resources_sorted(template), indent=1, sort_keys=True) + "\n"
+
+
+def _normalised(text: str) -> str:
+    return _CONTEXT_TAG.sub(r'\1\2<tag>"', _ASSET_HASH.sub("<asset-hash>", text))
+
+
+def _resources_sorted(value):
+    """IAM statements' Resource lists in one order: CDK orders them by their text, asset hashes included, so
+    the bootstrap script's and the image context's objects swap places as their contents change."""
+    if isinstance(value, dict):
+        return {
+            k: sorted(v, key=json.dumps) if k == "Resource" and isinstance(v, list) else _resources_sorted(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_resources_sorted(v) for v in value]
+    return value
 
 
 def golden(name: str) -> Path:

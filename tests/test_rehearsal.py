@@ -289,7 +289,10 @@ def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
 # Session Manager's actions are the SSH proxy's with access=ssm (test_session_manager_reaches_...);
 # preflight reads a given VPC's DNS attributes (test_a_given_vpc_without_dns_hostnames_fails_preflight_...).
 USED_ELSEWHERE = {"sts:AssumeRole", "ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession"}
+USED_ELSEWHERE |= {"ssmmessages:OpenDataChannel"}  # the plugin's data channel (a WebSocket, not the gate's)
 USED_ELSEWHERE |= {"ec2:DescribeVpcAttribute"}
+# and, with a customer managed default EBS key, its grants (test_a_customer_managed_default_ebs_key_...).
+USED_ELSEWHERE |= {"kms:ListGrants"}
 USED: set[str] = set()
 
 
@@ -403,6 +406,13 @@ def test_session_manager_reaches_every_node_under_the_documented_user_policy(dep
     ours = [c for c in gate.calls if c.principal == "user-sessions"]
     assert [v for v in gate.violations if v.startswith("user-sessions:")] == []
     assert {"ssm:StartSession", "ssm:TerminateSession"} <= {c.action for c in ours}
+    # The plugin then opens the session's data channel (AWS's quickstart end-user policy grants it on the
+    # user's own sessions): allowed on each session this user started, not on another user's.
+    policy = [json.loads(USER_POLICY.read_text())]
+    for session in [s for s in gate.sessions if s.startswith("user-sessions-")] + ["someone-else-0"]:
+        arn = f"arn:aws:ssm:{REGION}:{ACCOUNT}:session/{session}"
+        opened = evaluate(policy, Request("ssmmessages:OpenDataChannel", arn, {"aws:username": "user-sessions"}))
+        assert opened.allowed == session.startswith("user-sessions-"), (session, opened.reason)
     untagged = untagged_instance()
     refused = subprocess.run(
         ["bash", "-c", f"aws ssm start-session --target {untagged}"],

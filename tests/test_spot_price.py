@@ -157,13 +157,22 @@ def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
 
 
 KEY = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+SPOT_ROLE = "arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
+AWS_EBS = "arn:aws:kms:us-east-1:123456789012:alias/aws/ebs"
 
 
 @pytest.mark.parametrize(
-    "default_key, manager",
-    [("arn:aws:kms:us-east-1:123456789012:alias/aws/ebs", None), (KEY, "AWS"), (KEY, "CUSTOMER")],
+    "default_key, manager, grantees, ok",
+    [
+        (AWS_EBS, None, None, True),
+        (KEY, "AWS", None, True),
+        ("alias/team-ebs", "CUSTOMER", [], False),  # set by alias: the grant must name the key's ARN
+        (KEY, "CUSTOMER", ["arn:aws:iam::123456789012:role/other"], False),
+        (KEY, "CUSTOMER", [SPOT_ROLE], True),
+    ],
+    ids=["aws-ebs", "aws-managed", "customer-by-alias", "customer-granted-elsewhere", "customer-granted"],
 )
-def test_a_customer_managed_default_ebs_key_needs_a_grant_for_the_spot_service_role(default_key, manager):
+def test_a_customer_managed_default_ebs_key_needs_a_grant_for_the_spot_service_role(default_key, manager, grantees, ok):
     """EC2 restarts an interrupted Spot node through AWSServiceRoleForEC2Spot, which needs a grant on a
     customer managed key (EC2 User Guide, "Service-linked role for Spot Instance requests"); the nodes'
     root volumes use the account's default EBS key. Response shapes from botocore's models."""
@@ -171,20 +180,16 @@ def test_a_customer_managed_default_ebs_key_needs_a_grant_for_the_spot_service_r
     with Stubber(ec2) as ec2_stub, Stubber(kms) as kms_stub:
         ec2_stub.add_response("get_ebs_default_kms_key_id", {"KmsKeyId": default_key})
         if manager:
-            kms_stub.add_response(
-                "describe_key", {"KeyMetadata": {"KeyId": KEY, "KeyManager": manager}}, {"KeyId": KEY}
-            )
+            metadata = {"KeyId": KEY, "Arn": KEY, "KeyManager": manager}
+            kms_stub.add_response("describe_key", {"KeyMetadata": metadata}, {"KeyId": default_key})
+        if grantees is not None:
+            grants = [{"KeyId": KEY, "GranteePrincipal": g} for g in grantees]
+            kms_stub.add_response("list_grants", {"Grants": grants, "Truncated": False}, {"KeyId": KEY})
         found = preflight.spot_volume_key(ec2, kms, "123456789012", "us-east-1")
-    assert found.name == "Spot volume key" and found.ok == (manager != "CUSTOMER"), found
-    if manager == "CUSTOMER":
-        assert (
-            "customer managed: EC2 could not restart an interrupted node; aws kms create-grant --region us-east-1"
-            in found.detail
-        )
-        assert (
-            "arn:aws:iam::123456789012:role/aws-service-role/spot.amazonaws.com/AWSServiceRoleForEC2Spot"
-            in found.detail
-        )
+    assert found.name == "Spot volume key" and found.ok == ok, found
+    if not ok:
+        assert "not granted to the Spot service role: EC2 could not restart an interrupted node" in found.detail
+        assert f"aws kms create-grant --region us-east-1 --key-id {KEY} --grantee-principal {SPOT_ROLE}" in found.detail
     denied = offline("ec2")
     with Stubber(denied) as stub:
         stub.add_client_error("get_ebs_default_kms_key_id", "UnauthorizedOperation", "not allowed")

@@ -301,21 +301,29 @@ def spot_volume_key(ec2, kms, account: str, region: str) -> Check:
     """The nodes' encrypted root volumes use the account's default EBS key. EC2 starts a stopped Spot node
     again through the AWSServiceRoleForEC2Spot service-linked role, which may use AWS managed keys but a
     customer managed one only with a grant: without it the first restart after an interruption fails."""
+    role = f"arn:aws:iam::{account}:role/{SPOT_ROLE}"
     try:
         key = ec2.get_ebs_default_kms_key_id()["KmsKeyId"]
-        manager = "AWS" if key.endswith("alias/aws/ebs") else kms.describe_key(KeyId=key)["KeyMetadata"]["KeyManager"]
+        if key.endswith("alias/aws/ebs"):
+            return Check("Spot volume key", True, f"the default EBS key is AWS managed ({key})")
+        metadata = kms.describe_key(KeyId=key)["KeyMetadata"]  # CreateGrant takes a key's ARN, not an alias
+        if metadata["KeyManager"] == "AWS":
+            return Check("Spot volume key", True, f"the default EBS key is AWS managed ({key})")
+        grants = kms.get_paginator("list_grants").paginate(KeyId=metadata["Arn"])
+        granted = any(g.get("GranteePrincipal") == role for page in grants for g in page["Grants"])
     except ClientError as error:
         return Check("Spot volume key", True, f"not checked: {aws_error(error)}", skipped=True)
-    if manager == "AWS":
-        return Check("Spot volume key", True, f"the default EBS key is AWS managed ({key})")
+    if granted:
+        return Check("Spot volume key", True, f"the default EBS key {metadata['Arn']} is granted to the Spot role")
     grant = (
-        f"aws kms create-grant --region {region} --key-id {key} --grantee-principal "
-        f"arn:aws:iam::{account}:role/{SPOT_ROLE} --operations {SPOT_KEY_OPERATIONS}"
+        f"aws kms create-grant --region {region} --key-id {metadata['Arn']} --grantee-principal {role} "
+        f"--operations {SPOT_KEY_OPERATIONS}"
     )
     return Check(
         "Spot volume key",
         False,
-        f"the default EBS key {key} is customer managed: EC2 could not restart an interrupted node; {grant}",
+        f"the default EBS key {metadata['Arn']} is customer managed and not granted to the Spot service role: "
+        f"EC2 could not restart an interrupted node (unless the key's policy allows that role); {grant}",
     )
 
 
