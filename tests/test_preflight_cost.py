@@ -183,6 +183,51 @@ def test_a_given_vpc_without_dns_hostnames_fails_preflight_with_the_command_that
     assert evaluate([policy], Request("ec2:DescribeVpcAttribute", "*")).allowed
 
 
+def default_vpc_way_out(ec2, vpc: str) -> None:
+    """What AWS's default VPC has and moto's lacks: an internet gateway, the main route table's 0.0.0.0/0 to
+    it (VPC User Guide, "Default VPCs")."""
+    main = ec2.describe_route_tables(
+        Filters=[{"Name": "vpc-id", "Values": [vpc]}, {"Name": "association.main", "Values": ["true"]}]
+    )["RouteTables"][0]
+    if any(r.get("DestinationCidrBlock") == "0.0.0.0/0" for r in main["Routes"]):
+        return
+    gateway = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    ec2.attach_internet_gateway(InternetGatewayId=gateway, VpcId=vpc)
+    ec2.create_route(RouteTableId=main["RouteTableId"], DestinationCidrBlock="0.0.0.0/0", GatewayId=gateway)
+
+
+def test_a_given_subnet_without_a_way_out_for_its_nodes_fails_preflight(aws_env):
+    """Every boot fetches from SSM, S3 and nvcr.io: a given subnet needs a default route, to an internet
+    gateway with a public IP on the node (access=ssh asks for one; with ssm the subnet's auto-assign
+    decides) or to a NAT gateway (ssm only: fab reaches ssh nodes at their public IPs). moto's VPC, subnets,
+    gateways and route tables; a subnet without its own table uses the VPC's main one."""
+    ec2 = boto3.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.78.0.0/16")["Vpc"]["VpcId"]
+    public, private = (ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.78.{i}.0/24")["Subnet"]["SubnetId"] for i in (1, 2))
+    bare = preflight.subnet_route_out(ec2, private, public_ip_requested=False)
+    assert not bare.ok and "has no default route (0.0.0.0/0)" in bare.detail, bare
+    gateway = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+    ec2.attach_internet_gateway(InternetGatewayId=gateway, VpcId=vpc)
+    main = ec2.describe_route_tables(Filters=[{"Name": "vpc-id", "Values": [vpc]}])["RouteTables"][0]["RouteTableId"]
+    ec2.create_route(RouteTableId=main, DestinationCidrBlock="0.0.0.0/0", GatewayId=gateway)
+    assert preflight.subnet_route_out(ec2, public, public_ip_requested=True).ok  # ssh: the main table's IGW
+    ssm = preflight.subnet_route_out(ec2, public, public_ip_requested=False)
+    assert not ssm.ok and f"through {gateway} but gives no public IP (access=ssm)" in ssm.detail, ssm
+    ec2.modify_subnet_attribute(SubnetId=public, MapPublicIpOnLaunch={"Value": True})
+    assert preflight.subnet_route_out(ec2, public, public_ip_requested=False).ok
+    address = ec2.allocate_address(Domain="vpc")["AllocationId"]
+    nat = ec2.create_nat_gateway(SubnetId=public, AllocationId=address)["NatGateway"]["NatGatewayId"]
+    table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
+    ec2.create_route(RouteTableId=table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat)
+    ec2.associate_route_table(RouteTableId=table, SubnetId=private)
+    assert preflight.subnet_route_out(ec2, private, public_ip_requested=False).ok
+    ssh = preflight.subnet_route_out(ec2, private, public_ip_requested=True)
+    assert not ssh.ok and f"through {nat}, not an internet gateway" in ssh.detail, ssh
+    policy = json.loads((REPO / "docs" / "user-policy.json").read_text())
+    for action in ("ec2:DescribeSubnets", "ec2:DescribeRouteTables"):
+        assert evaluate([policy], Request(action, "*")).allowed, action
+
+
 def test_offerings_are_cached_where_synth_reads_them(tmp_path):
     context = tmp_path / "cdk.context.json"
     context.write_text(json.dumps({"availability-zones:account=1:region=us-east-1": ["us-east-1a"]}))
@@ -221,6 +266,7 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     subnet = clients["ec2"].describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zones[0]]}])["Subnets"][
         0
     ]
+    default_vpc_way_out(clients["ec2"], subnet["VpcId"])
     existing = ClusterConfig.from_context(
         {
             "ami_ssm_parameter": "/test/preflight/ami",

@@ -287,10 +287,11 @@ def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
 
 # Granted for what these laptop runs do not call: `cdk deploy`/`destroy` assume the CDK bootstrap's roles;
 # Session Manager's actions are the SSH proxy's with access=ssm (test_session_manager_reaches_...);
-# preflight reads a given VPC's DNS attributes (test_a_given_vpc_without_dns_hostnames_fails_preflight_...).
+# preflight reads a given VPC's DNS attributes and its subnet's routes (test_a_given_vpc_without_dns_...,
+# test_a_given_subnet_without_a_way_out_...).
 USED_ELSEWHERE = {"sts:AssumeRole", "ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession"}
 USED_ELSEWHERE |= {"ssmmessages:OpenDataChannel"}  # the plugin's data channel (a WebSocket, not the gate's)
-USED_ELSEWHERE |= {"ec2:DescribeVpcAttribute"}
+USED_ELSEWHERE |= {"ec2:DescribeVpcAttribute", "ec2:DescribeSubnets", "ec2:DescribeRouteTables"}
 # and, with a customer managed default EBS key, its grants (test_a_customer_managed_default_ebs_key_...).
 USED_ELSEWHERE |= {"kms:ListGrants"}
 USED: set[str] = set()

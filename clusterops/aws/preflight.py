@@ -237,6 +237,45 @@ def vpc_dns(ec2, vpc_id: str) -> Check:
     return Check("VPC DNS", False, f"{vpc_id} has {' and '.join(off)} off: /data (EFS) would not mount; {turn_on}")
 
 
+def subnet_route_out(ec2, subnet_id: str, public_ip_requested: bool) -> Check:
+    """A given subnet's way out, which every boot needs (SSM, S3, CloudFormation, apt, nvcr.io): its route
+    table's default route (the subnet's own table, else its VPC's main one, VPC User Guide "Route tables") to
+    an internet gateway with a public IP on the node, or to anything else (a NAT gateway, a transit gateway,
+    a firewall) without one. Fails only where the boot cannot get out."""
+    try:
+        subnet = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"][0]
+        tables = ec2.describe_route_tables(Filters=[{"Name": "association.subnet-id", "Values": [subnet_id]}])
+        table = (tables["RouteTables"] or _main_route_table(ec2, subnet["VpcId"]))[0]
+    except ClientError as error:
+        return Check("subnet route out", False, f"could not read {subnet_id}'s routes: {aws_error(error)}")
+    default = [r for r in table["Routes"] if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
+    target = (default[0].get("GatewayId") or default[0].get("NatGatewayId") or "another target") if default else None
+    public = public_ip_requested or bool(subnet.get("MapPublicIpOnLaunch"))
+    where = f"{subnet_id} (route table {table['RouteTableId']})"
+    if target is None:
+        return Check("subnet route out", False, f"{where} has no default route (0.0.0.0/0): a node could not boot")
+    if target.startswith("igw-") and not public:
+        return Check(
+            "subnet route out",
+            False,
+            f"{where} goes out through {target} but gives no public IP (access=ssm): "
+            "a node could not boot; pass a subnet with a NAT gateway route",
+        )
+    if public_ip_requested and not target.startswith("igw-"):
+        return Check(
+            "subnet route out",
+            False,
+            f"{where} goes out through {target}, not an internet gateway: fab could not reach the nodes' "
+            "public IPs (access=ssh); pass a public subnet, or use access=ssm",
+        )
+    return Check("subnet route out", True, f"{where} goes out through {target}")
+
+
+def _main_route_table(ec2, vpc_id: str) -> list[dict]:
+    filters = [{"Name": "vpc-id", "Values": [vpc_id]}, {"Name": "association.main", "Values": ["true"]}]
+    return ec2.describe_route_tables(Filters=filters)["RouteTables"]
+
+
 def dry_run(
     ec2,
     image_id: str,
@@ -423,6 +462,8 @@ def run_preflight(
     checks.append(where)
     if config.vpc_id:
         checks.append(vpc_dns(ec2, config.vpc_id))
+    if config.subnet_id:
+        checks.append(subnet_route_out(ec2, config.subnet_id, config.public_ip_request is True))
     quota = _quota(clients, config, spot, checks)
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
