@@ -248,12 +248,16 @@ def subnet_route_out(ec2, subnet_id: str, public_ip_requested: bool) -> Check:
         table = (tables["RouteTables"] or _main_route_table(ec2, subnet["VpcId"]))[0]
     except ClientError as error:
         return Check("subnet route out", False, f"could not read {subnet_id}'s routes: {aws_error(error)}")
-    default = [r for r in table["Routes"] if r.get("DestinationCidrBlock") == "0.0.0.0/0"]
-    target = (default[0].get("GatewayId") or default[0].get("NatGatewayId") or "another target") if default else None
+    default = [
+        r for r in table["Routes"] if r.get("DestinationCidrBlock") == "0.0.0.0/0" and r.get("State") != "blackhole"
+    ]  # a blackhole: its NAT gateway or instance is gone
+    target = _route_target(default[0]) if default else None
     public = public_ip_requested or bool(subnet.get("MapPublicIpOnLaunch"))
     where = f"{subnet_id} (route table {table['RouteTableId']})"
     if target is None:
-        return Check("subnet route out", False, f"{where} has no default route (0.0.0.0/0): a node could not boot")
+        return Check(
+            "subnet route out", False, f"{where} has no working default route (0.0.0.0/0): a node could not boot"
+        )
     if target.startswith("igw-") and not public:
         return Check(
             "subnet route out",
@@ -269,6 +273,12 @@ def subnet_route_out(ec2, subnet_id: str, public_ip_requested: bool) -> Check:
             "public IPs (access=ssh); pass a public subnet, or use access=ssm",
         )
     return Check("subnet route out", True, f"{where} goes out through {target}")
+
+
+def _route_target(route: dict) -> str:
+    """igw-..., nat-..., tgw-..., eni-...: the route's one target (EC2 API reference, Route)."""
+    ids = [v for k, v in route.items() if k.endswith("Id") and k != "InstanceOwnerId" and isinstance(v, str)]
+    return ids[0] if ids else "another target"
 
 
 def _main_route_table(ec2, vpc_id: str) -> list[dict]:
