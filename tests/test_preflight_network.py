@@ -71,7 +71,7 @@ def test_a_given_subnet_without_a_way_out_for_its_nodes_fails_preflight(aws_env)
     ec2.associate_route_table(RouteTableId=table, SubnetId=private)
     assert preflight.subnet_route_out(ec2, private, public_ip_requested=False).ok
     ssh = preflight.subnet_route_out(ec2, private, public_ip_requested=True)
-    assert not ssh.ok and f"through {nat}, not an internet gateway" in ssh.detail, ssh
+    assert not ssh.ok and f"through {nat}, a private subnet's way" in ssh.detail, ssh
     # A deleted NAT gateway leaves its route, a blackhole (moto keeps it active): botocore's shapes.
     stubbed = offline("ec2")
     route = {"DestinationCidrBlock": "0.0.0.0/0", "NatGatewayId": nat, "State": "blackhole"}

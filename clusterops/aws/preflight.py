@@ -241,7 +241,8 @@ def subnet_route_out(ec2, subnet_id: str, public_ip_requested: bool) -> Check:
     """A given subnet's way out, which every boot needs (SSM, S3, CloudFormation, apt, nvcr.io): its route
     table's default route (the subnet's own table, else its VPC's main one, VPC User Guide "Route tables") to
     an internet gateway with a public IP on the node, or to anything else (a NAT gateway, a transit gateway,
-    a firewall) without one. Fails only where the boot cannot get out."""
+    a firewall) without one; with access=ssh (a public IP asked for) not through a NAT or transit gateway,
+    where fab could not reach that IP. Fails only what cannot work."""
     try:
         subnet = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"][0]
         tables = ec2.describe_route_tables(Filters=[{"Name": "association.subnet-id", "Values": [subnet_id]}])
@@ -265,11 +266,12 @@ def subnet_route_out(ec2, subnet_id: str, public_ip_requested: bool) -> Check:
             f"{where} goes out through {target} but gives no public IP (access=ssm): "
             "a node could not boot; pass a subnet with a NAT gateway route",
         )
-    if public_ip_requested and not target.startswith("igw-"):
+    # A NAT or transit gateway: a private subnet. (A firewall's vpce- may stand before an internet gateway.)
+    if public_ip_requested and target.startswith(("nat-", "tgw-")):
         return Check(
             "subnet route out",
             False,
-            f"{where} goes out through {target}, not an internet gateway: fab could not reach the nodes' "
+            f"{where} goes out through {target}, a private subnet's way: fab could not reach the nodes' "
             "public IPs (access=ssh); pass a public subnet, or use access=ssm",
         )
     return Check("subnet route out", True, f"{where} goes out through {target}")
