@@ -7,6 +7,7 @@ import shlex
 import subprocess
 
 import boto3
+import pytest
 from aws_stubs import offline
 from botocore.stub import Stubber
 from conftest import REPO, tool_env
@@ -53,33 +54,77 @@ def test_a_given_subnet_without_a_way_out_for_its_nodes_fails_preflight(aws_env)
     ec2 = boto3.client("ec2")
     vpc = ec2.create_vpc(CidrBlock="10.78.0.0/16")["Vpc"]["VpcId"]
     public, private = (ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.78.{i}.0/24")["Subnet"]["SubnetId"] for i in (1, 2))
-    bare = preflight.subnet_route_out(ec2, private, public_ip_requested=False)
+    bare = preflight.subnet_route_out(ec2, private, None)
     assert not bare.ok and "has no working default route (0.0.0.0/0)" in bare.detail, bare
     gateway = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
     ec2.attach_internet_gateway(InternetGatewayId=gateway, VpcId=vpc)
     main = ec2.describe_route_tables(Filters=[{"Name": "vpc-id", "Values": [vpc]}])["RouteTables"][0]["RouteTableId"]
     ec2.create_route(RouteTableId=main, DestinationCidrBlock="0.0.0.0/0", GatewayId=gateway)
-    assert preflight.subnet_route_out(ec2, public, public_ip_requested=True).ok  # ssh: the main table's IGW
-    ssm = preflight.subnet_route_out(ec2, public, public_ip_requested=False)
-    assert not ssm.ok and f"through {gateway} but gives no public IP (access=ssm)" in ssm.detail, ssm
+    assert preflight.subnet_route_out(ec2, public, True).ok  # ssh: the main table's internet gateway
+    ssm = preflight.subnet_route_out(ec2, public, None)
+    assert not ssm.ok and f"through {gateway} but its nodes get no public IP" in ssm.detail, ssm
     ec2.modify_subnet_attribute(SubnetId=public, MapPublicIpOnLaunch={"Value": True})
-    assert preflight.subnet_route_out(ec2, public, public_ip_requested=False).ok
+    assert preflight.subnet_route_out(ec2, public, None).ok
+    assert not preflight.subnet_route_out(ec2, public, False).ok  # several EFA cards: no public IP at all
     address = ec2.allocate_address(Domain="vpc")["AllocationId"]
     nat = ec2.create_nat_gateway(SubnetId=public, AllocationId=address)["NatGateway"]["NatGatewayId"]
     table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
     ec2.create_route(RouteTableId=table, DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat)
     ec2.associate_route_table(RouteTableId=table, SubnetId=private)
-    assert preflight.subnet_route_out(ec2, private, public_ip_requested=False).ok
-    ssh = preflight.subnet_route_out(ec2, private, public_ip_requested=True)
-    assert not ssh.ok and f"through {nat}, a private subnet's way" in ssh.detail, ssh
-    # A deleted NAT gateway leaves its route, a blackhole (moto keeps it active): botocore's shapes.
-    stubbed = offline("ec2")
-    route = {"DestinationCidrBlock": "0.0.0.0/0", "NatGatewayId": nat, "State": "blackhole"}
-    with Stubber(stubbed) as stub:
-        stub.add_response("describe_subnets", {"Subnets": [{"SubnetId": private, "VpcId": vpc}]})
-        stub.add_response("describe_route_tables", {"RouteTables": [{"RouteTableId": table, "Routes": [route]}]})
-        blackhole = preflight.subnet_route_out(stubbed, private, public_ip_requested=False)
-    assert not blackhole.ok and "has no working default route" in blackhole.detail, blackhole
+    assert preflight.subnet_route_out(ec2, private, None).ok and preflight.subnet_route_out(ec2, private, False).ok
+    ssh = preflight.subnet_route_out(ec2, private, True)
+    assert not ssh.ok and f"through {nat}, not an internet gateway" in ssh.detail, ssh
     policy = json.loads((REPO / "docs" / "user-policy.json").read_text())
-    for action in ("ec2:DescribeSubnets", "ec2:DescribeRouteTables"):
+    for action in ("ec2:DescribeSubnets", "ec2:DescribeRouteTables", "ec2:DescribeVpcEndpoints"):
         assert evaluate([policy], Request(action, "*")).allowed, action
+
+
+def _routes(route: dict) -> dict:
+    """A describe_route_tables answer: one table whose default route is `route` (active unless it says)."""
+    default = {"DestinationCidrBlock": "0.0.0.0/0", "State": "active", **route}
+    return {"RouteTables": [{"RouteTableId": "rtb-1", "Routes": [default]}]}
+
+
+FIREWALL = {"GatewayId": "vpce-0f1"}  # a Network Firewall endpoint, in subnet-fw
+# (the subnet's default route, the firewall subnet's or None, ssh's verdict, ssm's without a public IP)
+ROUTES = {
+    "NAT gateway": ({"NatGatewayId": "nat-1"}, None, False, True),
+    "a deleted NAT gateway (blackhole)": ({"NatGatewayId": "nat-1", "State": "blackhole"}, None, False, False),
+    "transit gateway": ({"TransitGatewayId": "tgw-1"}, None, False, True),
+    "NAT instance": ({"InstanceId": "i-1", "InstanceOwnerId": "1", "NetworkInterfaceId": "eni-1"}, None, False, True),
+    "peering connection": ({"VpcPeeringConnectionId": "pcx-1"}, None, False, False),
+    "firewall, then internet gateway": (FIREWALL, {"GatewayId": "igw-1"}, True, False),
+    "firewall, then NAT gateway": (FIREWALL, {"NatGatewayId": "nat-1"}, False, True),
+}
+
+
+@pytest.mark.parametrize("name", ROUTES)
+def test_each_kind_of_default_route_passes_only_where_a_node_can_get_out(name):
+    """botocore's Route shapes for what moto cannot show: the verdict on the last hop, a firewall endpoint
+    followed to its own subnet's route; the subnet's own table looked up by association.subnet-id."""
+    first, beyond, ssh_ok, ssm_ok = ROUTES[name]
+    for public_ip, expected in ((True, ssh_ok), (False, ssm_ok)):
+        ec2 = offline("ec2")
+        with Stubber(ec2) as stub:
+            stub.add_response("describe_subnets", {"Subnets": [{"SubnetId": "subnet-1", "VpcId": "vpc-1"}]})
+            by_subnet = {"Filters": [{"Name": "association.subnet-id", "Values": ["subnet-1"]}]}
+            stub.add_response("describe_route_tables", _routes(first), by_subnet)
+            if beyond is not None:
+                stub.add_response("describe_vpc_endpoints", {"VpcEndpoints": [{"SubnetIds": ["subnet-fw"]}]})
+                stub.add_response("describe_route_tables", _routes(beyond))
+            found = preflight.subnet_route_out(ec2, "subnet-1", public_ip)
+            stub.assert_no_pending_responses()
+        assert found.ok == expected, (name, public_ip, found.detail)
+
+
+def test_a_shared_vpcs_subnet_whose_route_tables_are_the_owners_is_not_checked():
+    """A participant in a shared VPC sees the subnet, not the owner's route tables (VPC User Guide, "Share
+    your VPC with other accounts"): both lookups come back empty; the check says so instead of failing."""
+    ec2 = offline("ec2")
+    with Stubber(ec2) as stub:
+        stub.add_response("describe_subnets", {"Subnets": [{"SubnetId": "subnet-1", "VpcId": "vpc-1"}]})
+        stub.add_response("describe_route_tables", {"RouteTables": []})
+        main = [{"Name": "vpc-id", "Values": ["vpc-1"]}, {"Name": "association.main", "Values": ["true"]}]
+        stub.add_response("describe_route_tables", {"RouteTables": []}, {"Filters": main})
+        found = preflight.subnet_route_out(ec2, "subnet-1", None)
+    assert found.ok and found.skipped and "no route table of subnet-1 is visible" in found.detail

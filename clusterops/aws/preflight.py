@@ -237,55 +237,82 @@ def vpc_dns(ec2, vpc_id: str) -> Check:
     return Check("VPC DNS", False, f"{vpc_id} has {' and '.join(off)} off: /data (EFS) would not mount; {turn_on}")
 
 
-def subnet_route_out(ec2, subnet_id: str, public_ip_requested: bool) -> Check:
+ROUTE_OUT = "subnet route out"
+
+
+def subnet_route_out(ec2, subnet_id: str, public_ip: Optional[bool]) -> Check:
     """A given subnet's way out, which every boot needs (SSM, S3, CloudFormation, apt, nvcr.io): its route
-    table's default route (the subnet's own table, else its VPC's main one, VPC User Guide "Route tables") to
-    an internet gateway with a public IP on the node, or to anything else (a NAT gateway, a transit gateway,
-    a firewall) without one; with access=ssh (a public IP asked for) not through a NAT or transit gateway,
-    where fab could not reach that IP. Fails only what cannot work."""
+    table's default route (the subnet's own table, else its VPC's main one, VPC User Guide "Route tables"),
+    followed through a firewall's endpoint. `public_ip`: True, the node asks for one (access=ssh, and fab
+    reaches it there); False, it can have none (several EFA cards); None, the subnet's auto-assign decides.
+    Fails only what cannot work; a shared VPC's route tables, which its owner keeps, are not checked."""
     try:
-        subnet = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"][0]
-        tables = ec2.describe_route_tables(Filters=[{"Name": "association.subnet-id", "Values": [subnet_id]}])
-        table = (tables["RouteTables"] or _main_route_table(ec2, subnet["VpcId"]))[0]
+        found = _way_out(ec2, subnet_id)
     except ClientError as error:
-        return Check("subnet route out", False, f"could not read {subnet_id}'s routes: {aws_error(error)}")
-    default = [
-        r for r in table["Routes"] if r.get("DestinationCidrBlock") == "0.0.0.0/0" and r.get("State") != "blackhole"
-    ]  # a blackhole: its NAT gateway or instance is gone
-    target = _route_target(default[0]) if default else None
-    public = public_ip_requested or bool(subnet.get("MapPublicIpOnLaunch"))
-    where = f"{subnet_id} (route table {table['RouteTableId']})"
-    if target is None:
+        return Check(ROUTE_OUT, False, f"could not read {subnet_id}'s routes: {aws_error(error)}")
+    if found is None:
         return Check(
-            "subnet route out", False, f"{where} has no working default route (0.0.0.0/0): a node could not boot"
+            ROUTE_OUT, True, f"not checked: no route table of {subnet_id} is visible (a shared VPC?)", skipped=True
         )
-    if target.startswith("igw-") and not public:
+    subnet, table, hops = found
+    public = bool(subnet.get("MapPublicIpOnLaunch")) if public_ip is None else public_ip
+    return _route_verdict(f"{subnet_id} (route table {table})", hops, public, asks=public_ip is True)
+
+
+def _route_verdict(where: str, hops: list[str], public: bool, asks: bool) -> Check:
+    """The verdict on the default route's last hop (igw-, nat-, tgw-, pcx-, vgw-, eni-, ...)."""
+    if not hops or hops[-1] == "none":
+        return Check(ROUTE_OUT, False, f"{where} has no working default route (0.0.0.0/0): a node could not boot")
+    path, last = " then ".join(hops), hops[-1]
+    if last.startswith("pcx-"):
+        return Check(ROUTE_OUT, False, f"{where} goes out through {path}: a peering connection carries no internet")
+    if last.startswith("igw-") and not public:
         return Check(
-            "subnet route out",
+            ROUTE_OUT,
             False,
-            f"{where} goes out through {target} but gives no public IP (access=ssm): "
-            "a node could not boot; pass a subnet with a NAT gateway route",
+            f"{where} goes out through {path} but its nodes get no public IP: a node could not boot; pass a "
+            "subnet with a NAT gateway route (or turn on its public IP auto-assign, not with several EFA cards)",
         )
-    # A NAT or transit gateway: a private subnet. (A firewall's vpce- may stand before an internet gateway.)
-    if public_ip_requested and target.startswith(("nat-", "tgw-")):
+    if asks and not last.startswith("igw-"):
         return Check(
-            "subnet route out",
+            ROUTE_OUT,
             False,
-            f"{where} goes out through {target}, a private subnet's way: fab could not reach the nodes' "
-            "public IPs (access=ssh); pass a public subnet, or use access=ssm",
+            f"{where} goes out through {path}, not an internet gateway: fab could not reach the nodes' "
+            "public IPs (access=ssh; replies leave that way); pass a public subnet, or use access=ssm",
         )
-    return Check("subnet route out", True, f"{where} goes out through {target}")
+    return Check(ROUTE_OUT, True, f"{where} goes out through {path}")
 
 
-def _route_target(route: dict) -> str:
-    """igw-..., nat-..., tgw-..., eni-...: the route's one target (EC2 API reference, Route)."""
-    ids = [v for k, v in route.items() if k.endswith("Id") and k != "InstanceOwnerId" and isinstance(v, str)]
-    return ids[0] if ids else "another target"
+def _way_out(ec2, subnet_id: str) -> Optional[tuple[dict, str, list[str]]]:
+    """(the subnet, its route table's id, the default route's hops: one, or a firewall endpoint's then its
+    subnet's); None when no route table is visible."""
+    subnet = ec2.describe_subnets(SubnetIds=[subnet_id])["Subnets"][0]
+    table = _route_table(ec2, subnet_id, subnet["VpcId"])
+    if table is None:
+        return None
+    hops = [_default_target(table)]
+    if hops[0].startswith("vpce-"):  # a Network Firewall or Gateway Load Balancer endpoint: where it goes next
+        endpoint = ec2.describe_vpc_endpoints(VpcEndpointIds=[hops[0]])["VpcEndpoints"][0]
+        beyond = _route_table(ec2, endpoint["SubnetIds"][0], subnet["VpcId"]) if endpoint.get("SubnetIds") else None
+        hops.append(_default_target(beyond) if beyond else "none")
+    return subnet, table["RouteTableId"], hops
 
 
-def _main_route_table(ec2, vpc_id: str) -> list[dict]:
-    filters = [{"Name": "vpc-id", "Values": [vpc_id]}, {"Name": "association.main", "Values": ["true"]}]
-    return ec2.describe_route_tables(Filters=filters)["RouteTables"]
+def _route_table(ec2, subnet_id: str, vpc_id: str) -> Optional[dict]:
+    explicit = ec2.describe_route_tables(Filters=[{"Name": "association.subnet-id", "Values": [subnet_id]}])
+    main = [{"Name": "vpc-id", "Values": [vpc_id]}, {"Name": "association.main", "Values": ["true"]}]
+    tables = explicit["RouteTables"] or ec2.describe_route_tables(Filters=main)["RouteTables"]
+    return tables[0] if tables else None
+
+
+def _default_target(table: dict) -> str:
+    """The 0.0.0.0/0 route's target (EC2 API reference, Route), "none" without a working one (a blackhole:
+    its NAT gateway or instance is gone)."""
+    for route in table["Routes"]:
+        if route.get("DestinationCidrBlock") == "0.0.0.0/0" and route.get("State") != "blackhole":
+            ids = [v for k, v in route.items() if k.endswith("Id") and k != "InstanceOwnerId" and isinstance(v, str)]
+            return ids[0] if ids else route.get("CoreNetworkArn", "another target")
+    return "none"
 
 
 def dry_run(
@@ -475,7 +502,8 @@ def run_preflight(
     if config.vpc_id:
         checks.append(vpc_dns(ec2, config.vpc_id))
     if config.subnet_id:
-        checks.append(subnet_route_out(ec2, config.subnet_id, config.public_ip_request is True))
+        public_ip = True if config.public_ip_request else (False if config.efa_cards > 1 else None)
+        checks.append(subnet_route_out(ec2, config.subnet_id, public_ip))
     quota = _quota(clients, config, spot, checks)
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
