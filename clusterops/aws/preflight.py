@@ -215,15 +215,18 @@ def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[
     ), az
 
 
-DNS_ATTRIBUTES = {"enableDnsSupport": "EnableDnsSupport", "enableDnsHostnames": "EnableDnsHostnames"}
-DNS_FLAGS = {"enableDnsSupport": "enable-dns-support", "enableDnsHostnames": "enable-dns-hostnames"}
+# attribute: (its key in DescribeVpcAttribute's answer, the AWS CLI flag that turns it on)
+DNS_ATTRIBUTES = {
+    "enableDnsSupport": ("EnableDnsSupport", "enable-dns-support"),
+    "enableDnsHostnames": ("EnableDnsHostnames", "enable-dns-hostnames"),
+}
 
 
 def vpc_dns(ec2, vpc_id: str) -> Check:
     """A given VPC resolves the EFS file system's DNS name, which the nodes mount /data by: EFS needs the
     VPC's DNS resolution and DNS hostnames on (AWS EFS User Guide, "Mounting on Amazon EC2 with a DNS name")."""
     off = []
-    for attribute, key in DNS_ATTRIBUTES.items():
+    for attribute, (key, _) in DNS_ATTRIBUTES.items():
         try:
             value = ec2.describe_vpc_attribute(VpcId=vpc_id, Attribute=attribute)[key]["Value"]
         except ClientError as error:
@@ -233,7 +236,7 @@ def vpc_dns(ec2, vpc_id: str) -> Check:
     if not off:
         return Check("VPC DNS", True, f"{vpc_id} resolves and names hosts (EFS is mounted by its DNS name)")
     # One attribute a call (EC2 API reference, ModifyVpcAttribute).
-    turn_on = " && ".join(f"aws ec2 modify-vpc-attribute --vpc-id {vpc_id} --{DNS_FLAGS[a]}" for a in off)
+    turn_on = " && ".join(f"aws ec2 modify-vpc-attribute --vpc-id {vpc_id} --{DNS_ATTRIBUTES[a][1]}" for a in off)
     return Check("VPC DNS", False, f"{vpc_id} has {' and '.join(off)} off: /data (EFS) would not mount; {turn_on}")
 
 
@@ -382,10 +385,9 @@ def spot_volume_key(ec2, kms, account: str, region: str) -> Check:
     role = f"arn:aws:iam::{account}:role/{SPOT_ROLE}"
     try:
         key = ec2.get_ebs_default_kms_key_id()["KmsKeyId"]
-        if key.endswith("alias/aws/ebs"):
-            return Check("Spot volume key", True, f"the default EBS key is AWS managed ({key})")
-        metadata = kms.describe_key(KeyId=key)["KeyMetadata"]  # CreateGrant takes a key's ARN, not an alias
-        if metadata["KeyManager"] == "AWS":
+        # CreateGrant takes a key's ARN, not an alias
+        metadata = None if key.endswith("alias/aws/ebs") else kms.describe_key(KeyId=key)["KeyMetadata"]
+        if metadata is None or metadata["KeyManager"] == "AWS":
             return Check("Spot volume key", True, f"the default EBS key is AWS managed ({key})")
         grants = kms.get_paginator("list_grants").paginate(KeyId=metadata["Arn"])
         granted = any(g.get("GranteePrincipal") == role for page in grants for g in page["Grants"])
