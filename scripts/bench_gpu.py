@@ -12,16 +12,16 @@ script with --peer. (A smoke run forks its trainers from a server that imported 
 start-up is not what it measures.) In order of importance, each skipped when --budget-s would be passed:
 transformer-base at the recipe's token budget, stopped and resumed (a new process: the after-resume
 warm-up), the plain loop fed the trainer's own batches with padding masks (flash/efficient pinned; its
-figures in the same form) and at one fixed shape of the same tokens (baseline.py); kernel launches
-from one thread while another allocates a snapshot's host buffers four ways, and the snapshot's copy
-into pinned and pageable memory (gpu_peers.launch_contention), and the budget's trainer without that
-reservation (patched_trainer); ResNet-50 on a synthetic batch against
-the plain loop, and on generated JPEGs; the same Transformer runs at 16k tokens a step; then the
-variants (--attention torch, --pad-multiple 1), the plain loop with torch's own SDPA choice (cuDNN on
-Hopper) and ResNet-50 in bf16. Data: Ding-like lengths (gpu_peers.text_data). Prints one table, the
-step times by window and the issue's bounds, and writes --json; every measurement is tried on its own
-(an error is printed and recorded, the rest still run). --profile runs only the trainer and its plain
-peer over the same steps under torch.profiler, side by side (about a minute).
+figures in the same form) and at one fixed shape of the same tokens (baseline.py); kernel launches from
+one thread while another allocates a snapshot's host buffers four ways, and the snapshot's copy into
+pinned and pageable memory (gpu_peers.launch_contention), and the budget's trainer without that
+reservation and with it made as before (one pinned allocation per tensor; patched_trainer); ResNet-50 on
+a synthetic batch against the plain loop, and on generated JPEGs; the same Transformer runs at 16k
+tokens a step; then the variants (--attention torch, --pad-multiple 1), the plain loop with torch's own
+SDPA choice (cuDNN on Hopper) and ResNet-50 in bf16. Data: Ding-like lengths (gpu_peers.text_data).
+Prints one table, the step times by window and the issue's bounds, and writes --json; every measurement
+is tried on its own (an error is printed and recorded, the rest still run). --profile runs only the
+trainer and its plain peer over the same steps under torch.profiler, side by side (about a minute).
 """
 
 from __future__ import annotations
@@ -233,12 +233,14 @@ class Bench:
         self.attempt("budget: trainer, profiled", "trainer", lambda: self.train(argv, run, patch=profiled))
         self.attempt("budget: plain, trainer's batches, profiled", "plain", lambda: self.peer(spec))
 
-    def unreserved(self) -> None:
-        """The budget's trainer without the snapshot writer's host-buffer reservation after step 1: is
-        that reservation the warm-up (docs/measured.md, session 14)?"""
+    def reservations(self) -> None:
+        """The budget's trainer without the snapshot writer's host-buffer reservation after step 1, and with
+        the reservation as it was before session 19 (one pinned allocation per tensor): was that the
+        warm-up (docs/measured.md, session 14)?"""
         argv = [*self.text_argv([]), "--max-steps", str(self.size["steps"])]
-        name, run = "budget, no host-buffer reservation: trainer", self.tmp / "run-unreserved"
-        self.attempt(name, "trainer", lambda: self.train(argv, run, patch={"reserve": False}))
+        for name, reserve in (("no host-buffer reservation", False), ("host buffers pinned per tensor", "per-tensor")):
+            run, patch = self.tmp / f"run-reserve-{reserve}", {"reserve": reserve}
+            self.attempt(f"budget, {name}: trainer", "trainer", lambda r=run, p=patch: self.train(argv, r, patch=p))
 
     def run(self) -> None:
         """In order of importance: what the issue's bounds need first."""
@@ -249,7 +251,7 @@ class Bench:
             traceback.print_exc()
         self.text_runs("budget", [], s["steps"])
         self.attempt("launch contention", "contention", lambda: self.peer({"kind": "contention"}))
-        self.unreserved()
+        self.reservations()
         self.resnet_runs()
         big = ["--max-tokens", str(s["big"])]
         self.text_runs("16k", big, s["big_steps"])
@@ -283,8 +285,8 @@ def patched_trainer(spec: dict) -> dict:
     """The trainer in this process (bench_gpu.py --trainer SPEC) on spec["argv"]. "window": [first, last]
     profiles those steps (their summary is the result); "reserve": false leaves out the snapshot writer's
     host-buffer reservation after step 1 (the buffers are then allocated at the first snapshot or
-    checkpoint, on the training thread)."""
-    from train import train, trainer
+    checkpoint, on the training thread), "per-tensor" makes it as before session 19 (PinnedPerTensor)."""
+    from train import snapshot, train, trainer
 
     window = peers.ProfileWindow(*spec["window"]) if spec.get("window") else None
     if window is not None:
@@ -297,9 +299,25 @@ def patched_trainer(spec: dict) -> dict:
         trainer.Trainer.train_step = train_step  # type: ignore[method-assign]
     if spec.get("reserve") is False:
         trainer.Trainer._reserve = lambda self: None  # type: ignore[method-assign]
+    if spec.get("reserve") == "per-tensor":
+        snapshot.HostBlock = PinnedPerTensor  # type: ignore[misc]
     if train.main(spec["argv"]):
         raise SystemExit("the trainer failed")
     return window.summary if window is not None else {}
+
+
+class PinnedPerTensor:
+    """The snapshot writer's host buffers before session 19 (HostBlock's stand-in): one allocation per tensor
+    from torch's pinned allocator on a GPU, pageable and touched on a CPU."""
+
+    def __init__(self, specs: list, lock: bool):
+        self.views = [torch.empty(shape, dtype=dtype, pin_memory=lock) for shape, dtype in specs]
+        if not lock:
+            for view in self.views:
+                view.zero_()
+
+    def release(self) -> None:
+        pass
 
 
 def smoke_trainer(argv: list[str], patch: dict | None, out: str, env: dict, log: str) -> None:

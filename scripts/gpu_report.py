@@ -129,7 +129,8 @@ def table(results: dict, machine: dict) -> str:
     plain, _ = plain_peer(results, "budget")
     fixed = _get(results, "budget: plain, fixed shape", "steady_step_s")
     variants = ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer")
-    for variant in ("budget, no host-buffer reservation: trainer", *variants):
+    reservations = ("budget, no host-buffer reservation: trainer", "budget, host buffers pinned per tensor: trainer")
+    for variant in (*reservations, *variants):
         lines.append(_row(results, variant, plain, fixed, None))
     resnet_plain = _get(results, "resnet50 synthetic: plain", "steady_step_s")
     resnets = ("resnet50 synthetic: trainer", "resnet50 jpegs: trainer")

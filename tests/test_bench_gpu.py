@@ -41,6 +41,7 @@ def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_pat
     expected |= {"resnet50 synthetic: trainer", "resnet50 synthetic: plain", "resnet50 jpegs: trainer"}
     expected |= {"resnet50 synthetic, --precision bf16: trainer", "budget, no host-buffer reservation: trainer"}
     expected |= {"budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer", "data"}
+    expected |= {"budget, host buffers pinned per tensor: trainer"}
     assert set(result["results"]) == expected | {"launch contention"}
     assert result["results"]["launch contention"] == {"cuda": False}  # no launches to slow on a CPU
     for name in expected - {"data"}:

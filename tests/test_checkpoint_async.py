@@ -278,3 +278,88 @@ def test_the_written_copy_is_the_state_at_the_copy_and_tied_tensors_stay_tied(tm
     saved = checkpoint.load_latest(tmp_path)
     assert torch.equal(saved["model"]["embed"], torch.ones(1000)) and saved["config"]["lr"] == [1.0]
     assert saved["model"]["embed"].data_ptr() == saved["model"]["out"].data_ptr()
+
+
+SPECS = [
+    ((3, 5), torch.float32),
+    ((7,), torch.bfloat16),
+    ((), torch.int64),
+    ((0,), torch.bool),
+    ((2, 3, 4), torch.float16),
+    ((9,), torch.uint8),
+    ((1,), torch.float64),
+]
+
+
+def test_the_writers_host_buffers_are_aligned_views_of_one_block_per_dtype(tmp_path):
+    """One allocation per dtype for the whole state (on a GPU one page-locking call each, not one per
+    tensor): each buffer a view of its dtype's block at a cache-line boundary, none overlapping, and a
+    state of several dtypes round-trips through torch.save (which refuses one storage as two dtypes)."""
+    host = snapshot.HostBlock(SPECS, lock=False)
+    assert [(tuple(v.shape), v.dtype) for v in host.views] == [(tuple(s), d) for s, d in SPECS]
+    assert set(host.blocks) == {d for _, d in SPECS}
+    for view in host.views:
+        base = host.blocks[view.dtype].data_ptr()
+        assert view.untyped_storage().data_ptr() == base and (view.data_ptr() - base) % snapshot.ALIGN == 0
+    for index, view in enumerate(host.views):
+        view.fill_(index + 1)
+    for index, view in enumerate(host.views):
+        assert bool((view == (index + 1 if view.dtype != torch.bool else True)).all()), index
+
+    writer = snapshot.StateWriter(torch.device("cpu"))
+    model = {"w": torch.arange(10.0), "b": torch.ones(3), "n": torch.tensor(7), "h": torch.ones(2).half()}
+    state = {"step": 3, "model": model}
+    writer.submit(state, [checkpoint.persist(tmp_path, 3, keep=1, best=False, log=lambda line: None)])
+    writer.close()
+    assert len({b.untyped_storage().data_ptr() for b in writer.buffers}) == 3  # float32, int64, float16
+    saved = checkpoint.load_latest(tmp_path)
+    assert all(torch.equal(saved["model"][key], model[key]) for key in model)
+
+
+class _Cudart:
+    """The driver's two calls, recorded (no GPU here; scripts/bench_gpu.py times the real ones)."""
+
+    def __init__(self, register_error: int = 0):
+        self.calls: list = []
+        self.register_error = register_error
+
+    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
+        self.calls.append(("register", pointer, size, flags))
+        return self.register_error
+
+    def cudaHostUnregister(self, pointer: int) -> int:
+        self.calls.append(("unregister", pointer))
+        return 0
+
+
+def _fake_driver(monkeypatch, cudart: _Cudart) -> None:
+    def check_error(code: int) -> None:
+        if code:
+            raise RuntimeError(f"CUDA error: {code}")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+
+
+def test_a_gpu_writer_page_locks_its_block_in_one_call_and_unlocks_it_before_it_is_freed(monkeypatch):
+    cudart = _Cudart()
+    _fake_driver(monkeypatch, cudart)
+    host = snapshot.HostBlock(SPECS, lock=True)
+    blocks = [b for b in host.blocks.values() if b.numel()]  # the bool block is empty: nothing to lock
+    assert sorted(cudart.calls) == sorted(("register", b.data_ptr(), b.numel() * b.element_size(), 0) for b in blocks)
+    assert len(cudart.calls) == len(blocks) == len({d for s, d in SPECS if torch.Size(s).numel()})
+    host.release()
+    host.release()  # once only
+    assert sorted(cudart.calls[len(blocks) :]) == sorted(("unregister", b.data_ptr()) for b in blocks)
+    assert not host.locked
+
+
+def test_a_refused_page_lock_is_one_line_and_the_copies_stay_correct(monkeypatch, capsys):
+    _fake_driver(monkeypatch, _Cudart(register_error=2))
+    host = snapshot.HostBlock([((3, 5), torch.float32)], lock=True)
+    assert not host.locked
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("warning: snapshot buffers not page-locked") and "\n" not in line
+    host.views[0].copy_(torch.full((3, 5), 2.0))
+    assert torch.equal(host.views[0], torch.full((3, 5), 2.0))
+    host.release()  # nothing to unlock
