@@ -135,6 +135,9 @@ MIN_SPOT_MAX_PRICE = 0.001
 # Spot nodes are stopped when interrupted, which needs persistent requests (see stacks/spot.py).
 SPOT_INTERRUPTION = "stop"
 SPOT_REQUEST = "persistent"
+# EC2 User Guide, placement group rules: "You can't launch a Spot Instance that is configured to stop or
+# hibernate on interruption in a placement group."
+SPOT_PLACEMENT_RULE = "EC2 launches no Spot instance that stops on interruption (as these do) in a placement group"
 
 
 def _spot_price(key: str, value: Any) -> float:
@@ -184,7 +187,7 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
     ),
     "ami_id": _optional(lambda k, v: _as_str(k, v, AMI_ID_RE, "expected an AMI id, e.g. ami-0123456789abcdef0")),
     "retain_data": _as_bool,
-    "placement_group": _as_bool,
+    "placement_group": _optional(_as_bool),
     "flow_logs": _as_bool,
     "access": lambda k, v: _as_choice(k, v, ACCESS_MODES),
     "efa": lambda k, v: _as_choice(k, v, EFA_MODES),
@@ -214,7 +217,7 @@ class ClusterConfig:
     ami_ssm_parameter: Optional[str] = None  # None: the DLAMI that supports the family
     ami_id: Optional[str] = None  # the pinned AMI: -c ami_id, else what `fab preflight` cached (stacks/pins.py)
     retain_data: bool = False
-    placement_group: bool = True
+    placement_group: Optional[bool] = None  # None: one cluster placement group, unless spot (in_placement_group)
     flow_logs: bool = True  # rejected flows to a KMS-encrypted log group (new VPC only)
     access: str = "ssh"  # ssh: from ssh_cidr; ssm: Session Manager only, no inbound rule at all
     private_subnet: bool = False  # access=ssm: nodes without public IPs (NAT gateway + VPC endpoints)
@@ -284,6 +287,8 @@ class ClusterConfig:
             )
         if self.spot_max_price is not None and not self.spot:
             raise ConfigError("spot_max_price", self.spot_max_price, "needs -c spot=true")
+        if self.spot and self.placement_group:
+            raise ConfigError("placement_group", True, f"{SPOT_PLACEMENT_RULE}: leave it unset with spot=true")
         existing = {"vpc_id": self.vpc_id, "subnet_id": self.subnet_id, "availability_zone": self.availability_zone}
         given = [key for key, value in existing.items() if value is not None]
         if (self.vpc_id or self.subnet_id) and len(given) < len(existing):
@@ -318,7 +323,14 @@ class ClusterConfig:
                 self.efa,
                 f"{self.instance_type} has no EFA; use efa=off or a type with EFA (e.g. g5.12xlarge, p4d.24xlarge)",
             )
-        if not self.placement_group:
+        if self.spot:
+            raise ConfigError(
+                "efa",
+                self.efa,
+                f"EFA needs the nodes in one cluster placement group, and {SPOT_PLACEMENT_RULE}: "
+                "use On-Demand nodes (no spot=true) for EFA, or efa=off",
+            )
+        if not self.in_placement_group:
             raise ConfigError(
                 "efa", self.efa, "EFA needs the nodes in one cluster placement group: drop placement_group=false"
             )
@@ -332,6 +344,11 @@ class ClusterConfig:
             )
 
     @property
+    def in_placement_group(self) -> bool:
+        """The nodes share one cluster placement group: asked for, or by default unless they are Spot nodes."""
+        return self.placement_group if self.placement_group is not None else not self.spot
+
+    @property
     def efa_cards(self) -> int:
         """EFA network cards the nodes get: auto turns EFA on where the type pairs it with GPUDirect RDMA
         (instance_types.py) and the network allows it (several cards mean several interfaces, which get no
@@ -341,7 +358,7 @@ class ClusterConfig:
             return 0
         if self.efa == "auto" and (
             not self.type_info.gpudirect_rdma
-            or not self.placement_group
+            or not self.in_placement_group
             or (cards > 1 and not self.nodes_without_public_ips)
         ):
             return 0
@@ -373,8 +390,10 @@ class ClusterConfig:
         return f"EFA off: {self.instance_type} has {self.type_info.efa} EFA card(s), but " + (
             "no GPUDirect RDMA (only p4d/p4de/p5 have it); -c efa=on turns EFA on anyway"
             if not self.type_info.gpudirect_rdma
+            else "Spot nodes have no placement group (EC2 refuses one for Spot instances that stop when interrupted)"
+            if self.spot
             else "placement_group=false"
-            if not self.placement_group
+            if not self.in_placement_group
             else "several interfaces get no public IP; -c access=ssm -c private_subnet=true turns it on"
         )
 

@@ -126,7 +126,7 @@ class GpuNodes(Construct):
         self.key_pair, self.key_parameter_name = self._key_pair(config)
         placement_group = (
             ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
-            if config.placement_group
+            if config.in_placement_group
             else None
         )
         machine_image = PinnedImage(config.ami_id)

@@ -9,7 +9,7 @@ from stacks.instance_types import AMI_PARAMETERS, INSTANCE_TYPES
 def test_defaults():
     config = ClusterConfig.from_context({})
     assert (config.nodes, config.instance_type, config.gpus) == (2, "g4dn.2xlarge", 1)
-    assert config.ssh_cidr is None and config.retain_data is False and config.placement_group is True
+    assert config.ssh_cidr is None and config.retain_data is False and config.in_placement_group is True
     assert config.ami_parameter == AMI_PARAMETERS["oss"]
 
 

@@ -108,6 +108,7 @@ def test_the_node_group_admits_and_sends_all_traffic_to_itself_for_efa():
         ({"instance_type": "g4dn.2xlarge", "efa": "on"}, "has no EFA"),
         ({"instance_type": "g5.12xlarge", "efa": "on", "placement_group": "false"}, "one cluster placement group"),
         ({"instance_type": "p5.48xlarge", "efa": "on"}, "no public IP"),
+        ({"instance_type": "g5.12xlarge", "efa": "on", "spot": "true"}, "On-Demand nodes .no spot=true. for EFA"),
     ],
 )
 def test_efa_on_where_it_cannot_work_is_one_line(context, words):
@@ -118,13 +119,28 @@ def test_efa_on_where_it_cannot_work_is_one_line(context, words):
     assert "\n" not in str(caught.value)
 
 
-def test_spot_nodes_with_efa_carry_the_market_options_in_their_efa_template():
+def test_spot_nodes_get_no_placement_group_and_so_no_efa():
+    """EC2 User Guide, placement group rules: "You can't launch a Spot Instance that is configured to stop or
+    hibernate on interruption in a placement group"; these stop. EFA needs the group, so auto leaves it off."""
     template = cluster_template(
         instance_type="p4d.24xlarge", nodes="2", ssh_cidr=None, access="ssm", private_subnet="true", spot="true"
     )
     datas = launch_templates(template)
-    assert len(datas) == 2 and all(
-        any(i["InterfaceType"] in ("efa", "efa-only") for i in d["NetworkInterfaces"]) for d in datas
-    )
     assert all(d["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == "stop" for d in datas)
     assert all(d["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1} for d in datas)
+    assert not any(i.get("InterfaceType") for d in datas for i in d.get("NetworkInterfaces", []))
+    template.resource_count_is("AWS::EC2::PlacementGroup", 0)
+    nodes = template.find_resources("AWS::EC2::Instance")
+    assert len(nodes) == 2 and not any("PlacementGroupName" in n["Properties"] for n in nodes.values())
+    config = ClusterConfig.from_context({"instance_type": "p4d.24xlarge", "spot": "true", "access": "ssm"})
+    assert config.efa_cards == 0 and "Spot nodes have no placement group" in (config.efa_note or "")
+
+
+def test_spot_with_a_placement_group_asked_for_is_one_line():
+    from stacks.config import ConfigError
+
+    with pytest.raises(ConfigError, match="placement group: leave it unset with spot=true") as caught:
+        ClusterConfig.from_context({"spot": "true", "placement_group": "true"})
+    assert "\n" not in str(caught.value)
+    assert ClusterConfig.from_context({"spot": "true", "placement_group": "false"}).in_placement_group is False
+    assert ClusterConfig.from_context({}).in_placement_group is True
