@@ -62,8 +62,33 @@ def test_a_fetch_that_fails_signals_failure_at_once_and_runs_no_bootstrap(sandbo
         f"--logical-resource-id GpuNodesNode0ABC --status FAILURE --unique-id {INSTANCE_ID}-failed-{step}"
     ]
     assert f"{step} failed" in result.stderr
-    assert not [c for c in sandbox.calls() if c.startswith(("docker", "mount", "systemctl"))]
+    assert not [c for c in sandbox.calls() if c.startswith(("docker", "mount", "systemctl "))]
     assert not (sandbox.root / "work" / "gpu-cluster-bootstrap").exists()
+
+
+def test_a_stub_that_fails_stops_its_own_node_after_a_grace_period_unless_kept(sandbox):
+    """With `cdk deploy --no-rollback` (README's advice) a node whose user data failed has no watchdog and no
+    alarm: nothing else would ever stop it. It stops itself in 45 min as a failed bootstrap does
+    (StopInstances on itself); keep-running keeps it, and a node that bootstrapped before is left alone."""
+    failed = sandbox.run(FAIL_S3_BOOTSTRAP="1")
+    assert failed.returncode != 0 and "stops itself in 45 min" in failed.stderr
+    (schedule,) = [c for c in sandbox.calls() if c.startswith("systemd-run")]
+    assert "--on-active=45min" in schedule and "--unit=gpu-cluster-failed-stop" in schedule
+    scheduled = (sandbox.root / "scheduled").read_text()
+    before = len(sandbox.calls())
+    assert sandbox.command(scheduled).returncode == 0
+    stops = [c for c in sandbox.calls()[before:] if "stop-instances" in c]
+    assert stops == [f"aws ec2 stop-instances --region eu-west-1 --instance-ids {INSTANCE_ID}"]
+
+    (sandbox.root / "state" / "keep-running").touch()
+    before = len(sandbox.calls())
+    assert sandbox.command(scheduled).returncode == 0
+    assert not [c for c in sandbox.calls()[before:] if "stop-instances" in c]
+
+    (sandbox.root / "state" / "signalled").touch()
+    before = len(sandbox.calls())
+    assert sandbox.run(FAIL_S3_BOOTSTRAP="1").returncode != 0
+    assert not [c for c in sandbox.calls()[before:] if c.startswith("systemd-run")]
 
 
 def test_a_first_call_before_the_credentials_are_served_is_retried_not_a_failed_deploy(sandbox):

@@ -4,19 +4,27 @@
 # lines of plain values: the file is sourced as root), fetches the bootstrap and runs it. Run by plain
 # bash (cloud-init runs user data so; the deploy rehearsal too). Any exit before the bootstrap takes
 # over (set -e, set -u, a failed exec) signals FAILURE with its step, so `cdk deploy` fails at once
-# instead of after the creation policy's 45 minutes.
+# instead of after the creation policy's 45 minutes; and, as a failed bootstrap does, schedules the node's
+# own stop in 45 minutes: with `cdk deploy --no-rollback` nothing else would ever stop it (no watchdog, no
+# alarm yet). /var/lib/gpu-cluster/keep-running keeps it; a node that bootstrapped before is not stopped.
 : "${ENV_FILE:?}" "${SCRIPT:?}"
 # shellcheck source=/dev/null
 source "$ENV_FILE.new"
 STEP=fetch-config
 fail() {
-  local status=$? imds=http://169.254.169.254/latest token id
+  local status=$? imds=http://169.254.169.254/latest token id state=/var/lib/gpu-cluster
   ((status)) || return 0
   echo "gpu-cluster user data: $STEP failed (exit $status)" >&2
   token=$(curl -sf -X PUT "$imds/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") || token=
   id=$(curl -sf -H "X-aws-ec2-metadata-token: $token" "$imds/meta-data/instance-id") || id=unknown
   aws cloudformation signal-resource --region "$AWS_REGION" --stack-name "$STACK_NAME" \
     --logical-resource-id "$SIGNAL_RESOURCE" --status FAILURE --unique-id "$id-failed-$STEP" || true
+  [[ -f $state/signalled ]] && return
+  # StopInstances stops whatever the shutdown behaviour (and persistent Spot allows it); poweroff if refused.
+  systemd-run --unit=gpu-cluster-failed-stop --on-active=45min --description="GPU cluster: stop this node, \
+its user data failed" /bin/sh -c "test -e $state/keep-running || aws ec2 stop-instances --region $AWS_REGION \
+--instance-ids $id >/dev/null || systemctl poweroff" || true
+  echo "gpu-cluster user data: this node stops itself in 45 min; to keep it: sudo touch $state/keep-running" >&2
 }
 trap fail EXIT
 # The stub's calls come first at boot: the instance profile's credentials, the NAT route or an endpoint may
