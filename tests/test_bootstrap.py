@@ -194,6 +194,31 @@ def test_only_an_efa_node_builds_its_image_with_the_efa_installer(tmp_path, card
     parameter, which the user-data stub reads)."""
     sandbox = Sandbox(tmp_path)
     (sandbox.root / "node-config").write_text(node_config({**NODE_CONFIG, "EFA_CARDS": cards}) + "\n")
-    assert sandbox.run().returncode == 0
+    devices = _efa_devices(tmp_path, int(cards))
+    assert sandbox.run(EFA_DEVICES=str(devices)).returncode == 0
     (build,) = [c for c in sandbox.calls() if c.startswith("docker build")]
     assert f"--build-arg EFA={efa} " in build
+    (run,) = [c for c in sandbox.calls() if c.startswith("docker run")]
+    assert run.count("--device ") == int(cards) and all(f"--device {d} " in run for d in devices.iterdir())
+
+
+def _efa_devices(tmp_path, count: int):
+    devices = tmp_path / "infiniband"
+    devices.mkdir()
+    for index in range(count):
+        (devices / f"uverbs{index}").touch()
+    return devices
+
+
+def test_a_node_short_of_its_efa_devices_fails_its_deploy_naming_them(tmp_path):
+    """One uverbs device per EFA interface; a host whose efa driver brought up fewer (3 of a p4d's 4)
+    fails at start-container, named, instead of at the first fab train (NCCL_NET=OFI finds no network)."""
+    sandbox = Sandbox(tmp_path)
+    (sandbox.root / "node-config").write_text(node_config({**NODE_CONFIG, "EFA_CARDS": "4"}) + "\n")
+    devices = _efa_devices(tmp_path, 3)
+    assert sandbox.run(EFA_DEVICES=str(devices)).returncode != 0
+    (signal,) = [c for c in sandbox.calls() if "signal-resource" in c]
+    assert "--status FAILURE" in signal and signal.endswith("-failed-start-container")
+    log = (sandbox.root / "state" / "bootstrap.log").read_text()
+    assert f"EFA: 3 of 4 devices in {devices}" in log
+    assert not [c for c in sandbox.calls() if c.startswith("docker run")]

@@ -35,6 +35,7 @@ APT_UPDATE_ATTEMPTS=${APT_UPDATE_ATTEMPTS:-30}
 # nvcr.io's manifest or TLS can fail once in a ~10 GB pull; docker retries layers, not the pull itself.
 PULL_ATTEMPTS=${PULL_ATTEMPTS:-5}
 PULL_RETRY_SECONDS=${PULL_RETRY_SECONDS:-30}
+EFA_DEVICES=${EFA_DEVICES:-/dev/infiniband}  # one uverbsN per EFA interface (the host's efa driver)
 UNITS=/etc/systemd/system
 DOCKER_DROPIN=$UNITS/docker.service.d/gpu-cluster-data.conf
 SELF=/usr/local/sbin/gpu-cluster-bootstrap
@@ -326,7 +327,12 @@ start_container() {
   # need the host's rdma-core and hwloc, which the container lacks).
   local efa=() device
   if ((${EFA_CARDS:-0} > 0)); then
-    for device in /dev/infiniband/uverbs*; do [[ -e $device ]] && efa+=(--device "$device"); done
+    for device in "$EFA_DEVICES"/uverbs*; do [[ -e $device ]] && efa+=(--device "$device"); done
+    # A node short of its EFA devices fails here, named, not at the first fab train (NCCL_NET=OFI).
+    if ((${#efa[@]} / 2 < EFA_CARDS)); then
+      log "EFA: $((${#efa[@]} / 2)) of $EFA_CARDS devices in $EFA_DEVICES (the host's efa driver: lsmod | grep efa)"
+      return 1
+    fi
   fi
   # SYSLOG: the health probe's dmesg (its Xid check); Docker's default seccomp profile allows syslog(2)
   # only with CAP_SYSLOG. nofile: Docker 25+ leaves a container systemd's soft 1024 open files, and NCCL's
