@@ -293,6 +293,10 @@ class GpuNodes(Construct):
             "IDLE_MINUTES_PARAMETER": idle_minutes_parameter(config.cluster_name),
             "IDLE_ALARM": idle_alarm_name(config.cluster_name, rank),
             "HEARTBEAT_NAMESPACE": HEARTBEAT_NAMESPACE,
+            # A node of another type is another node: in user data, a type change replaces each node (a
+            # new one bootstraps, then the old one goes). In place, CloudFormation would stop and start
+            # every node at once, and EC2 refuses a stopped Spot instance a new type.
+            "INSTANCE_TYPE": config.instance_type,
         }
         instance.user_data.add_commands(render_user_data(env))
         check_user_data_size(stack.resolve(instance.user_data.render()), config.node_name(rank))

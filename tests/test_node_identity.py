@@ -99,6 +99,7 @@ def test_user_data_is_a_stub_with_life_long_values_only_under_4_kb_at_the_longes
                 "IDLE_MINUTES_PARAMETER",
                 "IDLE_ALARM",
                 "HEARTBEAT_NAMESPACE",
+                "INSTANCE_TYPE",
             }
     print(f"user data: {max(sizes)} bytes at most, tokens at {bootstrap.TOKEN_ALLOWANCE} bytes each")
     assert max(sizes) < STUB_BUDGET
@@ -123,3 +124,16 @@ def test_the_node_role_may_read_the_node_config_parameter_and_the_script_object_
     objects = [json.dumps(s["Resource"]) for s in statements if "s3:GetObject" in json.dumps(s["Action"])]
     assert any(".sh" in o for o in objects), objects
     assert not any("*" in o for o in objects), objects  # objects by key: no bucket-wide read
+
+
+def test_a_new_instance_type_replaces_each_node_instead_of_stopping_them_all():
+    """AWS::EC2::Instance InstanceType: "Update requires: Some interruptions" (CloudFormation stops every node
+    at once, changes the type, starts it), and "While a Spot Instance is stopped, you can modify some of its
+    instance attributes, but not the instance type" (EC2 User Guide, Spot interruption behavior): a Spot
+    cluster's type change failed and rolled back. The type is in user data, so each node is a new resource."""
+    for spot in ("false", "true"):
+        before, after = _template(spot=spot), _template(spot=spot, instance_type="g5.2xlarge")
+        old, new = _nodes(before), _nodes(after)
+        assert set(old) == set(new) == {0, 1}
+        assert all(old[rank][0] != new[rank][0] for rank in old), spot  # new logical IDs: replacement
+        assert all("INSTANCE_TYPE=g5.2xlarge" in new[rank][1] for rank in new)
