@@ -344,9 +344,18 @@ def test_stop_action_stops_only_this_clusters_running_instances(aws_env):
     assert autostop.stop_cluster(ec2, "autostop-a") == []  # nothing left running: no second stop call
 
 
+def _mark_ready(data, ids) -> None:
+    """What each node's bootstrap writes once it is ready (node-bootstrap.sh mark_ready)."""
+    ready = data / ".cluster" / "ready"
+    ready.mkdir(parents=True, exist_ok=True)
+    for rank, instance in enumerate(ids):
+        (ready / f"node{rank}").write_text(f"2026-11-27T00:00:00Z {instance}\n")
+
+
 def test_the_watchdog_loop_publishes_its_heartbeat_and_stops_an_idle_cluster(aws_env, tmp_path):
     ec2 = boto3.client("ec2")
     ids = moto_instances(2, "idle-loop")
+    _mark_ready(tmp_path, ids)
     (tmp_path / "runs" / "r").mkdir(parents=True)
     progress = tmp_path / "runs" / "r" / "progress.json"
     progress.write_text(json.dumps({"step": 120}))
@@ -376,6 +385,36 @@ def test_the_watchdog_loop_publishes_its_heartbeat_and_stops_an_idle_cluster(aws
     )["Datapoints"]
     assert points and max(p["Maximum"] for p in points) == 1.0 and min(p["Minimum"] for p in points) == 0.0
     assert json.loads((tmp_path / ".cluster" / "heartbeat" / "node1.json").read_text())["busy"] == []
+
+
+def test_an_idle_clusters_stop_waits_while_a_deploy_bootstraps_a_new_node(aws_env, tmp_path):
+    """`cdk deploy -c nodes=3` (or a replacement) on a cluster idle for most of idle_minutes: stopped
+    mid-bootstrap, the new node would never signal and the deploy would roll back 45 minutes later. A node
+    launched within the creation policy's window that no ready mark names holds the stop; once its mark is
+    there, the idle cluster stops."""
+    ec2 = boto3.client("ec2")
+    ready, new = moto_instances(2, "idle-hold"), moto_instances(1, "idle-hold")
+    _mark_ready(tmp_path, ready)
+    env = tool_env(CLUSTER_NAME="idle-hold", IDLE_MINUTES="0.005", INSTANCE_ID=ready[0], NODE_RANK="0", **aws_env)
+    command = [sys.executable, "-m", "cluster_node.daemons.autostop.watchdog", "--data", str(tmp_path)]
+    command += ["--interval", "0.2", "--pts", str(tmp_path / "no-terminals")]
+    watchdog = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / ".cluster" / "autostop.log"
+    deadline = time.time() + 30
+    while "still bootstrapping" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # five more rounds, each one idle
+    states = lambda: {
+        i["InstanceId"]: i["State"]["Name"]
+        for r in ec2.describe_instances(InstanceIds=ready + new)["Reservations"]
+        for i in r["Instances"]
+    }
+    assert f"idle, but not stopping: {new[0]} still bootstrapping" in log.read_text()
+    assert set(states().values()) == {"running"} and watchdog.poll() is None
+    (tmp_path / ".cluster" / "ready" / "node2").write_text(f"2026-11-27T00:10:00Z {new[0]}\n")
+    assert watchdog.wait(timeout=30) == 0
+    assert set(states().values()) <= {"stopping", "stopped"}
+    assert cloud.bootstrapping(ec2, "idle-hold", set(), time.time() + cloud.BOOTSTRAP_HOLD_S) == []
 
 
 @pytest.fixture

@@ -74,7 +74,8 @@ def test_first_run_mounts_efs_via_fstab_builds_and_starts_the_container_and_sign
     assert oct(ssh_dir.stat().st_mode & 0o777) == "0o700"
     assert "Port 4444" in (ssh_dir / "config").read_text()
     assert "FakeUserKeyForTests" in (sandbox.root / "etc-gpu-cluster" / "authorized_keys").read_text()
-    assert (sandbox.root / "efs" / ".cluster" / "ready" / "node0").exists()
+    mark = (sandbox.root / "efs" / ".cluster" / "ready" / "node0").read_text().split()
+    assert mark[1] == "i-0123456789abcdef0"  # the idle watchdog tells a bootstrapping node by it
     assert "apt-get" not in " ".join(calls)  # docker, toolkit and nfs client were present
 
 

@@ -354,7 +354,11 @@ start_container() {
 mark_ready() {
   STEP=ready
   install -d -m 0755 "$DATA_DIR/.cluster/ready"
-  [[ -f $DATA_DIR/.cluster/ready/node$NODE_RANK ]] || date -u +%FT%TZ > "$DATA_DIR/.cluster/ready/node$NODE_RANK"
+  # TIME INSTANCE_ID: the idle watchdog holds its stop while a node no mark names is bootstrapping (a
+  # deploy adding or replacing nodes); a node replaced under this rank writes its own.
+  local mark=$DATA_DIR/.cluster/ready/node$NODE_RANK instance_id
+  instance_id=$(imds meta-data/instance-id)
+  [[ " $(cat "$mark" 2>/dev/null) " == *" $instance_id "* ]] || echo "$(date -u +%FT%TZ) $instance_id" > "$mark"
   if [[ ! -f $STATE_DIR/signalled ]]; then
     # The idle alarm is created right after this signal, over a window of missing (breaching) data.
     busy_beat "$(imds meta-data/instance-id)"

@@ -12,6 +12,7 @@ CLUSTER = ".cluster"
 SSH_DIR = "ssh"
 SSH_LOCK = "ssh.lock"
 READY_DIR = "ready"  # ready/nodeN
+READY_FORMAT = "`TIME INSTANCE_ID`, the node's bootstrap finished"
 NODE_MARK = "node{rank}"
 DEPLOY_DIR = "deploy"  # deploy/nodeN: the node's deploy timeline (node-bootstrap.sh), see DEPLOY_FORMAT
 DEPLOY_FORMAT = "`STEP START END [failed]` lines, epoch s"
@@ -37,3 +38,15 @@ def node_json(data_dir: Union[str, os.PathLike], folder: str, rank: Union[int, s
 def node_file(data_dir: Union[str, os.PathLike], folder: str, name: str) -> Path:
     """DATA/.cluster/FOLDER/NAME, FOLDER = READY_DIR or DEPLOY_DIR, NAME = nodeN (the bootstrap writes them)."""
     return Path(data_dir) / CLUSTER / folder / name
+
+
+def ready_instances(data_dir: Union[str, os.PathLike]) -> set[str]:
+    """The instance ids the ready marks name (a node replaced under the same rank writes its own)."""
+    found: set[str] = set()
+    for mark in (Path(data_dir) / CLUSTER / READY_DIR).glob("node*"):
+        try:
+            fields = mark.read_text().split()
+        except OSError:  # removed meanwhile
+            continue
+        found.update(f for f in fields[1:2] if f.startswith("i-"))
+    return found

@@ -144,7 +144,13 @@ FILES: tuple[ProtocolFile, ...] = (
         "cluster", cd.SSH_DIR, "the cluster's SSH identity", "cluster-identity.sh", "entrypoint.sh, mpirun, supervisor"
     ),
     _at("cluster", cd.SSH_LOCK, "flock", "cluster-identity.sh", "cluster-identity.sh"),
-    _at("cluster", f"{cd.READY_DIR}/{cd.NODE_MARK}", "empty marker", "node-bootstrap.sh", "node_status (fab status)"),
+    _at(
+        "cluster",
+        f"{cd.READY_DIR}/{cd.NODE_MARK}",
+        cd.READY_FORMAT,
+        "node-bootstrap.sh",
+        "node_status (fab status), the idle watchdog",
+    ),
     _at(
         "cluster", f"{cd.DEPLOY_DIR}/{cd.NODE_MARK}", cd.DEPLOY_FORMAT, "node-bootstrap.sh", "node_status (fab status)"
     ),

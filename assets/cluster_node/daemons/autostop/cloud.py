@@ -11,14 +11,32 @@ from cluster_node.protocol.contract import BUSY_METRIC, CLUSTER_TAG, METRIC_NAME
 IDLE_REFRESH_S = 5 * 60.0  # how often idle_minutes is read again from its parameter
 
 
-def cluster_instances(ec2, cluster: str, states: Sequence[str] = ("pending", "running")) -> list[str]:
+# The nodes' creation policy waits 45 min for a bootstrap's signal (stacks/nodes.py BOOTSTRAP_TIMEOUT).
+BOOTSTRAP_HOLD_S = 50 * 60
+
+
+def _instances(ec2, cluster: str, states: Sequence[str]) -> list[dict]:
     pages = ec2.get_paginator("describe_instances").paginate(
         Filters=[
             {"Name": f"tag:{CLUSTER_TAG}", "Values": [cluster]},
             {"Name": "instance-state-name", "Values": list(states)},
         ]
     )
-    return sorted(i["InstanceId"] for page in pages for r in page["Reservations"] for i in r["Instances"])
+    return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+
+
+def cluster_instances(ec2, cluster: str, states: Sequence[str] = ("pending", "running")) -> list[str]:
+    return sorted(i["InstanceId"] for i in _instances(ec2, cluster, states))
+
+
+def bootstrapping(ec2, cluster: str, ready: set[str], now: float) -> list[str]:
+    """The cluster's nodes a deploy is still bootstrapping: launched within BOOTSTRAP_HOLD_S, and no ready
+    mark names them. Stopped now, each would fail its deploy 45 min later (its bootstrap killed)."""
+    return sorted(
+        i["InstanceId"]
+        for i in _instances(ec2, cluster, ("pending", "running"))
+        if i["InstanceId"] not in ready and now - i["LaunchTime"].timestamp() < BOOTSTRAP_HOLD_S
+    )
 
 
 STOP_TRIES = 4  # per node, STOP_DELAY_S apart, doubling: a node still `pending` refuses (IncorrectInstanceState)

@@ -39,6 +39,7 @@ from cluster_node.daemons.autostop.busy_signals import GPU_BUSY_PERCENT, STEP_WI
 from cluster_node.daemons.autostop.cloud import (
     IDLE_REFRESH_S,
     IdleLimit,
+    bootstrapping,
     cluster_instances,
     publish,
     refusal_hint,
@@ -282,6 +283,7 @@ class Loop:
         self.instance_id, self.cluster, self.sources = instance_id, cluster, sources
         self.limit: Optional[IdleLimit] = limit
         self.said: Optional[bool] = None
+        self.holding: list[str] = []
 
     def apply_limit(self, now: float) -> None:
         """idle_minutes as its parameter says now; switched on (from 0), the idle clock starts now."""
@@ -305,7 +307,7 @@ class Loop:
             self.said = bool(reasons)
             log("busy: " + "; ".join(reasons) if reasons else "idle")
         state = self.dog.state
-        if not decision.stop or state is None or now < state.retry_at:
+        if not decision.stop or state is None or now < state.retry_at or self.held(now):
             return None
         try:
             ids = stop_cluster(self.ec2, self.cluster)
@@ -318,6 +320,18 @@ class Loop:
             return None
         log(f"{decision.reason}; stopping {ids}", self.data)
         return 0
+
+    def held(self, now: float) -> bool:
+        """An idle cluster's stop waits while a deploy bootstraps a node (cloud.bootstrapping); said once."""
+        try:
+            new = bootstrapping(self.ec2, self.cluster, clusterdir.ready_instances(self.data), now)
+        except Exception as error:  # noqa: BLE001 - unknown: stop as before
+            log(f"could not look for bootstrapping nodes: {error}")
+            return False
+        if new and new != self.holding:
+            log(f"idle, but not stopping: {', '.join(new)} still bootstrapping (a deploy is under way)", self.data)
+        self.holding = new
+        return bool(new)
 
 
 def stop_now(ec2, cluster: str) -> int:
