@@ -13,6 +13,7 @@ from pathlib import Path
 import aws_cdk as cdk
 from cdk_nag import AwsSolutionsChecks, NIST80053R5Checks
 
+from stacks.config import stack_name
 from stacks.contextkeys import check_context_keys, settings_keys
 from stacks.pins import UnpinnedError, synth_config, unpinned_config
 
@@ -26,12 +27,12 @@ try:
         config = synth_config(app.node.try_get_context, region=region)  # refuses to guess the AZ or the AMI
     except UnpinnedError as error:  # fails synth/diff/deploy as an error annotation, not `cdk destroy`
         config, unpinned = unpinned_config(app.node.try_get_context, region=region), f"error: {error}"
-    stack_name = app.node.try_get_context("stack_name") or f"GpuCluster-{config.cluster_name}"
+    name = stack_name(app.node.try_get_context("stack_name"), config.cluster_name)
     from stacks.cluster_stack import GpuClusterStack  # after the checks: bad context fails in a second, not three
 
     stack = GpuClusterStack(
         app,
-        stack_name,
+        name,
         config=config,
         env=cdk.Environment(account=os.environ.get("CDK_DEFAULT_ACCOUNT"), region=region),
         description=f"GPU training cluster {config.cluster_name}: {config.nodes} x {config.instance_type}",

@@ -76,10 +76,12 @@ def preflight(c, context=None, nodes=None, instance_type=None, request_quota=Fal
 
     Before `cdk deploy`: credentials, region, CDK bootstrap, AZ and subnet, vCPU quota, AMI (pinned),
     launch permission."""
+    from stacks.config import stack_name
+
     values, config = deploy_config(context or [], nodes=nodes, instance_type=instance_type)
     session = aws_session()
     clients = (
-        {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas", "kms")}
+        {name: session.client(name) for name in ("sts", "ec2", "ssm", "service-quotas", "kms", "cloudformation")}
         if session.region_name
         else {"sts": session.client("sts", region_name="us-east-1")}
     )
@@ -94,6 +96,7 @@ def preflight(c, context=None, nodes=None, instance_type=None, request_quota=Fal
             spot=spot or config.spot,
             context=values,
             refresh_ami=refresh_ami,
+            stack_name=stack_name(values.get("stack_name"), config.cluster_name),
         )
     summary, notes = (notes[0], notes[1:]) if notes else (None, notes)
     if summary:

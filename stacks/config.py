@@ -31,6 +31,17 @@ def offerings_context_key(region: str, instance_type: str) -> str:
     return f"instance-type-offerings:region={region}:instance-type={instance_type}"
 
 
+def cluster_az_context_key(region: str, cluster_name: str) -> str:
+    """The cdk.context.json key under which `fab preflight` pins a deployed cluster's AZ (where its subnet is:
+    CloudFormation cannot move a subnet to another AZ in an update)."""
+    return f"cluster-availability-zone:region={region}:cluster={cluster_name}"
+
+
+def stack_name(given: Optional[str], cluster_name: str) -> str:
+    """The stack's name: -c stack_name, else GpuCluster-CLUSTER_NAME."""
+    return given or f"GpuCluster-{cluster_name}"
+
+
 def ami_context_key(region: str, parameter: str) -> str:
     """The cdk.context.json key under which `fab preflight` pins the AMI id that `parameter` (a
     DLAMI's `.../latest/ami-id`) resolved to: synth reads it, so a new DLAMI release replaces no node
@@ -38,11 +49,26 @@ def ami_context_key(region: str, parameter: str) -> str:
     return f"ami:region={region}:ssm-parameter={parameter}"
 
 
-def choose_availability_zone(explicit: Optional[str], offered: Optional[Sequence[str]]) -> Optional[str]:
-    """An explicit AZ wins; else the first AZ (by name) that offers the type; else None (unknown)."""
+def choose_availability_zone(
+    explicit: Optional[str], offered: Optional[Sequence[str]], deployed: Optional[str] = None
+) -> Optional[str]:
+    """An explicit AZ wins; else, the type's offers known, the deployed cluster's AZ (see unmovable_zone) or
+    the first AZ (by name) that offers the type; else None (unknown)."""
     if explicit:
         return explicit
-    return sorted(offered)[0] if offered else None
+    if not offered:
+        return None
+    return deployed if deployed in offered else sorted(offered)[0]
+
+
+def unmovable_zone(deployed: Optional[str], offered: Optional[Sequence[str]]) -> Optional[str]:
+    """Why a type not offered where the deployed cluster's subnet is cannot be deployed to it, else None."""
+    if not deployed or not offered or deployed in offered:
+        return None
+    return (
+        f"not offered in {deployed}, where the deployed cluster's subnet is (offered in {', '.join(offered)}); "
+        "an update cannot move a subnet to another AZ: `npx cdk destroy`, then deploy it"
+    )
 
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
@@ -253,7 +279,12 @@ class ClusterConfig:
             offered = get(offerings_context_key(region, config.instance_type))
             if isinstance(offered, str):  # from `-c KEY=a,b`
                 offered = [zone for zone in offered.split(",") if zone]
-            config = replace(config, availability_zone=choose_availability_zone(config.availability_zone, offered))
+            deployed = get(cluster_az_context_key(region, config.cluster_name))  # fab preflight's pin
+            refusal = None if config.availability_zone else unmovable_zone(deployed, offered)
+            if refusal:
+                raise ConfigError("instance_type", config.instance_type, refusal)
+            zone = choose_availability_zone(config.availability_zone, offered, deployed)
+            config = replace(config, availability_zone=zone)
         return config
 
     def validate(self) -> None:

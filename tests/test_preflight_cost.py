@@ -178,7 +178,7 @@ def test_offerings_are_cached_where_synth_reads_them(tmp_path):
 
 
 def test_full_preflight_against_the_emulator(aws_env, tmp_path):
-    clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm")}
+    clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm", "cloudformation")}
     clients["ssm"].put_parameter(Name="/test/preflight/ami", Value="ami-03cf127a", Type="String", Overwrite=True)
     running = preflight.running_vcpus(clients["ec2"], "g4dn.2xlarge")
     clients["service-quotas"], stubber = quotas_client(16 + running)
@@ -189,6 +189,7 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
         "credentials",
         "region",
         "CDK bootstrap",
+        "deployed cluster",
         "AZ and subnet",
         "vCPU quota (On-Demand)",
         "AMI",
@@ -197,7 +198,7 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     # us-east-1 is bootstrapped only once test_moto's `cdk bootstrap` has run (test_preflight_context checks it)
     assert all(c.ok for c in found if c.name != "CDK bootstrap"), found
     zones = json.loads(context.read_text())[offerings_context_key("us-east-1", "g4dn.2xlarge")]
-    assert found[3].detail.startswith(f"a new VPC with one public subnet in {zones[0]}")
+    assert found[4].detail.startswith(f"a new VPC with one public subnet in {zones[0]}")
     assert notes[0] == f"checking 2 x g4dn.2xlarge (On-Demand) in us-east-1, AZ {zones[0]}"
     assert "cfn-exec-role-123456789012-us-east-1" in notes[1] and "YOUR permissions" in notes[1]
     subnet = clients["ec2"].describe_subnets(Filters=[{"Name": "availability-zone", "Values": [zones[0]]}])["Subnets"][
@@ -214,7 +215,7 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     )
     clients["service-quotas"], _ = quotas_client(8)
     found, notes = preflight.run_preflight(clients, "us-east-1", existing)
-    assert found[3].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
+    assert found[4].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
     assert {c.name for c in found if not c.ok} - {"CDK bootstrap"} == {"vCPU quota (On-Demand)"}
     assert "--request-quota" in notes[2]
 

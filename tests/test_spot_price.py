@@ -129,7 +129,7 @@ def test_preflight_fails_a_spot_max_price_below_the_spot_price():
 
 def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
     """moto answers describe_spot_price_history (with a made-up price) and the Spot dry run."""
-    clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm", "kms")}
+    clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm", "kms", "cloudformation")}
     # moto has no GetEbsDefaultKmsKeyId: a new account's answer, its AWS managed key
     default_key = {"KmsKeyId": "arn:aws:kms:us-east-1:123456789012:alias/aws/ebs"}
     monkeypatch.setattr(clients["ec2"], "get_ebs_default_kms_key_id", lambda: default_key)
@@ -143,6 +143,7 @@ def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
         "credentials",
         "region",
         "CDK bootstrap",
+        "deployed cluster",
         "AZ and subnet",
         "vCPU quota (Spot)",
         "Spot price",
@@ -151,8 +152,8 @@ def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
         "launch permission (RunInstances dry run)",
     ]
     assert all(c.ok for c in found if c.name != "CDK bootstrap"), found
-    zone = found[3].detail.split(" in ")[1].split(" ")[0]
-    assert f"[Spot price, {zone}, since " in found[5].detail and "less per node-hour" in found[5].detail
+    zone = found[4].detail.split(" in ")[1].split(" ")[0]
+    assert f"[Spot price, {zone}, since " in found[6].detail and "less per node-hour" in found[6].detail
     stubber.assert_no_pending_responses()
 
 

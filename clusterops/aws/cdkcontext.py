@@ -21,8 +21,19 @@ def read(path: Path) -> dict:
 
 
 def write(path: Path, updates: dict) -> None:
-    """Merge `updates` into the file, atomically (a temp file renamed over it)."""
-    context = read(path) | updates
+    """Merge `updates` into the file."""
+    _save(path, read(path) | updates)
+
+
+def forget(path: Path, key: str) -> None:
+    """Remove `key` from the file, if there."""
+    context = read(path)
+    if context.pop(key, None) is not None:
+        _save(path, context)
+
+
+def _save(path: Path, context: dict) -> None:
+    """Atomically: a temp file renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(context, indent=2) + "\n")
     os.replace(tmp, path)

@@ -15,12 +15,15 @@ from botocore.exceptions import BotoCoreError, ClientError
 from clusterops import cost as costs
 from clusterops.aws import cdkcontext
 from clusterops.aws.cdkcontext import cache_offerings
+from clusterops.aws.check import Check
+from clusterops.aws.redeploy import pin_zone, redeploy_check
 from clusterops.terminal import aws_error
 from stacks.config import (
     SPOT_INTERRUPTION,
     SPOT_REQUEST,
     ClusterConfig,
     choose_availability_zone,
+    unmovable_zone,
 )
 from stacks.instance_types import INSTANCE_TYPES
 
@@ -43,18 +46,6 @@ DRY_RUN_ERRORS = {
     "MissingInput": "the default VPC has no subnet in this AZ",
 }
 DRY_RUN = "launch permission (RunInstances dry run)"
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    skipped: bool = False  # not checked (and not a failure)
-
-    @property
-    def label(self) -> str:
-        return "--  " if self.skipped else ("ok  " if self.ok else "FAIL")
 
 
 def quota_bucket(instance_type: str, spot: bool = False) -> tuple[str, str]:
@@ -187,8 +178,9 @@ def offered_zones(ec2, instance_type: str) -> list[str]:
     return sorted({o["Location"] for page in offers for o in page["InstanceTypeOfferings"]})
 
 
-def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[str]]:
-    """Where the stack will put the nodes, and whether the type is offered there; returns the AZ."""
+def placement(config: ClusterConfig, zones: list[str], deployed: Optional[str] = None) -> tuple[Check, Optional[str]]:
+    """Where the stack will put the nodes (a deployed cluster's: where they are), and whether the type is
+    offered there; returns the AZ."""
     if not zones:
         return Check("AZ and subnet", False, f"{config.instance_type} is not offered in any AZ of this region"), None
     if config.subnet_id:
@@ -201,18 +193,26 @@ def placement(config: ClusterConfig, zones: list[str]) -> tuple[Check, Optional[
                 f"{where}: {config.instance_type} is not offered there (offered in {', '.join(zones)})",
             ), az
         return Check("AZ and subnet", True, where), az
-    az = choose_availability_zone(config.availability_zone, zones)
+    refusal = None if config.availability_zone else unmovable_zone(deployed, zones)
+    if refusal:
+        return Check("AZ and subnet", False, f"{config.instance_type} is {refusal}"), deployed
+    az = choose_availability_zone(config.availability_zone, zones, deployed)
+    if deployed and az != deployed:
+        return Check(
+            "AZ and subnet",
+            False,
+            f"availability_zone={az}, but the deployed cluster's subnet is in {deployed}; an update cannot move "
+            "a subnet to another AZ: leave availability_zone out, or `npx cdk destroy` first",
+        ), az
     if az not in zones:
         return Check(
             "AZ and subnet",
             False,
             f"availability_zone={az} does not offer {config.instance_type} (offered in {', '.join(zones)})",
         ), az
-    return Check(
-        "AZ and subnet",
-        True,
-        f"a new VPC with one public subnet in {az} ({config.instance_type} offered in {', '.join(zones)})",
-    ), az
+    vpc = "the deployed stack's VPC" if deployed else "a new VPC"
+    offered = f"{config.instance_type} offered in {', '.join(zones)}"
+    return Check("AZ and subnet", True, f"{vpc} with one public subnet in {az} ({offered})"), az
 
 
 # attribute: (its key in DescribeVpcAttribute's answer, the AWS CLI flag that turns it on)
@@ -482,6 +482,7 @@ def run_preflight(
     spot: bool = False,
     context: Optional[dict] = None,
     refresh_ami: bool = False,
+    stack_name: str = "GpuCluster-gpu-cluster",
 ) -> tuple[list[Check], list[str]]:
     """All checks in order; stops early without credentials or region. Returns (checks, notes);
     the first note says what was checked (count, type, purchase option, region and AZ)."""
@@ -496,10 +497,14 @@ def run_preflight(
         return checks, []
     ec2 = clients["ec2"]
     checks.append(bootstrap_check(clients["ssm"], account or "ACCOUNT", region))
+    known, deployed_zone = redeploy_check(clients["cloudformation"], ec2, config, stack_name)
+    checks.append(known)
     zones = offered_zones(ec2, config.instance_type)
     if context_file is not None and zones:
         cache_offerings(context_file, region, config.instance_type, zones)
-    where, az = placement(config, zones)
+    if context_file is not None and not config.vpc_id:
+        pin_zone(context_file, region, config.cluster_name, deployed_zone)
+    where, az = placement(config, zones, deployed_zone)
     checks.append(where)
     if config.vpc_id:
         checks.append(vpc_dns(ec2, config.vpc_id))

@@ -1,0 +1,121 @@
+"""fab preflight against what is deployed: a second `cdk deploy` of a cluster that exists. CDK does not
+remember context between deploys (a `-c` key left out takes its default: CDK Developer Guide, "Context
+values"), so a deploy without the first one's `-c cluster_name=x` makes a second cluster, and one without its
+`-c instance_type` changes the type. And CloudFormation replaces a subnet whose AZ changes (AWS::EC2::Subnet
+AvailabilityZone: "Update requires: Replacement"), which fails on its CIDR, still the old subnet's. So
+preflight reads the stack of this name: what the deploy would change, key by key; the AZ its nodes are in,
+pinned in cdk.context.json for synth (a new type must be offered there); and, for a new cluster, the clusters
+already deployed in the region. Functions take boto3 clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from botocore.exceptions import ClientError
+
+from clusterops.aws import cdkcontext
+from clusterops.aws.check import Check
+from stacks.config import ClusterConfig, cluster_az_context_key
+
+CHECK = "deployed cluster"
+REPLACES = "replaces every node: a running run ends, `fab stop` it first"
+
+
+@dataclass(frozen=True)
+class Deployed:
+    stack: str
+    status: str
+    outputs: dict
+    zone: Optional[str]  # where its nodes are (one subnet); None without nodes
+
+    @property
+    def instance_ids(self) -> list[str]:
+        return [i for i in self.outputs.get("InstanceIds", "").split(",") if i]
+
+
+def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
+    """The stack of that name with its outputs and its nodes' AZ, or None when there is none."""
+    try:
+        stack = cfn.describe_stacks(StackName=stack_name)["Stacks"][0]
+    except ClientError as error:
+        if "does not exist" in str(error):
+            return None
+        raise
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
+    found = Deployed(stack_name, stack["StackStatus"], outputs, None)
+    return Deployed(stack_name, found.status, outputs, _zone(ec2, found.instance_ids))
+
+
+def _zone(ec2, ids: list[str]) -> Optional[str]:
+    if not ids:
+        return None
+    pages = ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": "instance-id", "Values": ids}])
+    zones = {i["Placement"]["AvailabilityZone"] for page in pages for r in page["Reservations"] for i in r["Instances"]}
+    return min(zones) if zones else None
+
+
+def other_clusters(cfn, stack_name: str) -> list[str]:
+    """The region's other stacks of this app (those with a ClusterName output), by name."""
+    pages = cfn.get_paginator("describe_stacks").paginate()
+    return sorted(
+        s["StackName"]
+        for page in pages
+        for s in page["Stacks"]
+        if s["StackName"] != stack_name
+        and not s["StackStatus"].startswith("DELETE_COMPLETE")
+        and any(o["OutputKey"] == "ClusterName" for o in s.get("Outputs", []))
+    )
+
+
+# key, output, its value in a config, what the change does
+_KEYS: tuple[tuple[str, str, Callable[[ClusterConfig], str], str], ...] = (
+    ("instance_type", "InstanceType", lambda c: c.instance_type, REPLACES),
+    ("spot", "Spot", lambda c: str(c.spot).lower(), REPLACES),
+    ("efa cards", "EfaCards", lambda c: str(c.efa_cards), REPLACES),
+    ("access", "Access", lambda c: c.access, "the way fab reaches the nodes"),
+)
+
+
+def changes(config: ClusterConfig, found: Deployed) -> list[str]:
+    """What this config changes in the deployed cluster, one phrase a key."""
+    said = [
+        f"{key} {found.outputs[output]} -> {value(config)} ({effect})"
+        for key, output, value, effect in _KEYS
+        if output in found.outputs and found.outputs[output] != value(config)
+    ]
+    before = len(found.instance_ids)
+    if before and config.nodes < before:
+        gone = ", ".join(f"node{rank}" for rank in range(config.nodes, before))
+        said.append(f"nodes {before} -> {config.nodes} ({gone} terminated, their disks with them)")
+    elif before and config.nodes > before:
+        said.append(f"nodes {before} -> {config.nodes} (adds {config.nodes - before}, replaces none)")
+    return said
+
+
+def redeploy_check(cfn, ec2, config: ClusterConfig, stack_name: str) -> tuple[Check, Optional[str]]:
+    """The `deployed cluster` line, and the AZ the deployed nodes are in (None for a new cluster)."""
+    found = deployed(cfn, ec2, stack_name)
+    if found is None:
+        others = other_clusters(cfn, stack_name)
+        detail = f"none named {stack_name}: this deploy makes a new cluster"
+        if others:
+            detail += f"; this region has {', '.join(others)} (-c cluster_name=NAME deploys to one of those)"
+        return Check(CHECK, True, detail), None
+    said = changes(config, found)
+    detail = f"{stack_name} ({found.status}, nodes in {found.zone or 'no AZ'}): " + (
+        "this deploy changes " + "; ".join(said) + " (-c values are not remembered: a key left out is its default)"
+        if said
+        else "this deploy changes none of its nodes"
+    )
+    return Check(CHECK, True, detail), found.zone
+
+
+def pin_zone(context_file: Path, region: str, cluster_name: str, zone: Optional[str]) -> None:
+    """Synth keeps a deployed cluster's subnet where its nodes are; a cluster not deployed has no pin."""
+    key = cluster_az_context_key(region, cluster_name)
+    if zone:
+        cdkcontext.write(context_file, {key: zone})
+    else:
+        cdkcontext.forget(context_file, key)

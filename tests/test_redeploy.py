@@ -1,0 +1,94 @@
+"""A second `cdk deploy` of a deployed cluster, checked by `fab preflight` (clusterops/aws/redeploy.py) against
+a moto server's stack and instances: CDK does not remember `-c` values between deploys, so preflight says
+what the deploy would change in the cluster of that name (or that it makes a new one beside the region's
+others), and keeps the subnet in the AZ the nodes are in (CloudFormation cannot move a subnet to another AZ
+in an update): synth reads that pin, and a type not offered there is one line at preflight and at synth."""
+
+import json
+
+import boto3
+import pytest
+
+from clusterops.aws import preflight, redeploy
+from stacks.config import ClusterConfig, ConfigError, cluster_az_context_key, offerings_context_key
+
+REGION = "us-east-1"
+
+
+def _deploy(name: str, zone: str, nodes: int, **outputs) -> list[str]:
+    """A stack with this app's outputs and its nodes' instances in `zone` (moto runs no real template here:
+    tests/test_rehearsal.py runs preflight against the real one)."""
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    launched = ec2.run_instances(
+        ImageId=image, MinCount=nodes, MaxCount=nodes, InstanceType="g5.xlarge", Placement={"AvailabilityZone": zone}
+    )
+    ids = [i["InstanceId"] for i in launched["Instances"]]
+    values = {"ClusterName": name, "InstanceType": "g5.xlarge", "Spot": "false", "EfaCards": "0", "Access": "ssh"}
+    values |= outputs | {"InstanceIds": ",".join(ids)}
+    template = {
+        "Resources": {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}},
+        "Outputs": {key: {"Value": value} for key, value in values.items()},
+    }
+    boto3.client("cloudformation").create_stack(StackName=f"GpuCluster-{name}", TemplateBody=json.dumps(template))
+    return ids
+
+
+def _check(config: ClusterConfig, stack: str):
+    return redeploy.redeploy_check(boto3.client("cloudformation"), boto3.client("ec2"), config, stack)
+
+
+def test_a_deploy_without_the_first_ones_cluster_name_is_a_new_cluster_and_says_which_exist(aws_env, tmp_path):
+    _deploy("redeploy-a", "us-east-1b", 2)
+    check, zone = _check(ClusterConfig.from_context({}), "GpuCluster-redeploy-none")
+    assert check.ok and zone is None
+    assert check.detail.startswith("none named GpuCluster-redeploy-none: this deploy makes a new cluster; this region")
+    assert "GpuCluster-redeploy-a" in check.detail and "-c cluster_name=NAME" in check.detail
+    context = tmp_path / "cdk.context.json"
+    context.write_text(json.dumps({cluster_az_context_key(REGION, "redeploy-none"): "us-east-1c"}))
+    redeploy.pin_zone(context, REGION, "redeploy-none", zone)  # no stack: a stale pin goes
+    assert json.loads(context.read_text()) == {}
+
+
+def test_each_change_a_deploy_would_make_to_the_deployed_cluster_is_named(aws_env):
+    _deploy("redeploy-b", "us-east-1b", 3, Spot="true")
+    first = {"cluster_name": "redeploy-b", "nodes": "3", "instance_type": "g5.xlarge", "spot": "true"}
+    check, zone = _check(ClusterConfig.from_context(first), "GpuCluster-redeploy-b")
+    assert zone == "us-east-1b" and check.detail.endswith("this deploy changes none of its nodes"), check.detail
+    reverted = ClusterConfig.from_context({"cluster_name": "redeploy-b"})  # the keys left out: their defaults
+    check, _ = _check(reverted, "GpuCluster-redeploy-b")
+    assert check.ok and "instance_type g5.xlarge -> g4dn.2xlarge (replaces every node" in check.detail
+    assert "spot true -> false (replaces every node" in check.detail
+    assert "nodes 3 -> 2 (node2 terminated, their disks with them)" in check.detail
+    assert "-c values are not remembered" in check.detail and "\n" not in check.detail
+
+
+def test_the_subnet_stays_in_the_deployed_nodes_az_and_a_type_not_offered_there_is_refused(aws_env, tmp_path):
+    """moto's offerings: the deployed zone is not the first by name, which synth would otherwise pick."""
+    ec2 = boto3.client("ec2")
+    zones = preflight.offered_zones(ec2, "g5.xlarge")
+    deployed = zones[-1]
+    assert deployed != sorted(zones)[0]
+    _deploy("redeploy-c", deployed, 2)
+    config = ClusterConfig.from_context({"cluster_name": "redeploy-c", "instance_type": "g5.xlarge"})
+    _, zone = _check(config, "GpuCluster-redeploy-c")
+    context = tmp_path / "cdk.context.json"
+    redeploy.pin_zone(context, REGION, "redeploy-c", zone)
+    pinned = json.loads(context.read_text()) | {offerings_context_key(REGION, "g5.xlarge"): zones}
+    synth = ClusterConfig.from_context({**pinned, "cluster_name": "redeploy-c", "instance_type": "g5.xlarge"}, REGION)
+    assert synth.availability_zone == deployed
+    where, az = preflight.placement(config, zones, zone)
+    assert where.ok and az == deployed
+
+    elsewhere = [z for z in zones if z != deployed]
+    moved = ClusterConfig.from_context({"cluster_name": "redeploy-c", "instance_type": "p4d.24xlarge", "access": "ssm"})
+    where, _ = preflight.placement(moved, elsewhere, zone)
+    assert not where.ok and where.detail.startswith(f"p4d.24xlarge is not offered in {deployed}, where the deployed")
+    assert "`npx cdk destroy`, then deploy it" in where.detail
+    context_p4d = pinned | {offerings_context_key(REGION, "p4d.24xlarge"): elsewhere, "access": "ssm"}
+    context_p4d |= {"cluster_name": "redeploy-c", "instance_type": "p4d.24xlarge"}
+    with pytest.raises(ConfigError, match=f"not offered in {deployed}, where the deployed cluster's subnet is"):
+        ClusterConfig.from_context(context_p4d, REGION)
+    explicit = ClusterConfig.from_context({"cluster_name": "redeploy-c", "availability_zone": elsewhere[0]})
+    where, _ = preflight.placement(explicit, zones, zone)
+    assert not where.ok and f"but the deployed cluster's subnet is in {deployed}" in where.detail
