@@ -4,10 +4,6 @@ addressed by an instance id through the Session Manager stand-in, which logs eve
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -15,60 +11,27 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_fab
+from one_sshd import needs_root_and_sshd, serve
 from runfiles import full_status
 
 from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
 from clusterops.nodes import remote
 from clusterops.run import lifecycle
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("sshd"), reason="runs sshd in its own mount namespace: needs root"
-)
+pytestmark = needs_root_and_sshd
 PROXY = REPO / "tests" / "standins" / "ssm-session"
 NODES = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _sshd_config(tmp: Path, port: int) -> Path:
-    for key in ("host", "client"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / key)], check=True)
-    shutil.copy(tmp / "client.pub", tmp / "authorized_keys")
-    config = tmp / "sshd_config"
-    config.write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {tmp / 'host'}\nAuthorizedKeysFile {tmp / 'authorized_keys'}\n"
-        f"PidFile {tmp / 'sshd.pid'}\nStrictModes no\nUsePAM no\nUseDNS no\nPasswordAuthentication no\n"
-        "PermitRootLogin prohibit-password\nMaxStartups 64:30:128\nSubsystem sftp internal-sftp\n"  # as the image's
-    )
-    return config
 
 
 @pytest.fixture
 def nodes_via_proxy(tmp_path):
     """An inventory of NODES nodes named by instance id, all one real sshd behind the proxy stand-in;
     yields (inventory path, proxy log)."""
-    port = _free_port()
-    config = _sshd_config(tmp_path, port)
-    (tmp_path / "bashrc").write_text("")
-    # sshd needs /run/sshd: a private /run, as in the emulated nodes (and the host's ~/.bashrc out of the way).
-    script = (
-        "mount -t tmpfs tmpfs /run && mkdir /run/sshd && "
-        f"{{ [ ! -f ~/.bashrc ] || mount --bind {tmp_path / 'bashrc'} ~/.bashrc; }} && "
-        f"exec {shutil.which('sshd')} -D -e -f {config}"
-    )
-    sshd = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "sshd.log", "w"),
-    )
-    deadline = time.monotonic() + 10
-    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-        assert time.monotonic() < deadline and sshd.poll() is None, (tmp_path / "sshd.log").read_text()
-        time.sleep(0.05)
+    with serve(tmp_path) as port:
+        yield from _inventory(tmp_path, port)
+
+
+def _inventory(tmp_path, port: int):
     ids = [f"i-0123456789abcdef{rank}" for rank in range(NODES)]
     (tmp_path / "hosts.json").write_text(json.dumps({i: "127.0.0.1" for i in ids}))
     write_known_hosts(tmp_path / "known_hosts", ids, (tmp_path / "host.pub").read_text(), port)
@@ -91,8 +54,6 @@ def nodes_via_proxy(tmp_path):
     )
     inventory.save(tmp_path / "inventory.json")
     yield tmp_path / "inventory.json", log
-    sshd.terminate()
-    sshd.wait(timeout=10)
 
 
 def _sessions(log: Path) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -14,10 +13,12 @@ import time
 
 import pytest
 from conftest import REPO, one_node_inventory, tool_env
+from one_sshd import needs_root_and_sshd, serve
 from runfiles import full_status
-from test_fanout import _free_port, _sshd_config, pytestmark  # noqa: F401 - same needs: root and sshd
 
 from clusterops.inventory import write_known_hosts
+
+pytestmark = needs_root_and_sshd
 
 
 class Relay:
@@ -61,23 +62,11 @@ class Relay:
 @pytest.fixture
 def followed(tmp_path):
     """A running run on a 'node' (a real sshd) reached through a Relay; yields (inventory path, relay)."""
-    port = _free_port()
-    config = _sshd_config(tmp_path, port)
-    (tmp_path / "bashrc").write_text("")
-    script = (
-        "mount -t tmpfs tmpfs /run && mkdir /run/sshd && "
-        f"{{ [ ! -f ~/.bashrc ] || mount --bind {tmp_path / 'bashrc'} ~/.bashrc; }} && "
-        f"exec {shutil.which('sshd')} -D -e -f {config}"
-    )
-    sshd = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-        assert time.monotonic() < deadline and sshd.poll() is None
-        time.sleep(0.05)
+    with serve(tmp_path) as port:
+        yield from _followed(tmp_path, port)
+
+
+def _followed(tmp_path, port: int):
     relay = Relay(port)
     write_known_hosts(tmp_path / "known_hosts", ["127.0.0.1"], (tmp_path / "host.pub").read_text(), relay.port)
     run = tmp_path / "data" / "runs" / "r1"
@@ -85,8 +74,6 @@ def followed(tmp_path):
     (run / "run-status.json").write_text(json.dumps(full_status(state="running")))
     (run / "train.log").write_text("step 1 loss 2.0\n")
     yield one_node_inventory(tmp_path, "follow", relay.port, "client"), relay
-    sshd.terminate()
-    sshd.wait(timeout=10)
 
 
 def test_a_connection_lost_while_following_is_one_line(followed):
