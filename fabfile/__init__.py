@@ -1,7 +1,7 @@
 """Operate the GPU training cluster (AWS or the emulated local one). `fab --list`; `fab --help TASK`.
 
 Typical session:  fab local.up --nodes 2  ->  fab data  ->  fab train --follow  ->  fab fetch  ->  fab local.down
-On AWS:           fab preflight -> npx cdk deploy -> fab inventory -> fab status -> fab data ... -> npx cdk destroy
+On AWS:           fab preflight -> npx cdk deploy -> fab inventory -> fab status -> fab data ... -> fab destroy
 
 One module per concern; this file only builds the collection (Invoke's "namespace" pattern).
 """
@@ -48,6 +48,7 @@ ns = Collection(
     aws.preflight,
     aws.cost,
     aws.audit,
+    aws.destroy,
     aws.release_spot,
     aws.start,
     aws.stop_cluster,

@@ -13,6 +13,7 @@ from clusterops import cost as costs
 from clusterops import terminal
 from clusterops.aws import audit as audits
 from clusterops.aws import deployed
+from clusterops.aws import destroy as teardown_plan
 from clusterops.aws import preflight as checks
 from clusterops.aws.instances import release_spot as release_spot_requests
 from clusterops.aws.instances import start_cluster, stop_nodes
@@ -22,11 +23,13 @@ from clusterops.inventory import (
     Inventory,
     InventoryError,
 )
+from clusterops.nodes import records
 from clusterops.run import meter
 
 from .common import (
     aws_errors,
     cluster_config,
+    head,
     inventory_path,
     load_inventory,
     task,
@@ -180,6 +183,32 @@ def _cluster_and_session(c, cluster: Optional[str]):
     if not session.region_name:
         raise Exit("error: no AWS region: set AWS_REGION or `aws configure`", code=1)
     return name, session
+
+
+@task(help={"yes": "destroy even when /data holds a run going or runs not fetched (they go with the file system)"})
+def destroy(c, yes=False):
+    """Tear the cluster down once /data would lose nothing (`npx cdk destroy`).
+
+    `npx cdk destroy` of the inventory's stack, refused in one line while a run goes or /data holds runs
+    never fetched or changed since (unless retain_data=true kept the file system), or while the head node
+    cannot be reached (a stopped cluster: `fab start` first); --yes destroys anyway. Then `fab audit`."""
+    inv = load_inventory(c)
+    if inv.source != "aws":
+        raise Exit("error: the inventory is the emulated cluster's: `fab local.down` tears it down", code=1)
+    # cdk.json's directory, the app `cdk destroy` runs: this checkout (GPU_CLUSTER_CDK_APP: a copy of it)
+    project = Path(os.environ.get("GPU_CLUSTER_CDK_APP") or Path(__file__).resolve().parent.parent)
+    efs = aws_session(inv.region).client("efs")
+    with aws_errors("fab destroy"):
+        try:
+            teardown_plan.destroy(inv, efs, lambda: _at_risk(inv), project, yes)
+        except teardown_plan.DestroyError as error:
+            raise Exit(f"error: {error}", code=1) from None
+    print(f"destroyed {inv.stack_name}: `fab audit` lists anything left of {inv.cluster}, with its monthly cost")
+
+
+def _at_risk(inv):
+    with head(inv) as connection:
+        return records.at_risk(connection, inv)
 
 
 @task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)"})

@@ -30,11 +30,7 @@ def deploy(aws_env: dict, work: Path, context: dict[str, str], instance_type: st
     ec2 = boto3.client("ec2")
     if not ec2.describe_key_pairs(Filters=[{"Name": "key-name", "Values": [key_name]}])["KeyPairs"]:
         (work / f"{key_name}.pem").write_text(ec2.create_key_pair(KeyName=key_name)["KeyMaterial"])
-    # The CLI caches its AZ lookup in the app directory's cdk.context.json: use a copy of the app.
-    app = work / "app"
-    app.mkdir()
-    for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
-        (app / name).symlink_to(REPO / name)
+    app = app_copy(work)
     (app / "cdk.context.json").write_text(
         json.dumps(
             {
@@ -49,6 +45,16 @@ def deploy(aws_env: dict, work: Path, context: dict[str, str], instance_type: st
     deploy = ["deploy", "--method=direct", "--require-approval", "never", "-o", str(work / "cdk.out"), *args]
     _cdk([*deploy, "--outputs-file", str(outputs)], app, aws_env)
     return outputs
+
+
+def app_copy(work: Path) -> Path:
+    """work/app: the app's files as links. The CLI caches look-ups (an AZ list) in the app directory's
+    cdk.context.json, which the checkout must not get."""
+    app = work / "app"
+    app.mkdir()
+    for name in ("app.py", "cdk.json", "stacks", "assets", ".venv", "node_modules"):
+        (app / name).symlink_to(REPO / name)
+    return app
 
 
 _BOOTSTRAPPED: set[str] = set()

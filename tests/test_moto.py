@@ -9,7 +9,7 @@ from pathlib import Path
 import boto3
 import pytest
 from conftest import REPO, environment, tool_env
-from moto_deploy import PINNED_AMI, deploy
+from moto_deploy import PINNED_AMI, app_copy, deploy
 
 from clusterops.inventory import (
     Inventory,
@@ -192,3 +192,30 @@ def test_the_node_config_names_the_bootstrap_script_the_deploy_uploaded(deployed
     bucket, key = config["BOOTSTRAP_URL"].removeprefix("s3://").split("/", 1)
     body = boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
     assert body == (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_bytes()
+
+
+def test_fab_destroy_runs_the_real_cdk_destroy_from_the_inventory_alone(deployed, tmp_path, aws_env):
+    """Last in this module: it destroys the module's stack. Its nodes are moto's (no sshd: /data cannot be
+    read), so --yes. The pinned CLI finds the stack by the inventory's stack and cluster names alone (the app
+    runs for destroy too, without the deploy's -c values). moto's CloudFormation deletes the VPC before what
+    it holds (its terminated instances keep their network interfaces, the internet gateway stays attached):
+    its delete fails where AWS's does not, so the test takes either outcome and asserts the one line a
+    failure gives."""
+    work, key_file = deployed
+    boto3.client("ssm").put_parameter(
+        Name="/gpu-cluster/gpu-cluster/ssh-host-key", Value=HOST_KEY, Type="String", Overwrite=True
+    )
+    env = tool_env(
+        GPU_CLUSTER_INVENTORY=str(tmp_path / "inventory.json"), GPU_CLUSTER_CDK_APP=str(app_copy(tmp_path)), **aws_env
+    )
+    fab = ["fab", "inventory", "--outputs", str(work / "cdk-outputs.json"), "--key-file", str(key_file)]
+    subprocess.run(fab, cwd=REPO, env=env, check=True, capture_output=True, timeout=60)
+    done = subprocess.run(["fab", "destroy", "--yes"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert f"cdk destroy {STACK} --force -c cluster_name=gpu-cluster\n" in done.stdout, done.stdout + done.stderr
+    assert f"{STACK}: destroying..." in done.stdout + done.stderr  # the app synthesized it for destroy
+    if done.returncode:
+        assert done.stderr.strip().splitlines()[-1] == (
+            "error: `cdk destroy` failed (above): `fab audit` lists what is left, `--delete` removes it"
+        )
+    else:
+        assert done.stdout.strip().splitlines()[-1].startswith(f"destroyed {STACK}: `fab audit` lists anything left")

@@ -137,6 +137,20 @@ def overview(connection: Connection, inventory: Inventory) -> Optional[RunFiles]
     return decode(found) if found.get("run") else None
 
 
+@dataclass(frozen=True)
+class AtRisk:
+    """What deleting /data would lose (cluster_node.programs.runs at-risk): the run going, the runs not fetched."""
+
+    active: Optional[str]
+    unfetched: tuple[str, ...]
+
+
+def at_risk(connection: Connection, inventory: Inventory) -> AtRisk:
+    command = nodecmd.node_command(inventory, "programs.runs", "at-risk", "--data", inventory.data_dir)
+    found = _answer(remote.sh(connection, command), "the runs on /data")
+    return AtRisk(found.get("active"), tuple(found.get("unfetched") or ()))
+
+
 def listing(connection: Connection, inventory: Inventory) -> list[RunFiles]:
     """Every run on /data (`run` its name): status, progress, summary, config, segments, phases."""
     command = nodecmd.node_command(inventory, "programs.runs", "list", "--data", inventory.data_dir)

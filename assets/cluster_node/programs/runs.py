@@ -2,7 +2,9 @@
 python -m cluster_node.programs.runs overview --data /data   the active (else latest) run and its state files
 python -m cluster_node.programs.runs list --data /data       every run's progress, summary, config, status, ...
 python -m cluster_node.programs.runs files --run RUN NAME... RUN's run files (rundir names) as JSON: the laptop's
-    clusterops.nodes.records decodes them into rundir's records (in place of `cat` over SSH)"""
+    clusterops.nodes.records decodes them into rundir's records (in place of `cat` over SSH)
+python -m cluster_node.programs.runs at-risk --data /data    what deleting /data would lose: the active run, the runs
+    never fetched or changed since (`fab destroy`, `fab local.down`)"""
 
 from __future__ import annotations
 
@@ -25,16 +27,19 @@ def alive(run: Path) -> bool:
         return False
 
 
-def current(data: Path) -> Optional[Path]:
-    """The active run while its launcher lives, else the newest run directory."""
+def active_run(data: Path) -> Optional[Path]:
+    """The run runs/.active names while its launcher lives, else None."""
     try:
         active = rundir.active_file(data).read_text().strip()
     except OSError:
         active = ""
-    if active and alive(Path(active)):
-        return Path(active)
+    return Path(active) if active and alive(Path(active)) else None
+
+
+def current(data: Path) -> Optional[Path]:
+    """The active run while its launcher lives, else the newest run directory."""
     runs = [p for p in (data / rundir.RUNS).glob("*") if p.is_dir() and not p.name.startswith(".")]
-    return max(runs, key=lambda p: p.stat().st_mtime, default=None)
+    return active_run(data) or max(runs, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def overview(data: Path) -> dict:
@@ -87,9 +92,39 @@ def files(run: Path, names: Sequence[str]) -> dict:
     return {"run": str(run), "files": found, "torn": torn}
 
 
+def fetched_files(run: Path) -> list[Path]:
+    """The files of `run` that `fab fetch` would bring home now."""
+    found = [run / name for name in rundir.FETCHED_FILES if (run / name).is_file()]
+    best = run / rundir.CHECKPOINTS / rundir.BEST_CHECKPOINT
+    steps = sorted((run / rundir.CHECKPOINTS).glob(rundir.CHECKPOINT_GLOB))
+    found += [best] if best.is_file() else steps[-1:]
+    found += sorted(p for p in (run / rundir.EVAL).glob("*") if p.is_file())[-3:]
+    return found
+
+
+def unfetched_runs(data: Path) -> list[str]:
+    """Runs never fetched, or with a file fetch takes changed since the last fetch. A run counts as fetched
+    when every file `fab fetch` brings home is older than the `.fetched` marker fetch leaves on the cluster
+    (clusterops/nodes/remote.py); files fetch never takes (progress.json, rank logs, older checkpoints) leave
+    a fetched run fetched (issue 23 §4)."""
+    found = []
+    for run in sorted(p for p in (data / rundir.RUNS).glob("*") if p.is_dir()):
+        marker = run / rundir.FETCHED
+        fetched_at = marker.stat().st_mtime if marker.exists() else None
+        if fetched_at is None or any(f.stat().st_mtime > fetched_at for f in fetched_files(run)):
+            found.append(run.name)
+    return found
+
+
+def at_risk(data: Path) -> dict:
+    """What deleting /data would lose: {"active": the run whose launcher lives, or null; "unfetched": names}."""
+    active = active_run(data)
+    return {"active": active.name if active else None, "unfetched": unfetched_runs(data)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster_node.programs.runs", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("overview", "list", "files"))
+    parser.add_argument("what", choices=("overview", "list", "files", "at-risk"))
     parser.add_argument("--data", default="/data")
     parser.add_argument("--run", help="files: the run directory")
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"files: of {', '.join(FILES)}")
@@ -103,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(files(Path(args.run), args.names)))
     else:
         data = Path(args.data)
-        print(json.dumps(overview(data) if args.what == "overview" else listing(data)))
+        answer = {"overview": overview, "list": listing, "at-risk": at_risk}[args.what]
+        print(json.dumps(answer(data)))
     return 0
 
 

@@ -1,0 +1,120 @@
+"""`fab destroy` (clusterops/aws/destroy.py): `cdk destroy` deletes the stack's EFS and every run on /data with
+it, so it is refused in one line while a run goes, while /data holds runs never fetched or changed since (the
+node program `cluster_node.programs.runs at-risk` tells, on the head node: here one real sshd), or while the
+head node cannot be reached; a retained file system (retain_data=true) loses nothing. tests/test_moto.py runs
+the real `cdk destroy` it then starts, against a stack deployed into the moto server."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import boto3
+from conftest import REPO, run_fab
+from one_sshd import free_port, needs_root_and_sshd, serve
+
+from cluster_node.protocol import rundir
+from cluster_node.protocol.contract import RETAIN_TAG
+from clusterops.aws import destroy
+from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
+from clusterops.nodes.records import AtRisk
+
+
+def _runs(data, fetched=(), unfetched=(), active=None) -> None:
+    """Run directories with a checkpoint each; `fetched` ones with fab fetch's marker after it; `active` named
+    by runs/.active with a live launcher (this test's own pid)."""
+    for name in (*fetched, *unfetched, *([active] if active else [])):
+        checkpoints = data / rundir.RUNS / name / rundir.CHECKPOINTS
+        checkpoints.mkdir(parents=True, exist_ok=True)
+        (checkpoints / rundir.CHECKPOINT.format(step=10)).write_bytes(b"weights")
+    later = time.time() + 5
+    for name in fetched:
+        marker = data / rundir.RUNS / name / rundir.FETCHED
+        marker.touch()
+        os.utime(marker, (later, later))
+    if active:
+        (data / rundir.RUNS / active / rundir.LAUNCHER_PID).write_text(str(os.getpid()))
+        rundir.active_file(data).write_text(str(data / rundir.RUNS / active))
+
+
+def test_the_node_program_names_the_run_going_and_the_runs_not_fetched(tmp_path):
+    _runs(tmp_path, fetched=["kept"], unfetched=["lost"], active="going")
+    command = [sys.executable, "-m", "cluster_node.programs.runs", "at-risk", "--data", str(tmp_path)]
+    found = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout)
+    assert found == {"active": "going", "unfetched": ["going", "lost"]}
+    (tmp_path / rundir.RUNS / "going" / rundir.LAUNCHER_PID).write_text("999999999")  # its launcher is gone
+    found = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout)
+    assert found["active"] is None
+
+
+def test_a_retained_file_system_loses_no_run_but_a_run_going_still_ends_with_the_nodes():
+    inventory = _inventory_of(None, 22, None)
+    assert destroy.refusal(inventory, lambda: AtRisk(None, ("r1",)), kept=True) is None
+    assert "is going" in (destroy.refusal(inventory, lambda: AtRisk("r2", ()), kept=True) or "")
+    assert destroy.refusal(inventory, lambda: AtRisk(None, ()), kept=False) is None
+
+
+def _inventory_of(tmp_path, port: int, file_system: str | None) -> Inventory:
+    root = tmp_path or REPO
+    return Inventory(
+        cluster="doomed",
+        source="aws",
+        nodes=[Node(rank=0, name="node0", public_ip="127.0.0.1", private_ip="127.0.0.1")],
+        gpus_per_node=1,
+        ssh=SshSettings("root", port, str(root / "client"), str(root / "known_hosts")),
+        data_dir=str(root / "data"),
+        python=sys.executable,
+        code_dir=str(REPO / "assets" / "train"),
+        region="us-east-1",
+        stack_name="GpuCluster-doomed",
+        file_system_id=file_system,
+    )
+
+
+def _file_system(retain: bool) -> str:
+    tags = [{"Key": "gpu-cluster:name", "Value": "doomed"}] + ([{"Key": RETAIN_TAG, "Value": "true"}] if retain else [])
+    return boto3.client("efs").create_file_system(CreationToken=f"doomed-{retain}-{time.time()}", Tags=tags)[
+        "FileSystemId"
+    ]
+
+
+def _destroy(path, aws_env, *args):
+    return run_fab("destroy", *args, GPU_CLUSTER_INVENTORY=str(path), **aws_env)
+
+
+@needs_root_and_sshd
+def test_destroy_is_refused_while_data_would_be_lost_and_says_what_to_run(tmp_path, aws_env):
+    with serve(tmp_path) as port:
+        write_known_hosts(tmp_path / "known_hosts", ["127.0.0.1"], (tmp_path / "host.pub").read_text(), port)
+        path = tmp_path / "inventory.json"
+        _inventory_of(tmp_path, port, _file_system(retain=False)).save(path)
+        _runs(tmp_path / "data", fetched=["kept"], unfetched=["lost"])
+        refused = _destroy(path, aws_env)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert refused.stderr.strip() == (
+            "error: /data holds runs never fetched or changed since: lost; the file system goes with the stack: "
+            "`fab fetch --run NAME` each, or `fab destroy --yes` destroys anyway"
+        )
+        assert "$ " not in refused.stdout  # no `cdk destroy` started
+        _runs(tmp_path / "data", fetched=["kept", "lost"], active="going")
+        going = _destroy(path, aws_env)
+        assert going.returncode == 1 and going.stderr.strip().startswith("error: run going is going: `fab stop --run")
+    _inventory_of(tmp_path, free_port(), _file_system(retain=True)).save(path)  # nothing listens there
+    stopped = _destroy(path, aws_env)
+    assert stopped.returncode == 1 and stopped.stderr.strip().startswith("error: cannot read /data on node0 (")
+    assert "a stopped cluster needs `fab start`" in stopped.stderr and len(stopped.stderr.strip().splitlines()) == 1
+
+
+def test_the_destroy_command_names_the_stack_and_only_the_context_that_names_it():
+    inventory = _inventory_of(None, 22, None)
+    argv = destroy.command(inventory, REPO)
+    assert argv == [str(REPO / "node_modules" / ".bin" / "cdk"), "destroy", "GpuCluster-doomed", "--force"] + [
+        "-c",
+        "cluster_name=doomed",
+    ]
+    renamed = dataclasses.replace(inventory, stack_name="Team-Cluster")
+    assert destroy.command(renamed, REPO)[-4:] == ["-c", "cluster_name=doomed", "-c", "stack_name=Team-Cluster"]
