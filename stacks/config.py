@@ -61,13 +61,21 @@ def choose_availability_zone(
     return deployed if deployed in offered else sorted(offered)[0]
 
 
+def cached_offerings(get: Callable[[str], Any], region: str, instance_type: str) -> Optional[list[str]]:
+    """The AZs `fab preflight` found offering the type (cdk.context.json, or `-c KEY=a,b`), or None."""
+    offered = get(offerings_context_key(region, instance_type))
+    if isinstance(offered, str):
+        return [zone for zone in offered.split(",") if zone]
+    return offered
+
+
 def unmovable_zone(deployed: Optional[str], offered: Optional[Sequence[str]]) -> Optional[str]:
     """Why a type not offered where the deployed cluster's subnet is cannot be deployed to it, else None."""
     if not deployed or not offered or deployed in offered:
         return None
     return (
         f"not offered in {deployed}, where the deployed cluster's subnet is (offered in {', '.join(offered)}); "
-        "an update cannot move a subnet to another AZ: `npx cdk destroy`, then deploy it"
+        "an update cannot move a subnet to another AZ: `npx cdk destroy`, then `fab preflight` and deploy"
     )
 
 
@@ -276,13 +284,8 @@ class ClusterConfig:
         config = cls(**values)
         config.validate()
         if region and not config.vpc_id:
-            offered = get(offerings_context_key(region, config.instance_type))
-            if isinstance(offered, str):  # from `-c KEY=a,b`
-                offered = [zone for zone in offered.split(",") if zone]
+            offered = cached_offerings(get, region, config.instance_type)
             deployed = get(cluster_az_context_key(region, config.cluster_name))  # fab preflight's pin
-            refusal = None if config.availability_zone else unmovable_zone(deployed, offered)
-            if refusal:
-                raise ConfigError("instance_type", config.instance_type, refusal)
             zone = choose_availability_zone(config.availability_zone, offered, deployed)
             config = replace(config, availability_zone=zone)
         return config

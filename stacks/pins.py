@@ -17,7 +17,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
-from .config import AMI_ID_RE, ClusterConfig, ConfigError, ami_context_key
+from .config import (
+    AMI_ID_RE,
+    ClusterConfig,
+    ConfigError,
+    ami_context_key,
+    cached_offerings,
+    cluster_az_context_key,
+    unmovable_zone,
+)
 
 
 class UnpinnedError(ConfigError):
@@ -42,6 +50,7 @@ def synth_config(context: Mapping[str, Any] | Callable[[str], Any], region: Opti
     get = context if callable(context) else context.get
     config = ClusterConfig.from_context(get, region=region)
     check_reachable(config)
+    check_zone_unmoved(config, get, region)
     preflight = f"run `fab preflight --instance-type {config.instance_type}`"
     if not (config.availability_zone or config.vpc_id or config.subnet_id):
         raise UnpinnedError(
@@ -51,6 +60,17 @@ def synth_config(context: Mapping[str, Any] | Callable[[str], Any], region: Opti
             f"{preflight} first, or pass -c availability_zone=...",
         )
     return replace(config, ami_id=config.ami_id or _cached_ami(config, get, region, preflight))
+
+
+def check_zone_unmoved(config: ClusterConfig, get: Callable[[str], Any], region: Optional[str]) -> None:
+    """A deployed cluster's subnet stays in its AZ (fab preflight's pin): a type not offered there is refused
+    here, not in from_context, so `cdk destroy` (unpinned_config) still names the stack."""
+    if config.vpc_id or not region or get("availability_zone"):
+        return
+    offered = cached_offerings(get, region, config.instance_type)
+    refusal = unmovable_zone(get(cluster_az_context_key(region, config.cluster_name)), offered)
+    if refusal:
+        raise UnpinnedError("instance_type", config.instance_type, refusal)
 
 
 def check_reachable(config: ClusterConfig) -> None:

@@ -10,7 +10,8 @@ import boto3
 import pytest
 
 from clusterops.aws import preflight, redeploy
-from stacks.config import ClusterConfig, ConfigError, cluster_az_context_key, offerings_context_key
+from stacks.config import ClusterConfig, cluster_az_context_key, offerings_context_key
+from stacks.pins import UnpinnedError, synth_config, unpinned_config
 
 REGION = "us-east-1"
 
@@ -84,11 +85,12 @@ def test_the_subnet_stays_in_the_deployed_nodes_az_and_a_type_not_offered_there_
     moved = ClusterConfig.from_context({"cluster_name": "redeploy-c", "instance_type": "p4d.24xlarge", "access": "ssm"})
     where, _ = preflight.placement(moved, elsewhere, zone)
     assert not where.ok and where.detail.startswith(f"p4d.24xlarge is not offered in {deployed}, where the deployed")
-    assert "`npx cdk destroy`, then deploy it" in where.detail
+    assert "`npx cdk destroy`, then `fab preflight` and deploy" in where.detail
     context_p4d = pinned | {offerings_context_key(REGION, "p4d.24xlarge"): elsewhere, "access": "ssm"}
-    context_p4d |= {"cluster_name": "redeploy-c", "instance_type": "p4d.24xlarge"}
-    with pytest.raises(ConfigError, match=f"not offered in {deployed}, where the deployed cluster's subnet is"):
-        ClusterConfig.from_context(context_p4d, REGION)
+    context_p4d |= {"cluster_name": "redeploy-c", "instance_type": "p4d.24xlarge", "ami_id": "ami-0123456789abcdef0"}
+    with pytest.raises(UnpinnedError, match=f"not offered in {deployed}, where the deployed cluster's subnet is"):
+        synth_config(context_p4d, REGION)  # an error annotation: synth, diff and deploy fail on it
+    assert unpinned_config(context_p4d, REGION).cluster_name == "redeploy-c"  # `cdk destroy` still names it
     explicit = ClusterConfig.from_context({"cluster_name": "redeploy-c", "availability_zone": elsewhere[0]})
     where, _ = preflight.placement(explicit, zones, zone)
     assert not where.ok and f"but the deployed cluster's subnet is in {deployed}" in where.detail
