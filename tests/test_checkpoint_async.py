@@ -300,7 +300,14 @@ def test_the_writers_host_buffers_are_aligned_views_of_one_block_per_dtype(tmp_p
     assert set(host.blocks) == {d for _, d in SPECS}
     for view in host.views:
         base = host.blocks[view.dtype].data_ptr()
-        assert view.untyped_storage().data_ptr() == base and (view.data_ptr() - base) % snapshot.ALIGN == 0
+        assert view.data_ptr() >= base and (view.data_ptr() - base) % snapshot.ALIGN == 0
+    # each block on pages of its own: the driver locks whole pages, and refuses a page twice
+    pages = [
+        range(b.data_ptr() // snapshot.PAGE, -(-(b.data_ptr() + b.numel() * b.element_size()) // snapshot.PAGE))
+        for b in host.blocks.values()
+    ]
+    assert all(b.data_ptr() % snapshot.PAGE == 0 for b in host.blocks.values())
+    assert all(not set(a) & set(b) for i, a in enumerate(pages) for b in pages[i + 1 :])
     for index, view in enumerate(host.views):
         view.fill_(index + 1)
     for index, view in enumerate(host.views):
@@ -314,6 +321,10 @@ def test_the_writers_host_buffers_are_aligned_views_of_one_block_per_dtype(tmp_p
     assert len({b.untyped_storage().data_ptr() for b in writer.buffers}) == 3  # float32, int64, float16
     saved = checkpoint.load_latest(tmp_path)
     assert all(torch.equal(saved["model"][key], model[key]) for key in model)
+    # a CPU trainer's optimizer keeps what it loads: owned() gives each tensor a storage of its own size
+    assert saved["model"]["w"].untyped_storage().nbytes() > saved["model"]["w"].nbytes
+    own = snapshot.owned(saved["model"])
+    assert all(t.untyped_storage().nbytes() == t.nbytes and torch.equal(t, model[k]) for k, t in own.items())
 
 
 class _Cudart:
@@ -346,7 +357,8 @@ def test_a_gpu_writer_page_locks_its_block_in_one_call_and_unlocks_it_before_it_
     _fake_driver(monkeypatch, cudart)
     host = snapshot.HostBlock(SPECS, lock=True)
     blocks = [b for b in host.blocks.values() if b.numel()]  # the bool block is empty: nothing to lock
-    assert sorted(cudart.calls) == sorted(("register", b.data_ptr(), b.numel() * b.element_size(), 0) for b in blocks)
+    whole_pages = [-(-b.numel() * b.element_size() // snapshot.PAGE) * snapshot.PAGE for b in blocks]
+    assert sorted(cudart.calls) == sorted(("register", b.data_ptr(), n, 0) for b, n in zip(blocks, whole_pages))
     assert len(cudart.calls) == len(blocks) == len({d for s, d in SPECS if torch.Size(s).numel()})
     host.release()
     host.release()  # once only

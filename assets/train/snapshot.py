@@ -9,6 +9,7 @@ or two for the whole state, not one per tensor."""
 from __future__ import annotations
 
 import copy
+import mmap
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,6 +60,16 @@ def rebuild(template: Any, tensors: list[torch.Tensor]) -> Any:
     return template
 
 
+def owned(state: Any) -> Any:
+    """`state` with each tensor that views a larger storage (a block of HostBlock's, loaded) copied into its
+    own, so holding it holds no more than itself."""
+    tensors: list[torch.Tensor] = []
+    template = flatten(state, tensors)
+    return rebuild(
+        template, [t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t for t in tensors]
+    )
+
+
 def nbytes(state: Any) -> int:
     tensors: list[torch.Tensor] = []
     flatten(state, tensors)
@@ -66,6 +77,7 @@ def nbytes(state: Any) -> int:
 
 
 ALIGN = 64  # bytes: each buffer starts on a cache line
+PAGE = mmap.PAGESIZE
 
 
 def layout(specs: list) -> tuple[list[int], dict[torch.dtype, int]]:
@@ -90,8 +102,7 @@ class HostBlock:
 
     def __init__(self, specs: list, lock: bool):
         offsets, ends = layout(specs)
-        # zeros: the pages are touched here, on the writer's thread, not at the first copy
-        self.blocks = {dtype: torch.zeros(end, dtype=dtype) for dtype, end in ends.items()}
+        self.blocks = {dtype: _paged(end, dtype) for dtype, end in ends.items()}
         self.views = [
             self.blocks[dtype][start : start + torch.Size(shape).numel()].view(shape)
             for (shape, dtype), start in zip(specs, offsets)
@@ -104,9 +115,19 @@ class HostBlock:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.locked.pop().data_ptr()))
 
 
+def _paged(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """`count` elements of zeros (touched here, on the writer's thread, not at the first copy) in whole pages
+    of their own: the driver page-locks whole pages, and a second block on a page the first one locked is
+    refused (cudaErrorHostMemoryAlreadyRegistered), which small blocks from the heap would share."""
+    size = -(-count * dtype.itemsize // PAGE) * PAGE
+    raw = torch.zeros(size + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start : start + size].view(dtype)[:count]
+
+
 def _register(block: torch.Tensor) -> bool:
-    """Page-lock one block in one call; a refusal is one line and its copies stay synchronous (correct)."""
-    size = block.numel() * block.element_size()
+    """Page-lock one block's pages in one call; a refusal is one line and its copies stay synchronous."""
+    size = -(-block.numel() * block.element_size() // PAGE) * PAGE
     try:
         torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), size, 0))
         return True

@@ -141,7 +141,10 @@ class Trainer:
         # The optimizer's implementation is this machine's (fused on a GPU), whatever saved the state.
         for saved, mine in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups):
             saved.update({k: mine[k] for k in ("fused", "foreach", "capturable") if k in mine})
-        self.optimizer.load_state_dict(state["optimizer"])
+        # On a CPU the optimizer keeps what it is given: views of the file's one block per dtype
+        # (snapshot.HostBlock) would keep the whole file in memory, a /dev/shm snapshot's pages too.
+        optimizer = state["optimizer"] if self.device.type == "cuda" else snapshot.owned(state["optimizer"])
+        self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
