@@ -85,10 +85,22 @@ def test_a_stub_that_fails_stops_its_own_node_after_a_grace_period_unless_kept(s
     assert sandbox.command(scheduled).returncode == 0
     assert not [c for c in sandbox.calls()[before:] if "stop-instances" in c]
 
+    assert (sandbox.root / "run" / "failed-stop").exists()  # the bootstrap's mark: its success cancels the stop
     (sandbox.root / "state" / "signalled").touch()
     before = len(sandbox.calls())
     assert sandbox.run(FAIL_S3_BOOTSTRAP="1").returncode != 0
     assert not [c for c in sandbox.calls()[before:] if c.startswith("systemd-run")]
+
+
+def test_a_bootstrap_that_cannot_be_started_signals_failure_and_schedules_the_stop(sandbox):
+    """bash ends at a failed `exec` without running its EXIT trap (a non-interactive shell, execfail off): a
+    script whose interpreter line is wrong would have signalled nothing, and CloudFormation waited 45 min."""
+    asset = sandbox.root / "bootstrap-asset.sh"
+    asset.write_text("#!/no/such/interpreter\n" + asset.read_text())
+    failed = sandbox.run()
+    assert failed.returncode != 0
+    assert [s.split("--unique-id ")[1] for s in _signals(sandbox)] == [f"{INSTANCE_ID}-failed-start-bootstrap"]
+    assert [c for c in sandbox.calls() if c.startswith("systemd-run")]
 
 
 def test_a_first_call_before_the_credentials_are_served_is_retried_not_a_failed_deploy(sandbox):

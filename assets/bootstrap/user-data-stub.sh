@@ -24,6 +24,8 @@ fail() {
   systemd-run --unit=gpu-cluster-failed-stop --on-active=45min --description="GPU cluster: stop this node, \
 its user data failed" /bin/sh -c "test -e $state/keep-running || aws ec2 stop-instances --region $AWS_REGION \
 --instance-ids $id >/dev/null || systemctl poweroff" || true
+  # The bootstrap's own mark of a scheduled stop: its success, run again by hand, cancels this one too.
+  { install -d -m 0755 /run/gpu-cluster && touch /run/gpu-cluster/failed-stop; } || true
   echo "gpu-cluster user data: this node stops itself in 45 min; to keep it: sudo touch $state/keep-running" >&2
 }
 trap fail EXIT
@@ -54,4 +56,7 @@ for f in "$ENV_FILE" "$SCRIPT"; do
   if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi
 done
 STEP=start-bootstrap
+# A failed exec (a bad interpreter line) ends a non-interactive bash without its EXIT trap; with execfail
+# it returns, and set -e ends the stub through the trap.
+shopt -s execfail
 exec "$SCRIPT" "$ENV_FILE"
