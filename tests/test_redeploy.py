@@ -16,7 +16,7 @@ from stacks.pins import UnpinnedError, synth_config, unpinned_config
 REGION = "us-east-1"
 
 
-def _deploy(name: str, zone: str, nodes: int, **outputs) -> list[str]:
+def _deploy(name: str, zone: str, nodes: int, subnet: tuple[str, str] | None = None, **outputs) -> list[str]:
     """A stack with this app's outputs and its nodes' instances in `zone` (moto runs no real template here:
     tests/test_rehearsal.py runs preflight against the real one)."""
     ec2 = boto3.client("ec2")
@@ -27,8 +27,13 @@ def _deploy(name: str, zone: str, nodes: int, **outputs) -> list[str]:
     ids = [i["InstanceId"] for i in launched["Instances"]]
     values = {"ClusterName": name, "InstanceType": "g5.xlarge", "Spot": "false", "EfaCards": "0", "Access": "ssh"}
     values |= outputs | {"InstanceIds": ",".join(ids)}
+    resources: dict = {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}}
+    if subnet:  # the stack's own subnet: (CIDR, AZ)
+        vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
+        properties = {"VpcId": vpc, "CidrBlock": subnet[0], "AvailabilityZone": subnet[1]}
+        resources["Subnet"] = {"Type": "AWS::EC2::Subnet", "Properties": properties}
     template = {
-        "Resources": {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}},
+        "Resources": resources,
         "Outputs": {key: {"Value": value} for key, value in values.items()},
     }
     boto3.client("cloudformation").create_stack(StackName=f"GpuCluster-{name}", TemplateBody=json.dumps(template))
@@ -36,7 +41,8 @@ def _deploy(name: str, zone: str, nodes: int, **outputs) -> list[str]:
 
 
 def _check(config: ClusterConfig, stack: str):
-    return redeploy.redeploy_check(boto3.client("cloudformation"), boto3.client("ec2"), config, stack)
+    check, zone, _ = redeploy.redeploy_check(boto3.client("cloudformation"), boto3.client("ec2"), config, stack)
+    return check, zone
 
 
 def test_a_deploy_without_the_first_ones_cluster_name_is_a_new_cluster_and_says_which_exist(aws_env, tmp_path):
@@ -47,7 +53,7 @@ def test_a_deploy_without_the_first_ones_cluster_name_is_a_new_cluster_and_says_
     assert "GpuCluster-redeploy-a" in check.detail and "-c cluster_name=NAME" in check.detail
     context = tmp_path / "cdk.context.json"
     context.write_text(json.dumps({cluster_az_context_key(REGION, "redeploy-none"): "us-east-1c"}))
-    redeploy.pin_zone(context, REGION, "redeploy-none", zone)  # no stack: a stale pin goes
+    redeploy.pin_zone(context, REGION, "redeploy-none", zone, exists=False)  # no stack: a stale pin goes
     assert json.loads(context.read_text()) == {}
 
 
@@ -74,7 +80,7 @@ def test_the_subnet_stays_in_the_deployed_nodes_az_and_a_type_not_offered_there_
     config = ClusterConfig.from_context({"cluster_name": "redeploy-c", "instance_type": "g5.xlarge"})
     _, zone = _check(config, "GpuCluster-redeploy-c")
     context = tmp_path / "cdk.context.json"
-    redeploy.pin_zone(context, REGION, "redeploy-c", zone)
+    redeploy.pin_zone(context, REGION, "redeploy-c", zone, exists=True)
     pinned = json.loads(context.read_text()) | {offerings_context_key(REGION, "g5.xlarge"): zones}
     synth = ClusterConfig.from_context({**pinned, "cluster_name": "redeploy-c", "instance_type": "g5.xlarge"}, REGION)
     assert synth.availability_zone == deployed
@@ -94,3 +100,24 @@ def test_the_subnet_stays_in_the_deployed_nodes_az_and_a_type_not_offered_there_
     explicit = ClusterConfig.from_context({"cluster_name": "redeploy-c", "availability_zone": elsewhere[0]})
     where, _ = preflight.placement(explicit, zones, zone)
     assert not where.ok and f"but the deployed cluster's subnet is in {deployed}" in where.detail
+
+
+def test_a_deployed_clusters_pin_is_kept_when_its_nodes_do_not_show_and_a_stuck_stack_fails(aws_env, tmp_path):
+    """Nodes terminated outside CloudFormation (DescribeInstances forgets them after about an hour) do not
+    unpin the AZ while the stack exists; a stack `cdk deploy` cannot update is a FAIL that says what to run."""
+    _deploy("redeploy-d", "us-east-1a", 1, subnet=("172.31.250.0/24", "us-east-1d"))
+    config = ClusterConfig.from_context({"cluster_name": "redeploy-d", "nodes": "1"})
+    assert _check(config, "GpuCluster-redeploy-d")[1] == "us-east-1d"  # the stack's subnet says, not its nodes
+    context = tmp_path / "cdk.context.json"
+    key = cluster_az_context_key(REGION, "redeploy-d")
+    context.write_text(json.dumps({key: "us-east-1c"}))
+    redeploy.pin_zone(context, REGION, "redeploy-d", None, exists=True)
+    assert json.loads(context.read_text()) == {key: "us-east-1c"}
+    for status, words in [
+        ("UPDATE_ROLLBACK_FAILED", "continue-update-rollback --stack-name GpuCluster-x"),
+        ("DELETE_FAILED", "`npx cdk destroy` again"),
+        ("UPDATE_IN_PROGRESS", "wait until it ends"),
+    ]:
+        found = redeploy.Deployed("GpuCluster-x", status, {}, "us-east-1c")
+        assert words in (redeploy.stuck(found) or ""), status
+    assert redeploy.stuck(redeploy.Deployed("GpuCluster-x", "UPDATE_ROLLBACK_COMPLETE", {}, None)) is None

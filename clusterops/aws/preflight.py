@@ -497,13 +497,13 @@ def run_preflight(
         return checks, []
     ec2 = clients["ec2"]
     checks.append(bootstrap_check(clients["ssm"], account or "ACCOUNT", region))
-    known, deployed_zone = redeploy_check(clients["cloudformation"], ec2, config, stack_name)
+    known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name)
     checks.append(known)
     zones = offered_zones(ec2, config.instance_type)
     if context_file is not None and zones:
         cache_offerings(context_file, region, config.instance_type, zones)
     if context_file is not None and not config.vpc_id:
-        pin_zone(context_file, region, config.cluster_name, deployed_zone)
+        pin_zone(context_file, region, config.cluster_name, deployed_zone, exists)
     where, az = placement(config, zones, deployed_zone)
     checks.append(where)
     if config.vpc_id:

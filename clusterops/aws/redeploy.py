@@ -45,10 +45,28 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
         raise
     outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
     found = Deployed(stack_name, stack["StackStatus"], outputs, None)
-    return Deployed(stack_name, found.status, outputs, _zone(ec2, found.instance_ids))
+    zone = _subnet_zone(cfn, ec2, stack_name) or _nodes_zone(ec2, found.instance_ids)
+    return Deployed(stack_name, found.status, outputs, zone)
 
 
-def _zone(ec2, ids: list[str]) -> Optional[str]:
+def _subnet_zone(cfn, ec2, stack_name: str) -> Optional[str]:
+    """The AZ of the stack's own subnets (one AZ); None with a given VPC's subnet or none left."""
+    resources = cfn.describe_stack_resources(StackName=stack_name)["StackResources"]
+    ids = [
+        r["PhysicalResourceId"]
+        for r in resources
+        if r.get("ResourceType") == "AWS::EC2::Subnet" and r.get("PhysicalResourceId")
+    ]
+    if not ids:
+        return None
+    try:
+        subnets = ec2.describe_subnets(SubnetIds=ids)["Subnets"]
+    except ClientError:  # deleted outside the stack: the nodes may still say
+        return None
+    return min((s["AvailabilityZone"] for s in subnets), default=None)
+
+
+def _nodes_zone(ec2, ids: list[str]) -> Optional[str]:
     if not ids:
         return None
     pages = ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": "instance-id", "Values": ids}])
@@ -94,28 +112,54 @@ def changes(config: ClusterConfig, found: Deployed) -> list[str]:
     return said
 
 
-def redeploy_check(cfn, ec2, config: ClusterConfig, stack_name: str) -> tuple[Check, Optional[str]]:
-    """The `deployed cluster` line, and the AZ the deployed nodes are in (None for a new cluster)."""
+# Stack states `cdk deploy` cannot update, and what to do (CloudFormation User Guide, stack status codes).
+STUCK = {
+    "UPDATE_ROLLBACK_FAILED": "`aws cloudformation continue-update-rollback --stack-name {stack}`, then deploy",
+    "ROLLBACK_FAILED": "`npx cdk destroy` (`fab audit` names what it could not delete), then deploy",
+    "DELETE_FAILED": "`npx cdk destroy` again (`fab audit` names what held it), then deploy",
+}
+# A first deploy that failed and rolled back: `cdk deploy` deletes the stack and creates it anew.
+NOTHING_LEFT = ("ROLLBACK_COMPLETE",)
+
+
+def stuck(found: Deployed) -> Optional[str]:
+    """Why `cdk deploy` cannot update the stack now, else None."""
+    if found.status.endswith("_IN_PROGRESS"):
+        return f"{found.stack} is {found.status}: wait until it ends (`aws cloudformation describe-stacks`)"
+    if found.status in STUCK:
+        return f"{found.stack} is {found.status}: " + STUCK[found.status].format(stack=found.stack)
+    return None
+
+
+def redeploy_check(cfn, ec2, config: ClusterConfig, stack_name: str) -> tuple[Check, Optional[str], bool]:
+    """The `deployed cluster` line, the AZ the deployed cluster is in (None for a new one, or one that does
+    not show it), and whether its stack holds a cluster (its AZ pin is kept)."""
     found = deployed(cfn, ec2, stack_name)
+    if found is not None and found.status in NOTHING_LEFT:
+        detail = f"{stack_name} is {found.status} (a first deploy that failed): `cdk deploy` deletes it and starts anew"
+        return Check(CHECK, True, detail), None, False
+    if found is not None and stuck(found):
+        return Check(CHECK, False, stuck(found) or ""), found.zone, True
     if found is None:
         others = other_clusters(cfn, stack_name)
         detail = f"none named {stack_name}: this deploy makes a new cluster"
         if others:
             detail += f"; this region has {', '.join(others)} (-c cluster_name=NAME deploys to one of those)"
-        return Check(CHECK, True, detail), None
+        return Check(CHECK, True, detail), None, False
     said = changes(config, found)
     detail = f"{stack_name} ({found.status}, nodes in {found.zone or 'no AZ'}): " + (
         "this deploy changes " + "; ".join(said) + " (-c values are not remembered: a key left out is its default)"
         if said
         else "this deploy changes none of its nodes"
     )
-    return Check(CHECK, True, detail), found.zone
+    return Check(CHECK, True, detail), found.zone, True
 
 
-def pin_zone(context_file: Path, region: str, cluster_name: str, zone: Optional[str]) -> None:
-    """Synth keeps a deployed cluster's subnet where its nodes are; a cluster not deployed has no pin."""
+def pin_zone(context_file: Path, region: str, cluster_name: str, zone: Optional[str], exists: bool) -> None:
+    """Synth keeps a deployed cluster's subnet in its AZ; a cluster not deployed has no pin, and a deployed one
+    whose AZ does not show keeps the pin it has."""
     key = cluster_az_context_key(region, cluster_name)
     if zone:
         cdkcontext.write(context_file, {key: zone})
-    else:
+    elif not exists:
         cdkcontext.forget(context_file, key)
