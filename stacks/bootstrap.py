@@ -1,11 +1,10 @@
-"""User data: a short stub that fetches the bootstrap script (assets/bootstrap/node-bootstrap.sh) and
-runs it. Only what a node keeps for its life (cluster, rank, file system, stack, its own logical ID,
-parameter and alarm names) is in the stub, so no config change and no edit of the script alters user
-data, which with `user_data_causes_replacement` would replace every node. What follows the config
-(the script's S3 URL, the base image, Spot, EFA cards) lives in the node-config SSM parameter
-(KEY=VALUE lines) that the stub reads at each run.
+"""The node's bootstrap beside its user data (stacks/userdata.py renders that stub): the node-config SSM
+parameter (KEY=VALUE lines the stub reads at each run: the bootstrap script's S3 URL, the base image, Spot,
+EFA cards) and the user-data size check. Only what a node keeps for its life (cluster, rank, instance type,
+file system, stack, its own logical ID, parameter and alarm names) is in user data, so no config change and
+no edit of the script alters it, which with `user_data_causes_replacement` would replace every node.
 
-The header values may be CDK tokens (file system id, region, ...); they resolve at deploy time.
+The values may be CDK tokens (file system id, region, ...); they resolve at deploy time.
 """
 
 from __future__ import annotations
@@ -24,35 +23,8 @@ from cluster_node.protocol.contract import CLUSTER_TAG, node_config_parameter
 from .config import ClusterConfig
 
 BOOTSTRAP_SCRIPT = Path(__file__).resolve().parent.parent / "assets" / "bootstrap" / "node-bootstrap.sh"
-ENV_FILE = "/etc/gpu-cluster/bootstrap.env"
 USER_DATA_LIMIT = 16 * 1024  # EC2: user data is at most 16 KB before base64
 TOKEN_ALLOWANCE = 256  # bytes counted for each value CloudFormation fills in at deploy time
-SCRIPT_PATH = "/usr/local/sbin/gpu-cluster-bootstrap"
-STUB_BODY = BOOTSTRAP_SCRIPT.with_name("user-data-stub.sh")
-
-
-def render_user_data(env: Mapping[str, str]) -> str:
-    """User-data commands (after the shebang): write the node's fixed values, add the node config,
-    fetch the bootstrap and run it (it signals CloudFormation itself)."""
-    env_lines = "\n".join(f"{key}={value}" for key, value in env.items())
-    return "\n".join(
-        [
-            "set -euo pipefail",
-            f"ENV_FILE={ENV_FILE} SCRIPT={SCRIPT_PATH}",
-            "install -d -m 0755 /etc/gpu-cluster",
-            "cat > \"$ENV_FILE.new\" <<'GPU_CLUSTER_ENV'",
-            env_lines,
-            "GPU_CLUSTER_ENV",
-            stub_body(),
-        ]
-    )
-
-
-def stub_body() -> str:
-    """The stub's script without its header (shebang and the comment lines above the first command)."""
-    lines = STUB_BODY.read_text().splitlines()
-    first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
-    return "\n".join(lines[first:]) + "\n"
 
 
 def node_config(values: Mapping[str, str]) -> str:

@@ -10,6 +10,7 @@ from .dashboard import ClusterDashboard
 from .network import ClusterNetwork
 from .nodes import CLUSTER_TAG, GpuNodes
 from .storage import SharedStorage
+from .userdata import user_data_version
 
 
 class GpuClusterStack(Stack):
@@ -93,6 +94,7 @@ class GpuClusterStack(Stack):
             "Spot": "true" if config.spot else "false",
             "DashboardUrl": self.dashboard.url,
             "EfaCards": str(config.efa_cards),
+            "NodeUserData": user_data_version(),  # fab preflight: does this checkout replace every node?
         }
         return outputs
 

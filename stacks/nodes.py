@@ -48,11 +48,12 @@ from cluster_node.protocol.contract import (
     node_config_parameter,
 )
 
-from .bootstrap import check_user_data_size, make_node_config, render_user_data
+from .bootstrap import check_user_data_size, make_node_config
 from .config import ClusterConfig, alarm_minutes
 from .images import image_tag
 from .node_launch import PinnedImage, attach_launch_template
 from .spot_release import SpotRequestRelease
+from .userdata import render_user_data
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BOOTSTRAP_TIMEOUT = Duration.minutes(45)  # pulling the NGC image (~10 GB) dominates

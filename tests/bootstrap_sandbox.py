@@ -12,7 +12,8 @@ from pathlib import Path
 
 from conftest import REPO
 
-from stacks.bootstrap import node_config, render_user_data
+from stacks.bootstrap import node_config
+from stacks.userdata import render_user_data
 
 OVERLAID = [
     "/data",
@@ -44,6 +45,7 @@ ENV = {
     "IDLE_MINUTES_PARAMETER": "/gpu-cluster/testcluster/idle-minutes",  # the aws stand-in answers 45
     "IDLE_ALARM": "testcluster-node0-idle",
     "HEARTBEAT_NAMESPACE": "GpuCluster/Autostop",
+    "INSTANCE_TYPE": "g5.xlarge",
 }
 # The node-config parameter's value (stacks/bootstrap.py node_config): the stub fetches the script from it.
 BOOTSTRAP_URL = "s3://cdk-assets/0123abcd.sh"

@@ -12,6 +12,7 @@ import pytest
 from clusterops.aws import preflight, redeploy
 from stacks.config import ClusterConfig, cluster_az_context_key, offerings_context_key
 from stacks.pins import UnpinnedError, synth_config, unpinned_config
+from stacks.userdata import user_data_version
 
 REGION = "us-east-1"
 
@@ -26,6 +27,7 @@ def _deploy(name: str, zone: str, nodes: int, subnet: tuple[str, str] | None = N
     )
     ids = [i["InstanceId"] for i in launched["Instances"]]
     values = {"ClusterName": name, "InstanceType": "g5.xlarge", "Spot": "false", "EfaCards": "0", "Access": "ssh"}
+    values["NodeUserData"] = user_data_version()  # deployed by this checkout
     values |= outputs | {"InstanceIds": ",".join(ids)}
     resources: dict = {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}}
     if subnet:  # the stack's own subnet: (CIDR, AZ)
@@ -68,6 +70,29 @@ def test_each_change_a_deploy_would_make_to_the_deployed_cluster_is_named(aws_en
     assert "spot true -> false (replaces every node" in check.detail
     assert "nodes 3 -> 2 (node2 terminated, their disks with them)" in check.detail
     assert "-c values are not remembered" in check.detail and "\n" not in check.detail
+
+
+def test_an_upgrade_of_this_app_or_a_new_ami_is_said_to_replace_every_node(aws_env):
+    """CDK appends a hash of each node's user data to its logical ID (user_data_causes_replacement): a new
+    stub (this app upgraded) replaces every node, as a new AMI does; the stack outputs its user data's
+    version for this. An older stack has no such output: it may. Each says to stop the cluster first (the old
+    nodes' idle watchdog knows no bootstrapping node, and would stop the new ones)."""
+    config = ClusterConfig.from_context({"cluster_name": "redeploy-e", "instance_type": "g5.xlarge"})
+    base = {"InstanceType": "g5.xlarge", "Spot": "false", "EfaCards": "0", "Access": "ssh"}
+    for outputs, words in [
+        ({"NodeUserData": "0123456789abcdef"}, f"node user data 0123456789abcdef -> {user_data_version()} (replaces"),
+        ({}, "node user data not known (an older version deployed it) (replaces every node"),
+    ]:
+        found = redeploy.Deployed("GpuCluster-redeploy-e", "UPDATE_COMPLETE", base | outputs, None)
+        said = redeploy.changes(config, found)
+        assert len(said) == 1 and said[0].startswith(words) and "`fab stop-cluster` before the deploy" in said[0]
+    ids = _deploy("redeploy-e", "us-east-1b", 2)
+    image = boto3.client("ec2").describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"][0]["ImageId"]
+    found = redeploy.deployed(boto3.client("cloudformation"), boto3.client("ec2"), "GpuCluster-redeploy-e")
+    assert found is not None and redeploy.changes(config, found, image) == []
+    assert redeploy.changes(config, found, "ami-0fffffffffffffff0") == [
+        f"AMI {image} -> ami-0fffffffffffffff0 (replaces every node: a running run ends, `fab stop` it first)"
+    ]
 
 
 def test_the_subnet_stays_in_the_deployed_nodes_az_and_a_type_not_offered_there_is_refused(aws_env, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -336,6 +337,8 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     """Each fab task that calls AWS, under the documented user policy; returns the actions they called."""
     gate, _ = world
     env = user_env(world, f"user-{deployed.name}", tmp_path)
+    # The project the deploy ran in: its cdk.context.json (the AMI and AZ pins), which preflight reads again.
+    shutil.copy(deployed.key_file.parent / "app" / "cdk.context.json", env["GPU_CLUSTER_CDK_CONTEXT"])
     publish_host_key(deployed)
     cluster = deployed.context["cluster_name"]
     if not boto3.client("cloudwatch").describe_alarms(AlarmNamePrefix=cluster)["MetricAlarms"]:

@@ -4,7 +4,7 @@ import subprocess
 
 from conftest import REPO
 
-from stacks.bootstrap import render_user_data
+from stacks.userdata import USER_DATA_KEYS, render_user_data
 
 
 def _bash_scripts() -> list[str]:
@@ -33,7 +33,7 @@ def test_shellcheck_every_script():
 
 
 def test_shellcheck_the_rendered_user_data(tmp_path):
-    env = {"CLUSTER_NAME": "c", "NODE_RANK": "0", "FILE_SYSTEM_ID": "fs-1", "AWS_REGION": "us-east-1"}
+    env = {key: "value" for key in USER_DATA_KEYS} | {"CLUSTER_NAME": "c", "NODE_RANK": "0", "FILE_SYSTEM_ID": "fs-1"}
     path = tmp_path / "user-data.sh"
     path.write_text("#!/bin/bash\n" + render_user_data(env))
     result = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)

@@ -7,6 +7,10 @@
 # instead of after the creation policy's 45 minutes; and, as a failed bootstrap does, schedules the node's
 # own stop in 45 minutes: with `cdk deploy --no-rollback` nothing else would ever stop it (no watchdog, no
 # alarm yet). /var/lib/gpu-cluster/keep-running keeps it; a node that bootstrapped before is not stopped.
+# The stop is StopInstances on itself (a stop whatever the shutdown behaviour; persistent Spot allows it),
+# else poweroff; the stub leaves the bootstrap's mark of a scheduled stop, so a later success cancels it.
+# execfail: a failed exec (a bad interpreter line) returns, and set -e ends the stub through its trap;
+# without it bash would exit at once, trap and signal skipped.
 : "${ENV_FILE:?}" "${SCRIPT:?}"
 # shellcheck source=/dev/null
 source "$ENV_FILE.new"
@@ -20,11 +24,9 @@ fail() {
   aws cloudformation signal-resource --region "$AWS_REGION" --stack-name "$STACK_NAME" \
     --logical-resource-id "$SIGNAL_RESOURCE" --status FAILURE --unique-id "$id-failed-$STEP" || true
   [[ -f $state/signalled ]] && return
-  # StopInstances stops whatever the shutdown behaviour (and persistent Spot allows it); poweroff if refused.
-  systemd-run --unit=gpu-cluster-failed-stop --on-active=45min --description="GPU cluster: stop this node, \
-its user data failed" /bin/sh -c "test -e $state/keep-running || aws ec2 stop-instances --region $AWS_REGION \
+  systemd-run --unit=gpu-cluster-failed-stop --on-active=45min --description="GPU cluster: user data failed" \
+    /bin/sh -c "test -e $state/keep-running || aws ec2 stop-instances --region $AWS_REGION \
 --instance-ids $id >/dev/null || systemctl poweroff" || true
-  # The bootstrap's own mark of a scheduled stop: its success, run again by hand, cancels this one too.
   { install -d -m 0755 /run/gpu-cluster && touch /run/gpu-cluster/failed-stop; } || true
   echo "gpu-cluster user data: this node stops itself in 45 min; to keep it: sudo touch $state/keep-running" >&2
 }
@@ -56,7 +58,5 @@ for f in "$ENV_FILE" "$SCRIPT"; do
   if cmp -s "$f.new" "$f"; then rm "$f.new"; else mv "$f.new" "$f"; fi
 done
 STEP=start-bootstrap
-# A failed exec (a bad interpreter line) ends a non-interactive bash without its EXIT trap; with execfail
-# it returns, and set -e ends the stub through the trap.
 shopt -s execfail
 exec "$SCRIPT" "$ENV_FILE"

@@ -497,7 +497,10 @@ def run_preflight(
         return checks, []
     ec2 = clients["ec2"]
     checks.append(bootstrap_check(clients["ssm"], account or "ACCOUNT", region))
-    known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name)
+    ami_check, image_id = ami(
+        clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
+    )
+    known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name, image_id)
     checks.append(known)
     zones = offered_zones(ec2, config.instance_type)
     if context_file is not None and zones:
@@ -515,9 +518,6 @@ def run_preflight(
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
         checks.append(spot_volume_key(ec2, clients["kms"], account or "ACCOUNT", region))
-    ami_check, image_id = ami(
-        clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
-    )
     checks.append(ami_check)
     if image_id and az:
         checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az, spot))

@@ -18,6 +18,7 @@ from botocore.exceptions import ClientError
 from clusterops.aws import cdkcontext
 from clusterops.aws.check import Check
 from stacks.config import ClusterConfig, cluster_az_context_key
+from stacks.userdata import user_data_version
 
 CHECK = "deployed cluster"
 REPLACES = "replaces every node: a running run ends, `fab stop` it first"
@@ -28,7 +29,8 @@ class Deployed:
     stack: str
     status: str
     outputs: dict
-    zone: Optional[str]  # where its nodes are (one subnet); None without nodes
+    zone: Optional[str]  # where its subnet (else its nodes) is; None when neither shows
+    images: frozenset[str] = frozenset()  # its nodes' AMIs
 
     @property
     def instance_ids(self) -> list[str]:
@@ -45,8 +47,9 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
         raise
     outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
     found = Deployed(stack_name, stack["StackStatus"], outputs, None)
-    zone = _subnet_zone(cfn, ec2, stack_name) or _nodes_zone(ec2, found.instance_ids)
-    return Deployed(stack_name, found.status, outputs, zone)
+    nodes = _nodes(ec2, found.instance_ids)
+    zone = _subnet_zone(cfn, ec2, stack_name) or min((n["Placement"]["AvailabilityZone"] for n in nodes), default=None)
+    return Deployed(stack_name, found.status, outputs, zone, frozenset(n["ImageId"] for n in nodes))
 
 
 def _subnet_zone(cfn, ec2, stack_name: str) -> Optional[str]:
@@ -66,12 +69,12 @@ def _subnet_zone(cfn, ec2, stack_name: str) -> Optional[str]:
     return min((s["AvailabilityZone"] for s in subnets), default=None)
 
 
-def _nodes_zone(ec2, ids: list[str]) -> Optional[str]:
+def _nodes(ec2, ids: list[str]) -> list[dict]:
+    """The stack's instances EC2 still describes (a filter, not InstanceIds: one gone is no error)."""
     if not ids:
-        return None
+        return []
     pages = ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": "instance-id", "Values": ids}])
-    zones = {i["Placement"]["AvailabilityZone"] for page in pages for r in page["Reservations"] for i in r["Instances"]}
-    return min(zones) if zones else None
+    return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
 
 
 def other_clusters(cfn, stack_name: str) -> list[str]:
@@ -96,9 +99,9 @@ _KEYS: tuple[tuple[str, str, Callable[[ClusterConfig], str], str], ...] = (
 )
 
 
-def changes(config: ClusterConfig, found: Deployed) -> list[str]:
-    """What this config changes in the deployed cluster, one phrase a key."""
-    said = [
+def changes(config: ClusterConfig, found: Deployed, image: Optional[str] = None) -> list[str]:
+    """What this config (booting `image`) changes in the deployed cluster, one phrase a key."""
+    said = _replacing(found, image) + [
         f"{key} {found.outputs[output]} -> {value(config)} ({effect})"
         for key, output, value, effect in _KEYS
         if output in found.outputs and found.outputs[output] != value(config)
@@ -131,7 +134,22 @@ def stuck(found: Deployed) -> Optional[str]:
     return None
 
 
-def redeploy_check(cfn, ec2, config: ClusterConfig, stack_name: str) -> tuple[Check, Optional[str], bool]:
+def _replacing(found: Deployed, image: Optional[str]) -> list[str]:
+    """What replaces every node besides the config: this checkout's node user data (an upgrade of this app:
+    the old nodes' idle watchdog would stop the new ones while they bootstrap), a new AMI."""
+    deployed, mine = found.outputs.get("NodeUserData"), user_data_version()
+    said = []
+    if deployed != mine:
+        what = "not known (an older version deployed it)" if deployed is None else f"{deployed} -> {mine}"
+        said.append(f"node user data {what} ({REPLACES}; and `fab stop-cluster` before the deploy)")
+    if image and found.images and image not in found.images:
+        said.append(f"AMI {', '.join(sorted(found.images))} -> {image} ({REPLACES})")
+    return said
+
+
+def redeploy_check(
+    cfn, ec2, config: ClusterConfig, stack_name: str, image: Optional[str] = None
+) -> tuple[Check, Optional[str], bool]:
     """The `deployed cluster` line, the AZ the deployed cluster is in (None for a new one, or one that does
     not show it), and whether its stack holds a cluster (its AZ pin is kept)."""
     found = deployed(cfn, ec2, stack_name)
@@ -146,7 +164,7 @@ def redeploy_check(cfn, ec2, config: ClusterConfig, stack_name: str) -> tuple[Ch
         if others:
             detail += f"; this region has {', '.join(others)} (-c cluster_name=NAME deploys to one of those)"
         return Check(CHECK, True, detail), None, False
-    said = changes(config, found)
+    said = changes(config, found, image)
     detail = f"{stack_name} ({found.status}, nodes in {found.zone or 'no AZ'}): " + (
         "this deploy changes " + "; ".join(said) + " (-c values are not remembered: a key left out is its default)"
         if said

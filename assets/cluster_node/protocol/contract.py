@@ -44,7 +44,8 @@ def dashboard_name(cluster_name: str, region: str) -> str:
     return f"{cluster_name}-{region}"
 
 
-# The stack's outputs (stacks/cluster_stack.py) that the inventory (clusterops/inventory.py) reads.
+# The stack's outputs (stacks/cluster_stack.py) that the inventory (clusterops/inventory.py) reads, and
+# NodeUserData, which `fab preflight` compares (clusterops/aws/redeploy.py).
 OUTPUT_KEYS = (
     "ClusterName",
     "Access",
@@ -62,5 +63,6 @@ OUTPUT_KEYS = (
     "DashboardUrl",
     "EfaCards",
     "Spot",
+    "NodeUserData",
 )
 REQUIRED_OUTPUTS = ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode", "HostKeyParameterName", "KeyParameterName")
