@@ -3,6 +3,7 @@ the sshd training container. Exposes `instances` (rank order), `key_parameter_na
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -125,8 +126,12 @@ class GpuNodes(Construct):
         self.node_config_parameter = make_node_config(self, config, self.role)
         self._grant_stop_and_heartbeat(config)
         self.key_pair, self.key_parameter_name = self._key_pair(config)
+        # One group per instance type: a type change replaces every node (new before old), and the new nodes
+        # then start a group of their own instead of joining the old nodes' hardware, where EC2 is likelier
+        # to lack capacity ("Placement group rules and limitations": launch all of a group's nodes at once).
+        group = "PlacementGroup" + "".join(part.capitalize() for part in re.split(r"\W", config.instance_type))
         placement_group = (
-            ec2.PlacementGroup(self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER)
+            ec2.PlacementGroup(self, group, strategy=ec2.PlacementGroupStrategy.CLUSTER)
             if config.in_placement_group
             else None
         )

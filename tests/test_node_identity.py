@@ -137,3 +137,15 @@ def test_a_new_instance_type_replaces_each_node_instead_of_stopping_them_all():
         assert set(old) == set(new) == {0, 1}
         assert all(old[rank][0] != new[rank][0] for rank in old), spot  # new logical IDs: replacement
         assert all("INSTANCE_TYPE=g5.2xlarge" in new[rank][1] for rank in new)
+
+
+def test_a_new_instance_type_gets_a_new_placement_group_beside_the_old_one():
+    """The replacing nodes start a cluster placement group of their own (EC2 User Guide, placement group rules:
+    launch a group's instances at once; joining the old nodes' hardware is likelier to lack capacity)."""
+
+    def groups(template: dict) -> list[str]:
+        return [k for k, r in template["Resources"].items() if r["Type"] == "AWS::EC2::PlacementGroup"]
+
+    before, after = groups(_template()), groups(_template(instance_type="g5.2xlarge"))
+    assert len(before) == len(after) == 1 and before != after
+    assert groups(_template(nodes="3")) == before  # a node more joins the group
