@@ -23,13 +23,12 @@ from clusterops.inventory import (
     Inventory,
     InventoryError,
 )
-from clusterops.nodes import records
+from clusterops.nodes import records, remote
 from clusterops.run import meter
 
 from .common import (
     aws_errors,
     cluster_config,
-    head,
     inventory_path,
     load_inventory,
     task,
@@ -197,18 +196,28 @@ def destroy(c, yes=False):
         raise Exit("error: the inventory is the emulated cluster's: `fab local.down` tears it down", code=1)
     # cdk.json's directory, the app `cdk destroy` runs: this checkout (GPU_CLUSTER_CDK_APP: a copy of it)
     project = Path(os.environ.get("GPU_CLUSTER_CDK_APP") or Path(__file__).resolve().parent.parent)
-    efs = aws_session(inv.region).client("efs")
+    session = aws_session(inv.region)
+    clients = {name: session.client(name) for name in ("cloudformation", "efs", "ec2")}
     with aws_errors("fab destroy"):
         try:
-            teardown_plan.destroy(inv, efs, lambda: _at_risk(inv), project, yes)
+            print(teardown_plan.destroy(inv, clients, lambda: _at_risk(inv), project, yes))
         except teardown_plan.DestroyError as error:
             raise Exit(f"error: {error}", code=1) from None
-    print(f"destroyed {inv.stack_name}: `fab audit` lists anything left of {inv.cluster}, with its monthly cost")
 
 
 def _at_risk(inv):
-    with head(inv) as connection:
-        return records.at_risk(connection, inv)
+    """What /data holds, from the first node that answers (each mounts it; the head first, whose launcher
+    is the run's). A node whose program fails (RemoteError) is the answer: the others run the same image."""
+    unreachable: Exception = RuntimeError("no node in the inventory")
+    for node in sorted(inv.nodes, key=lambda n: n.name != inv.head.name):
+        try:
+            with remote.connect(inv, node) as connection:
+                return records.at_risk(connection, inv)
+        except remote.RemoteError:
+            raise
+        except Exception as error:  # noqa: BLE001 - this node is down or unreachable: try the next
+            unreachable = error
+    raise unreachable
 
 
 @task(help={"cluster": "cluster name (default: the inventory's, else cdk.json's)"})

@@ -75,7 +75,7 @@ def unmovable_zone(deployed: Optional[str], offered: Optional[Sequence[str]]) ->
         return None
     return (
         f"not offered in {deployed}, where the deployed cluster's subnet is (offered in {', '.join(offered)}); "
-        "an update cannot move a subnet to another AZ: `npx cdk destroy`, then `fab preflight` and deploy"
+        "an update cannot move a subnet to another AZ: `fab destroy`, then `fab preflight` and deploy"
     )
 
 

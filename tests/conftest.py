@@ -225,6 +225,15 @@ def moto_instances(count: int, cluster: str | None = None, instance_type: str = 
     return [i["InstanceId"] for i in launched]
 
 
+def mark_ready(data: Path, ids: list[str]) -> None:
+    """What each node's bootstrap writes once it is ready (node-bootstrap.sh mark_ready): DATA/.cluster/ready/nodeR
+    naming its instance; the idle watchdog holds its stop while a tagged node no mark names is bootstrapping."""
+    ready = data / ".cluster" / "ready"
+    ready.mkdir(parents=True, exist_ok=True)
+    for rank, instance in enumerate(ids):
+        (ready / f"node{rank}").write_text(f"2026-11-27T00:00:00Z {instance}\n")
+
+
 @pytest.fixture
 def fake_imds():
     with serve_imds() as server:

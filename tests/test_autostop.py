@@ -15,7 +15,7 @@ import aws_cdk as cdk
 import boto3
 import pytest
 from aws_cdk.assertions import Match, Template
-from conftest import REPO, moto_instances, tool_env
+from conftest import REPO, mark_ready, moto_instances, tool_env
 from supervisor_fixture import supervise, write_spec
 
 from cluster_node.daemons.autostop import busy_signals as signals
@@ -344,18 +344,10 @@ def test_stop_action_stops_only_this_clusters_running_instances(aws_env):
     assert autostop.stop_cluster(ec2, "autostop-a") == []  # nothing left running: no second stop call
 
 
-def _mark_ready(data, ids) -> None:
-    """What each node's bootstrap writes once it is ready (node-bootstrap.sh mark_ready)."""
-    ready = data / ".cluster" / "ready"
-    ready.mkdir(parents=True, exist_ok=True)
-    for rank, instance in enumerate(ids):
-        (ready / f"node{rank}").write_text(f"2026-11-27T00:00:00Z {instance}\n")
-
-
 def test_the_watchdog_loop_publishes_its_heartbeat_and_stops_an_idle_cluster(aws_env, tmp_path):
     ec2 = boto3.client("ec2")
     ids = moto_instances(2, "idle-loop")
-    _mark_ready(tmp_path, ids)
+    mark_ready(tmp_path, ids)
     (tmp_path / "runs" / "r").mkdir(parents=True)
     progress = tmp_path / "runs" / "r" / "progress.json"
     progress.write_text(json.dumps({"step": 120}))
@@ -394,7 +386,7 @@ def test_an_idle_clusters_stop_waits_while_a_deploy_bootstraps_a_new_node(aws_en
     there, the idle cluster stops."""
     ec2 = boto3.client("ec2")
     ready, new = moto_instances(2, "idle-hold"), moto_instances(1, "idle-hold")
-    _mark_ready(tmp_path, ready)
+    mark_ready(tmp_path, ready)
     env = tool_env(CLUSTER_NAME="idle-hold", IDLE_MINUTES="0.005", INSTANCE_ID=ready[0], NODE_RANK="0", **aws_env)
     command = [sys.executable, "-m", "cluster_node.daemons.autostop.watchdog", "--data", str(tmp_path)]
     command += ["--interval", "0.2", "--pts", str(tmp_path / "no-terminals")]

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs
 
 import boto3
 import pytest
-from conftest import moto_instances, tool_env
+from conftest import mark_ready, moto_instances, tool_env
 
 IDLE_S = 12.0  # IDLE_MINUTES=0.2
 
@@ -71,6 +71,7 @@ def test_a_restarted_watchdog_resumes_its_idle_clock_and_reports_idle(aws_env, t
     """The entrypoint restarts a watchdog that died (and Docker a container that died): the second
     one goes on from the first one's idle time, without a "watchdog starting" busy beat."""
     ids = moto_instances(2, "resume-clock")
+    mark_ready(tmp_path, ids)
     beat = tmp_path / ".cluster" / "heartbeat" / "node0.json"
     first = start_watchdog(tmp_path, "resume-clock", ids[0], aws_env)
     try:
@@ -178,6 +179,7 @@ def test_a_watchdog_with_autostop_off_beats_busy_and_applies_idle_minutes_set_la
     watchdog runs with 0 too, says busy (no alarm can fire), and reads the SSM parameter again (here
     every second; 5 min by default): N applies from when it is read."""
     ids = moto_instances(2, "switched-on")
+    mark_ready(tmp_path, ids)
     ssm = boto3.client("ssm")
     name = "/gpu-cluster/switched-on/idle-minutes"
     ssm.put_parameter(Name=name, Value="0", Type="String", Overwrite=True)

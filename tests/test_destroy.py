@@ -14,6 +14,7 @@ import sys
 import time
 
 import boto3
+import pytest
 from conftest import REPO, run_fab
 from one_sshd import free_port, needs_root_and_sshd, serve
 
@@ -86,11 +87,18 @@ def _destroy(path, aws_env, *args):
     return run_fab("destroy", *args, GPU_CLUSTER_INVENTORY=str(path), **aws_env)
 
 
+def _stack(name: str) -> None:
+    """A stack of that name in the moto server (what it holds does not matter to the refusals)."""
+    template = {"Resources": {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}}}
+    boto3.client("cloudformation").create_stack(StackName=name, TemplateBody=json.dumps(template))
+
+
 @needs_root_and_sshd
 def test_destroy_is_refused_while_data_would_be_lost_and_says_what_to_run(tmp_path, aws_env):
+    path = tmp_path / "inventory.json"
+    _stack("GpuCluster-doomed")
     with serve(tmp_path) as port:
         write_known_hosts(tmp_path / "known_hosts", ["127.0.0.1"], (tmp_path / "host.pub").read_text(), port)
-        path = tmp_path / "inventory.json"
         _inventory_of(tmp_path, port, _file_system(retain=False)).save(path)
         _runs(tmp_path / "data", fetched=["kept"], unfetched=["lost"])
         refused = _destroy(path, aws_env)
@@ -105,16 +113,32 @@ def test_destroy_is_refused_while_data_would_be_lost_and_says_what_to_run(tmp_pa
         assert going.returncode == 1 and going.stderr.strip().startswith("error: run going is going: `fab stop --run")
     _inventory_of(tmp_path, free_port(), _file_system(retain=True)).save(path)  # nothing listens there
     stopped = _destroy(path, aws_env)
-    assert stopped.returncode == 1 and stopped.stderr.strip().startswith("error: cannot read /data on node0 (")
+    assert stopped.returncode == 1 and stopped.stderr.strip().startswith("error: no node answered (")
     assert "a stopped cluster needs `fab start`" in stopped.stderr and len(stopped.stderr.strip().splitlines()) == 1
+    boto3.client("cloudformation").delete_stack(StackName="GpuCluster-doomed")
+    gone = _destroy(path, aws_env)  # destroyed already: nothing to read or run
+    assert gone.returncode == 0 and gone.stdout.startswith("no stack GpuCluster-doomed in us-east-1: nothing to")
 
 
 def test_the_destroy_command_names_the_stack_and_only_the_context_that_names_it():
     inventory = _inventory_of(None, 22, None)
     argv = destroy.command(inventory, REPO)
-    assert argv == [str(REPO / "node_modules" / ".bin" / "cdk"), "destroy", "GpuCluster-doomed", "--force"] + [
+    assert argv[1:] == ["destroy", "GpuCluster-doomed", "--force", "-c", "cluster_name=doomed"] + [
         "-c",
-        "cluster_name=doomed",
+        "stack_name=GpuCluster-doomed",  # always: a stack_name in cdk.json or ~/.cdk.json must not win
     ]
+    assert argv[0] == str(REPO / "node_modules" / ".bin" / "cdk")  # the pinned CLI, not npx's newest
     renamed = dataclasses.replace(inventory, stack_name="Team-Cluster")
     assert destroy.command(renamed, REPO)[-4:] == ["-c", "cluster_name=doomed", "-c", "stack_name=Team-Cluster"]
+    with pytest.raises(destroy.DestroyError, match="no pinned CDK CLI in .*`bash scripts/setup.sh`"):
+        destroy.command(inventory, REPO / "tests")
+
+
+def test_an_older_images_node_program_is_a_fab_sync_not_a_stopped_cluster():
+    from clusterops.nodes.remote import RemoteError
+
+    def older():
+        raise RemoteError("node0: `python -m cluster_node.programs.runs at-risk` exited 2: usage: ... invalid choice")
+
+    why = destroy.refusal(_inventory_of(None, 22, None), older, kept=False) or ""
+    assert why.startswith("the nodes could not say what /data holds (") and "`fab sync`, then `fab destroy`" in why

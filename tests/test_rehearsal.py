@@ -360,7 +360,7 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
     assert "price=" in outputs[-1] and "efs_rate=" in outputs[-1], outputs[-1]
     # preflight found the deployed stack from its own outputs, and the same -c values change none of its nodes
     found = f"deployed cluster: {deployed.stack} ("
-    assert found in outputs[0] and "changes none of its nodes" in outputs[0], outputs[0]
+    assert found in outputs[0] and "changes none of its nodes by type" in outputs[0], outputs[0]
     ours = [c for c in gate.calls[before:] if c.principal == f"user-{deployed.name}"]
     print("\n".join(outputs))
     assert [v for v in gate.violations if v.startswith(f"user-{deployed.name}")] == [], "\n".join(outputs)

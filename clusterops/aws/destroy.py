@@ -1,9 +1,11 @@
-"""`fab destroy`: `npx cdk destroy` of the inventory's stack, once deleting /data would lose nothing. The
-stack's EFS goes with it (unless it was deployed with retain_data=true), and with it every run on /data:
-a run still going, or one never fetched or changed since its last `fab fetch`
-(cluster_node.programs.runs at-risk, read on the head node), is refused in one line unless --yes, as
-`fab local.down` refuses for the emulated cluster. A head node that cannot be reached (a stopped cluster)
-is refused too: what /data holds is then unknown."""
+"""`fab destroy`: `cdk destroy` of the inventory's stack, once deleting /data would lose nothing. The stack's
+EFS goes with it (unless it was deployed with retain_data=true), and with it every run on /data: a run still
+going, or one never fetched or changed since its last `fab fetch` (the node program
+`cluster_node.programs.runs at-risk`, read on a node: each mounts /data), is refused in one line unless
+--yes, as `fab local.down` refuses for the emulated cluster. So is a cluster no node of which answers (a
+stopped one): what /data holds is then unknown. A stack already gone says so; one in DELETE_FAILED (its
+file system may be gone) is destroyed again without the read. A Spot cluster's persistent requests are
+cancelled first (its nodes stopped), as docs/operations.md advises besides the stack's own release."""
 
 from __future__ import annotations
 
@@ -12,9 +14,13 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Optional
 
+from botocore.exceptions import ClientError
+
 from cluster_node.protocol.contract import RETAIN_TAG
+from clusterops.aws.instances import release_spot, stop_nodes
 from clusterops.inventory import Inventory
 from clusterops.nodes.records import AtRisk
+from clusterops.nodes.remote import RemoteError
 from stacks.config import stack_name as default_stack_name
 
 YES = "`fab destroy --yes` destroys anyway"
@@ -24,25 +30,63 @@ class DestroyError(RuntimeError):
     """Refused, or `cdk destroy` failed; the message is one line."""
 
 
-def destroy(inventory: Inventory, efs, read: Callable[[], AtRisk], project: Path, yes: bool, say=print) -> None:
-    """`cdk destroy` of the inventory's stack from the app in `project`, unless it would lose work (`yes`
-    skips the check); DestroyError says why not, or that it failed."""
-    kept = retained(efs, inventory.file_system_id)
-    why = None if yes else refusal(inventory, read, kept)
-    if why:
-        raise DestroyError(why)
+def destroy(
+    inventory: Inventory, clients: dict, read: Callable[[], AtRisk], project: Path, yes: bool, say=print
+) -> str:
+    """`cdk destroy` of the inventory's stack from the app in `project` (clients: cloudformation, efs, ec2),
+    unless it would lose work (`yes` skips the check); returns the line that says what happened, or raises
+    DestroyError saying why not or that it failed."""
+    stack = stack_of(inventory)
+    status = stack_status(clients["cloudformation"], stack)
+    if status is None:
+        return f"no stack {stack} in {inventory.region}: nothing to destroy (`fab audit` lists anything left)"
+    if status != "DELETE_FAILED" and not yes:
+        why = refusal(inventory, read, retained(clients["efs"], inventory.file_system_id))
+        if why:
+            raise DestroyError(why)
+    if inventory.spot:
+        say(f"stopped {', '.join(stop_nodes(inventory, clients['ec2'])) or 'no node (none running)'}")
+        say(release_spot(clients["ec2"], inventory.cluster))
     argv = command(inventory, project)
     say("$ " + " ".join(argv))
     env = {**os.environ, **({"AWS_REGION": inventory.region} if inventory.region else {})}
-    if subprocess.run(argv, env=env, cwd=project).returncode != 0:
-        raise DestroyError("`cdk destroy` failed (above): `fab audit` lists what is left, `--delete` removes it")
+    failed = subprocess.run(argv, env=env, cwd=project).returncode != 0
+    left = stack_status(clients["cloudformation"], stack)
+    if failed or left is not None:
+        raise DestroyError(
+            f"`cdk destroy` did not delete {stack} ({left or 'failed'}): `fab destroy` again, "
+            "and `fab audit` lists what is left (`--delete` removes it)"
+        )
+    return f"destroyed {stack}: `fab audit` lists anything left of {inventory.cluster}, with its monthly cost"
+
+
+def stack_of(inventory: Inventory) -> str:
+    return inventory.stack_name or default_stack_name(None, inventory.cluster)
+
+
+def stack_status(cfn, stack: str) -> Optional[str]:
+    """The stack's status; None when there is none (deleted)."""
+    try:
+        found = cfn.describe_stacks(StackName=stack)["Stacks"]
+    except ClientError as error:
+        if "does not exist" in str(error):
+            return None
+        raise
+    status = found[0]["StackStatus"] if found else None
+    return None if status in (None, "DELETE_COMPLETE") else status
 
 
 def retained(efs, file_system_id: Optional[str]) -> bool:
-    """The stack keeps its file system (deployed with retain_data=true: tagged RETAIN_TAG)."""
+    """The stack keeps its file system (deployed with retain_data=true: tagged RETAIN_TAG); a file system
+    already gone keeps nothing."""
     if not file_system_id:
         return False
-    found = efs.describe_file_systems(FileSystemId=file_system_id)["FileSystems"]
+    try:
+        found = efs.describe_file_systems(FileSystemId=file_system_id)["FileSystems"]
+    except ClientError as error:
+        if error.response.get("Error", {}).get("Code") == "FileSystemNotFound":
+            return False
+        raise
     return any(t["Key"] == RETAIN_TAG and t["Value"] == "true" for fs in found for t in fs.get("Tags", []))
 
 
@@ -50,10 +94,13 @@ def refusal(inventory: Inventory, read: Callable[[], AtRisk], kept: bool) -> Opt
     """Why destroying now would lose work, in one line; None when nothing would be lost."""
     try:
         risk = read()
+    except RemoteError as error:  # a node answered, its program did not: an older image's cluster_node
+        first = (str(error).splitlines() or ["?"])[-1][-200:]
+        return f"the nodes could not say what /data holds ({first}): `fab sync`, then `fab destroy` again; or {YES}"
     except Exception as error:  # noqa: BLE001 - unreachable, refused, timed out: /data is unknown
         first = (str(error).splitlines() or [type(error).__name__])[0]
         return (
-            f"cannot read /data on {inventory.head.name} ({first}): a stopped cluster needs `fab start`, "
+            f"no node answered ({first}): what /data holds is unknown; a stopped cluster needs `fab start`, "
             f"then `fab fetch --run NAME` for the runs you keep; or {YES}"
         )
     if risk.active:
@@ -68,13 +115,14 @@ def refusal(inventory: Inventory, read: Callable[[], AtRisk], kept: bool) -> Opt
 
 
 def command(inventory: Inventory, project: Path) -> list[str]:
-    """The CDK CLI's destroy of this stack: its name and the context that names it, nothing else (the app
-    runs for destroy too and must find the same stack). The project's pinned CLI (`npm ci` put it in
-    node_modules/.bin: what `npx cdk` runs there), else npx's."""
-    stack = inventory.stack_name or default_stack_name(None, inventory.cluster)
-    pinned = project / "node_modules" / ".bin" / "cdk"
-    cli = [str(pinned)] if pinned.exists() else ["npx", "cdk"]
-    argv = [*cli, "destroy", stack, "--force", "-c", f"cluster_name={inventory.cluster}"]
-    if stack != default_stack_name(None, inventory.cluster):
-        argv += ["-c", f"stack_name={stack}"]
-    return argv
+    """The project's pinned CDK CLI (`npm ci` puts it in node_modules/.bin; npx would fetch the newest,
+    which may not read this app's assembly) destroying this stack, named by the context that names it
+    and nothing else (the app runs for destroy too and must find the same stack)."""
+    cli = project / "node_modules" / ".bin" / "cdk"
+    if not cli.exists():
+        raise DestroyError(f"no pinned CDK CLI in {cli.parent}: `bash scripts/setup.sh` (its `npm ci`) first")
+    stack = stack_of(inventory)
+    return [str(cli), "destroy", stack, "--force", "-c", f"cluster_name={inventory.cluster}"] + [
+        "-c",
+        f"stack_name={stack}",
+    ]

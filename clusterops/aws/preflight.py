@@ -202,7 +202,7 @@ def placement(config: ClusterConfig, zones: list[str], deployed: Optional[str] =
             "AZ and subnet",
             False,
             f"availability_zone={az}, but the deployed cluster's subnet is in {deployed}; an update cannot move "
-            "a subnet to another AZ: leave availability_zone out, or `npx cdk destroy` first",
+            "a subnet to another AZ: leave availability_zone out, or `fab destroy` first",
         ), az
     if az not in zones:
         return Check(
@@ -500,15 +500,8 @@ def run_preflight(
     ami_check, image_id = ami(
         clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
     )
-    known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name, image_id)
-    checks.append(known)
-    zones = offered_zones(ec2, config.instance_type)
-    if context_file is not None and zones:
-        cache_offerings(context_file, region, config.instance_type, zones)
-    if context_file is not None and not config.vpc_id:
-        pin_zone(context_file, region, config.cluster_name, deployed_zone, exists)
-    where, az = placement(config, zones, deployed_zone)
-    checks.append(where)
+    image = config.ami_id or image_id  # what synth boots: -c ami_id wins over the pin
+    az = _deployed_and_placement(clients, config, region, context_file, stack_name, image, checks)
     if config.vpc_id:
         checks.append(vpc_dns(ec2, config.vpc_id))
     if config.subnet_id:
@@ -519,8 +512,8 @@ def run_preflight(
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
         checks.append(spot_volume_key(ec2, clients["kms"], account or "ACCOUNT", region))
     checks.append(ami_check)
-    if image_id and az:
-        checks.append(dry_run(ec2, image_id, config.instance_type, config.nodes, config.subnet_id, az, spot))
+    if image and az:
+        checks.append(dry_run(ec2, image, config.instance_type, config.nodes, config.subnet_id, az, spot))
     notes = [
         f"checking {config.nodes} x {config.instance_type} ({'Spot' if spot else 'On-Demand'}) in {region}, "
         f"AZ {az or 'none'}",
@@ -533,6 +526,30 @@ def run_preflight(
             else f"run `fab preflight --request-quota` to ask for {quota.needed} vCPUs"
         )
     return checks, notes
+
+
+def _deployed_and_placement(
+    clients: dict,
+    config: ClusterConfig,
+    region: str,
+    context_file: Optional[Path],
+    stack_name: str,
+    image: Optional[str],
+    checks: list[Check],
+) -> Optional[str]:
+    """The deployed cluster of that name (redeploy.py), the type's AZs cached and a deployed cluster's pinned,
+    and where the stack will put the nodes; returns that AZ."""
+    ec2 = clients["ec2"]
+    known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name, image)
+    checks.append(known)
+    zones = offered_zones(ec2, config.instance_type)
+    if context_file is not None and zones:
+        cache_offerings(context_file, region, config.instance_type, zones)
+    if context_file is not None and not config.vpc_id:
+        pin_zone(context_file, region, config.cluster_name, deployed_zone, exists)
+    where, az = placement(config, zones, deployed_zone)
+    checks.append(where)
+    return az
 
 
 def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]) -> Optional[QuotaCheck]:

@@ -54,7 +54,11 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
 
 def _subnet_zone(cfn, ec2, stack_name: str) -> Optional[str]:
     """The AZ of the stack's own subnets (one AZ); None with a given VPC's subnet or none left."""
-    resources = cfn.describe_stack_resources(StackName=stack_name)["StackResources"]
+    try:  # DescribeStackResources stops at 100: the paginated summaries
+        pages = cfn.get_paginator("list_stack_resources").paginate(StackName=stack_name)
+        resources = [r for page in pages for r in page["StackResourceSummaries"]]
+    except ClientError:  # e.g. a user policy older than this check: the nodes may still say
+        return None
     ids = [
         r["PhysicalResourceId"]
         for r in resources
@@ -118,16 +122,16 @@ def changes(config: ClusterConfig, found: Deployed, image: Optional[str] = None)
 # Stack states `cdk deploy` cannot update, and what to do (CloudFormation User Guide, stack status codes).
 STUCK = {
     "UPDATE_ROLLBACK_FAILED": "`aws cloudformation continue-update-rollback --stack-name {stack}`, then deploy",
-    "ROLLBACK_FAILED": "`npx cdk destroy` (`fab audit` names what it could not delete), then deploy",
-    "DELETE_FAILED": "`npx cdk destroy` again (`fab audit` names what held it), then deploy",
+    "DELETE_FAILED": "`fab destroy` again (`fab audit` names what held it), then deploy",
 }
-# A first deploy that failed and rolled back: `cdk deploy` deletes the stack and creates it anew.
-NOTHING_LEFT = ("ROLLBACK_COMPLETE",)
+# A first deploy that failed: `cdk deploy` deletes the stack and creates it anew (the CLI's creation failure).
+NOTHING_LEFT = ("ROLLBACK_COMPLETE", "ROLLBACK_FAILED")
 
 
 def stuck(found: Deployed) -> Optional[str]:
-    """Why `cdk deploy` cannot update the stack now, else None."""
-    if found.status.endswith("_IN_PROGRESS"):
+    """Why `cdk deploy` cannot update the stack now, else None (REVIEW_IN_PROGRESS, a change set never
+    executed, is one the CLI deploys over)."""
+    if found.status.endswith("_IN_PROGRESS") and found.status != "REVIEW_IN_PROGRESS":
         return f"{found.stack} is {found.status}: wait until it ends (`aws cloudformation describe-stacks`)"
     if found.status in STUCK:
         return f"{found.stack} is {found.status}: " + STUCK[found.status].format(stack=found.stack)
@@ -165,10 +169,14 @@ def redeploy_check(
             detail += f"; this region has {', '.join(others)} (-c cluster_name=NAME deploys to one of those)"
         return Check(CHECK, True, detail), None, False
     said = changes(config, found, image)
-    detail = f"{stack_name} ({found.status}, nodes in {found.zone or 'no AZ'}): " + (
-        "this deploy changes " + "; ".join(said) + " (-c values are not remembered: a key left out is its default)"
-        if said
-        else "this deploy changes none of its nodes"
+    detail = (
+        f"{stack_name} ({found.status}, nodes in {found.zone or 'no AZ'}): "
+        + (
+            "this deploy changes " + "; ".join(said) + " (-c values are not remembered: a key left out is its default)"
+            if said
+            else "this deploy changes none of its nodes by type, Spot, EFA, count, AMI or node user data"
+        )
+        + "; `npx cdk diff` lists every resource it replaces"
     )
     return Check(CHECK, True, detail), found.zone, True
 

@@ -7,6 +7,7 @@ naming the file. config.json has no record (the trainer's settings): it stays a 
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping, Optional
 
@@ -146,7 +147,9 @@ class AtRisk:
 
 
 def at_risk(connection: Connection, inventory: Inventory) -> AtRisk:
-    command = nodecmd.node_command(inventory, "programs.runs", "at-risk", "--data", inventory.data_dir)
+    """Asked of `fab sync`'s package first, then the image's (an older image has no at-risk)."""
+    synced = posixpath.join(nodecmd.synced_root(inventory), "train")
+    command = nodecmd.node_command(inventory, "programs.runs", "at-risk", "--data", inventory.data_dir, code_dir=synced)
     found = _answer(remote.sh(connection, command), "the runs on /data")
     return AtRisk(found.get("active"), tuple(found.get("unfetched") or ()))
 

@@ -108,7 +108,7 @@ def unfetched_runs(data: Path) -> list[str]:
     (clusterops/nodes/remote.py); files fetch never takes (progress.json, rank logs, older checkpoints) leave
     a fetched run fetched (issue 23 §4)."""
     found = []
-    for run in sorted(p for p in (data / rundir.RUNS).glob("*") if p.is_dir()):
+    for run in sorted(p for p in (data / rundir.RUNS).glob("*") if p.is_dir() and not p.name.startswith(".")):
         marker = run / rundir.FETCHED
         fetched_at = marker.stat().st_mtime if marker.exists() else None
         if fetched_at is None or any(f.stat().st_mtime > fetched_at for f in fetched_files(run)):
