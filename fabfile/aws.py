@@ -213,8 +213,8 @@ def _at_risk(inv):
         try:
             with remote.connect(inv, node) as connection:
                 return records.at_risk(connection, inv)
-        except remote.RemoteError:
-            raise
+        except remote.RemoteError as error:
+            raise teardown_plan.UnansweredError(str(error)) from None
         except Exception as error:  # noqa: BLE001 - this node is down or unreachable: try the next
             unreachable = error
     raise unreachable

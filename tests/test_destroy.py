@@ -135,10 +135,8 @@ def test_the_destroy_command_names_the_stack_and_only_the_context_that_names_it(
 
 
 def test_an_older_images_node_program_is_a_fab_sync_not_a_stopped_cluster():
-    from clusterops.nodes.remote import RemoteError
-
     def older():
-        raise RemoteError("node0: `python -m cluster_node.programs.runs at-risk` exited 2: usage: ... invalid choice")
+        raise destroy.UnansweredError("node0: `python -m cluster_node.programs.runs at-risk` exited 2: invalid choice")
 
     why = destroy.refusal(_inventory_of(None, 22, None), older, kept=False) or ""
     assert why.startswith("the nodes could not say what /data holds (") and "`fab sync`, then `fab destroy`" in why

@@ -358,7 +358,8 @@ def test_the_container_has_its_own_efa_libraries_not_the_hosts():
     """The host's /opt/amazon libraries need the host's rdma-core and hwloc, which a container lacks;
     the image has its own: the bootstrap passes only the EFA devices, the entrypoint adds no host path."""
     bootstrap = BOOTSTRAP.read_text()
-    assert "--device" in bootstrap and "/dev/infiniband/uverbs" in bootstrap
+    assert "--device" in bootstrap and "EFA_DEVICES=${EFA_DEVICES:-/dev/infiniband}" in bootstrap
+    assert '"$EFA_DEVICES"/uverbs*' in bootstrap
     assert not re.search(r"-v\s+/opt/amazon", bootstrap)
     assert "/opt/amazon" not in "\n".join(
         line for line in ENTRYPOINT.read_text().splitlines() if not line.lstrip().startswith("#")

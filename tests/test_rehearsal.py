@@ -352,15 +352,17 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
         boto3.client("ec2").stop_instances(InstanceIds=[request["InstanceId"]])
     before = len(gate.calls)
     outputs = []
+    preflight = ""
     for step in laptop_steps(deployed, tmp_path):
         done = run_fab(*step, **env)
+        preflight = preflight or done.stdout
         outputs.append(f"$ fab {' '.join(step)} -> {done.returncode}\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
     # fab train --budget-usd on this inventory: the price it meters at and the EFS I/O rate it reads.
     outputs.append(node_program(["-c", BUDGET.format(inventory=env["GPU_CLUSTER_INVENTORY"])], env))
     assert "price=" in outputs[-1] and "efs_rate=" in outputs[-1], outputs[-1]
     # preflight found the deployed stack from its own outputs, and the same -c values change none of its nodes
     found = f"deployed cluster: {deployed.stack} ("
-    assert found in outputs[0] and "changes none of its nodes by type" in outputs[0], outputs[0]
+    assert found in preflight and "changes none of its nodes by type" in preflight, preflight
     ours = [c for c in gate.calls[before:] if c.principal == f"user-{deployed.name}"]
     print("\n".join(outputs))
     assert [v for v in gate.violations if v.startswith(f"user-{deployed.name}")] == [], "\n".join(outputs)

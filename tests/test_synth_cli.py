@@ -118,7 +118,10 @@ def test_template_facts(synth):
     ]
     assert len(efa) == len(instances) * {"ssm-private": 1, "p5-efa": 32}.get(case, 0)
     groups = [r for r in resources if r["Type"] == "AWS::EC2::PlacementGroup"]
-    assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
+    if case == "spot":  # EC2 launches no stop-on-interruption Spot instance in a placement group
+        assert groups == [] and "PlacementGroupName" not in json.dumps(instances)
+    else:
+        assert len(groups) == 1 and groups[0]["Properties"]["Strategy"] == "cluster"
     efs = [r for r in resources if r["Type"] == "AWS::EFS::FileSystem"][0]
     assert efs["Properties"]["Encrypted"] is True
     assert efs["DeletionPolicy"] == ("Retain" if "retained" in case else "Delete")

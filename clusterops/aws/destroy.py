@@ -12,15 +12,13 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from botocore.exceptions import ClientError
 
 from cluster_node.protocol.contract import RETAIN_TAG
 from clusterops.aws.instances import release_spot, stop_nodes
 from clusterops.inventory import Inventory
-from clusterops.nodes.records import AtRisk
-from clusterops.nodes.remote import RemoteError
 from stacks.config import stack_name as default_stack_name
 
 YES = "`fab destroy --yes` destroys anyway"
@@ -28,6 +26,17 @@ YES = "`fab destroy --yes` destroys anyway"
 
 class DestroyError(RuntimeError):
     """Refused, or `cdk destroy` failed; the message is one line."""
+
+
+class UnansweredError(RuntimeError):
+    """A node ran the at-risk program and it failed (an older image's cluster_node): not a connection error."""
+
+
+class AtRisk(Protocol):
+    """What deleting /data would lose (clusterops.nodes.records.AtRisk: the node program's answer)."""
+
+    active: Optional[str]
+    unfetched: tuple[str, ...]
 
 
 def destroy(
@@ -94,7 +103,7 @@ def refusal(inventory: Inventory, read: Callable[[], AtRisk], kept: bool) -> Opt
     """Why destroying now would lose work, in one line; None when nothing would be lost."""
     try:
         risk = read()
-    except RemoteError as error:  # a node answered, its program did not: an older image's cluster_node
+    except UnansweredError as error:  # a node answered, its program did not: an older image's cluster_node
         first = (str(error).splitlines() or ["?"])[-1][-200:]
         return f"the nodes could not say what /data holds ({first}): `fab sync`, then `fab destroy` again; or {YES}"
     except Exception as error:  # noqa: BLE001 - unreachable, refused, timed out: /data is unknown
