@@ -159,3 +159,20 @@ class Sandbox:
 def unit_value(unit: Path, key: str) -> list[str]:
     """Every value of `key=` in a systemd unit file."""
     return [line.split("=", 1)[1] for line in unit.read_text().splitlines() if line.startswith(f"{key}=")]
+
+
+def scheduled_stop_runs_unless_kept(sandbox: Sandbox, instance_id: str) -> subprocess.CompletedProcess:
+    """The node's own stop a failure scheduled (systemd-run, 45 min): run as the timer would, it stops the
+    instance (StopInstances on itself); with keep-running it stops nothing. Returns the kept run."""
+    (schedule,) = [c for c in sandbox.calls() if c.startswith("systemd-run")]
+    assert "--on-active=45min" in schedule and "--unit=gpu-cluster-failed-stop" in schedule
+    scheduled = (sandbox.root / "scheduled").read_text()
+    before = len(sandbox.calls())
+    assert sandbox.command(scheduled).returncode == 0
+    stops = [c for c in sandbox.calls()[before:] if "stop-instances" in c]
+    assert stops == [f"aws ec2 stop-instances --region eu-west-1 --instance-ids {instance_id}"]
+    (sandbox.root / "state" / "keep-running").touch()
+    before = len(sandbox.calls())
+    kept = sandbox.command(scheduled)
+    assert kept.returncode == 0 and not [c for c in sandbox.calls()[before:] if "stop-instances" in c]
+    return kept

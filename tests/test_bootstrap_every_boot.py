@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 import pytest
-from bootstrap_sandbox import DROPIN, Sandbox, host_paths, unit_value
+from bootstrap_sandbox import DROPIN, Sandbox, host_paths, scheduled_stop_runs_unless_kept, unit_value
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace"),
@@ -166,21 +166,9 @@ def test_a_failed_bootstrap_stops_its_own_node_after_a_grace_period_unless_kept(
     keeps it; a later successful bootstrap cancels the stop."""
     failed = sandbox.run(FAIL_DOCKER_BUILD="1")
     assert failed.returncode != 0
-    (schedule,) = [c for c in sandbox.calls() if c.startswith("systemd-run")]
-    assert "--on-active=45min" in schedule and "--unit=gpu-cluster-failed-stop" in schedule
-    scheduled = (sandbox.root / "scheduled").read_text()
     log = (sandbox.root / "state" / "bootstrap.log").read_text()
     assert "stops itself in 45 min" in log and "keep-running" in log
-
-    before = len(sandbox.calls())
-    assert sandbox.command(scheduled).returncode == 0
-    stops = [c for c in sandbox.calls()[before:] if "stop-instances" in c]
-    assert stops == [f"aws ec2 stop-instances --region eu-west-1 --instance-ids {INSTANCE_ID}"]
-
-    (sandbox.root / "state" / "keep-running").touch()
-    before = len(sandbox.calls())
-    kept = sandbox.command(scheduled)
-    assert kept.returncode == 0 and not [c for c in sandbox.calls()[before:] if "stop-instances" in c]
+    kept = scheduled_stop_runs_unless_kept(sandbox, INSTANCE_ID)
     assert "keep-running" in kept.stdout + kept.stderr
 
     before = len(sandbox.calls())

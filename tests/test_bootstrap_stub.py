@@ -5,7 +5,7 @@ it fetches the node config and the bootstrap script, and a fetch that fails sign
 import os
 
 import pytest
-from bootstrap_sandbox import NODE_CONFIG, Sandbox, host_paths
+from bootstrap_sandbox import NODE_CONFIG, Sandbox, host_paths, scheduled_stop_runs_unless_kept
 
 from stacks.bootstrap import node_config
 
@@ -72,19 +72,7 @@ def test_a_stub_that_fails_stops_its_own_node_after_a_grace_period_unless_kept(s
     (StopInstances on itself); keep-running keeps it, and a node that bootstrapped before is left alone."""
     failed = sandbox.run(FAIL_S3_BOOTSTRAP="1")
     assert failed.returncode != 0 and "stops itself in 45 min" in failed.stderr
-    (schedule,) = [c for c in sandbox.calls() if c.startswith("systemd-run")]
-    assert "--on-active=45min" in schedule and "--unit=gpu-cluster-failed-stop" in schedule
-    scheduled = (sandbox.root / "scheduled").read_text()
-    before = len(sandbox.calls())
-    assert sandbox.command(scheduled).returncode == 0
-    stops = [c for c in sandbox.calls()[before:] if "stop-instances" in c]
-    assert stops == [f"aws ec2 stop-instances --region eu-west-1 --instance-ids {INSTANCE_ID}"]
-
-    (sandbox.root / "state" / "keep-running").touch()
-    before = len(sandbox.calls())
-    assert sandbox.command(scheduled).returncode == 0
-    assert not [c for c in sandbox.calls()[before:] if "stop-instances" in c]
-
+    scheduled_stop_runs_unless_kept(sandbox, INSTANCE_ID)
     assert (sandbox.root / "run" / "failed-stop").exists()  # the bootstrap's mark: its success cancels the stop
     (sandbox.root / "state" / "signalled").touch()
     before = len(sandbox.calls())

@@ -14,6 +14,7 @@ from cluster_node.protocol.contract import node_config_parameter
 from stacks import bootstrap
 from stacks.cluster_stack import GpuClusterStack
 from stacks.pins import synth_config
+from stacks.userdata import USER_DATA_KEYS
 
 PINS = {"availability_zone": "us-east-1a", "ami_id": "ami-0123456789abcdef0", "ssh_cidr": "203.0.113.0/24"}
 STUB_BUDGET = 4 * 1024  # bytes: a stub, far under EC2's 16 KB
@@ -86,21 +87,7 @@ def test_user_data_is_a_stub_with_life_long_values_only_under_4_kb_at_the_longes
             keys = re.findall(
                 r"^([A-Z_]+)=", text.split("<<'GPU_CLUSTER_ENV'\n", 1)[1].split("\nGPU_CLUSTER_ENV")[0], re.M
             )
-            assert set(keys) == {
-                "CLUSTER_NAME",
-                "NODE_RANK",
-                "FILE_SYSTEM_ID",
-                "AWS_REGION",
-                "STACK_NAME",
-                "SIGNAL_RESOURCE",
-                "NODE_CONFIG_PARAMETER",
-                "IMAGE_CONTEXT_PARAMETER",
-                "HOST_KEY_PARAMETER",
-                "IDLE_MINUTES_PARAMETER",
-                "IDLE_ALARM",
-                "HEARTBEAT_NAMESPACE",
-                "INSTANCE_TYPE",
-            }
+            assert tuple(keys) == USER_DATA_KEYS  # each a life-long value: one more replaces every node
     print(f"user data: {max(sizes)} bytes at most, tokens at {bootstrap.TOKEN_ALLOWANCE} bytes each")
     assert max(sizes) < STUB_BUDGET
 
