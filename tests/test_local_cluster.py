@@ -120,7 +120,20 @@ def test_sync_ships_an_edited_program_that_train_then_uses(cluster, tmp_path):
     assert "synced" in cluster.fab("sync", "--source", str(program)).stdout
     out = cluster.fab("train", "--run", "synced", "--steps", "3", "--follow", "--extra", QUICK).stdout
     assert "(/data/code/train)" in out and "edited program: starting a new run" in out
-    shutil.rmtree(cluster.shared / "code")  # the other tests use the checkout's program
+    _remove_synced_code(cluster.shared / "code")  # the other tests use the checkout's program
+
+
+def _remove_synced_code(code: Path) -> None:
+    """Remove fab sync's /data/code. The run's agent may still be exiting after --follow returns, and
+    Python writes bytecode beside what it imports, so a directory can refill once: retry."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return shutil.rmtree(code)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_ssh_opens_a_shell_in_the_chosen_node(cluster):
