@@ -386,6 +386,7 @@ class GpuNodes(Construct):
                 statistic="Maximum",
                 period=HEARTBEAT_PERIOD,
                 dimensions_map={"InstanceId": instance.instance_id},
+                unit=cloudwatch.Unit.COUNT,  # BUSY_UNIT: the one unit every beat is published in
             ),
             threshold=1,
             evaluation_periods=minutes,

@@ -2,6 +2,7 @@
 /data, /etc/gpu-cluster, /etc/systemd/system, /var/lib/gpu-cluster, /opt/gpu-cluster and
 /usr/local/sbin are sandbox directories, and machine-changing commands are recording stand-ins."""
 
+import json
 import os
 import shlex
 import shutil
@@ -22,6 +23,7 @@ OVERLAID = [
     "/var/lib/gpu-cluster",
     "/opt/gpu-cluster",
     "/run/gpu-cluster",
+    "/etc/docker",
 ]
 STANDINS = REPO / "tests" / "standins"
 # What a bare AMI lacks, and the bootstrap installs (the apt-get stand-in links them back in).
@@ -55,6 +57,7 @@ NODE_CONFIG = {
     "EFA_CARDS": "0",
     "SPOT": "false",
 }
+DLAMI_DOCKER_CONFIG = {"runtimes": {"nvidia": {"args": [], "path": "nvidia-container-runtime"}}}
 BOOTSTRAP_SCRIPT = REPO / "assets" / "bootstrap" / "node-bootstrap.sh"
 
 
@@ -87,7 +90,7 @@ def host_paths():
 class Sandbox:
     def __init__(self, root: Path, bare: bool = False):
         self.root = root
-        for name in ("efs", "etc-gpu-cluster", "systemd", "state", "opt", "work", "bin", "run"):
+        for name in ("efs", "etc-gpu-cluster", "etc-docker", "systemd", "state", "opt", "work", "bin", "run"):
             (root / name).mkdir()
         (root / "image-context").write_text("s3://cdk-assets/abc.zip abc123\n")
         (root / "node-config").write_text(node_config(NODE_CONFIG) + "\n")
@@ -95,6 +98,8 @@ class Sandbox:
         for standin in STANDINS.iterdir():
             if not (bare and standin.name in INSTALLABLE):
                 (root / "bin" / standin.name).symlink_to(standin)
+        if not bare:  # the Deep Learning AMI's, as `nvidia-ctk runtime configure` writes it
+            (root / "etc-docker" / "daemon.json").write_text(json.dumps(DLAMI_DOCKER_CONFIG, indent=4) + "\n")
         (root / "fstab").write_text("# original fstab\nUUID=abc / ext4 defaults 0 1\n")
         with zipfile.ZipFile(root / "context.zip", "w") as archive:
             for part in ("docker", "cluster_node"):
@@ -117,6 +122,7 @@ class Sandbox:
             "/var/lib/gpu-cluster": self.root / "state",
             "/opt/gpu-cluster": self.root / "opt",
             "/run/gpu-cluster": self.root / "run",
+            "/etc/docker": self.root / "etc-docker",
             "/usr/local/sbin": self.root / "work",
         }
         if (self.root / "efs-mounted").exists():  # the machine keeps /data mounted between runs

@@ -5,10 +5,20 @@ are sandbox directories, and only commands that would change the machine are rec
 the sandbox's bin directory (the PATH has no /usr/local). ssh-keygen, unzip, mountpoint, awk and
 the scripts themselves are real."""
 
+import json
 import os
 
 import pytest
-from bootstrap_sandbox import DROPIN, FSTAB_LINE, LOCK_OPTION, NODE_CONFIG, Sandbox, host_paths, node_config
+from bootstrap_sandbox import (
+    DLAMI_DOCKER_CONFIG,
+    DROPIN,
+    FSTAB_LINE,
+    LOCK_OPTION,
+    NODE_CONFIG,
+    Sandbox,
+    host_paths,
+    node_config,
+)
 
 # One worker runs them all: the bind targets below are the host's own paths, created for the module
 # and removed after it; a second worker removing them mid-test left a sandbox writing to the host.
@@ -223,3 +233,42 @@ def test_a_node_short_of_its_efa_devices_fails_its_deploy_naming_them(tmp_path):
     log = (sandbox.root / "state" / "bootstrap.log").read_text()
     assert f"EFA: 3 of 4 devices in {devices}" in log
     assert not [c for c in sandbox.calls() if c.startswith("docker run")]
+
+
+def test_docker_uses_cgroupfs_so_a_daemon_reload_leaves_the_container_its_gpus(sandbox):
+    """NVIDIA/nvidia-container-toolkit#48 (NVIDIA's notice, open; #1227 on Ubuntu 22.04): with Docker's
+    systemd cgroup driver, "something as simple as a systemctl daemon-reload" leaves a `--gpus`
+    container with "Failed to initialize NVML: Unknown Error" until it is created again. The bootstrap
+    itself reloads after the container starts (the deadline's cancel), and so does any package later.
+    The cgroupfs driver (NVIDIA's Docker workaround) is merged into the AMI's daemon.json, docker
+    restarted once, before the container is created; a second run restarts nothing."""
+    assert sandbox.run().returncode == 0
+    config = json.loads((sandbox.root / "etc-docker" / "daemon.json").read_text())
+    assert config == {**DLAMI_DOCKER_CONFIG, "exec-opts": ["native.cgroupdriver=cgroupfs"]}
+    calls = sandbox.calls()
+    (restart,) = [i for i, c in enumerate(calls) if c == "systemctl restart docker"]
+    (run,) = [i for i, c in enumerate(calls) if c.startswith("docker run")]
+    reloads = [i for i, c in enumerate(calls) if c == "systemctl daemon-reload"]
+    check = max(i for i, c in enumerate(calls) if c.endswith("nvidia-smi -L") and c.startswith("docker exec"))
+    assert restart < run < max(reloads) < check  # created under cgroupfs; GPUs checked after the last reload
+    before = len(calls)
+    assert sandbox.run().returncode == 0
+    assert "systemctl restart docker" not in sandbox.calls()[before:]
+
+
+@pytest.mark.parametrize(
+    "env, line",
+    [
+        ({"CONTAINER_LOST_GPUS": "1"}, "gpu-cluster-train sees 0 of the host's 1 GPUs"),
+        ({"HOST_GPUS": "0"}, "the host sees no GPU (nvidia-smi -L)"),
+    ],
+)
+def test_a_node_whose_container_sees_fewer_gpus_than_its_host_fails_ready_named(sandbox, env, line):
+    """After the bootstrap's last daemon-reload, the container must list every GPU the host does: a
+    node that lost them fails its deploy at `ready`, named, instead of the first fab train finding no
+    CUDA device; it writes no ready mark."""
+    assert sandbox.run(**env).returncode != 0
+    (signal,) = [c for c in sandbox.calls() if "signal-resource" in c]
+    assert "--status FAILURE" in signal and signal.endswith("-failed-ready")
+    assert line in (sandbox.root / "state" / "bootstrap.log").read_text()
+    assert not (sandbox.root / "efs" / ".cluster" / "ready" / "node0").exists()

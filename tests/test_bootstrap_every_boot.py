@@ -12,6 +12,8 @@ import subprocess
 import pytest
 from bootstrap_sandbox import DROPIN, Sandbox, host_paths, scheduled_stop_runs_unless_kept, unit_value
 
+from cluster_node.protocol.contract import BUSY_UNIT
+
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace"),
     pytest.mark.xdist_group("bootstrap-host-paths"),
@@ -146,9 +148,10 @@ def test_every_boot_resets_the_idle_alarm_from_the_host_after_a_busy_beat(sandbo
         part in calls[beat[0]]
         for part in ("--namespace GpuCluster/Autostop", "--metric-name Busy", f"InstanceId={INSTANCE_ID}", "--value 1")
     )
+    assert f"--unit {BUSY_UNIT} " in calls[beat[0]]  # the watchdog's unit (tests/test_idle_alarm_reset.py)
     assert "--alarm-name testcluster-node0-idle" in calls[reset[0]] and "--state-value OK" in calls[reset[0]]
     polls = [c for c in calls if "get-metric-statistics" in c]
-    assert len(polls) == 30 and all(f"Value={INSTANCE_ID}" in c for c in polls)  # 5 min, then anyway
+    assert len(polls) == 30 and all(f"Value={INSTANCE_ID}" in c and f"--unit {BUSY_UNIT} " in c for c in polls)  # 5 min, then anyway
     assert "not served after 5 min" in result.stdout + result.stderr
 
     reboot(sandbox)  # served at once: no wait; no alarm (idle_minutes=0): a log line, no failure

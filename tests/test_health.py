@@ -56,12 +56,21 @@ def verdicts(nodes: dict, **kwargs) -> dict:
         ({"torch": "2.5.1"}, "degraded", "torch 2.5.1 differs from the other nodes' 2.6.0a0"),
         ({"gpus": [{"name": "NVIDIA A10G", "driver": "535.1", "ecc_uncorrected": 0}] * 4}, "degraded", "driver 535.1"),
         ({"time": 1005.0}, "degraded", "clock off by +5.0 s"),
+        # Every node alike would pass the majority check: torch without CUDA beside nvidia-smi's GPUs is bad alone.
+        ({"nccl": None}, "bad", "torch finds no CUDA device though nvidia-smi lists 4: ranks would train on the CPU"),
     ],
 )
 def test_one_odd_node_among_three_gets_its_verdict_and_reason(overrides, verdict, words):
     result = verdicts({"node0": facts(), "node1": facts(**overrides), "node2": facts()}, controller_time=1000.0)
     assert result["node0"] == ("ok", "") and result["node2"] == ("ok", "")
     assert result["node1"][0] == verdict and words in result["node1"][1]
+
+
+def test_torch_without_cuda_beside_nvidia_smis_gpus_is_bad_on_every_node():
+    """The majority rule sees nothing when every node's torch lost CUDA (a driver older than the image's
+    CUDA): each node is bad on its own facts."""
+    result = verdicts({name: facts(nccl=None) for name in ("node0", "node1")})
+    assert {verdict for verdict, _ in result.values()} == {"bad"}
 
 
 def test_unreachable_is_bad_and_not_fit_to_train():

@@ -2,10 +2,15 @@
 node can compute, and SetAlarmState on exactly those alarms (least privilege). The node side (the
 boot unit and its commands) is tested in tests/test_bootstrap_every_boot.py."""
 
+import re
+
 import aws_cdk as cdk
 from aws_cdk.assertions import Template
+from conftest import REPO
 from test_autostop import alarm_fires_at
 
+from cluster_node.daemons.autostop import cloud
+from cluster_node.protocol.contract import BUSY_METRIC, BUSY_UNIT, METRIC_NAMESPACE
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig, alarm_minutes
 
@@ -76,3 +81,33 @@ def test_a_reset_alarm_stops_the_node_at_once_unless_a_busy_beat_is_in_its_windo
     assert alarm_fires_at(props, {"Busy": stopped + [None] * 5}) == boot + 1  # the first evaluation
     beat = alarm_fires_at(props, {"Busy": stopped + [1.0] + [None] * (window + 5)})
     assert beat == boot + 1 + window  # a full window after the boot beat
+
+
+class _RecordingCloudWatch:
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def put_metric_data(self, **call):
+        self.calls.append(call)
+
+
+def test_every_busy_beat_is_published_in_the_unit_the_idle_alarm_reads():
+    """PutMetricAlarm, Unit: points that specify a unit "are aggregated separately", and "if the metric
+    is published with multiple types of units and you don't specify a unit, the alarm's behavior is not
+    defined". The host's boot beat had no unit (None) and the watchdog's said Count: two series, and an
+    alarm over the boot beat alone would stop a busy node. One unit, BUSY_UNIT, in the alarm and in every
+    publisher: the watchdog here, the host's beat in tests/test_bootstrap_every_boot.py (its recorded
+    put-metric-data and read-back); no other code publishes to the namespace."""
+    alarms = _template(nodes="2", idle_minutes="60").find_resources("AWS::CloudWatch::Alarm").values()
+    assert [a["Properties"]["Unit"] for a in alarms] == [BUSY_UNIT, BUSY_UNIT]
+    recording = _RecordingCloudWatch()
+    cloud.publish(recording, "i-0abc", busy=True)
+    (call,) = recording.calls
+    assert call["Namespace"] == METRIC_NAMESPACE
+    assert [d["Unit"] for d in call["MetricData"] if d["MetricName"] == BUSY_METRIC] == [BUSY_UNIT]
+    publishers = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / "assets").rglob("*")
+        if path.suffix in (".py", ".sh") and re.search(r"put[-_]metric[-_]data", path.read_text())
+    )
+    assert publishers == ["assets/bootstrap/node-bootstrap.sh", "assets/cluster_node/daemons/autostop/cloud.py"]

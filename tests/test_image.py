@@ -348,6 +348,9 @@ def test_the_image_installs_the_efa_user_space_and_the_ofi_plugin_the_way_aws_im
     assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in text
     plugin = f"/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu/libnccl-net-{launch.EFA_PLUGIN}.so"
     assert f"test -e {plugin}" in text and f"ldd {plugin}" in text
+    # The installer's efa-profile puts /opt/amazon/openmpi/bin first on a login shell's PATH (fab ssh),
+    # where HPC-X's mpirun and OPAL_PREFIX are the launch's: the image drops it.
+    assert text.index("rm -f /etc/profile.d/zippy_efa.sh") > install.start()
     path = re.search(r"ENV LD_LIBRARY_PATH=(\S+)", text)
     assert path and {"/opt/amazon/efa/lib", "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu"} <= set(
         path.group(1).split(":")
@@ -449,3 +452,14 @@ def test_the_efa_installer_runs_only_in_an_efa_nodes_image(tmp_path):
     calls = log.read_text().splitlines()
     assert on.returncode != 0 and calls[0] == "apt-get update"  # the stand-in download fails: so does the build
     assert any(c.startswith("curl ") and "aws-efa-installer-1.43.3.tar.gz" in c for c in calls)
+
+
+def test_the_entrypoint_is_executable_in_the_image_whatever_mode_the_asset_zip_gave_it():
+    """CDK zips the image context with each file's mode as the checkout has it (cdk-assets' zip: `mode:
+    stat.mode`); a checkout without file modes (git on Windows, core.fileMode=false) gives 0644 and
+    `docker run` fails "permission denied" at start-container. The image sets the mode itself."""
+    text = DOCKERFILE.read_text()
+    (entrypoint,) = re.findall(r'^ENTRYPOINT \["([^"]+)"\]', text, re.M)
+    copy = re.search(rf"^COPY \S+ {re.escape(entrypoint)}$", text, re.M)
+    chmod = re.search(rf"^RUN chmod 0755 {re.escape(entrypoint)}$", text, re.M)
+    assert copy and chmod and copy.start() < chmod.start()

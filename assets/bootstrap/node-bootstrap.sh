@@ -38,6 +38,7 @@ PULL_RETRY_SECONDS=${PULL_RETRY_SECONDS:-30}
 EFA_DEVICES=${EFA_DEVICES:-/dev/infiniband}  # one uverbsN per EFA interface (the host's efa driver)
 UNITS=/etc/systemd/system
 DOCKER_DROPIN=$UNITS/docker.service.d/gpu-cluster-data.conf
+DOCKER_CONFIG=/etc/docker/daemon.json
 SELF=/usr/local/sbin/gpu-cluster-bootstrap
 KEEP_RUNNING=$STATE_DIR/keep-running
 FAILED_STOP_MARKER=/run/gpu-cluster/failed-stop  # gone at a reboot, like the transient timer it marks
@@ -131,7 +132,8 @@ cancel_failed_stop() {
 # busy_beat ID: one busy beat, then a wait (5 min at most) until CloudWatch serves it. Once a boot
 # (/run is emptied at a boot): a reset that fails and is run again must not beat busy forever.
 busy_beat() {
-  local metric=(--region "$AWS_REGION" --namespace "$HEARTBEAT_NAMESPACE" --metric-name Busy) attempt
+  # --unit: the watchdog's (BUSY_UNIT); a beat without one is a series of its own the alarm may not read.
+  local metric=(--region "$AWS_REGION" --namespace "$HEARTBEAT_NAMESPACE" --metric-name Busy --unit Count) attempt
   [[ -f /run/gpu-cluster/beat ]] && return 0
   aws cloudwatch put-metric-data "${metric[@]}" --dimensions "InstanceId=$1" --value 1
   install -d /run/gpu-cluster
@@ -188,7 +190,36 @@ ensure_docker() {
     apt_install nvidia-container-toolkit
     nvidia-ctk runtime configure --runtime=docker
   fi
+  if cgroupfs_driver; then
+    log "docker: the cgroupfs cgroup driver (a daemon-reload then leaves the container its GPUs)"
+    systemctl restart docker
+  fi
   systemctl enable --now docker
+  local driver
+  driver=$(docker info -f '{{.CgroupDriver}}')
+  [[ $driver == cgroupfs ]] || { log "docker uses the $driver cgroup driver, not cgroupfs ($DOCKER_CONFIG)"; return 1; }
+}
+
+# With Docker's systemd cgroup driver, any `systemctl daemon-reload` (this script's, a package's) takes
+# a running container's GPU devices away: "Failed to initialize NVML: Unknown Error" until the
+# container is created again (NVIDIA/nvidia-container-toolkit#48; cgroupfs is NVIDIA's Docker
+# workaround). Merged into the AMI's daemon.json (its nvidia runtime stays); 0 when it changed.
+cgroupfs_driver() {
+  local merged
+  merged=$(python3 -c '
+import json, sys
+try:
+    with open(sys.argv[1]) as f:
+        config = json.load(f)
+except FileNotFoundError:
+    config = {}
+opts = [o for o in config.get("exec-opts", []) if not o.startswith("native.cgroupdriver=")]
+config["exec-opts"] = opts + ["native.cgroupdriver=cgroupfs"]
+print(json.dumps(config, indent=2))' "$DOCKER_CONFIG")
+  [[ -f $DOCKER_CONFIG && $(< "$DOCKER_CONFIG") == "$merged" ]] && return 1
+  install -d -m 0755 "$(dirname "$DOCKER_CONFIG")"
+  printf '%s\n' "$merged" > "$DOCKER_CONFIG.tmp"
+  mv "$DOCKER_CONFIG.tmp" "$DOCKER_CONFIG"
 }
 
 # install_unit PATH CONTENT: write it if it changed; 0 when it did
@@ -353,6 +384,8 @@ start_container() {
 
 mark_ready() {
   STEP=ready
+  cancel_failed_stop  # first: its daemon-reload is what a systemd cgroup driver takes the GPUs on
+  gpus_in_container
   install -d -m 0755 "$DATA_DIR/.cluster/ready"
   # TIME INSTANCE_ID: the idle watchdog holds its stop while a node no mark names is bootstrapping (a
   # deploy adding or replacing nodes); a node replaced under this rank writes its own.
@@ -365,8 +398,20 @@ mark_ready() {
     signal SUCCESS
     touch "$STATE_DIR/signalled"
   fi
-  cancel_failed_stop
   log "node ready"
+}
+
+# Every GPU the host sees, seen in the container too: a node that lost them fails here, named, not
+# at the first fab train (which would find no CUDA device).
+gpus_in_container() {
+  local host seen
+  host=$(nvidia-smi -L | grep -c '^GPU ' || true)
+  ((host > 0)) || { log "the host sees no GPU (nvidia-smi -L): the NVIDIA driver is not loaded"; return 1; }
+  seen=$(docker exec "$CONTAINER" nvidia-smi -L 2>&1 | grep -c '^GPU ' || true)
+  ((seen == host)) || {
+    log "$CONTAINER sees $seen of the host's $host GPUs (nvidia-smi -L in it and on the host)"
+    return 1
+  }
 }
 
 # timed STEP FUNCTION: "STEP START END" (epoch s) into the local timeline

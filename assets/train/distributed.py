@@ -44,14 +44,29 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def setup(timeout_s: float = 300.0) -> tuple[DistInfo, torch.device]:
-    """Initialise the process group (see backend_for); one GPU per local rank."""
-    info = detect()
+def device_for(info: DistInfo, env: Mapping[str, str] = os.environ) -> torch.device:
+    """One GPU per local rank, or the CPU for a process given none. The NVIDIA container runtime gives a
+    container its GPUs by NVIDIA_VISIBLE_DEVICES ("void", "none" or empty: none); a rank given GPUs whose
+    torch finds no CUDA device (a driver older than the image's CUDA, a GPU lost) would train on the
+    CPU over gloo, silently and many times slower: it stops instead, saying why."""
     if torch.cuda.is_available():
         device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+        return device
+    given = env.get("NVIDIA_VISIBLE_DEVICES", "")
+    if given not in ("", "void", "none"):
+        raise SystemExit(
+            f"error: rank {info.rank} was given GPUs (NVIDIA_VISIBLE_DEVICES={given}) but torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda}) finds no CUDA device: not training on the CPU; "
+            "`fab check` names the node (nvidia-smi, the driver against the image's CUDA)"
+        )
+    return torch.device("cpu")
+
+
+def setup(timeout_s: float = 300.0) -> tuple[DistInfo, torch.device]:
+    """Initialise the process group (see backend_for); one GPU per local rank."""
+    info = detect()
+    device = device_for(info)
     backend = backend_for(device)
     if os.environ.get("TRAIN_STRICT_DEVICE", "") not in ("", "0"):
         from train import strict_device

@@ -8,6 +8,9 @@ RETAIN_TAG = "gpu-cluster:retain"  # on an EFS kept by retain_data=true (fab aud
 CONTAINER_SSH_PORT = 4444  # the training container's sshd (assets/docker/sshd_config)
 METRIC_NAMESPACE = "GpuCluster/Autostop"  # the watchdog's heartbeat and GPU metrics
 BUSY_METRIC = "Busy"  # the heartbeat: 1 busy, 0 idle; each node's idle alarm watches it
+# Its one unit: CloudWatch keeps each unit's points apart, and an alarm over a metric published in two
+# units "behaves unpredictably" (PutMetricAlarm, Unit). node-bootstrap.sh's busy beat spells it too.
+BUSY_UNIT = "Count"
 # fab's commands leave their connection's SSH_CONNECTION here (clusterops/nodes/remote.py), in the container:
 # the watchdog counts no fab connection as use (a forgotten `fab monitor` would keep the cluster up).
 FAB_SSH_MARKS = "/run/gpu-cluster/fab-ssh"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
-from cluster_node.protocol.contract import BUSY_METRIC, CLUSTER_TAG, METRIC_NAMESPACE
+from cluster_node.protocol.contract import BUSY_METRIC, BUSY_UNIT, CLUSTER_TAG, METRIC_NAMESPACE
 
 IDLE_REFRESH_S = 5 * 60.0  # how often idle_minutes is read again from its parameter
 
@@ -78,7 +78,7 @@ def stop_cluster(ec2, cluster: str) -> list[str]:
 def publish(cloudwatch, instance_id: str, busy: bool, seen=None) -> None:
     """The heartbeat (the alarm's metric) and, on GPU nodes, GPU utilisation and memory for the dashboard."""
     dimensions = [{"Name": "InstanceId", "Value": instance_id}]
-    data = [{"MetricName": BUSY_METRIC, "Dimensions": dimensions, "Value": 1.0 if busy else 0.0, "Unit": "Count"}]
+    data = [{"MetricName": BUSY_METRIC, "Dimensions": dimensions, "Value": 1.0 if busy else 0.0, "Unit": BUSY_UNIT}]
     gpu = (("GPUUtilization", seen.gpu_util), ("GPUMemoryUsedPercent", seen.gpu_memory)) if seen else ()
     for name, value in gpu:
         if value is not None:
