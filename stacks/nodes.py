@@ -386,7 +386,8 @@ class GpuNodes(Construct):
                 statistic="Maximum",
                 period=HEARTBEAT_PERIOD,
                 dimensions_map={"InstanceId": instance.instance_id},
-                unit=cloudwatch.Unit.COUNT,  # BUSY_UNIT: the one unit every beat is published in
+                # No unit: it reads every unit published, and every beat is BUSY_UNIT's (a unit here would
+                # leave out the unitless boot beats of nodes bootstrapped before, until they are replaced).
             ),
             threshold=1,
             evaluation_periods=minutes,

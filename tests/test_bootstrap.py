@@ -248,9 +248,8 @@ def test_docker_uses_cgroupfs_so_a_daemon_reload_leaves_the_container_its_gpus(s
     calls = sandbox.calls()
     (restart,) = [i for i, c in enumerate(calls) if c == "systemctl restart docker"]
     (run,) = [i for i, c in enumerate(calls) if c.startswith("docker run")]
-    reloads = [i for i, c in enumerate(calls) if c == "systemctl daemon-reload"]
     check = max(i for i, c in enumerate(calls) if c.endswith("nvidia-smi -L") and c.startswith("docker exec"))
-    assert restart < run < max(reloads) < check  # created under cgroupfs; GPUs checked after the last reload
+    assert restart < run < check  # created under cgroupfs, then its GPUs counted
     before = len(calls)
     assert sandbox.run().returncode == 0
     assert "systemctl restart docker" not in sandbox.calls()[before:]
@@ -264,11 +263,24 @@ def test_docker_uses_cgroupfs_so_a_daemon_reload_leaves_the_container_its_gpus(s
     ],
 )
 def test_a_node_whose_container_sees_fewer_gpus_than_its_host_fails_ready_named(sandbox, env, line):
-    """After the bootstrap's last daemon-reload, the container must list every GPU the host does: a
-    node that lost them fails its deploy at `ready`, named, instead of the first fab train finding no
-    CUDA device; it writes no ready mark."""
+    """The container must list every GPU the host does: a node that lost them (or never got them) fails
+    its deploy at `ready`, named, instead of the first fab train finding no CUDA device. It writes no
+    ready mark and keeps its deadline (it stops itself even after a reboot, the remedy one would try)."""
     assert sandbox.run(**env).returncode != 0
     (signal,) = [c for c in sandbox.calls() if "signal-resource" in c]
     assert "--status FAILURE" in signal and signal.endswith("-failed-ready")
     assert line in (sandbox.root / "state" / "bootstrap.log").read_text()
     assert not (sandbox.root / "efs" / ".cluster" / "ready" / "node0").exists()
+    assert (sandbox.root / "systemd" / "gpu-cluster-deadline.timer").exists()
+
+
+def test_a_daemon_json_docker_cannot_read_fails_the_docker_step_and_is_left_as_it_was(sandbox):
+    """The merge runs as an assignment, where -e and the ERR trap apply: a daemon.json that is not JSON
+    fails the `docker` step, named, and is not replaced by an empty one (losing the nvidia runtime)."""
+    config = sandbox.root / "etc-docker" / "daemon.json"
+    config.write_text('{"runtimes": {"nvidia": ')
+    assert sandbox.run().returncode != 0
+    (signal,) = [c for c in sandbox.calls() if "signal-resource" in c]
+    assert "--status FAILURE" in signal and signal.endswith("-failed-docker")
+    assert config.read_text() == '{"runtimes": {"nvidia": '
+    assert "systemctl restart docker" not in sandbox.calls()

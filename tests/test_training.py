@@ -444,13 +444,13 @@ def test_translate_with_no_checkpoint_is_one_line(tmp_path):
     )
 
 
-def test_a_rank_given_gpus_whose_torch_finds_none_stops_instead_of_training_on_the_cpu():
+def test_a_rank_given_gpus_whose_torch_finds_none_stops_instead_of_training_on_the_cpu(monkeypatch):
     """The NVIDIA runtime gives a container GPUs by NVIDIA_VISIBLE_DEVICES; torch finding no CUDA device
     there (a driver older than the image's CUDA, a GPU lost) used to pick the CPU and gloo silently."""
     from train import distributed
 
     info = distributed.DistInfo(rank=3, world_size=4, local_rank=1, launcher="mpirun")
-    assert not torch.cuda.is_available()  # the CPU wheel, or a GPU-less machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine runs it too
     with pytest.raises(SystemExit, match=r"rank 3 was given GPUs \(NVIDIA_VISIBLE_DEVICES=all\) but torch .* finds no"):
         distributed.device_for(info, {"NVIDIA_VISIBLE_DEVICES": "all"})
     for none in ({}, {"NVIDIA_VISIBLE_DEVICES": "void"}, {"NVIDIA_VISIBLE_DEVICES": "none"}):

@@ -190,12 +190,13 @@ ensure_docker() {
     apt_install nvidia-container-toolkit
     nvidia-ctk runtime configure --runtime=docker
   fi
-  if cgroupfs_driver; then
+  local config driver
+  config=$(cgroupfs_config)  # an assignment, not a condition: a failed merge fails the step (-e, ERR)
+  if install_unit "$DOCKER_CONFIG" "$config"; then
     log "docker: the cgroupfs cgroup driver (a daemon-reload then leaves the container its GPUs)"
     systemctl restart docker
   fi
   systemctl enable --now docker
-  local driver
   driver=$(docker info -f '{{.CgroupDriver}}')
   [[ $driver == cgroupfs ]] || { log "docker uses the $driver cgroup driver, not cgroupfs ($DOCKER_CONFIG)"; return 1; }
 }
@@ -203,10 +204,9 @@ ensure_docker() {
 # With Docker's systemd cgroup driver, any `systemctl daemon-reload` (this script's, a package's) takes
 # a running container's GPU devices away: "Failed to initialize NVML: Unknown Error" until the
 # container is created again (NVIDIA/nvidia-container-toolkit#48; cgroupfs is NVIDIA's Docker
-# workaround). Merged into the AMI's daemon.json (its nvidia runtime stays); 0 when it changed.
-cgroupfs_driver() {
-  local merged
-  merged=$(python3 -c '
+# workaround). The AMI's daemon.json with it merged in (its nvidia runtime stays).
+cgroupfs_config() {
+  python3 -c '
 import json, sys
 try:
     with open(sys.argv[1]) as f:
@@ -215,11 +215,7 @@ except FileNotFoundError:
     config = {}
 opts = [o for o in config.get("exec-opts", []) if not o.startswith("native.cgroupdriver=")]
 config["exec-opts"] = opts + ["native.cgroupdriver=cgroupfs"]
-print(json.dumps(config, indent=2))' "$DOCKER_CONFIG")
-  [[ -f $DOCKER_CONFIG && $(< "$DOCKER_CONFIG") == "$merged" ]] && return 1
-  install -d -m 0755 "$(dirname "$DOCKER_CONFIG")"
-  printf '%s\n' "$merged" > "$DOCKER_CONFIG.tmp"
-  mv "$DOCKER_CONFIG.tmp" "$DOCKER_CONFIG"
+print(json.dumps(config, indent=2))' "$DOCKER_CONFIG"
 }
 
 # install_unit PATH CONTENT: write it if it changed; 0 when it did
@@ -384,8 +380,8 @@ start_container() {
 
 mark_ready() {
   STEP=ready
-  cancel_failed_stop  # first: its daemon-reload is what a systemd cgroup driver takes the GPUs on
-  gpus_in_container
+  gpus_in_container  # before the deadline is cancelled: a node that fails here still stops itself
+  cancel_failed_stop
   install -d -m 0755 "$DATA_DIR/.cluster/ready"
   # TIME INSTANCE_ID: the idle watchdog holds its stop while a node no mark names is bootstrapping (a
   # deploy adding or replacing nodes); a node replaced under this rank writes its own.
@@ -401,8 +397,8 @@ mark_ready() {
   log "node ready"
 }
 
-# Every GPU the host sees, seen in the container too: a node that lost them fails here, named, not
-# at the first fab train (which would find no CUDA device).
+# Every GPU the host sees, seen in the container too: a node that lost them (or never got them) fails
+# here, named, not at the first fab train (which would find no CUDA device).
 gpus_in_container() {
   local host seen
   host=$(nvidia-smi -L | grep -c '^GPU ' || true)
