@@ -107,7 +107,8 @@ def _assess_gpus(health: NodeHealth, f: dict, expected: int, model: Optional[str
             health.notes.append("GPU checks not available (no nvidia-smi: CPU node)")
         return
     if "nccl" in f and f["nccl"] is None:  # versions(): torch loaded, and found no CUDA device
-        health.mark("bad", f"torch finds no CUDA device though nvidia-smi lists {len(gpus)}: ranks would train on the CPU")
+        seen = f"torch finds no CUDA device though nvidia-smi lists {len(gpus)}"
+        health.mark("bad", f"{seen}: ranks would train on the CPU")
     if f.get("xid_source") == "not available":
         health.notes.append("Xid check not available (no dmesg or kernel journal access)")
     if str(f.get("dcgm", "")).startswith("fail"):
