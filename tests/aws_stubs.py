@@ -27,7 +27,8 @@ def offline(service: str):
     )
 
 
-def quotas_client(value: float, code="L-DB2E81BA", request=None):
+def quotas_client(value: float, code="L-DB2E81BA", request=None, vpcs=None):
+    """The vCPU quota `code` at `value`; then, with `vpcs`, VPCs per Region (a new cluster's VPC)."""
     client = offline("service-quotas")
     stubber = Stubber(client)
     stubber.add_response(
@@ -47,6 +48,8 @@ def quotas_client(value: float, code="L-DB2E81BA", request=None):
         },
         {"ServiceCode": "ec2", "QuotaCode": code},
     )
+    if vpcs is not None:
+        stubber.add_response("get_service_quota", vpc_quota(vpcs), {"ServiceCode": "vpc", "QuotaCode": "L-F678F1CE"})
     if request is not None:
         stubber.add_response(
             "request_service_quota_increase",
@@ -70,6 +73,22 @@ def quotas_client(value: float, code="L-DB2E81BA", request=None):
         )
     stubber.activate()
     return client, stubber
+
+
+def vpc_quota(value: float) -> dict:
+    return {
+        "Quota": {
+            "ServiceCode": "vpc",
+            "ServiceName": "Amazon Virtual Private Cloud (Amazon VPC)",
+            "QuotaArn": "arn:aws:servicequotas:us-east-1:123456789012:vpc/L-F678F1CE",
+            "QuotaCode": "L-F678F1CE",
+            "QuotaName": "VPCs per Region",
+            "Value": value,
+            "Unit": "None",
+            "Adjustable": True,
+            "GlobalQuota": False,
+        }
+    }
 
 
 def aws_inventory(cluster: str, ids: list[str], **extra) -> Inventory:

@@ -7,14 +7,14 @@ from datetime import datetime, timedelta, timezone
 
 import boto3
 import pytest
-from aws_stubs import QUOTA_NAME, aws_inventory, offline, quotas_client, table_price
+from aws_stubs import QUOTA_NAME, aws_inventory, offline, quotas_client, table_price, vpc_quota
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, tool_env
 from test_preflight_network import default_vpc_way_out
 
 from cluster_node.protocol.rundir import Progress
 from clusterops import cost
-from clusterops.aws import preflight
+from clusterops.aws import preflight, quotas
 from clusterops.inventory import Inventory, Node, SshSettings
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
@@ -35,13 +35,13 @@ from stacks.instance_types import INSTANCE_TYPES
     ],
 )
 def test_each_family_and_purchase_option_maps_to_its_vcpu_quota_bucket(instance_type, on_demand, spot):
-    assert preflight.quota_bucket(instance_type)[0] == on_demand
-    assert preflight.quota_bucket(instance_type, spot=True)[0] == spot
+    assert quotas.quota_bucket(instance_type)[0] == on_demand
+    assert quotas.quota_bucket(instance_type, spot=True)[0] == spot
 
 
 def test_every_accepted_type_has_a_bucket_for_both_purchase_options():
     for name in INSTANCE_TYPES:
-        assert preflight.quota_bucket(name) and preflight.quota_bucket(name, spot=True)
+        assert quotas.quota_bucket(name) and quotas.quota_bucket(name, spot=True)
 
 
 # (moto's instance-type catalogue has no p3 sizes; p4d and p5 stand for the P bucket). A region no
@@ -61,8 +61,8 @@ QUIET_REGION = "eu-west-3"
 )
 def test_quota_maths_counts_requested_plus_running_in_the_bucket(aws_env, instance_type, nodes, quota, needed, ok):
     ec2 = boto3.client("ec2", region_name=QUIET_REGION)
-    client, stubber = quotas_client(quota, preflight.quota_bucket(instance_type)[0])
-    check = preflight.check_quota(ec2, client, instance_type, nodes)
+    client, stubber = quotas_client(quota, quotas.quota_bucket(instance_type)[0])
+    check = quotas.check_quota(ec2, client, instance_type, nodes)
     assert (check.running, check.requested, check.needed, check.ok) == (0, needed, needed, ok)
     assert f"quota {quota:g} vCPUs" in check.line()
     stubber.assert_no_pending_responses()
@@ -73,15 +73,15 @@ def test_running_nodes_in_the_bucket_count_against_the_quota(aws_env):
     client, _ = quotas_client(16)
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1, InstanceType="g4dn.xlarge")  # 4 vCPUs, G On-Demand
-    check = preflight.check_quota(ec2, client, "g4dn.2xlarge", 2)
+    check = quotas.check_quota(ec2, client, "g4dn.2xlarge", 2)
     assert (check.running, check.needed, check.ok) == (4, 20, False)
 
 
 def test_running_vcpus_count_only_the_same_bucket_and_purchase_option(aws_env):
     ec2 = boto3.client("ec2")
     on_demand, spot = (
-        preflight.running_vcpus(ec2, "g4dn.2xlarge"),
-        preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True),
+        quotas.running_vcpus(ec2, "g4dn.2xlarge"),
+        quotas.running_vcpus(ec2, "g4dn.2xlarge", spot=True),
     )
     moto_instances(1, instance_type="g5.xlarge")  # 4 vCPUs, G On-Demand
     moto_instances(1, instance_type="m5.large")  # standard bucket
@@ -93,15 +93,15 @@ def test_running_vcpus_count_only_the_same_bucket_and_purchase_option(aws_env):
         InstanceType="g5.2xlarge",  # 8 vCPUs, G Spot
         InstanceMarketOptions={"MarketType": "spot"},
     )
-    assert preflight.running_vcpus(ec2, "g4dn.2xlarge") == on_demand + 4
-    assert preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == spot + 8
+    assert quotas.running_vcpus(ec2, "g4dn.2xlarge") == on_demand + 4
+    assert quotas.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == spot + 8
 
 
 def test_a_short_quota_is_requested_with_the_exact_number(aws_env):
     ec2 = boto3.client("ec2")
-    running = preflight.running_vcpus(ec2, "g4dn.2xlarge")
+    running = quotas.running_vcpus(ec2, "g4dn.2xlarge")
     client, stubber = quotas_client(8, request=32 + running)
-    text = preflight.request_increase(client, preflight.check_quota(ec2, client, "g4dn.2xlarge", 4))
+    text = quotas.request_increase(client, quotas.check_quota(ec2, client, "g4dn.2xlarge", 4))
     assert text.startswith(f"requested {QUOTA_NAME} = {32 + running} vCPUs (request req-0123456789, status PENDING)")
     stubber.assert_no_pending_responses()
 
@@ -114,8 +114,8 @@ def test_a_request_already_pending_is_one_line_not_a_traceback():
             service_error_code="ResourceAlreadyExistsException",
             service_message="A request for this quota is already pending",
         )
-        text = preflight.request_increase(
-            client, preflight.QuotaCheck("L-C4BD4855", "All P5 Spot Instance Requests", 0, 0, 192)
+        text = quotas.request_increase(
+            client, quotas.QuotaCheck("L-C4BD4855", "All P5 Spot Instance Requests", 0, 0, 192)
         )
     assert "already open" in text and "L-C4BD4855" in text and "\n" not in text
 
@@ -180,8 +180,8 @@ def test_offerings_are_cached_where_synth_reads_them(tmp_path):
 def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     clients = {name: boto3.client(name) for name in ("sts", "ec2", "ssm", "cloudformation")}
     clients["ssm"].put_parameter(Name="/test/preflight/ami", Value="ami-03cf127a", Type="String", Overwrite=True)
-    running = preflight.running_vcpus(clients["ec2"], "g4dn.2xlarge")
-    clients["service-quotas"], stubber = quotas_client(16 + running)
+    running = quotas.running_vcpus(clients["ec2"], "g4dn.2xlarge")
+    clients["service-quotas"], stubber = quotas_client(16 + running, vpcs=1000)
     config = ClusterConfig.from_context({"ami_ssm_parameter": "/test/preflight/ami"})
     context = tmp_path / "cdk.context.json"
     found, notes = preflight.run_preflight(clients, "us-east-1", config, context)
@@ -192,6 +192,7 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
         "deployed cluster",
         "AZ and subnet",
         "vCPU quota (On-Demand)",
+        "VPC quota",
         "AMI",
         "launch permission (RunInstances dry run)",
     ]
@@ -218,6 +219,37 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
     assert found[4].detail.startswith(f"existing subnet {subnet['SubnetId']} in {zones[0]}")
     assert {c.name for c in found if not c.ok} - {"CDK bootstrap"} == {"vCPU quota (On-Demand)"}
     assert "--request-quota" in notes[2]
+
+
+def test_a_region_without_a_vpc_left_fails_preflight_not_the_deploy(aws_env):
+    """A new cluster makes its own VPC, and with private_subnet a NAT gateway's Elastic IP: VPCs per Region
+    and EC2-VPC Elastic IPs are 5 each by default (AWS General Reference, Amazon VPC and EC2 quotas), and a
+    region already at its quota fails the deploy minutes in, at the VPC, and rolls it back. Preflight
+    counts them against the account's quotas; a cluster in an existing VPC needs none."""
+    ec2 = boto3.client("ec2")
+    in_use, eips = len(ec2.describe_vpcs()["Vpcs"]), len(ec2.describe_addresses()["Addresses"])
+    full = quotas.network_quota(ec2, _network_quotas(in_use, eips=None), private_subnet=True)
+    assert not full.ok and full.name == "VPC quota"
+    assert full.detail.startswith(f"VPCs per Region (L-F678F1CE): {in_use} of {in_use} in use, the cluster adds 1; ")
+    assert f"; EC2-VPC Elastic IPs (L-0263D0A3): {eips} of 5 in use" in full.detail  # AWS's default: none set
+    assert full.detail.endswith("or deploy into an existing VPC (-c vpc_id=... -c subnet_id=...)")
+    room = quotas.network_quota(ec2, _network_quotas(in_use + 100), private_subnet=False)
+    assert room.ok
+    assert room.detail == f"VPCs per Region (L-F678F1CE): {in_use} of {in_use + 100} in use, the cluster adds 1"
+
+
+def _network_quotas(vpcs: float, eips: float | None = 5):
+    """Service Quotas answering VPCs per Region, then (eips None: the account has no value of its own)
+    EC2-VPC Elastic IPs through AWS's default of 5."""
+    quotas = offline("service-quotas")
+    stubber = Stubber(quotas)
+    stubber.add_response("get_service_quota", vpc_quota(vpcs), {"ServiceCode": "vpc", "QuotaCode": "L-F678F1CE"})
+    eip = {"ServiceCode": "ec2", "QuotaCode": "L-0263D0A3"}
+    if eips is None:
+        stubber.add_client_error("get_service_quota", "NoSuchResourceException", expected_params=eip)
+        stubber.add_response("get_aws_default_service_quota", vpc_quota(5), eip)
+    stubber.activate()
+    return quotas
 
 
 # ---------------------------------------------------------------- issue item 4: prices

@@ -9,7 +9,7 @@ from aws_stubs import offline
 from botocore.stub import Stubber
 
 from clusterops import cost
-from clusterops.aws import preflight
+from clusterops.aws import quotas
 
 
 def product(usd: str, sku: str = "ABC", **attributes) -> str:
@@ -95,5 +95,5 @@ def test_open_spot_requests_count_against_the_spot_quota():
             },
             {"Filters": [{"Name": "state", "Values": ["open", "active"]}]},
         )
-        assert preflight.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == 4 + 8
+        assert quotas.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == 4 + 8
         stubber.assert_no_pending_responses()

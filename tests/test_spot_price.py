@@ -11,7 +11,7 @@ from botocore.stub import ANY, Stubber
 from conftest import moto_instances, run_fab
 
 from clusterops import cost
-from clusterops.aws import preflight
+from clusterops.aws import preflight, quotas
 from stacks.config import ClusterConfig
 
 # ---------------------------------------------------------------- Spot (issue 13, section 3)
@@ -134,8 +134,8 @@ def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
     default_key = {"KmsKeyId": "arn:aws:kms:us-east-1:123456789012:alias/aws/ebs"}
     monkeypatch.setattr(clients["ec2"], "get_ebs_default_kms_key_id", lambda: default_key)
     clients["ssm"].put_parameter(Name="/test/preflight/ami", Value="ami-03cf127a", Type="String", Overwrite=True)
-    running = preflight.running_vcpus(clients["ec2"], "g4dn.2xlarge", spot=True)
-    clients["service-quotas"], stubber = quotas_client(16 + running, code="L-3819A6DF")
+    running = quotas.running_vcpus(clients["ec2"], "g4dn.2xlarge", spot=True)
+    clients["service-quotas"], stubber = quotas_client(16 + running, code="L-3819A6DF", vpcs=1000)
     found, _ = preflight.run_preflight(
         clients, "us-east-1", _spot_config(ami_ssm_parameter="/test/preflight/ami"), spot=True
     )
@@ -146,6 +146,7 @@ def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
         "deployed cluster",
         "AZ and subnet",
         "vCPU quota (Spot)",
+        "VPC quota",
         "Spot price",
         "Spot volume key",
         "AMI",
@@ -153,7 +154,8 @@ def test_full_spot_preflight_against_the_emulator(aws_env, monkeypatch):
     ]
     assert all(c.ok for c in found if c.name != "CDK bootstrap"), found
     zone = found[4].detail.split(" in ")[1].split(" ")[0]
-    assert f"[Spot price, {zone}, since " in found[6].detail and "less per node-hour" in found[6].detail
+    spot = next(c for c in found if c.name == "Spot price")
+    assert f"[Spot price, {zone}, since " in spot.detail and "less per node-hour" in spot.detail
     stubber.assert_no_pending_responses()
 
 

@@ -1,12 +1,11 @@
 """Before `cdk deploy`: credentials, region, the AZs offering the type (cached in cdk.context.json,
 where the app reads them to place its subnet), the AZ and subnet the stack will use, the vCPU quota
 bucket of the family and purchase option, with Spot the Spot price and the saving, a RunInstances dry
-run (a permission check, no more), the AMI; and a quota increase request when asked. Functions take
-boto3 clients."""
+run (a permission check, no more), the AMI; and a quota increase request when asked (quotas.py: the
+vCPU and VPC quotas). Functions take boto3 clients."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +15,7 @@ from clusterops import cost as costs
 from clusterops.aws import cdkcontext
 from clusterops.aws.cdkcontext import cache_offerings
 from clusterops.aws.check import Check
+from clusterops.aws.quotas import NETWORK, QuotaCheck, check_quota, network_quota, request_increase
 from clusterops.aws.redeploy import pin_zone, redeploy_check
 from clusterops.terminal import aws_error
 from stacks.config import (
@@ -25,15 +25,7 @@ from stacks.config import (
     choose_availability_zone,
     unmovable_zone,
 )
-from stacks.instance_types import INSTANCE_TYPES
 
-# EC2 vCPU quota buckets (Service Quotas, service "ec2"; "Amazon EC2 instance type quotas" in the
-# EC2 docs): On-Demand P is one bucket; Spot P5 has its own, apart from P4, P3 and P2.
-G_ON_DEMAND = ("L-DB2E81BA", "Running On-Demand G and VT instances")
-P_ON_DEMAND = ("L-417A185B", "Running On-Demand P instances")
-G_SPOT = ("L-3819A6DF", "All G and VT Spot Instance Requests")
-P432_SPOT = ("L-7212CCBC", "All P4, P3 and P2 Spot Instance Requests")
-P5_SPOT = ("L-C4BD4855", "All P5 Spot Instance Requests")
 NO_DEFAULT_VPC = ("VPCIdNotSpecified", "DefaultVpcDoesNotExist")
 DRY_RUN_ERRORS = {
     "UnauthorizedOperation": "your credentials may not launch instances (ec2:RunInstances)",
@@ -46,129 +38,6 @@ DRY_RUN_ERRORS = {
     "MissingInput": "the default VPC has no subnet in this AZ",
 }
 DRY_RUN = "launch permission (RunInstances dry run)"
-
-
-def quota_bucket(instance_type: str, spot: bool = False) -> tuple[str, str]:
-    family = instance_type.split(".")[0]
-    if family.startswith(("g", "vt")):
-        return G_SPOT if spot else G_ON_DEMAND
-    if family.startswith("p") and not spot:
-        return P_ON_DEMAND
-    if family.startswith("p5"):
-        return P5_SPOT
-    if family.startswith(("p2", "p3", "p4")):
-        return P432_SPOT
-    raise ValueError(f"no GPU vCPU quota bucket known for {instance_type} ({'Spot' if spot else 'On-Demand'})")
-
-
-def _same_bucket(instance_type: str, bucket: tuple[str, str], spot: bool) -> bool:
-    try:
-        return quota_bucket(instance_type, spot) == bucket
-    except ValueError:
-        return False
-
-
-def _lifecycle_matches(instance: dict, spot: bool) -> bool:
-    return instance.get("InstanceLifecycle") == "spot" if spot else "InstanceLifecycle" not in instance
-
-
-def vcpus(ec2, instance_types: set[str]) -> dict[str, int]:
-    """vCPUs per type: the instance-type table, describe_instance_types for the others."""
-    known = {t: INSTANCE_TYPES[t].vcpus for t in instance_types if t in INSTANCE_TYPES}
-    others = sorted(instance_types - set(known))
-    if others:
-        found = ec2.describe_instance_types(InstanceTypes=others)["InstanceTypes"]
-        known.update({t["InstanceType"]: t["VCpuInfo"]["DefaultVCpus"] for t in found})
-    return known
-
-
-def running_vcpus(ec2, instance_type: str, spot: bool = False) -> int:
-    """vCPUs already running in the same bucket and purchase option (Spot: InstanceLifecycle
-    "spot"; On-Demand: no InstanceLifecycle); they count against the same quota. With Spot, the
-    requests not yet fulfilled count too (EC2 User Guide, "Spot Instance quotas")."""
-    bucket = quota_bucket(instance_type, spot)
-    pages = ec2.get_paginator("describe_instances").paginate(
-        Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
-    )
-    instances = {
-        i["InstanceId"]: i["InstanceType"]
-        for page in pages
-        for r in page["Reservations"]
-        for i in r["Instances"]
-        if _lifecycle_matches(i, spot) and _same_bucket(i["InstanceType"], bucket, spot)
-    }
-    types = list(instances.values()) + (_pending_spot_types(ec2, bucket, set(instances)) if spot else [])
-    sizes = vcpus(ec2, set(types))
-    return sum(sizes.get(t, 0) for t in types)
-
-
-def _pending_spot_types(ec2, bucket: tuple[str, str], counted: set[str]) -> list[str]:
-    """Instance types of open Spot requests (and active ones whose instance is not running, so not
-    counted yet) in the bucket: they will use the quota once fulfilled."""
-    pages = ec2.get_paginator("describe_spot_instance_requests").paginate(
-        Filters=[{"Name": "state", "Values": ["open", "active"]}]
-    )
-    return [
-        r["LaunchSpecification"]["InstanceType"]
-        for page in pages
-        for r in page["SpotInstanceRequests"]
-        if r.get("InstanceId") not in counted and _same_bucket(r["LaunchSpecification"]["InstanceType"], bucket, True)
-    ]
-
-
-@dataclass(frozen=True)
-class QuotaCheck:
-    code: str
-    name: str
-    quota: float
-    running: int
-    requested: int
-
-    @property
-    def needed(self) -> int:
-        return self.running + self.requested
-
-    @property
-    def ok(self) -> bool:
-        return self.needed <= self.quota
-
-    def line(self) -> str:
-        verdict = "enough" if self.ok else f"short by {self.needed - self.quota:g}"
-        return (
-            f"{self.name} ({self.code}): quota {self.quota:g} vCPUs; running {self.running} + "
-            f"requested {self.requested} = {self.needed}: {verdict}"
-        )
-
-
-def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False) -> QuotaCheck:
-    code, name = quota_bucket(instance_type, spot)
-    per_node = vcpus(ec2, {instance_type})[instance_type]
-    try:
-        quota = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
-    except ClientError as error:
-        if error.response["Error"]["Code"] != "NoSuchResourceException":
-            raise
-        quota = quotas.get_aws_default_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
-    return QuotaCheck(code, name, quota, running_vcpus(ec2, instance_type, spot), nodes * per_node)
-
-
-def request_increase(quotas, check: QuotaCheck) -> str:
-    try:
-        response = quotas.request_service_quota_increase(
-            ServiceCode="ec2", QuotaCode=check.code, DesiredValue=float(check.needed)
-        )
-    except ClientError as error:
-        if error.response["Error"]["Code"] != "ResourceAlreadyExistsException":
-            raise
-        return (
-            f"a request to raise {check.name} ({check.code}) is already open; see the Service Quotas "
-            "console (Quota request history) and wait for it, or change it there"
-        )
-    request = response["RequestedQuota"]
-    return (
-        f"requested {check.name} = {check.needed} vCPUs (request {request['Id']}, "
-        f"status {request['Status']}); approval can take a few days"
-    )
 
 
 def offered_zones(ec2, instance_type: str) -> list[str]:
@@ -501,13 +370,15 @@ def run_preflight(
         clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
     )
     image = config.ami_id or image_id  # what synth boots: -c ami_id wins over the pin
-    az = _deployed_and_placement(clients, config, region, context_file, stack_name, image, checks)
+    az, exists = _deployed_and_placement(clients, config, region, context_file, stack_name, image, checks)
     if config.vpc_id:
         checks.append(vpc_dns(ec2, config.vpc_id))
     if config.subnet_id:
         public_ip = True if config.public_ip_request else (False if config.efa_cards > 1 else None)
         checks.append(subnet_route_out(ec2, config.subnet_id, public_ip))
     quota = _quota(clients, config, spot, checks)
+    if not config.vpc_id and not exists:  # this deploy creates the cluster's VPC
+        checks.append(_network(clients, config))
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
         checks.append(spot_volume_key(ec2, clients["kms"], account or "ACCOUNT", region))
@@ -536,9 +407,9 @@ def _deployed_and_placement(
     stack_name: str,
     image: Optional[str],
     checks: list[Check],
-) -> Optional[str]:
+) -> tuple[Optional[str], bool]:
     """The deployed cluster of that name (redeploy.py), the type's AZs cached and a deployed cluster's pinned,
-    and where the stack will put the nodes; returns that AZ."""
+    and where the stack will put the nodes; returns that AZ, and whether the stack holds a cluster."""
     ec2 = clients["ec2"]
     known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name, image)
     checks.append(known)
@@ -549,7 +420,7 @@ def _deployed_and_placement(
         pin_zone(context_file, region, config.cluster_name, deployed_zone, exists)
     where, az = placement(config, zones, deployed_zone)
     checks.append(where)
-    return az
+    return az, exists
 
 
 def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]) -> Optional[QuotaCheck]:
@@ -561,3 +432,10 @@ def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]
         return None
     checks.append(Check(quota_name, quota.ok, quota.line()))
     return quota
+
+
+def _network(clients: dict, config: ClusterConfig) -> Check:
+    try:
+        return network_quota(clients["ec2"], clients["service-quotas"], config.private_subnet)
+    except ClientError as error:  # as the vCPU quota's: say so, check the rest
+        return Check(NETWORK, False, f"could not read it: {aws_error(error)}")
