@@ -28,7 +28,8 @@ def offline(service: str):
 
 
 def quotas_client(value: float, code="L-DB2E81BA", request=None, vpcs=None):
-    """The vCPU quota `code` at `value`; then, with `vpcs`, VPCs per Region (a new cluster's VPC)."""
+    """The vCPU quota `code` at `value`; then, with `vpcs`, VPCs and internet gateways per Region at that
+    value (a new cluster's VPC)."""
     client = offline("service-quotas")
     stubber = Stubber(client)
     stubber.add_response(
@@ -48,8 +49,10 @@ def quotas_client(value: float, code="L-DB2E81BA", request=None, vpcs=None):
         },
         {"ServiceCode": "ec2", "QuotaCode": code},
     )
-    if vpcs is not None:
-        stubber.add_response("get_service_quota", vpc_quota(vpcs), {"ServiceCode": "vpc", "QuotaCode": "L-F678F1CE"})
+    for network in ("L-F678F1CE", "L-A4707A72") if vpcs is not None else ():
+        stubber.add_response(
+            "get_service_quota", vpc_quota(vpcs, network), {"ServiceCode": "vpc", "QuotaCode": network}
+        )
     if request is not None:
         stubber.add_response(
             "request_service_quota_increase",
@@ -75,14 +78,15 @@ def quotas_client(value: float, code="L-DB2E81BA", request=None, vpcs=None):
     return client, stubber
 
 
-def vpc_quota(value: float) -> dict:
+def vpc_quota(value: float, code: str = "L-F678F1CE", service: str = "vpc") -> dict:
+    """GetServiceQuota's answer for a network quota (VPCs per Region by default)."""
     return {
         "Quota": {
-            "ServiceCode": "vpc",
+            "ServiceCode": service,
             "ServiceName": "Amazon Virtual Private Cloud (Amazon VPC)",
-            "QuotaArn": "arn:aws:servicequotas:us-east-1:123456789012:vpc/L-F678F1CE",
-            "QuotaCode": "L-F678F1CE",
-            "QuotaName": "VPCs per Region",
+            "QuotaArn": f"arn:aws:servicequotas:us-east-1:123456789012:{service}/{code}",
+            "QuotaCode": code,
+            "QuotaName": code,
             "Value": value,
             "Unit": "None",
             "Adjustable": True,

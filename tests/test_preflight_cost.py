@@ -222,32 +222,42 @@ def test_full_preflight_against_the_emulator(aws_env, tmp_path):
 
 
 def test_a_region_without_a_vpc_left_fails_preflight_not_the_deploy(aws_env):
-    """A new cluster makes its own VPC, and with private_subnet a NAT gateway's Elastic IP: VPCs per Region
-    and EC2-VPC Elastic IPs are 5 each by default (AWS General Reference, Amazon VPC and EC2 quotas), and a
-    region already at its quota fails the deploy minutes in, at the VPC, and rolls it back. Preflight
-    counts them against the account's quotas; a cluster in an existing VPC needs none."""
+    """A new cluster makes its own VPC and internet gateway, and with private_subnet a NAT gateway's Elastic
+    IP: 5 each by default (AWS's VPC and EC2 quotas; internet gateways are raised with VPCs but counted
+    apart), and a region already at one fails the deploy minutes in, at that resource, and rolls it back.
+    Preflight counts what this account owns (a VPC shared by another account counts against the owner's)
+    against its quotas; a cluster in an existing VPC needs none."""
     ec2 = boto3.client("ec2")
-    in_use, eips = len(ec2.describe_vpcs()["Vpcs"]), len(ec2.describe_addresses()["Addresses"])
-    full = quotas.network_quota(ec2, _network_quotas(in_use, eips=None), private_subnet=True)
+    account = boto3.client("sts").get_caller_identity()["Account"]
+    ec2.create_internet_gateway()  # left detached: it counts
+    vpcs = len(ec2.describe_vpcs()["Vpcs"])
+    gateways, eips = (
+        len(ec2.describe_internet_gateways()["InternetGateways"]),
+        len(ec2.describe_addresses()["Addresses"]),
+    )
+    full = quotas.network_quota(ec2, _network_quotas(vpcs, gateways, eips=None), True, account)
     assert not full.ok and full.name == "VPC quota"
-    assert full.detail.startswith(f"VPCs per Region (L-F678F1CE): {in_use} of {in_use} in use, the cluster adds 1; ")
+    assert full.detail.startswith(f"VPCs per Region (L-F678F1CE): {vpcs} of {vpcs} in use, the cluster adds 1; ")
+    assert f"; Internet gateways per Region (L-A4707A72): {gateways} of {gateways} in use" in full.detail
     assert f"; EC2-VPC Elastic IPs (L-0263D0A3): {eips} of 5 in use" in full.detail  # AWS's default: none set
     assert full.detail.endswith("or deploy into an existing VPC (-c vpc_id=... -c subnet_id=...)")
-    room = quotas.network_quota(ec2, _network_quotas(in_use + 100), private_subnet=False)
-    assert room.ok
-    assert room.detail == f"VPCs per Region (L-F678F1CE): {in_use} of {in_use + 100} in use, the cluster adds 1"
+    room = quotas.network_quota(ec2, _network_quotas(vpcs + 100, gateways + 100), False, account)
+    assert room.ok and "Elastic IPs" not in room.detail and "none left" not in room.detail
+    shared = quotas.network_quota(ec2, _network_quotas(1, 1), False, "210987654321")  # owns none of them
+    assert shared.ok and shared.detail.startswith("VPCs per Region (L-F678F1CE): 0 of 1 in use"), shared.detail
 
 
-def _network_quotas(vpcs: float, eips: float | None = 5):
-    """Service Quotas answering VPCs per Region, then (eips None: the account has no value of its own)
-    EC2-VPC Elastic IPs through AWS's default of 5."""
+def _network_quotas(vpcs: int, gateways: int, eips: int | None = 5):
+    """Service Quotas answering VPCs and internet gateways per Region at these values; then (eips None:
+    the account has no value of its own) EC2-VPC Elastic IPs through AWS's default of 5."""
     quotas = offline("service-quotas")
     stubber = Stubber(quotas)
-    stubber.add_response("get_service_quota", vpc_quota(vpcs), {"ServiceCode": "vpc", "QuotaCode": "L-F678F1CE"})
+    for code, value in (("L-F678F1CE", vpcs), ("L-A4707A72", gateways)):
+        stubber.add_response("get_service_quota", vpc_quota(value, code), {"ServiceCode": "vpc", "QuotaCode": code})
     eip = {"ServiceCode": "ec2", "QuotaCode": "L-0263D0A3"}
     if eips is None:
         stubber.add_client_error("get_service_quota", "NoSuchResourceException", expected_params=eip)
-        stubber.add_response("get_aws_default_service_quota", vpc_quota(5), eip)
+        stubber.add_response("get_aws_default_service_quota", vpc_quota(5, "L-0263D0A3", "ec2"), eip)
     stubber.activate()
     return quotas
 

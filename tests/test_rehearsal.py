@@ -293,8 +293,8 @@ def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
 USED_ELSEWHERE = {"sts:AssumeRole", "ssm:StartSession", "ssm:TerminateSession", "ssm:ResumeSession"}
 USED_ELSEWHERE |= {"ssmmessages:OpenDataChannel"}  # the plugin's data channel (a WebSocket, not the gate's)
 USED_ELSEWHERE |= {"ec2:DescribeVpcAttribute", "ec2:DescribeSubnets", "ec2:DescribeRouteTables"}
-# preflight counts the region's VPCs for a new cluster only (test_a_region_without_a_vpc_left_...).
-USED_ELSEWHERE |= {"ec2:DescribeVpcs"}
+# preflight counts a region's VPCs and internet gateways for a new cluster (test_a_region_without_a_vpc_left_...).
+USED_ELSEWHERE |= {"ec2:DescribeVpcs", "ec2:DescribeInternetGateways"}
 # and, with a customer managed default EBS key, its grants (test_a_customer_managed_default_ebs_key_...).
 USED_ELSEWHERE |= {"kms:ListGrants"}
 USED: set[str] = set()

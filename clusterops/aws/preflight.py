@@ -378,7 +378,7 @@ def run_preflight(
         checks.append(subnet_route_out(ec2, config.subnet_id, public_ip))
     quota = _quota(clients, config, spot, checks)
     if not config.vpc_id and not exists:  # this deploy creates the cluster's VPC
-        checks.append(_network(clients, config))
+        checks.append(_network(clients, config, account or ""))
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
         checks.append(spot_volume_key(ec2, clients["kms"], account or "ACCOUNT", region))
@@ -434,8 +434,8 @@ def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]
     return quota
 
 
-def _network(clients: dict, config: ClusterConfig) -> Check:
+def _network(clients: dict, config: ClusterConfig, account: str) -> Check:
     try:
-        return network_quota(clients["ec2"], clients["service-quotas"], config.private_subnet)
+        return network_quota(clients["ec2"], clients["service-quotas"], config.private_subnet, account)
     except ClientError as error:  # as the vCPU quota's: say so, check the rest
         return Check(NETWORK, False, f"could not read it: {aws_error(error)}")

@@ -21,6 +21,8 @@ P5_SPOT = ("L-C4BD4855", "All P5 Spot Instance Requests")
 # What a new cluster's own VPC takes (AWS General Reference, "Amazon VPC endpoints and quotas"; EC2's):
 # (service, quota code, name). 5 each by default; CloudFormation fails the deploy there and rolls back.
 VPCS = ("vpc", "L-F678F1CE", "VPCs per Region")
+# Raised with VPCs per Region, but counted apart: a gateway left detached by a deleted VPC still counts.
+INTERNET_GATEWAYS = ("vpc", "L-A4707A72", "Internet gateways per Region")
 ELASTIC_IPS = ("ec2", "L-0263D0A3", "EC2-VPC Elastic IPs")  # private_subnet: the NAT gateway's
 NETWORK = "VPC quota"
 
@@ -134,11 +136,14 @@ def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False)
     return QuotaCheck(code, name, quota, running_vcpus(ec2, instance_type, spot), nodes * per_node)
 
 
-def network_quota(ec2, quotas, private_subnet: bool) -> Check:
-    """A new cluster's VPC (and, in a private subnet, its NAT gateway's Elastic IP) against the region's
-    quotas: one short fails the deploy minutes in, at that resource, and rolls it back."""
-    vpcs = sum(len(page["Vpcs"]) for page in ec2.get_paginator("describe_vpcs").paginate())
-    needs = [(VPCS, vpcs)]
+def network_quota(ec2, quotas, private_subnet: bool, account: str) -> Check:
+    """A new cluster's VPC and internet gateway (and, in a private subnet, its NAT gateway's Elastic IP)
+    against the region's quotas: one short fails the deploy minutes in, at that resource, and rolls it
+    back. VPCs another account shares with this one count against the owner's quota, not this one's."""
+    needs = [
+        (VPCS, _owned(ec2, "describe_vpcs", "Vpcs", account)),
+        (INTERNET_GATEWAYS, _owned(ec2, "describe_internet_gateways", "InternetGateways", account)),
+    ]
     if private_subnet:
         needs.append((ELASTIC_IPS, len(ec2.describe_addresses()["Addresses"])))
     lines, ok = [], True
@@ -152,6 +157,11 @@ def network_quota(ec2, quotas, private_subnet: bool) -> Check:
             "(-c vpc_id=... -c subnet_id=...)"
         )
     return Check(NETWORK, ok, "; ".join(lines))
+
+
+def _owned(ec2, operation: str, key: str, account: str) -> int:
+    pages = ec2.get_paginator(operation).paginate()
+    return sum(1 for page in pages for item in page[key] if not account or item.get("OwnerId", account) == account)
 
 
 def request_increase(quotas, check: QuotaCheck) -> str:
