@@ -235,24 +235,45 @@ def test_a_region_without_a_vpc_left_fails_preflight_not_the_deploy(aws_env):
         len(ec2.describe_internet_gateways()["InternetGateways"]),
         len(ec2.describe_addresses()["Addresses"]),
     )
-    full = quotas.network_quota(ec2, _network_quotas(vpcs, gateways, eips=None), True, account)
+    full = quotas.network_quota(ec2, _network_quotas(vpcs, gateways, eips=None), account, vpc=True, elastic_ip=True)
     assert not full.ok and full.name == "VPC quota"
     assert full.detail.startswith(f"VPCs per Region (L-F678F1CE): {vpcs} of {vpcs} in use, the cluster adds 1; ")
     assert f"; Internet gateways per Region (L-A4707A72): {gateways} of {gateways} in use" in full.detail
     assert f"; EC2-VPC Elastic IPs (L-0263D0A3): {eips} of 5 in use" in full.detail  # AWS's default: none set
     assert full.detail.endswith("or deploy into an existing VPC (-c vpc_id=... -c subnet_id=...)")
-    room = quotas.network_quota(ec2, _network_quotas(vpcs + 100, gateways + 100), False, account)
+    room = quotas.network_quota(ec2, _network_quotas(vpcs + 100, gateways + 100), account, vpc=True, elastic_ip=False)
     assert room.ok and "Elastic IPs" not in room.detail and "none left" not in room.detail
-    shared = quotas.network_quota(ec2, _network_quotas(1, 1), False, "210987654321")  # owns none of them
+    shared = quotas.network_quota(ec2, _network_quotas(1, 1), "210987654321", vpc=True, elastic_ip=False)  # owns none
     assert shared.ok and shared.detail.startswith("VPCs per Region (L-F678F1CE): 0 of 1 in use"), shared.detail
 
 
-def _network_quotas(vpcs: int, gateways: int, eips: int | None = 5):
+def test_a_redeploy_counts_only_what_it_adds_to_the_stacks_network(aws_env):
+    """The VPC line follows the stack's own resources, not whether a stack exists: a stack that has its VPC
+    needs no VPC or gateway, but turning private_subnet on adds a NAT gateway's Elastic IP; a given VPC
+    needs none at all."""
+    cfn = boto3.client("cloudformation")
+    template = {"Resources": {"Vpc": {"Type": "AWS::EC2::VPC", "Properties": {"CidrBlock": "10.9.0.0/16"}}}}
+    cfn.create_stack(StackName="GpuCluster-netcheck", TemplateBody=json.dumps(template))
+    clients = {"cloudformation": cfn, "ec2": boto3.client("ec2")}
+    account = boto3.client("sts").get_caller_identity()["Account"]
+    public = ClusterConfig.from_context({})
+    assert preflight._network(clients, public, account, "GpuCluster-netcheck") is None
+    private = ClusterConfig.from_context({"access": "ssm", "private_subnet": "true"})
+    clients["service-quotas"] = _network_quotas(0, 0, eips=None, vpc=False)
+    line = preflight._network(clients, private, account, "GpuCluster-netcheck")
+    assert line is not None and line.detail.startswith("EC2-VPC Elastic IPs (L-0263D0A3): "), line
+    given = ClusterConfig.from_context(
+        {"vpc_id": "vpc-0a1b2c3d", "subnet_id": "subnet-0a1b2c3d", "availability_zone": "us-east-1a"}
+    )
+    assert preflight._network(clients, given, account, None) is None
+
+
+def _network_quotas(vpcs: int, gateways: int, eips: int | None = 5, vpc: bool = True):
     """Service Quotas answering VPCs and internet gateways per Region at these values; then (eips None:
     the account has no value of its own) EC2-VPC Elastic IPs through AWS's default of 5."""
     quotas = offline("service-quotas")
     stubber = Stubber(quotas)
-    for code, value in (("L-F678F1CE", vpcs), ("L-A4707A72", gateways)):
+    for code, value in (("L-F678F1CE", vpcs), ("L-A4707A72", gateways)) if vpc else ():
         stubber.add_response("get_service_quota", vpc_quota(value, code), {"ServiceCode": "vpc", "QuotaCode": code})
     eip = {"ServiceCode": "ec2", "QuotaCode": "L-0263D0A3"}
     if eips is None:

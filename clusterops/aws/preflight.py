@@ -16,7 +16,7 @@ from clusterops.aws import cdkcontext
 from clusterops.aws.cdkcontext import cache_offerings
 from clusterops.aws.check import Check
 from clusterops.aws.quotas import NETWORK, QuotaCheck, check_quota, network_quota, request_increase
-from clusterops.aws.redeploy import pin_zone, redeploy_check
+from clusterops.aws.redeploy import pin_zone, redeploy_check, stack_resources
 from clusterops.terminal import aws_error
 from stacks.config import (
     SPOT_INTERRUPTION,
@@ -377,8 +377,9 @@ def run_preflight(
         public_ip = True if config.public_ip_request else (False if config.efa_cards > 1 else None)
         checks.append(subnet_route_out(ec2, config.subnet_id, public_ip))
     quota = _quota(clients, config, spot, checks)
-    if not config.vpc_id and not exists:  # this deploy creates the cluster's VPC
-        checks.append(_network(clients, config, account or ""))
+    network = _network(clients, config, account or "", stack_name if exists else None)
+    if network is not None:
+        checks.append(network)
     if spot:
         checks.append(spot_check(ec2, clients.get("pricing"), config, region, az))
         checks.append(spot_volume_key(ec2, clients["kms"], account or "ACCOUNT", region))
@@ -434,8 +435,17 @@ def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]
     return quota
 
 
-def _network(clients: dict, config: ClusterConfig, account: str) -> Check:
+def _network(clients: dict, config: ClusterConfig, account: str, deployed: Optional[str]) -> Optional[Check]:
+    """The VPC quota line where this deploy adds what a quota caps: its own VPC and internet gateway where
+    the stack has none yet (a first deploy, a change set never run), and in a private subnet the NAT
+    gateway's Elastic IP (also a redeploy turning private_subnet on); None where it adds none."""
+    if config.vpc_id:
+        return None
     try:
-        return network_quota(clients["ec2"], clients["service-quotas"], config.private_subnet, account)
+        made = {r["ResourceType"] for r in stack_resources(clients["cloudformation"], deployed)} if deployed else set()
+        vpc, elastic_ip = "AWS::EC2::VPC" not in made, config.private_subnet and "AWS::EC2::EIP" not in made
+        if not (vpc or elastic_ip):
+            return None
+        return network_quota(clients["ec2"], clients["service-quotas"], account, vpc, elastic_ip)
     except ClientError as error:  # as the vCPU quota's: say so, check the rest
         return Check(NETWORK, False, f"could not read it: {aws_error(error)}")

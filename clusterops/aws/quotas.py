@@ -136,15 +136,15 @@ def check_quota(ec2, quotas, instance_type: str, nodes: int, spot: bool = False)
     return QuotaCheck(code, name, quota, running_vcpus(ec2, instance_type, spot), nodes * per_node)
 
 
-def network_quota(ec2, quotas, private_subnet: bool, account: str) -> Check:
-    """A new cluster's VPC and internet gateway (and, in a private subnet, its NAT gateway's Elastic IP)
-    against the region's quotas: one short fails the deploy minutes in, at that resource, and rolls it
+def network_quota(ec2, quotas, account: str, vpc: bool, elastic_ip: bool) -> Check:
+    """What a deploy adds against the region's quotas: a VPC and its internet gateway, a NAT gateway's
+    Elastic IP (private subnet). One short fails the deploy minutes in, at that resource, and rolls it
     back. VPCs another account shares with this one count against the owner's quota, not this one's."""
-    needs = [
-        (VPCS, _owned(ec2, "describe_vpcs", "Vpcs", account)),
-        (INTERNET_GATEWAYS, _owned(ec2, "describe_internet_gateways", "InternetGateways", account)),
-    ]
-    if private_subnet:
+    needs = []
+    if vpc:
+        needs.append((VPCS, _owned(ec2, "describe_vpcs", "Vpcs", account)))
+        needs.append((INTERNET_GATEWAYS, _owned(ec2, "describe_internet_gateways", "InternetGateways", account)))
+    if elastic_ip:
         needs.append((ELASTIC_IPS, len(ec2.describe_addresses()["Addresses"])))
     lines, ok = [], True
     for (service, code, name), used in needs:

@@ -52,11 +52,16 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
     return Deployed(stack_name, found.status, outputs, zone, frozenset(n["ImageId"] for n in nodes))
 
 
+def stack_resources(cfn, stack_name: str) -> list[dict]:
+    """The stack's resource summaries (DescribeStackResources stops at 100: the paginated list)."""
+    pages = cfn.get_paginator("list_stack_resources").paginate(StackName=stack_name)
+    return [r for page in pages for r in page["StackResourceSummaries"]]
+
+
 def _subnet_zone(cfn, ec2, stack_name: str) -> Optional[str]:
     """The AZ of the stack's own subnets (one AZ); None with a given VPC's subnet or none left."""
-    try:  # DescribeStackResources stops at 100: the paginated summaries
-        pages = cfn.get_paginator("list_stack_resources").paginate(StackName=stack_name)
-        resources = [r for page in pages for r in page["StackResourceSummaries"]]
+    try:
+        resources = stack_resources(cfn, stack_name)
     except ClientError:  # e.g. a user policy older than this check: the nodes may still say
         return None
     ids = [
