@@ -49,13 +49,13 @@ except ModuleNotFoundError as missing:  # a GPU machine's Python without the ven
 
 SIZES = {
     "gpu": dict(
-        model=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=150,
+        model=[], budget=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=150,
         resnet=["--batch-per-gpu", "256"], r_batch=256, r_size=224, r_width=64, r_steps=200,
         jpeg=(50, 80, 1.0), j_args=["--workers", "15"], j_steps=150, profile=(231, 250),
     ),
     "smoke": dict(
         model=["--d-model", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--max-len", "64"],
-        vocab=300, pairs=1500, steps=60, resume=50, big=512, big_steps=60, plain=20,
+        budget=["--max-tokens", "256"], vocab=300, pairs=1500, steps=60, resume=50, big=512, big_steps=60, plain=20,
         resnet=["--batch-per-gpu", "4", "--width", "8", "--image-size", "32"], r_batch=4, r_size=32, r_width=8,
         r_steps=10, jpeg=(2, 4, 0.15), j_args=["--workers", "1"], j_steps=6, profile=(5, 9),
     ),
@@ -217,7 +217,7 @@ class Bench:
         self.attempt(name, "resnet", lambda: self.train(argv, self.tmp / "run-r50-bf16"))
 
     def variant(self, name: str, attention: str, pad: int) -> None:
-        argv = [*self.text_argv([], attention, pad), "--max-steps", str(self.size["steps"])]
+        argv = [*self.text_argv(self.size["budget"], attention, pad), "--max-steps", str(self.size["steps"])]
         self.attempt(
             f"budget, {name}: trainer", "trainer", lambda: self.train(argv, self.tmp / f"run-{attention}-{pad}")
         )
@@ -226,7 +226,7 @@ class Bench:
         """--profile: the trainer and the plain loop on its batches, the same steps under torch.profiler."""
         first, last = self.size["profile"]
         self.results["data"] = {"vocab": peers.text_data(self.data, self.size["vocab"], self.size["pairs"])}
-        argv = [*self.text_argv([]), "--max-steps", str(last)]
+        argv = [*self.text_argv(self.size["budget"]), "--max-steps", str(last)]
         spec = {"kind": "batches", "argv": argv, "steps": last, "backends": "auto", "window": [first, last]}
         profiled = {"window": [first, last]}
         run = self.tmp / "run-profiled"
@@ -237,7 +237,7 @@ class Bench:
         """The budget's trainer without the snapshot writer's host-buffer reservation after step 1, and with
         the reservation as it was before session 19 (one pinned allocation per tensor): was that the
         warm-up (docs/measured.md, session 14)?"""
-        argv = [*self.text_argv([]), "--max-steps", str(self.size["steps"])]
+        argv = [*self.text_argv(self.size["budget"]), "--max-steps", str(self.size["steps"])]
         for name, reserve in (("no host-buffer reservation", False), ("host buffers pinned per tensor", "per-tensor")):
             run, patch = self.tmp / f"run-reserve-{reserve}", {"reserve": reserve}
             self.attempt(f"budget, {name}: trainer", "trainer", lambda r=run, p=patch: self.train(argv, r, patch=p))
@@ -249,7 +249,7 @@ class Bench:
             self.results["data"] = {"vocab": peers.text_data(self.data, s["vocab"], s["pairs"]), "pairs": s["pairs"]}
         except Exception:
             traceback.print_exc()
-        self.text_runs("budget", [], s["steps"])
+        self.text_runs("budget", s["budget"], s["steps"])
         self.attempt("launch contention", "contention", lambda: self.peer({"kind": "contention"}))
         self.reservations()
         self.resnet_runs()
@@ -257,7 +257,7 @@ class Bench:
         self.text_runs("16k", big, s["big_steps"])
         self.variant("--attention torch", "torch", 8)
         self.variant("--pad-multiple 1", "auto", 1)
-        self.cudnn_peer("budget", [])
+        self.cudnn_peer("budget", s["budget"])
         self.cudnn_peer("16k", big)
         self.resnet_bf16()
 
