@@ -120,9 +120,9 @@ def test_a_model_memorises_a_few_hundred_real_pairs_across_two_ranks(ding_data, 
     data = tmp_path / "memorise"
     prepare.write_dataset(data, {"train": pairs, "valid": pairs, "test": pairs}, 500, {"request": "memorise"})
     result = train(
-        data, tmp_path / "run", *SHORT, "--label-smoothing", "0", "--max-steps", "200", "--batch-per-gpu", "16",
-        "--lr-scale", "0.5", "--eval-every", "200", "--eval-samples", "256", procs=2,
-    )  # fmt: skip
+        data, tmp_path / "run", *SHORT, "--label-smoothing", "0", "--max-steps", "150", "--batch-per-gpu", "16",
+        "--lr-scale", "0.5", "--eval-every", "150", "--eval-samples", "256", procs=2,
+    )  # fmt: skip  # BLEU 37 at step 100, 89 at 125, 98.1 at 150 (and 98.5 at 200) on this machine
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     print(f"memorised 256 real pairs: BLEU {summary['bleu']:.1f}")
     assert "2 process(es) via torchrun" in result.stdout and summary["bleu"] > 90
