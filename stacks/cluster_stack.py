@@ -96,6 +96,8 @@ class GpuClusterStack(Stack):
             "EfaCards": str(config.efa_cards),
             "NodeUserData": user_data_version(),  # fab preflight: does this checkout replace every node?
         }
+        if config.spot_max_price_output:
+            outputs["SpotMaxPrice"] = config.spot_max_price_output
         return outputs
 
     def _nodes_after_their_network(self) -> None:

@@ -174,6 +174,11 @@ SPOT_REQUEST = "persistent"
 SPOT_PLACEMENT_RULE = "EC2 launches no Spot instance that stops on interruption (as these do) in a placement group"
 
 
+def price_text(usd: float) -> str:
+    """0.45 -> "0.45" (a Spot MaxPrice is a string; no exponent, no trailing zeros)."""
+    return f"{usd:.6f}".rstrip("0").rstrip(".")
+
+
 def _spot_price(key: str, value: Any) -> float:
     accepted = f"expected a price in USD per node-hour above {MIN_SPOT_MAX_PRICE}, e.g. 0.45"
     if isinstance(value, bool):
@@ -374,8 +379,16 @@ class ClusterConfig:
                 self.efa,
                 f"{self.instance_type} has {cards} EFA cards, so several network "
                 "interfaces, and AWS gives such instances no public IP: add "
-                "-c access=ssm -c private_subnet=true",
+                "-c access=ssm -c private_subnet=true (a new cluster: a deployed one keeps its subnet layout)",
             )
+
+    @property
+    def spot_max_price_output(self) -> Optional[str]:
+        """The stack's SpotMaxPrice output: its nodes' MaxPrice, "on-demand" without one; None for On-Demand
+        nodes (fab preflight: a new maximum price is a new launch template version, so new nodes)."""
+        if not self.spot:
+            return None
+        return "on-demand" if self.spot_max_price is None else price_text(self.spot_max_price)
 
     @property
     def in_placement_group(self) -> bool:
@@ -428,7 +441,7 @@ class ClusterConfig:
             if self.spot
             else "placement_group=false"
             if not self.in_placement_group
-            else "several interfaces get no public IP; -c access=ssm -c private_subnet=true turns it on"
+            else "several interfaces get no public IP; -c access=ssm -c private_subnet=true turns it on (a new cluster)"
         )
 
     @property

@@ -20,14 +20,9 @@ from typing import Optional
 
 from aws_cdk import aws_ec2 as ec2
 
-from .config import SPOT_INTERRUPTION, SPOT_REQUEST
+from .config import SPOT_INTERRUPTION, SPOT_REQUEST, price_text
 
 VALID_UNTIL = "2099-12-31T23:59:59Z"
-
-
-def price_text(usd: float) -> str:
-    """0.45 -> "0.45" (MaxPrice is a string; no exponent, no trailing zeros)."""
-    return f"{usd:.6f}".rstrip("0").rstrip(".")
 
 
 def market_options(max_price: Optional[float]) -> dict:

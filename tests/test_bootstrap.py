@@ -127,7 +127,7 @@ def test_the_instance_store_is_mounted_into_the_container_when_the_node_has_one(
     result = sandbox.run(INSTANCE_STORE=str(store))
     assert result.returncode == 0, result.stdout + result.stderr
     run = [c for c in sandbox.calls() if c.startswith("docker run")]
-    assert len(run) == 1 and f"-v {store}:{store}" in run[0]
+    assert len(run) == 1 and f"-v {store}:{store}:rslave" in run[0]  # a mount made later reaches the container
     missing = sandbox.root / "no-nvme"  # a type without instance store: no mount, no failure
     (sandbox.root / "docker-running").unlink()
     assert sandbox.run(INSTANCE_STORE=str(missing)).returncode == 0
@@ -135,10 +135,15 @@ def test_the_instance_store_is_mounted_into_the_container_when_the_node_has_one(
     assert len(rerun) == 2 and str(missing) not in rerun[1] and f"-v {store}" not in rerun[1]
 
 
-def test_docker_starts_only_after_data_is_mounted_on_a_reboot(sandbox):
+def test_docker_starts_only_after_data_and_the_instance_store_are_mounted_on_a_reboot(sandbox):
+    """And after the DLAMI's dlami-nvme.service, which makes the instance store anew at every boot: at a
+    `fab start`, docker (and the container's bind of /opt/dlami/nvme) would otherwise race it."""
     result = sandbox.run()
     assert result.returncode == 0, result.stdout + result.stderr
-    dropin = "[Unit]\nRequires=gpu-cluster-data.service\nAfter=gpu-cluster-data.service\n"
+    dropin = (
+        "[Unit]\nRequires=gpu-cluster-data.service\nWants=dlami-nvme.service\n"
+        "After=gpu-cluster-data.service dlami-nvme.service\n"
+    )
     assert (sandbox.root / DROPIN).read_text() == dropin  # the retrying mount (test_bootstrap_every_boot)
     calls = sandbox.calls()
     # The unit is reloaded after the fstab line exists (systemd generates data.mount from it).

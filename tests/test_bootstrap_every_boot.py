@@ -80,7 +80,7 @@ def test_a_failed_data_mount_at_boot_is_retried_until_it_heals(sandbox):
     dropin = (sandbox.root / DROPIN).read_text()
     assert "RequiresMountsFor" not in dropin
     assert unit_value(sandbox.root / DROPIN, "Requires") == ["gpu-cluster-data.service"]
-    assert unit_value(sandbox.root / DROPIN, "After") == ["gpu-cluster-data.service"]
+    assert unit_value(sandbox.root / DROPIN, "After") == ["gpu-cluster-data.service dlami-nvme.service"]
     unit = sandbox.root / DATA_UNIT
     assert unit_value(unit, "WantedBy") == ["multi-user.target"] and unit_value(unit, "Type") == ["oneshot"]
     assert "network-online.target" in unit_value(unit, "After")[0]

@@ -10,7 +10,7 @@ from aws_stubs import QUOTA_NAME, offline, quotas_client, vpc_quota
 from botocore.stub import Stubber
 from conftest import moto_instances
 
-from clusterops.aws import preflight, quotas
+from clusterops.aws import preflight, quotas, redeploy
 from stacks.config import ClusterConfig
 from stacks.instance_types import INSTANCE_TYPES
 
@@ -141,18 +141,19 @@ def test_a_region_without_a_vpc_left_fails_preflight_not_the_deploy(aws_env):
 
 def test_a_redeploy_counts_only_what_it_adds_to_the_stacks_network(aws_env):
     """The VPC line follows the stack's own resources, not whether a stack exists: a stack that has its VPC
-    needs no VPC or gateway, but turning private_subnet on adds a NAT gateway's Elastic IP; a given VPC
-    needs none at all."""
+    needs no VPC or gateway, but one without its NAT gateway's Elastic IP yet (a change set never run) adds
+    it; a given VPC needs none at all."""
     cfn = boto3.client("cloudformation")
     template = {"Resources": {"Vpc": {"Type": "AWS::EC2::VPC", "Properties": {"CidrBlock": "10.9.0.0/16"}}}}
     cfn.create_stack(StackName="GpuCluster-netcheck", TemplateBody=json.dumps(template))
     clients = {"cloudformation": cfn, "ec2": boto3.client("ec2")}
+    found = redeploy.deployed(cfn, clients["ec2"], "GpuCluster-netcheck")
     account = boto3.client("sts").get_caller_identity()["Account"]
     public = ClusterConfig.from_context({})
-    assert preflight._network(clients, public, account, "GpuCluster-netcheck") is None
+    assert preflight._network(clients, public, account, found) is None
     private = ClusterConfig.from_context({"access": "ssm", "private_subnet": "true"})
     clients["service-quotas"] = _network_quotas(0, 0, eips=None, vpc=False)
-    line = preflight._network(clients, private, account, "GpuCluster-netcheck")
+    line = preflight._network(clients, private, account, found)
     assert line is not None and line.detail.startswith("EC2-VPC Elastic IPs (L-0263D0A3): "), line
     given = ClusterConfig.from_context(
         {"vpc_id": "vpc-0a1b2c3d", "subnet_id": "subnet-0a1b2c3d", "availability_zone": "us-east-1a"}

@@ -4,10 +4,13 @@ what the deploy would change in the cluster of that name (or that it makes a new
 others), and keeps the subnet in the AZ the nodes are in (CloudFormation cannot move a subnet to another AZ
 in an update): synth reads that pin, and a type not offered there is one line at preflight and at synth."""
 
+import ipaddress
+import itertools
 import json
 
 import boto3
 import pytest
+from templates_golden import CONFIGS, GOLDEN, PINS
 
 from clusterops.aws import preflight, redeploy
 from stacks.config import ClusterConfig, cluster_az_context_key, offerings_context_key
@@ -17,7 +20,9 @@ from stacks.userdata import user_data_version
 REGION = "us-east-1"
 
 
-def _deploy(name: str, zone: str, nodes: int, subnet: tuple[str, str] | None = None, **outputs) -> list[str]:
+def _deploy(
+    name: str, zone: str, nodes: int, subnet: tuple[str, str] | None = None, extra: dict | None = None, **outputs
+) -> list[str]:
     """A stack with this app's outputs and its nodes' instances in `zone` (moto runs no real template here:
     tests/test_rehearsal.py runs preflight against the real one)."""
     ec2 = boto3.client("ec2")
@@ -29,7 +34,7 @@ def _deploy(name: str, zone: str, nodes: int, subnet: tuple[str, str] | None = N
     values = {"ClusterName": name, "InstanceType": "g5.xlarge", "Spot": "false", "EfaCards": "0", "Access": "ssh"}
     values["NodeUserData"] = user_data_version()  # deployed by this checkout
     values |= outputs | {"InstanceIds": ",".join(ids)}
-    resources: dict = {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}}
+    resources: dict = {"Handle": {"Type": "AWS::CloudFormation::WaitConditionHandle"}, **(extra or {})}
     if subnet:  # the stack's own subnet: (CIDR, AZ)
         vpc = ec2.describe_vpcs(Filters=[{"Name": "is-default", "Values": ["true"]}])["Vpcs"][0]["VpcId"]
         properties = {"VpcId": vpc, "CidrBlock": subnet[0], "AvailabilityZone": subnet[1]}
@@ -43,8 +48,8 @@ def _deploy(name: str, zone: str, nodes: int, subnet: tuple[str, str] | None = N
 
 
 def _check(config: ClusterConfig, stack: str):
-    check, zone, _ = redeploy.redeploy_check(boto3.client("cloudformation"), boto3.client("ec2"), config, stack)
-    return check, zone
+    check, found = redeploy.redeploy_check(boto3.client("cloudformation"), boto3.client("ec2"), config, stack)
+    return check, found.zone if found else None
 
 
 def test_a_deploy_without_the_first_ones_cluster_name_is_a_new_cluster_and_says_which_exist(aws_env, tmp_path):
@@ -71,6 +76,23 @@ def test_each_change_a_deploy_would_make_to_the_deployed_cluster_is_named(aws_en
     assert "spot true -> false (replaces every node" in check.detail
     assert "nodes 3 -> 2 (node2 terminated, their disks with them)" in check.detail
     assert "-c values are not remembered" in check.detail and "\n" not in check.detail
+
+
+def test_a_spot_clusters_max_price_left_out_replaces_every_node(aws_env):
+    """MaxPrice lives in each node's launch template; a new version replaces the node (AWS::EC2::Instance
+    LaunchTemplate: "Update requires: Replacement"). The eighth read: a deploy of 2 -> 3 nodes without the first
+    one's -c spot_max_price said "replaces none"."""
+    _deploy("redeploy-g", "us-east-1b", 2, Spot="true", SpotMaxPrice="0.45")
+    first = {"cluster_name": "redeploy-g", "instance_type": "g5.xlarge", "spot": "true", "spot_max_price": "0.45"}
+    check, _ = _check(ClusterConfig.from_context({**first, "nodes": "3"}), "GpuCluster-redeploy-g")
+    assert "nodes 2 -> 3 (adds 1, replaces none)" in check.detail and "spot_max_price" not in check.detail
+    left_out = ClusterConfig.from_context({**first, "spot_max_price": None, "nodes": "3"})
+    check, _ = _check(left_out, "GpuCluster-redeploy-g")
+    assert "spot_max_price 0.45 -> on-demand (replaces every node" in check.detail, check.detail
+    check, _ = _check(
+        ClusterConfig.from_context({**first, "spot": "false", "spot_max_price": None}), "GpuCluster-redeploy-g"
+    )
+    assert "spot true -> false (replaces every node" in check.detail and "spot_max_price" not in check.detail
 
 
 def test_an_upgrade_of_this_app_or_a_new_ami_is_said_to_replace_every_node(aws_env):
@@ -148,3 +170,70 @@ def test_a_deployed_clusters_pin_is_kept_when_its_nodes_do_not_show_and_a_stuck_
         assert words in (redeploy.stuck(found) or ""), status
     for deployable in ("UPDATE_ROLLBACK_COMPLETE", "REVIEW_IN_PROGRESS"):  # the CLI deploys over both
         assert redeploy.stuck(redeploy.Deployed("GpuCluster-x", deployable, {}, None)) is None
+
+
+def _network_of(name: str) -> tuple[dict, frozenset[str]]:
+    """A golden template's subnets ({logical ID: (CIDR, AZ)}) and its resource types, as a deployed stack
+    lists them."""
+    resources = json.loads((GOLDEN / f"{name}.template.json").read_text())["Resources"]
+    subnets = {
+        key: (r["Properties"]["CidrBlock"], json.dumps(r["Properties"].get("AvailabilityZone")))
+        for key, r in resources.items()
+        if r["Type"] == "AWS::EC2::Subnet"
+    }
+    return subnets, frozenset(r["Type"] for r in resources.values())
+
+
+def _update_fails_on_a_subnet(before: dict, after: dict) -> bool:
+    """CloudFormation creates a new or replaced subnet (CIDR and AZ: "Update requires: Replacement") before it
+    deletes the old one: one that overlaps a subnet of the deployed stack fails (CreateSubnet: "the subnets'
+    CIDR blocks must not overlap")."""
+    made = [cidr for key, (cidr, zone) in after.items() if before.get(key) != (cidr, zone)]
+    return any(
+        ipaddress.ip_network(new).overlaps(ipaddress.ip_network(old)) for new in made for old, _ in before.values()
+    )
+
+
+@pytest.mark.parametrize("first, second", list(itertools.permutations(sorted(CONFIGS), 2)))
+def test_a_redeploy_whose_subnets_would_overlap_the_deployed_ones_is_refused_at_preflight(first, second):
+    """Every pair of the golden configurations, one deployed and then the other deployed over it (the pair's
+    nodes changes aside): where the update would fail on a subnet, preflight's deployed-cluster line is a FAIL
+    that says what to run; where it would not, the line does not stop it. The public and the private layouts
+    share 10.42.0.0/16, so private_subnet never changes on a deployed cluster (the eighth read: the EFA error's
+    own advice, `-c access=ssm -c private_subnet=true`, took a public cluster there)."""
+    (before, types), (after, _) = _network_of(first), _network_of(second)
+    found = redeploy.Deployed(f"GpuCluster-{first}", "UPDATE_COMPLETE", {}, "us-east-1a", resource_types=types)
+    config = ClusterConfig.from_context({**PINS, **CONFIGS[second]})
+    refusal = redeploy.subnet_layout_change(config, found)
+    assert (refusal is not None) == _update_fails_on_a_subnet(before, after), (first, second, refusal)
+    if refusal:
+        assert "cannot change on a deployed cluster" in refusal and "`fab destroy`" in refusal
+
+
+def test_a_private_subnet_change_is_a_fail_against_the_deployed_stack_and_the_quota_counts_what_is_added(aws_env):
+    """Against a moto stack with its own VPC (the public layout): private_subnet=true is refused before any
+    deploy, the same keys pass; and the vCPU quota counts the nodes the deploy launches, not the cluster's own
+    running ones twice (all of them where it replaces every node: both run for a while)."""
+    vpc = {"Type": "AWS::EC2::VPC", "Properties": {"CidrBlock": "10.42.0.0/16"}}
+    _deploy("redeploy-f", "us-east-1b", 2, extra={"Vpc": vpc})
+    same = {"cluster_name": "redeploy-f", "instance_type": "g5.xlarge"}
+    check, found = redeploy.redeploy_check(
+        boto3.client("cloudformation"),
+        boto3.client("ec2"),
+        ClusterConfig.from_context({**same, "access": "ssm", "private_subnet": "true"}),
+        "GpuCluster-redeploy-f",
+    )
+    assert not check.ok and found is not None and found.private_subnet is False
+    assert check.detail.startswith("GpuCluster-redeploy-f: private_subnet false -> true cannot change"), check.detail
+    assert "deploy with -c private_subnet=false, or `fab fetch`" in check.detail
+    config = ClusterConfig.from_context(same)
+    assert _check(config, "GpuCluster-redeploy-f")[0].ok
+    assert redeploy.nodes_added(config, found) == 0  # an ssh_cidr or idle_minutes redeploy
+    assert redeploy.nodes_added(ClusterConfig.from_context({**same, "nodes": "3"}), found) == 1
+    assert redeploy.nodes_added(ClusterConfig.from_context({**same, "instance_type": "g5.2xlarge"}), found) == 2
+    assert redeploy.nodes_added(config, None) == 2
+    given = ClusterConfig.from_context(
+        {**same, "vpc_id": "vpc-0a1b2c3d", "subnet_id": "subnet-0a1b2c3d", "availability_zone": "us-east-1a"}
+    )
+    unknown = redeploy.Deployed("GpuCluster-x", "UPDATE_COMPLETE", {}, None)  # its resources not listed
+    assert redeploy.subnet_layout_change(given, found) is None and unknown.private_subnet is None

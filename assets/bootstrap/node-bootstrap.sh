@@ -236,8 +236,10 @@ boot_units() {
     "Wants=network-online.target" "After=network-online.target data.mount" "[Service]" "Type=oneshot" \
     "RemainAfterExit=yes" "TimeoutStartSec=infinity" "ExecStart=/bin/sh -c '$retry'" \
     "[Install]" "WantedBy=multi-user.target")" && changed=1
+  # The DLAMI's dlami-nvme.service makes and mounts the instance store at every boot (a stop erases it): the
+  # container's bind of it must come after (Wants= of a unit an AMI lacks is no error; After= orders nothing).
   install_unit "$DOCKER_DROPIN" "$(printf '%s\n' "[Unit]" "Requires=gpu-cluster-data.service" \
-    "After=gpu-cluster-data.service")" && changed=1
+    "Wants=dlami-nvme.service" "After=gpu-cluster-data.service dlami-nvme.service")" && changed=1
   install_unit "$UNITS/gpu-cluster-idle-alarm.service" "$(printf '%s\n' "[Unit]" \
     "Description=GPU cluster: this node's idle alarm back to OK at boot" \
     "Wants=network-online.target" "After=network-online.target" "[Service]" "Type=oneshot" \
@@ -347,9 +349,10 @@ start_container() {
     --query Parameter.Value --output text)
   [[ $idle_minutes =~ ^[0-9]+$ ]] || { log "$IDLE_MINUTES_PARAMETER is not a number: '$idle_minutes'"; return 1; }
   docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
-  # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop.
+  # The instance store (DLAMI: /opt/dlami/nvme), for data staged with --stage-to; erased by a stop. rslave: a
+  # mount the host makes there after the container starts reaches it too (a bind is rprivate by default).
   local store=${INSTANCE_STORE:-/opt/dlami/nvme} instance_store=()
-  if [[ -d $store ]]; then instance_store=(-v "$store:$store"); fi
+  if [[ -d $store ]]; then instance_store=(-v "$store:$store:rslave"); fi
   # EFA: the devices only. The image has its own libfabric, rdma-core and aws-ofi-nccl (the host's
   # need the host's rdma-core and hwloc, which the container lacks).
   local efa=() device

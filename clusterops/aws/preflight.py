@@ -16,7 +16,7 @@ from clusterops.aws import cdkcontext
 from clusterops.aws.cdkcontext import cache_offerings
 from clusterops.aws.check import Check
 from clusterops.aws.quotas import NETWORK, QuotaCheck, check_quota, network_quota, request_increase
-from clusterops.aws.redeploy import pin_zone, redeploy_check, stack_resources
+from clusterops.aws.redeploy import Deployed, nodes_added, pin_zone, redeploy_check
 from clusterops.terminal import aws_error
 from stacks.config import (
     SPOT_INTERRUPTION,
@@ -370,14 +370,14 @@ def run_preflight(
         clients["ssm"], config.ami_parameter, region, context or {}, context_file, refresh=refresh_ami
     )
     image = config.ami_id or image_id  # what synth boots: -c ami_id wins over the pin
-    az, exists = _deployed_and_placement(clients, config, region, context_file, stack_name, image, checks)
+    az, found = _deployed_and_placement(clients, config, region, context_file, stack_name, image, checks)
     if config.vpc_id:
         checks.append(vpc_dns(ec2, config.vpc_id))
     if config.subnet_id:
         public_ip = True if config.public_ip_request else (False if config.efa_cards > 1 else None)
         checks.append(subnet_route_out(ec2, config.subnet_id, public_ip))
-    quota = _quota(clients, config, spot, checks)
-    network = _network(clients, config, account or "", stack_name if exists else None)
+    quota = _quota(clients, config, spot, nodes_added(config, found, image), checks)
+    network = _network(clients, config, account or "", found)
     if network is not None:
         checks.append(network)
     if spot:
@@ -408,26 +408,28 @@ def _deployed_and_placement(
     stack_name: str,
     image: Optional[str],
     checks: list[Check],
-) -> tuple[Optional[str], bool]:
+) -> tuple[Optional[str], Optional[Deployed]]:
     """The deployed cluster of that name (redeploy.py), the type's AZs cached and a deployed cluster's pinned,
-    and where the stack will put the nodes; returns that AZ, and whether the stack holds a cluster."""
+    and where the stack will put the nodes; returns that AZ, and the deployed cluster (None: a new one)."""
     ec2 = clients["ec2"]
-    known, deployed_zone, exists = redeploy_check(clients["cloudformation"], ec2, config, stack_name, image)
+    known, found = redeploy_check(clients["cloudformation"], ec2, config, stack_name, image)
     checks.append(known)
     zones = offered_zones(ec2, config.instance_type)
+    deployed_zone = found.zone if found else None
     if context_file is not None and zones:
         cache_offerings(context_file, region, config.instance_type, zones)
     if context_file is not None and not config.vpc_id:
-        pin_zone(context_file, region, config.cluster_name, deployed_zone, exists)
+        pin_zone(context_file, region, config.cluster_name, deployed_zone, found is not None)
     where, az = placement(config, zones, deployed_zone)
     checks.append(where)
-    return az, exists
+    return az, found
 
 
-def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]) -> Optional[QuotaCheck]:
+def _quota(clients: dict, config: ClusterConfig, spot: bool, added: int, checks: list[Check]) -> Optional[QuotaCheck]:
+    """The vCPU quota against what runs and the `added` nodes this deploy launches."""
     quota_name = f"vCPU quota ({'Spot' if spot else 'On-Demand'})"
     try:
-        quota = check_quota(clients["ec2"], clients["service-quotas"], config.instance_type, config.nodes, spot)
+        quota = check_quota(clients["ec2"], clients["service-quotas"], config.instance_type, added, spot)
     except ClientError as error:  # e.g. no servicequotas:GetServiceQuota: say so, check the rest
         checks.append(Check(quota_name, False, f"could not read it: {aws_error(error)}"))
         return None
@@ -435,14 +437,17 @@ def _quota(clients: dict, config: ClusterConfig, spot: bool, checks: list[Check]
     return quota
 
 
-def _network(clients: dict, config: ClusterConfig, account: str, deployed: Optional[str]) -> Optional[Check]:
+def _network(clients: dict, config: ClusterConfig, account: str, found: Optional[Deployed]) -> Optional[Check]:
     """The VPC quota line where this deploy adds what a quota caps: its own VPC and internet gateway where
     the stack has none yet (a first deploy, a change set never run), and in a private subnet the NAT
-    gateway's Elastic IP (also a redeploy turning private_subnet on); None where it adds none."""
+    gateway's Elastic IP; None where it adds none. (A deployed cluster cannot change private_subnet: the
+    deployed-cluster line says why.)"""
     if config.vpc_id:
         return None
+    made = frozenset() if found is None else found.resource_types
+    if made is None:
+        return Check(NETWORK, False, "could not list the stack's resources (cloudformation:ListStackResources)")
     try:
-        made = {r["ResourceType"] for r in stack_resources(clients["cloudformation"], deployed)} if deployed else set()
         vpc, elastic_ip = "AWS::EC2::VPC" not in made, config.private_subnet and "AWS::EC2::EIP" not in made
         if not (vpc or elastic_ip):
             return None

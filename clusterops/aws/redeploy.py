@@ -31,14 +31,22 @@ class Deployed:
     outputs: dict
     zone: Optional[str]  # where its subnet (else its nodes) is; None when neither shows
     images: frozenset[str] = frozenset()  # its nodes' AMIs
+    resource_types: Optional[frozenset[str]] = None  # what the stack holds; None when it could not be listed
 
     @property
     def instance_ids(self) -> list[str]:
         return [i for i in self.outputs.get("InstanceIds", "").split(",") if i]
 
+    @property
+    def private_subnet(self) -> Optional[bool]:
+        """Whether its own VPC has the private layout (a NAT gateway); None in a given VPC or not known."""
+        if self.resource_types is None or "AWS::EC2::VPC" not in self.resource_types:
+            return None
+        return "AWS::EC2::NatGateway" in self.resource_types
+
 
 def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
-    """The stack of that name with its outputs and its nodes' AZ, or None when there is none."""
+    """The stack of that name with its outputs, resources and its nodes' AZ, or None when there is none."""
     try:
         stack = cfn.describe_stacks(StackName=stack_name)["Stacks"][0]
     except ClientError as error:
@@ -47,9 +55,14 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
         raise
     outputs = {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
     found = Deployed(stack_name, stack["StackStatus"], outputs, None)
+    try:
+        resources: Optional[list[dict]] = stack_resources(cfn, stack_name)
+    except ClientError:  # e.g. a user policy older than this check: the nodes may still say where they are
+        resources = None
     nodes = _nodes(ec2, found.instance_ids)
-    zone = _subnet_zone(cfn, ec2, stack_name) or min((n["Placement"]["AvailabilityZone"] for n in nodes), default=None)
-    return Deployed(stack_name, found.status, outputs, zone, frozenset(n["ImageId"] for n in nodes))
+    zone = _subnet_zone(ec2, resources or []) or min((n["Placement"]["AvailabilityZone"] for n in nodes), default=None)
+    types = None if resources is None else frozenset(r["ResourceType"] for r in resources)
+    return Deployed(stack_name, found.status, outputs, zone, frozenset(n["ImageId"] for n in nodes), types)
 
 
 def stack_resources(cfn, stack_name: str) -> list[dict]:
@@ -58,12 +71,8 @@ def stack_resources(cfn, stack_name: str) -> list[dict]:
     return [r for page in pages for r in page["StackResourceSummaries"]]
 
 
-def _subnet_zone(cfn, ec2, stack_name: str) -> Optional[str]:
+def _subnet_zone(ec2, resources: list[dict]) -> Optional[str]:
     """The AZ of the stack's own subnets (one AZ); None with a given VPC's subnet or none left."""
-    try:
-        resources = stack_resources(cfn, stack_name)
-    except ClientError:  # e.g. a user policy older than this check: the nodes may still say
-        return None
     ids = [
         r["PhysicalResourceId"]
         for r in resources
@@ -99,10 +108,13 @@ def other_clusters(cfn, stack_name: str) -> list[str]:
     )
 
 
-# key, output, its value in a config, what the change does
-_KEYS: tuple[tuple[str, str, Callable[[ClusterConfig], str], str], ...] = (
+# key, output, its value in a config (None: the key does not apply), what the change does. A node's launch template
+# is create-only (AWS::EC2::Instance LaunchTemplate: "Update requires: Replacement"), and each deploy points it at
+# the template's latest version: Spot's maximum price too replaces every node.
+_KEYS: tuple[tuple[str, str, Callable[[ClusterConfig], Optional[str]], str], ...] = (
     ("instance_type", "InstanceType", lambda c: c.instance_type, REPLACES),
     ("spot", "Spot", lambda c: str(c.spot).lower(), REPLACES),
+    ("spot_max_price", "SpotMaxPrice", lambda c: c.spot_max_price_output, REPLACES),
     ("efa cards", "EfaCards", lambda c: str(c.efa_cards), REPLACES),
     ("access", "Access", lambda c: c.access, "the way fab reaches the nodes"),
 )
@@ -113,7 +125,7 @@ def changes(config: ClusterConfig, found: Deployed, image: Optional[str] = None)
     said = _replacing(found, image) + [
         f"{key} {found.outputs[output]} -> {value(config)} ({effect})"
         for key, output, value, effect in _KEYS
-        if output in found.outputs and found.outputs[output] != value(config)
+        if output in found.outputs and value(config) not in (None, found.outputs[output])
     ]
     before = len(found.instance_ids)
     if before and config.nodes < before:
@@ -122,6 +134,15 @@ def changes(config: ClusterConfig, found: Deployed, image: Optional[str] = None)
     elif before and config.nodes > before:
         said.append(f"nodes {before} -> {config.nodes} (adds {config.nodes - before}, replaces none)")
     return said
+
+
+def nodes_added(config: ClusterConfig, found: Optional[Deployed], image: Optional[str] = None) -> int:
+    """The nodes this deploy launches: all of them for a new cluster or one whose nodes it replaces
+    (CloudFormation creates each replacement before it terminates the old node: both run for a while), else
+    the ranks the deployed cluster lacks (its own nodes already count among what runs)."""
+    if found is None or any(REPLACES in change for change in changes(config, found, image)):
+        return config.nodes
+    return max(0, config.nodes - len(found.instance_ids))
 
 
 # Stack states `cdk deploy` cannot update, and what to do (CloudFormation User Guide, stack status codes).
@@ -156,23 +177,40 @@ def _replacing(found: Deployed, image: Optional[str]) -> list[str]:
     return said
 
 
+def subnet_layout_change(config: ClusterConfig, found: Deployed) -> Optional[str]:
+    """Why this deploy cannot update the deployed cluster's network, else None. The public and the private
+    layouts share 10.42.0.0/16 (stacks/network.py), and CloudFormation creates a replacement before it deletes
+    the old resource, so the new subnets overlap the old ones (CreateSubnet: "the subnets' CIDR blocks must not
+    overlap") and the new mount target meets the old one in its AZ (EFS: "only one mount target per
+    Availability Zone"): the deploy fails and rolls back."""
+    if config.vpc_id or found.private_subnet is None or found.private_subnet == config.private_subnet:
+        return None
+    before, after = str(found.private_subnet).lower(), str(config.private_subnet).lower()
+    return (
+        f"{found.stack}: private_subnet {before} -> {after} cannot change on a deployed cluster (its new subnets "
+        "would overlap the old ones and the deploy rolls back): deploy with "
+        f"-c private_subnet={before}, or `fab fetch` what you need from /data, `fab destroy`, then deploy anew"
+        " (or -c cluster_name=NEW for a second cluster)"
+    )
+
+
 def redeploy_check(
     cfn, ec2, config: ClusterConfig, stack_name: str, image: Optional[str] = None
-) -> tuple[Check, Optional[str], bool]:
-    """The `deployed cluster` line, the AZ the deployed cluster is in (None for a new one, or one that does
-    not show it), and whether its stack holds a cluster (its AZ pin is kept)."""
+) -> tuple[Check, Optional[Deployed]]:
+    """The `deployed cluster` line, and the deployed cluster (None for a new one, or a failed first deploy that
+    `cdk deploy` deletes): its AZ pin is kept, and its resources are what the deploy need not add."""
     found = deployed(cfn, ec2, stack_name)
     if found is not None and found.status in NOTHING_LEFT:
         detail = f"{stack_name} is {found.status} (a first deploy that failed): `cdk deploy` deletes it and starts anew"
-        return Check(CHECK, True, detail), None, False
-    if found is not None and stuck(found):
-        return Check(CHECK, False, stuck(found) or ""), found.zone, True
+        return Check(CHECK, True, detail), None
+    if found is not None and (stuck(found) or subnet_layout_change(config, found)):
+        return Check(CHECK, False, stuck(found) or subnet_layout_change(config, found) or ""), found
     if found is None:
         others = other_clusters(cfn, stack_name)
         detail = f"none named {stack_name}: this deploy makes a new cluster"
         if others:
             detail += f"; this region has {', '.join(others)} (-c cluster_name=NAME deploys to one of those)"
-        return Check(CHECK, True, detail), None, False
+        return Check(CHECK, True, detail), None
     said = changes(config, found, image)
     detail = (
         f"{stack_name} ({found.status}, nodes in {found.zone or 'no AZ'}): "
@@ -183,7 +221,7 @@ def redeploy_check(
         )
         + "; `npx cdk diff` lists every resource it replaces"
     )
-    return Check(CHECK, True, detail), found.zone, True
+    return Check(CHECK, True, detail), found
 
 
 def pin_zone(context_file: Path, region: str, cluster_name: str, zone: Optional[str], exists: bool) -> None:
