@@ -537,9 +537,11 @@ IMAGE_ENV = {
     "IMAGE_LONG": "x" * 6000,
 }
 IMAGE_ENV_PROBE = (
-    "import json, os, socket; print(json.dumps({'host': socket.gethostname(), "
-    "'env': {k: v for k, v in os.environ.items() if k.startswith(('IMAGE_', 'NGC_', 'OPAL_'))}}))"
+    "import json, os, socket; print(json.dumps({'host': socket.gethostname(), 'env': {k: v for k, v in "
+    "os.environ.items() if k.startswith(('IMAGE_', 'NGC_', 'OPAL_')) or k in ('PATH', 'LD_LIBRARY_PATH')}}))"
 )
+# Where NCCL finds the EFA image's OFI plugin (Dockerfile's LD_LIBRARY_PATH): by that variable only.
+OFI_LIBS = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu:/opt/amazon/efa/lib"
 
 
 def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_environment(tmp_path):
@@ -554,8 +556,12 @@ def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_envir
         .stdout.strip()
         .split(":", 2)[2]
     )
-    image_env = {**IMAGE_ENV, "OPAL_PREFIX": prefix, "IMAGE_QUOTED": 'say "hi"'}
-    wanted = {**IMAGE_ENV, "OPAL_PREFIX": prefix}  # a double quote: left out, and logged
+    # The image's PATH first names HPC-X's bin (its mpirun, the orted mpirun starts on the other nodes): here a
+    # folder of its own, so sshd's default PATH (the host's mpirun and python are on it) cannot pass for it.
+    path = f"{tmp_path / 'hpcx-bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    carried = {**IMAGE_ENV, "OPAL_PREFIX": prefix, "PATH": path, "LD_LIBRARY_PATH": OFI_LIBS}
+    image_env = {**carried, "IMAGE_QUOTED": 'say "hi"'}
+    wanted = carried  # a double quote: left out, and logged
     spec = localcluster.LocalSpec(name="te", nodes=2, subnet="10.213.150.0/24")
     inventory = localcluster.up(spec, tmp_path / "inventory.json", image_env=image_env)
     try:
@@ -570,7 +576,11 @@ def test_ssh_sessions_and_ranks_mpirun_starts_on_other_nodes_get_the_image_envir
             out = remote.sh(conn, "timeout 120 " + shlex.join(argv))
         shared = localcluster.STATE_ROOT / "te" / "shared"
         ranks = [json.loads((shared / f"env-{host}").read_text()) for host in ("node0", "node1")]
-        assert ranks == [{"host": "node0", "env": wanted}, {"host": "node1", "env": wanted}], out
+        assert [r["host"] for r in ranks] == ["node0", "node1"], out
+        for rank in ranks:  # Open MPI may put its own bin and lib first for the daemons it starts
+            for name in ("PATH", "LD_LIBRARY_PATH"):
+                assert rank["env"].pop(name).endswith(wanted[name]), (name, rank)
+            assert rank["env"] == {k: v for k, v in wanted.items() if k not in ("PATH", "LD_LIBRARY_PATH")}
         log = (localcluster.STATE_ROOT / "te" / "node1.log").read_text()
         assert "IMAGE_QUOTED is not carried into SSH sessions" in log
     finally:
