@@ -29,6 +29,7 @@ import pytest
 from conftest import REPO
 from supervisor_fixture import supervisor_process, write_spec
 
+from cluster_node.daemons.autostop import busy_signals
 from cluster_node.daemons.autostop import watchdog as autostop
 from cluster_node.daemons.autostop.watchdog import Observation, Sources, Watchdog
 from cluster_node.protocol import spec
@@ -129,7 +130,25 @@ def write_run(data: Path, name: str, state: str, step_age_s: float, active: bool
         os.utime(data / "runs" / ".active", (time.time() - 2 * 3600,) * 2)
 
 
-def test_gpu_work_after_a_failed_run_is_busy_and_a_hung_marked_run_is_not(tmp_path, gpus):
+@pytest.fixture
+def booted(monkeypatch):
+    """This node's boot time, so many seconds ago (a fresh CI machine's own is recent)."""
+
+    def set_boot(seconds_ago: float) -> None:
+        monkeypatch.setattr(busy_signals, "boot_time", lambda: time.time() - seconds_ago)
+
+    set_boot(3 * 3600)
+    return set_boot
+
+
+def test_the_boot_time_is_the_kernels(tmp_path):
+    assert abs(busy_signals.boot_time() - (time.time() - time.monotonic())) < 120  # CLOCK_MONOTONIC: since boot
+    (tmp_path / "stat").write_text("cpu  1 2 3\nbtime 1700000000\nprocesses 9\n")
+    assert busy_signals.boot_time(tmp_path / "stat") == 1700000000.0
+    assert busy_signals.boot_time(tmp_path / "none") is None
+
+
+def test_gpu_work_after_a_failed_run_is_busy_and_a_hung_marked_run_is_not(tmp_path, gpus, booted):
     quiet = Sources(pts=tmp_path / "no-pts", ssh_port=free_port())
     write_run(tmp_path, "failed", "failed", 40 * MIN, active=False)
     gpus(87)  # someone's own work on the GPU after the run failed
@@ -137,6 +156,10 @@ def test_gpu_work_after_a_failed_run_is_busy_and_a_hung_marked_run_is_not(tmp_pa
     write_run(tmp_path, "hung", "running", 40 * MIN, active=True)
     gpus(100)  # a hung collective of a marked run: the launcher ends it, the GPU load is no reason
     assert reasons(tmp_path, time.time(), quiet) == []
+    # The eighth read: the same marks after a stop and `fab start` (launched 2 h ago, booted 1 h ago): no
+    # launcher or rank of that run is here, and GPU work started by hand is busy, not a hung run.
+    booted(3600)
+    assert reasons(tmp_path, time.time(), quiet) == ["GPU 100% busy"]
 
 
 def test_a_gpu_process_counts_until_30_minutes_after_the_gpu_was_last_busy(tmp_path, gpus):

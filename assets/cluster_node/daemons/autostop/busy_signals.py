@@ -29,6 +29,8 @@ STEP_WINDOW_S = 15 * 60  # a step within this is "advancing" (the launcher ends 
 MARKER_FRESH_S = 5 * 60  # prepare.py refreshes its marker every minute
 START_DEFAULT_S = 900  # the launcher's START_SECONDS when launch.env does not say
 START_GRACE_S = 60  # the launcher polls every 5 s and then needs a moment to write its end
+PROC_STAT = Path("/proc/stat")
+CLOCK_SKEW_S = 60  # EFS's modification times against this node's clock (a boot takes minutes before a launch)
 ACTIVITY_WINDOW_S = 30 * 60  # a terminal or an SSH connection counts for this long after its last activity
 # Bytes from an SSH client between two samples (a minute) that count as use. sshd's keepalive
 # (ClientAliveInterval 10 in sshd_config) brings ~75 bytes a minute from an idle `ssh -N` client (measured:
@@ -73,10 +75,20 @@ def _start_limit(run: Path) -> float:
         return START_DEFAULT_S
 
 
+def boot_time(stat: Path = PROC_STAT) -> Optional[float]:
+    """When this kernel booted (proc(5), /proc/stat `btime`; a container sees its host's), else None."""
+    try:
+        return float(next(line.split()[1] for line in stat.read_text().splitlines() if line.startswith("btime ")))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def launched_run(data_dir: Path, now: float) -> tuple[bool, Optional[str]]:
     """(a run is marked live, why it is busy while it starts). `fab train` writes runs/.active before
     it starts the launcher; the launcher writes run-status.json ("running", later its end), recreates
-    RUN_DIR/ranks at each attempt's start and removes .active when the run is over."""
+    RUN_DIR/ranks at each attempt's start and removes .active when the run is over. An attempt started
+    before this node booted left no rank here (a stop or a Spot interruption ended them; a launcher that
+    lived on ends or restarts it): not live, so this node's GPU work counts."""
     active = rundir.active_file(data_dir)
     try:
         named = active.read_text().strip()
@@ -92,6 +104,9 @@ def launched_run(data_dir: Path, now: float) -> tuple[bool, Optional[str]]:
     if state != rundir.RunState.RUNNING:
         return False, None
     started = max(_mtime(active), _mtime(run / rundir.RANKS))
+    booted = boot_time()
+    if booted is not None and started < booted - CLOCK_SKEW_S:
+        return False, None
     if _mtime(run / rundir.PROGRESS) >= started:
         return True, None  # a step of this attempt: the step signal speaks
     age = now - started
