@@ -160,7 +160,11 @@ def start(c, skip_interrupted=False):
     """Start the cluster's stopped nodes and refresh the inventory.
 
     Start the cluster's stopped nodes (after autostop or --then-stop) and refresh the inventory."""
-    fresh, line = _on_instances(c, "start", lambda inv, ec2: start_cluster(inv, ec2, skip_interrupted))
+    fresh, line = _on_instances(
+        c,
+        "start",
+        lambda inv, ec2: start_cluster(inv, ec2, skip_interrupted, aws_session(inv.region).client("cloudwatch")),
+    )
     fresh.save(inventory_path(c))
     print(line)
 

@@ -140,10 +140,7 @@ def test_docker_starts_only_after_data_and_the_instance_store_are_mounted_on_a_r
     `fab start`, docker (and the container's bind of /opt/dlami/nvme) would otherwise race it."""
     result = sandbox.run()
     assert result.returncode == 0, result.stdout + result.stderr
-    dropin = (
-        "[Unit]\nRequires=gpu-cluster-data.service\nWants=dlami-nvme.service\n"
-        "After=gpu-cluster-data.service dlami-nvme.service\n"
-    )
+    dropin = "[Unit]\nRequires=gpu-cluster-data.service\nAfter=gpu-cluster-data.service dlami-nvme.service\n"
     assert (sandbox.root / DROPIN).read_text() == dropin  # the retrying mount (test_bootstrap_every_boot)
     calls = sandbox.calls()
     # The unit is reloaded after the fstab line exists (systemd generates data.mount from it).

@@ -574,5 +574,7 @@ def test_the_stack_outputs_are_what_the_inventory_reads():
     from cluster_node.protocol.contract import OUTPUT_KEYS, REQUIRED_OUTPUTS
 
     outputs = set(cluster_template().find_outputs("*"))
-    assert outputs == set(OUTPUT_KEYS)
+    assert outputs == set(OUTPUT_KEYS) - {"SpotMaxPrice"}
     assert set(REQUIRED_OUTPUTS) <= outputs
+    spot = cluster_template(instance_type="g5.2xlarge", spot="true", spot_max_price="0.45").find_outputs("*")
+    assert set(spot) == set(OUTPUT_KEYS) and spot["SpotMaxPrice"]["Value"] == "0.45"

@@ -141,8 +141,8 @@ def test_a_region_without_a_vpc_left_fails_preflight_not_the_deploy(aws_env):
 
 def test_a_redeploy_counts_only_what_it_adds_to_the_stacks_network(aws_env):
     """The VPC line follows the stack's own resources, not whether a stack exists: a stack that has its VPC
-    needs no VPC or gateway, but one without its NAT gateway's Elastic IP yet (a change set never run) adds
-    it; a given VPC needs none at all."""
+    adds nothing (a private_subnet change is refused by the deployed-cluster line), one whose change set never
+    ran adds its VPC, gateway and, in a private subnet, the NAT gateway's Elastic IP; a given VPC none."""
     cfn = boto3.client("cloudformation")
     template = {"Resources": {"Vpc": {"Type": "AWS::EC2::VPC", "Properties": {"CidrBlock": "10.9.0.0/16"}}}}
     cfn.create_stack(StackName="GpuCluster-netcheck", TemplateBody=json.dumps(template))
@@ -152,9 +152,12 @@ def test_a_redeploy_counts_only_what_it_adds_to_the_stacks_network(aws_env):
     public = ClusterConfig.from_context({})
     assert preflight._network(clients, public, account, found) is None
     private = ClusterConfig.from_context({"access": "ssm", "private_subnet": "true"})
-    clients["service-quotas"] = _network_quotas(0, 0, eips=None, vpc=False)
-    line = preflight._network(clients, private, account, found)
-    assert line is not None and line.detail.startswith("EC2-VPC Elastic IPs (L-0263D0A3): "), line
+    assert preflight._network(clients, private, account, found) is None
+    clients["service-quotas"] = _network_quotas(100, 100, eips=None)
+    never_ran = redeploy.Deployed("GpuCluster-netcheck", "REVIEW_IN_PROGRESS", {}, None, resource_types=frozenset())
+    line = preflight._network(clients, private, account, never_ran)
+    assert line is not None and line.detail.startswith("VPCs per Region (L-F678F1CE): ")
+    assert "Elastic IPs" in line.detail
     given = ClusterConfig.from_context(
         {"vpc_id": "vpc-0a1b2c3d", "subnet_id": "subnet-0a1b2c3d", "availability_zone": "us-east-1a"}
     )

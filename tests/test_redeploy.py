@@ -65,7 +65,7 @@ def test_a_deploy_without_the_first_ones_cluster_name_is_a_new_cluster_and_says_
 
 
 def test_each_change_a_deploy_would_make_to_the_deployed_cluster_is_named(aws_env):
-    _deploy("redeploy-b", "us-east-1b", 3, Spot="true")
+    _deploy("redeploy-b", "us-east-1b", 3, Spot="true", SpotMaxPrice="on-demand")
     first = {"cluster_name": "redeploy-b", "nodes": "3", "instance_type": "g5.xlarge", "spot": "true"}
     check, zone = _check(ClusterConfig.from_context(first), "GpuCluster-redeploy-b")
     assert zone == "us-east-1b" and "this deploy changes none of its nodes by type" in check.detail, check.detail
@@ -93,6 +93,9 @@ def test_a_spot_clusters_max_price_left_out_replaces_every_node(aws_env):
         ClusterConfig.from_context({**first, "spot": "false", "spot_max_price": None}), "GpuCluster-redeploy-g"
     )
     assert "spot true -> false (replaces every node" in check.detail and "spot_max_price" not in check.detail
+    older = redeploy.Deployed("GpuCluster-g", "UPDATE_COMPLETE", {"Spot": "true"}, None)  # before the output
+    said = redeploy.changes(left_out, older)
+    assert "spot_max_price not known (an older version deployed it): a price other than its first" in said[-1]
 
 
 def test_an_upgrade_of_this_app_or_a_new_ami_is_said_to_replace_every_node(aws_env):
@@ -210,6 +213,10 @@ def test_a_redeploy_whose_subnets_would_overlap_the_deployed_ones_is_refused_at_
         assert "cannot change on a deployed cluster" in refusal and "`fab destroy`" in refusal
 
 
+MOUNT = {"AWS::EFS::MountTarget", "AWS::EC2::Instance"}
+NAT = {"AWS::EC2::VPC", "AWS::EC2::NatGateway", *MOUNT}
+
+
 def test_a_private_subnet_change_is_a_fail_against_the_deployed_stack_and_the_quota_counts_what_is_added(aws_env):
     """Against a moto stack with its own VPC (the public layout): private_subnet=true is refused before any
     deploy, the same keys pass; and the vCPU quota counts the nodes the deploy launches, not the cluster's own
@@ -232,8 +239,21 @@ def test_a_private_subnet_change_is_a_fail_against_the_deployed_stack_and_the_qu
     assert redeploy.nodes_added(ClusterConfig.from_context({**same, "nodes": "3"}), found) == 1
     assert redeploy.nodes_added(ClusterConfig.from_context({**same, "instance_type": "g5.2xlarge"}), found) == 2
     assert redeploy.nodes_added(config, None) == 2
+    boto3.client("ec2").stop_instances(InstanceIds=found.instance_ids[1:])  # an autostopped node counts nowhere
+    after_stop = redeploy.deployed(boto3.client("cloudformation"), boto3.client("ec2"), "GpuCluster-redeploy-f")
+    assert after_stop is not None and redeploy.nodes_added(config, after_stop) == 1
     given = ClusterConfig.from_context(
         {**same, "vpc_id": "vpc-0a1b2c3d", "subnet_id": "subnet-0a1b2c3d", "availability_zone": "us-east-1a"}
     )
+    moved = redeploy.subnet_layout_change(given, found) or ""  # EFS: mount targets "in one VPC at a time"
+    assert moved.startswith("GpuCluster-redeploy-f: its own VPC -> -c vpc_id cannot change on a deployed"), moved
+    in_given = redeploy.Deployed("GpuCluster-x", "UPDATE_COMPLETE", {}, None, resource_types=frozenset(MOUNT))
+    assert "a given VPC -> its own" in (redeploy.subnet_layout_change(config, in_given) or "")
+    assert redeploy.subnet_layout_change(given, in_given) is None
     unknown = redeploy.Deployed("GpuCluster-x", "UPDATE_COMPLETE", {}, None)  # its resources not listed
-    assert redeploy.subnet_layout_change(given, found) is None and unknown.private_subnet is None
+    assert redeploy.subnet_layout_change(config, unknown) is None and unknown.private_subnet is None
+    review = redeploy.Deployed("GpuCluster-x", "REVIEW_IN_PROGRESS", {}, None, resource_types=frozenset())
+    assert redeploy.subnet_layout_change(config, review) is None  # a change set never run holds nothing yet
+    private = redeploy.Deployed("GpuCluster-x", "UPDATE_COMPLETE", {}, None, resource_types=frozenset(NAT))
+    keep = "deploy with -c access=ssm -c private_subnet=true, or"
+    assert keep in (redeploy.subnet_layout_change(config, private) or "")

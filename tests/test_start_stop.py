@@ -86,6 +86,40 @@ def test_start_right_after_an_autostop_waits_for_stopped_first(tmp_path):
     ]
 
 
+def test_start_sends_each_node_a_busy_beat_before_it_starts_them(tmp_path):
+    """The eighth read: a node's idle alarm stops it when it changes to ALARM; a start as its window of missing
+    beats runs out was stopped before the node's own first beat. The beat is the watchdog's (namespace, name,
+    InstanceId, unit: the alarm's metric), sent before StartInstances; the rehearsal holds it to the
+    documented user policy."""
+    ec2, stubber = ec2_stub()
+    cloudwatch = boto3.client("cloudwatch", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    beats = Stubber(cloudwatch)
+    ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2"]
+    metric = {"MetricName": "Busy", "Value": 1.0, "Unit": "Count"}
+    beats.add_response(
+        "put_metric_data",
+        {},
+        {
+            "Namespace": "GpuCluster/Autostop",
+            "MetricData": [{**metric, "Dimensions": [{"Name": "InstanceId", "Value": i}]} for i in ids],
+        },
+    )
+    order: list[str] = []
+    cloudwatch.meta.events.register("before-parameter-build.cloudwatch.PutMetricData", lambda **_: order.append("beat"))
+    ec2.meta.events.register("before-parameter-build.ec2.StartInstances", lambda **_: order.append("start"))
+    stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
+    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
+    stubber.add_response(
+        "describe_instances",
+        described((ids[0], "running", "203.0.113.10"), (ids[1], "running", "203.0.113.11")),
+        {"Filters": ANY},
+    )
+    with stubber, beats:
+        start_and_refresh(inventory(tmp_path, ids), ec2, wait=False, cloudwatch=cloudwatch)
+        beats.assert_no_pending_responses()
+    assert order == ["beat", "start"]
+
+
 def test_a_capacity_failure_stops_what_did_start_and_says_so_in_one_line(tmp_path):
     ec2, stubber = ec2_stub()
     ids = ["i-0aaaaaaaaaaaaaaa1", "i-0aaaaaaaaaaaaaaa2"]

@@ -236,10 +236,11 @@ boot_units() {
     "Wants=network-online.target" "After=network-online.target data.mount" "[Service]" "Type=oneshot" \
     "RemainAfterExit=yes" "TimeoutStartSec=infinity" "ExecStart=/bin/sh -c '$retry'" \
     "[Install]" "WantedBy=multi-user.target")" && changed=1
-  # The DLAMI's dlami-nvme.service makes and mounts the instance store at every boot (a stop erases it): the
-  # container's bind of it must come after (Wants= of a unit an AMI lacks is no error; After= orders nothing).
+  # The DLAMI's dlami-nvme.service (WantedBy=multi-user.target) makes and mounts the instance store at every
+  # boot (a stop erases it): the container's bind of it comes after. After= only: where an AMI lacks the unit,
+  # or disabled it to manage its disks itself, it orders nothing and starts nothing.
   install_unit "$DOCKER_DROPIN" "$(printf '%s\n' "[Unit]" "Requires=gpu-cluster-data.service" \
-    "Wants=dlami-nvme.service" "After=gpu-cluster-data.service dlami-nvme.service")" && changed=1
+    "After=gpu-cluster-data.service dlami-nvme.service")" && changed=1
   install_unit "$UNITS/gpu-cluster-idle-alarm.service" "$(printf '%s\n' "[Unit]" \
     "Description=GPU cluster: this node's idle alarm back to OK at boot" \
     "Wants=network-online.target" "After=network-online.target" "[Service]" "Type=oneshot" \

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from botocore.exceptions import ClientError, WaiterError
 
+from cluster_node.protocol.contract import BUSY_METRIC, BUSY_UNIT, METRIC_NAMESPACE
 from clusterops.inventory import Inventory, InventoryError, describe, refresh_addresses, write_known_hosts
 
 
@@ -34,8 +35,24 @@ def spot_interrupted(described: dict) -> list[str]:
     )
 
 
+def busy_beat(cloudwatch, ids: list[str]) -> None:
+    """One busy heartbeat for each node, as its watchdog sends them. A node's idle alarm acts when it changes
+    to ALARM, which a start does not undo: a node started as its alarm's window of missing beats runs out
+    would be stopped by the alarm's EC2 action before the node's own first beat."""
+    metric = {"MetricName": BUSY_METRIC, "Value": 1.0, "Unit": BUSY_UNIT}
+    cloudwatch.put_metric_data(
+        Namespace=METRIC_NAMESPACE,
+        MetricData=[{**metric, "Dimensions": [{"Name": "InstanceId", "Value": i}]} for i in ids],
+    )
+
+
 def start_and_refresh(
-    inventory: Inventory, ec2, wait: bool = True, delay: float = 5, skip_interrupted: bool = False
+    inventory: Inventory,
+    ec2,
+    wait: bool = True,
+    delay: float = 5,
+    skip_interrupted: bool = False,
+    cloudwatch=None,
 ) -> Inventory:
     """Start the inventory's stopped instances (after those still stopping have stopped: EC2 refuses
     to start them), wait until all run, and return the inventory with their new addresses (a stop
@@ -66,6 +83,8 @@ def start_and_refresh(
         ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
     to_start = [i for i in ids if states[i] in ("stopped", "stopping")]
     if to_start:
+        if cloudwatch is not None:
+            busy_beat(cloudwatch, to_start)
         try:
             _start_instances(ec2, to_start, delay)
         except ClientError as error:
@@ -128,11 +147,11 @@ def stop_nodes(inventory: Inventory, ec2) -> list[str]:
     return up
 
 
-def start_cluster(inventory: Inventory, ec2, skip_interrupted: bool = False) -> tuple[Inventory, str]:
+def start_cluster(inventory: Inventory, ec2, skip_interrupted: bool = False, cloudwatch=None) -> tuple[Inventory, str]:
     """`fab start`: start_and_refresh, and the line saying what runs and which nodes stay down."""
     ids = [n.instance_id for n in inventory.nodes if n.instance_id]
     skipped = spot_interrupted(describe(ec2, ids)) if skip_interrupted and ids else []
-    fresh = start_and_refresh(inventory, ec2, skip_interrupted=skip_interrupted)
+    fresh = start_and_refresh(inventory, ec2, skip_interrupted=skip_interrupted, cloudwatch=cloudwatch)
     down = [f"node{rank}" for rank, node in enumerate(fresh.nodes) if node.instance_id in skipped]
     waiting = f"{', '.join(down)} stay(s) down until EC2 starts them (a Spot interruption): `fab train --exclude "
     return fresh, (

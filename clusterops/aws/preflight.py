@@ -448,7 +448,9 @@ def _network(clients: dict, config: ClusterConfig, account: str, found: Optional
     if made is None:
         return Check(NETWORK, False, "could not list the stack's resources (cloudformation:ListStackResources)")
     try:
-        vpc, elastic_ip = "AWS::EC2::VPC" not in made, config.private_subnet and "AWS::EC2::EIP" not in made
+        # A stack with its own VPC has its Elastic IP, or a private_subnet change the deployed-cluster line refuses.
+        vpc = "AWS::EC2::VPC" not in made
+        elastic_ip = vpc and config.private_subnet
         if not (vpc or elastic_ip):
             return None
         return network_quota(clients["ec2"], clients["service-quotas"], account, vpc, elastic_ip)

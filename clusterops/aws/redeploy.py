@@ -32,6 +32,7 @@ class Deployed:
     zone: Optional[str]  # where its subnet (else its nodes) is; None when neither shows
     images: frozenset[str] = frozenset()  # its nodes' AMIs
     resource_types: Optional[frozenset[str]] = None  # what the stack holds; None when it could not be listed
+    running: frozenset[str] = frozenset()  # its nodes that are pending or running (they count against quotas)
 
     @property
     def instance_ids(self) -> list[str]:
@@ -62,7 +63,9 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
     nodes = _nodes(ec2, found.instance_ids)
     zone = _subnet_zone(ec2, resources or []) or min((n["Placement"]["AvailabilityZone"] for n in nodes), default=None)
     types = None if resources is None else frozenset(r["ResourceType"] for r in resources)
-    return Deployed(stack_name, found.status, outputs, zone, frozenset(n["ImageId"] for n in nodes), types)
+    running = frozenset(n["InstanceId"] for n in nodes if n["State"]["Name"] in ("pending", "running"))
+    images = frozenset(n["ImageId"] for n in nodes)
+    return Deployed(stack_name, found.status, outputs, zone, images, types, running)
 
 
 def stack_resources(cfn, stack_name: str) -> list[dict]:
@@ -139,10 +142,11 @@ def changes(config: ClusterConfig, found: Deployed, image: Optional[str] = None)
 def nodes_added(config: ClusterConfig, found: Optional[Deployed], image: Optional[str] = None) -> int:
     """The nodes this deploy launches: all of them for a new cluster or one whose nodes it replaces
     (CloudFormation creates each replacement before it terminates the old node: both run for a while), else
-    the ranks the deployed cluster lacks (its own nodes already count among what runs)."""
+    the ranks the deployed cluster lacks and those of its kept nodes that are stopped (a stopped node counts
+    nowhere, and `fab start` will start it: only a running one is already counted)."""
     if found is None or any(REPLACES in change for change in changes(config, found, image)):
         return config.nodes
-    return max(0, config.nodes - len(found.instance_ids))
+    return config.nodes - len(set(found.instance_ids[: config.nodes]) & found.running)
 
 
 # Stack states `cdk deploy` cannot update, and what to do (CloudFormation User Guide, stack status codes).
@@ -174,6 +178,11 @@ def _replacing(found: Deployed, image: Optional[str]) -> list[str]:
         said.append(f"node user data {what} ({REPLACES}; and `fab stop-cluster` before the deploy)")
     if image and found.images and image not in found.images:
         said.append(f"AMI {', '.join(sorted(found.images))} -> {image} ({REPLACES})")
+    if found.outputs.get("Spot") == "true" and "SpotMaxPrice" not in found.outputs:
+        said.append(
+            "spot_max_price not known (an older version deployed it): a price other than its first deploy's "
+            "replaces every node"
+        )
     return said
 
 
@@ -183,14 +192,21 @@ def subnet_layout_change(config: ClusterConfig, found: Deployed) -> Optional[str
     the old resource, so the new subnets overlap the old ones (CreateSubnet: "the subnets' CIDR blocks must not
     overlap") and the new mount target meets the old one in its AZ (EFS: "only one mount target per
     Availability Zone"): the deploy fails and rolls back."""
-    if config.vpc_id or found.private_subnet is None or found.private_subnet == config.private_subnet:
+    if found.resource_types is None:
+        return None
+    anew = "`fab fetch` the runs you need, `fab destroy`, then deploy anew (or -c cluster_name=NEW: a second cluster)"
+    own_vpc = "AWS::EC2::VPC" in found.resource_types
+    given_vpc = not own_vpc and "AWS::EFS::MountTarget" in found.resource_types  # none yet: a change set not run
+    if (own_vpc and config.vpc_id) or (given_vpc and not config.vpc_id):  # EFS: mount targets "in one VPC at a time"
+        where = "its own VPC -> -c vpc_id" if own_vpc else "a given VPC -> its own"
+        return f"{found.stack}: {where} cannot change on a deployed cluster (its file system's mount target): {anew}"
+    if found.private_subnet is None or found.private_subnet == config.private_subnet:
         return None
     before, after = str(found.private_subnet).lower(), str(config.private_subnet).lower()
+    keep = "-c access=ssm -c private_subnet=true" if found.private_subnet else "-c private_subnet=false"
     return (
         f"{found.stack}: private_subnet {before} -> {after} cannot change on a deployed cluster (its new subnets "
-        "would overlap the old ones and the deploy rolls back): deploy with "
-        f"-c private_subnet={before}, or `fab fetch` what you need from /data, `fab destroy`, then deploy anew"
-        " (or -c cluster_name=NEW for a second cluster)"
+        f"would overlap the old ones and the deploy rolls back): deploy with {keep}, or {anew}"
     )
 
 

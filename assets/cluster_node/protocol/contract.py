@@ -67,5 +67,6 @@ OUTPUT_KEYS = (
     "EfaCards",
     "Spot",
     "NodeUserData",
+    "SpotMaxPrice",  # Spot stacks only
 )
 REQUIRED_OUTPUTS = ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode", "HostKeyParameterName", "KeyParameterName")
