@@ -118,6 +118,21 @@ def test_start_sends_each_node_a_busy_beat_before_it_starts_them(tmp_path):
         start_and_refresh(inventory(tmp_path, ids), ec2, wait=False, cloudwatch=cloudwatch)
         beats.assert_no_pending_responses()
     assert order == ["beat", "start"]
+    # A policy without the grant (one applied before it): the nodes start all the same, with a warning.
+    beats.add_client_error("put_metric_data", "AccessDenied", "not authorized to perform: cloudwatch:PutMetricData")
+    stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
+    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
+    stubber.add_response(
+        "describe_instances",
+        described((ids[0], "running", "203.0.113.10"), (ids[1], "running", "203.0.113.11")),
+        {"Filters": ANY},
+    )
+    notes: list[str] = []
+    with stubber, beats:
+        start_and_refresh(inventory(tmp_path, ids), ec2, wait=False, cloudwatch=cloudwatch, notes=notes)
+        stubber.assert_no_pending_responses()
+    assert order[2:] == ["beat", "start"] and len(notes) == 1
+    assert notes[0].startswith("warning: no busy heartbeat before the start (") and "AccessDenied" in notes[0]
 
 
 def test_a_capacity_failure_stops_what_did_start_and_says_so_in_one_line(tmp_path):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
-from botocore.exceptions import ClientError, WaiterError
+from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
 from cluster_node.protocol.contract import BUSY_METRIC, BUSY_UNIT, METRIC_NAMESPACE
 from clusterops.inventory import Inventory, InventoryError, describe, refresh_addresses, write_known_hosts
+from clusterops.terminal import aws_error
 
 
 def _aws_ids(inventory: Inventory, what: str) -> list[str]:
@@ -35,15 +37,24 @@ def spot_interrupted(described: dict) -> list[str]:
     )
 
 
-def busy_beat(cloudwatch, ids: list[str]) -> None:
+def busy_beat(cloudwatch, ids: list[str]) -> Optional[str]:
     """One busy heartbeat for each node, as its watchdog sends them. A node's idle alarm acts when it changes
     to ALARM, which a start does not undo: a node started as its alarm's window of missing beats runs out
-    would be stopped by the alarm's EC2 action before the node's own first beat."""
+    would be stopped by the alarm's EC2 action before the node's own first beat (which its boot sends too).
+    Best effort: a policy without the grant starts the nodes anyway; returns the warning, else None."""
     metric = {"MetricName": BUSY_METRIC, "Value": 1.0, "Unit": BUSY_UNIT}
-    cloudwatch.put_metric_data(
-        Namespace=METRIC_NAMESPACE,
-        MetricData=[{**metric, "Dimensions": [{"Name": "InstanceId", "Value": i}]} for i in ids],
-    )
+    try:
+        cloudwatch.put_metric_data(
+            Namespace=METRIC_NAMESPACE,
+            MetricData=[{**metric, "Dimensions": [{"Name": "InstanceId", "Value": i}]} for i in ids],
+        )
+    except (ClientError, BotoCoreError) as error:
+        why = aws_error(error) if isinstance(error, ClientError) else str(error)
+        return (
+            f"warning: no busy heartbeat before the start ({why}): a node whose idle alarm fires in the next "
+            "minutes is stopped again (`fab start` once more); docs/user-policy.json's ABusyBeatBeforeAStart grants it"
+        )
+    return None
 
 
 def start_and_refresh(
@@ -53,6 +64,7 @@ def start_and_refresh(
     delay: float = 5,
     skip_interrupted: bool = False,
     cloudwatch=None,
+    notes: Optional[list[str]] = None,
 ) -> Inventory:
     """Start the inventory's stopped instances (after those still stopping have stopped: EC2 refuses
     to start them), wait until all run, and return the inventory with their new addresses (a stop
@@ -83,8 +95,9 @@ def start_and_refresh(
         ec2.get_waiter("instance_stopped").wait(InstanceIds=stopping, WaiterConfig={"Delay": delay, "MaxAttempts": 120})
     to_start = [i for i in ids if states[i] in ("stopped", "stopping")]
     if to_start:
-        if cloudwatch is not None:
-            busy_beat(cloudwatch, to_start)
+        warning = busy_beat(cloudwatch, to_start) if cloudwatch is not None else None
+        if warning and notes is not None:
+            notes.append(warning)
         try:
             _start_instances(ec2, to_start, delay)
         except ClientError as error:
@@ -151,10 +164,11 @@ def start_cluster(inventory: Inventory, ec2, skip_interrupted: bool = False, clo
     """`fab start`: start_and_refresh, and the line saying what runs and which nodes stay down."""
     ids = [n.instance_id for n in inventory.nodes if n.instance_id]
     skipped = spot_interrupted(describe(ec2, ids)) if skip_interrupted and ids else []
-    fresh = start_and_refresh(inventory, ec2, skip_interrupted=skip_interrupted, cloudwatch=cloudwatch)
+    notes: list[str] = []
+    fresh = start_and_refresh(inventory, ec2, skip_interrupted=skip_interrupted, cloudwatch=cloudwatch, notes=notes)
     down = [f"node{rank}" for rank, node in enumerate(fresh.nodes) if node.instance_id in skipped]
     waiting = f"{', '.join(down)} stay(s) down until EC2 starts them (a Spot interruption): `fab train --exclude "
-    return fresh, (
+    return fresh, "".join(f"{note}\n" for note in notes) + (
         (f"{waiting}{','.join(down)}`; the other " if down else "")
         + f"{len(fresh.nodes) - len(down)} node(s) running; head {fresh.head.public_ip}; run `fab status` once "
         "they are ready (data staged on instance-store NVMe was erased by the stop: stage it again with `fab data`)"
