@@ -86,6 +86,17 @@ def test_start_right_after_an_autostop_waits_for_stopped_first(tmp_path):
     ]
 
 
+def _a_start_of_two_stopped_nodes(stubber, ids: list[str]) -> None:
+    """EC2's answers to start_and_refresh(wait=False) of two stopped nodes: described, started, addressed."""
+    stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
+    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
+    stubber.add_response(
+        "describe_instances",
+        described((ids[0], "running", "203.0.113.10"), (ids[1], "running", "203.0.113.11")),
+        {"Filters": ANY},
+    )
+
+
 def test_start_sends_each_node_a_busy_beat_before_it_starts_them(tmp_path):
     """The eighth read: a node's idle alarm stops it when it changes to ALARM; a start as its window of missing
     beats runs out was stopped before the node's own first beat. The beat is the watchdog's (namespace, name,
@@ -107,26 +118,14 @@ def test_start_sends_each_node_a_busy_beat_before_it_starts_them(tmp_path):
     order: list[str] = []
     cloudwatch.meta.events.register("before-parameter-build.cloudwatch.PutMetricData", lambda **_: order.append("beat"))
     ec2.meta.events.register("before-parameter-build.ec2.StartInstances", lambda **_: order.append("start"))
-    stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
-    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
-    stubber.add_response(
-        "describe_instances",
-        described((ids[0], "running", "203.0.113.10"), (ids[1], "running", "203.0.113.11")),
-        {"Filters": ANY},
-    )
+    _a_start_of_two_stopped_nodes(stubber, ids)
     with stubber, beats:
         start_and_refresh(inventory(tmp_path, ids), ec2, wait=False, cloudwatch=cloudwatch)
         beats.assert_no_pending_responses()
     assert order == ["beat", "start"]
     # A policy without the grant (one applied before it): the nodes start all the same, with a warning.
     beats.add_client_error("put_metric_data", "AccessDenied", "not authorized to perform: cloudwatch:PutMetricData")
-    stubber.add_response("describe_instances", described((ids[0], "stopped"), (ids[1], "stopped")))
-    stubber.add_response("start_instances", {"StartingInstances": []}, {"InstanceIds": ids})
-    stubber.add_response(
-        "describe_instances",
-        described((ids[0], "running", "203.0.113.10"), (ids[1], "running", "203.0.113.11")),
-        {"Filters": ANY},
-    )
+    _a_start_of_two_stopped_nodes(stubber, ids)
     notes: list[str] = []
     with stubber, beats:
         start_and_refresh(inventory(tmp_path, ids), ec2, wait=False, cloudwatch=cloudwatch, notes=notes)
