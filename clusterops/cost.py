@@ -242,6 +242,7 @@ class Estimate:
     epochs: Optional[float] = None
     private_subnet: bool = False
     interface_endpoints: int = 3
+    public_ips: int = 0  # the nodes' public IPv4 addresses (access=ssh), billed while they run
 
     @property
     def network_usd_per_month(self) -> float:
@@ -293,7 +294,19 @@ class Estimate:
                 f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
                 f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)"
             )
-        return lines
+        if self.public_ips:
+            rate = TABLE["public_ipv4_usd_per_hour"]
+            lines.append(
+                f"public IPv4: {self.public_ips} x ${rate}/h = ${self.public_ips * rate:.3f}/hour more while they run"
+            )
+        return lines + [self.guards_line()]
+
+    def guards_line(self) -> str:
+        running, standing = guards_usd_per_month(self.nodes)
+        return (
+            f"cost guards (idle alarms, dashboard, flow-log key, watchdog metrics): ${standing:.2f}/month while the "
+            f"stack exists + ${running:.2f} per node-month running, before CloudWatch's free tier"
+        )
 
 
 def projection(

@@ -285,7 +285,7 @@ def run_dir(connection, inv: Inventory, run: str | None) -> str:
             runs = remote.sh(connection, f"ls -1 {shlex.quote(inv.data_dir + '/runs')} 2>/dev/null || true").split()
             raise fail(remote.RemoteError(f"no run named {run!r} (runs: {', '.join(runs) or 'none'})"))
         return path
-    latest = lifecycle.active_run(connection, inv) or lifecycle.latest_run(connection, inv)
+    latest = lifecycle.latest_run(connection, inv)
     if not latest:
         raise fail(remote.RemoteError("no runs yet: start one with `fab train`"))
     return latest

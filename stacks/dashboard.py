@@ -19,6 +19,9 @@ from cluster_node.protocol.contract import dashboard_name
 # What the watchdog (cluster_node/daemons/autostop/watchdog.py) publishes per node, dimension InstanceId.
 GPU_METRICS = (("GPUUtilization", "GPU utilisation (%)"), ("GPUMemoryUsedPercent", "GPU memory used (%)"))
 PERIOD = Duration.minutes(1)
+# The nodes run without detailed monitoring (stacks/nodes.py): EC2 sends its AWS/EC2 metrics every 5 minutes,
+# so a Sum over a 1-minute period would be 5 minutes of bytes under a per-minute label (EC2 User Guide).
+EC2_PERIOD = Duration.minutes(5)
 
 
 def _graph(title: str, metrics: Sequence[cw.IMetric], unit: str = "") -> cw.GraphWidget:
@@ -53,8 +56,8 @@ class ClusterDashboard(Construct):
             ),
         )
         self.dashboard.add_widgets(
-            _graph("Network in (bytes / min)", self._per_node("AWS/EC2", "NetworkIn", "Sum"), "bytes"),
-            _graph("Network out (bytes / min)", self._per_node("AWS/EC2", "NetworkOut", "Sum"), "bytes"),
+            _graph("Network in (bytes / 5 min)", self._per_node("AWS/EC2", "NetworkIn", "Sum"), "bytes"),
+            _graph("Network out (bytes / 5 min)", self._per_node("AWS/EC2", "NetworkOut", "Sum"), "bytes"),
         )
         self.dashboard.add_widgets(
             _graph(
@@ -75,7 +78,7 @@ class ClusterDashboard(Construct):
                 namespace=namespace,
                 metric_name=metric,
                 statistic=statistic,
-                period=PERIOD,
+                period=EC2_PERIOD if namespace == "AWS/EC2" else PERIOD,
                 dimensions_map={"InstanceId": instance.instance_id},
                 label=f"node{rank}",
             )

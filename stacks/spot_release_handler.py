@@ -29,14 +29,14 @@ def handler(event: dict, context: Any = None, ec2: Optional[Any] = None) -> list
 
 def _reopened(ec2: Any, requests: list[dict], instance_id: str) -> list[str]:
     """The cluster's live requests holding no instance, for the terminated node's rank (the launch template
-    tags both the instance and its request with it)."""
+    tags both the instance and its request with it); another cluster's node of that rank matches none."""
     rank_tag = os.environ["RANK_TAG"]
     try:
         reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
     except Exception:  # noqa: BLE001 - not an instance EC2 still lists: nothing to match
         return []
     tags = {t["Key"]: t["Value"] for r in reservations for i in r["Instances"] for t in i.get("Tags", [])}
-    if rank_tag not in tags:
+    if rank_tag not in tags or tags.get(os.environ["CLUSTER_TAG"]) != os.environ["CLUSTER_NAME"]:
         return []
     return [
         r["SpotInstanceRequestId"]

@@ -100,7 +100,9 @@ def test_audit_finds_every_kind_with_its_monthly_cost(leftovers):
     by_kind = {x.kind: x for x in found}
     assert by_kind["instance"].usd_per_month == pytest.approx(0.8048 * 730)  # g6: in the table now
     assert by_kind["public-ipv4"].usd_per_month == pytest.approx(0.005 * 730)
-    assert by_kind["volume"].usd_per_month == pytest.approx(200 * 0.08)
+    volumes = [x.usd_per_month for x in found if x.kind == "volume"]
+    # the tagged one, and the node's root volume through its attachment (moto does not propagate the tag)
+    assert len(volumes) == 2 and pytest.approx(200 * 0.08) in volumes
     assert leftovers["eni"] in {x.id for x in found if x.kind == "network-interface"}  # untagged, found by its group
     assert [x.retained for x in found if x.kind == "file-system" and x.id == leftovers["kept"]] == [True]
     assets = by_kind["cdk-assets"]
@@ -263,11 +265,18 @@ def test_spot_requests_and_the_untagged_nodes_they_launched_are_found_and_cancel
     ec2 = boto3.client("ec2")
     request = persistent_spot_request("spotleft")
     request_id, orphan = request["SpotInstanceRequestId"], request["InstanceId"]
+    zone = ec2.describe_instances(InstanceIds=[orphan])["Reservations"][0]["Instances"][0]["Placement"]
+    extra = ec2.create_volume(AvailabilityZone=zone["AvailabilityZone"], Size=200, VolumeType="gp3")["VolumeId"]
+    ec2.attach_volume(VolumeId=extra, InstanceId=orphan, Device="/dev/sdf")  # untagged, as the orphan's own
     found = audit.find(clients(), "spotleft")
     assert [(x.kind, x.id) for x in found if x.kind in ("spot-request", "instance")] == [
         ("spot-request", request_id),
         ("instance", orphan),
     ]
+    attached = ec2.describe_volumes(Filters=[{"Name": "attachment.instance-id", "Values": [orphan]}])["Volumes"]
+    volumes = {x.id: x.usd_per_month for x in found if x.kind == "volume"}
+    assert extra in volumes and set(volumes) == {v["VolumeId"] for v in attached}  # billed while it is stopped
+    assert volumes[extra] == pytest.approx(200 * 0.08)
     assert "launches a node whenever its instance is gone" in found[0].detail
     assert audit.delete(clients(), found, log=lambda m: None, pace=audit.Pace(delay=0)) == []
     left = ec2.describe_spot_instance_requests(SpotInstanceRequestIds=[request_id])["SpotInstanceRequests"]

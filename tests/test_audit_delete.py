@@ -153,9 +153,9 @@ def test_a_volume_ec2_is_already_deleting_counts_as_gone():
 # ---------------------------------------------------------------- issue 28 §8: a stack in DELETE_FAILED
 
 
-def _failed_stack_cloudformation(cluster: str, then: str = "DELETE_COMPLETE"):
-    """CloudFormation after a `cdk destroy` that failed (moto never fails a delete): the stack in DELETE_FAILED,
-    then, asked to delete again, `then`."""
+def _failed_stack_cloudformation(cluster: str, then: str = "DELETE_COMPLETE", vpc: str = "vpc-0gone"):
+    """CloudFormation after a `cdk destroy` that failed (moto never fails a delete): the stack in DELETE_FAILED
+    with its VPC left (`vpc`), then, asked to delete again, `then`."""
     from datetime import datetime, timezone
 
     cfn = boto3.client("cloudformation", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
@@ -168,8 +168,16 @@ def _failed_stack_cloudformation(cluster: str, then: str = "DELETE_COMPLETE"):
         "StackStatusReason": "The following resource(s) failed to delete: [Data]. ",
         "Tags": [{"Key": "gpu-cluster:name", "Value": cluster}],
     }
-    for _ in range(2):  # the refusal's check, then the audit's
-        stubber.add_response("describe_stacks", {"Stacks": [stack]})
+    stubber.add_response("describe_stacks", {"Stacks": [stack]})  # the refusal's check
+    stubber.add_response("describe_stacks", {"Stacks": [stack]})  # the audit's
+    left = {
+        "LogicalResourceId": "Vpc",
+        "PhysicalResourceId": vpc,
+        "ResourceType": "AWS::EC2::VPC",
+        "LastUpdatedTimestamp": datetime(2026, 11, 1, tzinfo=timezone.utc),
+        "ResourceStatus": "DELETE_FAILED",
+    }
+    stubber.add_response("list_stack_resources", {"StackResourceSummaries": [left]}, {"StackName": stack["StackName"]})
     stubber.add_response("delete_stack", {}, {"StackName": stack["StackName"]})
     stubber.add_response("describe_stacks", {"Stacks": [{**stack, "StackStatus": then}]})  # the waiter
     return cfn, stubber
@@ -206,3 +214,33 @@ def test_a_stack_that_fails_its_delete_again_is_reported():
     with stubber:
         failed = audit.delete({"cloudformation": cfn}, [stack], log=lines.append, pace=audit.Pace(delay=0))
     assert failed == [stack] and lines[0].startswith("could not delete stack GpuCluster-x: Waiter StackDeleteComplete")
+
+
+def test_a_failed_stack_names_the_endpoints_in_its_vpc_that_it_did_not_make(aws_env):
+    """GuardDuty Runtime Monitoring's automated agent puts a guardduty-data endpoint in the nodes' VPC and
+    "doesn't delete the VPC endpoint" (GuardDuty User Guide): the stack's VPC cannot go, and a delete fails again."""
+    cluster = f"gdfail{uuid.uuid4().hex[:6]}"
+    ec2 = boto3.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.42.0.0/16")["Vpc"]["VpcId"]
+    guardduty = ec2.create_vpc_endpoint(
+        VpcId=vpc,
+        ServiceName="com.amazonaws.us-east-1.guardduty-data",
+        VpcEndpointType="Interface",
+        TagSpecifications=[{"ResourceType": "vpc-endpoint", "Tags": [{"Key": "GuardDutyManaged", "Value": "true"}]}],
+    )["VpcEndpoint"]["VpcEndpointId"]
+    ours = ec2.create_vpc_endpoint(
+        VpcId=vpc,
+        ServiceName="com.amazonaws.us-east-1.ssm",
+        VpcEndpointType="Interface",
+        TagSpecifications=tagged(cluster, "vpc-endpoint"),
+    )["VpcEndpoint"]["VpcEndpointId"]
+    cfn, stubber = _failed_stack_cloudformation(cluster, vpc=vpc)
+    with stubber:
+        audit.refuse_live_stack(cfn, cluster)
+        [stack] = [x for x in audit.find({**clients(), "cloudformation": cfn}, cluster) if x.kind == "stack"]
+    assert f"its VPC {vpc} holds endpoints it did not make: {guardduty} (com.amazonaws.us-east-1.guardduty-data)" in (
+        stack.detail
+    )
+    assert (
+        ours not in stack.detail and "`aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID` each first" in stack.detail
+    )

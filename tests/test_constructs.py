@@ -480,6 +480,24 @@ def test_the_dashboard_shows_every_node_and_the_file_system_and_its_url_is_an_ou
     assert "#dashboards:name=gpu-cluster" in url
 
 
+def test_the_dashboards_ec2_metrics_are_graphed_at_the_5_minutes_ec2_sends_them_at(cluster):
+    """Without detailed monitoring (the nodes' launch templates), EC2 sends AWS/EC2 metrics every 5 minutes:
+    "If you are using basic (5-minute) monitoring and the statistic is Sum, you can divide this number by 300"
+    (EC2 User Guide, instance metrics). A shorter period would show 5 minutes of bytes as one minute's."""
+    _, template = cluster
+    [dashboard] = template.find_resources("AWS::CloudWatch::Dashboard").values()
+    parts = dashboard["Properties"]["DashboardBody"]["Fn::Join"][1]
+    body = json.loads("".join(part if isinstance(part, str) else "token" for part in parts))
+    periods = {}
+    for widget in body["widgets"]:
+        for metric in widget["properties"]["metrics"]:
+            # CDK leaves out the dashboard's default period, 300 (Dashboard Body Structure, metric widget)
+            periods.setdefault(metric[0], set()).add(metric[-1].get("period", 300))
+    assert periods["AWS/EC2"] == {300} and periods["AWS/EFS"] == {60}, periods
+    assert not any(data.get("Monitoring", {}).get("Enabled") for data in launch_templates(template))
+    assert all("/ min)" not in widget["properties"]["title"] for widget in body["widgets"])
+
+
 # ---------------------------------------------------------------- access=ssm
 
 

@@ -5,10 +5,15 @@ import contextlib
 import http.server
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -180,8 +185,41 @@ def test_imagenet_layout_is_checked_and_staged_resumably(tmp_path, capsys):
     (target / "train" / "n01440764" / "n01440764_0.JPEG").write_bytes(b"half")  # an interrupted copy
     assert imagenet.stage(source, target) == (1, 11)
     assert imagenet.scan(target)["val"]["images"] == 6
-    prepare.main(["imagenet", "--source", str(source), "--stage-to", str(tmp_path / "again")])
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as disk:  # a file system of its own, as a node's NVMe
+        assert os.stat(disk).st_dev != os.stat("/").st_dev
+        prepare.main(["imagenet", "--source", str(source), "--stage-to", f"{disk}/imagenet"])
+        assert imagenet.scan(Path(disk) / "imagenet")["train"]["images"] == 6
     assert "2 classes, 6 train and 6 val images" in capsys.readouterr().out
+
+
+def test_staging_onto_the_root_file_system_is_refused_before_anything_is_copied(tmp_path, capsys):
+    """A type without an instance store has no disk at /opt/dlami/nvme: the copy would fill the root volume."""
+    source = _imagenet(tmp_path / "imagenet")
+    target = Path("/gpu-cluster-no-disk-here/imagenet")  # under / itself: the root file system
+    with pytest.raises(SystemExit) as refused:
+        prepare.main(["imagenet", "--source", str(source), "--stage-to", str(target)])
+    assert str(refused.value).startswith(f"error: --stage-to {target} is on the root file system (no disk")
+    assert "\n" not in str(refused.value) and not target.parent.exists() and capsys.readouterr().out == ""
+
+
+def test_staging_copies_a_directorys_files_several_at_a_time(tmp_path, monkeypatch):
+    """EFS answers each file's open and read over the network: one at a time, a node waits out 1.28M of them."""
+    source, busy, most, lock = _imagenet(tmp_path / "imagenet"), [0], [0], threading.Lock()
+    copy = shutil.copyfile
+
+    def slow_copy(src, dst):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        time.sleep(0.2)
+        with lock:
+            busy[0] -= 1
+        return copy(src, dst)
+
+    monkeypatch.setattr(imagenet.shutil, "copyfile", slow_copy)
+    assert imagenet.stage(source, tmp_path / "nvme") == (12, 0)
+    assert most[0] == 3  # each class folder's three images at once
+    assert imagenet.stage(source, tmp_path / "nvme") == (0, 12)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import time
 
 import boto3
 import pytest
+from botocore.stub import Stubber
 from conftest import REPO, run_fab
 from one_sshd import free_port, needs_root_and_sshd, serve
 
@@ -140,3 +141,16 @@ def test_an_older_images_node_program_is_a_fab_sync_not_a_stopped_cluster():
 
     why = destroy.refusal(_inventory_of(None, 22, None), older, kept=False) or ""
     assert why.startswith("the nodes could not say what /data holds (") and "`fab sync`, then `fab destroy`" in why
+
+
+def test_a_missing_cdk_cli_leaves_a_spot_clusters_requests_open_and_its_nodes_running(aws_env):
+    """A cancelled request never stops its instance again (EC2 User Guide, *Cancel a Spot Instance request*):
+    the CLI is checked before the Spot step stops the nodes and cancels their requests."""
+    _stack("GpuCluster-doomed")
+    ec2 = boto3.client("ec2")
+    stubber = Stubber(ec2)  # nothing queued: any EC2 call fails the test
+    inventory = dataclasses.replace(_inventory_of(None, 22, None), spot=True)
+    clients = {"cloudformation": boto3.client("cloudformation"), "efs": boto3.client("efs"), "ec2": ec2}
+    with stubber, pytest.raises(destroy.DestroyError, match="no pinned CDK CLI"):
+        destroy.destroy(inventory, clients, lambda: AtRisk(None, ()), REPO / "tests", yes=True)
+    stubber.assert_no_pending_responses()

@@ -2,6 +2,9 @@
 
 import json
 import shlex
+import threading
+import time
+import types
 
 import pytest
 
@@ -414,4 +417,48 @@ def test_a_synced_root_comes_first_and_the_images_is_still_found():
     assert nodecmd.python_path(inv, "/data/code/train") == "/data/code:/workspace"
     assert nodecmd.node_command(inv, "probe", code_dir="/data/code/train").startswith(
         "PYTHONPATH=/data/code:/workspace "
+    )
+
+
+class _SlowNodes:
+    """A connection pool whose nodes each take 0.3 s to run prepare.py, printing two lines (node2's fails)."""
+
+    def __init__(self):
+        self.busy = self.most = 0
+        self.lock = threading.Lock()
+
+    def get(self, node):
+        pool = self
+
+        class Connection:
+            host = node.name
+
+            def run(self, command, hide=False, warn=False, in_stream=None, timeout=None, **streams):
+                if hide:  # code_dir_on's probe: no synced copy
+                    return types.SimpleNamespace(exited=0, stdout="", stderr="")
+                with pool.lock:
+                    pool.busy += 1
+                    pool.most = max(pool.most, pool.busy)
+                time.sleep(0.3)
+                with pool.lock:
+                    pool.busy -= 1
+                streams["out_stream"].write(f"staged into /opt/dlami/nvme\nimages: {node.rank}")
+                return types.SimpleNamespace(exited=2 if node.rank == 2 else 0)
+
+        return Connection()
+
+    def close(self):
+        pass
+
+
+def test_data_on_every_node_runs_on_all_nodes_at_once_and_names_where_it_failed():
+    """fab data --all-nodes (imagenet --stage-to): every node bills while it stages, so they stage at once."""
+    pool, said = _SlowNodes(), []
+    with pytest.raises(remote.RemoteError) as failed:
+        dataprep.prepare(inventory(), "imagenet", ["--stage-to", "/nvme"], True, said.append, connections=pool)
+    assert pool.most == 3
+    assert str(failed.value) == "prepare.py imagenet failed on node2 (exit 2)"
+    assert said[0].startswith("data: preparing imagenet on node0, node1, node2 at once (")
+    assert sorted(said[1:]) == sorted(
+        f"node{r}: {line}" for r in range(3) for line in ("staged into /opt/dlami/nvme", f"images: {r}")
     )

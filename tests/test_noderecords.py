@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from cluster_node.protocol.rundir import Progress, Restart, RunStatus, Segment, 
 from cluster_node.protocol.spec import RunSpec
 from cluster_node.supervisor.budget import Spend
 from clusterops.nodes import records as noderecords
-from clusterops.run import launch, resume
+from clusterops.run import launch, lifecycle, resume
 
 RESTART = {
     "time": "2026-01-01T00:00:05Z",
@@ -110,3 +111,22 @@ def test_a_resume_reads_the_saved_limits_as_a_run_spec_and_an_older_spec_as_none
     older = resume.saved(LocalShell(), inv, "tiny")
     assert older is not None and older.spec is None and older.config == config
     assert resume.resumed(launch.TrainRequest(run="tiny"), set(), older, inv).max_restarts == 0  # this launch's
+
+
+def test_the_latest_run_is_the_one_launched_last_not_the_one_fetched_or_reported_last(tmp_path):
+    """fab logs/report/fetch without --run: the run launched last (its spec.json), though fab fetch's marker,
+    fab report's files or a STOP in an older run make that run's directory the newest."""
+    inv = here(dataclasses.replace(inventory(), data_dir=str(tmp_path)))
+    conn = LocalShell()
+    assert lifecycle.latest_run(conn, inv) is None
+    older, newer = (tmp_path / rundir.RUNS / name for name in ("older", "newer"))
+    for run, at in ((older, 1_000), (newer, 2_000)):
+        run.mkdir(parents=True)
+        (run / rundir.SPEC).write_text("{}")
+        os.utime(run / rundir.SPEC, (at, at))
+    (older / rundir.FETCHED).touch()  # the older directory is now the newest
+    (tmp_path / rundir.RUNS / "unlaunched").mkdir()  # no spec.json (an older launcher's run): its directory's time
+    os.utime(tmp_path / rundir.RUNS / "unlaunched", (1_500, 1_500))
+    assert lifecycle.latest_run(conn, inv) == str(newer)
+    os.utime(older / rundir.SPEC)  # launched again (a resume writes its spec)
+    assert lifecycle.latest_run(conn, inv) == str(older)

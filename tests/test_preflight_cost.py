@@ -1,6 +1,7 @@
 """Preflight and cost: EC2, STS and SSM from a moto server; Service Quotas, Pricing and CloudWatch
 statistics (which moto lacks or fakes) through botocore's Stubber with real response shapes."""
 
+import dataclasses
 import json
 import subprocess
 from datetime import datetime, timedelta, timezone
@@ -16,6 +17,7 @@ from cluster_node.protocol.rundir import Progress
 from clusterops import cost
 from clusterops.aws import preflight, quotas
 from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.run import meter
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
 
@@ -441,3 +443,36 @@ def test_fab_cost_on_the_emulated_cluster_says_it_costs_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "the emulated cluster 'local' costs nothing" in result.stdout
     assert "no run going" not in result.stdout  # it did not try to project a CPU run as GPU dollars
+
+
+def test_fab_cost_prices_the_deployed_clusters_nat_gateway_volumes_and_addresses_not_cdk_jsons(aws_env):
+    """Deployed with `-c access=ssm -c private_subnet=true -c root_volume_gb=1000`: context is not kept between
+    deploys (CDK Developer Guide, *Context values*), so cdk.json says neither; fab cost reads the stack's NAT
+    gateway and the nodes' own volumes and addresses."""
+    network = {
+        "Vpc": {"Type": "AWS::EC2::VPC", "Properties": {"CidrBlock": "10.42.0.0/16"}},
+        "Subnet": {"Type": "AWS::EC2::Subnet", "Properties": {"VpcId": {"Ref": "Vpc"}, "CidrBlock": "10.42.0.0/24"}},
+        "Ip": {"Type": "AWS::EC2::EIP", "Properties": {"Domain": "vpc"}},
+        "Nat": {
+            "Type": "AWS::EC2::NatGateway",
+            "Properties": {"AllocationId": {"Fn::GetAtt": ["Ip", "AllocationId"]}, "SubnetId": {"Ref": "Subnet"}},
+        },
+    }
+    boto3.client("cloudformation").create_stack(
+        StackName="GpuCluster-priv", TemplateBody=json.dumps({"Resources": network})
+    )
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    disk = [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 1000}}]
+    launched = ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2, BlockDeviceMappings=disk)["Instances"]
+    nodes = [Node(r, f"node{r}", None, f"10.42.0.{5 + r}", i["InstanceId"]) for r, i in enumerate(launched)]
+    inv = dataclasses.replace(aws_inventory("priv", []), nodes=nodes, stack_name="GpuCluster-priv")
+    planned = ClusterConfig.from_context({**json.loads((REPO / "cdk.json").read_text())["context"], "nodes": "2"})
+    assert meter.planned_layout(planned) == {"root_gb": 200, "private_subnet": False, "public_ips": 2}
+    layout = meter.deployed_layout(boto3.session.Session(), inv, planned)
+    assert layout == {"root_gb": 1000, "private_subnet": True, "public_ips": 0}
+    lines = cost.Estimate(2, cost.Price(0.752, "x"), efs_gb=1.0, **layout).lines()
+    assert "EBS root volumes: 2 x 1000 GB gp3 = $160.00/month" in lines[1] and "NAT gateway" in lines[3]
+    public = cost.Estimate(2, cost.Price(0.752, "x"), efs_gb=1.0, **meter.planned_layout(planned)).lines()
+    assert "public IPv4: 2 x $0.005/h = $0.010/hour more while they run" in public
+    assert public[-1].startswith("cost guards (idle alarms, dashboard, flow-log key, watchdog metrics): $")

@@ -64,7 +64,8 @@ class ReopenedRequests:
             {"SpotInstanceRequestId": "sir-1", "State": "open", "Tags": rank},
             {"SpotInstanceRequestId": "sir-2", "State": "open", "Tags": [rank[0], {**rank[1], "Value": "2"}]},
         ]
-        self.instances = {"i-1": rank}
+        # i-9: node1 of another cluster (its rule's event reaches this cluster's function too)
+        self.instances = {"i-1": rank, "i-9": [{**rank[0], "Value": "other"}, rank[1]]}
 
     def describe_spot_instance_requests(self, Filters):
         return {"SpotInstanceRequests": self.requests}
@@ -85,6 +86,8 @@ def test_a_request_ec2_reopened_before_the_event_is_found_by_the_nodes_rank(monk
         monkeypatch.setenv(name, value)
     ec2 = ReopenedRequests()
     assert spot_release_handler.handler(_event("i-1", "terminated"), ec2=ec2) == ["sir-1"]
+    assert ec2.cancelled == ["sir-1"]
+    assert spot_release_handler.handler(_event("i-9", "terminated"), ec2=ec2) == []
     assert ec2.cancelled == ["sir-1"]
 
 

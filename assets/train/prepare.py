@@ -204,6 +204,8 @@ def prepare_imagenet(args: argparse.Namespace) -> None:
     from train import imagenet
 
     source = Path(args.source)
+    if args.stage_to and (refused := imagenet.root_volume_error(Path(args.stage_to))):
+        sys.exit(f"error: {refused}")
     try:
         found = imagenet.scan(source)
     except imagenet.LayoutError as error:

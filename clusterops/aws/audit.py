@@ -79,6 +79,19 @@ def spot_requests(ec2, cluster: str, known: set[str]) -> list[Leftover]:
     return found
 
 
+def _volumes(ec2, cluster: str, instance_ids: list[str]) -> list[Leftover]:
+    """By tag, and by the instances they are attached to: a node a reopened Spot request launched is not
+    tagged, nor its root volume, which bills while the node is stopped (priced at $0: its volume is this row)."""
+    filters = [_tag_filter(cluster)] + (
+        [[{"Name": "attachment.instance-id", "Values": instance_ids}]] * bool(instance_ids)
+    )
+    volumes = {v["VolumeId"]: v for f in filters for v in ec2.describe_volumes(Filters=f)["Volumes"]}
+    return [
+        Leftover("volume", vid, f"{v['Size']} GB {v['State']}", v["Size"] * TABLE["gp3_usd_per_gb_month"])
+        for vid, v in sorted(volumes.items())
+    ]
+
+
 def _network_interfaces(ec2, cluster: str, instance_ids: list[str]) -> list[Leftover]:
     """ENIs carry no tags: found by the instances they are attached to and by the cluster's
     security groups (the EFS mount targets' too), and by tag for any created by hand."""
@@ -218,19 +231,53 @@ def live_stacks(cloudformation, cluster: str) -> list[tuple[str, str]]:
     return [(s["StackName"], s["StackStatus"]) for s in stacks if s["StackStatus"] != DELETE_FAILED]
 
 
-def failed_stacks(cloudformation, cluster: str) -> list[Leftover]:
-    """The cluster's stacks in DELETE_FAILED: deleted again (teardown) once what they left is gone."""
+def failed_stacks(cloudformation, cluster: str, ec2=None) -> list[Leftover]:
+    """The cluster's stacks in DELETE_FAILED: deleted again (teardown) once what they left is gone; with `ec2`,
+    each names what in its VPC it never made (foreign_endpoints)."""
     return [
         Leftover(
             "stack",
             s["StackName"],
             f"{DELETE_FAILED} ({s.get('StackStatusReason') or 'no reason given'}): what it could not delete bills "
-            "on, listed here; --delete deletes it, then the stack",
+            f"on, listed here{foreign_endpoints(cloudformation, ec2, s['StackName'], cluster) if ec2 else ''}; "
+            "--delete deletes it, then the stack",
             0.0,
         )
         for s in _cluster_stacks(cloudformation, cluster)
         if s["StackStatus"] == DELETE_FAILED
     ]
+
+
+def foreign_endpoints(cloudformation, ec2, stack: str, cluster: str) -> str:
+    """ ", and its VPC holds endpoints it did not make: ..." when the stack's own VPC holds endpoints not the
+    cluster's, which keep the VPC from being deleted: GuardDuty Runtime Monitoring's automated agent makes a
+    guardduty-data endpoint in every VPC with instances and "doesn't delete the VPC endpoint" (GuardDuty User
+    Guide). Not deleted here: they are not the cluster's."""
+    from clusterops.aws.redeploy import stack_resources
+
+    try:
+        resources = stack_resources(cloudformation, stack)
+    except ClientError:
+        return ""
+    vpcs = [
+        r["PhysicalResourceId"]
+        for r in resources
+        if r["ResourceType"] == "AWS::EC2::VPC" and r.get("PhysicalResourceId")
+    ]
+    if not vpcs:
+        return ""
+    endpoints = ec2.describe_vpc_endpoints(Filters=[{"Name": "vpc-id", "Values": vpcs}])["VpcEndpoints"]
+    others = [
+        f"{e['VpcEndpointId']} ({e['ServiceName']})"
+        for e in endpoints
+        if _tags(e.get("Tags")).get(CLUSTER_TAG) != cluster and e["State"].lower() not in ("deleting", "deleted")
+    ]
+    if not others:
+        return ""
+    return (
+        f", and its VPC {', '.join(vpcs)} holds endpoints it did not make: {', '.join(others)} (GuardDuty's "
+        "leaves its guardduty-data one): `aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID` each first"
+    )
 
 
 def cdk_assets(sts, s3, region: str) -> list[Leftover]:
@@ -255,10 +302,7 @@ def find(clients: dict, cluster: str) -> list[Leftover]:
     ec2 = clients["ec2"]
     found = _instances(ec2, _tag_filter(cluster))
     found += spot_requests(ec2, cluster, {x.id for x in found if x.kind == "instance"})
-    found += [
-        Leftover("volume", v["VolumeId"], f"{v['Size']} GB {v['State']}", v["Size"] * TABLE["gp3_usd_per_gb_month"])
-        for v in ec2.describe_volumes(Filters=_tag_filter(cluster))["Volumes"]
-    ]
+    found += _volumes(ec2, cluster, [x.id for x in found if x.kind == "instance"])
     found += _file_systems(clients["efs"], cluster)
     found += _network_interfaces(ec2, cluster, [x.id for x in found if x.kind == "instance"])
     found += [
@@ -275,7 +319,7 @@ def find(clients: dict, cluster: str) -> list[Leftover]:
     if "kms" in clients:
         found += _kms_keys(clients["kms"], cluster)
     if "cloudformation" in clients:
-        found += failed_stacks(clients["cloudformation"], cluster)
+        found += failed_stacks(clients["cloudformation"], cluster, ec2)
     if "sts" in clients and "s3" in clients:
         found += cdk_assets(clients["sts"], clients["s3"], ec2.meta.region_name)
     return found

@@ -53,10 +53,10 @@ def destroy(
         why = refusal(inventory, read, retained(clients["efs"], inventory.file_system_id))
         if why:
             raise DestroyError(why)
+    argv = command(inventory, project)  # before the Spot step: a missing CLI must leave the requests open
     if inventory.spot:
         say(f"stopped {', '.join(stop_nodes(inventory, clients['ec2'])) or 'no node (none running)'}")
         say(release_spot(clients["ec2"], inventory.cluster))
-    argv = command(inventory, project)
     say("$ " + " ".join(argv))
     env = {**os.environ, **({"AWS_REGION": inventory.region} if inventory.region else {})}
     failed = subprocess.run(argv, env=env, cwd=project).returncode != 0

@@ -138,6 +138,12 @@ def overview(connection: Connection, inventory: Inventory) -> Optional[RunFiles]
     return decode(found) if found.get("run") else None
 
 
+def current_run(connection: Connection, inventory: Inventory) -> Optional[str]:
+    """The active (else last launched) run's directory; None without a run."""
+    command = nodecmd.node_command(inventory, "programs.runs", "current", "--data", inventory.data_dir)
+    return _answer(remote.sh(connection, command), "the current run").get("run")
+
+
 @dataclass(frozen=True)
 class AtRisk:
     """What deleting /data would lose (cluster_node.programs.runs at-risk): the run going, the runs not fetched."""

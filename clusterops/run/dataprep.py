@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import shlex
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
+
+from fabric import Connection
 
 from cluster_node.protocol import clusterdir
-from clusterops.inventory import Inventory
+from clusterops.inventory import Inventory, Node
 from clusterops.nodes import remote
 from clusterops.run import launch, lifecycle
 from train.catalog import DATASETS
@@ -19,17 +21,55 @@ def prepare(
     extra_args: Sequence[str] = (),
     all_nodes: bool = False,
     progress: Callable[[str], None] = print,
+    connections: Optional[remote.Connections] = None,
 ) -> None:
-    """train.prepare on the head node (or every node), its output on this terminal; one line when it fails."""
-    with remote.connect(inv, inv.head) as conn:
-        code_dir = lifecycle.code_dir_on(conn, inv)
-    argv = prepare_argv(inv, dataset, code_dir, extra_args)
-    for node in inv.nodes if all_nodes else [inv.head]:
-        progress(f"data: preparing {dataset} on {node.name} (prepare.py; a data set already there is reused) ...")
-        with remote.connect(inv, node) as conn:
-            result = conn.run(shlex.join(argv), in_stream=False, warn=True)
-        if result.exited != 0:
-            raise remote.RemoteError(f"prepare.py {dataset} failed on {node.name} (exit {result.exited})")
+    """train.prepare on the head node, or on every node at once (imagenet --stage-to: each its own copy, while
+    every node bills), its output on this terminal; one line naming the nodes where it failed."""
+    pool = connections or remote.Connections(inv)
+    nodes = list(inv.nodes) if all_nodes else [inv.head]
+    try:
+        argv = prepare_argv(inv, dataset, lifecycle.code_dir_on(pool.get(inv.head), inv), extra_args)
+        at_once = " at once" if len(nodes) > 1 else ""
+        where = ", ".join(node.name for node in nodes)
+        progress(f"data: preparing {dataset} on {where}{at_once} (prepare.py; a data set already there is reused) ...")
+        rows = remote.on_all(inv, nodes, lambda conn, node: _run(conn, node, argv, progress, len(nodes) > 1), pool)
+    finally:
+        if connections is None:
+            pool.close()
+    failed = [f"{row['node']} ({row.get('error') or 'exit %d' % row['exited']})" for row in rows if _failed(row)]
+    if failed:
+        raise remote.RemoteError(f"prepare.py {dataset} failed on {', '.join(failed)}")
+
+
+def _run(conn: Connection, node: Node, argv: Sequence[str], say: Callable[[str], None], prefixed: bool) -> dict:
+    """prepare.py on one node, its output here as it comes (each line led by the node's name when several run)."""
+    streams = {"out_stream": _Lines(node.name, say), "err_stream": _Lines(node.name, say)} if prefixed else {}
+    result = conn.run(shlex.join(argv), in_stream=False, warn=True, **streams)
+    for stream in streams.values():
+        stream.flush()
+    return {"exited": result.exited}
+
+
+def _failed(row: dict) -> bool:
+    return not row["reachable"] or row["exited"] != 0
+
+
+class _Lines:
+    """A writable stream that hands on whole lines, each led by `name: ` (several nodes' output interleaved)."""
+
+    def __init__(self, name: str, say: Callable[[str], None]):
+        self.name, self.say, self.partial = name, say, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.say(f"{self.name}: {line}")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.partial:
+            self.say(f"{self.name}: {self.partial}")
+            self.partial = ""
 
 
 def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:

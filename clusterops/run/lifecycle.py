@@ -60,10 +60,9 @@ STATE_FILES = (rundir.RUN_STATUS, rundir.PROGRESS, rundir.SUMMARY, rundir.RESTAR
 
 
 def latest_run(connection: Connection, inventory: Inventory) -> Optional[str]:
-    out = remote.sh(
-        connection, f"ls -1dt {q(inventory.data_dir)}/{rundir.RUNS}/*/ 2>/dev/null | head -n 1 || true"
-    ).strip()
-    return out.rstrip("/") or None
+    """The active run's directory, else the run launched last (by its spec, not by its directory's time,
+    which fab fetch and fab report move); None without a run."""
+    return noderecords.current_run(connection, inventory)
 
 
 def run_overview(connection: Connection, inventory: Inventory) -> Optional[tuple[str, noderecords.RunFiles]]:

@@ -115,9 +115,8 @@ def cost_report(
     if on_aws and on_aws.file_system_id:
         fs = session.client("efs").describe_file_systems(FileSystemId=on_aws.file_system_id)["FileSystems"][0]
         efs_gb = fs["SizeInBytes"]["Value"] / 1e9
-    estimate = costs.Estimate(
-        config.nodes, price, config.root_volume_gb, efs_gb, size, passes, private_subnet=config.private_subnet
-    )
+    layout = deployed_layout(session, on_aws, config) if on_aws else planned_layout(config)
+    estimate = costs.Estimate(config.nodes, price, efs_gb=efs_gb, dataset_gb=size, epochs=passes, **layout)
     say("\n".join(estimate.lines()))
     if on_aws:
         _spent(session, on_aws, price, say)
@@ -135,6 +134,31 @@ def cost_report(
                 lifecycle.run_state(conn, inv, run).progress, estimate.usd_per_hour, efs_io_rate(inv, session)
             )
         say(line or "no run going")
+
+
+def planned_layout(config) -> dict:
+    """What a deploy of `config` would bill beside its nodes: its root volumes, subnet layout, public addresses."""
+    public = config.access == "ssh" and not config.private_subnet
+    return dict(root_gb=config.root_volume_gb, private_subnet=config.private_subnet, public_ips=config.nodes * public)
+
+
+def deployed_layout(session, inv: Inventory, config) -> dict:
+    """planned_layout as the deployed cluster has it: cdk.json need not hold the `-c` values it was deployed with
+    (context is not kept between deploys). Its own VPC's NAT gateway (the stack's resources), its nodes' EBS
+    volumes and public addresses; what cannot be read comes from `config`."""
+    from clusterops.aws import destroy, redeploy
+
+    ec2 = session.client("ec2")
+    found = redeploy.deployed(session.client("cloudformation"), ec2, destroy.stack_of(inv))
+    types = found.resource_types if found else None
+    ids = [node.instance_id for node in inv.nodes if node.instance_id]
+    attached = [{"Name": "attachment.instance-id", "Values": ids}]
+    volumes = ec2.describe_volumes(Filters=attached)["Volumes"] if ids else []
+    return dict(
+        root_gb=round(sum(v["Size"] for v in volumes) / len(ids)) if volumes else config.root_volume_gb,
+        private_subnet=config.private_subnet if types is None else "AWS::EC2::NatGateway" in types,
+        public_ips=sum(1 for node in inv.nodes if node.public_ip),
+    )
 
 
 def _spent(session, inv: Inventory, price: costs.Price, say: Say = print) -> None:

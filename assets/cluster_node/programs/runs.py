@@ -1,5 +1,6 @@
 """The runs on /data for the laptop, one round trip each, JSON on stdout:
 python -m cluster_node.programs.runs overview --data /data   the active (else latest) run and its state files
+python -m cluster_node.programs.runs current --data /data    the active (else latest) run's directory
 python -m cluster_node.programs.runs list --data /data       every run's progress, summary, config, status, ...
 python -m cluster_node.programs.runs files --run RUN NAME... RUN's run files (rundir names) as JSON: the laptop's
     clusterops.nodes.records decodes them into rundir's records (in place of `cat` over SSH)
@@ -36,10 +37,28 @@ def active_run(data: Path) -> Optional[Path]:
     return Path(active) if active and alive(Path(active)) else None
 
 
+def launched(run: Path) -> float:
+    """When the run was last launched: its spec.json's time (every launch and attempt writes it), else its
+    directory's. Not the directory's alone: any file made in it moves that (fab fetch's marker, fab report's
+    files, a STOP), and an old run fetched would become the latest."""
+    for path in (run / rundir.SPEC, run):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
 def current(data: Path) -> Optional[Path]:
-    """The active run while its launcher lives, else the newest run directory."""
+    """The active run while its launcher lives, else the run launched last."""
     runs = [p for p in (data / rundir.RUNS).glob("*") if p.is_dir() and not p.name.startswith(".")]
-    return active_run(data) or max(runs, key=lambda p: p.stat().st_mtime, default=None)
+    return active_run(data) or max(runs, key=launched, default=None)
+
+
+def current_answer(data: Path) -> dict:
+    """{"run": current's directory, or null}."""
+    run = current(data)
+    return {"run": str(run) if run else None}
 
 
 def overview(data: Path) -> dict:
@@ -124,7 +143,7 @@ def at_risk(data: Path) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster_node.programs.runs", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("overview", "list", "files", "at-risk"))
+    parser.add_argument("what", choices=("overview", "current", "list", "files", "at-risk"))
     parser.add_argument("--data", default="/data")
     parser.add_argument("--run", help="files: the run directory")
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"files: of {', '.join(FILES)}")
@@ -138,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(files(Path(args.run), args.names)))
     else:
         data = Path(args.data)
-        answer = {"overview": overview, "list": listing, "at-risk": at_risk}[args.what]
+        answer = {"overview": overview, "current": current_answer, "list": listing, "at-risk": at_risk}[args.what]
         print(json.dumps(answer(data)))
     return 0
 
