@@ -85,6 +85,9 @@ _SSM_RE = re.compile(r"^/[A-Za-z0-9_./-]+$")
 AMI_ID_RE = re.compile(r"^ami-([0-9a-f]{8}|[0-9a-f]{17})$")  # EC2's two id lengths
 _VPC_RE = re.compile(r"^vpc-[0-9a-f]{8,17}$")
 _SUBNET_RE = re.compile(r"^subnet-[0-9a-f]{8,17}$")
+# S3 bucket naming rules (S3 User Guide, *General purpose bucket naming rules*): 3-63 characters, lowercase
+# letters, digits, dots and hyphens, starting and ending with a letter or digit, no two dots in a row.
+_BUCKET_RE = re.compile(r"^(?!.*\.\.)[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _AZ_RE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.@ -]{1,255}$")
 _TRUE = {"true", "1", "yes", "on"}
@@ -237,6 +240,9 @@ _PARSERS: dict[str, Callable[[str, Any], Any]] = {
         lambda k, v: _as_str(k, v, _AZ_RE, "expected an availability zone name, e.g. us-east-1a")
     ),
     "key_name": _optional(lambda k, v: _as_str(k, v, _KEY_RE, "expected the name of an existing EC2 key pair")),
+    "data_bucket": _optional(
+        lambda k, v: _as_str(k, v, _BUCKET_RE, "expected an S3 bucket's name (no s3://, no prefix), e.g. my-imagenet")
+    ),
     "idle_minutes": lambda k, v: _as_int(k, v, 0, MAX_IDLE_MINUTES),
     "spot": _as_bool,
     "spot_max_price": _optional(_spot_price),
@@ -265,6 +271,7 @@ class ClusterConfig:
     subnet_id: Optional[str] = None
     availability_zone: Optional[str] = None
     key_name: Optional[str] = None
+    data_bucket: Optional[str] = None  # an S3 bucket the nodes may read: fab data --extra "--from s3://BUCKET/..."
     idle_minutes: int = 60
     spot: bool = False  # Spot nodes: persistent requests, stopped (not terminated) when interrupted
     spot_max_price: Optional[float] = None  # USD per node-hour; None: pay the Spot price, capped at On-Demand

@@ -174,6 +174,10 @@ class GpuNodes(Construct):
         role.add_to_policy(
             iam.PolicyStatement(actions=["cloudformation:SignalResource"], resources=[Stack.of(self).stack_id])
         )
+        if config.data_bucket:  # read only, that bucket only: `fab data --dataset imagenet --extra "--from s3://..."`
+            bucket = f"arn:{Aws.PARTITION}:s3:::{config.data_bucket}"
+            role.add_to_policy(iam.PolicyStatement(actions=["s3:ListBucket"], resources=[bucket]))
+            role.add_to_policy(iam.PolicyStatement(actions=["s3:GetObject"], resources=[f"{bucket}/*"]))
         return role
 
     def _host_key_parameter(self) -> ssm.StringParameter:

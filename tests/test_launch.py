@@ -401,6 +401,8 @@ def test_a_missing_data_set_says_how_to_prepare_it_or_names_the_close_one():
     from train import catalog
 
     assert catalog.missing_data("ding") == "run `fab data --dataset ding`"
+    # ImageNet is not made by `fab data` (which only checked the folder, and said it was not one): fetched
+    assert '`fab data --dataset imagenet --extra "--from s3://BUCKET/PREFIX"`' in catalog.missing_data("imagenet")
     assert catalog.missing_data("dingg").endswith(
         "wmt16-en-de, fashion-mnist or imagenet: did you mean --dataset ding?"
     )

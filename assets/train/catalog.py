@@ -62,6 +62,8 @@ def input_mismatch(recipe: str, dataset: str, meta: dict | None, has_train_folde
 def missing_data(dataset: str) -> str:
     """What to do about a data set that is not prepared: `fab data` for one it prepares; for any other
     name (a typo: `dingg`), the ones it prepares and the closest."""
+    if dataset == "imagenet":  # not made here: fetched (or copied) onto /data
+        return 'copy it onto /data: `fab data --dataset imagenet --extra "--from s3://BUCKET/PREFIX"` (-c data_bucket)'
     if dataset in DATASETS:
         return f"run `fab data --dataset {dataset}`"
     import difflib

@@ -1,6 +1,7 @@
-"""Check an ImageNet folder (the standard train/ and val/ class-folder layout) and optionally stage it
-onto local disk (e.g. the node's NVMe), since EFS can be too slow to feed image training.
-Staging is resumable: files already copied with the same size are skipped."""
+"""Check an ImageNet folder (the standard train/ and val/ class-folder layout), fetch it from S3 onto /data first
+if asked (a cluster deployed with -c data_bucket=BUCKET may read that bucket), and optionally stage it onto local
+disk (e.g. the node's NVMe), since EFS can be too slow to feed image training. Fetching and staging are resumable:
+files already there with the same size are skipped."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
@@ -17,10 +18,17 @@ class LayoutError(ValueError):
     pass
 
 
+# How ImageNet gets onto /data: named where it is found missing.
+ROUTE = (
+    'fab data --dataset imagenet --extra "--from s3://BUCKET/PREFIX" on a cluster deployed with '
+    "-c data_bucket=BUCKET (docs/tasks.md, ImageNet)"
+)
+
+
 def scan(root: Path) -> dict:
     """Classes and image counts per split; a one-line LayoutError for the usual mistakes."""
     if not root.is_dir():
-        raise LayoutError(f"{root} is not a directory")
+        raise LayoutError(f"{root} is not a directory: copy ImageNet there first ({ROUTE})")
     result = {}
     for split in ("train", "val"):
         directory = root / split
@@ -81,5 +89,43 @@ def _copy_one(pair: tuple[Path, Path]) -> bool:
         return False
     tmp = dst.with_name(f".{dst.name}.tmp")
     shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return True
+
+
+def fetch_s3(url: str, target: Path, s3: Any = None, workers: int = 16, log=print) -> tuple[int, int]:
+    """Copy every object under s3://BUCKET/PREFIX/ into target, keeping the keys' paths below the prefix
+    (atomic per file, `workers` at a time); (copied, already there). A one-line LayoutError when nothing is
+    there or S3 refuses (the node role may read only the bucket named at deploy: -c data_bucket)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if not url.startswith("s3://") or not url[5:].split("/")[0]:
+        raise LayoutError(f"--from {url}: expected s3://BUCKET/PREFIX")
+    bucket, _, prefix = url[5:].partition("/")
+    prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    try:
+        if s3 is None:
+            import boto3
+
+            s3 = boto3.client("s3")
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        objects = [(o["Key"], o["Size"]) for p in pages for o in p.get("Contents", []) if not o["Key"].endswith("/")]
+        if not objects:
+            raise LayoutError(f"{url} holds no objects (expected {prefix}train/CLASS/IMAGE.JPEG and val/...)")
+        log(f"fetching {len(objects)} objects from {url} into {target} ...")
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            done = list(pool.map(lambda obj: _fetch_one(s3, bucket, obj, target / obj[0][len(prefix) :]), objects))
+    except (BotoCoreError, ClientError) as error:
+        raise LayoutError(f"{url}: {error} (a cluster may read only its -c data_bucket)") from None
+    return sum(done), len(done) - sum(done)
+
+
+def _fetch_one(s3: Any, bucket: str, obj: tuple[str, int], dst: Path) -> bool:
+    """Download one object unless it is there with the same size; True when downloaded."""
+    if dst.exists() and dst.stat().st_size == obj[1]:
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    s3.download_file(bucket, obj[0], str(tmp))
     os.replace(tmp, dst)
     return True

@@ -5,6 +5,7 @@
     python -m train.prepare wmt16-en-de --out /data/datasets/wmt16-en-de
     python -m train.prepare fashion-mnist --out /data/datasets/fashion-mnist
     python -m train.prepare imagenet --source /data/datasets/imagenet --stage-to /opt/dlami/nvme/imagenet
+    python -m train.prepare imagenet --source /data/datasets/imagenet --from s3://my-bucket/imagenet
 
 `numbers`: an offline English->German corpus of number phrases made with num2words
 ("four thousand two hundred and seventy-one" -> "viertausendzweihunderteinundsiebzig"), 1-4 numbers
@@ -17,7 +18,7 @@ per sentence, with disjoint train/valid/test splits. Used by tests and the local
 take a smaller, balanced subset.
 `wmt16-en-de`: the WMT16 corpora and test sets as the original recipe downloads them (see wmt16.py),
 a 32k shared BPE vocabulary and binary shards; resumable. `imagenet`: checks the train/val folder
-layout and optionally stages it onto local disk (see imagenet.py).
+layout, fetching it from S3 first with --from, and optionally stages it onto local disk (see imagenet.py).
 Re-running with the same arguments is a no-op; every file is written atomically. With --busy-dir
 (fab data passes /data/.cluster/busy) a marker there stays fresh while it runs: the autostop
 watchdog counts it as busy, so a long download or staging does not stop the cluster.
@@ -207,6 +208,9 @@ def prepare_imagenet(args: argparse.Namespace) -> None:
     if args.stage_to and (refused := imagenet.root_volume_error(Path(args.stage_to))):
         sys.exit(f"error: {refused}")
     try:
+        if args.from_url:
+            copied, skipped = imagenet.fetch_s3(args.from_url, source)
+            print(f"fetched into {source}: {copied} downloaded, {skipped} already there")
         found = imagenet.scan(source)
     except imagenet.LayoutError as error:
         sys.exit(f"error: {error}")
@@ -278,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     images = sub.add_parser("imagenet", help="check an ImageNet folder, optionally stage it locally")
     images.add_argument("--source", required=True, help="folder with train/ and val/")
     images.add_argument("--stage-to", help="copy onto this local directory (e.g. NVMe)")
+    images.add_argument(
+        "--from", dest="from_url", help="s3://BUCKET/PREFIX: fetch it into --source first (-c data_bucket=BUCKET)"
+    )
     args = parser.parse_args(argv)
     with busy_marker(args.busy_dir, f"prepare.py {args.dataset} on {socket.gethostname()}"):
         _prepare(args)
