@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -130,3 +131,20 @@ def test_the_latest_run_is_the_one_launched_last_not_the_one_fetched_or_reported
     assert lifecycle.latest_run(conn, inv) == str(newer)
     os.utime(older / rundir.SPEC)  # launched again (a resume writes its spec)
     assert lifecycle.latest_run(conn, inv) == str(older)
+
+
+def test_an_image_from_before_current_answers_with_its_overviews_run(tmp_path):
+    """A cluster deployed by an older checkout: its image's cluster_node has no `current` (argparse: exit 2)."""
+    older = tmp_path / "image"
+    shutil.copytree(
+        REPO / "assets" / "cluster_node", older / "cluster_node", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    runs_py = older / "cluster_node" / "programs" / "runs.py"
+    runs_py.write_text(runs_py.read_text().replace('choices=("overview", "current", ', 'choices=("overview", '))
+    (older / "train").mkdir()
+    data = tmp_path / "data"
+    run = data / rundir.RUNS / "only"
+    run.mkdir(parents=True)
+    (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="finished")))
+    inv = dataclasses.replace(inventory(), data_dir=str(data), python=sys.executable, code_dir=str(older / "train"))
+    assert lifecycle.latest_run(LocalShell(), inv) == str(run)

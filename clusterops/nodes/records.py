@@ -139,9 +139,18 @@ def overview(connection: Connection, inventory: Inventory) -> Optional[RunFiles]
 
 
 def current_run(connection: Connection, inventory: Inventory) -> Optional[str]:
-    """The active (else last launched) run's directory; None without a run."""
+    """The active (else last launched) run's directory; None without a run. An image built before `current`
+    (a cluster deployed by an older checkout) answers with its overview's run: the newest directory."""
     command = nodecmd.node_command(inventory, "programs.runs", "current", "--data", inventory.data_dir)
-    return _answer(remote.sh(connection, command), "the current run").get("run")
+    result = connection.run(command, hide=True, warn=True, in_stream=False)
+    if result.exited == 2 and "invalid choice: 'current'" in result.stderr:
+        found = overview(connection, inventory)
+        return found.run if found else None
+    if result.exited != 0:
+        raise remote.RemoteError(
+            f"{connection.host}: the current run: {(result.stderr or result.stdout).strip()[-300:]}"
+        )
+    return _answer(result.stdout, "the current run").get("run")
 
 
 @dataclass(frozen=True)
