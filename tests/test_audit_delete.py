@@ -234,13 +234,15 @@ def test_a_failed_stack_names_the_endpoints_in_its_vpc_that_it_did_not_make(aws_
         VpcEndpointType="Interface",
         TagSpecifications=tagged(cluster, "vpc-endpoint"),
     )["VpcEndpoint"]["VpcEndpointId"]
+    group = ec2.create_security_group(GroupName="GuardDutyManagedSecurityGroup-x", Description="x", VpcId=vpc)[
+        "GroupId"
+    ]
     cfn, stubber = _failed_stack_cloudformation(cluster, vpc=vpc)
     with stubber:
         audit.refuse_live_stack(cfn, cluster)
         [stack] = [x for x in audit.find({**clients(), "cloudformation": cfn}, cluster) if x.kind == "stack"]
-    assert f"its VPC {vpc} holds endpoints it did not make: {guardduty} (com.amazonaws.us-east-1.guardduty-data)" in (
-        stack.detail
-    )
     assert (
-        ours not in stack.detail and "`aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID` each first" in stack.detail
-    )
+        f"its VPC {vpc} holds what it did not make: endpoints {guardduty} (com.amazonaws.us-east-1.guardduty-data); "
+        f"security groups {group} (GuardDutyManagedSecurityGroup-x) (" in stack.detail
+    ), stack.detail
+    assert ours not in stack.detail and "`aws ec2 delete-security-group --group-id ID`, each first" in stack.detail

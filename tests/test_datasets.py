@@ -202,6 +202,15 @@ def test_staging_onto_the_root_file_system_is_refused_before_anything_is_copied(
     assert "\n" not in str(refused.value) and not target.parent.exists() and capsys.readouterr().out == ""
 
 
+def test_a_host_directory_bound_into_the_container_counts_as_the_root_file_system(tmp_path):
+    """In the container `/` is an overlay of its own device: a plain host directory bound in at /opt/dlami/nvme
+    (a type without an instance store) is on the device of the files Docker binds from the host's root volume."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as overlay:  # stands in for the container's own `/`
+        assert imagenet.root_volume_error(tmp_path / "nvme", roots=(overlay,)) is None
+        assert imagenet.root_volume_error(tmp_path / "nvme", roots=(overlay, str(tmp_path))).startswith("--stage-to")
+        assert imagenet.root_volume_error(Path(overlay) / "nvme", roots=(str(tmp_path),)) is None
+
+
 def test_staging_copies_a_directorys_files_several_at_a_time(tmp_path, monkeypatch):
     """EFS answers each file's open and read over the network: one at a time, a node waits out 1.28M of them."""
     source, busy, most, lock = _imagenet(tmp_path / "imagenet"), [0], [0], threading.Lock()

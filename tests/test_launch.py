@@ -444,7 +444,9 @@ class _SlowNodes:
                 time.sleep(0.3)
                 with pool.lock:
                     pool.busy -= 1
-                streams["out_stream"].write(f"staged into /opt/dlami/nvme\nimages: {node.rank}")
+                for chunk in ("staged into /opt/d", f"lami/nvme\nimages: {node.rank}"):  # invoke: a flush a chunk
+                    streams["out_stream"].write(chunk)
+                    streams["out_stream"].flush()
                 return types.SimpleNamespace(exited=2 if node.rank == 2 else 0)
 
         return Connection()
@@ -464,3 +466,5 @@ def test_data_on_every_node_runs_on_all_nodes_at_once_and_names_where_it_failed(
     assert sorted(said[1:]) == sorted(
         f"node{r}: {line}" for r in range(3) for line in ("staged into /opt/dlami/nvme", f"images: {r}")
     )
+    with pytest.raises(launch.LaunchError, match="^--from fetches onto the shared /data once: run `fab data` with"):
+        dataprep.prepare(inventory(), "imagenet", ["--from", "s3://b/p"], True, said.append, connections=pool)

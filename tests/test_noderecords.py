@@ -126,8 +126,7 @@ def test_the_latest_run_is_the_one_launched_last_not_the_one_fetched_or_reported
         (run / rundir.SPEC).write_text("{}")
         os.utime(run / rundir.SPEC, (at, at))
     (older / rundir.FETCHED).touch()  # the older directory is now the newest
-    (tmp_path / rundir.RUNS / "unlaunched").mkdir()  # no spec.json (an older launcher's run): its directory's time
-    os.utime(tmp_path / rundir.RUNS / "unlaunched", (1_500, 1_500))
+    (tmp_path / rundir.RUNS / "scale-transformer-tiny").mkdir()  # fab scale's results: no spec.json, newest
     assert lifecycle.latest_run(conn, inv) == str(newer)
     os.utime(older / rundir.SPEC)  # launched again (a resume writes its spec)
     assert lifecycle.latest_run(conn, inv) == str(older)

@@ -458,14 +458,27 @@ def test_fab_cost_prices_the_deployed_clusters_nat_gateway_volumes_and_addresses
             "Properties": {"AllocationId": {"Fn::GetAtt": ["Ip", "AllocationId"]}, "SubnetId": {"Ref": "Subnet"}},
         },
     }
-    boto3.client("cloudformation").create_stack(
-        StackName="GpuCluster-priv", TemplateBody=json.dumps({"Resources": network})
-    )
+    cfn = boto3.client("cloudformation")
+    cfn.create_stack(StackName="GpuCluster-priv", TemplateBody=json.dumps({"Resources": network}))
+    subnet = cfn.describe_stack_resource(StackName="GpuCluster-priv", LogicalResourceId="Subnet")
     ec2 = boto3.client("ec2")
     image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
     disk = [{"DeviceName": "/dev/sda1", "Ebs": {"VolumeSize": 1000}}]
-    launched = ec2.run_instances(ImageId=image, MinCount=2, MaxCount=2, BlockDeviceMappings=disk)["Instances"]
-    nodes = [Node(r, f"node{r}", None, f"10.42.0.{5 + r}", i["InstanceId"]) for r, i in enumerate(launched)]
+    launched = ec2.run_instances(
+        ImageId=image,
+        MinCount=2,
+        MaxCount=2,
+        BlockDeviceMappings=disk,
+        NetworkInterfaces=[
+            {
+                "DeviceIndex": 0,
+                "SubnetId": subnet["StackResourceDetail"]["PhysicalResourceId"],
+                "AssociatePublicIpAddress": False,  # the private subnet's nodes (stacks/node_launch.py)
+            }
+        ],
+    )["Instances"]
+    # as `fab inventory` writes an access=ssm cluster's nodes: addressed by instance id, not by a public IP
+    nodes = [Node(r, f"node{r}", i["InstanceId"], f"10.42.0.{5 + r}", i["InstanceId"]) for r, i in enumerate(launched)]
     inv = dataclasses.replace(aws_inventory("priv", []), nodes=nodes, stack_name="GpuCluster-priv")
     planned = ClusterConfig.from_context({**json.loads((REPO / "cdk.json").read_text())["context"], "nodes": "2"})
     assert meter.planned_layout(planned) == {"root_gb": 200, "private_subnet": False, "public_ips": 2}

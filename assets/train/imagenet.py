@@ -51,12 +51,17 @@ def scan(root: Path) -> dict:
     return result
 
 
-def root_volume_error(target: Path) -> Optional[str]:
-    """Why staging into `target` would fill this machine's root file system, or None. On a node, a local disk is
-    its own mount (the DLAMI's instance store at /opt/dlami/nvme); an instance type without one has only the
-    root EBS volume under that path, which also holds the images and the node's own programs."""
+# The root file system as seen from here: `/`, and in the container (whose `/` is an overlay with a device of its
+# own) the files Docker binds in from the container's directory on the host's root volume (/var/lib/docker).
+ROOT_PATHS = ("/", "/etc/hostname", "/etc/hosts")
+
+
+def root_volume_error(target: Path, roots: tuple[str, ...] = ROOT_PATHS) -> Optional[str]:
+    """Why staging into `target` would fill the root file system, or None. On a node, a local disk is a mount
+    of its own (the DLAMI's instance store at /opt/dlami/nvme, bound into the container); on an instance type
+    without one, that path is a plain directory of the host's root EBS volume (bound in, or the overlay's)."""
     existing = next(p for p in (target.absolute(), *target.absolute().parents) if p.exists())
-    if existing.stat().st_dev != Path("/").stat().st_dev:
+    if existing.stat().st_dev not in {os.stat(root).st_dev for root in roots if os.path.exists(root)}:
         return None
     return (
         f"--stage-to {target} is on the root file system (no disk is mounted there: an instance type without "
@@ -97,6 +102,7 @@ def fetch_s3(url: str, target: Path, s3: Any = None, workers: int = 16, log=prin
     """Copy every object under s3://BUCKET/PREFIX/ into target, keeping the keys' paths below the prefix
     (atomic per file, `workers` at a time); (copied, already there). A one-line LayoutError when nothing is
     there or S3 refuses (the node role may read only the bucket named at deploy: -c data_bucket)."""
+    from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
 
     if not url.startswith("s3://") or not url[5:].split("/")[0]:
@@ -104,20 +110,32 @@ def fetch_s3(url: str, target: Path, s3: Any = None, workers: int = 16, log=prin
     bucket, _, prefix = url[5:].partition("/")
     prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
     try:
-        if s3 is None:
-            import boto3
-
-            s3 = boto3.client("s3")
+        s3 = s3 or _s3_client(workers)
+        log(f"listing {url} ...")
         pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
         objects = [(o["Key"], o["Size"]) for p in pages for o in p.get("Contents", []) if not o["Key"].endswith("/")]
         if not objects:
             raise LayoutError(f"{url} holds no objects (expected {prefix}train/CLASS/IMAGE.JPEG and val/...)")
         log(f"fetching {len(objects)} objects from {url} into {target} ...")
+        copied = 0
+        below = [target / key[len(prefix) :] for key, _ in objects]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            done = list(pool.map(lambda obj: _fetch_one(s3, bucket, obj, target / obj[0][len(prefix) :]), objects))
-    except (BotoCoreError, ClientError) as error:
+            fetched = pool.map(_fetch_one, [s3] * len(objects), [bucket] * len(objects), objects, below)
+            for done, was_copied in enumerate(fetched, 1):
+                copied += was_copied
+                if done % 10_000 == 0:
+                    log(f"  {done} of {len(objects)} objects ({copied} downloaded)")
+    except (BotoCoreError, ClientError, Boto3Error, OSError) as error:
         raise LayoutError(f"{url}: {error} (a cluster may read only its -c data_bucket)") from None
-    return sum(done), len(done) - sum(done)
+    return copied, len(objects) - copied
+
+
+def _s3_client(workers: int) -> Any:
+    """One client for every thread (clients are thread-safe), with a connection for each: botocore keeps 10."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", config=Config(max_pool_connections=workers))
 
 
 def _fetch_one(s3: Any, bucket: str, obj: tuple[str, int], dst: Path) -> bool:
@@ -125,7 +143,7 @@ def _fetch_one(s3: Any, bucket: str, obj: tuple[str, int], dst: Path) -> bool:
     if dst.exists() and dst.stat().st_size == obj[1]:
         return False
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")  # two fetches at once do not share one
     s3.download_file(bucket, obj[0], str(tmp))
     os.replace(tmp, dst)
     return True

@@ -266,17 +266,28 @@ def foreign_endpoints(cloudformation, ec2, stack: str, cluster: str) -> str:
     ]
     if not vpcs:
         return ""
-    endpoints = ec2.describe_vpc_endpoints(Filters=[{"Name": "vpc-id", "Values": vpcs}])["VpcEndpoints"]
-    others = [
+    in_vpc = [{"Name": "vpc-id", "Values": vpcs}]
+    endpoints = [
         f"{e['VpcEndpointId']} ({e['ServiceName']})"
-        for e in endpoints
+        for e in ec2.describe_vpc_endpoints(Filters=in_vpc)["VpcEndpoints"]
         if _tags(e.get("Tags")).get(CLUSTER_TAG) != cluster and e["State"].lower() not in ("deleting", "deleted")
     ]
-    if not others:
+    # GuardDuty makes "a VPC endpoint and a security group associated with this VPC endpoint" (its User Guide)
+    groups = [
+        f"{g['GroupId']} ({g['GroupName']})"
+        for g in ec2.describe_security_groups(Filters=in_vpc)["SecurityGroups"]
+        if g["GroupName"] != "default" and _tags(g.get("Tags")).get(CLUSTER_TAG) != cluster
+    ]
+    if not endpoints and not groups:
         return ""
+    found = "; ".join(
+        [f"endpoints {', '.join(endpoints)}"] * bool(endpoints)
+        + [f"security groups {', '.join(groups)}"] * bool(groups)
+    )
     return (
-        f", and its VPC {', '.join(vpcs)} holds endpoints it did not make: {', '.join(others)} (GuardDuty's "
-        "leaves its guardduty-data one): `aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID` each first"
+        f", and its VPC {', '.join(vpcs)} holds what it did not make: {found} (GuardDuty's Runtime Monitoring leaves "
+        "a guardduty-data endpoint and its group): `aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID`, then "
+        "`aws ec2 delete-security-group --group-id ID`, each first"
     )
 
 

@@ -140,8 +140,10 @@ def overview(connection: Connection, inventory: Inventory) -> Optional[RunFiles]
 
 def current_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     """The active (else last launched) run's directory; None without a run. An image built before `current`
-    (a cluster deployed by an older checkout) answers with its overview's run: the newest directory."""
-    command = nodecmd.node_command(inventory, "programs.runs", "current", "--data", inventory.data_dir)
+    (a cluster deployed by an older checkout, not synced since) answers with its overview's run: the newest
+    directory."""
+    synced = posixpath.join(nodecmd.synced_root(inventory), "train")  # `fab sync`'s package first, as at_risk
+    command = nodecmd.node_command(inventory, "programs.runs", "current", "--data", inventory.data_dir, code_dir=synced)
     result = connection.run(command, hide=True, warn=True, in_stream=False)
     if result.exited == 2 and "invalid choice: 'current'" in result.stderr:
         found = overview(connection, inventory)

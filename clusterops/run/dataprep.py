@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shlex
+import threading
 from typing import Callable, Optional, Sequence
 
 from fabric import Connection
@@ -25,6 +26,11 @@ def prepare(
 ) -> None:
     """train.prepare on the head node, or on every node at once (imagenet --stage-to: each its own copy, while
     every node bills), its output on this terminal; one line naming the nodes where it failed."""
+    if all_nodes and "--from" in extra_args:  # every node would download the same objects into one folder
+        raise launch.LaunchError(
+            "--from fetches onto the shared /data once: run `fab data` with it alone first, "
+            "then --stage-to with --all-nodes"
+        )
     pool = connections or remote.Connections(inv)
     nodes = list(inv.nodes) if all_nodes else [inv.head]
     try:
@@ -46,7 +52,7 @@ def _run(conn: Connection, node: Node, argv: Sequence[str], say: Callable[[str],
     streams = {"out_stream": _Lines(node.name, say), "err_stream": _Lines(node.name, say)} if prefixed else {}
     result = conn.run(shlex.join(argv), in_stream=False, warn=True, **streams)
     for stream in streams.values():
-        stream.flush()
+        stream.end()
     return {"exited": result.exited}
 
 
@@ -55,7 +61,10 @@ def _failed(row: dict) -> bool:
 
 
 class _Lines:
-    """A writable stream that hands on whole lines, each led by `name: ` (several nodes' output interleaved)."""
+    """A writable stream that hands on whole lines, each led by `name: ` (several nodes' output interleaved,
+    never a line cut in two: invoke flushes after every chunk it writes, mid-line too)."""
+
+    _lock = threading.Lock()  # one line at a time from every node's thread
 
     def __init__(self, name: str, say: Callable[[str], None]):
         self.name, self.say, self.partial = name, say, ""
@@ -63,13 +72,20 @@ class _Lines:
     def write(self, text: str) -> int:
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
-            self.say(f"{self.name}: {line}")
+            self._say(line)
         return len(text)
 
     def flush(self) -> None:
+        """Nothing: a part line waits for the rest of it (end() hands on what is left)."""
+
+    def end(self) -> None:
         if self.partial:
-            self.say(f"{self.name}: {self.partial}")
+            self._say(self.partial)
             self.partial = ""
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            self.say(f"{self.name}: {line}")
 
 
 def prepare_argv(inventory: Inventory, dataset: str, code_dir: str, extra_args: Sequence[str]) -> list[str]:

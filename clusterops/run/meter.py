@@ -151,14 +151,26 @@ def deployed_layout(session, inv: Inventory, config) -> dict:
     ec2 = session.client("ec2")
     found = redeploy.deployed(session.client("cloudformation"), ec2, destroy.stack_of(inv))
     types = found.resource_types if found else None
+    private = config.private_subnet if types is None else "AWS::EC2::NatGateway" in types
     ids = [node.instance_id for node in inv.nodes if node.instance_id]
     attached = [{"Name": "attachment.instance-id", "Values": ids}]
     volumes = ec2.describe_volumes(Filters=attached)["Volumes"] if ids else []
     return dict(
         root_gb=round(sum(v["Size"] for v in volumes) / len(ids)) if volumes else config.root_volume_gb,
-        private_subnet=config.private_subnet if types is None else "AWS::EC2::NatGateway" in types,
-        public_ips=sum(1 for node in inv.nodes if node.public_ip),
+        private_subnet=private,
+        public_ips=_public_ips(describe(ec2, ids).values(), types, private),
     )
+
+
+def _public_ips(nodes, types, private: bool) -> int:
+    """The nodes' public IPv4 addresses: EC2's (Node.public_ip is an address to reach, not one: an instance id
+    with access=ssm, the private IP without a public one). A stop releases them: a stopped cluster of its own
+    public VPC gets one a node at its start; in a given VPC that is not known here (none counted)."""
+    nodes = list(nodes)
+    if any(n["State"]["Name"] in ("pending", "running") for n in nodes):
+        return sum(1 for n in nodes if n.get("PublicIpAddress"))
+    own_public_vpc = types is not None and "AWS::EC2::VPC" in types and not private
+    return len(nodes) if own_public_vpc else 0
 
 
 def _spent(session, inv: Inventory, price: costs.Price, say: Say = print) -> None:

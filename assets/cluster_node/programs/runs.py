@@ -37,16 +37,17 @@ def active_run(data: Path) -> Optional[Path]:
     return Path(active) if active and alive(Path(active)) else None
 
 
-def launched(run: Path) -> float:
-    """When the run was last launched: its spec.json's time (every launch and attempt writes it), else its
-    directory's. Not the directory's alone: any file made in it moves that (fab fetch's marker, fab report's
-    files, a STOP), and an old run fetched would become the latest."""
-    for path in (run / rundir.SPEC, run):
+def launched(run: Path) -> tuple[bool, float]:
+    """When the run was last launched: its spec.json's time (every launch and attempt writes it); a folder
+    without one (fab scale's results, a run of an older launcher) after every run with one, by its own time.
+    Not the directory's time alone: any file made in it moves that (fab fetch's marker, fab report's files,
+    a STOP), and an old run fetched would become the latest."""
+    for path, launched_here in ((run / rundir.SPEC, True), (run, False)):
         try:
-            return path.stat().st_mtime
+            return launched_here, path.stat().st_mtime
         except OSError:
             continue
-    return 0.0
+    return False, 0.0
 
 
 def current(data: Path) -> Optional[Path]:
