@@ -7,6 +7,7 @@ import uuid
 
 import boto3
 import pytest
+from conftest import REPO
 from iampolicy import Request, evaluate
 from stack_templates import cluster_template
 
@@ -98,3 +99,11 @@ def test_the_nodes_may_read_the_data_bucket_and_no_other():
     assert not any(evaluate(granted, request).allowed for request in others)
     default = [{"Statement": _node_role_statements(cluster_template())}]
     assert not any(evaluate(default, request).allowed for request in reads)
+
+
+def test_the_root_volumes_files_the_refusal_compares_are_bound_from_the_hosts_etc():
+    """Inside the container `/` is an overlay: --stage-to's refusal also compares a file the bootstrap binds in
+    from the host's /etc (its root volume), so a plain host directory at /opt/dlami/nvme is refused there too."""
+    script = (REPO / "assets" / "bootstrap" / "node-bootstrap.sh").read_text()
+    for path in imagenet.ROOT_PATHS[1:]:
+        assert path.startswith("/etc/") and f"-v {path}:{path}" in script, path

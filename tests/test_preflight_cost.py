@@ -16,7 +16,7 @@ from test_preflight_network import default_vpc_way_out
 from cluster_node.protocol.rundir import Progress
 from clusterops import cost
 from clusterops.aws import preflight, quotas
-from clusterops.inventory import Inventory, Node, SshSettings
+from clusterops.inventory import Inventory, Node, SshSettings, describe
 from clusterops.run import meter
 from stacks.config import ClusterConfig, offerings_context_key
 from stacks.instance_types import INSTANCE_TYPES
@@ -489,3 +489,29 @@ def test_fab_cost_prices_the_deployed_clusters_nat_gateway_volumes_and_addresses
     public = cost.Estimate(2, cost.Price(0.752, "x"), efs_gb=1.0, **meter.planned_layout(planned)).lines()
     assert "public IPv4: 2 x $0.005/h = $0.010/hour more while they run" in public
     assert public[-1].startswith("cost guards (idle alarms, dashboard, flow-log key, watchdog metrics): $")
+
+
+def test_a_stopped_nodes_public_ipv4_counts_where_its_start_will_give_it_one(aws_env):
+    """A stop releases a node's public address (EC2 User Guide); access=ssh's interfaces ask for one at each start,
+    with access=ssm the subnet's MapPublicIpOnLaunch decides."""
+    ec2 = boto3.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.43.0.0/16")["Vpc"]["VpcId"]
+    mapping, plain = (ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.43.{i}.0/24")["Subnet"]["SubnetId"] for i in (1, 2))
+    ec2.modify_subnet_attribute(SubnetId=mapping, MapPublicIpOnLaunch={"Value": True})
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    ids = [
+        ec2.run_instances(
+            ImageId=image,
+            MinCount=1,
+            MaxCount=1,
+            NetworkInterfaces=[{"DeviceIndex": 0, "SubnetId": subnet, "AssociatePublicIpAddress": False}],
+        )["Instances"][0]["InstanceId"]
+        for subnet in (mapping, plain)
+    ]
+    ec2.stop_instances(InstanceIds=ids)
+    stopped = describe(ec2, ids).values()
+    assert all(not n.get("PublicIpAddress") for n in stopped)
+    assert meter._public_ips(ec2, stopped, "ssm") == 1  # the mapping subnet's node
+    assert meter._public_ips(ec2, stopped, "ssh") == 2
+    ec2.terminate_instances(InstanceIds=ids)
+    assert meter._public_ips(ec2, describe(ec2, ids).values(), "ssh") == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
@@ -52,8 +53,9 @@ def scan(root: Path) -> dict:
 
 
 # The root file system as seen from here: `/`, and in the container (whose `/` is an overlay with a device of its
-# own) the files Docker binds in from the container's directory on the host's root volume (/var/lib/docker).
-ROOT_PATHS = ("/", "/etc/hostname", "/etc/hosts")
+# own) a file the bootstrap binds in from the host's /etc, always on its root volume (node-bootstrap.sh; not
+# Docker's /etc/hostname: its data root may be moved to the instance store).
+ROOT_PATHS = ("/", "/etc/gpu-cluster/authorized_keys")
 
 
 def root_volume_error(target: Path, roots: tuple[str, ...] = ROOT_PATHS) -> Optional[str]:
@@ -125,8 +127,10 @@ def fetch_s3(url: str, target: Path, s3: Any = None, workers: int = 16, log=prin
                 copied += was_copied
                 if done % 10_000 == 0:
                     log(f"  {done} of {len(objects)} objects ({copied} downloaded)")
-    except (BotoCoreError, ClientError, Boto3Error, OSError) as error:
+    except (BotoCoreError, ClientError, Boto3Error) as error:
         raise LayoutError(f"{url}: {error} (a cluster may read only its -c data_bucket)") from None
+    except OSError as error:  # the target's disk: full, read-only, not ours
+        raise LayoutError(f"fetching {url} into {target}: {error}") from None
     return copied, len(objects) - copied
 
 
@@ -139,11 +143,19 @@ def _s3_client(workers: int) -> Any:
 
 
 def _fetch_one(s3: Any, bucket: str, obj: tuple[str, int], dst: Path) -> bool:
-    """Download one object unless it is there with the same size; True when downloaded."""
+    """Download one object unless it is there with the same size; True when downloaded. GetObject alone
+    (download_file asks HeadObject first: one more round trip for each of ~1.3M files), into a temporary
+    file of its own beside it, renamed when whole."""
     if dst.exists() and dst.stat().st_size == obj[1]:
         return False
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")  # two fetches at once do not share one
-    s3.download_file(bucket, obj[0], str(tmp))
-    os.replace(tmp, dst)
+    body = s3.get_object(Bucket=bucket, Key=obj[0])["Body"]
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(body, out)
+        os.replace(tmp, dst)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return True

@@ -279,7 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     fashion.add_argument("--source", default="/usr/share/datasets/fashion-mnist", help="the package's IDX files")
     fashion.add_argument("--train-per-class", type=int, help="first N train images of each class (default all 6,000)")
     fashion.add_argument("--val-per-class", type=int, help="first N val images of each class (default all 1,000)")
-    images = sub.add_parser("imagenet", help="check an ImageNet folder, optionally stage it locally")
+    # No abbreviations (`--f` for --from): fab data refuses --from with --all-nodes by its name.
+    images = sub.add_parser(
+        "imagenet", help="check an ImageNet folder, optionally stage it locally", allow_abbrev=False
+    )
     images.add_argument("--source", required=True, help="folder with train/ and val/")
     images.add_argument("--stage-to", help="copy onto this local directory (e.g. NVMe)")
     images.add_argument(

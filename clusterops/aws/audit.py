@@ -286,8 +286,8 @@ def foreign_endpoints(cloudformation, ec2, stack: str, cluster: str) -> str:
     )
     return (
         f", and its VPC {', '.join(vpcs)} holds what it did not make: {found} (GuardDuty's Runtime Monitoring leaves "
-        "a guardduty-data endpoint and its group): `aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID`, then "
-        "`aws ec2 delete-security-group --group-id ID`, each first"
+        "a guardduty-data endpoint and its group): `aws ec2 delete-vpc-endpoints --vpc-endpoint-ids ID`, then, once "
+        "the endpoint is gone (its interfaces go a minute later), `aws ec2 delete-security-group --group-id ID`"
     )
 
 

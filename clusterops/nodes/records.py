@@ -131,9 +131,16 @@ def read(
     return decode(_answer(remote.sh(connection, command, timeout=timeout), f"reading {run_dir}"), strict, lenient)
 
 
+def _runs_program(inventory: Inventory, what: str) -> str:
+    """`cluster_node.programs.runs WHAT --data DATA`, from `fab sync`'s package first, then the image's: the run
+    listings agree with each other whichever image the cluster was deployed with."""
+    synced = posixpath.join(nodecmd.synced_root(inventory), "train")
+    return nodecmd.node_command(inventory, "programs.runs", what, "--data", inventory.data_dir, code_dir=synced)
+
+
 def overview(connection: Connection, inventory: Inventory) -> Optional[RunFiles]:
     """The active (else latest) run with its status, progress, summary and restarts; None without a run."""
-    command = nodecmd.node_command(inventory, "programs.runs", "overview", "--data", inventory.data_dir)
+    command = _runs_program(inventory, "overview")
     found = _answer(remote.sh(connection, command), "the run overview")
     return decode(found) if found.get("run") else None
 
@@ -142,9 +149,7 @@ def current_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     """The active (else last launched) run's directory; None without a run. An image built before `current`
     (a cluster deployed by an older checkout, not synced since) answers with its overview's run: the newest
     directory."""
-    synced = posixpath.join(nodecmd.synced_root(inventory), "train")  # `fab sync`'s package first, as at_risk
-    command = nodecmd.node_command(inventory, "programs.runs", "current", "--data", inventory.data_dir, code_dir=synced)
-    result = connection.run(command, hide=True, warn=True, in_stream=False)
+    result = connection.run(_runs_program(inventory, "current"), hide=True, warn=True, in_stream=False)
     if result.exited == 2 and "invalid choice: 'current'" in result.stderr:
         found = overview(connection, inventory)
         return found.run if found else None
@@ -165,13 +170,10 @@ class AtRisk:
 
 def at_risk(connection: Connection, inventory: Inventory) -> AtRisk:
     """Asked of `fab sync`'s package first, then the image's (an older image has no at-risk)."""
-    synced = posixpath.join(nodecmd.synced_root(inventory), "train")
-    command = nodecmd.node_command(inventory, "programs.runs", "at-risk", "--data", inventory.data_dir, code_dir=synced)
-    found = _answer(remote.sh(connection, command), "the runs on /data")
+    found = _answer(remote.sh(connection, _runs_program(inventory, "at-risk")), "the runs on /data")
     return AtRisk(found.get("active"), tuple(found.get("unfetched") or ()))
 
 
 def listing(connection: Connection, inventory: Inventory) -> list[RunFiles]:
     """Every run on /data (`run` its name): status, progress, summary, config, segments, phases."""
-    command = nodecmd.node_command(inventory, "programs.runs", "list", "--data", inventory.data_dir)
-    return [decode(row) for row in _answer(remote.sh(connection, command), "the run listing")]
+    return [decode(row) for row in _answer(remote.sh(connection, _runs_program(inventory, "list")), "the run listing")]

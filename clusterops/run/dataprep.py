@@ -26,7 +26,7 @@ def prepare(
 ) -> None:
     """train.prepare on the head node, or on every node at once (imagenet --stage-to: each its own copy, while
     every node bills), its output on this terminal; one line naming the nodes where it failed."""
-    if all_nodes and "--from" in extra_args:  # every node would download the same objects into one folder
+    if all_nodes and any(a == "--from" or a.startswith("--from=") for a in extra_args):  # one folder, N downloads
         raise launch.LaunchError(
             "--from fetches onto the shared /data once: run `fab data` with it alone first, "
             "then --stage-to with --all-nodes"
@@ -50,9 +50,11 @@ def prepare(
 def _run(conn: Connection, node: Node, argv: Sequence[str], say: Callable[[str], None], prefixed: bool) -> dict:
     """prepare.py on one node, its output here as it comes (each line led by the node's name when several run)."""
     streams = {"out_stream": _Lines(node.name, say), "err_stream": _Lines(node.name, say)} if prefixed else {}
-    result = conn.run(shlex.join(argv), in_stream=False, warn=True, **streams)
-    for stream in streams.values():
-        stream.end()
+    try:
+        result = conn.run(shlex.join(argv), in_stream=False, warn=True, **streams)
+    finally:  # a dropped connection too: its last part line
+        for stream in streams.values():
+            stream.end()
     return {"exited": result.exited}
 
 

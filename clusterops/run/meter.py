@@ -138,7 +138,8 @@ def cost_report(
 
 def planned_layout(config) -> dict:
     """What a deploy of `config` would bill beside its nodes: its root volumes, subnet layout, public addresses."""
-    public = config.access == "ssh" and not config.private_subnet
+    # access=ssh asks each node for one; with access=ssm the subnet decides: the stack's own public ones assign one
+    public = not config.private_subnet and (config.access == "ssh" or not config.vpc_id)
     return dict(root_gb=config.root_volume_gb, private_subnet=config.private_subnet, public_ips=config.nodes * public)
 
 
@@ -158,19 +159,24 @@ def deployed_layout(session, inv: Inventory, config) -> dict:
     return dict(
         root_gb=round(sum(v["Size"] for v in volumes) / len(ids)) if volumes else config.root_volume_gb,
         private_subnet=private,
-        public_ips=_public_ips(describe(ec2, ids).values(), types, private),
+        public_ips=_public_ips(ec2, describe(ec2, ids).values(), (found.outputs if found else {}).get("Access")),
     )
 
 
-def _public_ips(nodes, types, private: bool) -> int:
-    """The nodes' public IPv4 addresses: EC2's (Node.public_ip is an address to reach, not one: an instance id
-    with access=ssm, the private IP without a public one). A stop releases them: a stopped cluster of its own
-    public VPC gets one a node at its start; in a given VPC that is not known here (none counted)."""
-    nodes = list(nodes)
-    if any(n["State"]["Name"] in ("pending", "running") for n in nodes):
-        return sum(1 for n in nodes if n.get("PublicIpAddress"))
-    own_public_vpc = types is not None and "AWS::EC2::VPC" in types and not private
-    return len(nodes) if own_public_vpc else 0
+def _public_ips(ec2, nodes, access: Optional[str]) -> int:
+    """The nodes' public IPv4 addresses, from EC2 (Node.public_ip is an address to reach, not one: an instance
+    id with access=ssm, the private IP without a public one). A stop releases a node's; it gets one again at its
+    start with access=ssh (its interface asks), else where its subnet maps public IPs on launch."""
+    live = [n for n in nodes if n["State"]["Name"] not in ("shutting-down", "terminated")]
+    waiting = [n for n in live if not n.get("PublicIpAddress") and n["State"]["Name"] in ("stopping", "stopped")]
+    subnets = sorted({n["SubnetId"] for n in waiting if n.get("SubnetId")}) if access != "ssh" else []
+    maps = {s["SubnetId"]: s.get("MapPublicIpOnLaunch", False) for s in _subnets(ec2, subnets)}
+    at_start = [n for n in waiting if access == "ssh" or maps.get(n.get("SubnetId", ""))]
+    return sum(1 for n in live if n.get("PublicIpAddress")) + len(at_start)
+
+
+def _subnets(ec2, ids: list[str]) -> list[dict]:
+    return ec2.describe_subnets(SubnetIds=ids)["Subnets"] if ids else []
 
 
 def _spent(session, inv: Inventory, price: costs.Price, say: Say = print) -> None:
