@@ -67,6 +67,7 @@ NOT_THE_TRAINERS = {
     "test_restarts": "the supervisor's decisions on recorded facts",
     "test_spotwatch": "the watcher; its one trainer run is the STOP path test_training's [spot-notice] case covers",
     "test_lifecycle": "the laptop parses trainer flags with train.config only; the supervisor runs a stand-in",
+    "test_imagenet_s3": "prepare.py's S3 fetch into a folder (boto3 and the moto server); no torch",
     # Run the trainer, but what they add under 2.6 is covered by listed modules, and the phase's time
     # is the suite's: the same 2-rank trainer (test_training) and image pipeline (test_imagepipe).
     "test_real_text": "real-text learning runs (~90 s): the trainer's 2-rank runs are test_training's",

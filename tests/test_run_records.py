@@ -45,6 +45,7 @@ NOT_RECORDS = {
     ("clusterops/nodes/probe.py", "row"): "a node's row (remote.on_all)",
     ("clusterops/terminal.py", "row"): "a node's row (remote.on_all)",
     ("fabfile/cluster.py", "row"): "a node's row (remote.on_all)",
+    ("clusterops/run/dataprep.py", "row"): "a node's row (remote.on_all)",
     ("clusterops/terminal.py", "deploy"): "cluster_node.programs.node_status's deploy timeline",
     ("clusterops/predict/bottleneck.py", "scale"): "scale.json: a `fab scale` series",
     ("clusterops/predict/verify.py", "p"): "predictions.json: fab report --verify's pairs",

@@ -157,7 +157,8 @@ def current_run(connection: Connection, inventory: Inventory) -> Optional[str]:
         raise remote.RemoteError(
             f"{connection.host}: the current run: {(result.stderr or result.stdout).strip()[-300:]}"
         )
-    return _answer(result.stdout, "the current run").get("run")
+    found = _answer(result.stdout, "the current run")
+    return found.get("run")
 
 
 @dataclass(frozen=True)
