@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
@@ -92,11 +92,24 @@ def stage(source: Path, target: Path, log=print, workers: int = 16) -> tuple[int
 def _copy_one(pair: tuple[Path, Path]) -> bool:
     """Copy one file unless it is there with the same size; True when copied."""
     src, dst = pair
-    if dst.exists() and dst.stat().st_size == src.stat().st_size:
+    return _whole(dst, src.stat().st_size, lambda tmp: shutil.copyfile(src, tmp))
+
+
+def _whole(dst: Path, size: int, write: Callable[[str], object]) -> bool:
+    """dst written by write(PATH) unless it is there with `size` bytes, into a temporary file of its own beside
+    it (two writers never share one), renamed when whole; True when written."""
+    if dst.exists() and dst.stat().st_size == size:
         return False
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 is for the temporary name only
+        os.replace(tmp, dst)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return True
 
 
@@ -144,18 +157,10 @@ def _s3_client(workers: int) -> Any:
 
 def _fetch_one(s3: Any, bucket: str, obj: tuple[str, int], dst: Path) -> bool:
     """Download one object unless it is there with the same size; True when downloaded. GetObject alone
-    (download_file asks HeadObject first: one more round trip for each of ~1.3M files), into a temporary
-    file of its own beside it, renamed when whole."""
-    if dst.exists() and dst.stat().st_size == obj[1]:
-        return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    body = s3.get_object(Bucket=bucket, Key=obj[0])["Body"]
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            shutil.copyfileobj(body, out)
-        os.replace(tmp, dst)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return True
+    (download_file asks HeadObject first: one more round trip for each of ~1.3M files)."""
+
+    def download(tmp: str) -> None:
+        with open(tmp, "wb") as out:
+            shutil.copyfileobj(s3.get_object(Bucket=bucket, Key=obj[0])["Body"], out)
+
+    return _whole(dst, obj[1], download)

@@ -9,7 +9,7 @@ already deployed in the region. Functions take boto3 clients."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -17,6 +17,7 @@ from botocore.exceptions import ClientError
 
 from clusterops.aws import cdkcontext
 from clusterops.aws.check import Check
+from clusterops.inventory import describe
 from stacks.config import ClusterConfig, cluster_az_context_key
 from stacks.userdata import user_data_version
 
@@ -33,6 +34,7 @@ class Deployed:
     images: frozenset[str] = frozenset()  # its nodes' AMIs
     resource_types: Optional[frozenset[str]] = None  # what the stack holds; None when it could not be listed
     running: frozenset[str] = frozenset()  # its nodes that are pending or running (they count against quotas)
+    nodes: tuple[dict, ...] = field(default=(), compare=False)  # its nodes as EC2 describes them
 
     @property
     def instance_ids(self) -> list[str]:
@@ -65,7 +67,7 @@ def deployed(cfn, ec2, stack_name: str) -> Optional[Deployed]:
     types = None if resources is None else frozenset(r["ResourceType"] for r in resources)
     running = frozenset(n["InstanceId"] for n in nodes if n["State"]["Name"] in ("pending", "running"))
     images = frozenset(n["ImageId"] for n in nodes)
-    return Deployed(stack_name, found.status, outputs, zone, images, types, running)
+    return Deployed(stack_name, found.status, outputs, zone, images, types, running, tuple(nodes))
 
 
 def stack_resources(cfn, stack_name: str) -> list[dict]:
@@ -91,11 +93,8 @@ def _subnet_zone(ec2, resources: list[dict]) -> Optional[str]:
 
 
 def _nodes(ec2, ids: list[str]) -> list[dict]:
-    """The stack's instances EC2 still describes (a filter, not InstanceIds: one gone is no error)."""
-    if not ids:
-        return []
-    pages = ec2.get_paginator("describe_instances").paginate(Filters=[{"Name": "instance-id", "Values": ids}])
-    return [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+    """The stack's instances EC2 still describes (one gone is no error: inventory.describe)."""
+    return list(describe(ec2, ids).values())
 
 
 def other_clusters(cfn, stack_name: str) -> list[str]:

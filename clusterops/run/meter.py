@@ -159,7 +159,7 @@ def deployed_layout(session, inv: Inventory, config) -> dict:
     return dict(
         root_gb=round(sum(v["Size"] for v in volumes) / len(ids)) if volumes else config.root_volume_gb,
         private_subnet=private,
-        public_ips=_public_ips(ec2, describe(ec2, ids).values(), (found.outputs if found else {}).get("Access")),
+        public_ips=_public_ips(ec2, found.nodes, found.outputs.get("Access")) if found else 0,
     )
 
 
