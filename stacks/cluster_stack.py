@@ -53,7 +53,7 @@ class GpuClusterStack(Stack):
             instances=self.nodes.instances,
             file_system=self.storage.file_system,
         )
-        self._acknowledge_findings()
+        self._acknowledge_findings(config)
         Validations.of(self.nodes).acknowledge(
             Acknowledgment(
                 id="CloudFormation-Validate::W9010",
@@ -106,8 +106,17 @@ class GpuClusterStack(Stack):
         for instance in self.nodes.instances:
             instance.node.add_dependency(self.network.subnet.internet_connectivity_established, *self.network.endpoints)
 
-    def _acknowledge_findings(self) -> None:
+    def _acknowledge_findings(self, config: ClusterConfig) -> None:
         """cdk-nag AwsSolutions findings this design accepts, each with its reason."""
+        if config.data_bucket:
+            Validations.of(self).acknowledge(
+                Acknowledgment(
+                    id=f"AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:s3:::{config.data_bucket}/*]",
+                    reason="-c data_bucket names a bucket whose every object the nodes may read (s3:GetObject "
+                    'only): `fab data --dataset imagenet --extra "--from s3://BUCKET/PREFIX"` fetches a prefix '
+                    "of it; nothing else of S3 is granted.",
+                )
+            )
         Validations.of(self).acknowledge(
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-EC29",

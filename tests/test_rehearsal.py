@@ -41,7 +41,7 @@ pytestmark = [
 
 SSH = {"ssh_cidr": "203.0.113.0/24"}
 CONFIGS = {
-    "default": {"cluster_name": "rh-default", **SSH},
+    "default": {"cluster_name": "rh-default", "data_bucket": "rh-default-imagenet", **SSH},
     "ssm-private": {"cluster_name": "rh-ssm", "access": "ssm", "private_subnet": "true"},
     "spot": {"cluster_name": "rh-spot", "spot": "true", "instance_type": "g5.12xlarge", **SSH},
     "p4d-efa": {"cluster_name": "rh-p4d", "access": "ssm", "private_subnet": "true", "instance_type": "p4d.24xlarge"},
@@ -221,6 +221,30 @@ def test_every_node_boots_signals_its_own_resource_and_stops_its_cluster_within_
     heartbeats = [c for c in ours if c.action == "cloudwatch:PutMetricData" and "--stop-now" not in str(c.params)]
     assert len(heartbeats) >= 2 + len(deployed.instances)  # the boot beats, then the watchdog's rounds
     assert any(c.action == "cloudwatch:GetMetricStatistics" and "AWS/EFS" in str(c.params) for c in ours)
+
+
+def test_a_node_fetches_imagenet_from_its_data_bucket_and_from_no_other(deployed, world, tmp_path):
+    """-c data_bucket: prepare.py imagenet --from, as node 0's container runs it under the deployed role, lists
+    and reads that bucket (ListObjectsV2 as s3:ListBucket, GetObject), and is refused any other in one line."""
+    if "data_bucket" not in deployed.context:
+        pytest.skip("deployed without -c data_bucket")
+    gate, endpoint = world
+    s3 = boto3.client("s3")
+    for bucket in (deployed.context["data_bucket"], f"{deployed.context['data_bucket']}-not-granted"):
+        s3.create_bucket(Bucket=bucket)
+        for split in ("train", "val"):
+            s3.put_object(Bucket=bucket, Key=f"imagenet/{split}/n01/img.JPEG", Body=b"\xff\xd8 an image")
+    before, violations = len(gate.calls), len(gate.violations)
+    env = {**node_env(gate, endpoint, deployed, 0), "AWS_REGION": REGION}
+    prepare = ["-m", "train.prepare", "imagenet", "--source", str(tmp_path / "imagenet"), "--from"]
+    out = node_program([*prepare, f"s3://{deployed.context['data_bucket']}/imagenet"], env)
+    assert "fetched into" in out and "1 classes, 1 train and 1 val images" in out, out
+    assert gate.violations[violations:] == []
+    assert {c.action for c in gate.calls[before:]} == {"s3:ListBucket", "s3:GetObject"}
+    refused = node_program([*prepare, f"s3://{deployed.context['data_bucket']}-not-granted/imagenet"], env)
+    error = refused.strip().splitlines()[-1]  # after its progress line, one line
+    assert error.startswith("error: s3://") and "AccessDenied" in error and "Traceback" not in refused, refused
+    assert len(gate.violations) == violations + 1  # the other bucket's listing, refused
 
 
 def beyond_its_needs(deployed: Deployed) -> list[Request]:
