@@ -18,7 +18,8 @@ pinned and pageable memory (gpu_peers.launch_contention), and the budget's train
 reservation and with it made as before (one pinned allocation per tensor; patched_trainer); ResNet-50 on
 a synthetic batch against the plain loop, and on generated JPEGs; the same Transformer runs at 16k
 tokens a step; then the variants (--attention torch, --pad-multiple 1), the plain loop with torch's own
-SDPA choice (cuDNN on Hopper) and ResNet-50 in bf16. Data: Ding-like lengths (gpu_peers.text_data).
+SDPA choice (cuDNN on Hopper), ResNet-50 in bf16 and the budget's trainer with --compile (not in a
+smoke run: a CPU compiles for minutes). Data: Ding-like lengths (gpu_peers.text_data).
 Prints one table, the step times by window and the issue's bounds, and writes --json; every measurement
 is tried on its own (an error is printed and recorded, the rest still run). --profile runs only the
 trainer and its plain peer over the same steps under torch.profiler, side by side (about a minute).
@@ -61,7 +62,7 @@ SIZES = {
     ),
 }  # fmt: skip
 # Estimated seconds per measurement on an H100, for the budget's skips.
-ESTIMATE = {"trainer": 40, "resume": 25, "plain": 25, "resnet": 45, "jpeg": 60, "contention": 30}
+ESTIMATE = {"trainer": 40, "resume": 25, "plain": 25, "resnet": 45, "jpeg": 60, "contention": 30, "compile": 240}
 
 
 class Bench:
@@ -116,11 +117,7 @@ class Bench:
             if patch is not None:
                 spec = json.dumps({**patch, "argv": argv})
                 command = [sys.executable, __file__, "--trainer", spec, "--json", str(out)]
-            done = subprocess.run(
-                command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
-            )
-            if done.returncode:
-                raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+            self.process(command)
         if patch and patch.get("window"):
             return json.loads(out.read_text())
         result = figures(json.loads((run / rundir.SUMMARY).read_text()))
@@ -153,12 +150,23 @@ class Bench:
         command = [sys.executable, __file__, "--peer", json.dumps(spec), "--json", str(out)]
         if self.args.smoke:
             command.append("--smoke")
-        done = subprocess.run(
-            command, cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=max(60.0, self.left() + 60)
-        )
+        self.process(command)
+        return json.loads(out.read_text())
+
+    def process(self, command: list[str], timeout: float | None = None) -> None:
+        """A measurement's fresh process; its output's end in the error when it fails or outruns the
+        budget (a --compile trainer past it said nothing of how far it got)."""
+        try:
+            done = subprocess.run(
+                command, cwd=REPO, env=self.env(), capture_output=True, text=True,
+                timeout=timeout or max(60.0, self.left() + 60),
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as late:
+            parts = (late.stdout, late.stderr)
+            said = "".join(part.decode() if isinstance(part, bytes) else part or "" for part in parts)
+            raise RuntimeError(f"still running after {late.timeout:.0f} s: {said[-1500:]}") from None
         if done.returncode:
             raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
-        return json.loads(out.read_text())
 
     def text_argv(self, tokens: list[str], attention: str = "auto", pad: int = 8) -> list[str]:
         return [
@@ -216,11 +224,10 @@ class Bench:
         name = "resnet50 synthetic, --precision bf16: trainer"
         self.attempt(name, "resnet", lambda: self.train(argv, self.tmp / "run-r50-bf16"))
 
-    def variant(self, name: str, attention: str, pad: int) -> None:
-        argv = [*self.text_argv(self.size["budget"], attention, pad), "--max-steps", str(self.size["steps"])]
-        self.attempt(
-            f"budget, {name}: trainer", "trainer", lambda: self.train(argv, self.tmp / f"run-{attention}-{pad}")
-        )
+    def variant(self, name: str, attention: str, pad: int, extra: tuple = (), kind: str = "trainer") -> None:
+        argv = [*self.text_argv(self.size["budget"], attention, pad), *extra, "--max-steps", str(self.size["steps"])]
+        run = self.tmp / f"run-{attention}-{pad}{''.join(extra)}"
+        self.attempt(f"budget, {name}: trainer", kind, lambda: self.train(argv, run))
 
     def profiles(self) -> None:
         """--profile: the trainer and the plain loop on its batches, the same steps under torch.profiler."""
@@ -260,6 +267,8 @@ class Bench:
         self.cudnn_peer("budget", s["budget"])
         self.cudnn_peer("16k", big)
         self.resnet_bf16()
+        if not self.args.smoke:  # a CPU compiles the model for minutes
+            self.variant("--compile", "auto", 8, ("--compile",), "compile")  # start-up: over 144 s on an H100
 
 
 def run_peer(spec: dict) -> dict:

@@ -3,6 +3,7 @@ sizes, each trainer a process of its own (the plain loops too in the profile's r
 issue's bounds, the step times by window and the JSON. The figures themselves mean nothing on a CPU:
 only that each was measured."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -72,3 +73,17 @@ def test_the_profile_run_sets_the_trainer_beside_its_plain_peer_over_the_same_st
         assert profiled["steps"] == 5 and profiled["wall_ms"] > 0 and profiled["self_cpu_ms"] > 0
         assert any(op[0] == "aten::mm" and op[1] > 0 for op in profiled["top"])  # the model's matrix products
     assert "| kernel launches |" in done.stdout and "| aten::mm |" in done.stdout
+
+
+def test_a_measurement_that_outruns_its_time_keeps_what_its_process_said(tmp_path, monkeypatch):
+    """A --compile trainer past the budget on an H100 left only "timed out": how far it got was lost."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))  # its neighbours, as a script's run finds them
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
+    assert spec is not None and spec.loader is not None
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    args = type("Args", (), {"smoke": False, "budget_s": 60.0, "json": str(tmp_path / "b.json")})()
+    bench = bench_gpu.Bench(args, tmp_path)
+    child = "import sys, time; print('step 1/300 | first step 97000 ms', flush=True); time.sleep(30)"
+    with pytest.raises(RuntimeError, match=r"still running after 1 s: step 1/300 \| first step 97000 ms"):
+        bench.process([sys.executable, "-c", child], timeout=1)

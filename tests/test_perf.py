@@ -224,3 +224,24 @@ def test_one_process_reads_its_stop_flags_on_the_host_without_waiting_for_the_de
     assert trainer.train_step()[2] is False and made[-1].local == [0.0] * 5
     (tmp_path / rundir.STOP).write_text("stop\n")
     assert trainer.train_step()[2] is True and made[-1].local == [0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_compile_for_varied_shapes_is_one_graph_whatever_the_batch_shapes(monkeypatch):
+    """--compile on token batches: the first batch had rows == length (16 x 16); torch.compile's default
+    compiled a static graph, then recompiled, and duck sizing assumed rows == length until a batch broke
+    it (a recompile each, minutes on a GPU). With symbolic sizes and no duck sizing: one graph."""
+    import torch.fx.experimental._config as shapes
+
+    monkeypatch.setattr(shapes, "use_duck_shape", True)  # torch's default, restored after
+    graphs = []
+
+    def counting(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    module = torch.nn.Linear(4, 4)
+    step = perf.compiled(lambda src, tgt: module(src.float()).sum() + tgt.float().sum(), True, counting)
+    for rows, source, target in ((16, 16, 16), (8, 24, 16), (32, 8, 40), (5, 8, 8)):
+        step(torch.ones(rows, source, 4), torch.ones(rows, target))
+    assert len(graphs) == 1
+    torch._dynamo.reset()

@@ -211,3 +211,17 @@ def attention_context(choice: str, device_type: str) -> contextlib.AbstractConte
     from torch.nn.attention import sdpa_kernel
 
     return sdpa_kernel(backends)
+
+
+def compiled(module: Any, varied_shapes: bool, backend: Any = "inductor") -> Any:
+    """--compile: torch.compile'd. Token batches change shape every step: symbolic sizes from the first
+    compile (not a static one, then a second), and no "duck sizing" (two sizes equal in one batch, rows
+    and length say, would be assumed equal in all: a recompile at the next)."""
+    import torch
+
+    if not varied_shapes:
+        return torch.compile(module, backend=backend)
+    import torch.fx.experimental._config as shapes
+
+    shapes.use_duck_shape = False
+    return torch.compile(module, dynamic=True, backend=backend)

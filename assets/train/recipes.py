@@ -43,6 +43,7 @@ def warmup_cosine_lr(step: int, warmup: int, total: int, peak: float) -> float:
 class TranslationTask:
     objects = "sentence pairs"
     metric = "bleu"
+    varied_shapes = True  # token batches: a shape class a step (trainer.py compiles with symbolic shapes)
 
     def __init__(self, config: TrainConfig, info: distributed.DistInfo, device: torch.device):
         from train.model import Transformer

@@ -82,7 +82,7 @@ class Trainer:
         if info.world_size > 1:
             self._distribute()
         module = self.ddp or self.model
-        self.step_module = torch.compile(module) if config.compile else module  # type: ignore[assignment]
+        self.step_module = perf.compiled(module, getattr(task, "varied_shapes", False)) if config.compile else module
         self.clock = time.perf_counter  # step times (tests script it)
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         self.writer = self.wandb = None
