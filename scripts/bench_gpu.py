@@ -11,11 +11,12 @@ Every measurement is a fresh process, cold like a real start: each trainer a `py
 script with --peer. (A smoke run forks its trainers from a server that imported torch once: a CPU's
 start-up is not what it measures.) In order of importance, each skipped when --budget-s would be passed:
 transformer-base at the recipe's token budget, stopped and resumed (a new process: the after-resume
-warm-up), the plain loop fed the trainer's own batches with padding masks (flash/efficient pinned; its
-figures in the same form) and at one fixed shape of the same tokens (baseline.py); kernel launches from
-one thread while another allocates a snapshot's host buffers four ways, and the snapshot's copy into
-pinned and pageable memory (gpu_peers.launch_contention), and the budget's trainer without that
-reservation and with it made as before (one pinned allocation per tensor; patched_trainer); ResNet-50 on
+warm-up), the plain loop fed the trainer's own batches with padding masks for as many steps (flash/
+efficient pinned; its figures in the same form, and the two compared step for step) and at one fixed
+shape of the same tokens (baseline.py); kernel launches from one thread while another allocates a
+snapshot's host buffers four ways and while they are held, and the snapshot's copy into pinned and
+pageable memory (gpu_peers.launch_contention), and the budget's trainer with those buffers not reserved,
+pageable, page-locked as it trains and pageable again (patched_trainer); ResNet-50 on
 a synthetic batch against the plain loop, and on generated JPEGs; the same Transformer runs at 16k
 tokens a step; then the variants (--attention torch, --pad-multiple 1), the plain loop with torch's own
 SDPA choice (cuDNN on Hopper), ResNet-50 in bf16 and the budget's trainer with --compile (not in a
@@ -50,13 +51,13 @@ except ModuleNotFoundError as missing:  # a GPU machine's Python without the ven
 
 SIZES = {
     "gpu": dict(
-        model=[], budget=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200, plain=150,
+        model=[], budget=[], vocab=8000, pairs=18000, steps=300, resume=120, big=16384, big_steps=200,
         resnet=["--batch-per-gpu", "256"], r_batch=256, r_size=224, r_width=64, r_steps=200,
         jpeg=(50, 80, 1.0), j_args=["--workers", "15"], j_steps=150, profile=(231, 250),
     ),
     "smoke": dict(
         model=["--d-model", "32", "--layers", "1", "--heads", "2", "--ffn", "64", "--max-len", "64"],
-        budget=["--max-tokens", "256"], vocab=300, pairs=1500, steps=60, resume=50, big=512, big_steps=60, plain=20,
+        budget=["--max-tokens", "256"], vocab=300, pairs=1500, steps=60, resume=50, big=512, big_steps=60,
         resnet=["--batch-per-gpu", "4", "--width", "8", "--image-size", "32"], r_batch=4, r_size=32, r_width=8,
         r_steps=10, jpeg=(2, 4, 0.15), j_args=["--workers", "1"], j_steps=6, profile=(5, 9),
     ),
@@ -183,7 +184,7 @@ class Bench:
         total = str(steps + self.size["resume"])
         resume = [*argv, "--max-steps", total]
         self.attempt(f"{label}: trainer resumed", "resume", lambda: self.train(resume, run, steps))
-        plain = {"argv": argv, "steps": self.size["plain"]}
+        plain = {"argv": argv, "steps": steps}  # the trainer's batches, all its steps: compared step for step
         self.attempt(
             f"{label}: plain, trainer's batches, flash/efficient",
             "plain",
@@ -191,8 +192,8 @@ class Bench:
         )
         self.attempt(f"{label}: plain, fixed shape", "plain", lambda: self.peer({**plain, "kind": "fixed"}))
 
-    def cudnn_peer(self, label: str, tokens: list[str]) -> None:
-        spec = {"kind": "batches", "argv": self.text_argv(tokens), "steps": self.size["plain"], "backends": None}
+    def cudnn_peer(self, label: str, tokens: list[str], steps: int) -> None:
+        spec = {"kind": "batches", "argv": self.text_argv(tokens), "steps": steps, "backends": None}
         self.attempt(f"{label}: plain, trainer's batches, torch SDPA", "plain", lambda: self.peer(spec))
 
     def resnet_runs(self):
@@ -241,12 +242,19 @@ class Bench:
         self.attempt("budget: plain, trainer's batches, profiled", "plain", lambda: self.peer(spec))
 
     def reservations(self) -> None:
-        """The budget's trainer without the snapshot writer's host-buffer reservation after step 1, and with
-        the reservation as it was before session 19 (one pinned allocation per tensor): was that the
-        warm-up (docs/measured.md, session 14)?"""
+        """The budget's trainer with the snapshot writer's host buffers three ways, alternated: none reserved
+        after step 1, reserved pageable (not page-locked), and page-locked as the trainer does (the same
+        path: patched_trainer). Session 23 on an H100, on the same steps: 1.07x the plain loop without
+        them, 1.28x with them page-locked (one run each)."""
         argv = [*self.text_argv(self.size["budget"]), "--max-steps", str(self.size["steps"])]
-        for name, reserve in (("no host-buffer reservation", False), ("host buffers pinned per tensor", "per-tensor")):
-            run, patch = self.tmp / f"run-reserve-{reserve}", {"reserve": reserve}
+        ways = (
+            ("no host-buffer reservation", False),
+            ("host buffers pageable", "pageable"),
+            ("host buffers page-locked (as it trains)", "locked"),
+            ("host buffers pageable, again", "pageable"),
+        )
+        for number, (name, reserve) in enumerate(ways):
+            run, patch = self.tmp / f"run-reserve-{number}", {"reserve": reserve}
             self.attempt(f"budget, {name}: trainer", "trainer", lambda r=run, p=patch: self.train(argv, r, patch=p))
 
     def run(self) -> None:
@@ -264,8 +272,8 @@ class Bench:
         self.text_runs("16k", big, s["big_steps"])
         self.variant("--attention torch", "torch", 8)
         self.variant("--pad-multiple 1", "auto", 1)
-        self.cudnn_peer("budget", s["budget"])
-        self.cudnn_peer("16k", big)
+        self.cudnn_peer("budget", s["budget"], s["steps"])
+        self.cudnn_peer("16k", big, s["big_steps"])
         self.resnet_bf16()
         if not self.args.smoke:  # a CPU compiles the model for minutes
             self.variant("--compile", "auto", 8, ("--compile",), "compile")  # start-up: over 144 s on an H100
@@ -294,7 +302,8 @@ def patched_trainer(spec: dict) -> dict:
     """The trainer in this process (bench_gpu.py --trainer SPEC) on spec["argv"]. "window": [first, last]
     profiles those steps (their summary is the result); "reserve": false leaves out the snapshot writer's
     host-buffer reservation after step 1 (the buffers are then allocated at the first snapshot or
-    checkpoint, on the training thread), "per-tensor" makes it as before session 19 (PinnedPerTensor)."""
+    checkpoint, on the training thread), "pageable" reserves them without page-locking them, "locked"
+    as the trainer does."""
     from train import snapshot, train, trainer
 
     window = peers.ProfileWindow(*spec["window"]) if spec.get("window") else None
@@ -308,25 +317,16 @@ def patched_trainer(spec: dict) -> dict:
         trainer.Trainer.train_step = train_step  # type: ignore[method-assign]
     if spec.get("reserve") is False:
         trainer.Trainer._reserve = lambda self: None  # type: ignore[method-assign]
-    if spec.get("reserve") == "per-tensor":
-        snapshot.HostBlock = PinnedPerTensor  # type: ignore[misc]
+    if spec.get("reserve") == "pageable":
+
+        class Pageable(snapshot.HostBlock):
+            def __init__(self, specs: list, lock: bool):
+                super().__init__(specs, False)
+
+        snapshot.HostBlock = Pageable  # type: ignore[misc]
     if train.main(spec["argv"]):
         raise SystemExit("the trainer failed")
     return window.summary if window is not None else {}
-
-
-class PinnedPerTensor:
-    """The snapshot writer's host buffers before session 19 (HostBlock's stand-in): one allocation per tensor
-    from torch's pinned allocator on a GPU, pageable and touched on a CPU."""
-
-    def __init__(self, specs: list, lock: bool):
-        self.views = [torch.empty(shape, dtype=dtype, pin_memory=lock) for shape, dtype in specs]
-        if not lock:
-            for view in self.views:
-                view.zero_()
-
-    def release(self) -> None:
-        pass
 
 
 def smoke_trainer(argv: list[str], patch: dict | None, out: str, env: dict, log: str) -> None:

@@ -230,7 +230,9 @@ def state_specs(model: nn.Module) -> list[tuple[torch.Size, torch.dtype]]:
 def launch_contention(specs: list, seconds: float = 1.0) -> dict:
     """Kernel launches a second from this thread, alone and while another thread allocates host buffers
     for `specs` (a training state) each way a snapshot writer could (allocation_ways). Each: the
-    allocation's seconds and the launch rate meanwhile against alone; a registered block's seconds with
+    allocation's seconds and the launch rate meanwhile and then while it is held, against alone (session 23:
+    a trainer holding its registered block ran 1.28x the plain loop on the same steps, 1.07x without it); a
+    registered block's seconds with
     no launches beside it too (the allocator caches what it frees: its ways are timed once); then what a
     snapshot's copy costs into pinned and into pageable buffers (snapshot_copies). Nothing on a CPU."""
     if not torch.cuda.is_available():
@@ -251,6 +253,8 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
     out: dict = {"state_mb": total / 1e6, "tensors": len(specs), "launches_per_s_alone": alone}
     for name, (allocate, release) in allocation_ways(specs, total).items():
         out[name] = beside_launches(allocate, launches, alone)
+        if "error" not in out[name]:  # and once it is made, while it is held (a trainer holds it all its run)
+            out[name]["held_rate_vs_alone"] = launches(lambda n, t: t >= seconds) / alone
         if release and "error" not in out[name]:
             release(out[name].pop("held"))
             started = time.perf_counter()

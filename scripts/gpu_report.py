@@ -5,10 +5,12 @@ from __future__ import annotations
 import platform
 
 import torch
+from gpu_peers import WINDOW
 
 # (what, bound): the issue's "done means"
 BOUNDS = {
     "steady / plain, trainer's batches with masks": 1.10,
+    "the same steps / plain, trainer's batches with masks": 1.10,
     "steady / plain, one fixed shape": 1.25,
     "first 50 steps / steady": 1.30,
     "after a resume: first 50 steps / steady": 1.30,
@@ -54,6 +56,28 @@ def plain_peer(results: dict, label: str) -> tuple[float | None, str]:
     return min(found) if found else (None, "")
 
 
+def same_steps(trainer: dict, plain: dict) -> tuple[float, float, int, int] | None:
+    """The trainer's and the plain loop's mean step over the same steps (the plain loop is fed the trainer's
+    own batches in order), from where both are steady to where either ends: (trainer s, plain s, first
+    step, last step). A steady mean over different steps compares different batch shapes: in session 23
+    the trainer's steps 30-300 against the plain loop's 80-150 said 1.16x, the same steps 1.28x."""
+    mine, theirs = (trainer.get("windows_ms") or [])[1:], plain.get("windows_ms") or []  # the trainer's step 1 first
+    last = min(len(mine), len(theirs))  # window i: steps 2 + 10i to 11 + 10i
+    # A run that never settled: its second half.
+    steady = max((r.get("warmup_steps") or 0) if r.get("settled") else WINDOW * last // 2 for r in (trainer, plain))
+    first = -(-steady // WINDOW)
+    if last - first < 2:
+        return None
+    mean = lambda windows: sum(windows[first:last]) / (last - first) / 1000  # noqa: E731
+    return mean(mine), mean(theirs), 2 + WINDOW * first, 1 + WINDOW * last
+
+
+def _same(results: dict, name: str, label: str):
+    plain = _get(results, label, "windows_ms") and results[label]
+    found = same_steps(results.get(name) or {}, plain) if plain else None
+    return _ratio(found[0], found[1]) if found else None
+
+
 def checks(results: dict) -> list[dict]:
     out = []
 
@@ -66,7 +90,10 @@ def checks(results: dict) -> list[dict]:
     for label in ("budget", "16k"):
         trainer = f"{label}: trainer"
         steady = _get(results, trainer, "steady_step_s")
-        check("steady / plain, trainer's batches with masks", label, _ratio(steady, plain_peer(results, label)[0]))
+        step, peer = plain_peer(results, label)
+        check("steady / plain, trainer's batches with masks", label, _ratio(steady, step))
+        same = _same(results, trainer, f"{label}: plain, trainer's batches, {peer}") if peer else None
+        check("the same steps / plain, trainer's batches with masks", label, same)
         fixed = _get(results, f"{label}: plain, fixed shape", "steady_step_s")
         check("steady / plain, one fixed shape", label, _ratio(steady, fixed))
         check("first 50 steps / steady", label, _ratio(_get(results, trainer, "first_50_mean_s"), steady))
@@ -129,7 +156,8 @@ def table(results: dict, machine: dict) -> str:
     plain, _ = plain_peer(results, "budget")
     fixed = _get(results, "budget: plain, fixed shape", "steady_step_s")
     variants = ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer")
-    reservations = ("budget, no host-buffer reservation: trainer", "budget, host buffers pinned per tensor: trainer")
+    ways = ("no host-buffer reservation", "host buffers pageable", "host buffers page-locked (as it trains)")
+    reservations = [f"budget, {way}: trainer" for way in (*ways, "host buffers pageable, again")]
     for variant in (*reservations, *variants):
         lines.append(_row(results, variant, plain, fixed, None))
     resnet_plain = _get(results, "resnet50 synthetic: plain", "steady_step_s")
@@ -154,6 +182,7 @@ def details(results: dict) -> str:
         if isinstance(r, dict) and r.get("windows_ms"):
             shown = ", ".join(f"{w:g}" for w in r["windows_ms"][:16])
             lines.append(f"  {name}: {shown}{', ...' if len(r['windows_ms']) > 16 else ''}")
+    lines += same_steps_lines(results)
     contention = results.get("launch contention") or {}
     if "launches_per_s_alone" in contention:
         lines.append(
@@ -167,9 +196,11 @@ def details(results: dict) -> str:
                 lines.append(f"  {way}: {figures['error']}")
             elif isinstance(figures, dict) and way != "copy_s":
                 solo = f" ({figures['allocate_alone_s']:.2f} s alone)" if "allocate_alone_s" in figures else ""
+                held = f"; held: {_x(figures['held_rate_vs_alone'])}" if "held_rate_vs_alone" in figures else ""
                 lines.append(
                     f"  {way}: {_x(figures['launch_rate_vs_alone'])} the rate, allocation {figures['allocate_s']:.2f} s"
                     + solo
+                    + held
                 )
     return "\n".join(lines)
 
@@ -191,3 +222,23 @@ def profiles(results: dict) -> str:
     for mine, theirs in sorted(rows, key=lambda pair: pair[1][2] - pair[0][2]):
         lines.append(f"| {mine[0][:60]} | {mine[1]:.0f}, {mine[2]:.2f} | {theirs[1]:.0f}, {theirs[2]:.2f} |")
     return "\n".join(lines)
+
+
+def same_steps_lines(results: dict) -> list[str]:
+    """Each trainer run on the plain loop's batches (not a resume, not --pad-multiple 1: other batches)
+    against that loop over the same steps."""
+    lines = []
+    for name, r in results.items():
+        text = name.startswith(("budget", "16k"))
+        if not (text and isinstance(r, dict) and name.endswith(": trainer")) or "pad-multiple" in name:
+            continue
+        label = "16k" if name.startswith("16k") else "budget"
+        plain = results.get(f"{label}: plain, trainer's batches, flash/efficient") or {}
+        found = same_steps(r, plain) if "windows_ms" in plain else None
+        if found:
+            mine, theirs, first, last = found
+            lines.append(
+                f"  {name}, steps {first}-{last}: {mine * 1000:.1f} ms, plain {theirs * 1000:.1f} ({_x(mine / theirs)})"
+            )
+    head = "\nthe same steps as the plain loop on the trainer's batches (flash/efficient), both steady (or half):"
+    return [head, *lines] if lines else []

@@ -5,6 +5,7 @@ only that each was measured."""
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_pat
     expected |= {"resnet50 synthetic: trainer", "resnet50 synthetic: plain", "resnet50 jpegs: trainer"}
     expected |= {"resnet50 synthetic, --precision bf16: trainer", "budget, no host-buffer reservation: trainer"}
     expected |= {"budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer", "data"}
-    expected |= {"budget, host buffers pinned per tensor: trainer"}
+    ways = ("host buffers pageable", "host buffers page-locked (as it trains)", "host buffers pageable, again")
+    expected |= {f"budget, {way}: trainer" for way in ways}
     assert set(result["results"]) == expected | {"launch contention"}
     assert result["results"]["launch contention"] == {"cuda": False}  # no launches to slow on a CPU
     for name in expected - {"data"}:
@@ -53,9 +55,14 @@ def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_pat
     assert resumed["steps"] == 110 and resumed["first_50_mean_s"] > 0
     text = result["results"]["budget: trainer"]
     assert text["flops_per_step"] > 0 and text["distinct_shapes"] >= 1 and 0 < text["padded_fraction"] < 0.5
-    assert len(result["checks"]) == 10 and all(c["value"] is not None for c in result["checks"])
+    assert len(result["checks"]) == 12 and all(c["value"] is not None for c in result["checks"])
     assert "| budget: trainer (peer: " in done.stdout and "issue 29 bounds:" in done.stdout
     assert "\n  budget: trainer resumed: " in done.stdout  # its step times by window
+    # The trainer against the plain loop on its own batches, step for step (not the resume: other steps).
+    assert re.search(
+        r"\n  budget, host buffers pageable: trainer, steps \d+-\d+: [\d.]+ ms, plain [\d.]+ ", done.stdout
+    )
+    assert "\n  budget: trainer, steps " in done.stdout and "trainer resumed, steps" not in done.stdout
 
 
 def test_the_profile_run_sets_the_trainer_beside_its_plain_peer_over_the_same_steps(tmp_path):
