@@ -156,7 +156,7 @@ def table(results: dict, machine: dict) -> str:
     plain, _ = plain_peer(results, "budget")
     fixed = _get(results, "budget: plain, fixed shape", "steady_step_s")
     variants = ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer")
-    ways = ("no host-buffer reservation", "host buffers pageable", "host buffers page-locked (as it trains)")
+    ways = ("no host-buffer reservation", "host buffers pageable", "host buffers page-locked")
     reservations = [f"budget, {way}: trainer" for way in (*ways, "host buffers pageable, again")]
     for variant in (*reservations, *variants):
         lines.append(_row(results, variant, plain, fixed, None))
