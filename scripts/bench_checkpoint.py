@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the side-stream copy to pinned memory")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the side-stream copy (to pageable memory)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as run_dir:
         print(line(measure(Path(run_dir), args.repeats, torch.device(args.device))), flush=True)

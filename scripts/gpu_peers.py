@@ -231,7 +231,7 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
     """Kernel launches a second from this thread, alone and while another thread allocates host buffers
     for `specs` (a training state) each way a snapshot writer could (allocation_ways). Each: the
     allocation's seconds and the launch rate meanwhile and then while it is held, against alone (session 23:
-    a trainer holding its registered block ran 1.28x the plain loop on the same steps, 1.07x without it); a
+    a trainer holding its registered block ran 1.28x the plain loop on the same steps, 1.05x without it); a
     registered block's seconds with
     no launches beside it too (the allocator caches what it frees: its ways are timed once); then what a
     snapshot's copy costs into pinned and into pageable buffers (snapshot_copies). Nothing on a CPU."""
@@ -267,9 +267,9 @@ def launch_contention(specs: list, seconds: float = 1.0) -> dict:
 
 
 def allocation_ways(specs: list, total: int) -> dict:
-    """name: (allocate, undo its registration or None): pinned per tensor by torch's caching host
-    allocator (what train.snapshot.StateWriter does), pinned as one block, one pageable block touched
-    then registered with CUDA (cudaHostRegister), pageable only."""
+    """name: (allocate, undo its registration or None): pageable only (train.snapshot.StateWriter's
+    default), one pageable block touched then registered with CUDA (cudaHostRegister; StateWriter's
+    lock=True), pinned per tensor by torch's caching host allocator, pinned as one block."""
     cudart = torch.cuda.cudart()
 
     def block() -> torch.Tensor:
@@ -283,14 +283,19 @@ def allocation_ways(specs: list, total: int) -> dict:
     def unregister(memory: torch.Tensor) -> None:
         torch.cuda.check_error(cudart.cudaHostUnregister(memory.data_ptr()))
 
+    # The ways that free what they lock first: torch's pinned allocator keeps what it frees page-locked
+    # (cached), and each way's launches while it is held must not have another's locked memory beside them.
     return {
-        "pinned per tensor (today)": (lambda: [torch.empty(s, dtype=d, pin_memory=True) for s, d in specs], None),
+        "pageable only (the writer since session 23)": (block, None),
+        "one pageable block, registered (sessions 19-22)": (registered, unregister),
+        "pinned per tensor (before session 19)": (
+            lambda: [torch.empty(s, dtype=d, pin_memory=True) for s, d in specs],
+            None,
+        ),
         "pinned, one block (rounded up to a power of two)": (
             lambda: torch.empty(total, dtype=torch.uint8, pin_memory=True),
             None,
         ),
-        "one pageable block, registered": (registered, unregister),
-        "pageable only": (block, None),
     }
 
 

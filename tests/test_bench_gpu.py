@@ -94,3 +94,19 @@ def test_a_measurement_that_outruns_its_time_keeps_what_its_process_said(tmp_pat
     child = "import sys, time; print('step 1/300 | first step 97000 ms', flush=True); time.sleep(30)"
     with pytest.raises(RuntimeError, match=r"still running after 1 s: step 1/300 \| first step 97000 ms"):
         bench.process([sys.executable, "-c", child], timeout=1)
+
+
+def test_the_trainer_and_the_plain_loop_are_compared_over_the_same_steps(monkeypatch):
+    """The trainer's windows start with its step 1 (start-up), the plain loop's with steps 2-11: the same
+    steps (the same batches) from where both settled, to where either ends."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import gpu_report
+
+    trainer = {"windows_ms": [900.0, 80, 70, 60, 50, 40, 30], "warmup_steps": 20, "settled": True}
+    plain = {"windows_ms": [8, 7, 6, 5, 4], "warmup_steps": 30, "settled": True}
+    mine, theirs, first, last = gpu_report.same_steps(trainer, plain)
+    assert (first, last) == (32, 51)  # windows 3 and 4: steps 32-41 and 42-51
+    assert mine == pytest.approx(0.045) and theirs == pytest.approx(0.0045)
+    unsettled = gpu_report.same_steps(trainer, dict(plain, settled=False, warmup_steps=None))
+    assert unsettled[2:] == (32, 51)  # a run that never settled: its second half
+    assert gpu_report.same_steps(dict(trainer, warmup_steps=40), plain) is None  # one window left: too few

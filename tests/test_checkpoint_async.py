@@ -385,6 +385,19 @@ def test_a_gpu_writer_reserves_pageable_buffers_unless_asked_to_page_lock_them(m
         assert [call[0] for call in cudart.calls] == ["register"] * registers + ["unregister"] * registers
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copy needs a GPU")
+@pytest.mark.parametrize("lock", [False, True])
+def test_on_a_gpu_the_state_written_is_the_state_when_submitted_even_if_the_next_step_changes_it(lock, tmp_path):
+    model = {"w": torch.arange(1 << 20, dtype=torch.float32, device="cuda"), "n": torch.tensor(7, device="cuda")}
+    expected = {key: tensor.cpu() for key, tensor in model.items()}
+    writer = snapshot.StateWriter(torch.device("cuda"), lock=lock)
+    writer.submit({"step": 1, "model": model}, [checkpoint.persist(tmp_path, 1, keep=1, best=False, log=print)])
+    model["w"].mul_(-1.0)  # the next step's in-place update, queued at once
+    writer.close()
+    saved = checkpoint.load_latest(tmp_path)
+    assert saved is not None and all(torch.equal(saved["model"][key], expected[key]) for key in expected)
+
+
 def test_a_refused_page_lock_is_one_line_and_the_copies_stay_correct(monkeypatch, capsys):
     _fake_driver(monkeypatch, _Cudart(register_error=2))
     host = snapshot.HostBlock([((3, 5), torch.float32)], lock=True)
