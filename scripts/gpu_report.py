@@ -206,21 +206,30 @@ def details(results: dict) -> str:
 
 
 def profiles(results: dict) -> str:
-    """--profile's two runs side by side: per step, and the operators whose self CPU time differs most."""
-    trainer = results.get("budget: trainer, profiled") or {}
-    plain = results.get("budget: plain, trainer's batches, profiled") or {}
-    if "wall_ms" not in trainer or "wall_ms" not in plain:
-        return f"\nprofiles: trainer {trainer.get('error', 'not run')}; plain {plain.get('error', 'not run')}"
-    lines = [f"\n| per step, {plain['steps']} steps profiled | trainer | plain loop, its batches |", "|---|---|---|"]
+    """--profile's runs side by side: per step, and the trainer's top operators by self CPU time with the
+    plain loops' calls and CPU for the same operators (those that differ most first)."""
+    names = (
+        "budget: trainer, profiled",
+        "budget: plain, trainer's batches, profiled",
+        "budget: plain, fixed shape, profiled",
+    )
+    runs = [results.get(name) or {} for name in names]
+    missing = [f"{name}: {run.get('error', 'not run')}" for name, run in zip(names, runs) if "wall_ms" not in run]
+    if missing:
+        return "\nprofiles: " + "; ".join(missing)
+    steps = runs[0]["steps"]
+    lines = [f"\n| per step, {steps} steps profiled | trainer | plain loop, its batches | plain loop, one shape |"]
+    lines.append("|---|---|---|---|")
     for key, what in (("wall_ms", "wall ms"), ("self_cpu_ms", "self CPU ms"), ("device_ms", "device ms")):
-        lines.append(f"| {what} | {trainer[key]:.1f} | {plain[key]:.1f} |")
-    lines.append(f"| kernel launches | {trainer['launches']:.0f} | {plain['launches']:.0f} |")
-    ops = {row[0]: row for row in plain["top"]}
-    rows = [(row, ops.get(row[0], [row[0], 0, 0.0, 0.0])) for row in trainer["top"]]
-    lines += ["\n| operator (trainer's top by self CPU) | trainer calls, CPU ms | plain calls, CPU ms |"]
-    lines.append("|---|---|---|")
-    for mine, theirs in sorted(rows, key=lambda pair: pair[1][2] - pair[0][2]):
-        lines.append(f"| {mine[0][:60]} | {mine[1]:.0f}, {mine[2]:.2f} | {theirs[1]:.0f}, {theirs[2]:.2f} |")
+        lines.append(f"| {what} | " + " | ".join(f"{run[key]:.1f}" for run in runs) + " |")
+    lines.append("| kernel launches | " + " | ".join(f"{run['launches']:.0f}" for run in runs) + " |")
+    ops = [{row[0]: row for row in run["top"]} for run in runs[1:]]
+    lines += ["\n| operator (trainer's top by self CPU) | trainer calls, CPU ms | its batches | one shape |"]
+    lines.append("|---|---|---|---|")
+    rows = [(row, [found.get(row[0], [row[0], 0, 0.0, 0.0]) for found in ops]) for row in runs[0]["top"]]
+    for mine, theirs in sorted(rows, key=lambda pair: pair[1][0][2] - pair[0][2]):
+        cells = " | ".join(f"{r[1]:.0f}, {r[2]:.2f}" for r in (mine, *theirs))
+        lines.append(f"| {mine[0][:60]} | {cells} |")
     return "\n".join(lines)
 
 

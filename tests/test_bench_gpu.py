@@ -76,10 +76,11 @@ def test_the_profile_run_sets_the_trainer_beside_its_plain_peer_over_the_same_st
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     trainer, plain = results["budget: trainer, profiled"], results["budget: plain, trainer's batches, profiled"]
-    for profiled in (trainer, plain):
+    for profiled in (trainer, plain, results["budget: plain, fixed shape, profiled"]):
         assert profiled["steps"] == 5 and profiled["wall_ms"] > 0 and profiled["self_cpu_ms"] > 0
         assert any(op[0] == "aten::mm" and op[1] > 0 for op in profiled["top"])  # the model's matrix products
     assert "| kernel launches |" in done.stdout and "| aten::mm |" in done.stdout
+    assert "| plain loop, one shape |" in done.stdout
 
 
 def test_a_measurement_that_outruns_its_time_keeps_what_its_process_said(tmp_path, monkeypatch):
