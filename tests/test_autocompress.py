@@ -56,6 +56,15 @@ def test_calibrate_times_each_mode_and_counts_powersgd_bytes_like_the_hook():
     assert all(0 < seconds < 1 for seconds in calibration["overhead_s"].values())
 
 
+def test_calibrate_waits_for_the_device_around_each_timed_run(monkeypatch):
+    """On a GPU each mode's work is queued: timed without a wait, the overheads were the launches alone
+    (near zero), and `auto` favoured compression. Every timed run is waited for before and after."""
+    waits = []
+    monkeypatch.setattr(autocompress, "_sync", lambda device: lambda: waits.append(device.type))
+    autocompress.calibrate(torch.nn.Linear(32, 32).parameters(), 2, 2, torch.device("cpu"))
+    assert len(waits) == 3 * 3 * 2  # three modes, three repeats each, a wait before and after
+
+
 def test_two_ranks_with_auto_log_the_choice_and_why_and_record_it(numbers_data, tmp_path):
     """Under torchrun (strict device mode: the probe's all-reduce names its device), rank 0's choice
     is every rank's, logged with the measurement, and summary.json keeps it and the calibration."""

@@ -194,3 +194,33 @@ def test_the_verdicts_rank_is_the_one_the_others_wait_for_not_the_one_with_the_l
     waiting = dict(data_s=0.01, compute_s=0.48, comm_exposed_s=0.16, optimizer_s=0.02, other_s=0.0, step_s=0.671)
     assert breakdown.critical_rank([waiting, straggler]) == 1
     assert breakdown.critical_rank([straggler, waiting]) == 0
+
+
+def test_powersgd_recovers_from_an_overflowed_step(tmp_path):
+    """fp16's loss scaling overflows on purpose now and then (GradScaler skips the step). PowerSGD's error
+    feedback and warm-started Q carried that step's inf into every later one: gradients non-finite for good,
+    every step skipped. One rank on gloo, the hook as the trainer registers it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from train import commhooks
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        ddp = DDP(model)
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, warm_start=True)
+        ddp.register_comm_hook(state, commhooks.serialized_hook(commhooks.recovering_hook(powerSGD_hook.powerSGD_hook)))
+        finite = []
+        for step in range(8):
+            loss = ddp(torch.randn(16, 64)).pow(2).sum() * (float("inf") if step == 4 else 1.0)
+            loss.backward()
+            finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            ddp.zero_grad(set_to_none=True)
+        assert finite == [True] * 4 + [False] + [True] * 3  # the overflowed step alone
+        assert all(bool(torch.isfinite(e).all()) for e in state.error_dict.values())
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_training import train
 
-from train.recipes import warmup_cosine_lr
+from train.recipes import momentum_sgd, warmup_cosine_lr
 from train.vision import ResNet, _random_resized_crop, load_image
 
 COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (230, 220, 40)]
@@ -31,6 +31,30 @@ def test_warmup_then_cosine():
     assert warmup_cosine_lr(10, 10, 100, 1.0) == pytest.approx(1.0)
     assert warmup_cosine_lr(55, 10, 100, 1.0) == pytest.approx(0.5)
     assert warmup_cosine_lr(100, 10, 100, 1.0) == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("fused", [True, None])
+def test_a_first_step_skipped_for_an_inf_leaves_momentum_sgd_finite_and_exact(fused, monkeypatch):
+    """fp16's first loss scale often overflows and GradScaler skips that step. torch's fused SGD (2.6, the
+    training image's, and 2.13 here) then kept its uninitialised momentum buffers: NaN parameters from the
+    next step on. The step after a skipped one must be SGD's first step exactly."""
+    full_like = torch.full_like
+    # Uninitialised memory, made to hold NaNs every time (what a freed block held, deterministically).
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: full_like(t, float("nan"), **kw))
+    param = torch.nn.Parameter(torch.ones(1 << 10, 2))
+    optimizer = momentum_sgd([{"params": [param], "weight_decay": 0.0}], 0.9, fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for step in range(2):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1
+        loss = (param * 2).sum() * (float("inf") if step == 0 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    assert torch.equal(optimizer.state[param]["momentum_buffer"], torch.full_like(param, 2.0))
+    assert torch.allclose(param.detach(), torch.full_like(param, 1 - 0.1 * 2.0))
 
 
 @pytest.fixture(scope="module")

@@ -88,11 +88,12 @@ def calibrate(parameters, powersgd_rank: int, world_size: int, device=None, powe
             torch.bmm(p, q.transpose(1, 2), out=matrix)
         kept.sub_(flat)
 
+    sync = _sync(device)  # a GPU's work is queued: without the wait each overhead was its launches alone
     return {
         "overhead_s": {
-            "fp16": _timed(cast(torch.float16)),
-            "bf16": _timed(cast(torch.bfloat16)),
-            "powersgd": _timed(powersgd),
+            "fp16": _timed(cast(torch.float16), sync=sync),
+            "bf16": _timed(cast(torch.bfloat16), sync=sync),
+            "powersgd": _timed(powersgd, sync=sync),
         },
         "powersgd_wire_bytes": stepmodel.powersgd_wire_bytes(shapes, powersgd_rank, world_size),
         "grad_bytes": 4 * flat.numel(),

@@ -17,7 +17,8 @@ def compress_hook(dtype: torch.dtype):
 
     def hook(state, bucket):
         buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(dist.get_world_size())
+        # Divided in fp32 first: a sum of world-size fp16 gradients overflows world-size times sooner.
+        compressed = buffer.div_(dist.get_world_size()).to(dtype)
         future = dist.all_reduce(compressed, async_op=True).get_future()
 
         def decompress(fut):
@@ -64,6 +65,34 @@ def serialized_hook(hook):
     return serialized
 
 
+def recovering_hook(hook):
+    """PowerSGD (`hook`) that recovers from a step whose gradients overflowed. fp16's loss scaling makes such
+    steps on purpose (GradScaler skips them and lowers the scale), and PowerSGD's error feedback and its
+    warm-started Q carried the inf into every later step: gradients non-finite for good, every step
+    skipped (torch 2.6 and later). A bucket whose error came out non-finite gets a zero error and a fresh
+    Q, the same on every rank (a generator seeded by the bucket's index): on the device, no host read."""
+    fresh: dict[int, torch.Tensor] = {}
+
+    def recovering(state, bucket):
+        index = bucket.index()
+
+        def clean(fut):
+            error, q = state.error_dict.get(index), state.q_memory_dict.get(index)
+            if error is not None:
+                bad = ~torch.isfinite(error).all()
+                error.masked_fill_(bad, 0.0)
+                if q is not None:
+                    if index not in fresh:
+                        seeded = torch.Generator(q.device).manual_seed(index)
+                        fresh[index] = torch.randn(q.shape, generator=seeded, device=q.device, dtype=q.dtype)
+                    q.copy_(torch.where(bad, fresh[index], q))
+            return fut.value()
+
+        return hook(state, bucket).then(clean)
+
+    return recovering
+
+
 def register(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
     """The mode's hook (a Python all-reduce hook for none), timed for the step breakdown."""
     import torch.distributed as dist
@@ -80,7 +109,7 @@ def register(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
             use_error_feedback=True,
             warm_start=True,
         )
-        hook = powerSGD_hook.powerSGD_hook
+        hook = recovering_hook(powerSGD_hook.powerSGD_hook)
         if dist.get_backend() == "gloo":
             hook = serialized_hook(hook)
         ddp.register_comm_hook(state, breakdown.timed_hook(hook, timer))

@@ -55,7 +55,9 @@ def measured_peak(device: Any, repeats: int = 10) -> tuple[str, float]:
 
     cuda = getattr(device, "type", "") == "cuda"
     size = 8192 if cuda else 512
-    dtype = (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16) if cuda else torch.float32
+    # Not emulated bf16 (torch >= 2.3 says a T4 supports it, by making a bf16 tensor): the tensor cores' own.
+    native = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    dtype = (torch.bfloat16 if native else torch.float16) if cuda else torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     best = float("inf")

@@ -191,13 +191,9 @@ class ImageTask:
         v = self.config.vision
         decay = [p for n, p in self.model.named_parameters() if p.ndim > 1]
         no_decay = [p for n, p in self.model.named_parameters() if p.ndim <= 1]  # BN and biases
-        return torch.optim.SGD(
-            [{"params": decay, "weight_decay": v.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=1.0,
-            momentum=v.momentum,
-            nesterov=False,
-            fused=True if self.device.type == "cuda" else None,  # and no host read of GradScaler's inf check
-        )
+        groups = [{"params": decay, "weight_decay": v.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = True if self.device.type == "cuda" else None  # and no host read of GradScaler's inf check
+        return momentum_sgd(groups, v.momentum, fused)
 
     def lr_factor(self, step: int) -> float:
         c = self.config
@@ -278,6 +274,18 @@ class ImageTask:
 
     def checkpoint_extras(self) -> dict:
         return {"classes": getattr(self, "train", None) and self.train.classes}
+
+
+def momentum_sgd(groups: list[dict], momentum: float, fused: bool | None) -> torch.optim.SGD:
+    """SGD with its momentum buffers made up front, as zeros (the same first step: dampening 0). torch 2.6's
+    fused SGD (the image's) makes a first step's buffers with empty_like and its kernel returns at once when
+    GradScaler found an inf: fp16's first steps often overflow, and the skipped step's uninitialised
+    buffers became the momentum (NaN parameters from the next step on; fixed in later torch)."""
+    optimizer = torch.optim.SGD(groups, lr=1.0, momentum=momentum, nesterov=False, fused=fused)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+    return optimizer
 
 
 def eval_indices(count: int, total: int) -> list[int]:

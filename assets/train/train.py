@@ -7,7 +7,7 @@ One process per GPU (per CPU slot locally). The same command works under mpirun,
     torchrun --standalone --nproc-per-node 2 -m train.train --recipe transformer-tiny \
         --data /data/datasets/numbers --run-dir /data/runs/tiny --max-steps 500
     mpirun -H 10.0.0.5:1,10.0.0.6:1 -np 2 -bind-to none -map-by slot \
-        -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 \
+        -x MASTER_ADDR=10.0.0.5 -x MASTER_PORT=29500 -x NCCL_SOCKET_IFNAME=ens5 -x GLOO_SOCKET_IFNAME=ens5 \
         python -m train.train --recipe transformer-base --data /data/datasets/wmt16-en-de --run-dir /data/runs/base
 
     python -m train.train --recipe resnet50 --data /data/datasets/imagenet --run-dir /data/runs/r50   # or --synthetic
