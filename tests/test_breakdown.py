@@ -196,10 +196,13 @@ def test_the_verdicts_rank_is_the_one_the_others_wait_for_not_the_one_with_the_l
     assert breakdown.critical_rank([straggler, waiting]) == 0
 
 
-def test_powersgd_recovers_from_an_overflowed_step(tmp_path):
+@pytest.mark.parametrize("rank, zero", [(4, False), (1, True)])
+def test_powersgd_recovers_from_an_overflowed_step_and_takes_an_all_zero_gradient(tmp_path, rank, zero):
     """fp16's loss scaling overflows on purpose now and then (GradScaler skips the step). PowerSGD's error
     feedback and warm-started Q carried that step's inf into every later one: gradients non-finite for good,
-    every step skipped. One rank on gloo, the hook as the trainer registers it."""
+    every step skipped. And an all-zero gradient matrix (a ResNet block's last conv while its BN scale is
+    still its initial 0) was 0/0 in Gram-Schmidt at rank <= 2: NaN every step. One rank on gloo, the state
+    and hook as the trainer registers them."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -207,13 +210,23 @@ def test_powersgd_recovers_from_an_overflowed_step(tmp_path):
 
     from train import commhooks
 
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+            self.scale = torch.nn.Parameter(torch.zeros(64) if zero else torch.ones(64))  # BN's zero-init gamma
+
+        def forward(self, x):
+            return self.last(self.first(x) * self.scale)
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        model = Net()
         ddp = DDP(model)
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, warm_start=True)
-        ddp.register_comm_hook(state, commhooks.serialized_hook(commhooks.recovering_hook(powerSGD_hook.powerSGD_hook)))
+        hook = commhooks.serialized_hook(commhooks.recovering_hook(powerSGD_hook.powerSGD_hook))
+        state = commhooks.powersgd_state(rank)
+        ddp.register_comm_hook(state, hook)
         finite = []
         for step in range(8):
             loss = ddp(torch.randn(16, 64)).pow(2).sum() * (float("inf") if step == 4 else 1.0)

@@ -407,3 +407,33 @@ def test_a_refused_page_lock_is_one_line_and_the_copies_stay_correct(monkeypatch
     host.views[0].copy_(torch.full((3, 5), 2.0))
     assert torch.equal(host.views[0], torch.full((3, 5), 2.0))
     host.release()  # nothing to unlock
+
+
+def test_loaded_optimizer_state_takes_its_parameters_layouts_and_sgd_its_buffers():
+    """What a fused kernel needs after a load: each state tensor laid out like its parameter (a checkpoint's
+    come back row-major), the same values; SGD's momentum buffers present (zeros where a state lacks one)."""
+    conv = torch.nn.Parameter(torch.randn(8, 3, 3, 3).contiguous(memory_format=torch.channels_last))
+    bias = torch.nn.Parameter(torch.randn(8))
+    sgd = torch.optim.SGD([conv, bias], lr=0.1, momentum=0.9)
+    saved = {
+        "state": {0: {"momentum_buffer": torch.arange(216.0).view(8, 3, 3, 3)}},
+        "param_groups": sgd.state_dict()["param_groups"],
+    }
+    sgd.load_state_dict(saved)
+    assert sgd.state[conv]["momentum_buffer"].stride() != conv.stride()  # what torch's load gives
+    checkpoint.settle_optimizer_state(sgd)
+    moved = sgd.state[conv]["momentum_buffer"]
+    assert moved.stride() == conv.stride() and torch.equal(moved, torch.arange(216.0).view(8, 3, 3, 3))
+    assert torch.equal(sgd.state[bias]["momentum_buffer"], torch.zeros(8))  # none saved for it: zeros
+    adam = torch.optim.Adam([conv], lr=0.1)
+    adam.load_state_dict(
+        {
+            "state": {
+                0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(8, 3, 3, 3), "exp_avg_sq": torch.ones(8, 3, 3, 3)}
+            },
+            "param_groups": adam.state_dict()["param_groups"],
+        }
+    )
+    checkpoint.settle_optimizer_state(adam)
+    assert all(adam.state[conv][key].stride() == conv.stride() for key in ("exp_avg", "exp_avg_sq"))
+    assert "momentum_buffer" not in adam.state[conv] and adam.state[conv]["step"].dim() == 0

@@ -193,3 +193,27 @@ def test_the_synthetic_batch_is_made_once_on_the_device_and_reused(tmp_path):
 def test_missing_image_folder_is_one_clear_error(tmp_path):
     result = train(tmp_path / "none", tmp_path / "run", "--recipe", "resnet-small", check=False)
     assert result.returncode == 2 and "python -m train.prepare imagenet --source" in result.stderr
+
+
+def test_a_resumed_resnets_optimizer_state_has_its_parameters_layouts(tmp_path):
+    """A checkpoint's tensors come back row-major (the state writer's host buffers) where the ResNet's
+    weights are channels-last: CUDA's fused SGD refuses momentum whose strides differ from its parameter's,
+    so every resumed ResNet run failed at its first step on a GPU (a CPU's kernel takes them)."""
+    from train.config import build_parser, config_from_args
+    from train.distributed import DistInfo
+    from train.train import compose
+
+    argv = ["--recipe", "resnet-small", "--synthetic", "--batch-per-gpu", "4"]
+    train(tmp_path / "no-data", tmp_path / "run", *argv, "--max-steps", "2")
+    config = config_from_args(
+        build_parser("").parse_args(
+            [*argv, "--max-steps", "3", "--data", str(tmp_path), "--run-dir", str(tmp_path / "run")]
+        )
+    )
+    trainer = compose(config, DistInfo(), torch.device("cpu"))
+    assert trainer.step == 2
+    convs = [p for p in trainer.model.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    for param in trainer.model.parameters():
+        buffer = trainer.optimizer.state[param]["momentum_buffer"]
+        assert buffer.stride() == param.stride() and torch.isfinite(buffer).all()

@@ -225,3 +225,21 @@ def load_file(path: str | os.PathLike) -> dict:
 
 def size_mb(path: str | os.PathLike) -> float:
     return os.path.getsize(path) / 1e6
+
+
+def settle_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state as its fused kernels need it, after it is made or loaded. Each tensor shaped like
+    its parameter gets the parameter's memory layout: a checkpoint's tensors come back row-major (the state
+    writer's host buffers), a ResNet's weights are channels-last, and CUDA's fused SGD and Adam refuse tensors
+    whose strides differ. SGD's momentum buffers exist from the start, as zeros (the same first step,
+    dampening 0): torch's fused SGD made a first step's with empty_like and kept them when GradScaler skipped
+    that step for an inf (fp16's first steps often overflow): NaN parameters from the next step on."""
+    for group in optimizer.param_groups:
+        momentum = isinstance(optimizer, torch.optim.SGD) and group.get("momentum", 0) > 0
+        for param in group["params"]:
+            state = optimizer.state[param]
+            for key, value in list(state.items()):
+                if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+            if momentum and state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param)

@@ -17,7 +17,7 @@ def compress_hook(dtype: torch.dtype):
 
     def hook(state, bucket):
         buffer = bucket.buffer()
-        # Divided in fp32 first: a sum of world-size fp16 gradients overflows world-size times sooner.
+        # Divided in fp32 first: a gradient between fp16's largest value and world size times it overflows the cast.
         compressed = buffer.div_(dist.get_world_size()).to(dtype)
         future = dist.all_reduce(compressed, async_op=True).get_future()
 
@@ -93,6 +93,22 @@ def recovering_hook(hook):
     return recovering
 
 
+def powersgd_state(rank: int):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    return powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=2,
+        use_error_feedback=True,
+        warm_start=True,
+        # An all-zero gradient matrix (a ResNet block's last conv while its zero-initialised BN scale is still
+        # 0, e.g. after GradScaler skipped the first steps) is 0/0 in Gram-Schmidt at rank <= 2; PyTorch's
+        # docs suggest 1e-8 where batch norm does not prevent it.
+        orthogonalization_epsilon=1e-8,
+    )
+
+
 def register(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
     """The mode's hook (a Python all-reduce hook for none), timed for the step breakdown."""
     import torch.distributed as dist
@@ -102,13 +118,7 @@ def register(ddp: DDP, config: TrainConfig, timer: breakdown.StepTimer) -> None:
         dtype = torch.float16 if config.grad_compression == "fp16" else torch.bfloat16
         ddp.register_comm_hook(None, breakdown.timed_hook(compress_hook(dtype), timer))
     elif config.grad_compression == "powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=config.powersgd_rank,
-            start_powerSGD_iter=2,
-            use_error_feedback=True,
-            warm_start=True,
-        )
+        state = powersgd_state(config.powersgd_rank)
         hook = recovering_hook(powerSGD_hook.powerSGD_hook)
         if dist.get_backend() == "gloo":
             hook = serialized_hook(hook)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from train import distributed
+from train import checkpoint, distributed
 from train.config import TrainConfig
 from train.data import PAD, DataSet, rank_slice
 from train.perf import ShapeStats, resnet_forward_flops, transformer_flops
@@ -277,14 +277,9 @@ class ImageTask:
 
 
 def momentum_sgd(groups: list[dict], momentum: float, fused: bool | None) -> torch.optim.SGD:
-    """SGD with its momentum buffers made up front, as zeros (the same first step: dampening 0). torch 2.6's
-    fused SGD (the image's) makes a first step's buffers with empty_like and its kernel returns at once when
-    GradScaler found an inf: fp16's first steps often overflow, and the skipped step's uninitialised
-    buffers became the momentum (NaN parameters from the next step on; fixed in later torch)."""
+    """SGD with its momentum buffers made up front, as zeros (checkpoint.settle_optimizer_state says why)."""
     optimizer = torch.optim.SGD(groups, lr=1.0, momentum=momentum, nesterov=False, fused=fused)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+    checkpoint.settle_optimizer_state(optimizer)
     return optimizer
 
 

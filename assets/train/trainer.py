@@ -145,6 +145,7 @@ class Trainer:
         # (snapshot.HostBlock) would keep the whole file in memory, a /dev/shm snapshot's pages too.
         optimizer = state["optimizer"] if self.device.type == "cuda" else snapshot.owned(state["optimizer"])
         self.optimizer.load_state_dict(optimizer)
+        checkpoint.settle_optimizer_state(self.optimizer)  # the parameters' layouts, SGD's buffers
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
