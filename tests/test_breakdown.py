@@ -227,13 +227,20 @@ def test_powersgd_recovers_from_an_overflowed_step_and_takes_an_all_zero_gradien
         hook = commhooks.serialized_hook(commhooks.recovering_hook(powerSGD_hook.powerSGD_hook))
         state = commhooks.powersgd_state(rank)
         ddp.register_comm_hook(state, hook)
-        finite = []
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        finite, moved = [], []
         for step in range(8):
             loss = ddp(torch.randn(16, 64)).pow(2).sum() * (float("inf") if step == 4 else 1.0)
             loss.backward()
             finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
-            ddp.zero_grad(set_to_none=True)
+            moved.append(bool(model.first.weight.grad.abs().sum() > 0))
+            if finite[-1] and (step >= 2 or not zero):  # GradScaler skips overflowed steps (here the first two)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         assert finite == [True] * 4 + [False] + [True] * 3  # the overflowed step alone
         assert all(bool(torch.isfinite(e).all()) for e in state.error_dict.values())
+        # A layer behind a zero scale has no gradient until the scale moves (after step 2, the first compressed
+        # one: its zero matrix made Q zero); it must get one after (a zero Q gave P = MQ = 0 for good).
+        assert moved[3] and moved[5:] == [True] * 3, moved  # (the overflow at step 4 refreshes every Q anyway)
     finally:
         dist.destroy_process_group()

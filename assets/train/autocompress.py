@@ -81,9 +81,9 @@ def calibrate(parameters, powersgd_rank: int, world_size: int, device=None, powe
     def powersgd():  # the hook's local work, as in powerSGD_hook: error feedback, Q, P = MQ, Q = M'P, M = PQ'
         kept = flat.add(0.0)
         for matrix, q, p in matrices:
-            _orthogonalize(q)
+            _orthogonalize(q, 1e-8)  # the hook's epsilon (commhooks.powersgd_state)
             torch.bmm(matrix, q, out=p)
-            _orthogonalize(p)
+            _orthogonalize(p, 1e-8)
             torch.bmm(matrix.transpose(1, 2), p, out=q)
             torch.bmm(p, q.transpose(1, 2), out=matrix)
         kept.sub_(flat)

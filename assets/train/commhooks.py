@@ -70,7 +70,8 @@ def recovering_hook(hook):
     steps on purpose (GradScaler skips them and lowers the scale), and PowerSGD's error feedback and its
     warm-started Q carried the inf into every later step: gradients non-finite for good, every step
     skipped (torch 2.6 and later). A bucket whose error came out non-finite gets a zero error and a fresh
-    Q, the same on every rank (a generator seeded by the bucket's index): on the device, no host read."""
+    Q, the same on every rank (a generator seeded by the bucket's index), and Q's zero entries are fresh
+    too: on the device, no host read."""
     fresh: dict[int, torch.Tensor] = {}
 
     def recovering(state, bucket):
@@ -85,7 +86,9 @@ def recovering_hook(hook):
                     if index not in fresh:
                         seeded = torch.Generator(q.device).manual_seed(index)
                         fresh[index] = torch.randn(q.shape, generator=seeded, device=q.device, dtype=q.dtype)
-                    q.copy_(torch.where(bad, fresh[index], q))
+                    # And Q's zero entries: an all-zero gradient matrix makes its Q zero (P = MQ = 0, normalised
+                    # to 0 with the epsilon), and a zero Q gives P = 0 for good, whatever the next gradients.
+                    q.copy_(torch.where(bad | (q == 0), fresh[index], q))
             return fut.value()
 
         return hook(state, bucket).then(clean)
