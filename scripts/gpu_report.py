@@ -72,9 +72,8 @@ def same_steps(trainer: dict, plain: dict) -> tuple[float, float, int, int] | No
     return mean(mine), mean(theirs), 2 + WINDOW * first, 1 + WINDOW * last
 
 
-def _same(results: dict, name: str, label: str):
-    plain = _get(results, label, "windows_ms") and results[label]
-    found = same_steps(results.get(name) or {}, plain) if plain else None
+def _same(results: dict, name: str, plain: str):
+    found = same_steps(results.get(name) or {}, results.get(plain) or {})
     return _ratio(found[0], found[1]) if found else None
 
 
@@ -243,7 +242,7 @@ def same_steps_lines(results: dict) -> list[str]:
             continue
         label = "16k" if name.startswith("16k") else "budget"
         plain = results.get(f"{label}: plain, trainer's batches, flash/efficient") or {}
-        found = same_steps(r, plain) if "windows_ms" in plain else None
+        found = same_steps(r, plain)
         if found:
             mine, theirs, first, last = found
             lines.append(

@@ -63,6 +63,8 @@ def calibrate(parameters, powersgd_rank: int, world_size: int, device=None, powe
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
+    from train.commhooks import ORTHOGONALIZATION_EPSILON
+
     device = device or torch.device("cpu")
     shapes = [tuple(p.shape) for p in parameters if p.requires_grad]
     grads = [torch.randn(shape, device=device) for shape in shapes]
@@ -81,9 +83,9 @@ def calibrate(parameters, powersgd_rank: int, world_size: int, device=None, powe
     def powersgd():  # the hook's local work, as in powerSGD_hook: error feedback, Q, P = MQ, Q = M'P, M = PQ'
         kept = flat.add(0.0)
         for matrix, q, p in matrices:
-            _orthogonalize(q, 1e-8)  # the hook's epsilon (commhooks.powersgd_state)
+            _orthogonalize(q, ORTHOGONALIZATION_EPSILON)  # as the hook does
             torch.bmm(matrix, q, out=p)
-            _orthogonalize(p, 1e-8)
+            _orthogonalize(p, ORTHOGONALIZATION_EPSILON)
             torch.bmm(matrix.transpose(1, 2), p, out=q)
             torch.bmm(p, q.transpose(1, 2), out=matrix)
         kept.sub_(flat)

@@ -96,6 +96,12 @@ def recovering_hook(hook):
     return recovering
 
 
+# Added to each normalised column in PowerSGD's Gram-Schmidt (rank <= 2): an all-zero gradient matrix (a ResNet
+# block's last conv while its zero-initialised BN scale is still 0, e.g. after GradScaler skipped the first
+# steps) is 0/0 there; PyTorch's docs suggest 1e-8 where batch norm does not prevent it.
+ORTHOGONALIZATION_EPSILON = 1e-8
+
+
 def powersgd_state(rank: int):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -105,10 +111,7 @@ def powersgd_state(rank: int):
         start_powerSGD_iter=2,
         use_error_feedback=True,
         warm_start=True,
-        # An all-zero gradient matrix (a ResNet block's last conv while its zero-initialised BN scale is still
-        # 0, e.g. after GradScaler skipped the first steps) is 0/0 in Gram-Schmidt at rank <= 2; PyTorch's
-        # docs suggest 1e-8 where batch norm does not prevent it.
-        orthogonalization_epsilon=1e-8,
+        orthogonalization_epsilon=ORTHOGONALIZATION_EPSILON,
     )
 
 
