@@ -314,6 +314,13 @@ class ClusterConfig:
                 "needs -c access=ssm: nodes without public IPs are reached through Session Manager",
             )
         self._validate_efa()
+        gpus = self.type_info.gpus
+        if self.gpus_per_node and self.gpus_per_node > gpus:  # NCCL: "Duplicate GPU detected"
+            raise ConfigError(
+                "gpus_per_node",
+                self.gpus_per_node,
+                f"{self.instance_type} has {gpus} GPU(s): one rank per GPU, at most {gpus}",
+            )
         if self.private_subnet and self.vpc_id:
             raise ConfigError(
                 "private_subnet",

@@ -225,13 +225,14 @@ SAVED_RUN = resume.Saved(
 
 
 def test_a_resumed_run_keeps_its_saved_budget_and_predicts_the_steps_left():
+    """The steps to price are check_trainer's (the saved max_steps, or --steps); a resume trains what is left."""
     inv = test_launch.inventory()
     request = resume.resumed(launch.TrainRequest(run="r"), set(), SAVED_RUN, inv)
     assert request.budget_usd == 6.0
-    assert budgets.steps_to_run(request, SAVED_RUN) == (300, "the 300 steps left (1000 - checkpoint 700)")
+    assert budgets.steps_to_run(1000, SAVED_RUN) == (300, "the 300 steps left (1000 - checkpoint 700)")
     given = resume.resumed(launch.TrainRequest(run="r", budget_usd=20.0, steps=2000), {"budget_usd"}, SAVED_RUN, inv)
     assert given.budget_usd == 20.0  # a new limit; the spend stays the run's
-    assert budgets.steps_to_run(given, SAVED_RUN)[0] == 1300
+    assert budgets.steps_to_run(2000, SAVED_RUN)[0] == 1300  # check_trainer's: --steps
     assert budgets.spent_before(SAVED_RUN) == 4.5 and budgets.spent_before(None) == 0.0
 
 

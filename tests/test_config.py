@@ -85,6 +85,12 @@ def test_gpus_per_node_override_uses_fewer_ranks():
     assert config.gpus == 4
 
 
+def test_more_ranks_per_node_than_the_type_has_gpus_is_refused_in_one_line():
+    """Two ranks on one GPU: NCCL's first collective fails every rank ("Duplicate GPU detected")."""
+    with pytest.raises(ConfigError, match=r"gpus_per_node.*g5\.12xlarge has 4 GPU\(s\): one rank per GPU, at most 4"):
+        ClusterConfig.from_context({"instance_type": "g5.12xlarge", "gpus_per_node": "8"})
+
+
 def test_a_bare_address_means_that_one_host():
     assert ClusterConfig.from_context({"ssh_cidr": "203.0.113.7"}).ssh_cidr == "203.0.113.7/32"
 

@@ -188,9 +188,9 @@ def test_the_trainers_own_resume_checks_run_on_the_laptop():
     saved = resume.Saved(saved_config(), None)
     request = resume.resumed(launch.TrainRequest(run="tiny", batch_per_gpu=7), set(), saved, inventory())
     with pytest.raises(launch.LaunchError, match=r"^--batch-per-gpu 7 differs from the run's 64: a resumed run keeps"):
-        resume.check_trainer(inventory(), request, saved)
+        resume.check_trainer(inventory(), request, saved, 2)
     longer = resume.resumed(launch.TrainRequest(run="tiny", steps=600), set(), saved, inventory())
-    resume.check_trainer(inventory(), longer, saved)  # the length may change
+    resume.check_trainer(inventory(), longer, saved, 2)  # the length may change
 
 
 def test_a_finished_run_is_refused_with_how_to_train_more_or_start_anew():
@@ -198,13 +198,25 @@ def test_a_finished_run_is_refused_with_how_to_train_more_or_start_anew():
     its summary with zeros."""
     saved = dataclasses.replace(resume.Saved(saved_config(), None), step=300)
     request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
-    max_steps = resume.check_trainer(inventory(), request, saved)
+    max_steps = resume.check_trainer(inventory(), request, saved, 2)
     with pytest.raises(launch.LaunchError) as refused:
         resume.refuse_finished(request, saved, max_steps, ["tiny", "tiny-2"])
     words = str(refused.value)
     assert "already finished at step 300" in words and "--run tiny --steps 450" in words and "--run tiny-3" in words
     longer = resume.resumed(launch.TrainRequest(run="tiny", steps=450), set(), saved, inventory())
-    resume.refuse_finished(longer, saved, resume.check_trainer(inventory(), longer, saved), ["tiny"])
+    resume.refuse_finished(longer, saved, resume.check_trainer(inventory(), longer, saved, 2), ["tiny"])
+
+
+def test_the_steps_checked_and_priced_are_the_trainers_on_the_launchs_ranks():
+    """resnet50's step counts are for 8 x 256 images a step: on 2 nodes of 8 GPUs the trainer trains
+    28,150 steps, and the budget prices those (train.config.scaled_to_world), not 56,300."""
+    import test_launch
+
+    p4d = test_launch.inventory(nodes=2, gpus=8)
+    request = launch.TrainRequest(recipe="resnet50", run="r")
+    assert resume.check_trainer(p4d, request, None, 2) == 28_150
+    assert resume.check_trainer(p4d, request, None, 1) == 56_300
+    assert resume.check_trainer(p4d, dataclasses.replace(request, steps=900), None, 2) == 900
 
 
 @pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])
@@ -212,7 +224,7 @@ def test_a_bad_extra_is_one_line_from_the_trainers_parser(extra, capsys):
     """Before: argparse's usage, once per rank, after mpirun started."""
     request = launch.TrainRequest(recipe="transformer-tiny", extra_args=extra)
     with pytest.raises(launch.LaunchError) as refused:
-        resume.check_trainer(inventory(), request, None)
+        resume.check_trainer(inventory(), request, None, 2)
     assert "\n" not in str(refused.value) and ("lr-scale" in str(refused.value) or "--bogus" in str(refused.value))
     assert capsys.readouterr().err == ""  # no usage text
 

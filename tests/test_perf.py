@@ -112,6 +112,59 @@ def test_transformer_flops_equal_flop_counter_mode_forward_and_backward():
     assert forward.get_total_flops() + backward.get_total_flops() == expected
 
 
+def test_the_decoders_self_attention_is_the_causal_kernel_and_real_tokens_see_what_a_padding_mask_gives(
+    monkeypatch,
+):
+    """Right-padded targets under the causal mask: no real token can see a PAD, so the decoder's
+    self-attention needs no padding mask, and without one SDPA runs its causal kernel (flash on a GPU)
+    instead of a (batch x heads, T, T) float mask merged every layer. The real positions' logits and
+    every gradient are what the padding mask gives; PAD positions are not scored."""
+    import torch.nn.functional as F
+
+    from train.model import PAD
+
+    model, _ = _tiny_transformer()
+    model.train()
+    src = torch.randint(4, 50, (3, 7))
+    tgt = torch.randint(4, 50, (3, 9))
+    src[0, -2:], tgt[1, -4:], tgt[2, -1:] = PAD, PAD, PAD
+    real = tgt.ne(PAD)
+    calls: list = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((q.size(-2), k.size(-2), attn_mask is None, is_causal))
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, **kwargs)
+
+    def loss_and_grads(logits):
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=PAD)
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    logits = model(src, tgt)
+    monkeypatch.undo()
+    self_attention = [c for c in calls if c[:2] == (9, 9)]
+    assert len(self_attention) == 2 and all(c[2:] == (True, True) for c in self_attention)
+    grads = loss_and_grads(logits)
+
+    memory, src_pad = model.encode(src)
+    length = tgt.size(1)
+    masked = model.core.decoder(
+        model._embed(tgt),
+        memory,
+        tgt_mask=torch.ones(length, length, dtype=torch.bool).triu(1),
+        tgt_is_causal=True,
+        tgt_key_padding_mask=tgt.eq(PAD),
+        memory_key_padding_mask=src_pad,
+    )
+    expected = F.linear(masked, model.embed.weight)
+    torch.testing.assert_close(logits[real], expected[real])
+    for got, want in zip(grads, loss_and_grads(expected)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("arch, width, size", [("resnet18", 8, 32), ("resnet50", 8, 40)])
 def test_resnet_forward_flops_equal_flop_counter_mode(arch, width, size):
     from torch.utils.flop_counter import FlopCounterMode

@@ -5,6 +5,7 @@ still reaches."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -218,6 +219,40 @@ def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
     (tmp_path / "stacks" / "states.10.0.0.1").write_text("100 S\n300 S\n")
     rank, evidence = hang.behind(tmp_path)
     assert rank == 1 and "pid 200 on node1" in evidence and "(stopped)" in evidence and "no stack dump" in evidence
+
+
+def test_a_hang_dump_finds_the_ranks_not_their_forked_workers(tmp_path):
+    """A ResNet rank's DataLoader workers are forks with its command line: the dump took them for ranks
+    (~180 processes on a p4d, each py-spied and signalled within the dump's 15 s)."""
+    import subprocess
+
+    run = str(tmp_path / "run")
+    program = "import os, time\nif os.fork():\n    print('ready', flush=True)\ntime.sleep(30)"  # a rank, a worker
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", program, "--run-dir", run], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    workers: list[int] = []
+    try:
+        for rank in ranks:
+            assert rank.stdout.readline().strip() == "ready"
+        children = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+        workers += [int(p.name) for p in children if f" {ranks[0].pid} " in _stat(p)]
+        assert workers, "the rank forked no worker"
+        assert sorted(pid for pid, _ in hang._ranks(run)) == sorted(rank.pid for rank in ranks)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+        for pid in workers:
+            os.kill(pid, 9)
+
+
+def _stat(entry: Path) -> str:
+    try:
+        return (entry / "stat").read_text().rsplit(")", 1)[1]
+    except (OSError, IndexError):
+        return ""
 
 
 def test_the_trainer_accepts_a_new_batch_split_on_resume_only_with_keep_global_batch():

@@ -455,3 +455,18 @@ def test_a_rank_given_gpus_whose_torch_finds_none_stops_instead_of_training_on_t
         distributed.device_for(info, {"NVIDIA_VISIBLE_DEVICES": "all"})
     for none in ({}, {"NVIDIA_VISIBLE_DEVICES": "void"}, {"NVIDIA_VISIBLE_DEVICES": "none"}):
         assert distributed.device_for(info, none) == torch.device("cpu")
+
+
+def test_a_local_rank_past_the_gpus_stops_instead_of_sharing_one(monkeypatch):
+    """Local rank 4 of 8 on a node whose container has 4 GPUs took GPU 0 again (local rank modulo the
+    count), and NCCL's first collective then failed every rank ("Duplicate GPU detected")."""
+    from train import distributed
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    three = distributed.DistInfo(rank=7, world_size=16, local_rank=3, launcher="mpirun")
+    assert distributed.device_for(three, {}) == torch.device("cuda", 3) == chosen[0]
+    with pytest.raises(SystemExit, match=r"rank 12 is local rank 4 but torch sees 4 GPU\(s\): one rank per GPU"):
+        distributed.device_for(distributed.DistInfo(rank=12, world_size=16, local_rank=4), {})

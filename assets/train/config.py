@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -82,6 +83,9 @@ class TrainConfig:
     data: str = dataset_dir("wmt16-en-de")
     run_dir: str = "/data/runs/default"
     max_steps: int = 50_000
+    # The global batch the step counts (max_steps, warmup_steps, eval_every) are for, 0: steps whatever the
+    # global batch. A recipe that has one trains its samples on any number of ranks (scaled_to_world).
+    reference_batch: int = 0
     batch_per_gpu: int = 128
     grad_accum: int = 1
     batching: str = "tokens"  # translation: token-budget buckets (sampler.py), or "sentences"
@@ -123,6 +127,7 @@ class TrainConfig:
     def validate(self) -> None:
         _check(self.recipe in RECIPES, "recipe", self.recipe, f"one of {', '.join(RECIPES)}")
         _check(self.max_steps > 0, "max_steps", self.max_steps, "a positive whole number")
+        _check(self.reference_batch >= 0, "reference_batch", self.reference_batch, "0 (off) or a global batch")
         _check(self.batch_per_gpu > 0, "batch_per_gpu", self.batch_per_gpu, "a positive whole number")
         _check(self.grad_accum > 0, "grad_accum", self.grad_accum, "a positive whole number")
         precisions = ("auto", *PRECISIONS)
@@ -215,13 +220,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 # --synthetic measures throughput, it learns nothing: 500 steps are past the start-up and cuDNN's
-# autotuning (minutes, not the hours of resnet50's 56,300-step schedule on GPUs that bill by the hour).
+# autotuning (minutes, not the hours of resnet50's 90-epoch schedule on GPUs that bill by the hour).
 SYNTHETIC_STEPS = 500
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Recipe defaults, then every flag the user gave; validated. A synthetic run without --max-steps
-    is a SYNTHETIC_STEPS benchmark (or the recipe's own length if that is shorter)."""
+def config_from_args(args: argparse.Namespace, world_size: int = 1) -> TrainConfig:
+    """Recipe defaults, then every flag the user gave, the step counts scaled to `world_size` ranks'
+    global batch (scaled_to_world); validated. A synthetic run without --max-steps is a SYNTHETIC_STEPS
+    benchmark (or the recipe's own length if that is shorter)."""
     recipe: dict[str, Any] = dict(RECIPES[args.recipe])
     model = ModelConfig(**recipe.pop("model", {}))
     vision = VisionConfig(**recipe.pop("vision", {}))
@@ -230,10 +236,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for key, value in given.items():
         target = next(part for part in (config.model, config.vision, config) if hasattr(part, key))
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
+    scaled_to_world(config, world_size, set(given))
     if config.vision.synthetic and "max_steps" not in given:
         config.max_steps = min(config.max_steps, SYNTHETIC_STEPS)
     config.validate()
     return config
+
+
+# A recipe's step counts, as many samples (and the same evaluations) at any global batch.
+SCALED_STEPS = ("max_steps", "warmup_steps", "eval_every")
+
+
+def scaled_to_world(config: TrainConfig, world_size: int, given: set[str]) -> None:
+    """With a reference_batch (the resnet50 recipe's 2,048: 8 ranks x 256), each step count not given as a
+    flag is scaled to this run's global batch: 16 ranks train the recipe's 90 epochs in half the steps, as
+    its LR, scaled with the global batch (Goyal et al.), assumes; a fixed step count would train 180 epochs
+    and bill twice. A new run's config.json keeps the scaled counts: a resume or a rebalance keeps them."""
+    global_batch = config.batch_per_gpu * world_size * config.grad_accum
+    if not config.reference_batch or global_batch == config.reference_batch:
+        return
+    for name in SCALED_STEPS:
+        if name not in given:
+            setattr(config, name, max(1, math.ceil(getattr(config, name) * config.reference_batch / global_batch)))
 
 
 # What a resumed run may change: how long it runs and how it reports, never what it trains.
@@ -335,6 +359,8 @@ def resolve_precision(config: TrainConfig, device) -> str:
 def settings_line(config: TrainConfig, precision_why: str = "") -> str:
     """The effective settings, in one line (printed at start; kept in config.json and the summary)."""
     steps = f"{config.max_steps} steps"
+    if config.reference_batch:
+        steps += f" (the recipe's samples at any global batch: its steps are for {config.reference_batch})"
     if config.vision.synthetic and config.max_steps == SYNTHETIC_STEPS:
         steps += " (synthetic data: a benchmark's default length; fab train --steps N for more)"
     batch = f"batch {config.batch_per_gpu}/GPU"

@@ -50,7 +50,12 @@ def device_for(info: DistInfo, env: Mapping[str, str] = os.environ) -> torch.dev
     torch finds no CUDA device (a driver older than the image's CUDA, a GPU lost) would train on the
     CPU over gloo, silently and many times slower: it stops instead, saying why."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        if info.local_rank >= torch.cuda.device_count():  # two ranks on one GPU: NCCL fails them all, later
+            raise SystemExit(
+                f"error: rank {info.rank} is local rank {info.local_rank} but torch sees "
+                f"{torch.cuda.device_count()} GPU(s): one rank per GPU (mpirun -H HOST:SLOTS, -c gpus_per_node)"
+            )
+        device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
         return device
     given = env.get("NVIDIA_VISIBLE_DEVICES", "")

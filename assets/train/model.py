@@ -60,8 +60,11 @@ class Transformer(nn.Module):
             self._embed(tgt_in),
             memory,
             tgt_mask=causal,
+            # No target padding mask: rows are padded on the right, so under the causal mask a real token
+            # never sees a PAD, and a PAD's own output is not scored (the loss ignores PAD). Without it the
+            # self-attention is SDPA's causal kernel (flash on a GPU); with it, nn.MultiheadAttention merges
+            # both masks into a (batch x heads, T, T) float mask every layer and step.
             tgt_is_causal=True,
-            tgt_key_padding_mask=tgt_in.eq(PAD),
             memory_key_padding_mask=src_pad,
         )
         return F.linear(hidden, self.embed.weight)  # tied output projection

@@ -41,7 +41,7 @@ from train.config import (
 def effective_config(args):
     """The flags on the recipe for a new run; for a run directory that holds one, its saved
     configuration (a resumed run keeps its settings). Returns (config, changes, resumed)."""
-    config = config_from_args(args)
+    config = config_from_args(args, distributed.detect().world_size)  # the launcher's, before the rendezvous
     saved = Path(config.run_dir) / rundir.CONFIG
     if not saved.exists():
         return config, [], False

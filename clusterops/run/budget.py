@@ -107,15 +107,14 @@ def io_tail(saved: Optional[Saved]) -> tuple[float, ...]:
     return (since, until) if since < until else ()
 
 
-def steps_to_run(request: TrainRequest, saved: Optional[Saved]) -> tuple[int, str]:
-    """The steps the launch will train, and how to say so: a resumed run's from its newest checkpoint to its
-    --steps (else its saved max_steps)."""
+def steps_to_run(max_steps: int, saved: Optional[Saved]) -> tuple[int, str]:
+    """The steps the launch will train, and how to say so: `max_steps` as the trainer will see them
+    (resume.check_trainer: --steps, a resumed run's saved count, or the recipe's at this launch's ranks),
+    for a resumed run from its newest checkpoint."""
     if saved is None or not saved.step:
-        steps = requested_steps(request.recipe, request.steps)
-        return steps, f"{steps} steps"
-    total = request.steps or int(saved.config.get("max_steps") or requested_steps(request.recipe, None))
-    left = max(0, total - saved.step)
-    return left, f"the {left} steps left ({total} - checkpoint {saved.step})"
+        return max_steps, f"{max_steps} steps"
+    left = max(0, max_steps - saved.step)
+    return left, f"the {left} steps left ({max_steps} - checkpoint {saved.step})"
 
 
 def checkpoint_gb(summary: Optional[Summary], config: dict, steps: int) -> float:
@@ -159,14 +158,6 @@ def refusal(
         f"EFS I/O), over --budget-usd {budget_usd:g}{of} by more than {margin:.0%}: nothing started; raise the "
         f"budget, train fewer --steps, or give --budget-margin {total / left - 1:.2f} to start anyway"
     )
-
-
-def requested_steps(recipe: str, steps: Optional[int]) -> int:
-    """The steps the run is asked for: --steps, else the recipe's, else the trainer's default."""
-    from train.catalog import RECIPES
-    from train.config import TrainConfig
-
-    return steps or int(RECIPES[recipe].get("max_steps", TrainConfig.max_steps))
 
 
 def prediction(

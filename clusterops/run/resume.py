@@ -90,17 +90,18 @@ def _refuse(request: launch.TrainRequest):
     return error
 
 
-def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved]) -> int:
+def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved], nodes: int) -> int:
     """The trainer's argument line parsed by the trainer's parser, then its configuration checks (a new
     run's) or its resume checks (a saved run's: train.config.resume_config), on the laptop. Returns the
-    run's max steps as the trainer will see them."""
+    run's max steps as the trainer will see them on `nodes` of this cluster's ranks per node."""
     from train.config import ConfigError, build_parser, config_from_args, resume_config
 
     parser = build_parser("python -m train.train")
     parser.error = _refuse(request)  # type: ignore[method-assign]  # argparse prints usage and exits
     args = parser.parse_args(launch.trainer_args(inventory, request))
     try:
-        config = resume_config(run.config, args)[0] if run else config_from_args(args)
+        world = nodes * inventory.gpus_per_node
+        config = resume_config(run.config, args)[0] if run else config_from_args(args, world)
     except ConfigError as error:
         raise launch.LaunchError(f"{error}" + (f" (run {request.run_name})" if run else "")) from None
     except (KeyError, TypeError) as error:  # a config.json this trainer cannot read

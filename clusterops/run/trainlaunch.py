@@ -49,12 +49,13 @@ def start(inv: Inventory, request: launch.TrainRequest, given: set[str], say: Sa
 def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], selected, say: Say) -> Started:
     saved = resume.saved(conn, inv, request.run_name)
     request = resume.resumed(request, given, saved, inv) if saved else request
-    max_steps = resume.check_trainer(inv, request, saved)  # one line on a bad flag; the run untouched
+    max_steps = resume.check_trainer(inv, request, saved, len(selected))  # one line on a bad flag; run untouched
     taken = resume.run_names(conn, inv)
     if saved:  # a finished run is never rewritten by a launch that trains nothing
         resume.refuse_finished(request, saved, max_steps, taken)
     nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
-    plan = _budgeted(conn, inv, _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes, say)), saved, say)
+    plan = _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes, say))
+    plan = _budgeted(conn, inv, plan, saved, max_steps, say)
     rdir, log_offset = lifecycle.start_training(conn, inv, plan)
     how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
     note = resume.close_run(request.run_name, taken) if not saved else ""  # a typo in --run starts a new run
@@ -70,7 +71,9 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
     return launch.LaunchPlan(request, tuple(nodes), interface, lifecycle.code_dir_on(conn, inv), tuple(verdicts))
 
 
-def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved, say: Say = print) -> launch.LaunchPlan:
+def _budgeted(
+    conn, inv: Inventory, plan: launch.LaunchPlan, saved, max_steps: int, say: Say = print
+) -> launch.LaunchPlan:
     """--budget-usd (or a resumed run's saved one): priced as `fab cost` prices the nodes (the price `fab
     inventory` kept; on a Spot cluster the most a node-hour can cost: budget_price) over every node of the
     cluster that bills (on AWS the meter asks EC2 which at every reading), and EFS I/O, on top of
@@ -87,7 +90,7 @@ def _budgeted(conn, inv: Inventory, plan: launch.LaunchPlan, saved, say: Say = p
     ids = tuple(n.instance_id for n in inv.nodes if n.instance_id) if inv.source == "aws" else ()
     where = (nodes, spent, *efs, tail, ids, inv.source == "local")  # the emulated cluster bills nothing: said so
     budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, io_rate, *where)
-    steps, what = budgets.steps_to_run(request, saved)
+    steps, what = budgets.steps_to_run(max_steps, saved)
     estimate, why = _prediction(conn, inv, plan, steps, price, nodes)
     refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)
     if refused:

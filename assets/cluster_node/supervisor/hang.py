@@ -75,21 +75,23 @@ def record(run: Path, now: float) -> str:
 
 
 def _ranks(run: str) -> list[tuple[int, str]]:
-    """(pid, state) of this run's processes on this node (`--run-dir RUN` in the command), not mpirun."""
-    out = []
+    """(pid, state) of this run's ranks on this node: its processes (`--run-dir RUN` in the command), not
+    mpirun, nor a rank's forked DataLoader workers (the same command line: a ResNet rank on a p4d has 22,
+    and py-spying ~180 processes outlasts the dump's time)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             args = (entry / "cmdline").read_bytes().split(b"\0")
             comm = (entry / "comm").read_text().strip()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
             continue
         flag = [i for i, a in enumerate(args) if a == b"--run-dir" and args[i + 1 : i + 2] == [run.encode()]]
         if flag and comm != "mpirun":
-            out.append((int(entry.name), state))
-    return out
+            found[int(entry.name)] = (state, int(parent))
+    return [(pid, state) for pid, (state, parent) in sorted(found.items()) if parent not in found]
 
 
 def dump(run: str) -> int:
