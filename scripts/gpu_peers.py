@@ -111,16 +111,17 @@ class PlainTransformer(nn.Module):
         self.core = nn.Transformer(d_model, heads, layers, layers, ffn, 0.1, batch_first=True)
 
     def forward(self, src, tgt, masks: bool):
+        """`masks`: the source's padding masks, as the trainer's model passes them (right-padded targets under
+        the causal mask need none: the trainer leaves them out, so a peer with them would be slower by that)."""
         causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool, device=tgt.device).triu(1)  # the masks' type
-        pads = dict(src_key_padding_mask=src.eq(PAD), tgt_key_padding_mask=tgt.eq(PAD)) if masks else {}
-        memory_pad = pads.get("src_key_padding_mask")
+        pad = src.eq(PAD) if masks else None
         hidden = self.core(
             self.emb(src) * self.scale,
             self.emb(tgt) * self.scale,
             tgt_mask=causal,
             tgt_is_causal=True,
-            memory_key_padding_mask=memory_pad,
-            **pads,
+            src_key_padding_mask=pad,
+            memory_key_padding_mask=pad,
         )
         return hidden @ self.emb.weight.t()
 

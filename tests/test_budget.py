@@ -124,6 +124,17 @@ def test_the_prediction_places_the_inventorys_ranks_per_node_not_the_instance_ty
     assert estimate.step_s == pytest.approx(sum(PARTS.values()))
 
 
+def test_a_launch_on_more_ranks_is_priced_for_the_objects_it_trains():
+    """The base ran 8 ranks at a global batch of 256; a launch on 4 nodes at the same 32 per GPU steps 512.
+    The model keeps the base's batch (more ranks split it), so each launch step is two of its steps. Before:
+    each was priced as one, half the objects, and --budget-usd let through runs that cost twice its figure."""
+    inputs = {"summary": MEASURED, "link": (100.0, "given")}
+    same = budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, 256)
+    double = budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, 512)
+    assert "200 steps" in dict(double.models)["time"] and "100 steps" in dict(same.models)["time"]
+    assert double.usd_nodes == pytest.approx(2 * same.usd_nodes)
+
+
 def _notice(host: str, noticed: float, action: float) -> dict:
     iso = "%Y-%m-%dT%H:%M:%SZ"
     return rundir.Interruption(

@@ -198,13 +198,13 @@ def test_a_finished_run_is_refused_with_how_to_train_more_or_start_anew():
     its summary with zeros."""
     saved = dataclasses.replace(resume.Saved(saved_config(), None), step=300)
     request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
-    max_steps = resume.check_trainer(inventory(), request, saved, 2)
+    max_steps = resume.check_trainer(inventory(), request, saved, 2).max_steps
     with pytest.raises(launch.LaunchError) as refused:
         resume.refuse_finished(request, saved, max_steps, ["tiny", "tiny-2"])
     words = str(refused.value)
     assert "already finished at step 300" in words and "--run tiny --steps 450" in words and "--run tiny-3" in words
     longer = resume.resumed(launch.TrainRequest(run="tiny", steps=450), set(), saved, inventory())
-    resume.refuse_finished(longer, saved, resume.check_trainer(inventory(), longer, saved, 2), ["tiny"])
+    resume.refuse_finished(longer, saved, resume.check_trainer(inventory(), longer, saved, 2).max_steps, ["tiny"])
 
 
 def test_the_steps_checked_and_priced_are_the_trainers_on_the_launchs_ranks():
@@ -214,9 +214,9 @@ def test_the_steps_checked_and_priced_are_the_trainers_on_the_launchs_ranks():
 
     p4d = test_launch.inventory(nodes=2, gpus=8)
     request = launch.TrainRequest(recipe="resnet50", run="r")
-    assert resume.check_trainer(p4d, request, None, 2) == 28_150
-    assert resume.check_trainer(p4d, request, None, 1) == 56_300
-    assert resume.check_trainer(p4d, dataclasses.replace(request, steps=900), None, 2) == 900
+    assert resume.check_trainer(p4d, request, None, 2).max_steps == 28_150
+    assert resume.check_trainer(p4d, request, None, 1).max_steps == 56_300
+    assert resume.check_trainer(p4d, dataclasses.replace(request, steps=900), None, 2).max_steps == 900
 
 
 @pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])

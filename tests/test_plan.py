@@ -171,28 +171,3 @@ def test_plan_spot_prices_a_spot_clusters_own_type_where_its_nodes_run(monkeypat
     assert (own.usd_per_hour, own.price_source) == (0.2104, "Spot in us-east-1b")
     with pytest.raises(AssertionError, match="AWS asked"):
         planner._offer(inv, "g5.xlarge", base(gpu="T4"), None, spot=True)
-
-
-def test_a_recipe_with_a_reference_batch_is_planned_as_the_same_samples_on_every_row(monkeypatch):
-    """A resnet50 base run on 8 ranks at 56,300 steps (90 epochs): 2 x 8 GPUs train them in 28,150 steps
-    (train.config.scaled_to_world). Before, every row priced 56,300: the 16-GPU row twice the images."""
-    from clusterops.inventory import Inventory, Node, SshSettings
-    from clusterops.run import analysis, planner
-
-    b = replace(base(world=8, gpu="A100"), ranks_per_node=8)
-    rows = plan.plan(b, [offer(gpu="A100", gpus=8)], 3, 56_300, plan.Storage(), samples=True)
-    assert [dict(e.models)["time"].split(" = ")[1].split(" steps")[0] for e in rows] == ["56300", "28150", "18767"]
-    fixed = plan.plan(b, [offer(gpu="A100", gpus=8)], 2, 56_300, plan.Storage())
-    assert {dict(e.models)["time"].split(" = ")[1].split(" steps")[0] for e in fixed} == {"56300"}
-
-    nodes = [Node(0, "node0", "1.2.3.4", "10.0.0.1", "i-0")]
-    inv = Inventory("c", "aws", nodes, 8, SshSettings("ubuntu", 4444, "k", "kh"), instance_type="p4d.24xlarge")
-    inputs = {"summary": None, "link": (None, ""), "config": {"max_steps": 56_300, "reference_batch": 2048}}
-    monkeypatch.setattr(analysis, "plan_inputs", lambda *a: inputs)
-    monkeypatch.setattr(planner, "_plan_base", lambda *a: b)
-    query = planner.Query(("p4d.24xlarge",), max_nodes=2)
-    planned = planner.plan(None, replace(inv, usd_per_hour=32.77, price_source="given"), "/r", None, query)
-    assert "as many samples on each row's ranks as on the base run's 8" in planned.target_model
-    assert len(planned.rows) == 2 and planned.best is not None
-    given = planner.plan(None, inv, "/r", None, replace(query, steps=1000))
-    assert "samples" not in given.target_model

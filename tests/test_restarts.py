@@ -223,29 +223,32 @@ def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
 
 def test_a_hang_dump_finds_the_ranks_not_their_forked_workers(tmp_path):
     """A ResNet rank's DataLoader workers are forks with its command line: the dump took them for ranks
-    (~180 processes on a p4d, each py-spied and signalled within the dump's 15 s)."""
+    (~180 processes on a p4d, each py-spied and signalled within the dump's 15 s). A launcher whose command
+    carries the rank's arguments (a torchrun agent) is no fork: it and its rank both stay."""
+    import signal
     import subprocess
 
     run = str(tmp_path / "run")
-    program = "import os, time\nif os.fork():\n    print('ready', flush=True)\ntime.sleep(30)"  # a rank, a worker
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", program, "--run-dir", run], stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
+    rank = "import os, time\nif os.fork():\n    print('rank', os.getpid(), flush=True)\ntime.sleep(30)"  # and a worker
+    agent = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', *sys.argv[1:]]); time.sleep(30)"
+    started = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        for command in (
+            [sys.executable, "-c", rank, "--run-dir", run],
+            [sys.executable, "-c", rank, "--run-dir", run],
+            [sys.executable, "-c", agent, rank, "--run-dir", run],
+        )
     ]
-    workers: list[int] = []
     try:
-        for rank in ranks:
-            assert rank.stdout.readline().strip() == "ready"
-        children = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
-        workers += [int(p.name) for p in children if f" {ranks[0].pid} " in _stat(p)]
+        rank_pids = [int(process.stdout.readline().split()[1]) for process in started]
+        assert rank_pids[:2] == [started[0].pid, started[1].pid]
+        workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and f" {rank_pids[0]} " in _stat(p)]
         assert workers, "the rank forked no worker"
-        assert sorted(pid for pid, _ in hang._ranks(run)) == sorted(rank.pid for rank in ranks)
+        assert sorted(pid for pid, _ in hang._ranks(run)) == sorted([*rank_pids, started[2].pid])
     finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-        for pid in workers:
-            os.kill(pid, 9)
+        for process in started:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def _stat(entry: Path) -> str:

@@ -9,7 +9,14 @@ import pytest
 
 from train import train
 from train.catalog import RECIPES
-from train.config import SYNTHETIC_STEPS, build_parser, config_from_args, resume_config, settings_line
+from train.config import (
+    SYNTHETIC_STEPS,
+    build_parser,
+    config_from_args,
+    resume_config,
+    scaling_line,
+    settings_line,
+)
 
 
 def _config(*args: str, world: int = 8):
@@ -44,7 +51,15 @@ def test_resnet50_trains_the_recipes_images_warm_up_and_evaluations_whatever_the
         assert getattr(config, name) == math.ceil(images / global_batch)
     assert _config(*args, "--max-steps", "1000", "--warmup-steps", "10", world=world).max_steps == 1000
     assert _config(*args, "--max-steps", "1000", "--warmup-steps", "10", world=world).warmup_steps == 10
-    assert "its steps are for 2048" in settings_line(config)
+    given = _config(*args, "--max-steps", "1000", world=world)  # its length in steps: nothing scaled
+    assert (given.warmup_steps, given.eval_every, scaling_line(given, world)) == (5_000, 5_000, "")
+    line = scaling_line(config, world)
+    assert line == (
+        ""
+        if global_batch == 2048
+        else f"step counts for a global batch of 2048, this run's is {global_batch}: max_steps 56300 -> "
+        f"{config.max_steps}, warmup_steps 5000 -> {config.warmup_steps}, eval_every 5000 -> {config.eval_every}"
+    )
 
 
 def test_a_transformer_recipes_steps_stay_its_steps_and_a_resume_keeps_the_scaled_ones():

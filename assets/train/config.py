@@ -251,13 +251,33 @@ def scaled_to_world(config: TrainConfig, world_size: int, given: set[str]) -> No
     """With a reference_batch (the resnet50 recipe's 2,048: 8 ranks x 256), each step count not given as a
     flag is scaled to this run's global batch: 16 ranks train the recipe's 90 epochs in half the steps, as
     its LR, scaled with the global batch (Goyal et al.), assumes; a fixed step count would train 180 epochs
-    and bill twice. A new run's config.json keeps the scaled counts: a resume or a rebalance keeps them."""
-    global_batch = config.batch_per_gpu * world_size * config.grad_accum
-    if not config.reference_batch or global_batch == config.reference_batch:
+    and bill twice. A run given --max-steps has chosen its length in steps: nothing is scaled (its warm-up
+    scaled to one GPU could outlast it). A new run's config.json keeps the counts: a resume keeps them."""
+    if "max_steps" in given or not config.reference_batch:
         return
+    factor = config.reference_batch / (config.batch_per_gpu * world_size * config.grad_accum)
     for name in SCALED_STEPS:
         if name not in given:
-            setattr(config, name, max(1, math.ceil(getattr(config, name) * config.reference_batch / global_batch)))
+            setattr(config, name, max(1, math.ceil(getattr(config, name) * factor)))
+
+
+def scaling_line(config: TrainConfig, world_size: int) -> str:
+    """What scaled_to_world changed in this run's step counts, and why; "" for nothing."""
+    recipe, global_batch = RECIPES[config.recipe], config.batch_per_gpu * world_size * config.grad_accum
+    if not config.reference_batch or global_batch == config.reference_batch:
+        return ""
+    factor = config.reference_batch / global_batch
+    changed = [
+        f"{name} {recipe[name]} -> {getattr(config, name)}"
+        for name in SCALED_STEPS
+        if name in recipe and getattr(config, name) == max(1, math.ceil(recipe[name] * factor))
+    ]
+    return (
+        f"step counts for a global batch of {config.reference_batch}, this run's is {global_batch}: "
+        + ", ".join(changed)
+        if changed
+        else ""
+    )
 
 
 # What a resumed run may change: how long it runs and how it reports, never what it trains.
@@ -359,8 +379,6 @@ def resolve_precision(config: TrainConfig, device) -> str:
 def settings_line(config: TrainConfig, precision_why: str = "") -> str:
     """The effective settings, in one line (printed at start; kept in config.json and the summary)."""
     steps = f"{config.max_steps} steps"
-    if config.reference_batch:
-        steps += f" (the recipe's samples at any global batch: its steps are for {config.reference_batch})"
     if config.vision.synthetic and config.max_steps == SYNTHETIC_STEPS:
         steps += " (synthetic data: a benchmark's default length; fab train --steps N for more)"
     batch = f"batch {config.batch_per_gpu}/GPU"

@@ -34,6 +34,7 @@ from train.config import (
     config_from_args,
     resolve_precision,
     resume_config,
+    scaling_line,
     settings_line,
 )
 
@@ -111,7 +112,8 @@ def main(argv=None) -> int:
         print(
             ("resuming with the run's saved " if resumed else "")
             + settings_line(config, precision_why)
-            + "".join(f"; changed {change}" for change in changes),
+            + "".join(f"; changed {change}" for change in changes)
+            + ("" if resumed or not (scaled := scaling_line(config, info.world_size)) else f"; {scaled}"),
             flush=True,
         )
     try:

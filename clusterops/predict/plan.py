@@ -17,7 +17,6 @@ predicted: plan() says so and asks for a short run on that type.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
@@ -212,26 +211,9 @@ def estimate(base: Base, offer: Offer, nodes: int, steps: int, storage: Storage,
 
 
 def plan(
-    base: Base,
-    offers: Sequence[Offer],
-    max_nodes: int,
-    steps: int,
-    storage: Storage,
-    spot_note: str = "",
-    samples: bool = False,
+    base: Base, offers: Sequence[Offer], max_nodes: int, steps: int, storage: Storage, spot_note: str = ""
 ) -> list[Estimate]:
-    """An estimate per offer and N = 1..max_nodes, each training `steps`, or with `samples` as many samples
-    as `steps` of the base run's global batch (a recipe with a reference batch: samples_steps)."""
-    return [
-        estimate(base, o, n, samples_steps(base, steps, n * o.gpus_per_node) if samples else steps, storage, spot_note)
-        for o in offers
-        for n in range(1, max_nodes + 1)
-    ]
-
-
-def samples_steps(base: Base, steps: int, ranks: int) -> int:
-    """`steps` of the base run's global batch as steps of `ranks` ranks' (the same batch per rank)."""
-    return max(1, math.ceil(steps * base.breakdown.world_size / max(1, ranks)))
+    return [estimate(base, o, n, steps, storage, spot_note) for o in offers for n in range(1, max_nodes + 1)]
 
 
 def cheapest(estimates: Sequence[Estimate], deadline_h: Optional[float]) -> Optional[Estimate]:

@@ -7,6 +7,7 @@ than the margin. The supervisor meters the spend while the run goes (cluster_nod
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from cluster_node.protocol.rundir import Summary
@@ -169,11 +170,12 @@ def prediction(
     price: Optional[float],
     source: str,
     gpus_per_node: int = 1,
+    global_batch: Optional[int] = None,
 ) -> planning.Estimate:
     """fab plan's estimate of this launch from a measured run's inputs (analysis.plan_inputs): its step
     breakdown scaled to `nodes` of this cluster's type at this cluster's price, `gpus_per_node` ranks on each
     (the inventory's, as `fab plan` and the launch place them: -c gpus_per_node may use fewer than the type
-    has). PlanError: no base."""
+    has). `steps` of `global_batch` objects each (the launch's; None: the base run's). PlanError: no base."""
     import os
 
     from stacks.instance_types import lookup
@@ -186,4 +188,8 @@ def prediction(
     cpus = 0 if on_aws else len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
     offer = planning.Offer(instance_type, gpu, gpus, price, source, base.link_gbit, "the base run's", cpus)
     write_gb = checkpoint_gb(inputs.get("summary"), inputs.get("config") or {}, steps)
-    return predict(base, offer, nodes, steps, write_gb)
+    # The step model keeps the base run's global batch (more ranks split it): a launch whose batch is larger
+    # (the same batch per GPU on more of them) trains as many objects in that many more of the base's steps.
+    per_step = base.breakdown.objects_per_step
+    base_steps = math.ceil(steps * global_batch / per_step) if global_batch and per_step else steps
+    return predict(base, offer, nodes, base_steps, write_gb)

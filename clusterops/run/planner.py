@@ -63,11 +63,7 @@ def plan(connection, inv: Inventory, run_dir: Optional[str], run: Optional[str],
     offers = [_offer(inv, name, base, query.link_gbit, query.spot) for name in query.types]
     write_gb = budgets.checkpoint_gb(inputs.get("summary"), inputs.get("config") or {}, target)
     storage = planning.Storage(query.root_gb, query.efs_gb, query.read_gb, write_gb)
-    # A recipe with a reference batch trains its samples on any ranks (train.config.scaled_to_world).
-    samples = bool((inputs.get("config") or {}).get("reference_batch")) and target_model != "given"
-    if samples:
-        target_model += f", as many samples on each row's ranks as on the base run's {base.breakdown.world_size}"
-    estimates = planning.plan(base, offers, query.max_nodes, target, storage, samples=samples)
+    estimates = planning.plan(base, offers, query.max_nodes, target, storage)
     timed = [e for e in estimates if e.hours is not None]
     best = planning.cheapest(estimates, query.deadline_h)
     fastest = min(timed, key=lambda e: e.hours or 0.0) if timed and best is None else None

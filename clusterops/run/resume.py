@@ -90,10 +90,10 @@ def _refuse(request: launch.TrainRequest):
     return error
 
 
-def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved], nodes: int) -> int:
+def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optional[Saved], nodes: int):
     """The trainer's argument line parsed by the trainer's parser, then its configuration checks (a new
     run's) or its resume checks (a saved run's: train.config.resume_config), on the laptop. Returns the
-    run's max steps as the trainer will see them on `nodes` of this cluster's ranks per node."""
+    run's train.config.TrainConfig as the trainer will see it on `nodes` of this cluster's ranks per node."""
     from train.config import ConfigError, build_parser, config_from_args, resume_config
 
     parser = build_parser("python -m train.train")
@@ -106,7 +106,7 @@ def check_trainer(inventory: Inventory, request: launch.TrainRequest, run: Optio
         raise launch.LaunchError(f"{error}" + (f" (run {request.run_name})" if run else "")) from None
     except (KeyError, TypeError) as error:  # a config.json this trainer cannot read
         raise launch.LaunchError(f"run {request.run_name}'s {rundir.CONFIG} is not this trainer's: {error}") from None
-    return config.max_steps
+    return config
 
 
 def run_names(connection: Connection, inventory: Inventory) -> list[str]:

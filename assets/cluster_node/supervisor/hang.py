@@ -76,8 +76,9 @@ def record(run: Path, now: float) -> str:
 
 def _ranks(run: str) -> list[tuple[int, str]]:
     """(pid, state) of this run's ranks on this node: its processes (`--run-dir RUN` in the command), not
-    mpirun, nor a rank's forked DataLoader workers (the same command line: a ResNet rank on a p4d has 22,
-    and py-spying ~180 processes outlasts the dump's time)."""
+    mpirun, nor a rank's forked DataLoader workers: a child with its parent's very command line (a ResNet
+    rank on a p4d has 22, and py-spying ~180 processes outlasts the dump's time). A launcher that carries
+    the rank's arguments under another command (a torchrun agent, Open MPI 5's prterun) keeps its ranks."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -90,8 +91,9 @@ def _ranks(run: str) -> list[tuple[int, str]]:
             continue
         flag = [i for i, a in enumerate(args) if a == b"--run-dir" and args[i + 1 : i + 2] == [run.encode()]]
         if flag and comm != "mpirun":
-            found[int(entry.name)] = (state, int(parent))
-    return [(pid, state) for pid, (state, parent) in sorted(found.items()) if parent not in found]
+            found[int(entry.name)] = (state, int(parent), args)
+    forks = {pid for pid, (_, parent, args) in found.items() if parent in found and found[parent][2] == args}
+    return [(pid, state) for pid, (state, _, _) in sorted(found.items()) if pid not in forks]
 
 
 def dump(run: str) -> int:
