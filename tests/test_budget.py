@@ -18,6 +18,7 @@ from cluster_node.protocol.rundir import Summary
 from cluster_node.supervisor.budget import Meter, Spend
 from cluster_node.supervisor.loop import Supervisor
 from cluster_node.supervisor.observe import Observation
+from clusterops.cost import Price
 from clusterops.predict import plan as planning
 from clusterops.predict.bottleneck import Breakdown
 from clusterops.run import budget as budgets
@@ -124,15 +125,36 @@ def test_the_prediction_places_the_inventorys_ranks_per_node_not_the_instance_ty
     assert estimate.step_s == pytest.approx(sum(PARTS.values()))
 
 
-def test_a_launch_on_more_ranks_is_priced_for_the_objects_it_trains():
-    """The base ran 8 ranks at a global batch of 256; a launch on 4 nodes at the same 32 per GPU steps 512.
-    The model keeps the base's batch (more ranks split it), so each launch step is two of its steps. Before:
-    each was priced as one, half the objects, and --budget-usd let through runs that cost twice its figure."""
-    inputs = {"summary": MEASURED, "link": (100.0, "given")}
-    same = budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, 256)
-    double = budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, 512)
-    assert "200 steps" in dict(double.models)["time"] and "100 steps" in dict(same.models)["time"]
-    assert double.usd_nodes == pytest.approx(2 * same.usd_nodes)
+def test_a_launch_on_more_ranks_is_priced_for_the_batch_it_trains():
+    """The base ran 8 ranks at 32 a rank (a global batch of 256); a launch on 4 nodes x 4 at the same 32
+    steps 512: each rank computes what it did in the base run, and the all-reduce, the optimizer and the
+    rest count once a step. Before: priced at the base's 256 split over 16 ranks, half the work a step."""
+    inputs = {"summary": MEASURED, "link": (100.0, "given"), "config": {"batch_per_gpu": 32, "batching": "sentences"}}
+    split = budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, ("objects", 16))
+    same = budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, ("objects", 32))
+    assert split.step_s == pytest.approx(budgets.prediction(inputs, "p4d.24xlarge", True, 4, 100, 21.96, "t", 4).step_s)
+    assert same.step_s - split.step_s == pytest.approx((PARTS["data_s"] + PARTS["compute_s"]) / 2)
+    assert "x 2 (the global batch)" in dict(same.models)["step"] and "100 steps" in dict(same.models)["time"]
+    tokens = {**inputs, "config": {"batch_per_gpu": 32, "batching": "tokens", "max_tokens": 4096}}
+    with pytest.raises(planning.PlanError, match="the base run batches by tokens, this launch by objects"):
+        budgets.prediction(tokens, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, ("objects", 32))
+    assert budgets.rank_batch({"batching": "tokens", "max_tokens": 4096, "grad_accum": 2}) == ("tokens", 8192)
+
+
+def test_a_budget_is_not_predicted_from_a_run_of_another_recipe(monkeypatch):
+    """Before: a resnet50 launch after a transformer smoke run was priced at the transformer's step."""
+    from clusterops.run import analysis, lifecycle, trainlaunch
+
+    inv = dataclasses.replace(test_launch.inventory(nodes=2, gpus=4), instance_type="p4d.24xlarge")
+    inputs = {"summary": MEASURED, "link": (100.0, "given"), "config": {"batch_per_gpu": 32}}
+    monkeypatch.setattr(analysis, "plan_inputs", lambda *args: inputs)
+    monkeypatch.setattr(lifecycle, "latest_run", lambda *args: "/data/runs/smoke")
+    price = Price(21.96, "table")
+    for recipe, priced in (("resnet50", False), ("transformer-base", True)):
+        plan = launch.LaunchPlan(launch.TrainRequest(recipe=recipe, run="new"), tuple(inv.nodes), "ens5", "/w")
+        estimate, why = trainlaunch._prediction(None, inv, plan, (100, ("objects", 32)), price, 2)
+        assert (estimate is not None) == priced, why
+        assert priced or why == "the latest measured run trained transformer-base, not resnet50"
 
 
 def _notice(host: str, noticed: float, action: float) -> dict:

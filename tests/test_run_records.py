@@ -31,7 +31,6 @@ NOT_RECORDS = {
     ("clusterops/run/resume.py", "config"): "config.json",
     ("clusterops/predict/verify.py", "config"): "config.json",
     ("clusterops/run/planner.py", "config"): "config.json",
-    ("clusterops/run/budget.py", "RECIPES"): "train.catalog's recipes",
     ("fabfile/analysis.py", "settings"): "fabric.yaml's settings",
     ("fabfile/runs.py", "defaults"): "fabric.yaml's settings",
     ("clusterops/cost.py", "TABLE"): "prices.json",

@@ -14,13 +14,12 @@ from train.config import (
     build_parser,
     config_from_args,
     resume_config,
-    scaling_line,
     settings_line,
 )
 
 
-def _config(*args: str, world: int = 8):
-    return config_from_args(build_parser("").parse_args(list(args)), world)
+def _config(*args: str, world: int = 8, scaled: list | None = None):
+    return config_from_args(build_parser("").parse_args(list(args)), world, scaled)
 
 
 def test_a_synthetic_run_defaults_to_a_short_benchmark_and_says_so():
@@ -44,22 +43,25 @@ def test_resnet50_trains_the_recipes_images_warm_up_and_evaluations_whatever_the
     warm-up, and `fab plan` priced both; the LR, scaled with the global batch, is tuned for 90."""
     recipe = RECIPES["resnet50"]
     args = ("--recipe", "resnet50", "--batch-per-gpu", str(batch), "--grad-accum", str(accum))
-    config = _config(*args, world=world)
+    scaled: list[str] = []
+    config = _config(*args, world=world, scaled=scaled)
     global_batch = world * batch * accum
     for name, images in (("max_steps", 56_300 * 2048), ("warmup_steps", 5_000 * 2048), ("eval_every", 5_000 * 2048)):
         assert recipe[name] * 2048 == images
         assert getattr(config, name) == math.ceil(images / global_batch)
     assert _config(*args, "--max-steps", "1000", "--warmup-steps", "10", world=world).max_steps == 1000
     assert _config(*args, "--max-steps", "1000", "--warmup-steps", "10", world=world).warmup_steps == 10
-    given = _config(*args, "--max-steps", "1000", world=world)  # its length in steps: nothing scaled
-    assert (given.warmup_steps, given.eval_every, scaling_line(given, world)) == (5_000, 5_000, "")
-    line = scaling_line(config, world)
-    assert line == (
-        ""
-        if global_batch == 2048
-        else f"step counts for a global batch of 2048, this run's is {global_batch}: max_steps 56300 -> "
-        f"{config.max_steps}, warmup_steps 5000 -> {config.warmup_steps}, eval_every 5000 -> {config.eval_every}"
-    )
+    why = f"the recipe's for a global batch of 2048, this run's is {global_batch}"
+    assert scaled == [
+        f"max_steps 56300 -> {config.max_steps}, warmup_steps 5000 -> {config.warmup_steps}, eval_every 5000 -> "
+        f"{config.eval_every} ({why})"
+    ]
+    kept: list[str] = []  # --max-steps: the run's length in steps, nothing scaled, and said so
+    given = _config(*args, "--max-steps", "1000", "--eval-every", "100", world=world, scaled=kept)
+    assert (given.warmup_steps, given.eval_every) == (5_000, 100)
+    assert kept == [f"warmup_steps 5000 kept as {why} (--max-steps given)"]
+    at_reference: list[str] = []
+    assert _config("--recipe", "resnet50", scaled=at_reference).max_steps == 56_300 and at_reference == []
 
 
 def test_a_transformer_recipes_steps_stay_its_steps_and_a_resume_keeps_the_scaled_ones():
@@ -80,3 +82,7 @@ def test_the_trainer_scales_to_the_world_its_launcher_gives(monkeypatch, tmp_pat
     args = build_parser("").parse_args(["--recipe", "resnet50", "--run-dir", str(tmp_path / "r")])
     config, changes, resumed = train.effective_config(args)
     assert (config.max_steps, config.warmup_steps, config.eval_every, resumed) == (28_150, 2_500, 2_500, False)
+    assert changes == [
+        "max_steps 56300 -> 28150, warmup_steps 5000 -> 2500, eval_every 5000 -> 2500 (the recipe's for a global "
+        "batch of 2048, this run's is 4096)"
+    ]  # printed after the settings line: "; changed ..."

@@ -224,10 +224,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 SYNTHETIC_STEPS = 500
 
 
-def config_from_args(args: argparse.Namespace, world_size: int = 1) -> TrainConfig:
+def config_from_args(args: argparse.Namespace, world_size: int = 1, scaled: Optional[list[str]] = None) -> TrainConfig:
     """Recipe defaults, then every flag the user gave, the step counts scaled to `world_size` ranks'
-    global batch (scaled_to_world); validated. A synthetic run without --max-steps is a SYNTHETIC_STEPS
-    benchmark (or the recipe's own length if that is shorter)."""
+    global batch (scaled_to_world: its lines appended to `scaled`); validated. A synthetic run without
+    --max-steps is a SYNTHETIC_STEPS benchmark (or the recipe's own length if that is shorter)."""
     recipe: dict[str, Any] = dict(RECIPES[args.recipe])
     model = ModelConfig(**recipe.pop("model", {}))
     vision = VisionConfig(**recipe.pop("vision", {}))
@@ -236,7 +236,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> TrainConf
     for key, value in given.items():
         target = next(part for part in (config.model, config.vision, config) if hasattr(part, key))
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
-    scaled_to_world(config, world_size, set(given))
+    lines = scaled_to_world(config, world_size, set(given))
+    if scaled is not None:
+        scaled += lines
     if config.vision.synthetic and "max_steps" not in given:
         config.max_steps = min(config.max_steps, SYNTHETIC_STEPS)
     config.validate()
@@ -247,37 +249,27 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> TrainConf
 SCALED_STEPS = ("max_steps", "warmup_steps", "eval_every")
 
 
-def scaled_to_world(config: TrainConfig, world_size: int, given: set[str]) -> None:
+def scaled_to_world(config: TrainConfig, world_size: int, given: set[str]) -> list[str]:
     """With a reference_batch (the resnet50 recipe's 2,048: 8 ranks x 256), each step count not given as a
     flag is scaled to this run's global batch: 16 ranks train the recipe's 90 epochs in half the steps, as
     its LR, scaled with the global batch (Goyal et al.), assumes; a fixed step count would train 180 epochs
     and bill twice. A run given --max-steps has chosen its length in steps: nothing is scaled (its warm-up
-    scaled to one GPU could outlast it). A new run's config.json keeps the counts: a resume keeps them."""
-    if "max_steps" in given or not config.reference_batch:
-        return
-    factor = config.reference_batch / (config.batch_per_gpu * world_size * config.grad_accum)
+    scaled to one GPU could outlast it). A new run's config.json keeps the counts: a resume keeps them.
+    Returns a line saying what was scaled, or what was kept at another global batch; none for neither."""
+    global_batch = config.batch_per_gpu * world_size * config.grad_accum
+    if not config.reference_batch or global_batch == config.reference_batch:
+        return []
+    why = f"the recipe's for a global batch of {config.reference_batch}, this run's is {global_batch}"
+    if "max_steps" in given:
+        kept = [f"{name} {getattr(config, name)}" for name in SCALED_STEPS if name not in given]
+        return [f"{', '.join(kept)} kept as {why} (--max-steps given)"] if kept else []
+    lines = []
     for name in SCALED_STEPS:
         if name not in given:
-            setattr(config, name, max(1, math.ceil(getattr(config, name) * factor)))
-
-
-def scaling_line(config: TrainConfig, world_size: int) -> str:
-    """What scaled_to_world changed in this run's step counts, and why; "" for nothing."""
-    recipe, global_batch = RECIPES[config.recipe], config.batch_per_gpu * world_size * config.grad_accum
-    if not config.reference_batch or global_batch == config.reference_batch:
-        return ""
-    factor = config.reference_batch / global_batch
-    changed = [
-        f"{name} {recipe[name]} -> {getattr(config, name)}"
-        for name in SCALED_STEPS
-        if name in recipe and getattr(config, name) == max(1, math.ceil(recipe[name] * factor))
-    ]
-    return (
-        f"step counts for a global batch of {config.reference_batch}, this run's is {global_batch}: "
-        + ", ".join(changed)
-        if changed
-        else ""
-    )
+            before = getattr(config, name)
+            setattr(config, name, max(1, math.ceil(before * config.reference_batch / global_batch)))
+            lines.append(f"{name} {before} -> {getattr(config, name)}")
+    return [f"{', '.join(lines)} ({why})"] if lines else []
 
 
 # What a resumed run may change: how long it runs and how it reports, never what it trains.

@@ -34,18 +34,19 @@ from train.config import (
     config_from_args,
     resolve_precision,
     resume_config,
-    scaling_line,
     settings_line,
 )
 
 
 def effective_config(args):
     """The flags on the recipe for a new run; for a run directory that holds one, its saved
-    configuration (a resumed run keeps its settings). Returns (config, changes, resumed)."""
-    config = config_from_args(args, distributed.detect().world_size)  # the launcher's, before the rendezvous
+    configuration (a resumed run keeps its settings). Returns (config, changes, resumed): a new run's
+    changes are its step counts scaled to its global batch (config.scaled_to_world)."""
+    scaled: list[str] = []
+    config = config_from_args(args, distributed.detect().world_size, scaled)  # the launcher's, before the rendezvous
     saved = Path(config.run_dir) / rundir.CONFIG
     if not saved.exists():
-        return config, [], False
+        return config, scaled, False
     config, changes = resume_config(json.loads(saved.read_text()), args)
     return config, changes, True
 
@@ -112,8 +113,7 @@ def main(argv=None) -> int:
         print(
             ("resuming with the run's saved " if resumed else "")
             + settings_line(config, precision_why)
-            + "".join(f"; changed {change}" for change in changes)
-            + ("" if resumed or not (scaled := scaling_line(config, info.world_size)) else f"; {scaled}"),
+            + "".join(f"; changed {change}" for change in changes),
             flush=True,
         )
     try:

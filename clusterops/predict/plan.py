@@ -10,6 +10,8 @@ run's eval curve reached a metric at, holds at every N. Per optimizer step, R = 
                                against its link), hidden behind backward as much as the base run hid,
                                at most the new compute; a 1-rank base hid nothing we could measure: none
     optimizer, other: as measured (each rank steps the whole model)
+A launch at another global batch (`--budget-usd`'s: the same batch per GPU on more ranks) scales data
+and compute by its batch against the base's (step_at's `batch`); the rest count once a step.
 Across instance types: the ratio of the GPUs' peak dense FP16 tensor throughput (NVIDIA data sheets,
 an upper bound on the speed-up); from a run on CPU (the emulated cluster) no GPU's compute is
 predicted: plan() says so and asks for a short run on that type.
@@ -144,10 +146,14 @@ def payload_bytes(b: Breakdown) -> float:
     return b.grad_bytes * (0.5 if b.compression in ("fp16", "bf16") else 1.0)
 
 
-def step_at(base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1.0) -> tuple[float, str]:
-    """The step on `ranks` ranks at the base run's global batch, and its one-line model."""
+def step_at(
+    base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1.0, batch: float = 1.0
+) -> tuple[float, str]:
+    """The step on `ranks` ranks at the base run's global batch (x `batch`: a launch's own, larger or
+    smaller; each rank's data and compute grow with it, the all-reduce and the optimizer do not), and its
+    one-line model."""
     b = base.breakdown
-    share = b.world_size / ranks
+    share = b.world_size / ranks * batch
     compute, data = b.compute * share / speed, b.data * share
     wire = ring_wire_bytes(payload_bytes(b), ranks)
     if ranks > 1 and wire and not link_gbit:
@@ -162,6 +168,7 @@ def step_at(base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1
     step = data + compute + exposed + b.optimizer + b.other
     model = (
         f"data {data * 1e3:.0f} + compute {b.compute * 1e3:.0f} x {b.world_size}/{ranks}"
+        + (f" x {batch:.3g} (the global batch)" if batch != 1 else "")
         + (f" / {speed:.2f}" if speed != 1 else "")
         + f" + exposed max(0, ring {wire / 1e6:.1f} MB at {link_gbit or 0:.2f} Gbit/s"
         + (f" x {slow:.2f} measured" if slow != 1 else "")
@@ -170,8 +177,11 @@ def step_at(base: Base, ranks: int, link_gbit: Optional[float], speed: float = 1
     return step, model
 
 
-def estimate(base: Base, offer: Offer, nodes: int, steps: int, storage: Storage, spot_note: str = "") -> Estimate:
-    """One (type, N): step, time, and dollars for nodes, storage and EFS I/O, each with its model."""
+def estimate(
+    base: Base, offer: Offer, nodes: int, steps: int, storage: Storage, spot_note: str = "", batch: float = 1.0
+) -> Estimate:
+    """One (type, N): step, time, and dollars for nodes, storage and EFS I/O, each with its model; `batch`:
+    the global batch against the base run's (step_at)."""
     speed, speed_why = speed_factor(base, offer)
     if speed is not None and offer.machine_cpus:  # the emulated cluster: N nodes split the machine's CPUs
         share, was = cpu_share(nodes, offer.machine_cpus), cpu_share(base.nodes, offer.machine_cpus)
@@ -179,7 +189,7 @@ def estimate(base: Base, offer: Offer, nodes: int, steps: int, storage: Storage,
     if speed is None:
         return Estimate(offer.instance_type, nodes, None, None, None, None, None, (), speed_why)
     try:
-        step, model = step_at(base, nodes * offer.gpus_per_node, offer.link_gbit, speed)
+        step, model = step_at(base, nodes * offer.gpus_per_node, offer.link_gbit, speed, batch)
     except PlanError as error:
         return Estimate(offer.instance_type, nodes, None, None, None, None, None, (), str(error))
     hours = steps * step / 3600

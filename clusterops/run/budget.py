@@ -7,7 +7,6 @@ than the margin. The supervisor meters the spend while the run goes (cluster_nod
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 from cluster_node.protocol.rundir import Summary
@@ -125,10 +124,12 @@ def checkpoint_gb(summary: Optional[Summary], config: dict, steps: int) -> float
     return size * (steps // every) / 1000 if every else 0.0
 
 
-def predict(base: planning.Base, offer: planning.Offer, nodes: int, steps: int, write_gb: float) -> planning.Estimate:
+def predict(
+    base: planning.Base, offer: planning.Offer, nodes: int, steps: int, write_gb: float, batch: float = 1.0
+) -> planning.Estimate:
     """fab plan's estimate for this cluster and node count (no root volumes: they bill with or without
     the run, and the meter does not count them either)."""
-    return planning.estimate(base, offer, nodes, steps, planning.Storage(root_gb=0.0, write_gb=write_gb))
+    return planning.estimate(base, offer, nodes, steps, planning.Storage(root_gb=0.0, write_gb=write_gb), "", batch)
 
 
 def billed(estimate: planning.Estimate, cluster_nodes: int) -> planning.Estimate:
@@ -170,12 +171,13 @@ def prediction(
     price: Optional[float],
     source: str,
     gpus_per_node: int = 1,
-    global_batch: Optional[int] = None,
+    per_rank: Optional[tuple[str, int]] = None,
 ) -> planning.Estimate:
     """fab plan's estimate of this launch from a measured run's inputs (analysis.plan_inputs): its step
     breakdown scaled to `nodes` of this cluster's type at this cluster's price, `gpus_per_node` ranks on each
     (the inventory's, as `fab plan` and the launch place them: -c gpus_per_node may use fewer than the type
-    has). `steps` of `global_batch` objects each (the launch's; None: the base run's). PlanError: no base."""
+    has), each rank training `per_rank` a step (rank_batch of the launch's settings; None: the base run's
+    global batch split over them). PlanError: no base, or a base batched in another unit."""
     import os
 
     from stacks.instance_types import lookup
@@ -187,9 +189,29 @@ def prediction(
     base = planning.base_from_run("base", inputs.get("summary"), gpu, gpus, inputs.get("link") or (None, ""))
     cpus = 0 if on_aws else len(os.sched_getaffinity(0))  # the emulated cluster splits this machine's CPUs
     offer = planning.Offer(instance_type, gpu, gpus, price, source, base.link_gbit, "the base run's", cpus)
-    write_gb = checkpoint_gb(inputs.get("summary"), inputs.get("config") or {}, steps)
-    # The step model keeps the base run's global batch (more ranks split it): a launch whose batch is larger
-    # (the same batch per GPU on more of them) trains as many objects in that many more of the base's steps.
-    per_step = base.breakdown.objects_per_step
-    base_steps = math.ceil(steps * global_batch / per_step) if global_batch and per_step else steps
-    return predict(base, offer, nodes, base_steps, write_gb)
+    config = inputs.get("config") or {}
+    write_gb = checkpoint_gb(inputs.get("summary"), config, steps)
+    based = rank_batch(config) if config.get("batch_per_gpu") else None  # a config.json from the base run
+    batch = global_batch_ratio(per_rank, based, nodes * gpus, base.breakdown.world_size)
+    return predict(base, offer, nodes, steps, write_gb, batch)
+
+
+def rank_batch(config: dict) -> tuple[str, int]:
+    """What one rank trains a step, in the unit its batches are made of (train.config's fields): tokens
+    when it batches by a --max-tokens budget, else objects (--batch-per-gpu), times its accumulation."""
+    accum = int(config.get("grad_accum") or 1)
+    if config.get("batching", "tokens") == "tokens" and config.get("max_tokens"):
+        return "tokens", int(config["max_tokens"]) * accum
+    return "objects", int(config.get("batch_per_gpu") or 1) * accum
+
+
+def global_batch_ratio(
+    per_rank: Optional[tuple[str, int]], base: Optional[tuple[str, int]], ranks: int, base_ranks: int
+) -> float:
+    """A launch's global batch (`per_rank` on `ranks`, rank_batch's) against its base run's (`base` on
+    `base_ranks`): the same batch per GPU on twice the ranks is 2. 1 when either is not known."""
+    if per_rank is None or base is None:
+        return 1.0
+    if base[0] != per_rank[0]:
+        raise planning.PlanError(f"the base run batches by {base[0]}, this launch by {per_rank[0]}: not comparable")
+    return per_rank[1] * ranks / (base[1] * base_ranks)

@@ -50,13 +50,13 @@ def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], 
     saved = resume.saved(conn, inv, request.run_name)
     request = resume.resumed(request, given, saved, inv) if saved else request
     config = resume.check_trainer(inv, request, saved, len(selected))  # one line on a bad flag; run untouched
-    max_steps, ranks = config.max_steps, len(selected) * inv.gpus_per_node
+    max_steps = config.max_steps
     taken = resume.run_names(conn, inv)
     if saved:  # a finished run is never rewritten by a launch that trains nothing
         resume.refuse_finished(request, saved, max_steps, taken)
     nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
     plan = _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes, say))
-    plan = _budgeted(conn, inv, plan, saved, (max_steps, config.batch_per_gpu * config.grad_accum * ranks), say)
+    plan = _budgeted(conn, inv, plan, saved, (max_steps, budgets.rank_batch(config.to_dict())), say)
     rdir, log_offset = lifecycle.start_training(conn, inv, plan)
     how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
     note = resume.close_run(request.run_name, taken) if not saved else ""  # a typo in --run starts a new run
@@ -73,14 +73,14 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
 
 
 def _budgeted(
-    conn, inv: Inventory, plan: launch.LaunchPlan, saved, trains: tuple[int, int], say: Say = print
+    conn, inv: Inventory, plan: launch.LaunchPlan, saved, trains: tuple[int, tuple[str, int]], say: Say = print
 ) -> launch.LaunchPlan:
     """--budget-usd (or a resumed run's saved one): priced as `fab cost` prices the nodes (the price `fab
     inventory` kept; on a Spot cluster the most a node-hour can cost: budget_price) over every node of the
     cluster that bills (on AWS the meter asks EC2 which at every reading), and EFS I/O, on top of
     what the run spent before; refused before anything is written when the run already spent it, or when
     `fab plan`, from the latest measured run, predicts more than is left of it and its margin. `trains`: the
-    run's max steps and global batch, as the trainer will have them (resume.check_trainer)."""
+    run's max steps and each rank's batch a step (budget.rank_batch), as the trainer will have them."""
     request = plan.request
     if request.budget_usd is None:
         return plan
@@ -106,15 +106,21 @@ def _budgeted(
     return dataclasses.replace(plan, budget=budget)
 
 
-def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, trains: tuple[int, int], price, billed: int) -> tuple:
-    """fab plan's estimate for this launch (`trains`: its steps and global batch) from the run of that name,
-    else the latest measured run, priced over every node of the cluster; (None, why) when neither gives one."""
+def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, trains: tuple, price, billed: int) -> tuple:
+    """fab plan's estimate for this launch (`trains`: its steps, each rank's batch) from the run of that name,
+    else the latest measured run of its recipe, priced over every node of the cluster; (None, why) when
+    neither gives one."""
     why = "no finished run with a step breakdown"
     for base in dict.fromkeys([launch.run_dir(inv, plan.request.run_name), lifecycle.latest_run(conn, inv)]):
         if not base:
             continue
         try:
             inputs = analysis.plan_inputs(conn, inv, base)
+            measured = inputs.get("summary")
+            if measured is not None and measured.recipe and measured.recipe != plan.request.recipe:
+                raise planning.PlanError(
+                    f"the latest measured run trained {measured.recipe}, not {plan.request.recipe}"
+                )
             on_aws, nodes = inv.source == "aws", len(plan.nodes)
             estimate = budgets.prediction(
                 inputs,

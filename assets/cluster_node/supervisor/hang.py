@@ -77,8 +77,8 @@ def record(run: Path, now: float) -> str:
 def _ranks(run: str) -> list[tuple[int, str]]:
     """(pid, state) of this run's ranks on this node: its processes (`--run-dir RUN` in the command), not
     mpirun, nor a rank's forked DataLoader workers: a child with its parent's very command line (a ResNet
-    rank on a p4d has 22, and py-spying ~180 processes outlasts the dump's time). A launcher that carries
-    the rank's arguments under another command (a torchrun agent, Open MPI 5's prterun) keeps its ranks."""
+    rank on a p4d has 22, and py-spying ~180 processes outlasts the dump's time). A parent with another
+    command line that carries the rank's arguments (a wrapper, a launcher) is no fork: both stay."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
