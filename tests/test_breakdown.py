@@ -196,51 +196,76 @@ def test_the_verdicts_rank_is_the_one_the_others_wait_for_not_the_one_with_the_l
     assert breakdown.critical_rank([straggler, waiting]) == 0
 
 
+# One rank on gloo, the state and hook as the trainer registers them, in a process of its own that ends with
+# os._exit: a DDP reducer freed after its test may drop the last reference to its gloo group on one of the
+# group's own worker threads, whose destructor then joins that thread ("terminate called after throwing
+# std::system_error: Resource deadlock avoided"): it aborted the suite's worker process between two tests.
+POWERSGD_RUN = """
+import json, os, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from train import commhooks
+
+class Net(torch.nn.Module):
+    def __init__(self, zero):
+        super().__init__()
+        self.first, self.last = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+        self.scale = torch.nn.Parameter(torch.zeros(64) if zero else torch.ones(64))  # BN's zero-init gamma
+
+    def forward(self, x):
+        return self.last(self.first(x) * self.scale)
+
+def run(rank, zero):
+    torch.manual_seed(0)
+    model = Net(zero)
+    ddp = DDP(model)
+    hook = commhooks.serialized_hook(commhooks.recovering_hook(powerSGD_hook.powerSGD_hook))
+    state = commhooks.powersgd_state(rank)
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    finite, moved = [], []
+    for step in range(8):
+        loss = ddp(torch.randn(16, 64)).pow(2).sum() * (float("inf") if step == 4 else 1.0)
+        loss.backward()
+        finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        moved.append(bool(model.first.weight.grad.abs().sum() > 0))
+        if finite[-1] and (step >= 2 or not zero):  # GradScaler skips overflowed steps (here the first two)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    errors = all(bool(torch.isfinite(e).all()) for e in state.error_dict.values())
+    return dict(finite=finite, moved=moved, errors_finite=errors)
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+print(json.dumps({f"{r}-{z}": run(r, z) for r, z in ((4, False), (1, True))}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def powersgd_runs():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'assets'}:{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-c", POWERSGD_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 @pytest.mark.parametrize("rank, zero", [(4, False), (1, True)])
-def test_powersgd_recovers_from_an_overflowed_step_and_takes_an_all_zero_gradient(tmp_path, rank, zero):
+def test_powersgd_recovers_from_an_overflowed_step_and_takes_an_all_zero_gradient(powersgd_runs, rank, zero):
     """fp16's loss scaling overflows on purpose now and then (GradScaler skips the step). PowerSGD's error
     feedback and warm-started Q carried that step's inf into every later one: gradients non-finite for good,
     every step skipped. And an all-zero gradient matrix (a ResNet block's last conv while its BN scale is
-    still its initial 0) was 0/0 in Gram-Schmidt at rank <= 2: NaN every step. One rank on gloo, the state
-    and hook as the trainer registers them."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from train import commhooks
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.first, self.last = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
-            self.scale = torch.nn.Parameter(torch.zeros(64) if zero else torch.ones(64))  # BN's zero-init gamma
-
-        def forward(self, x):
-            return self.last(self.first(x) * self.scale)
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = Net()
-        ddp = DDP(model)
-        hook = commhooks.serialized_hook(commhooks.recovering_hook(powerSGD_hook.powerSGD_hook))
-        state = commhooks.powersgd_state(rank)
-        ddp.register_comm_hook(state, hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        finite, moved = [], []
-        for step in range(8):
-            loss = ddp(torch.randn(16, 64)).pow(2).sum() * (float("inf") if step == 4 else 1.0)
-            loss.backward()
-            finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
-            moved.append(bool(model.first.weight.grad.abs().sum() > 0))
-            if finite[-1] and (step >= 2 or not zero):  # GradScaler skips overflowed steps (here the first two)
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        assert finite == [True] * 4 + [False] + [True] * 3  # the overflowed step alone
-        assert all(bool(torch.isfinite(e).all()) for e in state.error_dict.values())
-        # A layer behind a zero scale has no gradient until the scale moves (after step 2, the first compressed
-        # one: its zero matrix made Q zero); it must get one after (a zero Q gave P = MQ = 0 for good).
-        assert moved[3] and moved[5:] == [True] * 3, moved  # (the overflow at step 4 refreshes every Q anyway)
-    finally:
-        dist.destroy_process_group()
+    still its initial 0) was 0/0 in Gram-Schmidt at rank <= 2: NaN every step (POWERSGD_RUN)."""
+    run = powersgd_runs[f"{rank}-{zero}"]
+    assert run["finite"] == [True] * 4 + [False] + [True] * 3  # the overflowed step alone
+    assert run["errors_finite"]
+    # A layer behind a zero scale has no gradient until the scale moves (after step 2, the first compressed
+    # one: its zero matrix made Q zero); it must get one after (a zero Q gave P = MQ = 0 for good).
+    moved = run["moved"]
+    assert moved[3] and moved[5:] == [True] * 3, moved  # (the overflow at step 4 refreshes every Q anyway)
