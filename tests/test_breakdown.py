@@ -201,7 +201,7 @@ def test_the_verdicts_rank_is_the_one_the_others_wait_for_not_the_one_with_the_l
 # group's own worker threads, whose destructor then joins that thread ("terminate called after throwing
 # std::system_error: Resource deadlock avoided"): it aborted the suite's worker process between two tests.
 POWERSGD_RUN = """
-import json, os, tempfile
+import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -236,14 +236,14 @@ def run(rank, zero):
     errors = all(bool(torch.isfinite(e).all()) for e in state.error_dict.values())
     return dict(finite=finite, moved=moved, errors_finite=errors)
 
-dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/pg", rank=0, world_size=1)
 print(json.dumps({f"{r}-{z}": run(r, z) for r, z in ((4, False), (1, True))}), flush=True)
 os._exit(0)
 """
 
 
 @pytest.fixture(scope="module")
-def powersgd_runs():
+def powersgd_runs(tmp_path_factory):
     import os
     import subprocess
     import sys
@@ -251,7 +251,9 @@ def powersgd_runs():
     from conftest import REPO
 
     env = dict(os.environ, PYTHONPATH=f"{REPO / 'assets'}:{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-c", POWERSGD_RUN], env=env, capture_output=True, text=True, timeout=300)
+    where = str(tmp_path_factory.mktemp("powersgd"))
+    command = [sys.executable, "-c", POWERSGD_RUN, where]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 

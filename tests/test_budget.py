@@ -136,9 +136,11 @@ def test_a_launch_on_more_ranks_is_priced_for_the_batch_it_trains():
     assert same.step_s - split.step_s == pytest.approx((PARTS["data_s"] + PARTS["compute_s"]) / 2)
     assert "x 2 (the global batch)" in dict(same.models)["step"] and "100 steps" in dict(same.models)["time"]
     tokens = {**inputs, "config": {"batch_per_gpu": 32, "batching": "tokens", "max_tokens": 4096}}
-    with pytest.raises(planning.PlanError, match="the base run batches by tokens, this launch by objects"):
+    with pytest.raises(planning.PlanError, match="sized by a --max-tokens budget, this launch's by --batch-per-gpu"):
         budgets.prediction(tokens, "p4d.24xlarge", True, 4, 100, 21.96, "table", 4, ("objects", 32))
     assert budgets.rank_batch({"batching": "tokens", "max_tokens": 4096, "grad_accum": 2}) == ("tokens", 8192)
+    image = {"recipe": "resnet50", "batching": "tokens", "max_tokens": 4096, "batch_per_gpu": 256}  # ignored there
+    assert budgets.rank_batch(image) == ("objects", 256)
 
 
 def test_a_budget_is_not_predicted_from_a_run_of_another_recipe(monkeypatch):
@@ -152,9 +154,9 @@ def test_a_budget_is_not_predicted_from_a_run_of_another_recipe(monkeypatch):
     price = Price(21.96, "table")
     for recipe, priced in (("resnet50", False), ("transformer-base", True)):
         plan = launch.LaunchPlan(launch.TrainRequest(recipe=recipe, run="new"), tuple(inv.nodes), "ens5", "/w")
-        estimate, why = trainlaunch._prediction(None, inv, plan, (100, ("objects", 32)), price, 2)
+        estimate, why = trainlaunch._prediction(None, inv, plan, budgets.Trains(100, ("objects", 32), recipe), price, 2)
         assert (estimate is not None) == priced, why
-        assert priced or why == "the latest measured run trained transformer-base, not resnet50"
+        assert priced or why == "run smoke trained transformer-base, not resnet50"
 
 
 def _notice(host: str, noticed: float, action: float) -> dict:

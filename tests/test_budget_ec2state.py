@@ -146,7 +146,7 @@ def _budgeted(inv: Inventory, monkeypatch) -> tuple[launch.LaunchPlan, str]:
     plan = launch.LaunchPlan(launch.TrainRequest(budget_usd=50.0), tuple(inv.nodes), "ens5", "/w")
     out = io.StringIO()
     with redirect_stdout(out):
-        planned = trainlaunch._budgeted(None, inv, plan, None, (600, 64))
+        planned = trainlaunch._budgeted(None, inv, plan, None, budgets.Trains(600, ("objects", 64), "transformer-tiny"))
     return planned, out.getvalue()
 
 

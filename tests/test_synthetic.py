@@ -53,13 +53,16 @@ def test_resnet50_trains_the_recipes_images_warm_up_and_evaluations_whatever_the
     assert _config(*args, "--max-steps", "1000", "--warmup-steps", "10", world=world).warmup_steps == 10
     why = f"the recipe's for a global batch of 2048, this run's is {global_batch}"
     assert scaled == [
-        f"max_steps 56300 -> {config.max_steps}, warmup_steps 5000 -> {config.warmup_steps}, eval_every 5000 -> "
-        f"{config.eval_every} ({why})"
+        f"step counts scaled: max_steps 56300 -> {config.max_steps}, warmup_steps 5000 -> {config.warmup_steps}, "
+        f"eval_every 5000 -> {config.eval_every} ({why})"
     ]
     kept: list[str] = []  # --max-steps: the run's length in steps, nothing scaled, and said so
     given = _config(*args, "--max-steps", "1000", "--eval-every", "100", world=world, scaled=kept)
     assert (given.warmup_steps, given.eval_every) == (5_000, 100)
-    assert kept == [f"warmup_steps 5000 kept as {why} (--max-steps given)"]
+    assert kept == [f"step counts kept: warmup_steps 5000, {why} (its length given in steps)"]
+    benchmark: list[str] = []  # --synthetic: 500 steps, a benchmark's length, and nothing scaled
+    assert _config(*args, "--synthetic", world=world, scaled=benchmark).max_steps == SYNTHETIC_STEPS
+    assert benchmark == [f"step counts kept: warmup_steps 5000, eval_every 5000, {why} (its length given in steps)"]
     at_reference: list[str] = []
     assert _config("--recipe", "resnet50", scaled=at_reference).max_steps == 56_300 and at_reference == []
 
@@ -83,6 +86,6 @@ def test_the_trainer_scales_to_the_world_its_launcher_gives(monkeypatch, tmp_pat
     config, changes, resumed = train.effective_config(args)
     assert (config.max_steps, config.warmup_steps, config.eval_every, resumed) == (28_150, 2_500, 2_500, False)
     assert changes == [
-        "max_steps 56300 -> 28150, warmup_steps 5000 -> 2500, eval_every 5000 -> 2500 (the recipe's for a global "
-        "batch of 2048, this run's is 4096)"
-    ]  # printed after the settings line: "; changed ..."
+        "step counts scaled: max_steps 56300 -> 28150, warmup_steps 5000 -> 2500, eval_every 5000 -> 2500 "
+        "(the recipe's for a global batch of 2048, this run's is 4096)"
+    ]  # printed after the settings line

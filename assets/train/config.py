@@ -236,11 +236,13 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, scaled: Opti
     for key, value in given.items():
         target = next(part for part in (config.model, config.vision, config) if hasattr(part, key))
         setattr(target, key, tuple(value) if isinstance(value, list) else value)
-    lines = scaled_to_world(config, world_size, set(given))
+    counted = set(given)
+    if config.vision.synthetic and "max_steps" not in given:  # a benchmark's length, in steps: not scaled
+        config.max_steps = min(config.max_steps, SYNTHETIC_STEPS)
+        counted.add("max_steps")
+    lines = scaled_to_world(config, world_size, counted)
     if scaled is not None:
         scaled += lines
-    if config.vision.synthetic and "max_steps" not in given:
-        config.max_steps = min(config.max_steps, SYNTHETIC_STEPS)
     config.validate()
     return config
 
@@ -262,14 +264,14 @@ def scaled_to_world(config: TrainConfig, world_size: int, given: set[str]) -> li
     why = f"the recipe's for a global batch of {config.reference_batch}, this run's is {global_batch}"
     if "max_steps" in given:
         kept = [f"{name} {getattr(config, name)}" for name in SCALED_STEPS if name not in given]
-        return [f"{', '.join(kept)} kept as {why} (--max-steps given)"] if kept else []
+        return [f"step counts kept: {', '.join(kept)}, {why} (its length given in steps)"] if kept else []
     lines = []
     for name in SCALED_STEPS:
         if name not in given:
             before = getattr(config, name)
             setattr(config, name, max(1, math.ceil(before * config.reference_batch / global_batch)))
             lines.append(f"{name} {before} -> {getattr(config, name)}")
-    return [f"{', '.join(lines)} ({why})"] if lines else []
+    return [f"step counts scaled: {', '.join(lines)} ({why})"] if lines else []
 
 
 # What a resumed run may change: how long it runs and how it reports, never what it trains.

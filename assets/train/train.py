@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         print(
             ("resuming with the run's saved " if resumed else "")
             + settings_line(config, precision_why)
-            + "".join(f"; changed {change}" for change in changes),
+            + "".join(f"; changed {change}" if resumed else f"; {change}" for change in changes),
             flush=True,
         )
     try:

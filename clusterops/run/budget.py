@@ -7,7 +7,7 @@ than the margin. The supervisor meters the spend while the run goes (cluster_nod
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from cluster_node.protocol.rundir import Summary
 from cluster_node.protocol.spec import Budget
@@ -196,11 +196,26 @@ def prediction(
     return predict(base, offer, nodes, steps, write_gb, batch)
 
 
+class Trains(NamedTuple):
+    """What a launch trains, as the trainer will have it (resume.check_trainer's configuration)."""
+
+    steps: int
+    per_rank: tuple[str, int]  # rank_batch
+    recipe: str
+
+
+def trained(config) -> Trains:
+    """A launch's Trains from its train.config.TrainConfig."""
+    return Trains(config.max_steps, rank_batch(config.to_dict()), config.recipe)
+
+
 def rank_batch(config: dict) -> tuple[str, int]:
     """What one rank trains a step, in the unit its batches are made of (train.config's fields): tokens
-    when it batches by a --max-tokens budget, else objects (--batch-per-gpu), times its accumulation."""
+    when a text run batches by a --max-tokens budget, else objects (--batch-per-gpu: images, or sentence
+    pairs, a token budget of --batch-per-gpu x their mean length included), times its accumulation."""
     accum = int(config.get("grad_accum") or 1)
-    if config.get("batching", "tokens") == "tokens" and config.get("max_tokens"):
+    text = not str(config.get("recipe", "")).startswith("resnet")  # an image run takes no --max-tokens
+    if text and config.get("batching", "tokens") == "tokens" and config.get("max_tokens"):
         return "tokens", int(config["max_tokens"]) * accum
     return "objects", int(config.get("batch_per_gpu") or 1) * accum
 
@@ -213,5 +228,9 @@ def global_batch_ratio(
     if per_rank is None or base is None:
         return 1.0
     if base[0] != per_rank[0]:
-        raise planning.PlanError(f"the base run batches by {base[0]}, this launch by {per_rank[0]}: not comparable")
+        sizing = {"tokens": "a --max-tokens budget", "objects": "--batch-per-gpu"}
+        raise planning.PlanError(
+            f"the base run's batches were sized by {sizing[base[0]]}, this launch's by {sizing[per_rank[0]]}: "
+            "not comparable (give both the same sizing)"
+        )
     return per_rank[1] * ranks / (base[1] * base_ranks)

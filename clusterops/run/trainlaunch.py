@@ -50,13 +50,12 @@ def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], 
     saved = resume.saved(conn, inv, request.run_name)
     request = resume.resumed(request, given, saved, inv) if saved else request
     config = resume.check_trainer(inv, request, saved, len(selected))  # one line on a bad flag; run untouched
-    max_steps = config.max_steps
     taken = resume.run_names(conn, inv)
     if saved:  # a finished run is never rewritten by a launch that trains nothing
-        resume.refuse_finished(request, saved, max_steps, taken)
+        resume.refuse_finished(request, saved, config.max_steps, taken)
     nodes = launch.check_nodes(inv, request, selected)  # --min-nodes may be the saved run's; the plan below
     plan = _plan(conn, inv, request, nodes, _refuse_bad_nodes(inv, nodes, say))
-    plan = _budgeted(conn, inv, plan, saved, (max_steps, budgets.rank_batch(config.to_dict())), say)
+    plan = _budgeted(conn, inv, plan, saved, budgets.trained(config), say)
     rdir, log_offset = lifecycle.start_training(conn, inv, plan)
     how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
     note = resume.close_run(request.run_name, taken) if not saved else ""  # a typo in --run starts a new run
@@ -73,14 +72,14 @@ def _plan(conn, inv: Inventory, request: launch.TrainRequest, nodes, verdicts) -
 
 
 def _budgeted(
-    conn, inv: Inventory, plan: launch.LaunchPlan, saved, trains: tuple[int, tuple[str, int]], say: Say = print
+    conn, inv: Inventory, plan: launch.LaunchPlan, saved, trains: budgets.Trains, say: Say = print
 ) -> launch.LaunchPlan:
     """--budget-usd (or a resumed run's saved one): priced as `fab cost` prices the nodes (the price `fab
     inventory` kept; on a Spot cluster the most a node-hour can cost: budget_price) over every node of the
     cluster that bills (on AWS the meter asks EC2 which at every reading), and EFS I/O, on top of
     what the run spent before; refused before anything is written when the run already spent it, or when
-    `fab plan`, from the latest measured run, predicts more than is left of it and its margin. `trains`: the
-    run's max steps and each rank's batch a step (budget.rank_batch), as the trainer will have them."""
+    `fab plan`, from the latest measured run, predicts more than is left of it and its margin. `trains`: what
+    the run trains, as the trainer will have it (budget.trained)."""
     request = plan.request
     if request.budget_usd is None:
         return plan
@@ -92,8 +91,8 @@ def _budgeted(
     ids = tuple(n.instance_id for n in inv.nodes if n.instance_id) if inv.source == "aws" else ()
     where = (nodes, spent, *efs, tail, ids, inv.source == "local")  # the emulated cluster bills nothing: said so
     budget = budgets.run_budget(request.budget_usd, price.usd_per_hour, price.source, io_rate, *where)
-    steps, what = budgets.steps_to_run(trains[0], saved)
-    estimate, why = _prediction(conn, inv, plan, (steps, trains[1]), price, nodes)
+    steps, what = budgets.steps_to_run(trains.steps, saved)
+    estimate, why = _prediction(conn, inv, plan, trains._replace(steps=steps), price, nodes)
     refused = budgets.refusal(estimate, steps, request.budget_usd, request.budget_margin, spent)
     if refused:
         raise budgets.BudgetError(refused)
@@ -106,10 +105,10 @@ def _budgeted(
     return dataclasses.replace(plan, budget=budget)
 
 
-def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, trains: tuple, price, billed: int) -> tuple:
-    """fab plan's estimate for this launch (`trains`: its steps, each rank's batch) from the run of that name,
-    else the latest measured run of its recipe, priced over every node of the cluster; (None, why) when
-    neither gives one."""
+def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, trains: budgets.Trains, price, billed: int) -> tuple:
+    """fab plan's estimate for this launch (`trains`: its steps to train, each rank's batch, its recipe) from
+    the run of that name, else the run launched last, if it trained the same recipe, priced over every node
+    of the cluster; (None, why) when neither gives one."""
     why = "no finished run with a step breakdown"
     for base in dict.fromkeys([launch.run_dir(inv, plan.request.run_name), lifecycle.latest_run(conn, inv)]):
         if not base:
@@ -117,9 +116,9 @@ def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, trains: tuple, pr
         try:
             inputs = analysis.plan_inputs(conn, inv, base)
             measured = inputs.get("summary")
-            if measured is not None and measured.recipe and measured.recipe != plan.request.recipe:
+            if measured is not None and measured.recipe and measured.recipe != trains.recipe:
                 raise planning.PlanError(
-                    f"the latest measured run trained {measured.recipe}, not {plan.request.recipe}"
+                    f"run {base.rsplit('/', 1)[-1]} trained {measured.recipe}, not {trains.recipe}"
                 )
             on_aws, nodes = inv.source == "aws", len(plan.nodes)
             estimate = budgets.prediction(
@@ -127,11 +126,11 @@ def _prediction(conn, inv: Inventory, plan: launch.LaunchPlan, trains: tuple, pr
                 inv.instance_type,
                 on_aws,
                 nodes,
-                trains[0],
+                trains.steps,
                 price.usd_per_hour,
                 price.source,
                 inv.gpus_per_node,
-                trains[1],
+                trains.per_rank,
             )
             if estimate.usd_total is None:
                 raise planning.PlanError(estimate.refused or "the prices are unknown")
