@@ -58,5 +58,6 @@ listed, left_out = trainer_tests()
 print("\n".join([*sorted(listed), *(f"--deselect={node}" for node in left_out)]))')
 [[ ${#selection[@]} -gt 0 ]] || { echo "error: no test selected from tests/trainer_tests.txt (see the error above)" >&2; exit 1; }
 # The repository is not installed there: the packages come from the checkout, as the image puts /workspace
-# on PYTHONPATH.
-PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not cluster" "${selection[@]}" "$@"
+# on PYTHONPATH. A worker that crashes ends the run, failed, naming its test: xdist's loadgroup scheduler
+# waits for good on a replaced worker (a crashed worker hung this phase for 27 minutes, session 24).
+PYTHONPATH="$PWD:$PWD/assets" GPU_CLUSTER_IMAGE_ENV=$tag "$env_dir/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --max-worker-restart 0 -m "not cluster" "${selection[@]}" "$@"

@@ -79,7 +79,8 @@ report() {
 mapfile -t cluster_modules < <(grep -l 'mark\.cluster' tests/test_*.py)
 beside "cluster (untimed)" python -m pytest -p no:cacheprovider -m "cluster and not timed" "${cluster_modules[@]}"
 beside "image-torch" bash scripts/test_image_torch.sh -n 1  # its last -n wins
-phase "tests" python -m pytest -n 2 --dist loadgroup -m "not cluster" --except-image-torch
+# A crashed worker ends the phase, failed (--max-worker-restart 0): loadgroup waits for good on a replacement.
+phase "tests" python -m pytest -n 2 --dist loadgroup --max-worker-restart 0 -m "not cluster" --except-image-torch
 collect "cluster (untimed)"
 collect "image-torch"
 [[ $status == 0 ]] || exit "$status"
