@@ -219,6 +219,32 @@ def test_the_steps_checked_and_priced_are_the_trainers_on_the_launchs_ranks():
     assert resume.check_trainer(p4d, dataclasses.replace(request, steps=900), None, 2).max_steps == 900
 
 
+def test_a_run_resumed_on_more_or_fewer_ranks_keeps_its_global_batch_or_is_refused_in_one_line():
+    """A 2-node run resumed after a redeploy to 4 nodes trained each remaining step at twice its global batch:
+    ResNet's learning rate doubled, the sample stream jumped, and the steps left cost twice as much."""
+    two = dataclasses.replace(SPEC, hosts=("10.0.0.1", "10.0.0.2"), pool=("10.0.0.1", "10.0.0.2"))
+    saved = resume.Saved(saved_config(), RunSpec.from_json(two.to_json()))  # 2 ranks x 64 = 128
+    request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
+    wider, words = resume.keep_global_batch(request, saved, 4, 1)
+    assert wider.extra_args[-6:] == ("--batch-per-gpu", "32", "--grad-accum", "1", "--keep-global-batch", "128")
+    assert words == (
+        "its global batch 128 kept on 4 ranks instead of 2 (--batch-per-gpu 32 --grad-accum 1 --keep-global-batch 128)"
+    )
+    config = resume.check_trainer(inventory(), wider, saved, 4)  # the trainer's own resume check takes it
+    assert config.global_batch(4) == 128
+    narrower, _ = resume.keep_global_batch(request, saved, 1, 1)
+    assert narrower.extra_args[-6:] == ("--batch-per-gpu", "64", "--grad-accum", "2", "--keep-global-batch", "128")
+    assert resume.keep_global_batch(request, saved, 2, 1) == (request, "")  # the same ranks: nothing to keep
+    mine = dataclasses.replace(request, extra_args=("--batch-per-gpu", "16"))
+    assert resume.keep_global_batch(mine, saved, 4, 1) == (mine, "")  # the user's own: the trainer checks it
+    with pytest.raises(launch.LaunchError) as refused:
+        resume.keep_global_batch(request, saved, 3, 1)
+    assert str(refused.value) == (
+        "run tiny trained at a global batch of 128 on 2 ranks, which does not split evenly over 3: resume it with "
+        "--nodes 1 or 2 or 4 or 8 or 16 or 32, or start a new --run"
+    )
+
+
 @pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])
 def test_a_bad_extra_is_one_line_from_the_trainers_parser(extra, capsys):
     """Before: argparse's usage, once per rank, after mpirun started."""

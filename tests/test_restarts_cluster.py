@@ -1,9 +1,9 @@
 """fab train --max-restarts on the emulated cluster (3 nodes): a hung rank, restarts used up, a lost
-node (and that run's goodput account). The real launcher, health probe over SSH, mpirun, gloo and the
-trainer; the tests look at the shared /data from the host side and at the namespaces' processes.
-The hang's window and the lost node's run (a 5 s window) are `timed`: make test runs them alone. Restarts
-used up times nothing but its end (within 60 s of the second kill), so it runs beside the other tests, with a
-hang window that a loaded machine's slow steps cannot fill."""
+node (that run's goodput account and its `--follow` output: one run for both). The real launcher, health
+probe over SSH, mpirun, gloo and the trainer; the tests look at the shared /data from the host side and at
+the namespaces' processes. The hang's window and the lost node's run (a 5 s window) are `timed`: make test
+runs them alone. Restarts used up times nothing but its end (within 60 s of the second kill), so it runs
+beside the other tests, with a hang window that a loaded machine's slow steps cannot fill."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from cluster_harness import Cluster, start_cluster, stop_cluster
+from conftest import REPO
 
 from cluster_node.protocol import phases
 from cluster_node.supervisor import goodput
@@ -163,17 +165,23 @@ def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_che
 @pytest.mark.timed
 def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(trio, baselines):
     """Last in the file: node2 stays dead. Killed between checkpoints, so the run loses steps; its goodput
-    account is checked on the same run (_goodput_accounts_for_the_run)."""
-    trio.fab("train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--extra", TINY)
-    trio.wait_for_step("lost", 15)
-    reached = _between_checkpoints(trio, "lost")
-    netns = localcluster.LocalSpec(name=trio.name, nodes=trio.nodes).netns(2)
-    killed_at, old_pid = _beat(trio, "lost")
-    for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
-        os.kill(int(pid), signal.SIGKILL)
-    detected = _wait_for_restart(trio, "lost")
-    resumed = _wait_for_resume(trio, "lost", old_pid)
-    status, finished = trio.wait_for_end("lost", timeout=60)
+    account (_goodput_accounts_for_the_run) and what `--follow` showed of it (_follow_names_the_incident)
+    are checked on the same run."""
+    argv = ["fab", "train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--follow", "--extra", TINY]
+    follow = subprocess.Popen(argv, cwd=REPO, env=trio.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        trio.wait_for_step("lost", 15)
+        reached = _between_checkpoints(trio, "lost")
+        netns = localcluster.LocalSpec(name=trio.name, nodes=trio.nodes).netns(2)
+        killed_at, old_pid = _beat(trio, "lost")
+        for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        detected = _wait_for_restart(trio, "lost")
+        resumed = _wait_for_resume(trio, "lost", old_pid)
+        status, finished = trio.wait_for_end("lost", timeout=60)
+        out, _ = follow.communicate(timeout=60)
+    finally:
+        follow.kill()
     [record] = _restarts(trio, "lost")
     log = (trio.run_dir("lost") / "train.log").read_text()
     loss, base, other = _final_loss(trio, "lost"), baselines["1234"], baselines["99"]
@@ -189,6 +197,22 @@ def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(t
     assert f"resuming from /data/runs/lost/checkpoints/step_{record['resume_step']:08d}.pt" in log
     assert abs(loss - base) <= noise
     _goodput_accounts_for_the_run(trio, "lost", reached, record)
+    _follow_names_the_incident(follow.returncode, out, log, trio.run_dir("lost"))
+
+
+def _follow_names_the_incident(code: int, out: str, log: str, run: Path) -> None:
+    """What a user reads when a node is lost (issue 23, item 5): the follow output names the cause and the
+    node by its inventory name and says what was lost; Open MPI's help text and the ranks' tracebacks stay
+    in train.log (fab logs) and out of --follow."""
+    print(f"--follow printed {len(out.splitlines())} lines:\n{out}")
+    assert code == 0, out
+    assert "node2 unreachable" in out
+    assert re.search(r"lost \d+ steps(, [\d.]+ s)? since .*: the recipe checkpoints every 10 steps", out), out
+    assert "from step None" not in out and "{" not in out.split("restart 1/1")[-1].splitlines()[0]
+    assert "PATH and LD_LIBRARY_PATH" not in out and "Traceback" not in out
+    assert "mpirun: 3 ranks on node0,node1,node2 (spec attempt 1)" in out and "--allow-run-as-root" not in out
+    # The raw output stays in the log.
+    assert "--allow-run-as-root" in log or (run / "specs" / "attempt-1.json").exists()
 
 
 def _goodput_accounts_for_the_run(cluster: Cluster, run: str, reached: int, record: dict) -> None:

@@ -349,6 +349,23 @@ def test_a_resumed_run_keeps_its_saved_settings_and_refuses_a_different_one(numb
     )
 
 
+def test_a_checkpoint_resumes_only_at_the_global_batch_it_was_trained_at(numbers_data, tmp_path):
+    """On more ranks with its saved batch a run trained each step left at a larger global batch (its learning
+    rate, sample stream and steps counted the old one). fab train keeps it (resume.keep_global_batch); a
+    launch that does not is refused by every rank before a step."""
+    train(numbers_data, tmp_path, "--max-steps", "2", "--batch-per-gpu", "8")
+    refused = train(numbers_data, tmp_path, "--max-steps", "4", procs=2, check=False)
+    assert refused.returncode != 0 and "step 3/" not in refused.stdout
+    assert (
+        "was trained at a global batch of 8 (ranks x batch x accumulation: 1 x 8 x 1), this launch's is 16 (2 x 8 x 1)"
+        in refused.stderr
+    )
+    kept = train(
+        numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--keep-global-batch", "8", procs=2
+    )
+    assert "changed --batch-per-gpu 8 -> 4" in kept.stdout and "step 4/4" in kept.stdout
+
+
 def test_strict_device_mode_rejects_a_collective_tensor_made_without_a_device():
     cpu = torch.device("cpu")
     with strict_device._Tracker(cpu):

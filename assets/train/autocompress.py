@@ -168,7 +168,7 @@ def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
     with torch.no_grad():
         for name, value in model.named_buffers():
             value.copy_(buffers[name])
-    objects = c.batch_per_gpu * info.world_size * c.grad_accum
+    objects = c.global_batch(info.world_size)
     mode, why, predicted = choose(auto_breakdown(compute, link_gbit, calibration, info.world_size, objects), link_gbit)
     mode, why, predicted = distributed.broadcast_from_main((mode, why, predicted))
     c.grad_compression = mode

@@ -164,6 +164,10 @@ class TrainConfig:
         else:
             self.model.validate()
 
+    def global_batch(self, world_size: int) -> int:
+        """Objects (sentences or images) an optimizer step takes over `world_size` ranks."""
+        return self.batch_per_gpu * world_size * self.grad_accum
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -258,7 +262,7 @@ def scaled_to_world(config: TrainConfig, world_size: int, given: set[str]) -> li
     and bill twice. A run given --max-steps has chosen its length in steps: nothing is scaled (its warm-up
     scaled to one GPU could outlast it). A new run's config.json keeps the counts: a resume keeps them.
     Returns a line saying what was scaled, or what was kept at another global batch; none for neither."""
-    global_batch = config.batch_per_gpu * world_size * config.grad_accum
+    global_batch = config.global_batch(world_size)
     if not config.reference_batch or global_batch == config.reference_batch:
         return []
     why = f"the recipe's for a global batch of {config.reference_batch}, this run's is {global_batch}"

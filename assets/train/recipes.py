@@ -197,7 +197,7 @@ class ImageTask:
 
     def lr_factor(self, step: int) -> float:
         c = self.config
-        global_batch = c.batch_per_gpu * self.info.world_size * c.grad_accum
+        global_batch = c.global_batch(self.info.world_size)
         return warmup_cosine_lr(step, c.warmup_steps, c.max_steps, c.vision.base_lr * global_batch / 256)
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         phases.mark(run_dir, "process", started)
         phases.mark(run_dir, "rendezvous")
     precision_why = resolve_precision(config, device) if config.precision == "auto" else ""
-    world_batch = config.batch_per_gpu * config.grad_accum * info.world_size
+    world_batch = config.global_batch(info.world_size)
     if args.keep_global_batch and world_batch != args.keep_global_batch:
         print(
             f"error: --keep-global-batch {args.keep_global_batch} but the global batch is {world_batch}",
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
             phases.mark(run_dir, "ready", step=trainer.step)
         trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
         trainer.log(_summary_line(trainer.fit()))
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ConfigError) as error:  # no data set; a checkpoint this launch cannot resume
         print(f"error: {error}", file=sys.stderr)
         return 2
     finally:

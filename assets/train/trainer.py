@@ -16,7 +16,7 @@ from cluster_node.protocol import rundir
 from cluster_node.tools import duration
 from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf, snapshot
 from train.callbacks import Callback, start_wandb
-from train.config import TrainConfig, resolve_precision
+from train.config import ConfigError, TrainConfig, resolve_precision
 
 # RUN_DIR/STOP (`fab stop`, the Spot watcher's) ends the run with a checkpoint at the next step, no eval; a
 # STOP whose first word is rundir.URGENT_STOP_WORD (a Spot notice) is also voted urgent (self.urgent_stop).
@@ -137,6 +137,7 @@ class Trainer:
             if not (self.run_dir / rundir.CONFIG).exists():  # a new run: a namesake's snapshots are not its own
                 checkpoint.drop_snapshots(self.snapshot_target)
             return
+        _refuse_another_global_batch(state, self.config, self.info.world_size)
         self.model.load_state_dict(state["model"])
         # The optimizer's implementation is this machine's (fused on a GPU), whatever saved the state.
         for saved, mine in zip(state["optimizer"]["param_groups"], self.optimizer.param_groups):
@@ -314,7 +315,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train to max_steps, a STOP or the target metric; summary.json's values."""
         c, metric = self.config, self.task.metric
-        global_batch = c.batch_per_gpu * self.info.world_size * c.grad_accum
+        global_batch = c.global_batch(self.info.world_size)
         step_times: list[float] = []
         pending: list = []  # (step, loss sum on the device, units) not yet read
         last_eval: dict = {}
@@ -501,3 +502,20 @@ def first_step_line(step: int, max_steps: int, log_every: int, loss: Any, lr: An
         f"{seconds * 1000:.0f} ms "
         f"(start-up; speed and ETA from step {later})"
     )
+
+
+def _refuse_another_global_batch(state: dict, config: TrainConfig, world_size: int) -> None:
+    """A checkpoint resumes at the global batch it was trained at: the learning rate (ResNet's scales with it),
+    the sample stream's position and the steps left all count it. On another number of ranks the launch must
+    keep it with --batch-per-gpu and --grad-accum (`fab train` does: trainlaunch.keep_global_batch)."""
+    saved, ranks = state.get("config") or {}, (state.get("rng") or {}).get("world_size")
+    if not ranks or "batch_per_gpu" not in saved:
+        return  # a checkpoint from before its settings were kept in it
+    before, now = saved["batch_per_gpu"] * ranks * saved.get("grad_accum", 1), config.global_batch(world_size)
+    if before != now:
+        raise ConfigError(
+            f"{state['path']} was trained at a global batch of {before} (ranks x batch x accumulation: {ranks} x "
+            f"{saved['batch_per_gpu']} x {saved.get('grad_accum', 1)}), this launch's is {now} ({world_size} x "
+            f"{config.batch_per_gpu} x {config.grad_accum}): resume it with --batch-per-gpu and --grad-accum that "
+            f"keep {before} on {world_size} ranks (and --keep-global-batch {before}), or start a new --run"
+        )

@@ -14,8 +14,9 @@ from typing import Any, Callable, NoReturn, Optional
 from fabric import Connection
 
 from cluster_node.protocol import rundir
-from cluster_node.protocol.spec import RunSpec
+from cluster_node.protocol.spec import BATCH_FLAGS, Batch, RunSpec
 from cluster_node.supervisor.budget import Spend
+from cluster_node.supervisor.restart_plan import rebalance
 from clusterops.inventory import Inventory
 from clusterops.nodes import records as noderecords
 from clusterops.nodes import remote
@@ -80,6 +81,29 @@ def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory
     if (run.config.get("vision") or {}).get("synthetic") and "--synthetic" not in extra:
         extra += ("--synthetic",)  # the run's data is generated: no data set to look for
     return dataclasses.replace(request, extra_args=extra, **kept)
+
+
+def keep_global_batch(request: launch.TrainRequest, run: Saved, ranks: int, gpus_per_node: int) -> tuple:
+    """(request, words): a saved run launched on another number of ranks than its last attempt keeps its global
+    batch, split over `ranks` as the supervisor splits it after a lost node (restart_plan.rebalance): its
+    learning rate, its sample stream's position and its steps left all count it. Refused in one line, naming
+    the node counts that keep it, when it does not split; left to the trainer's checks when --extra sets the
+    batch itself."""
+    given = any(flag in request.extra_args for flag in BATCH_FLAGS)
+    if run.spec is None or given or ranks == (before := len(run.spec.hosts) * run.spec.slots):
+        return request, ""
+    per_rank = int(run.config["batch_per_gpu"])
+    kept = run.spec.batch.keep_global_batch if run.spec.batch else per_rank * int(run.config["grad_accum"]) * before
+    split = rebalance(kept, ranks, per_rank)
+    if split is None:
+        fits = [n for n in range(1, 65) if rebalance(kept, n * gpus_per_node, per_rank)][:6]
+        raise launch.LaunchError(
+            f"run {request.run_name} trained at a global batch of {kept} on {before} ranks, which does not split "
+            f"evenly over {ranks}: resume it with --nodes {' or '.join(map(str, fits)) or 'N'}, or start a new --run"
+        )
+    flags = Batch(*split, kept).flags()
+    words = f"its global batch {kept} kept on {ranks} ranks instead of {before} ({shlex.join(flags)})"
+    return dataclasses.replace(request, extra_args=(*request.extra_args, *flags)), words
 
 
 def _refuse(request: launch.TrainRequest):

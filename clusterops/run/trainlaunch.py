@@ -49,6 +49,9 @@ def start(inv: Inventory, request: launch.TrainRequest, given: set[str], say: Sa
 def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], selected, say: Say) -> Started:
     saved = resume.saved(conn, inv, request.run_name)
     request = resume.resumed(request, given, saved, inv) if saved else request
+    kept = ""
+    if saved:  # on another number of ranks: the same global batch (lr, samples, steps left), or refused
+        request, kept = resume.keep_global_batch(request, saved, len(selected) * inv.gpus_per_node, inv.gpus_per_node)
     config = resume.check_trainer(inv, request, saved, len(selected))  # one line on a bad flag; run untouched
     taken = resume.run_names(conn, inv)
     if saved:  # a finished run is never rewritten by a launch that trains nothing
@@ -58,6 +61,7 @@ def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], 
     plan = _budgeted(conn, inv, plan, saved, budgets.trained(config), say)
     rdir, log_offset = lifecycle.start_training(conn, inv, plan)
     how = f"resumed {request.run_name} with its saved settings" if saved else resume.new_run_line(request)
+    how += f", {kept}" if kept else ""
     note = resume.close_run(request.run_name, taken) if not saved else ""  # a typo in --run starts a new run
     return Started(rdir, log_offset, how, len(plan.nodes), plan.code_dir, note or "")
 
