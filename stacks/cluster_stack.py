@@ -77,9 +77,8 @@ class GpuClusterStack(Stack):
         """What `fab inventory` reads (assets/cluster_node OUTPUT_KEYS names them)."""
         instances = self.nodes.instances
         public = config.public_ips
-        outputs = {
+        return {
             "ClusterName": config.cluster_name,
-            "Access": config.access,
             "HeadPublicIp": instances[0].instance_public_ip if public else "none",
             "PrivateIps": Fn.join(",", [i.instance_private_ip for i in instances]),
             "PublicIps": Fn.join(",", [i.instance_public_ip for i in instances]) if public else "none",
@@ -89,16 +88,10 @@ class GpuClusterStack(Stack):
             "KeyName": self.nodes.key_pair.key_pair_name,
             "HostKeyParameterName": self.nodes.host_key_parameter_name,
             "Region": self.region,
-            "GpusPerNode": str(config.gpus),
-            "InstanceType": config.instance_type,
-            "Spot": "true" if config.spot else "false",
             "DashboardUrl": self.dashboard.url,
-            "EfaCards": str(config.efa_cards),
             "NodeUserData": user_data_version(),  # fab preflight: does this checkout replace every node?
+            **config_outputs(config),
         }
-        if config.spot_max_price_output:
-            outputs["SpotMaxPrice"] = config.spot_max_price_output
-        return outputs
 
     def _nodes_after_their_network(self) -> None:
         """A node's user data calls SSM and S3 at once: not before its subnet's route (a private subnet's NAT
@@ -201,3 +194,24 @@ class GpuClusterStack(Stack):
                 ),
             )
         )
+
+
+def config_outputs(config: ClusterConfig) -> dict[str, str]:
+    """The outputs that are the config's own values. `fab preflight` compares the next deploy's config with them:
+    the CDK remembers no -c value, so a deploy that leaves one out changes the cluster (clusterops.aws.redeploy)."""
+    outputs = {
+        "Access": config.access,
+        "GpusPerNode": str(config.gpus),
+        "InstanceType": config.instance_type,
+        "Spot": "true" if config.spot else "false",
+        "EfaCards": str(config.efa_cards),
+        "RootVolumeGb": str(config.root_volume_gb),
+        "PlacementGroup": "true" if config.in_placement_group else "false",
+        "RetainData": "true" if config.retain_data else "false",
+        "BaseImage": config.image,
+        "IdleMinutes": str(config.idle_minutes),
+        "DataBucket": config.data_bucket or "none",
+    }
+    if config.spot_max_price_output:
+        outputs["SpotMaxPrice"] = config.spot_max_price_output
+    return outputs

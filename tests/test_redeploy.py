@@ -13,6 +13,7 @@ import pytest
 from templates_golden import CONFIGS, GOLDEN, PINS
 
 from clusterops.aws import preflight, redeploy
+from stacks.cluster_stack import config_outputs
 from stacks.config import ClusterConfig, cluster_az_context_key, offerings_context_key
 from stacks.pins import UnpinnedError, synth_config, unpinned_config
 from stacks.userdata import user_data_version
@@ -257,3 +258,40 @@ def test_a_private_subnet_change_is_a_fail_against_the_deployed_stack_and_the_qu
     private = redeploy.Deployed("GpuCluster-x", "UPDATE_COMPLETE", {}, None, resource_types=frozenset(NAT))
     keep = "deploy with -c access=ssm -c private_subnet=true, or"
     assert keep in (redeploy.subnet_layout_change(config, private) or "")
+
+
+def test_a_scale_up_that_leaves_out_a_first_deploys_value_names_what_it_changes_and_counts_every_node():
+    """The twelfth read: a 2 -> 4 deploy without the first one's -c root_volume_gb=500 was "adds 2, replaces
+    none", and the vCPU quota was checked for 2 nodes, when the new root volume replaces node0 and node1
+    (BlockDeviceMapping: "Modifying any other parameter results in instance replacement"); a retain_data left
+    out made `cdk destroy` delete /data."""
+    first = {
+        "cluster_name": "scale",
+        "root_volume_gb": "500",
+        "key_name": "mine",
+        "retain_data": "true",
+        "image": "nvcr.io/nvidia/pytorch:25.01-py3",
+        "idle_minutes": "0",
+        "data_bucket": "my-imagenet",
+    }
+    outputs = {**config_outputs(ClusterConfig.from_context(first)), "InstanceIds": "i-0a,i-0b", "KeyName": "mine"}
+    outputs["NodeUserData"] = user_data_version()
+    running = frozenset({"i-0a", "i-0b"})
+    found = redeploy.Deployed("GpuCluster-scale", "UPDATE_COMPLETE", outputs, "us-east-1a", running=running)
+    same = ClusterConfig.from_context({**first, "nodes": "4"})
+    assert redeploy.changes(same, found) == ["nodes 2 -> 4 (adds 2, replaces none)"]
+    assert redeploy.nodes_added(same, found) == 2
+    left_out = ClusterConfig.from_context({"cluster_name": "scale", "nodes": "4"})
+    said = "; ".join(redeploy.changes(left_out, found))
+    for change in (
+        f"root_volume_gb 500 -> 200 ({redeploy.REPLACES})",
+        f"key_name mine -> scale-GpuCluster-scale ({redeploy.MAY_REPLACE})",
+        "retain_data true -> false (whether `cdk destroy` deletes /data)",
+        "image nvcr.io/nvidia/pytorch:25.01-py3 -> nvcr.io/nvidia/pytorch:24.12-py3 (each node boots the image",
+        "idle_minutes 0 -> 60 (when the idle watchdog stops the cluster)",
+        "data_bucket my-imagenet -> none (the bucket the nodes may read)",
+    ):
+        assert change in said, said
+    assert redeploy.nodes_added(left_out, found) == 4  # each replacement is launched before its node goes
+    unplaced = ClusterConfig.from_context({**first, "placement_group": "false"})
+    assert f"placement_group true -> false ({redeploy.MAY_REPLACE})" in redeploy.changes(unplaced, found)

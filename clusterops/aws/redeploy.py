@@ -23,6 +23,8 @@ from stacks.userdata import user_data_version
 
 CHECK = "deployed cluster"
 REPLACES = "replaces every node: a running run ends, `fab stop` it first"
+# Set at launch, and not all updatable in place: CloudFormation decides (`npx cdk diff` says "requires replacement").
+MAY_REPLACE = "may replace every node (`npx cdk diff` says): a running run ends, `fab stop` it first"
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,13 @@ _KEYS: tuple[tuple[str, str, Callable[[ClusterConfig], Optional[str]], str], ...
     ("spot_max_price", "SpotMaxPrice", lambda c: c.spot_max_price_output, REPLACES),
     ("efa cards", "EfaCards", lambda c: str(c.efa_cards), REPLACES),
     ("access", "Access", lambda c: c.access, "the way fab reaches the nodes"),
+    # BlockDeviceMapping: "Modifying any other parameter [than DeleteOnTermination] results in instance replacement"
+    ("root_volume_gb", "RootVolumeGb", lambda c: str(c.root_volume_gb), REPLACES),
+    ("placement_group", "PlacementGroup", lambda c: str(c.in_placement_group).lower(), MAY_REPLACE),
+    ("retain_data", "RetainData", lambda c: str(c.retain_data).lower(), "whether `cdk destroy` deletes /data"),
+    ("image", "BaseImage", lambda c: c.image, "each node boots the image node-config names when it boots"),
+    ("idle_minutes", "IdleMinutes", lambda c: str(c.idle_minutes), "when the idle watchdog stops the cluster"),
+    ("data_bucket", "DataBucket", lambda c: c.data_bucket or "none", "the bucket the nodes may read"),
 )
 
 
@@ -129,6 +138,9 @@ def changes(config: ClusterConfig, found: Deployed, image: Optional[str] = None)
         for key, output, value, effect in _KEYS
         if output in found.outputs and value(config) not in (None, found.outputs[output])
     ]
+    key = config.key_name or f"{config.cluster_name}-{found.stack}"  # stacks/nodes.py's generated pair otherwise
+    if found.outputs.get("KeyName", key) != key:  # the node's KeyName
+        said.append(f"key_name {found.outputs['KeyName']} -> {key} ({MAY_REPLACE})")
     before = len(found.instance_ids)
     if before and config.nodes < before:
         gone = ", ".join(f"node{rank}" for rank in range(config.nodes, before))
@@ -143,7 +155,7 @@ def nodes_added(config: ClusterConfig, found: Optional[Deployed], image: Optiona
     (CloudFormation creates each replacement before it terminates the old node: both run for a while), else
     the ranks the deployed cluster lacks and those of its kept nodes that are stopped (a stopped node counts
     nowhere, and `fab start` will start it: only a running one is already counted)."""
-    if found is None or any(REPLACES in change for change in changes(config, found, image)):
+    if found is None or any(REPLACES in c or MAY_REPLACE in c for c in changes(config, found, image)):
         return config.nodes
     return config.nodes - len(set(found.instance_ids[: config.nodes]) & found.running)
 

@@ -48,7 +48,7 @@ def dashboard_name(cluster_name: str, region: str) -> str:
 
 
 # The stack's outputs (stacks/cluster_stack.py) that the inventory (clusterops/inventory.py) reads, and
-# NodeUserData, which `fab preflight` compares (clusterops/aws/redeploy.py).
+# NodeUserData and the config's values, which `fab preflight` compares (clusterops/aws/redeploy.py).
 OUTPUT_KEYS = (
     "ClusterName",
     "Access",
@@ -68,5 +68,12 @@ OUTPUT_KEYS = (
     "Spot",
     "NodeUserData",
     "SpotMaxPrice",  # Spot stacks only
+    # the config values `fab preflight` compares with the next deploy's (stacks/cluster_stack.config_outputs)
+    "RootVolumeGb",
+    "PlacementGroup",
+    "RetainData",
+    "BaseImage",
+    "IdleMinutes",
+    "DataBucket",
 )
 REQUIRED_OUTPUTS = ("PrivateIps", "PublicIps", "InstanceIds", "GpusPerNode", "HostKeyParameterName", "KeyParameterName")
