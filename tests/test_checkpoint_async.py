@@ -250,7 +250,7 @@ def test_two_ranks_resume_from_their_nodes_snapshots_only_when_both_hold_the_ste
     then node0 keeps its snapshot (the run's own: the supervisor may still copy it for a later attempt)."""
     run = tmp_path / "run"
     flags = ["--data", str(numbers_data), "--run-dir", str(run), *SMALL[2:], "--batch-per-gpu", "4"]
-    train(numbers_data, run, "--max-steps", "2", "--batch-per-gpu", "4")
+    train(numbers_data, run, "--max-steps", "2", "--batch-per-gpu", "4", procs=2)  # resumed at its global batch
     state = checkpoint.load_latest(run)
     if not checkpoints:
         shutil.rmtree(run / rundir.CHECKPOINTS)

@@ -223,26 +223,48 @@ def test_a_run_resumed_on_more_or_fewer_ranks_keeps_its_global_batch_or_is_refus
     """A 2-node run resumed after a redeploy to 4 nodes trained each remaining step at twice its global batch:
     ResNet's learning rate doubled, the sample stream jumped, and the steps left cost twice as much."""
     two = dataclasses.replace(SPEC, hosts=("10.0.0.1", "10.0.0.2"), pool=("10.0.0.1", "10.0.0.2"))
-    saved = resume.Saved(saved_config(), RunSpec.from_json(two.to_json()))  # 2 ranks x 64 = 128
+    saved = resume.Saved(saved_config(), RunSpec.from_json(two.to_json()))  # 2 ranks x 64 = 128 (no world_size)
     request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
-    wider, words = resume.keep_global_batch(request, saved, 4, 1)
+    wider, words = resume.keep_global_batch(request, saved, 4, 1, 8)
     assert wider.extra_args[-6:] == ("--batch-per-gpu", "32", "--grad-accum", "1", "--keep-global-batch", "128")
     assert words == (
         "its global batch 128 kept on 4 ranks instead of 2 (--batch-per-gpu 32 --grad-accum 1 --keep-global-batch 128)"
     )
     config = resume.check_trainer(inventory(), wider, saved, 4)  # the trainer's own resume check takes it
     assert config.global_batch(4) == 128
-    narrower, _ = resume.keep_global_batch(request, saved, 1, 1)
+    narrower, _ = resume.keep_global_batch(request, saved, 1, 1, 8)
     assert narrower.extra_args[-6:] == ("--batch-per-gpu", "64", "--grad-accum", "2", "--keep-global-batch", "128")
-    assert resume.keep_global_batch(request, saved, 2, 1) == (request, "")  # the same ranks: nothing to keep
-    mine = dataclasses.replace(request, extra_args=("--batch-per-gpu", "16"))
-    assert resume.keep_global_batch(mine, saved, 4, 1) == (mine, "")  # the user's own: the trainer checks it
+    assert resume.keep_global_batch(request, saved, 2, 1, 8) == (request, "")  # the same ranks: nothing to keep
+    for mine in (
+        dataclasses.replace(request, extra_args=("--batch-per-gpu", "16")),
+        dataclasses.replace(request, extra_args=("--grad-accum=2",)),
+        dataclasses.replace(request, batch_per_gpu=16),  # fab's own flag
+    ):
+        assert resume.keep_global_batch(mine, saved, 4, 1, 8) == (mine, "")  # the user's own: the trainer checks it
     with pytest.raises(launch.LaunchError) as refused:
-        resume.keep_global_batch(request, saved, 3, 1)
+        resume.keep_global_batch(request, saved, 3, 1, 4)
     assert str(refused.value) == (
         "run tiny trained at a global batch of 128 on 2 ranks, which does not split evenly over 3: resume it with "
-        "--nodes 1 or 2 or 4 or 8 or 16 or 32, or start a new --run"
+        "--nodes 1 or 2 or 4, or start a new --run"
     )
+
+
+def test_the_ranks_a_run_trained_on_are_its_own_record_and_a_token_sized_run_moves_only_its_accumulation():
+    """The second review: a launch that failed before its first step left spec.json on 4 hosts and config.json
+    as trained on 2, and a --max-tokens run's batch_per_gpu sizes no batch: 64 x 4 ranks "kept" 128 x 2 while
+    each step took twice the tokens."""
+    four = dataclasses.replace(SPEC, hosts=tuple(f"10.0.0.{i}" for i in range(1, 5)), pool=("10.0.0.1",))
+    recorded = {**saved_config(), "world_size": 2}  # train.compose writes it with the run's settings
+    saved = resume.Saved(recorded, RunSpec.from_json(four.to_json()))
+    request = resume.resumed(launch.TrainRequest(run="tiny"), set(), saved, inventory())
+    assert resume.keep_global_batch(request, saved, 2, 1, 8) == (request, "")  # trained on 2: nothing to keep
+    assert "kept on 4 ranks instead of 2" in resume.keep_global_batch(request, saved, 4, 1, 8)[1]
+    tokens = resume.Saved({**recorded, "batching": "tokens", "max_tokens": 2048}, None)
+    words = "over 4 with its micro-batch [(]--max-tokens[)]: resume it with --nodes 1 or 2, or start a new --run"
+    with pytest.raises(launch.LaunchError, match=words):  # 2 ranks x accumulation 1 cannot be 4 x 1/2
+        resume.keep_global_batch(request, tokens, 4, 1, 8)
+    narrower, _ = resume.keep_global_batch(request, tokens, 1, 1, 8)
+    assert narrower.extra_args[-6:] == ("--batch-per-gpu", "64", "--grad-accum", "2", "--keep-global-batch", "128")
 
 
 @pytest.mark.parametrize("extra", [("--bogus",), ("--lr-scale", "abc"), ("--lr-scale", "-1")])

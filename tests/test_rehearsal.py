@@ -298,7 +298,9 @@ BUDGET = (
 
 def laptop_steps(deployed: Deployed, work) -> list[list[str]]:
     name, cluster = deployed.stack, deployed.context["cluster_name"]
-    context = [*MOTO_LIMITS, *(a for k, v in deployed.context.items() for a in ("-c", f"{k}={v}"))]
+    # the deploy's own -c values, its key pair too (moto_deploy names one: moto makes no ED25519 pair)
+    as_deployed = {"key_name": deployed.key_file.stem, **deployed.context}
+    context = [*MOTO_LIMITS, *(a for k, v in as_deployed.items() for a in ("-c", f"{k}={v}"))]
     steps = {
         "preflight": ["preflight", *context],
         "cost": ["cost"],
@@ -372,6 +374,9 @@ def laptop_tasks(deployed: Deployed, world, tmp_path) -> set[str]:
         # Each node's idle alarm, as the template's IdleAlarmN creates it (moto's stack leaves it out): the
         # audit lists it, reading its tags under the user policy.
         idle_alarm(f"{cluster}-node0-idle", cluster)
+    # A user's day starts with the cluster running (the boot rehearsal's --stop-now may have stopped it on this
+    # worker first): so `fab stop-cluster` has nodes to stop, as it has on AWS.
+    boto3.client("ec2").start_instances(InstanceIds=deployed.instances)
     if deployed.context.get("spot"):
         # The persistent request a Spot node's launch template leaves on EC2 (moto's launch makes none),
         # its node stopped as `fab stop-cluster` stops the cluster's.

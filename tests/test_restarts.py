@@ -28,6 +28,9 @@ def test_rebalance_keeps_the_global_batch_with_micro_batches_no_larger_than_befo
     assert restart_plan.rebalance(24, 2, 8) == (6, 2)  # 3 ranks x 8 -> 2 ranks x 6 x 2
     assert restart_plan.rebalance(24, 3, 8) == (8, 1)  # the node rejoined: back to the original shape
     assert restart_plan.rebalance(24, 5, 8) is None  # 24 does not split over 5 ranks
+    # A --max-tokens run's micro-batch is its token budget whatever batch_per_gpu says: only the accumulation moves.
+    assert restart_plan.rebalance(24, 1, 8, fixed=True) == (8, 3)
+    assert restart_plan.rebalance(24, 6, 8, fixed=True) is None  # 4 each: half a token budget, not the same step
 
 
 def _run_dir(tmp_path: Path, hosts: list[str], restarts: int = 1, min_nodes: int = 1) -> tuple[Path, spec.RunSpec]:

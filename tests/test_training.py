@@ -152,7 +152,7 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_a_message(numbers_data, t
 
 
 def test_ranks_resume_from_the_checkpoint_rank_0_chose_even_when_their_listing_lags(numbers_data, tmp_path):
-    train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2")
+    train(numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--checkpoint-every", "2", procs=2)
     assert [p.name for p in checkpoint.list_steps(tmp_path)][-2:] == ["step_00000002.pt", "step_00000004.pt"]
     result = prewarmed.run(
         [
@@ -364,6 +364,16 @@ def test_a_checkpoint_resumes_only_at_the_global_batch_it_was_trained_at(numbers
         numbers_data, tmp_path, "--max-steps", "4", "--batch-per-gpu", "4", "--keep-global-batch", "8", procs=2
     )
     assert "changed --batch-per-gpu 8 -> 4" in kept.stdout and "step 4/4" in kept.stdout
+    assert json.loads((tmp_path / "config.json").read_text())["world_size"] == 2  # what fab train's resume reads
+    # A --max-tokens run's step is ranks x accumulation x its token budget: halving batch_per_gpu keeps nothing.
+    tokens = tmp_path / "tokens"
+    train(
+        numbers_data, tokens, "--max-steps", "2", "--batch-per-gpu", "8", "--batching", "tokens", "--max-tokens", "64"
+    )
+    halved = ("--max-steps", "4", "--batch-per-gpu", "4", "--keep-global-batch", "8")
+    refused = train(numbers_data, tokens, *halved, procs=2, check=False)
+    assert "global batch of 8, 64 tokens (ranks x batch x accumulation: 1 x 8 x 1)" in refused.stderr
+    assert "this launch's is 8, 128 tokens (2 x 4 x 1)" in refused.stderr and refused.stderr.count("error: ") == 1
 
 
 def test_strict_device_mode_rejects_a_collective_tensor_made_without_a_device():

@@ -174,6 +174,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict) -> "TrainConfig":
         values = dict(values)
+        values.pop("world_size", None)  # the ranks it was trained on (train.compose), not a setting
         model = ModelConfig(**values.pop("model"))
         vision = VisionConfig(**values.pop("vision", {}))
         values["adam_betas"] = tuple(values["adam_betas"])

@@ -64,8 +64,9 @@ def compose(config: TrainConfig, info: distributed.DistInfo, device, callbacks: 
     optimizer = task.optimizer()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: task.lr_factor(s + 1))
     trainer = Trainer(config, info, device, task, optimizer, scheduler, callbacks)
-    if info.is_main:
-        rundir.write_json(Path(config.run_dir) / rundir.CONFIG, config.to_dict(), indent=2)
+    if info.is_main:  # with the ranks it trains on: a resume elsewhere keeps its global batch (resume.py)
+        saved = {**config.to_dict(), "world_size": info.world_size}
+        rundir.write_json(Path(config.run_dir) / rundir.CONFIG, saved, indent=2)
     return trainer
 
 
@@ -122,8 +123,12 @@ def main(argv=None) -> int:
             phases.mark(run_dir, "ready", step=trainer.step)
         trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
         trainer.log(_summary_line(trainer.fit()))
-    except (FileNotFoundError, ConfigError) as error:  # no data set; a checkpoint this launch cannot resume
+    except FileNotFoundError as error:  # no data set on this node
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ConfigError as error:  # a checkpoint this launch cannot resume: the same on every rank, said once
+        if info.is_main:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     finally:
         distributed.teardown()

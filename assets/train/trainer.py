@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.spec import sized_by_tokens
 from cluster_node.tools import duration
 from train import autocompress, breakdown, checkpoint, commhooks, distributed, perf, snapshot
 from train.callbacks import Callback, start_wandb
@@ -506,16 +507,25 @@ def first_step_line(step: int, max_steps: int, log_every: int, loss: Any, lr: An
 
 def _refuse_another_global_batch(state: dict, config: TrainConfig, world_size: int) -> None:
     """A checkpoint resumes at the global batch it was trained at: the learning rate (ResNet's scales with it),
-    the sample stream's position and the steps left all count it. On another number of ranks the launch must
-    keep it with --batch-per-gpu and --grad-accum (`fab train` does: trainlaunch.keep_global_batch)."""
+    the sample stream's position and the steps left all count it; a --max-tokens run's step is its ranks x
+    accumulation x token budget (sized_by_tokens). On another number of ranks the launch must keep it with
+    --batch-per-gpu and --grad-accum (`fab train` does: resume.keep_global_batch)."""
     saved, ranks = state.get("config") or {}, (state.get("rng") or {}).get("world_size")
     if not ranks or "batch_per_gpu" not in saved:
         return  # a checkpoint from before its settings were kept in it
-    before, now = saved["batch_per_gpu"] * ranks * saved.get("grad_accum", 1), config.global_batch(world_size)
+    mine = config.to_dict()
+    before, now = _step_size(saved, ranks), _step_size(mine, world_size)
     if before != now:
         raise ConfigError(
-            f"{state['path']} was trained at a global batch of {before} (ranks x batch x accumulation: {ranks} x "
-            f"{saved['batch_per_gpu']} x {saved.get('grad_accum', 1)}), this launch's is {now} ({world_size} x "
-            f"{config.batch_per_gpu} x {config.grad_accum}): resume it with --batch-per-gpu and --grad-accum that "
-            f"keep {before} on {world_size} ranks (and --keep-global-batch {before}), or start a new --run"
+            f"{state['path']} was trained at a global batch of {before[0]}{before[1]} (ranks x batch x accumulation: "
+            f"{ranks} x {saved['batch_per_gpu']} x {saved.get('grad_accum', 1)}), this launch's is {now[0]}{now[1]} "
+            f"({world_size} x {config.batch_per_gpu} x {config.grad_accum}): resume it with --batch-per-gpu and "
+            f"--grad-accum that keep it on {world_size} ranks (and --keep-global-batch {before[0]}), or a new --run"
         )
+
+
+def _step_size(config: dict, world_size: int) -> tuple[int, str]:
+    """(objects a step takes, and for a token-sized run the tokens it takes, as words)."""
+    accum = config.get("grad_accum", 1)
+    tokens = f", {config['max_tokens'] * world_size * accum} tokens" if sized_by_tokens(config) else ""
+    return config["batch_per_gpu"] * world_size * accum, tokens

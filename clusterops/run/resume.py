@@ -14,7 +14,7 @@ from typing import Any, Callable, NoReturn, Optional
 from fabric import Connection
 
 from cluster_node.protocol import rundir
-from cluster_node.protocol.spec import BATCH_FLAGS, Batch, RunSpec
+from cluster_node.protocol.spec import BATCH_FLAGS, Batch, RunSpec, sized_by_tokens, trained_world
 from cluster_node.supervisor.budget import Spend
 from cluster_node.supervisor.restart_plan import rebalance
 from clusterops.inventory import Inventory
@@ -83,23 +83,25 @@ def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory
     return dataclasses.replace(request, extra_args=extra, **kept)
 
 
-def keep_global_batch(request: launch.TrainRequest, run: Saved, ranks: int, gpus_per_node: int) -> tuple:
-    """(request, words): a saved run launched on another number of ranks than its last attempt keeps its global
-    batch, split over `ranks` as the supervisor splits it after a lost node (restart_plan.rebalance): its
-    learning rate, its sample stream's position and its steps left all count it. Refused in one line, naming
-    the node counts that keep it, when it does not split; left to the trainer's checks when --extra sets the
-    batch itself."""
-    given = any(flag in request.extra_args for flag in BATCH_FLAGS)
-    if run.spec is None or given or ranks == (before := len(run.spec.hosts) * run.spec.slots):
+def keep_global_batch(request: launch.TrainRequest, run: Saved, ranks: int, gpus_per_node: int, nodes: int) -> tuple:
+    """(request, words): a saved run launched on another number of ranks than it last trained on keeps its global
+    batch, split over `ranks` as the supervisor splits it after a lost node (restart_plan.rebalance; a --max-tokens
+    run's micro-batch stays, its accumulation moves): its learning rate, sample stream and steps left count it.
+    Refused in one line, naming the node counts of this cluster (`nodes`) that keep it, when it does not split; left
+    to the trainer's checks when the batch is given (fab's --batch-per-gpu, or --extra)."""
+    given = request.batch_per_gpu is not None or any(a.split("=")[0] in BATCH_FLAGS for a in request.extra_args)
+    before = trained_world(run.config, run.spec)
+    if before is None or given or ranks == before:
         return request, ""
-    per_rank = int(run.config["batch_per_gpu"])
-    kept = run.spec.batch.keep_global_batch if run.spec.batch else per_rank * int(run.config["grad_accum"]) * before
-    split = rebalance(kept, ranks, per_rank)
+    per_rank, fixed = int(run.config["batch_per_gpu"]), sized_by_tokens(run.config)
+    kept = per_rank * int(run.config["grad_accum"]) * before
+    split = rebalance(kept, ranks, per_rank, fixed)
     if split is None:
-        fits = [n for n in range(1, 65) if rebalance(kept, n * gpus_per_node, per_rank)][:6]
+        fits = [n for n in range(1, nodes + 1) if rebalance(kept, n * gpus_per_node, per_rank, fixed)]
         raise launch.LaunchError(
             f"run {request.run_name} trained at a global batch of {kept} on {before} ranks, which does not split "
-            f"evenly over {ranks}: resume it with --nodes {' or '.join(map(str, fits)) or 'N'}, or start a new --run"
+            f"evenly over {ranks}{' with its micro-batch (--max-tokens)' if fixed else ''}: resume it with "
+            f"--nodes {' or '.join(map(str, fits)) or 'N'}, or start a new --run"
         )
     flags = Batch(*split, kept).flags()
     words = f"its global batch {kept} kept on {ranks} ranks instead of {before} ({shlex.join(flags)})"

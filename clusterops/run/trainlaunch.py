@@ -51,7 +51,8 @@ def _start(conn, inv: Inventory, request: launch.TrainRequest, given: set[str], 
     request = resume.resumed(request, given, saved, inv) if saved else request
     kept = ""
     if saved:  # on another number of ranks: the same global batch (lr, samples, steps left), or refused
-        request, kept = resume.keep_global_batch(request, saved, len(selected) * inv.gpus_per_node, inv.gpus_per_node)
+        ranks, gpus = len(selected) * inv.gpus_per_node, inv.gpus_per_node
+        request, kept = resume.keep_global_batch(request, saved, ranks, gpus, len(inv.nodes))
     config = resume.check_trainer(inv, request, saved, len(selected))  # one line on a bad flag; run untouched
     taken = resume.run_names(conn, inv)
     if saved:  # a finished run is never rewritten by a launch that trains nothing

@@ -15,6 +15,21 @@ from cluster_node.protocol import rundir
 BATCH_FLAGS = ("--batch-per-gpu", "--grad-accum", "--keep-global-batch")
 
 
+def sized_by_tokens(config: Mapping[str, Any]) -> bool:
+    """A translation run (config.json) whose micro-batches a --max-tokens budget sizes: its batch_per_gpu sizes
+    none, so a rebalance keeps it and moves only the accumulation (ranks x accumulation: what a step takes)."""
+    text = not str(config.get("recipe", "")).startswith("resnet")
+    return text and config.get("batching") == "tokens" and bool(config.get("max_tokens"))
+
+
+def trained_world(config: Mapping[str, Any], spec: Optional["RunSpec"]) -> Optional[int]:
+    """The ranks the run's config.json was trained on: the trainer's own record, else (a run saved before it kept
+    one) its spec's hosts x slots, which a launch that failed before its first step may have rewritten."""
+    if config.get("world_size"):
+        return int(config["world_size"])
+    return len(spec.hosts) * spec.slots if spec is not None else None
+
+
 @dataclass(frozen=True)
 class Batch:
     """A restart's batch split: the same global batch over fewer (or more) ranks."""

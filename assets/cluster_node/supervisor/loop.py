@@ -368,8 +368,10 @@ class Supervisor:
         config = rundir.read_json(self.run / rundir.CONFIG, {}) or {}
         if notice.action != "terminate" or not others or not config:
             return shlex.join(command)
-        global_batch = config["batch_per_gpu"] * config["grad_accum"] * len(self.spec.hosts) * self.spec.slots
-        split = restart_plan.rebalance(global_batch, len(others) * self.spec.slots, config["batch_per_gpu"])
+        world = specs.trained_world(config, self.spec) or 1
+        global_batch = config["batch_per_gpu"] * config["grad_accum"] * world
+        fixed = specs.sized_by_tokens(config)
+        split = restart_plan.rebalance(global_batch, len(others) * self.spec.slots, config["batch_per_gpu"], fixed)
         command += ["--exclude", str(notice.node)]
         if split:
             batch = f"--batch-per-gpu {split[0]} --grad-accum {split[1]} --keep-global-batch {global_batch}"

@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from cluster_node.programs import health
 from cluster_node.protocol import rundir
-from cluster_node.protocol.spec import Batch, RunSpec
+from cluster_node.protocol.spec import Batch, RunSpec, sized_by_tokens, trained_world
 
 
 def last_checkpoint_step(run: Path) -> Optional[int]:
@@ -129,12 +129,15 @@ def lost_work(run: Path, point: ResumePoint, spec: RunSpec) -> tuple[int, Option
     return lost, lost_s, f"lost {lost} steps{took} since {point.words(spec)}: {bound}"
 
 
-def rebalance(global_batch: int, ranks: int, max_per_rank: int) -> Optional[tuple[int, int]]:
+def rebalance(global_batch: int, ranks: int, max_per_rank: int, fixed: bool = False) -> Optional[tuple[int, int]]:
     """(batch per rank, accumulation) giving `global_batch` over `ranks` with micro-batches of at
-    most `max_per_rank`; None when the global batch does not split evenly over the ranks."""
+    most `max_per_rank`; None when the global batch does not split evenly over the ranks. `fixed`: micro-batches of
+    exactly `max_per_rank` (a token-sized run's: sized_by_tokens), only the accumulation moves."""
     if global_batch % ranks:
         return None
     share = global_batch // ranks
+    if fixed:
+        return (max_per_rank, share // max_per_rank) if share % max_per_rank == 0 else None
     for accum in range(1, share + 1):
         if share % accum == 0 and share // accum <= max_per_rank:
             return share // accum, accum
@@ -197,14 +200,17 @@ class Plan:
     point: Optional[ResumePoint] = None
 
 
-def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Union[tuple[int, int], str]:
-    """(global batch, largest micro-batch) the run keeps, or why there is nothing to resume."""
+def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Union[tuple[int, int, bool], str]:
+    """(global batch, largest micro-batch, whether only the accumulation may move) the run keeps, or why there
+    is nothing to resume."""
     config = rundir.read_json(run / rundir.CONFIG, {})
     if not config:
         return "no config.json: the run never started training, nothing to resume"
+    fixed = sized_by_tokens(config)
     if history:
-        return history[-1].global_batch, history[0].max_batch_per_gpu
-    return config["batch_per_gpu"] * config["grad_accum"] * len(spec.hosts) * spec.slots, config["batch_per_gpu"]
+        return history[-1].global_batch, history[0].max_batch_per_gpu, fixed
+    world = trained_world(config, spec) or 1
+    return config["batch_per_gpu"] * config["grad_accum"] * world, config["batch_per_gpu"], fixed
 
 
 def plan(
@@ -226,7 +232,7 @@ def plan(
     kept = _batch(run, spec, history)
     if isinstance(kept, str):
         return Plan(kept)
-    global_batch, max_per_rank = kept
+    global_batch, max_per_rank, fixed = kept
     verdicts = judge(run, spec.pool, spec.slots)
     if kind == rundir.EndKind.SPOT:
         for host, entry in notices(run, since).items():
@@ -236,7 +242,7 @@ def plan(
     named = ", ".join(f"{spec.name(h)} ({why})" for h, why in dropped.items())
     if len(healthy) < spec.limits.min_nodes:
         return Plan(f"{len(healthy)} healthy node(s) left, --min-nodes {spec.limits.min_nodes} (dropped: {named})")
-    split = rebalance(global_batch, len(healthy) * spec.slots, max_per_rank)
+    split = rebalance(global_batch, len(healthy) * spec.slots, max_per_rank, fixed)
     if split is None:
         return Plan(f"the global batch {global_batch} does not split evenly over {len(healthy) * spec.slots} ranks")
     point = resume_point(run, spec.pool, healthy, copy=copy)
