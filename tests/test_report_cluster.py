@@ -22,6 +22,10 @@ timed = pytest.mark.timed  # all but fab scale's table: a link share, prediction
 # against ~0.1 s of compute, so communication-bound; a few ms unshaped. (4x the model, 15 MB, scored within
 # 2% too, at 3x the time: predictions within 8% in five runs of this one.)
 MID = "--d-model 256 --ffn 256 --layers 1 --batch-per-gpu 64"
+# The capped baseline's link: 50 Mbit, ~0.8 s of communication a step. At 100 Mbit a slow day's 2-core machine
+# computed for 0.4 s of the 0.8 s step and the verdict read "mixed" (exposed communication 50%); a smaller batch
+# instead put PowerSGD's own compute out of its prediction (-28%) and the unshaped run's verdict at "mixed".
+CAP = "50mbit"
 QUICK = "--eval-samples 8 --checkpoint-every 1000 --log-every 5 --dist-timeout-s 60"
 TOLERANCE = 0.20
 BASELINE_STEPS = VERIFY_STEPS
@@ -62,11 +66,11 @@ def predictions(report: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def capped(lab):
-    """The baseline: plain fp32 gradients over 100 Mbit links, and its report; `fab monitor` samples
+    """The baseline: plain fp32 gradients over 50 Mbit links (CAP), and its report; `fab monitor` samples
     the nodes while it runs, mostly before the steps the summary times (the first 5 are not). As long as
     a verify run (VERIFY_STEPS): at 12 steps the monitor's seconds of CPU fell on 4 of the 7 timed steps
     of a 2-core machine, and the baseline's compute came out 25% over the verify run's (CI, +24%)."""
-    relink(lab, "100mbit")
+    relink(lab, CAP)
     extra = " ".join([MID, QUICK])
     lab.fab("train", "--run", "capped", "--nodes", "2", "--steps", str(BASELINE_STEPS), "--extra", extra)
     lab.wait_for_step("capped", 1, timeout=60)
@@ -79,15 +83,15 @@ def capped(lab):
 
 @timed
 def test_monitor_shows_each_nodes_cpu_and_its_link_use_as_a_share_of_the_link(capped):
-    """A communication-bound run keeps its 100 Mbit links busy: each node's tx share is high, and
+    """A communication-bound run keeps its 50 Mbit links busy: each node's tx share is high, and
     CPU is the node's own (its processes), not the host's load."""
     monitor = capped[2]
-    assert "link share: of the measured link" in monitor or "link share: of the link cap (100mbit" in monitor
+    assert "link share: of the measured link" in monitor or f"link share: of the link cap ({CAP}" in monitor
     rows = re.findall(r"^(node\d)\s+([\d.]+)/(\d+) cores\s+none\s+([\d.]+)\s+(\d+)%\s+([\d.]+)\s+(\d+)%", monitor, re.M)
     assert len(rows) == 2, monitor
     for _node, cores, cpus, _rx, _rx_share, tx, tx_share in rows:
         assert 0 < float(cores) <= int(cpus) and float(tx) < 130, monitor
-        assert round(float(tx)) - 1 <= int(tx_share) <= float(tx) / 0.8 + 1, monitor  # of 80-100 Mbit/s
+        assert round(2 * float(tx)) - 1 <= int(tx_share) <= float(tx) / 0.4 + 1, monitor  # of 40-50 Mbit/s
     assert max(int(row[6]) for row in rows) >= 40, monitor  # the links carry the gradients
 
 
@@ -151,7 +155,7 @@ def test_the_reports_predictions_come_true_within_20_percent(lab, capped, mode, 
 
 @timed
 def test_the_verdict_flips_to_compute_bound_on_an_unshaped_link(lab, capped):
-    """VERDICT FLIP: the same model that waits on a 100 Mbit link is compute-bound without a cap."""
+    """VERDICT FLIP: the same model that waits on a 50 Mbit link is compute-bound without a cap."""
     assert "communication-bound" in capped[1].splitlines()[0]
     relink(lab, None)
     train(lab, "unshaped")

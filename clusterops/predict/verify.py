@@ -18,7 +18,9 @@ from train.config import RESUMABLE_CHANGES
 VERIFY_STEPS = 20  # the short run: its first 5 steps are not timed (the trainer's summary)
 # The run's settings the short run does not take as flags: where it runs, its length and reporting
 # (fab's own short-run flags), and what changes() sets.
-NOT_KEPT = {"recipe", "data", "run_dir", "max_steps", "batch_per_gpu", "grad_compression", *RESUMABLE_CHANGES}
+# world_size: the ranks the run trained on (train.compose records it beside the settings), not a trainer flag
+NOT_KEPT = {"recipe", "data", "run_dir", "max_steps", "batch_per_gpu", "grad_compression", "world_size"}
+NOT_KEPT |= RESUMABLE_CHANGES
 
 
 class VerifyError(ValueError):
