@@ -14,7 +14,7 @@ from typing import Any, Callable, NoReturn, Optional
 from fabric import Connection
 
 from cluster_node.protocol import rundir
-from cluster_node.protocol.spec import BATCH_FLAGS, Batch, RunSpec, sized_by_tokens, trained_world
+from cluster_node.protocol.spec import BATCH_FLAGS, Batch, RunSpec, sized_by_tokens, trained_global_batch, trained_world
 from cluster_node.supervisor.budget import Spend
 from cluster_node.supervisor.restart_plan import rebalance
 from clusterops.inventory import Inventory
@@ -94,7 +94,7 @@ def keep_global_batch(request: launch.TrainRequest, run: Saved, ranks: int, gpus
     if before is None or given or ranks == before:
         return request, ""
     per_rank, fixed = int(run.config["batch_per_gpu"]), sized_by_tokens(run.config)
-    kept = per_rank * int(run.config["grad_accum"]) * before
+    kept = trained_global_batch(run.config, run.spec) or 0
     split = rebalance(kept, ranks, per_rank, fixed)
     if split is None:
         fits = [n for n in range(1, nodes + 1) if rebalance(kept, n * gpus_per_node, per_rank, fixed)]

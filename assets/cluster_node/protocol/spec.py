@@ -30,6 +30,12 @@ def trained_world(config: Mapping[str, Any], spec: Optional["RunSpec"]) -> Optio
     return len(spec.hosts) * spec.slots if spec is not None else None
 
 
+def trained_global_batch(config: Mapping[str, Any], spec: Optional["RunSpec"]) -> Optional[int]:
+    """Objects a step of the run took (config.json's batch x accumulation x trained_world); None when unknown."""
+    world = trained_world(config, spec)
+    return int(config["batch_per_gpu"]) * int(config["grad_accum"]) * world if world else None
+
+
 @dataclass(frozen=True)
 class Batch:
     """A restart's batch split: the same global batch over fewer (or more) ranks."""

@@ -368,8 +368,7 @@ class Supervisor:
         config = rundir.read_json(self.run / rundir.CONFIG, {}) or {}
         if notice.action != "terminate" or not others or not config:
             return shlex.join(command)
-        world = specs.trained_world(config, self.spec) or 1
-        global_batch = config["batch_per_gpu"] * config["grad_accum"] * world
+        global_batch = specs.trained_global_batch(config, self.spec) or 0
         fixed = specs.sized_by_tokens(config)
         split = restart_plan.rebalance(global_batch, len(others) * self.spec.slots, config["batch_per_gpu"], fixed)
         command += ["--exclude", str(notice.node)]

@@ -13,7 +13,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from cluster_node.programs import health
 from cluster_node.protocol import rundir
-from cluster_node.protocol.spec import Batch, RunSpec, sized_by_tokens, trained_world
+from cluster_node.protocol.spec import Batch, RunSpec, sized_by_tokens, trained_global_batch
 
 
 def last_checkpoint_step(run: Path) -> Optional[int]:
@@ -133,7 +133,7 @@ def rebalance(global_batch: int, ranks: int, max_per_rank: int, fixed: bool = Fa
     """(batch per rank, accumulation) giving `global_batch` over `ranks` with micro-batches of at
     most `max_per_rank`; None when the global batch does not split evenly over the ranks. `fixed`: micro-batches of
     exactly `max_per_rank` (a token-sized run's: sized_by_tokens), only the accumulation moves."""
-    if global_batch % ranks:
+    if global_batch <= 0 or global_batch % ranks:
         return None
     share = global_batch // ranks
     if fixed:
@@ -209,8 +209,7 @@ def _batch(run: Path, spec: RunSpec, history: tuple[rundir.Restart, ...]) -> Uni
     fixed = sized_by_tokens(config)
     if history:
         return history[-1].global_batch, history[0].max_batch_per_gpu, fixed
-    world = trained_world(config, spec) or 1
-    return config["batch_per_gpu"] * config["grad_accum"] * world, config["batch_per_gpu"], fixed
+    return trained_global_batch(config, spec) or 0, config["batch_per_gpu"], fixed
 
 
 def plan(
