@@ -39,12 +39,17 @@ def tc_rate_gbit(rate: Optional[str]) -> Optional[float]:
     return float(found.group(1)) * TC_UNITS[found.group(2)] if found and found.group(2) in TC_UNITS else None
 
 
+def rate_text(gbit: float) -> str:
+    """A link rate precise enough to check a share against: "38.2 Mbit/s" below 1 Gbit/s, not "0.04"."""
+    return f"{gbit:.2f} Gbit/s" if gbit >= 1 else f"{gbit * 1000:.3g} Mbit/s"
+
+
 def measured_link_gbit(connection: Connection, inventory: Inventory) -> tuple[Optional[float], str]:
     """The link to measure use against: `fab check`'s median pair, else a local cluster's tc cap."""
     link = remote.read_json(connection, link_file(inventory)) or {}
     rate = bottleneck.link_rate(link)
     if rate:
-        return rate, f"the measured link ({rate:.2f} Gbit/s, {link.get('link_source', 'TCP')}; fab check)"
+        return rate, f"the measured link ({rate_text(rate)}, {link.get('link_source', 'TCP')}; fab check)"
     cap = tc_rate_gbit(inventory.extra.get("link"))
     if cap:
         return cap, f"the link cap ({inventory.extra['link']}; `fab check` measures the real rate)"
