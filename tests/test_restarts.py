@@ -308,6 +308,20 @@ def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path)
     assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "unreachable"
 
 
+def test_a_trainer_that_refuses_its_settings_fails_the_run_at_once_with_its_line_not_restarted(tmp_path):
+    """A relaunch is refused the same way (train.py exits 2: a checkpoint of another global batch, a bad
+    flag): restarting it spent --max-restarts and buried the trainer's one line under 'died'."""
+    refusal = "error: the checkpoint was trained at a global batch of 24; this launch makes 16"
+    (tmp_path / "refuses.py").write_text(f"import sys\nprint({refusal!r}, file=sys.stderr)\nsys.exit(2)\n")
+    write_spec(tmp_path, [sys.executable, str(tmp_path / "refuses.py")], ["h1", "h2"], max_restarts=2)
+    supervise(tmp_path)
+    record = status(tmp_path)
+    assert record["state"] == "failed" and record["exit_code"] == 2, record
+    assert record["reason"] == f"the trainer refused to start, not restarted: {refusal}", record
+    assert not (tmp_path / "restarts.json").exists()
+    assert (tmp_path / "train.log").read_text().count("launcher: mpirun exited with 2") == 1
+
+
 SPOT_TRAINER = (STANDINS / "spot_trainer.py").read_text()  # the program each rank runs: argv and exits scripted
 
 

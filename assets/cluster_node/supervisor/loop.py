@@ -79,6 +79,10 @@ class Outcome:
 
 
 _ERROR = re.compile(r"mpirun noticed|exited on signal|Error|error:")
+_REFUSAL = re.compile(r"error: ")  # how the trainer says what it refuses (train.py), on one line
+# The trainer's exit status for settings, a checkpoint or data it refuses (train.py; argparse's too): mpirun
+# exits with its ranks' first non-zero status (Open MPI), and a relaunch would be refused the same way.
+REFUSED_EXIT = 2
 _ENDED = re.compile(r"run ended at step.*")  # the trainer's last line (from the match on)
 
 
@@ -235,6 +239,9 @@ class Supervisor:
         lost = [h for h in self.spec.hosts if h in self.unreached]  # the clean-up's ssh did not get through
         if lost:
             why, kind = f"{self.spec.names_of(lost)} unreachable (mpirun exited with {code})", EndKind.UNREACHABLE
+        elif code == REFUSED_EXIT and self.state == State.STARTING:  # refused before its first step: no restart
+            refusal = _last(self.run, _REFUSAL) or f"mpirun exited with {code}"
+            return Outcome(State.FAILED, EndKind.DIED, f"the trainer refused to start, not restarted: {refusal}", code)
         else:
             why, kind = _last(self.run, _ERROR), EndKind.DIED
         return Outcome(self.after_failure(), kind, why, code)
