@@ -1,5 +1,6 @@
 """fab train --max-restarts on the emulated cluster (3 nodes): a hung rank, restarts used up, a lost
-node (that run's goodput account and its `--follow` output: one run for both). The real launcher, health
+node by `fab drill kill-node` (the drill's report, the resume from the survivors' snapshots, that run's goodput
+account and its `--follow` output: one run for all four). The real launcher, health
 probe over SSH, mpirun, gloo and the trainer; the tests look at the shared /data from the host side and at
 the namespaces' processes. The hang's window and the lost node's run (a 5 s window) are `timed`: make test
 runs them alone. Restarts used up times nothing but its end (within 60 s of the second kill), so it runs
@@ -22,13 +23,14 @@ from conftest import REPO
 
 from cluster_node.protocol import phases
 from cluster_node.supervisor import goodput
-from clusterops.local import cluster as localcluster
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
 ]
-STEPS = 40
+# The baselines' and the lost node's run: ~0.15 s a step here; the first snapshot both survivors hold lands near
+# step 20 and the drill's kill ~10 steps later, so 40 steps left a run ~2 s from its end when struck.
+STEPS = 60
 # Global batch 3 x 8 = 24; one eval (at the end) on few samples; checkpoints every 10 steps.
 TINY = "--eval-every 1000 --eval-samples 16 --checkpoint-every 10 --log-every 10 --dist-timeout-s 30"
 RESTARTING = ("--batch-per-gpu", "8", "--max-restarts", "1", "--hang-seconds", "5")
@@ -162,42 +164,98 @@ def test_restarts_used_up_end_the_run_failed_with_the_history_and_a_loadable_che
     assert "used: failed" in shown and f"restart 1: {record['time']} died" in shown
 
 
+# Issue 30's lost node: no checkpoint between the start and the kill, a snapshot in every node's memory every 3 s.
+SNAPSHOTS = 3.0
+BETWEEN_CHECKPOINTS = f"{TINY} --checkpoint-every 1000 --checkpoint-minutes 30 --snapshot-seconds {SNAPSHOTS:g}"
+
+
+def _snapshot_steps(cluster: Cluster, run: str, rank: int) -> set[int]:
+    """The steps of the snapshots node `rank` holds in its own /run (its mount namespace: its sshd's)."""
+    sshd = cluster.processes(rank, r"sshd")[0]
+    listed = subprocess.run(
+        ["nsenter", "-t", str(sshd), "-m", "ls", f"/run/gpu-cluster/snapshots/{run}"], capture_output=True, text=True
+    )
+    return {int(step) for step in re.findall(r"snapshot_(\d+)\.pt", listed.stdout)}
+
+
+def _held_by_survivors(cluster: Cluster, run: str, timeout: float = 60) -> int:
+    """A step whose snapshot nodes 0 and 1 both hold, once they do."""
+    deadline = time.monotonic() + timeout
+    while not (_snapshot_steps(cluster, run, 0) & _snapshot_steps(cluster, run, 1)):
+        assert time.monotonic() < deadline, f"no snapshot on both survivors: {cluster.run_status(run)}"
+        time.sleep(0.2)
+    return _beat(cluster, run)[0]
+
+
 @pytest.mark.timed
-def test_a_lost_node_the_run_finishes_on_two_at_the_same_global_batch_and_loss(trio, baselines):
-    """Last in the file: node2 stays dead. Killed between checkpoints, so the run loses steps; its goodput
-    account (_goodput_accounts_for_the_run) and what `--follow` showed of it (_follow_names_the_incident)
-    are checked on the same run."""
-    argv = ["fab", "train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--follow", "--extra", TINY]
+def test_a_lost_node_drilled_the_run_finishes_on_two_from_their_snapshots_at_the_same_global_batch_and_loss(
+    trio, baselines
+):
+    """Last in the file: node2 stays dead. `fab drill kill-node` kills every process of node2 (its /run, with
+    its snapshot, goes with its mount namespace) between checkpoints: the drill's report (_drill_reports_it),
+    the resume from the survivors' snapshots, the run's goodput account (_goodput_accounts_for_the_run) and
+    what `--follow` showed of it (_follow_names_the_incident), all on this one run."""
+    extra = BETWEEN_CHECKPOINTS
+    argv = ["fab", "train", "--run", "lost", "--steps", str(STEPS), *RESTARTING, "--follow", "--extra", extra]
     follow = subprocess.Popen(argv, cwd=REPO, env=trio.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        trio.wait_for_step("lost", 15)
-        reached = _between_checkpoints(trio, "lost")
-        netns = localcluster.LocalSpec(name=trio.name, nodes=trio.nodes).netns(2)
-        killed_at, old_pid = _beat(trio, "lost")
-        for pid in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split():
-            os.kill(int(pid), signal.SIGKILL)
-        detected = _wait_for_restart(trio, "lost")
-        resumed = _wait_for_resume(trio, "lost", old_pid)
+        _wait_for_beat(trio, "lost", 10)
+        reached = _held_by_survivors(trio, "lost")
+        drill = trio.fab("drill", "kill-node", "--wait", "120").stdout
+        print(drill)
         status, finished = trio.wait_for_end("lost", timeout=60)
         out, _ = follow.communicate(timeout=60)
     finally:
         follow.kill()
     [record] = _restarts(trio, "lost")
-    log = (trio.run_dir("lost") / "train.log").read_text()
     loss, base, other = _final_loss(trio, "lost"), baselines["1234"], baselines["99"]
     noise = max(2 * abs(base - other), 0.02)
     print(
-        f"lost node: restart decided {detected:.1f} s after the kill, first step {resumed:.1f} s after that, "
-        f"lost {killed_at - record['resume_step']} steps; run ended {finished:.1f} s later; "
+        f"lost node: lost {record['steps_lost']} steps ({record['lost_s']} s) since step {record['resume_step']}; "
+        f"run ended {finished:.1f} s after the drill; "
         f"final loss {loss:.3f} vs uninterrupted {base:.3f} (seed 99: {other:.3f}, tolerance {noise:.3f})"
     )
     assert status["state"] == "finished", status
     assert record["dropped"] == {trio_ip(trio, 2): "unreachable"} and len(record["nodes_after"]) == 2
     assert (record["global_batch"], record["batch_per_gpu"], record["grad_accum"]) == (24, 6, 2)
-    assert f"resuming from /data/runs/lost/checkpoints/step_{record['resume_step']:08d}.pt" in log
     assert abs(loss - base) <= noise
+    _drill_reports_it(trio, drill, record)
     _goodput_accounts_for_the_run(trio, "lost", reached, record)
+    log = (trio.run_dir("lost") / "train.log").read_text()
     _follow_names_the_incident(follow.returncode, out, log, trio.run_dir("lost"))
+
+
+def _drill_reports_it(cluster: Cluster, out: str, record: dict) -> None:
+    """`fab drill kill-node`'s report: the restart, the incident's timeline in order and the goodput lost; the
+    resume from the survivors' memory (or, when mpirun's end cut one survivor's last write short, the other's
+    snapshot copied to /data), losing at most one snapshot interval and the step it lands on (issue 30)."""
+    ips = [trio_ip(cluster, rank) for rank in range(3)]
+    head = rf"^drill kill-node on node2 \({re.escape(ips[2])}\), run /data/runs/lost at step \d+: SIGKILL to its "
+    assert re.search(head, out, re.M), out
+    assert "the supervisor restarted the run and it is stepping again" in out
+    assert f"restart 1 ({record['kind']}): " in out and f"dropped {ips[2]} (unreachable)" in out
+    times = {}
+    for event in ("detected the failure", "decided", "launched attempt 2", "ready to step", "first step"):
+        found = re.search(rf"^  \+([\d.]+) s  .*{event}", out, re.M)
+        assert found, (event, out)
+        times[event] = float(found.group(1))
+    assert list(times.values()) == sorted(times.values()), times  # in the order they happened
+    step, holder = record["resume_step"], record.get("resume_holder")
+    assert record["resume_from"] == "snapshot" and step > 0 and record["lost_s"] <= SNAPSHOTS + 1, record
+    assert f"restart from step {step}" in out
+    names = {ips[0]: "node0", ips[1]: "node1"}
+    where = f"{names[holder]}'s snapshot (copied to /data)" if holder else "the nodes' own snapshots"
+    assert f"from {where} at step {step}; lost {record['steps_lost']} steps" in out, out
+    log = (cluster.run_dir("lost") / "train.log").read_text()
+    own = f"this node's snapshot /run/gpu-cluster/snapshots/lost/snapshot_{step:08d}.pt"
+    copied = f"/data/runs/lost/checkpoints/step_{step:08d}.pt"
+    assert f"resuming from {copied if holder else own} at step {step}" in log, log[-3000:]
+    goodput_lost = r"^goodput lost: ([\d.]+) s \(.*restart\.detect ([\d.]+) s.*\) in the drill's ([\d.]+) s"
+    lost = re.search(goodput_lost, out, re.M)
+    # at least the detection; at most the drill's time plus the stepping since the snapshot
+    assert lost and 0 < float(lost.group(2)) <= float(lost.group(1)), out
+    assert float(lost.group(1)) <= float(lost.group(3)) + SNAPSHOTS + 1, out
+    assert re.search(r"^incident \(\w+\): detected .* \d+ steps lost", out, re.M), out
 
 
 def _follow_names_the_incident(code: int, out: str, log: str, run: Path) -> None:
@@ -207,7 +265,7 @@ def _follow_names_the_incident(code: int, out: str, log: str, run: Path) -> None
     print(f"--follow printed {len(out.splitlines())} lines:\n{out}")
     assert code == 0, out
     assert "node2 unreachable" in out
-    assert re.search(r"lost \d+ steps(, [\d.]+ s)? since .*: the recipe checkpoints every 10 steps", out), out
+    assert re.search(rf"lost \d+ steps(, [\d.]+ s)? since .*: snapshots every {SNAPSHOTS:g} s", out), out
     assert "from step None" not in out and "{" not in out.split("restart 1/1")[-1].splitlines()[0]
     assert "PATH and LD_LIBRARY_PATH" not in out and "Traceback" not in out
     assert "mpirun: 3 ranks on node0,node1,node2 (spec attempt 1)" in out and "--allow-run-as-root" not in out
@@ -225,23 +283,13 @@ def _goodput_accounts_for_the_run(cluster: Cluster, run: str, reached: int, reco
     assert abs(named - acc.wall_s) <= 0.05 * acc.wall_s, acc.phases
     detect = next(m for m in phases.read(cluster.run_dir(run)) if m.event == "detect")
     assert detect.step >= reached  # the ranks went on between our read and the kill
-    assert incident.steps_lost == detect.step - record["resume_step"] > 0
+    assert incident.steps_lost == detect.step - record["resume_step"] >= 0  # none when a snapshot lands on it
     assert acc.steps_kept == STEPS and 0 < acc.goodput < 1
     summary = json.loads((cluster.run_dir(run) / "summary.json").read_text())["goodput"]  # the supervisor's
-    assert summary["goodput"] == round(acc.goodput, 4) and summary["restarts"][0]["steps_lost"] > 0, summary
+    assert summary["goodput"] == round(acc.goodput, 4) and summary["restarts"][0]["steps_lost"] >= 0, summary
     report = cluster.fab("report", "--run", run).stdout
     assert "goodput " in report and "restart 1 (" in report and (cluster.run_dir(run) / "goodput.png").exists()
     assert "goodput" in cluster.fab("runs").stdout.splitlines()[0]
-
-
-def _between_checkpoints(cluster: Cluster, run: str, every: int = 10, timeout: float = 60) -> int:
-    """A step (from the per-step heartbeat) well past a checkpoint, so the kill loses steps: progress is
-    written at log steps, which are also checkpoint steps (CI once killed at step 20, losing none)."""
-    deadline = time.monotonic() + timeout
-    while (step := _beat(cluster, run)[0]) % every not in range(2, every - 2):
-        assert time.monotonic() < deadline, f"{run} stuck at step {step}"
-        time.sleep(0.05)
-    return step
 
 
 def trio_ip(cluster: Cluster, rank: int) -> str:
