@@ -69,16 +69,34 @@ def test_check_runs_mpirun_on_every_node_and_measures_all_reduce(cluster):
     assert not (cluster.shared / "runs" / ".check").exists()  # the scratch run is removed
 
 
-def test_stop_checkpoints_and_the_same_command_resumes_at_that_step(cluster, tmp_path):
-    cluster.fab("train", "--run", "stoptest", "--steps", "5000", "--extra", QUICK)
+def test_two_trains_at_once_then_stop_a_refused_resume_and_the_same_command_resumes_at_that_step(cluster, tmp_path):
+    """The run lifecycle (issue 23, items 1-3): two `fab train` at once give one run and one refusal; a stop
+    is `stopped`, checkpointed and resumable; a resume with a conflicting flag is one line and leaves the
+    run's state as it was; the same command then resumes it at that step."""
+    args = ["fab", "train", "--run", "stoptest", "--steps", "5000", "--extra", QUICK]
+    both = [
+        subprocess.Popen(args, cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in both]
+    assert sorted(p.returncode for p in both) == [0, 1], outs
+    refusal = next(err for (out, err), p in zip(outs, both) if p.returncode == 1).strip().splitlines()
+    assert len(refusal) == 1 and "a run is already going in" in refusal[0], refusal
     cluster.wait_for_step("stoptest", 10)
     refused = cluster.fab("train", "--run", "other", check=False)
     assert refused.returncode == 1 and "already going" in refused.stderr
-    stopped = cluster.fab("stop").stdout
-    assert "stop requested" in stopped
+    stopped = cluster.fab("stop", "--run", "stoptest").stdout
+    assert "stop requested" in stopped and "resumable: `fab train --run stoptest`" in stopped, stopped
+    assert cluster.run_status("stoptest")["state"] == "stopped"
     step = cluster.progress("stoptest")["step"]
     assert (cluster.run_dir("stoptest") / "checkpoints" / f"step_{step:08d}.pt").exists()
     assert not cluster.processes(0, r"[t]rain\.train") and not cluster.processes(cluster.nodes - 1, r"[t]rain\.train")
+    before = (cluster.run_dir("stoptest") / "run-status.json").read_text()
+    conflicting = cluster.fab("train", "--run", "stoptest", "--batch-per-gpu", "3", check=False)
+    assert conflicting.returncode == 1 and "differs from the run's" in conflicting.stderr
+    assert len(conflicting.stderr.strip().splitlines()) == 1, conflicting.stderr
+    assert (cluster.run_dir("stoptest") / "run-status.json").read_text() == before  # the run untouched
+    assert re.search(r"^stoptest\s+stopped", cluster.fab("runs").stdout, re.M)
     out = cluster.fab("train", "--run", "stoptest", "--steps", str(step + 3), "--follow", "--extra", QUICK).stdout
     assert f"at step {step}" in out and f"run ended at step {step + 3}" in out
     assert "starting a new run" not in out  # the log shown starts at this launch
