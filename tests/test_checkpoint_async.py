@@ -97,6 +97,15 @@ def test_a_checkpoint_writer_killed_mid_write_leaves_the_previous_checkpoint_the
     assert not partial.exists()
 
 
+def test_a_checkpoint_another_rank_cannot_read_is_an_io_fault_a_restart_retries_not_a_missing_data_set(tmp_path):
+    """train.py exits 2 on FileNotFoundError (no data set), and the supervisor does not relaunch a trainer that
+    exits 2 before its first step: rank 0's choice unreadable here (EIO, ESTALE on EFS) must not read as one."""
+    chosen = {"path": str(tmp_path / "checkpoints" / "step_00000007.pt")}
+    with pytest.raises(checkpoint.CheckpointUnreadable, match="chosen by rank 0, is not readable here") as raised:
+        checkpoint.load_agreed(tmp_path, False, lambda choice: chosen)
+    assert not isinstance(raised.value, FileNotFoundError)
+
+
 def test_a_snapshot_writer_killed_mid_write_leaves_the_previous_snapshot(tmp_path):
     partial = _kill_mid_write(tmp_path, "snapshot")
     held = tmp_path / "shm"

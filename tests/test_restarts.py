@@ -308,18 +308,46 @@ def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path)
     assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "unreachable"
 
 
-def test_a_trainer_that_refuses_its_settings_fails_the_run_at_once_with_its_line_not_restarted(tmp_path):
-    """A relaunch is refused the same way (train.py exits 2: a checkpoint of another global batch, a bad
-    flag): restarting it spent --max-restarts and buried the trainer's one line under 'died'."""
-    refusal = "error: the checkpoint was trained at a global batch of 24; this launch makes 16"
-    (tmp_path / "refuses.py").write_text(f"import sys\nprint({refusal!r}, file=sys.stderr)\nsys.exit(2)\n")
-    write_spec(tmp_path, [sys.executable, str(tmp_path / "refuses.py")], ["h1", "h2"], max_restarts=2)
-    supervise(tmp_path)
+REFUSAL = "error: the checkpoint was trained at a global batch of 24; this launch makes 16"
+# A rank with a run to resume (config.json, a checkpoint): its first launch exits 2, after a step when told to
+# (a heartbeat in ranks/), saying REFUSAL; any later launch finishes.
+REFUSING_TRAINER = f"""import json, pathlib, sys
+run = pathlib.Path(sys.argv[1])
+(run / "config.json").write_text(json.dumps({{"batch_per_gpu": 8, "grad_accum": 1}}))
+(run / "checkpoints").mkdir(exist_ok=True)
+(run / "checkpoints" / "step_00000010.pt").write_bytes(b"x")
+launches = run / "launches"
+launches.write_text(launches.read_text() + "x" if launches.exists() else "x")
+if len(launches.read_text()) > 1:
+    sys.exit(print("run ended at step 20: max_steps"))
+if sys.argv[2:] == ["--after-a-step"]:
+    (run / "ranks" / "rank0").write_text("11 1 n0\\n")
+print({REFUSAL!r}, file=sys.stderr)
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("after_a_step", [False, True], ids=["refused", "after-a-step"])
+def test_a_trainer_that_refuses_to_start_fails_the_run_with_its_line_and_is_not_restarted(tmp_path, after_a_step):
+    """train.py exits 2 for what a relaunch would refuse the same way (a checkpoint of another global batch, a
+    bad flag, no data set): relaunching spent --max-restarts and buried its one line under 'died'. Exit 2
+    once the attempt has stepped is a failure like any other, restarted."""
+    (tmp_path / "refuses.py").write_text(REFUSING_TRAINER)
+    (tmp_path / "probe.sh").write_text(f"echo '{HEALTHY}'\n")  # every node healthy at the restart
+    args = ["--after-a-step"] if after_a_step else []
+    write_spec(
+        tmp_path, [sys.executable, str(tmp_path / "refuses.py"), str(tmp_path), *args], ["h1", "h2"], max_restarts=2
+    )
+    supervise(tmp_path, STANDIN_SSH, DEAD_HOST="none")
     record = status(tmp_path)
+    if after_a_step:
+        assert record["state"] == "finished" and (tmp_path / "launches").read_text() == "xx", record
+        assert json.loads((tmp_path / "restarts.json").read_text())[0]["kind"] == "died"
+        return
     assert record["state"] == "failed" and record["exit_code"] == 2, record
-    assert record["reason"] == f"the trainer refused to start, not restarted: {refusal}", record
-    assert not (tmp_path / "restarts.json").exists()
-    assert (tmp_path / "train.log").read_text().count("launcher: mpirun exited with 2") == 1
+    again = "not restarted: a relaunch is refused the same way"
+    assert record["reason"] == f"the trainer refused to start ({REFUSAL}); {again}", record
+    assert (tmp_path / "launches").read_text() == "x" and not (tmp_path / "restarts.json").exists()
 
 
 SPOT_TRAINER = (STANDINS / "spot_trainer.py").read_text()  # the program each rank runs: argv and exits scripted

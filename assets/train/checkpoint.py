@@ -17,6 +17,10 @@ from cluster_node.protocol import rundir
 from train.data import atomic_write_bytes
 
 
+class CheckpointUnreadable(OSError):
+    """The checkpoint rank 0 chose could not be read on this rank: an I/O fault a relaunch may not meet."""
+
+
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / rundir.CHECKPOINTS
 
@@ -171,8 +175,8 @@ def load_agreed(
     path = choice["path"]
     try:
         state = load_file(path)
-    except OSError as error:
-        raise FileNotFoundError(f"checkpoint {path}, chosen by rank 0, is not readable here: {error}") from None
+    except OSError as error:  # EIO, ESTALE, an EFS timeout: not "no data set" (exit 2), so a restart retries
+        raise CheckpointUnreadable(f"checkpoint {path}, chosen by rank 0, is not readable here: {error}") from None
     state["path"] = path
     return state
 

@@ -27,6 +27,7 @@ from typing import Sequence
 from cluster_node.protocol import phases, rundir
 from train import distributed
 from train.callbacks import Callback, PhaseMarks, ProgressFile, RankHeartbeat, stacks_on_sigusr2
+from train.checkpoint import CheckpointUnreadable
 from train.config import (
     ConfigError,
     TrainConfig,
@@ -130,6 +131,9 @@ def main(argv=None) -> int:
         if info.is_main:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except CheckpointUnreadable as error:  # not a refusal: the supervisor's restart may read it (exit 2 ends the run)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         distributed.teardown()
     return 0

@@ -35,7 +35,7 @@ from cluster_node.protocol.spec import RunSpec
 from cluster_node.supervisor import goodput, hang, restart_plan
 from cluster_node.supervisor.budget import Meter, epoch
 from cluster_node.supervisor.nodes import Mpirun, Nodes
-from cluster_node.supervisor.observe import Observation, Observer
+from cluster_node.supervisor.observe import Observation, Observer, newest_beat
 
 
 class State(str, Enum):
@@ -79,7 +79,7 @@ class Outcome:
 
 
 _ERROR = re.compile(r"mpirun noticed|exited on signal|Error|error:")
-_REFUSAL = re.compile(r"error: ")  # how the trainer says what it refuses (train.py), on one line
+_REFUSAL = re.compile(r"^error: .*", re.M)  # how the trainer says what it refuses (train.py), on one line
 # The trainer's exit status for settings, a checkpoint or data it refuses (train.py; argparse's too): mpirun
 # exits with its ranks' first non-zero status (Open MPI), and a relaunch would be refused the same way.
 REFUSED_EXIT = 2
@@ -103,6 +103,7 @@ class Supervisor:
         self.unreached: set[str] = set()
         self.observer: Optional[Any] = None
         self.attempts = 0
+        self.log_offset = 0
         self.started = clock()  # this segment of the run (a resume starts another)
         self.meter = Meter.of(spec, clock())  # --budget-usd; its `stopped` line once reached
 
@@ -181,6 +182,7 @@ class Supervisor:
     def launch(self) -> None:
         self.attempts += 1
         self.log(self.spec.summary())
+        self.log_offset = (self.run / rundir.TRAIN_LOG).stat().st_size  # this attempt's part of train.log starts here
         # The whole line goes to launcher.log (this process's output) and stays rebuildable from specs/.
         print(f"{now_iso(self.clock())} attempt {self.spec.attempt}: {shlex.join(self.spec.argv())}", flush=True)
         for name in (rundir.RANKS, rundir.STACKS):
@@ -239,12 +241,29 @@ class Supervisor:
         lost = [h for h in self.spec.hosts if h in self.unreached]  # the clean-up's ssh did not get through
         if lost:
             why, kind = f"{self.spec.names_of(lost)} unreachable (mpirun exited with {code})", EndKind.UNREACHABLE
-        elif code == REFUSED_EXIT and self.state == State.STARTING:  # refused before its first step: no restart
-            refusal = _last(self.run, _REFUSAL) or f"mpirun exited with {code}"
-            return Outcome(State.FAILED, EndKind.DIED, f"the trainer refused to start, not restarted: {refusal}", code)
+        elif code == REFUSED_EXIT and not self.stepped():  # refused before its first step: no restart
+            return Outcome(State.FAILED, EndKind.DIED, self.refusal(code), code)
         else:
             why, kind = _last(self.run, _ERROR), EndKind.DIED
         return Outcome(self.after_failure(), kind, why, code)
+
+    def stepped(self) -> bool:
+        """Whether this attempt finished a step: seen by a poll, or a heartbeat since its launch (mpirun can end
+        within one poll of a step)."""
+        assert self.observer is not None
+        beat = newest_beat(self.run)
+        return self.state != State.STARTING or 0 < beat and beat >= self.observer.started
+
+    def refusal(self, code: int) -> str:
+        """The trainer's own `error:` line from this attempt's part of train.log (not an earlier attempt's)."""
+        try:
+            with open(self.run / rundir.TRAIN_LOG, errors="replace") as handle:
+                handle.seek(self.log_offset)
+                found = _REFUSAL.findall(handle.read())
+        except OSError:
+            found = []
+        again = "; not restarted: a relaunch is refused the same way" if self.spec.limits.max_restarts > 0 else ""
+        return f"the trainer refused to start ({found[-1] if found else f'mpirun exited with {code}'}){again}"
 
     def clean_end(self) -> Outcome:
         """Rows 8, 9: mpirun exited 0. The trainer's end record says what ended it (a stop: resumable)."""
