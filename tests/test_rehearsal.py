@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -155,6 +156,26 @@ def node_program(args: list[str], env: dict, seconds: float = 60) -> str:
         return f"{stopped.stdout or ''}{stopped.stderr or ''}"
 
 
+def watch_for_rounds(gate: Gate, args: list[str], env: dict, rounds: int = 2, seconds: float = 120) -> None:
+    """The watchdog daemon until it has published `rounds` heartbeats (at most `seconds`), then stopped as at a
+    shutdown: counted, not timed (8 s once held none on a loaded machine: its start-up took them all)."""
+
+    def beats() -> int:
+        return sum(c.action == "cloudwatch:PutMetricData" for c in list(gate.calls))
+
+    wanted, deadline = beats() + rounds, time.monotonic() + seconds
+    daemon = subprocess.Popen(
+        [sys.executable, *args], env=tool_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        while beats() < wanted and daemon.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        daemon.terminate()
+        out = daemon.communicate(timeout=30)[0].decode(errors="replace")
+    assert beats() >= wanted, f"{beats()} heartbeats, {wanted} wanted; the watchdog said:\n{out[-3000:]}"
+
+
 def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -> None:
     """On node 0: the idle watchdog's heartbeat for a few rounds, the budget meter's EFS I/O reading and its
     nodes that bill (EC2's instance state), then
@@ -169,7 +190,7 @@ def run_node_programs(gate: Gate, endpoint: str, deployed: Deployed, tmp_path) -
     data = tmp_path / "data"
     data.mkdir()
     watchdog = ["-m", "cluster_node.daemons.autostop.watchdog", "--data", str(data), "--pts", str(tmp_path)]
-    node_program([*watchdog, "--interval", "1"], env, seconds=8)
+    watch_for_rounds(gate, [*watchdog, "--interval", "1"], env)
     file_system = next(iter(deployed.physical_of("AWS::EFS::FileSystem")))
     meter = (
         "from cluster_node.supervisor import efsio; import time; "
