@@ -309,22 +309,7 @@ def test_the_launcher_restarts_a_died_job_on_the_nodes_still_reachable(tmp_path)
 
 
 REFUSAL = "error: the checkpoint was trained at a global batch of 24; this launch makes 16"
-# A rank with a run to resume (config.json, a checkpoint): its first launch exits 2, after a step when told to
-# (a heartbeat in ranks/), saying REFUSAL; any later launch finishes.
-REFUSING_TRAINER = f"""import json, pathlib, sys
-run = pathlib.Path(sys.argv[1])
-(run / "config.json").write_text(json.dumps({{"batch_per_gpu": 8, "grad_accum": 1}}))
-(run / "checkpoints").mkdir(exist_ok=True)
-(run / "checkpoints" / "step_00000010.pt").write_bytes(b"x")
-launches = run / "launches"
-launches.write_text(launches.read_text() + "x" if launches.exists() else "x")
-if len(launches.read_text()) > 1:
-    sys.exit(print("run ended at step 20: max_steps"))
-if sys.argv[2:] == ["--after-a-step"]:
-    (run / "ranks" / "rank0").write_text("11 1 n0\\n")
-print({REFUSAL!r}, file=sys.stderr)
-sys.exit(2)
-"""
+REFUSING_TRAINER = (STANDINS / "refusing_trainer.py").read_text()  # exits 2 once, saying REFUSAL
 
 
 @pytest.mark.parametrize("after_a_step", [False, True], ids=["refused", "after-a-step"])

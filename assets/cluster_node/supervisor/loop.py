@@ -79,7 +79,7 @@ class Outcome:
 
 
 _ERROR = re.compile(r"mpirun noticed|exited on signal|Error|error:")
-_REFUSAL = re.compile(r"^error: .*", re.M)  # how the trainer says what it refuses (train.py), on one line
+_REFUSAL = re.compile(r"^error: ")  # how the trainer says what it refuses (train.py), on one line
 # The trainer's exit status for settings, a checkpoint or data it refuses (train.py; argparse's too): mpirun
 # exits with its ranks' first non-zero status (Open MPI), and a relaunch would be refused the same way.
 REFUSED_EXIT = 2
@@ -256,14 +256,9 @@ class Supervisor:
 
     def refusal(self, code: int) -> str:
         """The trainer's own `error:` line from this attempt's part of train.log (not an earlier attempt's)."""
-        try:
-            with open(self.run / rundir.TRAIN_LOG, errors="replace") as handle:
-                handle.seek(self.log_offset)
-                found = _REFUSAL.findall(handle.read())
-        except OSError:
-            found = []
+        said = _last(self.run, _REFUSAL, since=self.log_offset) or f"mpirun exited with {code}"
         again = "; not restarted: a relaunch is refused the same way" if self.spec.limits.max_restarts > 0 else ""
-        return f"the trainer refused to start ({found[-1] if found else f'mpirun exited with {code}'}){again}"
+        return f"the trainer refused to start ({said}){again}"
 
     def clean_end(self) -> Outcome:
         """Rows 8, 9: mpirun exited 0. The trainer's end record says what ended it (a stop: resumable)."""
@@ -486,10 +481,12 @@ def _nonempty(path: Path) -> bool:
         return False
 
 
-def _last(run: Path, pattern: re.Pattern) -> str:
-    """The last line of train.log that matches `pattern` (_ENDED: from the match on)."""
+def _last(run: Path, pattern: re.Pattern, since: int = 0) -> str:
+    """The last line of train.log (from byte `since` on) that matches `pattern` (_ENDED: from the match on)."""
     try:
-        lines = (run / rundir.TRAIN_LOG).read_text(errors="replace").splitlines()
+        with open(run / rundir.TRAIN_LOG, errors="replace") as handle:
+            handle.seek(since)
+            lines = handle.read().splitlines()
     except OSError:
         return ""
     for line in reversed(lines):
