@@ -395,6 +395,8 @@ def figures(summary: dict) -> dict:
         "warmup_s": warmup["warmup_s"],
         "first_50_mean_s": warmup["first_50_mean_s"],
         "first_step_s": warmup.get("first_step_s"),
+        "shapes_warmed": warmup.get("shapes_warmed"),
+        "shape_warm_s": warmup.get("shape_warm_s"),
         "data_wait": parts.get("data_s", 0.0) / step if step else None,
         "flops_per_step": summary.get("flops_per_step"),
         "mfu": summary.get("mfu"),

@@ -128,6 +128,8 @@ def _row(results: dict, name: str, plain: float | None, fixed: float | None, res
     first = _x(_ratio(r.get("first_50_mean_s"), steady))
     after = _x(_ratio(_get(results, resumed, "first_50_mean_s"), steady)) if resumed else "-"
     warm = f"{r['warmup_steps']} ({r['warmup_s']:.1f} s)" if r.get("settled") else "not settled"
+    if r.get("shapes_warmed"):  # perf.warm_shapes, before step 1
+        warm += f" after {r['shapes_warmed']} shapes in {r.get('shape_warm_s') or 0:.1f} s"
     mfu = f"{(r.get('flops_per_step') or 0) / 1e12:.2f}" + (f", {r['mfu']:.1%}" if r.get("mfu") is not None else "")
     shapes = f"{r.get('distinct_shapes')}, {r['padded_fraction']:.1%}" if r.get("padded_fraction") is not None else "-"
     return (

@@ -85,6 +85,9 @@ def test_the_report_gives_the_mfu_the_warm_up_and_far_from_the_peak_what_a_large
         "- warm-up: 175 steps, 21.4 s until the step time settled; the step time is the mean of 225 steady steps"
         in lines
     )
+    warmed = {**GPU_SUMMARY, "warmup": {**GPU_SUMMARY["warmup"], "shapes_warmed": 42, "shape_warm_s": 3.2}}
+    lines_warmed = bottleneck.write_report("gpu", Summary.from_json(warmed), link, tmp_path)[0]
+    assert "- warm-up (after 42 batch shapes run once in 3.2 s): 175 steps, 21.4 s until" in "\n".join(lines_warmed)
     [far] = [line for line in lines if line.startswith("MFU 8.3% is far from the GPU's peak")]
     measured = {
         **link,

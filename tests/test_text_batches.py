@@ -90,6 +90,22 @@ def test_shape_buckets_round_lengths_to_8_with_two_shapes_a_class_and_no_padding
     assert 0.8 * 16 <= len(sampler.costs) / len(epoch) <= 1.05 * 16
 
 
+def test_the_shapes_warmed_before_step_1_are_the_epochs_commonest_one_batch_each_most_tokens_first(numbers_data):
+    """perf.warm_shapes' batches (a GPU's default: 64): each a distinct shape of the epoch the step is in, none
+    left out that is commoner than one taken, the largest first; padded to the longest: none."""
+    from collections import Counter
+
+    task = _task(numbers_data, batch=16)
+    counts = Counter((len(b), *task.sampler.widths_of(b)) for b in task.sampler.epoch(0))
+    batches = task.shape_batches(0, 3)
+    shapes = [(len(src), src.size(1), tgt_in.size(1)) for src, tgt_in, _ in batches]
+    assert len(shapes) == len(set(shapes)) == 3 and len(counts) > 3
+    assert min(counts[s] for s in shapes) >= max(n for s, n in counts.items() if s not in shapes)
+    assert [r * (a + b) for r, a, b in shapes] == sorted((r * (a + b) for r, a, b in shapes), reverse=True)
+    assert len(task.shape_batches(0, 1000)) == len(counts)
+    assert task.shape_batches(0, 0) == [] and _task(numbers_data, pad=1).shape_batches(0, 8) == []
+
+
 def test_the_permutation_is_drawn_once_per_epoch_not_at_every_step(numbers_data, monkeypatch):
     calls = []
     randperm = torch.randperm

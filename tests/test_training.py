@@ -111,12 +111,18 @@ def test_two_ranks_with_batch_b_match_one_process_with_batch_2b(
 
 def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_data, tmp_path):
     """Token buckets: the resume at step 6 is in the middle of epoch 0 (about 700 steps of
-    batch 8 in 6,000 pairs; test_text_batches checks the sampler across an epoch boundary)."""
+    batch 8 in 6,000 pairs; test_text_batches checks the sampler across an epoch boundary). The split
+    run warms batch shapes before its steps (a GPU's default): that changes no loss and no weight."""
     tokens = ["--batch-per-gpu", "8", "--dropout", "0.1", "--batching", "tokens"]
     whole = train(numbers_data, tmp_path / "whole", "--max-steps", "12", *tokens)
-    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", *tokens)
-    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", *tokens)
+    first = train(numbers_data, tmp_path / "split", "--max-steps", "6", *tokens, "--warm-shapes", "3")
+    second = train(numbers_data, tmp_path / "split", "--max-steps", "12", *tokens, "--warm-shapes", "5")
     assert "resuming from" in second.stdout and "at step 6" in second.stdout
+    assert "warmed 3 batch shapes in" in first.stdout and "each run once before step 1)" in first.stdout
+    assert "warmed 5 batch shapes in" in second.stdout and "each run once before step 7)" in second.stdout
+    summary = json.loads((tmp_path / "split" / rundir.SUMMARY).read_text())
+    assert summary["warmup"]["shapes_warmed"] == 5 and summary["warmup"]["shape_warm_s"] > 0
+    assert "warmed" not in whole.stdout  # none on a CPU by default
     assert re.search(r"batches: up to \d+ tokens per micro-batch .*; (\d{3}) batches in epoch 0", first.stdout)
     split = {**losses(first.stdout), **losses(second.stdout)}
     assert split == losses(whole.stdout) and len(split) == 12

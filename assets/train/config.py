@@ -93,6 +93,7 @@ class TrainConfig:
     pad_multiple: int = 8  # token batches' lengths rounded up to this (sampler.ShapeBuckets); 1: to the longest
     attention: str = "auto"  # SDPA backends on CUDA (perf.ATTENTION): auto leaves cuDNN's per-shape graphs out
     compile: bool = False  # torch.compile the model for training steps
+    warm_shapes: int = -1  # the commonest batch shapes run once before step 1 (perf.warm_shapes); -1: 64 on a GPU
     precision: str = "auto"  # choose_precision
     grad_compression: str = "none"
     powersgd_rank: int = 4
@@ -135,6 +136,7 @@ class TrainConfig:
         _check(self.batching in ("tokens", "sentences"), "batching", self.batching, "tokens or sentences")
         _check(self.max_tokens >= 0, "max_tokens", self.max_tokens, "0 (from --batch-per-gpu) or a positive number")
         _check(self.pad_multiple > 0, "pad_multiple", self.pad_multiple, "1 (pad to the longest) or more")
+        _check(self.warm_shapes >= -1, "warm_shapes", self.warm_shapes, "-1 (64 on a GPU, none on a CPU) or a count")
         _check(self.attention in ATTENTION, "attention", self.attention, either(ATTENTION))
         _check(self.grad_compression in COMPRESSIONS, "grad_compression", self.grad_compression, either(COMPRESSIONS))
         _check(self.powersgd_rank > 0, "powersgd_rank", self.powersgd_rank, "a positive whole number")
@@ -295,6 +297,7 @@ RESUMABLE_CHANGES = {
     "beam",
     "attention",  # which kernels compute the step, not what it computes
     "compile",
+    "warm_shapes",  # what runs before step 1, nothing kept
     "workers",  # how images are decoded, not which: the batches are the same (test_imagepipe.py)
 }
 

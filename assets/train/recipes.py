@@ -103,6 +103,17 @@ class TranslationTask:
             out.append(tuple(t.pin_memory() for t in batch) if self.device.type == "cuda" else batch)
         return out
 
+    def shape_batches(self, step: int, limit: int) -> list[tuple[torch.Tensor, ...]]:
+        """A micro-batch of each of the `limit` commonest shapes of the epoch `step` trains in, on the
+        device (the trainer runs each once before the step: perf.warm_shapes). Shape classes only
+        (--pad-multiple > 1): padded to the longest, token batches take too many shapes to cover."""
+        if not isinstance(self.sampler, ShapeBuckets) or limit <= 0:
+            return []
+        position = step * self.info.world_size * self.config.grad_accum
+        buckets = self.sampler.commonest(position, limit)
+        batches = [self.data.train.batch(b, self.sampler.widths_of(b)) for b in buckets]
+        return [tuple(t.to(self.device) for t in batch) for batch in batches]
+
     def _prepared(self, step: int) -> tuple[list[tuple[torch.Tensor, ...]], list]:
         """The host batches and, counted on the loader's thread, each one's (shape, pads, tokens)."""
         batches = self._host_batches(step)

@@ -15,6 +15,7 @@ any world size and accumulation with the same product sees the same buckets at t
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Generic, TypeVar
 
@@ -153,6 +154,20 @@ class ShapeBuckets(_EndlessBuckets):
     def widths_of(self, bucket: np.ndarray) -> tuple[int, int]:
         source, target = self.widths[bucket[0]]
         return int(source), int(target)
+
+    def commonest(self, position: int, limit: int) -> list[np.ndarray]:
+        """A bucket of each of the `limit` commonest batch shapes (rows, source and target widths) of the
+        epoch holding `position`, most tokens first (the largest memory blocks are taken first)."""
+        epoch, _ = self.epoch_of(position)
+        first: dict[tuple[int, int, int], np.ndarray] = {}
+        counts: Counter = Counter()
+        for bucket in self.epoch(epoch):
+            shape = (len(bucket), *self.widths_of(bucket))
+            first.setdefault(shape, bucket)
+            counts[shape] += 1
+        chosen = [shape for shape, _ in counts.most_common(limit)]
+        chosen.sort(key=lambda shape: shape[0] * (shape[1] + shape[2]), reverse=True)
+        return [first[shape] for shape in chosen]
 
 
 class SentenceBatches:

@@ -73,6 +73,7 @@ class Trainer:
         writes = info.is_main or self.snapshot_target is not None
         self.state_writer = snapshot.StateWriter(device) if writes else None
         self._resume()
+        self.shapes_warmed = self._warm_shapes()  # before the calibration and DDP: they time steady steps
         self.timer = breakdown.StepTimer(breakdown.clock_for(device))
         self.wire = breakdown.AllReduceCounter()
         self.step_parts: list[dict] = []  # this process's steps, resolved at log intervals
@@ -95,6 +96,21 @@ class Trainer:
             self.wandb = start_wandb(config, self.run_dir, self.log)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
+
+    def _warm_shapes(self) -> dict:
+        """The task's commonest batch shapes, each run once (perf.warm_shapes): {shapes, seconds}."""
+        count = perf.shapes_to_warm(self.config.warm_shapes, self.device.type)
+        shape_batches = getattr(self.task, "shape_batches", None)
+        batches = shape_batches(self.step, count) if shape_batches is not None else []
+        if not batches:
+            return {}
+        start = time.perf_counter()
+        perf.warm_shapes(self.model, batches, self.task.loss_sum, self.device, self.amp_dtype, self.config.attention)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        self.log(f"warmed {len(batches)} batch shapes in {seconds:.1f} s (each run once before step {self.step + 1})")
+        return {"shapes_warmed": len(batches), "shape_warm_s": seconds}
 
     def _distribute(self) -> None:
         """Calibrate (and choose the --grad-compression auto mode), then wrap the model in DDP with the
@@ -441,7 +457,7 @@ class Trainer:
         return result
 
     def _summary(self, step_times, global_batch, last_eval, end: tuple[str, rundir.EndedBy], wall) -> rundir.Summary:
-        warmup = perf.steady_state(step_times)  # the averages are the steady steps'
+        warmup = {**perf.steady_state(step_times), **self.shapes_warmed}  # the averages are the steady steps'
         avg = warmup["steady_step_s"]
         parts = self._summary_breakdown(warmup["steady_steps"])
         flops = sum(rank.get("flops", 0.0) for rank in parts["per_rank"])  # every rank's micro-batches

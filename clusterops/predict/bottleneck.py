@@ -111,11 +111,12 @@ def warmup_line(summary: Summary) -> str:
     if not w:
         return "warm-up: not recorded (an older trainer): the step time includes it"
     steady = f"the step time is the mean of {w.get('steady_steps')} steady steps"
+    count, seconds = w.get("shapes_warmed"), w.get("shape_warm_s") or 0
+    warmed = f" (after {count} batch shapes run once in {seconds:.1f} s)" if count else ""
     if not w.get("settled"):
-        return f"warm-up: {w.get('note')}; {steady} after the fifth"
-    return (
-        f"warm-up: {w.get('warmup_steps')} steps, {w.get('warmup_s') or 0:.1f} s until the step time settled; {steady}"
-    )
+        return f"warm-up{warmed}: {w.get('note')}; {steady} after the fifth"
+    settled = f"{w.get('warmup_steps')} steps, {w.get('warmup_s') or 0:.1f} s until the step time settled"
+    return f"warm-up{warmed}: {settled}; {steady}"
 
 
 def far_from_peak(summary: Summary, b: Breakdown, predictions: list[Prediction]) -> list[str]:

@@ -376,7 +376,8 @@ class Summary(Record):
 
     @property
     def warmup(self) -> Mapping[str, Any]:
-        """train.perf.steady_state: settled, note, warmup_steps, warmup_s, steady_steps, steady_step_s."""
+        """train.perf.steady_state: settled, note, warmup_steps, warmup_s, steady_steps, steady_step_s; and
+        shapes_warmed, shape_warm_s where batch shapes were run once before step 1 (perf.warm_shapes)."""
         value = self.extra.get("warmup")
         return value if isinstance(value, dict) else {}
 
