@@ -8,6 +8,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import signal
+import threading
 
 import pytest
 import torch
@@ -65,10 +66,49 @@ def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     assert (tmp_path / rundir.SUMMARY).read_text() == written  # issue 32 §1: was rewritten with zeros
 
 
+def test_a_slow_heartbeat_write_never_holds_up_a_step_and_the_newest_step_is_written_next(tmp_path):
+    """On EFS a write is >= 2.7 ms: the training thread only hands the step over; the writer skips to the
+    newest step when its write returns (here: held until the test lets it go)."""
+    held, writes = threading.Event(), []
+
+    def write(path, text):
+        writes.append(rundir.RankBeat.from_text(text).step)
+        held.wait(30)
+        path.write_text(text)
+
+    beat = callbacks.RankHeartbeat(tmp_path, 0, write=write)
+    steps = threading.Thread(target=lambda: [beat.on_step(step) for step in range(1, 11)])
+    steps.start()
+    steps.join(10)
+    assert not steps.is_alive(), "a step waited for the heartbeat's write"
+    held.set()
+    assert beat.flush()
+    assert rundir.RankBeat.from_text(rundir.rank_beat(tmp_path, 0).read_text()).step == 10
+    assert writes[-1] == 10 and len(writes) <= 3  # the first step, maybe one in flight, then the newest
+
+
+def test_a_failed_heartbeat_write_warns_once_and_the_next_step_is_written(tmp_path, capsys):
+    failures = [OSError(5, "Input/output error")] * 2
+
+    def write(path, text):
+        if failures:
+            raise failures.pop()
+        path.write_text(text)
+
+    beat = callbacks.RankHeartbeat(tmp_path, 0, write=write)
+    for step in (1, 2, 3):
+        beat.on_step(step)
+        beat.flush(timeout=0.5)
+    assert beat.flush() and rundir.RankBeat.from_text(rundir.rank_beat(tmp_path, 0).read_text()).step == 3
+    warned = [line for line in capsys.readouterr().out.splitlines() if "heartbeat" in line]
+    assert warned == ["warning: rank heartbeat not written ([Errno 5] Input/output error); retrying at the next step"]
+
+
 def test_the_rank_heartbeat_is_what_the_heartbeat_callback_writes(tmp_path):
     beat = callbacks.RankHeartbeat(tmp_path, 3)
     beat.on_step(1)
     beat.on_step(2)
+    beat.on_progress(2, {"ended": "max_steps"})  # the run's end: the newest step written
     text = rundir.rank_beat(tmp_path, 3).read_text()
     assert rundir.RankBeat.from_text(text).step == 2 and rundir.RankBeat.from_text(text).to_text() == text
     try:
