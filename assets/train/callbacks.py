@@ -75,7 +75,7 @@ class RankHeartbeat(Callback):
                     print(f"warning: rank heartbeat not written ({error}); retrying at the next step", flush=True)
                     self.warned = True
                 with self.changed:
-                    self.changed.wait_for(lambda: self.newest != step)
+                    self.changed.wait_for(lambda failed=step: self.newest != failed)
                 continue
             with self.changed:
                 self.written = step
