@@ -45,6 +45,7 @@ class RankHeartbeat(Callback):
         self.write = write or (lambda path, text: path.write_text(text))
         self.newest: Optional[int] = None
         self.written: Optional[int] = None
+        self.tried: Optional[int] = None  # the step last handed to `write`, written or not
         self.changed = threading.Condition()
         self.warned = False
         threading.Thread(target=self._writer, name="rank-heartbeat", daemon=True).start()
@@ -66,20 +67,22 @@ class RankHeartbeat(Callback):
     def _writer(self) -> None:
         while True:
             with self.changed:
-                self.changed.wait_for(lambda: self.newest != self.written)
-                step = self.newest
+                self.changed.wait_for(self._new_step)
+                step = self.tried = self.newest
+            assert step is not None
             try:
                 self.write(self.path, rundir.RankBeat(step, self.pid, self.host).to_text())
             except OSError as error:  # the next step tries again; the watchdog sees the beat age meanwhile
                 if not self.warned:
                     print(f"warning: rank heartbeat not written ({error}); retrying at the next step", flush=True)
                     self.warned = True
-                with self.changed:
-                    self.changed.wait_for(lambda failed=step: self.newest != failed)
                 continue
             with self.changed:
                 self.written = step
                 self.changed.notify_all()
+
+    def _new_step(self) -> bool:
+        return self.newest is not None and self.newest != self.tried
 
 
 REFRESH_S = 2.0  # progress.json is never older than this while steps finish (fab status reads it)
