@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -150,7 +151,7 @@ def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
     from PIL import Image
 
     with Image.open(path) as source:
-        image = source.convert("RGB")
+        image = source if source.mode == "RGB" else source.convert("RGB")  # a JPEG's decode is RGB: no copy
         if train:
             rng = random.Random(seed)
             image = image.resize((size, size), Image.Resampling.BILINEAR, box=_random_resized_crop(*image.size, rng))
@@ -164,7 +165,7 @@ def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
             )
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))
-        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
+        return torch.from_numpy(np.array(image, dtype=np.uint8))  # one copy of the pixels
 
 
 def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
