@@ -87,7 +87,10 @@ def test_a_slow_heartbeat_write_never_holds_up_a_step_and_the_newest_step_is_wri
     assert writes[-1] == 10 and len(writes) <= 3  # the first step, maybe one in flight, then the newest
 
 
-def test_a_failed_heartbeat_write_warns_once_and_the_next_step_is_written(tmp_path, capsys):
+def test_a_failed_heartbeat_write_is_tried_again_even_with_no_new_step(tmp_path, capsys, monkeypatch):
+    """The last step before a long eval, or the run's end, is written once the filesystem answers again;
+    a rank whose writes keep failing stops (the watchdog would blame its old heartbeat in a hang)."""
+    monkeypatch.setattr(callbacks, "HEARTBEAT_RETRY_S", 0.01)
     failures = [OSError(5, "Input/output error")] * 2
 
     def write(path, text):
@@ -96,12 +99,21 @@ def test_a_failed_heartbeat_write_warns_once_and_the_next_step_is_written(tmp_pa
         path.write_text(text)
 
     beat = callbacks.RankHeartbeat(tmp_path, 0, write=write)
-    for step in (1, 2, 3):
-        beat.on_step(step)
-        beat.flush(timeout=0.5)
-    assert beat.flush() and rundir.RankBeat.from_text(rundir.rank_beat(tmp_path, 0).read_text()).step == 3
-    warned = [line for line in capsys.readouterr().out.splitlines() if "heartbeat" in line]
-    assert warned == ["warning: rank heartbeat not written ([Errno 5] Input/output error); retrying at the next step"]
+    beat.on_step(1)
+    assert beat.flush() and rundir.RankBeat.from_text(rundir.rank_beat(tmp_path, 0).read_text()).step == 1
+    said = [line for line in capsys.readouterr().out.splitlines() if "heartbeat" in line]
+    assert said == [
+        "warning: rank heartbeat not written (try 1: OSError: [Errno 5] Input/output error)",
+        "rank heartbeat written again after 2 failed tries",
+    ]
+    broken = callbacks.RankHeartbeat(tmp_path, 1, write=lambda path, text: 1 / 0)  # not only OSError
+    broken.on_step(1)
+    assert not broken.flush(timeout=0.5)
+    broken.failures = callbacks.HEARTBEAT_FAILURES
+    with pytest.raises(OSError, match=r"rank heartbeat not written in 50 tries in a row: ZeroDivisionError"):
+        broken.on_step(2)
+    broken.close(timeout=0.1)
+    beat.close()
 
 
 def test_the_rank_heartbeat_is_what_the_heartbeat_callback_writes(tmp_path):

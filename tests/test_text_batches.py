@@ -106,6 +106,20 @@ def test_the_shapes_warmed_before_step_1_are_the_epochs_commonest_one_batch_each
     assert task.shape_batches(0, 0) == [] and _task(numbers_data, pad=1).shape_batches(0, 8) == []
 
 
+def test_warming_shapes_leaves_no_gradient_and_the_weights_buffers_and_random_state_as_they_were():
+    """perf.warm_shapes in train mode (dropout draws, batch norm updates its statistics): nothing is kept."""
+    from train.perf import warm_shapes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [(torch.randn(5, 6),), (torch.randn(3, 6),)]
+    rng = torch.get_rng_state()
+    warm_shapes(model, batches, lambda m, b: m(b[0]).sum(), torch.device("cpu"), None, "auto")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+
+
 def test_the_permutation_is_drawn_once_per_epoch_not_at_every_step(numbers_data, monkeypatch):
     calls = []
     randperm = torch.randperm

@@ -30,13 +30,28 @@ class Callback:
     def on_interval(self, event: str, start: float, end: float, step: int) -> None:
         """An eval or a checkpoint (rank 0 for a checkpoint, every rank for an eval) took start..end."""
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """What it reported so far made durable (before a node's snapshot); False if that took longer."""
+        return True
+
+    def close(self, timeout: float = 2.0) -> None:
+        """The process is ending, whatever ends it (train.py's finally)."""
+
+
+# A rank's heartbeat is written at most this often: EFS meters and caps operations per file system
+# (metadata included), and a step of tens of ms on 8 ranks a node would make hundreds a second.
+HEARTBEAT_EVERY_S = 0.2
+HEARTBEAT_RETRY_S = 0.5
+HEARTBEAT_FAILURES = 50  # failed writes in a row (~25 s) before the rank stops: the watchdog would blame it
+
 
 class RankHeartbeat(Callback):
     """RUN_DIR/ranks/rankN: this rank's last finished step, pid and host; its mtime is that step's time.
     Not atomic (the readers skip a line that does not parse). Written by a thread of its own, the newest
-    step as soon as the last write is done: on EFS a write takes at least 2.7 ms (AWS's figure for
-    Standard storage; an NFS close flushes it), which on the training thread every step would cost
-    every rank ~5% of a 60 ms step. A rank stuck in a collective still has its last step written."""
+    step at most every HEARTBEAT_EVERY_S: on EFS a write takes at least 2.7 ms (AWS's figure for Standard
+    storage; an NFS close flushes it), which on the training thread every step would cost every rank ~5%
+    of a 60 ms step. A rank stuck in a collective still has its last step written; flush() makes it
+    durable before a node's snapshot (the restart plan trusts a snapshot up to the newest heartbeat)."""
 
     def __init__(self, run_dir: Path, rank: int, write: Optional[Callable[[Path, str], Any]] = None):
         self.path = rundir.rank_beat(Path(run_dir), rank)
@@ -45,12 +60,13 @@ class RankHeartbeat(Callback):
         self.write = write or (lambda path, text: path.write_text(text))
         self.newest: Optional[int] = None
         self.written: Optional[int] = None
-        self.tried: Optional[int] = None  # the step last handed to `write`, written or not
+        self.failures, self.error, self.stopped = 0, "", False
         self.changed = threading.Condition()
-        self.warned = False
         threading.Thread(target=self._writer, name="rank-heartbeat", daemon=True).start()
 
     def on_step(self, step: int) -> None:
+        if self.failures >= HEARTBEAT_FAILURES:
+            raise OSError(f"rank heartbeat not written in {self.failures} tries in a row: {self.error}")
         with self.changed:
             self.newest = step
             self.changed.notify_all()
@@ -60,29 +76,47 @@ class RankHeartbeat(Callback):
             self.flush()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until the newest step is written (the run's end); False if the filesystem took longer."""
+        """Wait until the newest step is written; False if the filesystem took longer."""
         with self.changed:
             return self.changed.wait_for(lambda: self.written == self.newest, timeout)
 
-    def _writer(self) -> None:
-        while True:
-            with self.changed:
-                self.changed.wait_for(self._new_step)
-                step = self.tried = self.newest
-            assert step is not None
-            try:
-                self.write(self.path, rundir.RankBeat(step, self.pid, self.host).to_text())
-            except OSError as error:  # the next step tries again; the watchdog sees the beat age meanwhile
-                if not self.warned:
-                    print(f"warning: rank heartbeat not written ({error}); retrying at the next step", flush=True)
-                    self.warned = True
-                continue
-            with self.changed:
-                self.written = step
-                self.changed.notify_all()
+    def close(self, timeout: float = 2.0) -> None:
+        """The process is ending (whatever ends it): the newest step written, then the thread stops."""
+        self.flush(timeout)
+        with self.changed:
+            self.stopped = True
+            self.changed.notify_all()
 
-    def _new_step(self) -> bool:
-        return self.newest is not None and self.newest != self.tried
+    def _writer(self) -> None:
+        while self._pause(0.0):
+            try:
+                with self.changed:
+                    step = self.newest
+                assert step is not None
+                self.write(self.path, rundir.RankBeat(step, self.pid, self.host).to_text())
+            except Exception as error:  # tried again after a pause; the watchdog sees the beat age meanwhile
+                self._failed(error)
+                self._pause(HEARTBEAT_RETRY_S)
+                continue
+            if self.failures:
+                print(f"rank heartbeat written again after {self.failures} failed tries", flush=True)
+            with self.changed:
+                self.written, self.failures = step, 0
+                self.changed.notify_all()
+            self._pause(HEARTBEAT_EVERY_S)
+
+    def _pause(self, seconds: float) -> bool:
+        """Wait `seconds` (unless stopped), then for a step not yet written; False once stopped."""
+        with self.changed:
+            if seconds:
+                self.changed.wait_for(lambda: self.stopped, seconds)
+            self.changed.wait_for(lambda: self.stopped or self.newest != self.written)
+            return not self.stopped
+
+    def _failed(self, error: Exception) -> None:
+        self.failures, self.error = self.failures + 1, f"{type(error).__name__}: {error}"
+        if self.failures == 1 or self.failures % 10 == 0:
+            print(f"warning: rank heartbeat not written (try {self.failures}: {self.error})", flush=True)
 
 
 REFRESH_S = 2.0  # progress.json is never older than this while steps finish (fab status reads it)

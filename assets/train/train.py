@@ -118,8 +118,9 @@ def main(argv=None) -> int:
             + "".join(f"; changed {change}" if resumed else f"; {change}" for change in changes),
             flush=True,
         )
+    reports = reporting(config, info)
     try:
-        trainer = compose(config, info, device, reporting(config, info))
+        trainer = compose(config, info, device, reports)
         if info.is_main:
             phases.mark(run_dir, "ready", step=trainer.step)
         trainer.log(f"{info.world_size} process(es) via {info.launcher} on {device.type}; recipe {config.recipe}")
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
+        for report in reports:  # the newest heartbeat written whatever ends the rank (restart_plan reads it)
+            report.close()
         distributed.teardown()
     return 0
 

@@ -100,6 +100,8 @@ class Trainer:
     def _warm_shapes(self) -> dict:
         """The task's commonest batch shapes, each run once (perf.warm_shapes): {shapes, seconds}."""
         count = perf.shapes_to_warm(self.config.warm_shapes, self.device.type)
+        if self.step >= self.config.max_steps:  # nothing to train
+            return {}
         shape_batches = getattr(self.task, "shape_batches", None)
         batches = shape_batches(self.step, count) if shape_batches is not None else []
         if not batches:
@@ -197,6 +199,8 @@ class Trainer:
         if checkpoint_now and self.info.is_main:
             writes.append(checkpoint.persist(self.run_dir, self.step, self.config.keep_checkpoints, best, self.log))
         if self.snapshot_due and self.snapshot_target is not None:
+            for callback in self.callbacks:  # a snapshot newer than every heartbeat is taken for an older run's
+                callback.flush()
             writes.append(checkpoint.persist_snapshot(self.snapshot_target, self.run_dir, self.step, _say))
         if writes:
             assert self.state_writer is not None

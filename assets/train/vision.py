@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -165,7 +164,7 @@ def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
             )
             left, top = (image.width - size) // 2, (image.height - size) // 2
             image = image.crop((left, top, left + size, top + size))
-        return torch.from_numpy(np.array(image, dtype=np.uint8))  # one copy of the pixels
+        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
 
 
 def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
