@@ -66,7 +66,7 @@ def test_a_real_run_writes_records_the_module_reads(numbers_data, tmp_path):
     assert (tmp_path / rundir.SUMMARY).read_text() == written  # issue 32 §1: was rewritten with zeros
 
 
-def test_a_slow_heartbeat_write_never_holds_up_a_step_and_the_newest_step_is_written_next(tmp_path):
+def test_a_slow_heartbeat_write_never_holds_up_a_step_and_the_newest_step_is_written_next(tmp_path, monkeypatch):
     """On EFS a write is >= 2.7 ms: the training thread only hands the step over; the writer skips to the
     newest step when its write returns (here: held until the test lets it go)."""
     held, writes = threading.Event(), []
@@ -85,6 +85,11 @@ def test_a_slow_heartbeat_write_never_holds_up_a_step_and_the_newest_step_is_wri
     assert beat.flush()
     assert rundir.RankBeat.from_text(rundir.rank_beat(tmp_path, 0).read_text()).step == 10
     assert writes[-1] == 10 and len(writes) <= 3  # the first step, maybe one in flight, then the newest
+    monkeypatch.setattr(callbacks, "HEARTBEAT_EVERY_S", 60.0)  # the pause after each write from here on
+    for step in (11, 12, 13):  # a flush (before a node's snapshot) does not wait out the pause
+        beat.on_step(step)
+        assert beat.flush(timeout=10), step
+    beat.close()
 
 
 def test_a_failed_heartbeat_write_is_tried_again_even_with_no_new_step(tmp_path, capsys, monkeypatch):

@@ -61,6 +61,7 @@ class RankHeartbeat(Callback):
         self.newest: Optional[int] = None
         self.written: Optional[int] = None
         self.failures, self.error, self.stopped = 0, "", False
+        self.waiting = 0  # flush() callers
         self.changed = threading.Condition()
         threading.Thread(target=self._writer, name="rank-heartbeat", daemon=True).start()
 
@@ -76,9 +77,15 @@ class RankHeartbeat(Callback):
             self.flush()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until the newest step is written; False if the filesystem took longer."""
+        """Wait until the newest step is written (the writer skips its pause); False if the filesystem
+        took longer."""
         with self.changed:
-            return self.changed.wait_for(lambda: self.written == self.newest, timeout)
+            self.waiting += 1
+            self.changed.notify_all()
+            try:
+                return self.changed.wait_for(lambda: self.written == self.newest, timeout)
+            finally:
+                self.waiting -= 1
 
     def close(self, timeout: float = 2.0) -> None:
         """The process is ending (whatever ends it): the newest step written, then the thread stops."""
@@ -108,8 +115,8 @@ class RankHeartbeat(Callback):
     def _pause(self, seconds: float) -> bool:
         """Wait `seconds` (unless stopped), then for a step not yet written; False once stopped."""
         with self.changed:
-            if seconds:
-                self.changed.wait_for(lambda: self.stopped, seconds)
+            if seconds:  # a flush() waiting cuts it short
+                self.changed.wait_for(lambda: self.stopped or self.waiting > 0, seconds)
             self.changed.wait_for(lambda: self.stopped or self.newest != self.written)
             return not self.stopped
 
