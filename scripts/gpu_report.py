@@ -156,7 +156,12 @@ def table(results: dict, machine: dict) -> str:
             lines[-1] = lines[-1].replace(f"| {label}: trainer |", f"| {label}: trainer (peer: {peer}) |")
     plain, _ = plain_peer(results, "budget")
     fixed = _get(results, "budget: plain, fixed shape", "steady_step_s")
-    variants = ("budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer")
+    variants = (
+        "budget, --pad-multiple 4: trainer",
+        "budget, --warm-shapes 0: trainer",
+        "budget, --attention torch: trainer",
+        "budget, --pad-multiple 1: trainer",
+    )
     ways = ("no host-buffer reservation", "host buffers pageable", "host buffers page-locked")
     reservations = [f"budget, {way}: trainer" for way in (*ways, "host buffers pageable, again")]
     for variant in (*reservations, *variants):
