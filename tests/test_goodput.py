@@ -69,6 +69,10 @@ def test_the_warm_up_after_a_start_and_after_a_restart_is_its_own_cause():
     assert acc.phases["warmup"] == pytest.approx(18 + 9) and acc.group("warmup") == acc.phases["warmup"]
     assert goodput.as_json(acc)["by_cause_s"]["warmup"] == pytest.approx(27)
     assert any(line.startswith("  warmup: 27.0 s (28%)") for line in goodput.lines(acc))
+    # the batch shapes run once before the first step (a GPU's default): warm-up too, out of start-up
+    plain, warmed = goodput.account(_marks()), goodput.account([*_marks(), Phase("warm_shapes", 5.0, end=8.0, step=0)])
+    assert plain is not None and warmed is not None and plain.phases["startup.data"] == 5.0  # rendezvous 4 -> ready 9
+    assert (warmed.phases["startup.data"], warmed.phases["warmup"] - plain.phases["warmup"]) == (2.0, 3.0)
 
 
 def test_a_resumed_run_is_accounted_over_every_segment_and_not_the_time_between():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, TRAIN_DIR, tool_env
 
-from cluster_node.protocol import rundir
+from cluster_node.protocol import phases, rundir
 from train import checkpoint, strict_device
 from train.recipes import transformer_lr
 
@@ -122,6 +122,8 @@ def test_stop_and_resume_gives_the_same_losses_as_an_uninterrupted_run(numbers_d
     assert "warmed 5 batch shapes in" in second.stdout and "each run once before step 7)" in second.stdout
     summary = json.loads((tmp_path / "split" / rundir.SUMMARY).read_text())
     assert summary["warmup"]["shapes_warmed"] == 5 and summary["warmup"]["shape_warm_s"] > 0
+    warmed = [m for m in phases.read(tmp_path / "split") if m.event == "warm_shapes"]
+    assert [m.step for m in warmed] == [0, 6] and all(m.end >= m.time for m in warmed)  # goodput's warm-up
     assert "warmed" not in whole.stdout  # none on a CPU by default
     assert re.search(r"batches: up to \d+ tokens per micro-batch .*; (\d{3}) batches in epoch 0", first.stdout)
     split = {**losses(first.stdout), **losses(second.stdout)}

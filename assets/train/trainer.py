@@ -106,11 +106,12 @@ class Trainer:
         batches = shape_batches(self.step, count) if shape_batches is not None else []
         if not batches:
             return {}
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         perf.warm_shapes(self.model, batches, self.task.loss_sum, self.device, self.amp_dtype, self.config.attention)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        self._interval("warm_shapes", wall)  # goodput's warm-up, not start-up
         self.log(f"warmed {len(batches)} batch shapes in {seconds:.1f} s (each run once before step {self.step + 1})")
         return {"shapes_warmed": len(batches), "shape_warm_s": seconds}
 

@@ -19,9 +19,13 @@ from cluster_node.protocol.rundir import Record, RecordError, _key
 
 # supervisor: run, launch, detect (`kind`; the newest rank heartbeat's step in `step`, its time in `end`),
 # decide (the resume step), done. trainer (rank 0): process, rendezvous, ready (the step it starts from),
-# first_step, steps (each log step), eval, checkpoint and snapshot (time .. end: the loop's stall), end.
+# first_step, steps (each log step), eval, checkpoint and snapshot (time .. end: the loop's stall), end; and
+# warm_shapes (time .. end: the batch shapes run once before the first step, train.perf.warm_shapes).
 SUPERVISOR_EVENTS = ("run", "launch", "detect", "decide", "done")
-TRAINER_EVENTS = ("process", "rendezvous", "ready", "first_step", "steps", "eval", "checkpoint", "snapshot", "end")
+TRAINER_EVENTS = (
+    *("process", "rendezvous", "warm_shapes", "ready", "first_step", "steps"),
+    *("eval", "checkpoint", "snapshot", "end"),
+)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ GROUPS = (
     *("productive", "startup", "warmup", "eval", "checkpoint"),
     *("restart", "recomputed", "stall", "shutdown", "unaccounted"),
 )
-SPANS = {"eval": "eval", "checkpoint": "checkpoint", "snapshot": "checkpoint.snapshot"}  # trainer event -> label
+# trainer event -> label; the batch shapes run before the first step are warm-up, not start-up
+SPANS = {"eval": "eval", "checkpoint": "checkpoint", "snapshot": "checkpoint.snapshot", "warm_shapes": "warmup"}
 STALL_FACTOR = 2.0  # a log interval slower than this x the run's median step time stalled for the excess
 WARM_FACTOR = 1.2  # an attempt's first log intervals slower than this x the median: warming up, for the excess
 
