@@ -59,6 +59,8 @@ def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_pat
     assert len(result["checks"]) == 12 and all(c["value"] is not None for c in result["checks"])
     assert "| budget: trainer (peer: " in done.stdout and "issue 29 bounds:" in done.stdout
     assert "\n  budget: trainer resumed: " in done.stdout  # its step times by window
+    assert result["results"]["budget, --pad-multiple 4: trainer"]["objects_per_s"] > 0
+    assert "sentence pairs a second, steady (the padding variants' batches differ): budget " in done.stdout
     # The trainer against the plain loop on its own batches, step for step (not the resume: other steps).
     assert re.search(
         r"\n  budget, host buffers pageable: trainer, steps \d+-\d+: [\d.]+ ms, plain [\d.]+ ", done.stdout

@@ -75,6 +75,16 @@ def test_the_warm_up_after_a_start_and_after_a_restart_is_its_own_cause():
     assert (warmed.phases["startup.data"], warmed.phases["warmup"] - plain.phases["warmup"]) == (2.0, 3.0)
 
 
+def test_the_shapes_warmed_after_a_restart_are_warm_up_in_the_account_and_the_incident_alike():
+    """The relaunch (decide 53 -> ready 60) holds 2 s of batch shapes run once (57..59): the incident's
+    relaunch and the account's restart.relaunch both leave them to warm-up."""
+    plain = goodput.account(_marks())
+    warmed = goodput.account([*_marks(), Phase("warm_shapes", 57.0, end=59.0, step=20)])
+    assert plain is not None and warmed is not None and plain.incidents[0].relaunch_s == 7
+    assert warmed.incidents[0].relaunch_s == 5 == warmed.phases["restart.relaunch"]
+    assert warmed.phases["warmup"] - plain.phases["warmup"] == 2.0
+
+
 def test_a_resumed_run_is_accounted_over_every_segment_and_not_the_time_between():
     """A run stopped and resumed by a later `fab train` (the new-user walk: 62 s, then 72 s; the account
     said 86% of 62 s). The second segment starts 1,000 s later: that idle time is nobody's wall-clock."""

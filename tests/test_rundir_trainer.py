@@ -121,6 +121,28 @@ def test_a_failed_heartbeat_write_is_tried_again_even_with_no_new_step(tmp_path,
     beat.close()
 
 
+def test_a_flush_while_writes_fail_keeps_the_pause_between_tries(tmp_path, monkeypatch):
+    """A snapshot's flush during an EFS outage: the retries keep their pause (a spin made 50 failed tries in
+    milliseconds and stopped the rank at its next step), and a flush after close() returns at once."""
+    monkeypatch.setattr(callbacks, "HEARTBEAT_RETRY_S", 0.5)
+    tries = []
+
+    def write(path, text):
+        tries.append(text)
+        raise OSError(116, "Stale file handle")
+
+    beat = callbacks.RankHeartbeat(tmp_path, 0, write=write)
+    beat.on_step(1)
+    assert not beat.flush(timeout=1.0)
+    assert 1 <= len(tries) <= 4, len(tries)  # the first try and one each 0.5 s
+    beat.on_step(2)  # far from HEARTBEAT_FAILURES: the rank goes on
+    beat.close(timeout=0.1)
+    closed = threading.Thread(target=beat.flush)
+    closed.start()
+    closed.join(5)
+    assert not closed.is_alive(), "a flush after close() waited for a writer that is gone"
+
+
 def test_the_rank_heartbeat_is_what_the_heartbeat_callback_writes(tmp_path):
     beat = callbacks.RankHeartbeat(tmp_path, 3)
     beat.on_step(1)

@@ -28,7 +28,8 @@ class Callback:
         pass
 
     def on_interval(self, event: str, start: float, end: float, step: int) -> None:
-        """An eval or a checkpoint (rank 0 for a checkpoint, every rank for an eval) took start..end."""
+        """An eval, a checkpoint or a snapshot's copy (rank 0 for a checkpoint, every rank for an eval), or
+        the batch shapes run before the first step (warm_shapes), took start..end."""
 
     def flush(self, timeout: float = 10.0) -> bool:
         """What it reported so far made durable (before a node's snapshot); False if that took longer."""
@@ -83,7 +84,8 @@ class RankHeartbeat(Callback):
             self.waiting += 1
             self.changed.notify_all()
             try:
-                return self.changed.wait_for(lambda: self.written == self.newest, timeout)
+                self.changed.wait_for(lambda: self.stopped or self.written == self.newest, timeout)
+                return self.written == self.newest
             finally:
                 self.waiting -= 1
 
@@ -103,7 +105,7 @@ class RankHeartbeat(Callback):
                 self.write(self.path, rundir.RankBeat(step, self.pid, self.host).to_text())
             except Exception as error:  # tried again after a pause; the watchdog sees the beat age meanwhile
                 self._failed(error)
-                self._pause(HEARTBEAT_RETRY_S)
+                self._pause(HEARTBEAT_RETRY_S, hurry=False)  # a flush must not turn retries into a spin
                 continue
             if self.failures:
                 print(f"rank heartbeat written again after {self.failures} failed tries", flush=True)
@@ -112,11 +114,12 @@ class RankHeartbeat(Callback):
                 self.changed.notify_all()
             self._pause(HEARTBEAT_EVERY_S)
 
-    def _pause(self, seconds: float) -> bool:
-        """Wait `seconds` (unless stopped), then for a step not yet written; False once stopped."""
+    def _pause(self, seconds: float, hurry: bool = True) -> bool:
+        """Wait `seconds` (unless stopped, or `hurry` and a flush() is waiting), then for a step not yet
+        written; False once stopped."""
         with self.changed:
-            if seconds:  # a flush() waiting cuts it short
-                self.changed.wait_for(lambda: self.stopped or self.waiting > 0, seconds)
+            if seconds:
+                self.changed.wait_for(lambda: self.stopped or (hurry and self.waiting > 0), seconds)
             self.changed.wait_for(lambda: self.stopped or self.newest != self.written)
             return not self.stopped
 

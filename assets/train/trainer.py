@@ -200,8 +200,9 @@ class Trainer:
         if checkpoint_now and self.info.is_main:
             writes.append(checkpoint.persist(self.run_dir, self.step, self.config.keep_checkpoints, best, self.log))
         if self.snapshot_due and self.snapshot_target is not None:
-            for callback in self.callbacks:  # a snapshot newer than every heartbeat is taken for an older run's
-                callback.flush()
+            # A snapshot newer than every heartbeat is taken for an older run's by the restart plan.
+            if not all(callback.flush() for callback in self.callbacks):
+                _say(f"warning: heartbeat not written before the snapshot at step {self.step}: a restart may skip it")
             writes.append(checkpoint.persist_snapshot(self.snapshot_target, self.run_dir, self.step, _say))
         if writes:
             assert self.state_writer is not None

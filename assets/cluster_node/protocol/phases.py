@@ -1,8 +1,8 @@
-"""RUN_DIR/phases.jsonl: the boundaries of a run's wall-clock, one JSON line each, appended where they
-happen: the supervisor (the run, each attempt's launch, a failure's detection, the restart decision, the
-end) and the trainer's rank 0 (its process start, the rendezvous, ready to step, the first step, each log
-step, every eval, checkpoint and snapshot, its end). cluster_node.supervisor.goodput turns them into the goodput
-account.
+"""RUN_DIR/phases.jsonl: the boundaries of a run's wall-clock, one JSON line each, appended where they happen:
+the supervisor (the run, each attempt's launch, a failure's detection, the restart decision, the end) and the
+trainer's rank 0 (its process start, the rendezvous, the batch shapes run before the first step, ready to
+step, the first step, each log step, every eval, checkpoint and snapshot, its end).
+cluster_node.supervisor.goodput turns them into the goodput account.
 Recording never fails the caller: a phase line lost is a gap in the account, not a lost run."""
 
 from __future__ import annotations

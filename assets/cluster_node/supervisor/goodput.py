@@ -170,6 +170,8 @@ def _failure(attempt: Attempt, beat: float, end: float, incidents: list, start: 
 def _relaunch(incident: Incident, failed: Attempt, later: Attempt) -> Incident:
     decided, ready, first = _t(failed, "decide"), _t(later, "ready"), _t(later, "first_step")
     relaunch = ready - decided if ready is not None and decided is not None else 0.0
+    # the batch shapes run before the first step are the account's warm-up there, not relaunch
+    relaunch -= sum(end - start for label, start, end, _ in later.spans if label == "warmup")
     first_step = first - ready if first is not None and ready is not None else 0.0
     return Incident(**{**incident.__dict__, "relaunch_s": relaunch, "first_step_s": first_step})
 
