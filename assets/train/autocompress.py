@@ -145,7 +145,7 @@ def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
     and, with --grad-compression auto, rank 0's choice for all (config.grad_compression is set)."""
     import torch
 
-    from train import distributed
+    from train import distributed, perf
 
     c, info, model = trainer.config, trainer.info, trainer.model
     # PowerSGD runs in the same DDP buckets as plain gradients (the trainer's serialized_hook).
@@ -153,7 +153,6 @@ def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
     if c.grad_compression != "auto":
         return calibration, None
     batches = trainer.task.batches(trainer.step)
-    buffers = {name: value.clone() for name, value in model.named_buffers()}  # BN statistics stay as they were
 
     def forward_backward():
         amp = trainer.amp_dtype
@@ -162,12 +161,10 @@ def start_of_run(trainer) -> tuple[dict, Optional[dict]]:
                 trainer.task.loss_sum(model, batch).backward()
         model.zero_grad(set_to_none=True)
 
-    compute, link_gbit = probe(
-        forward_backward, calibration["grad_bytes"], info.world_size, distributed.all_reduce_sum, trainer.device
-    )
-    with torch.no_grad():
-        for name, value in model.named_buffers():
-            value.copy_(buffers[name])
+    with perf.buffers_kept(model):  # BN statistics stay as they were
+        compute, link_gbit = probe(
+            forward_backward, calibration["grad_bytes"], info.world_size, distributed.all_reduce_sum, trainer.device
+        )
     objects = c.global_batch(info.world_size)
     mode, why, predicted = choose(auto_breakdown(compute, link_gbit, calibration, info.world_size, objects), link_gbit)
     mode, why, predicted = distributed.broadcast_from_main((mode, why, predicted))

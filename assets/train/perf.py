@@ -18,7 +18,7 @@ import contextlib
 import re
 import statistics
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 WINDOW = 10
 SETTLE_WINDOWS = 3
@@ -236,18 +236,29 @@ def warm_shapes(model: Any, batches: list, loss_sum: Any, device: Any, amp_dtype
     0.99x at one fixed shape (an H200, session 27). Before DDP wraps the model: no hook fires."""
     import torch
 
-    buffers = {name: value.clone() for name, value in model.named_buffers()}
     model.train()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with buffers_kept(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for batch in batches:
             with attention_context(attention, device.type):
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss = loss_sum(model, batch)
                 loss.backward()
             model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for name, value in model.named_buffers():
-            value.copy_(buffers[name])
+
+
+@contextlib.contextmanager
+def buffers_kept(model: Any) -> Iterator[None]:
+    """The model's buffers (batch norm's statistics) as they were before the block, after it: steps run to
+    warm or to measure (autocompress's probe) must not move them."""
+    import torch
+
+    kept = {name: value.clone() for name, value in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in model.named_buffers():
+                value.copy_(kept[name])
 
 
 def compiled(module: Any, varied_shapes: bool, backend: Any = "inductor") -> Any:

@@ -99,9 +99,9 @@ class Trainer:
 
     def _warm_shapes(self) -> dict:
         """The task's commonest batch shapes, each run once (perf.warm_shapes): {shapes, seconds}."""
-        count = perf.shapes_to_warm(self.config.warm_shapes, self.device.type)
         if self.step >= self.config.max_steps:  # nothing to train
             return {}
+        count = perf.shapes_to_warm(self.config.warm_shapes, self.device.type)
         shape_batches = getattr(self.task, "shape_batches", None)
         batches = shape_batches(self.step, count) if shape_batches is not None else []
         if not batches:
