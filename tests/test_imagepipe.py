@@ -4,15 +4,19 @@ with workers) that sees the batches of a run that never stopped."""
 
 import json
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from test_training import final_params, losses, train
+from torch.utils.data import DataLoader
 
 from train import checkpoint, imagepipe
 from train.imagepipe import Samples, TrainStream, to_device, train_keys, workers_for
-from train.vision import ImageFolder, load_image
+from train.vision import ImageFolder, _random_resized_crop, decode, load_image
 
 COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220)]
 
@@ -74,6 +78,23 @@ def test_workers_give_the_in_process_batches_and_a_restart_mid_epoch_continues_t
     assert not torch.equal(whole[1][0], whole[4][0])  # epochs differ (a new permutation, new crops)
 
 
+def _in_shared_memory(batch):
+    return batch[0].is_shared()  # in the worker, before the queue: a batch not yet shared is copied into it
+
+
+def test_a_workers_batch_is_decoded_into_shared_memory_and_crosses_the_queue_without_a_copy(folder):
+    """DataLoader's queue moves a tensor's storage into shared memory (a copy of the whole batch) unless
+    it is there already; default_collate allocates there for that reason, and so do Samples' batches.
+    In the training process a batch is private memory."""
+    samples = Samples(ImageFolder(folder / "train"), 32, train=True)
+    keys = [[(0, 1), (1, 2), (2, 3)]]
+    loader = DataLoader(samples, batch_sampler=keys, num_workers=1, collate_fn=_in_shared_memory)
+    assert list(loader) == [True]
+    images, labels = samples.__getitems__(keys[0])
+    assert not images.is_shared() and images.shape == (3, 32, 32, 3) and labels.tolist() == [0, 0, 0]
+    assert torch.equal(images[1], samples[(1, 2)][0])
+
+
 def test_each_rank_reads_its_own_shard_and_every_rank_the_same_number_of_batches():
     """DistributedSampler's semantics (torch/utils/data/distributed.py: disjoint per-rank subsets of
     equal size): per position, the ranks' shards are equally many and, in rank order, exactly the
@@ -113,9 +134,9 @@ def test_starting_a_loader_leaves_the_global_rng_alone(folder):
 class _SlowSamples(Samples):
     """Decoding that takes 20 ms an image (sleeping: the test measures overlap, not CPU)."""
 
-    def __getitem__(self, key):
+    def decode_into(self, slot, index, seed):
         time.sleep(0.02)
-        return super().__getitem__(key)
+        super().decode_into(slot, index, seed)
 
 
 def _waits(workers: int, train_set: ImageFolder) -> list[float]:
@@ -161,3 +182,53 @@ def test_a_resume_mid_epoch_with_workers_gives_the_run_that_never_stopped(folder
     a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "split")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((tmp_path / "split" / "summary.json").read_text())["top1"] is not None
+
+
+def _full_decode(path, size: int, train: bool, seed: int) -> torch.Tensor:
+    """The oracle: the whole JPEG decoded at full size, then the same box or centre crop resized."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+        if train:
+            rng = random.Random(seed)
+            image = image.resize((size, size), Image.Resampling.BILINEAR, box=_random_resized_crop(*image.size, rng))
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else image
+        else:
+            scale = size / 0.875 / min(image.size)
+            target = (max(size, round(image.width * scale)), max(size, round(image.height * scale)))
+            image = image.resize(target, Image.Resampling.BILINEAR)
+            left, top = (image.width - size) // 2, (image.height - size) // 2
+            image = image.crop((left, top, left + size, top + size))
+        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
+
+
+def test_a_jpeg_larger_than_its_crop_needs_is_decoded_at_a_reduced_scale_to_within_a_few_levels(folder, tmp_path):
+    """libjpeg's DCT scaling (PIL's draft) for a 640x480 photo cropped to 32 px: the pixels differ from a
+    full decode's (the reduced decode happened) by a few levels on average; images that need their full
+    size (the fixture's 36-60 px ones) decode exactly as before."""
+    from PIL import Image
+
+    gradient = Image.linear_gradient("L").resize((640, 480))
+    flipped = gradient.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    Image.merge("RGB", (gradient, gradient.rotate(90), flipped)).save(tmp_path / "photo.jpg", quality=90)
+    for training, seed in ((True, 4), (True, 5), (False, 0)):
+        reduced = decode(str(tmp_path / "photo.jpg"), 32, training, seed)
+        difference = (reduced.float() - _full_decode(tmp_path / "photo.jpg", 32, training, seed).float()).abs().mean()
+        assert 0 < difference.item() < 3, (training, seed, difference)
+    for path, _ in ImageFolder(folder / "train").samples[:6]:
+        for training, seed in ((True, 7), (False, 0)):
+            assert torch.equal(decode(path, 32, training, seed), _full_decode(path, 32, training, seed))
+
+
+def test_the_decode_benchmark_prints_before_and_after_for_both_sizes():
+    """scripts/bench_decode.py at a tiny size: its table, one row per (JPEG size, augmentation)."""
+    bench = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+    argv = [sys.executable, str(bench), "--images", "8", "--rounds", "1", "--batch", "4"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ~")]
+    assert [row.split(" | ")[:2] for row in rows] == [
+        [f"| ~{s}", a] for s in ("500x375", "2000x1500") for a in ("train", "eval")
+    ]
+    assert all(float(row.split(" | ")[4].rstrip("x")) > 0 for row in rows)

@@ -1,5 +1,6 @@
 """The image input pipeline: JPEG decode and crop/flip/resize in uint8 in DataLoader worker processes,
-batches prefetched into pinned host memory, copied with non_blocking=True, normalised on the device.
+each batch decoded straight into shared memory, prefetched into pinned host memory, copied with
+non_blocking=True, normalised on the device.
 
 Why torch DataLoader workers and not NVIDIA DALI: DALI is preinstalled in NGC's PyTorch containers
 (docs.nvidia.com/deeplearning/dali/user-guide/docs/installation.html, "DALI in NGC Containers"), but it
@@ -14,12 +15,13 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from train.data import global_batch_indices, rank_slice
-from train.vision import MEAN, STD, ImageFolder, decode
+from train.vision import MEAN, STD, ImageFolder, decode_into
 
 # Batches each worker keeps decoded ahead of the step (DataLoader's prefetch_factor; 2 is its default).
 PREFETCH = 2
@@ -48,14 +50,34 @@ class Samples(Dataset):
         return len(self.folder)
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        index, seed = key
-        path, label = self.folder.samples[index]
-        return decode(path, self.size, self.train, seed), label
+        images, labels = self.__getitems__([key])
+        return images[0], int(labels[0])
+
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch (DataLoader's fetcher calls this for a batch_sampler's keys): uint8 NHWC images, a
+        quarter of float32's bytes to pin and copy, each decoded straight into its slot, and int64
+        labels. In a worker the batch is allocated in shared memory, as default_collate does: a
+        tensor in private memory is copied into shared memory again to cross the worker's queue."""
+        images = _batch_buffer(len(keys), self.size)
+        for slot, (index, seed) in zip(images.numpy(), keys):
+            self.decode_into(slot, index, seed)
+        return images, torch.tensor([self.folder.samples[index][1] for index, _ in keys])
+
+    def decode_into(self, slot, index: int, seed: int) -> None:
+        decode_into(slot, self.folder.samples[index][0], self.size, self.train, seed)
 
 
-def collate(samples: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 NHWC images (a quarter of float32's bytes to pin and copy) and int64 labels."""
-    return torch.stack([image for image, _ in samples]), torch.tensor([label for _, label in samples])
+def _batch_buffer(count: int, size: int) -> torch.Tensor:
+    if get_worker_info() is None:
+        return torch.empty(count, size, size, 3, dtype=torch.uint8)
+    empty = torch.empty(0, dtype=torch.uint8)
+    storage = empty._typed_storage()._new_shared(count * size * size * 3, device=empty.device)
+    return empty.new(storage).view(count, size, size, 3)
+
+
+def collate(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples.__getitems__ made the batch (images, labels) already."""
+    return batch
 
 
 def train_keys(

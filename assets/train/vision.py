@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -144,27 +145,56 @@ def _random_resized_crop(width: int, height: int, rng: random.Random) -> tuple[i
     return (width - side) // 2, (height - side) // 2, (width + side) // 2, (height + side) // 2
 
 
-def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
-    """One image as uint8 HWC (size x size x 3): train, the seeded RandomResizedCrop box resized and a
-    seeded flip; eval, the short side resized to size/0.875 and the centre crop. All in uint8 (PIL)."""
+def decoded(path: str, size: int, train: bool, seed: int):
+    """One image as a size x size RGB PIL image: train, the seeded RandomResizedCrop box resized and a
+    seeded flip; eval, the short side resized to size/0.875 and the centre crop. All in uint8 (PIL).
+    A JPEG larger than the output needs is decoded at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling,
+    PIL's draft): never below the size the box is resized to, at a quarter of the work or less."""
     from PIL import Image
 
     with Image.open(path) as source:
-        image = source if source.mode == "RGB" else source.convert("RGB")  # a JPEG's decode is RGB: no copy
+        width, height = source.size
         if train:
             rng = random.Random(seed)
-            image = image.resize((size, size), Image.Resampling.BILINEAR, box=_random_resized_crop(*image.size, rng))
+            box = _random_resized_crop(width, height, rng)
+            _draft(source, width * size / (box[2] - box[0]), height * size / (box[3] - box[1]))
+            x, y = source.width / width, source.height / height  # the box in the drafted image's pixels
+            image = _rgb(source).resize(
+                (size, size), Image.Resampling.BILINEAR, box=(box[0] * x, box[1] * y, box[2] * x, box[3] * y)
+            )
             if rng.random() < 0.5:
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        else:
-            scale = size / 0.875 / min(image.size)
-            image = image.resize(
-                (max(size, round(image.width * scale)), max(size, round(image.height * scale))),
-                Image.Resampling.BILINEAR,
-            )
-            left, top = (image.width - size) // 2, (image.height - size) // 2
-            image = image.crop((left, top, left + size, top + size))
-        return torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3)
+            return image
+        scale = size / 0.875 / min(width, height)
+        _draft(source, width * scale, height * scale)
+        image, scale = _rgb(source), size / 0.875 / min(source.size)
+        image = image.resize(
+            (max(size, round(image.width * scale)), max(size, round(image.height * scale))),
+            Image.Resampling.BILINEAR,
+        )
+        left, top = (image.width - size) // 2, (image.height - size) // 2
+        return image.crop((left, top, left + size, top + size))
+
+
+def _draft(source, width: float, height: float) -> None:
+    """Decode no smaller than width x height (a no-op for PNGs, or when that is the full size)."""
+    source.draft(None, (math.ceil(width), math.ceil(height)))
+
+
+def _rgb(image):
+    return image if image.mode == "RGB" else image.convert("RGB")  # a JPEG's decode is RGB: no copy
+
+
+def decode_into(slot: np.ndarray, path: str, size: int, train: bool, seed: int) -> None:
+    """decoded() written into a (size, size, 3) uint8 slot of a batch: one copy of the pixels."""
+    slot.reshape(-1)[:] = np.frombuffer(decoded(path, size, train, seed).tobytes(), dtype=np.uint8)
+
+
+def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
+    """decoded() as a uint8 HWC tensor of its own."""
+    image = torch.empty(size, size, 3, dtype=torch.uint8)
+    decode_into(image.numpy(), path, size, train, seed)
+    return image
 
 
 def load_image(path: str, size: int, train: bool, seed: int) -> torch.Tensor:
