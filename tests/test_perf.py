@@ -1,14 +1,19 @@
 """The trainer's performance figures (train/perf.py): warm-up against the steady step, from a scripted
 clock; FLOPs per step against torch.utils.flop_counter.FlopCounterMode on the real models (CPU, the
 math attention backend: FlopCounterMode counts its matrix products); MFU against the datasheet peaks;
-the SDPA backend choice; a checkpoint of an unfused optimizer resumed by a fused one.
+the SDPA backend choice; a checkpoint of an unfused optimizer resumed by a fused one; no host-device
+synchronisation in a step.
 
 Contracts: FlopCounterMode counts 2 FLOPs per multiply-add of mm/addmm/bmm/convolution, forward and
 backward (torch/utils/flop_counter.py); sdpa_kernel(backends) enables only the listed backends
 (docs.pytorch.org, torch.nn.attention.sdpa_kernel)."""
 
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from train import perf
 from train.config import ModelConfig, TrainConfig
@@ -298,3 +303,65 @@ def test_compile_for_varied_shapes_is_one_graph_whatever_the_batch_shapes(monkey
         step(torch.ones(rows, source, 4), torch.ones(rows, target))
     assert len(graphs) == 1
     torch._dynamo.reset()
+
+
+class HostSyncs(TorchDispatchMode):
+    """Operations that stall a GPU's queue when their tensors are on one, each by the first frame outside
+    torch that asked for it: a device value read on the host (`.item()`, `float(t)`, `.tolist()`:
+    _local_scalar_dense); a Python value assigned into a device tensor's element (`t[i] = 1.0` copies a
+    host scalar with cudaMemcpy and a stream sync: pytorch/pytorch#188267); ops whose output size depends
+    on the values. On a CPU nothing stalls, but the same operations run. The CPU optimizer's step counters
+    are host tensors by design (a GPU's fused optimizer keeps them on the device): torch.optim's own reads
+    are left out."""
+
+    VALUE_SIZED = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "repeat_interleave"}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+        self._lifted: dict[int, torch.Tensor] = {}  # held: an id is not reused while its tensor lives
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name == "lift_fresh":
+            self._lifted[id(out)] = out  # a tensor made from a Python value, on the host
+        elif (name == "copy_" and id(args[1]) in self._lifted) or name in self.VALUE_SIZED | {"_local_scalar_dense"}:
+            stack = traceback.extract_stack()
+            if not any("/torch/optim/" in frame.filename for frame in stack):
+                mine = [f for f in stack[:-1] if "/torch/" not in f.filename]  # [-1]: this method
+                self.found.append(f"{name} at {Path(mine[-1].filename).name}:{mine[-1].lineno}")
+        return out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--recipe", "transformer-tiny", "--grad-accum", "2", "--d-model", "32", "--heads", "2", "--ffn", "32"],
+        ["--recipe", "resnet-small", "--synthetic", "--batch-per-gpu", "4", "--image-size", "32", "--width", "8"],
+    ],
+    ids=["transformer", "resnet"],
+)
+def test_a_training_step_makes_no_host_device_synchronisation_of_its_own(argv, numbers_data, tmp_path):
+    """What a GPU's queue would wait for in steps 2-3 (the first builds the optimizer's state): nothing. The
+    step's flags went to the device by assignment once (four syncs a step on a GPU, none here)."""
+    from train.config import build_parser, config_from_args
+    from train.train import compose
+
+    argv = [
+        *argv,
+        "--data",
+        str(numbers_data),
+        "--run-dir",
+        str(tmp_path),
+        "--eval-every",
+        "1000",
+        "--log-every",
+        "1000",
+    ]
+    trainer = compose(config_from_args(build_parser("").parse_args(argv)), DistInfo(), torch.device("cpu"))
+    trainer.train_step()
+    with HostSyncs() as syncs:
+        trainer.train_step()
+        trainer.train_step()
+    assert syncs.found == []

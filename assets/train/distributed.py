@@ -141,6 +141,14 @@ def all_gather_objects(obj):
     return gathered
 
 
+def to_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """Host values as a float32 tensor on `device` without stalling its queue: on a GPU, copied from
+    page-locked memory without blocking. (`tensor[i] = value` on a GPU copies a host scalar and waits
+    for the stream, as `torch.tensor(values, device=...)` does: pytorch/pytorch#188267, #190217.)"""
+    host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 class HostCopy:
     """A device tensor's values on the host without stalling the device queue: on GPUs an async copy
     into pinned memory, waited for only when read. `local`: values the host already has (one process:

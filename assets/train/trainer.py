@@ -273,11 +273,10 @@ class Trainer:
         if self.info.is_main and stop_file.exists():
             stop, urgent = True, _urgent(stop_file)
         # units (exact below 2**24), stop, stop without eval, checkpoint due, snapshot due (rank 0 decides each flag)
-        counts = torch.zeros(5, device=self.device)
+        local = [0.0, float(stop), float(urgent), float(self._time_bound()), float(self._snapshot_bound())]
+        counts = distributed.to_device(local, self.device)
         for batch in batches:
             counts[0] += self.task.units(batch)
-        local = [0.0, float(stop), float(urgent), float(self._time_bound()), float(self._snapshot_bound())]
-        counts[1], counts[2], counts[3], counts[4] = local[1:]
         # Summed while the first forward runs; waited for only where the loss needs the global units.
         wait_counts = distributed.start_all_reduce_sum(counts)
         flags = None
