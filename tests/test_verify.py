@@ -63,12 +63,13 @@ def test_the_short_run_keeps_the_runs_settings_but_the_one_change():
         verify.changes(CONFIG, SUMMARY, "nodes=5", 1)
 
 
-def test_the_prediction_is_the_reports_what_if_or_the_plans_step():
-    fp16, model = verify.predict(SUMMARY, 1.0, "fp16", 1)
-    assert fp16 == pytest.approx(1.3 - 0.75 + 0.4 - 0.05)
+def test_the_prediction_is_the_reports_what_if_or_the_plans_step_with_the_compute_in_it():
+    fp16, model, compute = verify.predict(SUMMARY, 1.0, "fp16", 1)
+    assert fp16 == pytest.approx(1.3 - 0.75 + 0.4 - 0.05) and compute == 0.5
     assert "wire bytes x 0.5" in model
-    one, model = verify.predict(SUMMARY, 1.0, "nodes=1", 1)
-    assert one == pytest.approx(0.01 * 2 + 0.5 * 2 + 0.04)
+    assert verify.predict(SUMMARY, 1.0, "batchx4", 1)[2] == pytest.approx(2.0)  # each rank's batch x 4
+    one, model, compute = verify.predict(SUMMARY, 1.0, "nodes=1", 1)
+    assert one == pytest.approx(0.01 * 2 + 0.5 * 2 + 0.04) and compute == pytest.approx(1.0)  # 2 ranks' batch on 1
     with pytest.raises(verify.VerifyError, match="PowerSGD needs its calibration"):
         verify.predict(SUMMARY, 1.0, "powersgd", 1)
 
@@ -76,9 +77,24 @@ def test_the_prediction_is_the_reports_what_if_or_the_plans_step():
 def test_the_report_shows_every_pair_and_the_mean_error():
     pairs = [verify.pair("fp16", 1.1, "m", 1.0, "a-verify"), verify.pair("nodes=1", 0.9, "m", 1.0, "a-verify")]
     text = "\n".join(verify.lines(pairs))
-    assert "| fp16 | 1100 ms | 1000 ms | +10% | a-verify |" in text
-    assert "mean absolute error 10% over 2 prediction(s)" in text
+    assert "| fp16 | 1100 ms | 1000 ms | +10% |  | a-verify |" in text
+    assert text.endswith("mean absolute error 10% over 2 prediction(s)")
     assert verify.lines([]) == []
+
+
+def test_an_error_given_the_measured_compute_takes_the_machines_speed_out():
+    """CI, session 27: predicted 198 ms from a run whose compute was 151 ms; the verify run measured 163 ms
+    with a compute of 130 ms (the machine had sped up): +21% raw, +9% with the measured compute in place."""
+    scored = verify.pair("powersgd", 0.198, "m", 0.163, "capped-verify", (0.151, 0.130))
+    assert round(scored["error"], 2) == 0.21 and round(scored["error_given_compute"], 3) == 0.086
+    assert verify.scored_line(scored) == (
+        "powersgd: predicted 198 ms/step (m), measured 163 ms in capped-verify: error +21%; "
+        "+9% given the compute it measured (130 ms against 151 predicted)"
+    )
+    text = "\n".join(verify.lines([scored, verify.pair("fp16", 1.1, "m", 1.0, "old-verify")]))
+    assert "| powersgd | 198 ms | 163 ms | +21% | +9% | capped-verify |" in text
+    assert "mean absolute error 16% over 2 prediction(s); 9% given each run's measured compute (1)" in text
+    assert verify.scored_line(verify.pair("fp16", 1.1, "m", 1.0, "r")).endswith("error +10%")  # no compute known
 
 
 @pytest.mark.parametrize("recipe", ["transformer-tiny", "resnet50"])

@@ -38,19 +38,21 @@ def parse_mode(text: str) -> tuple[str, Optional[int]]:
     return ("batch", int(found.group(1))) if found.group(1) else ("nodes", int(found.group(2)))
 
 
-def predict(summary: Summary, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str]:
-    """The model's step for MODE from the run's breakdown: seconds and the one-line model."""
+def predict(summary: Summary, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str, float]:
+    """The model's step for MODE from the run's breakdown: seconds, the one-line model, and the compute
+    in it (the run's own, or scaled by the rank's share of the batch)."""
     b = Breakdown.from_summary(summary.to_json())  # the step model reads summary.json's JSON
     kind, value = parse_mode(mode)
     if kind == "nodes":
+        ranks = int(value or 1) * slots
         base = planning.Base(b, planning.CPU, slots, link_gbit, "")
-        return planning.step_at(base, int(value or 1) * slots, link_gbit)
+        return (*planning.step_at(base, ranks, link_gbit), b.compute * b.world_size / ranks)
     if not link_gbit:
         raise VerifyError("no link rate (run `fab check`): the compression and batch what-ifs need it")
     wanted = f"batch x{value} per GPU" if kind == "batch" else ("none" if mode == "none" else mode)
     for p in what_ifs(b, link_gbit):
         if p.name.split()[0] == wanted or p.name == wanted:
-            return p.step_s, p.model
+            return p.step_s, p.model, dict(p.parts)["compute"]
     raise VerifyError(f"the model has no {mode} what-if for this run (PowerSGD needs its calibration)")
 
 
@@ -97,33 +99,65 @@ def kept_args(config: dict) -> tuple[str, ...]:
     return tuple(args)
 
 
-def pair(mode: str, predicted: float, model: str, measured: float, run: str) -> dict:
+def pair(mode: str, predicted: float, model: str, measured: float, run: str, computes: tuple = (None, None)) -> dict:
+    """A scored prediction. `computes`: the compute the model put in it and the one the short run measured.
+    The compute moves between two runs by as much as the model misses (a machine's clocks, heat and
+    neighbours; on shared cores, the traffic beside the backward): with the measured compute in its place,
+    the error left is the rest of the model's (communication, overlap, data, optimizer)."""
+    predicted_compute, measured_compute = computes
+    given = None
+    if measured and predicted_compute is not None and measured_compute is not None:
+        given = (predicted - predicted_compute + measured_compute) / measured - 1
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mode": mode,
         "predicted_s": predicted,
         "measured_s": measured,
         "error": predicted / measured - 1 if measured else None,
+        "predicted_compute_s": predicted_compute,
+        "measured_compute_s": measured_compute,
+        "error_given_compute": given,
         "model": model,
         "run": run,
     }
 
 
+def scored_line(p: dict) -> str:
+    """What `fab report --verify` prints of its pair."""
+    line = (
+        f"{p['mode']}: predicted {p['predicted_s'] * 1e3:.0f} ms/step ({p['model']}), measured "
+        f"{p['measured_s'] * 1e3:.0f} ms in {p['run']}: error {p['error']:+.0%}"
+    )
+    if p.get("error_given_compute") is None:
+        return line
+    return (
+        f"{line}; {p['error_given_compute']:+.0%} given the compute it measured "
+        f"({p['measured_compute_s'] * 1e3:.0f} ms against {p['predicted_compute_s'] * 1e3:.0f} predicted)"
+    )
+
+
+def _percent(value: Optional[float]) -> str:
+    return "" if value is None else f"{value:+.0%}"
+
+
 def lines(pairs: Sequence[dict]) -> list[str]:
-    """The report's section: every scored what-if, and the mean absolute error."""
+    """The report's section: every scored what-if, and the mean absolute errors."""
     if not pairs:
         return []
-    out = ["", "## Predictions scored on this cluster", "", "| what if | predicted | measured | error | run |"]
-    out.append("|---|---|---|---|---|")
+    out = ["", "## Predictions scored on this cluster", ""]
+    out += ["| what if | predicted | measured | error | given its compute | run |", "|---|---|---|---|---|---|"]
     for p in pairs:
-        error = p.get("error")
         out.append(
             f"| {p['mode']} | {p['predicted_s'] * 1e3:.0f} ms | {p['measured_s'] * 1e3:.0f} ms | "
-            f"{'' if error is None else f'{error:+.0%}'} | {p.get('run', '')} |"
+            f"{_percent(p.get('error'))} | {_percent(p.get('error_given_compute'))} | {p.get('run', '')} |"
         )
     errors = [abs(p["error"]) for p in pairs if p.get("error") is not None]
+    given = [abs(p["error_given_compute"]) for p in pairs if p.get("error_given_compute") is not None]
     if errors:
-        out += ["", f"mean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} prediction(s)"]
+        mean = f"mean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} prediction(s)"
+        if given:
+            mean += f"; {sum(given) / len(given):.0%} given each run's measured compute ({len(given)})"
+        out += ["", mean]
     return out
 
 

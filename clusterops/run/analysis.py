@@ -128,7 +128,7 @@ def verify_run(
     summary, config = found.summary, found.config
     slots = inventory.gpus_per_node if inventory.source == "aws" else 1
     try:
-        predicted, model = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
+        predicted, model, compute = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
         one = verify.replaced(request, verify.changes(config, summary, mode, slots), f"{Path(run_dir).name}-verify")
     except verify.VerifyError as error:
         raise remote.RemoteError(str(error)) from None
@@ -145,14 +145,11 @@ def verify_run(
         raise remote.RemoteError(
             f"the {mode} run {status and status.state}: {status and status.reason} (see {rdir}/{rd.TRAIN_LOG})"
         )
-    pairs = _pairs(connection, run_dir) + [verify.pair(mode, predicted, model, measured.avg_step_time_s, one.run_name)]
+    computes = (compute, (measured.breakdown or {}).get("compute_s"))
+    scored = verify.pair(mode, predicted, model, measured.avg_step_time_s, one.run_name, computes)
+    pairs = _pairs(connection, run_dir) + [scored]
     remote.write_file(connection, f"{run_dir}/{rd.PREDICTIONS}", json.dumps(pairs, indent=2))
-    last = pairs[-1]
-    return [
-        f"{mode}: predicted {predicted * 1e3:.0f} ms/step ({model}), measured {last['measured_s'] * 1e3:.0f} ms "
-        f"in {one.run_name}: error {last['error']:+.0%}",
-        *verify.lines(pairs),
-    ]
+    return [verify.scored_line(scored), *verify.lines(pairs)]
 
 
 def plan_inputs(connection: Connection, inventory: Inventory, run_dir: str) -> dict:
