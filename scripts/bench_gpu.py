@@ -13,8 +13,10 @@ it measures.) In order of importance, each skipped when --budget-s would be pass
 recipe's token budget, stopped and resumed (a new process: the after-resume warm-up), the plain loop fed the
 trainer's own batches with padding masks for as many steps (flash/efficient pinned; its figures in the same
 form, and the two compared step for step) and at one fixed shape of the same tokens (baseline.py); the same
-Transformer runs at 16k tokens a step; the budget's trainer with no batch shape warmed before step 1;
-ResNet-50 on a synthetic batch against the plain loop, and on generated JPEGs; the budget's trainer with
+Transformer runs at 16k tokens a step; the budget's trainer with no batch shape warmed before step 1, and
+with its step's flags set element by element as before session 28 (each a wait for the stream); ResNet-50 on
+a synthetic batch against the plain loop, and on generated JPEGs (and those decoded image by image, stacked
+and copied again at the worker's queue, as before session 28); the budget's trainer with
 lengths to a multiple of 4 (its pairs a second: other batches); then the variants (--attention torch,
 --pad-multiple 1), the plain loop with torch's own SDPA choice (cuDNN on Hopper); kernel launches from one
 thread while another allocates a snapshot's host buffers four ways and while they are held, and the snapshot's
@@ -211,13 +213,16 @@ class Bench:
         spec = {"kind": "resnet", "batch": s["r_batch"], "size": s["r_size"], "width": s["r_width"]}
         self.attempt("resnet50 synthetic: plain", "plain", lambda: self.peer({**spec, "steps": s["r_steps"] // 2}))
 
-        def jpeg_run() -> dict:
+        def jpeg_run(patch: dict | None = None) -> dict:
             root = self.tmp / "jpegs"
-            kib = peers.jpegs(root, *s["jpeg"])
+            kib = peers.jpegs(root, *s["jpeg"]) if not root.exists() else None
             argv = [*common, *s["j_args"], "--data", str(root), "--max-steps", str(s["j_steps"])]
-            return dict(self.train(argv, self.tmp / "run-jpeg"), jpeg_kib=kib)
+            return dict(self.train(argv, self.tmp / f"run-jpeg{'-old' if patch else ''}", patch=patch), jpeg_kib=kib)
 
         self.attempt("resnet50 jpegs: trainer", "jpeg", jpeg_run)
+        self.attempt(
+            "resnet50 jpegs, decoded as before session 28: trainer", "jpeg", lambda: jpeg_run({"decode": "old"})
+        )
 
     def resnet_bf16(self) -> None:
         """The ResNet trainer in bf16, against its `auto` choice (fp16) above."""
@@ -231,6 +236,13 @@ class Bench:
         argv = [*self.text_argv(self.size["budget"], attention, pad), *extra, "--max-steps", str(self.size["steps"])]
         run = self.tmp / f"run-{attention}-{pad}{''.join(extra)}"
         self.attempt(f"budget, {name}: trainer", kind, lambda: self.train(argv, run))
+
+    def patched(self, name: str, patch: dict) -> None:
+        """The budget's trainer through patched_trainer (`patch`), for an A/B against the budget's own row."""
+        argv = [*self.text_argv(self.size["budget"]), "--max-steps", str(self.size["steps"])]
+        self.attempt(
+            f"budget, {name}: trainer", "trainer", lambda: self.train(argv, self.tmp / "run-patched", patch=patch)
+        )
 
     def profiles(self) -> None:
         """--profile: the trainer, the plain loop on its batches and at one fixed shape, the same steps under
@@ -274,6 +286,7 @@ class Bench:
         big = ["--max-tokens", str(s["big"])]
         self.text_runs("16k", big, s["big_steps"])
         self.variant("--warm-shapes 0", "auto", 8, ("--warm-shapes", "0"))  # the warm-up's effect, this run
+        self.patched("flags by assignment (before session 28)", {"flags": "assigned"})
         self.resnet_runs()
         # Lengths to a multiple of 4: 10.2% padded tokens (close to the issue's 10%) against 8's 21.1%, and 107
         # shapes an epoch against 42 on these lengths (session 27), all warmed: which trains more pairs a second?
@@ -315,7 +328,7 @@ def patched_trainer(spec: dict) -> dict:
     host-buffer reservation after step 1 (the buffers are then allocated at the first snapshot or
     checkpoint, on the training thread), "pageable" as the trainer does, "locked" page-locks them
     (StateWriter(lock=True): the trainer's way until session 23)."""
-    from train import snapshot, train, trainer
+    from train import distributed, snapshot, train, trainer
 
     window = peers.ProfileWindow(*spec["window"]) if spec.get("window") else None
     if window is not None:
@@ -336,9 +349,28 @@ def patched_trainer(spec: dict) -> dict:
             made(self, device, lock)
 
         snapshot.StateWriter.__init__ = writer  # type: ignore[method-assign]
+    if spec.get("flags") == "assigned":
+        distributed.to_device = _flags_by_assignment
+    if spec.get("decode") == "old":
+        import bench_decode
+
+        from train import imagepipe
+
+        imagepipe.Samples.__getitems__ = None  # type: ignore[assignment,method-assign]  # DataLoader: per sample
+        imagepipe.Samples.__getitem__ = bench_decode.OldSamples.__getitem__  # type: ignore[method-assign]
+        imagepipe.collate = bench_decode.old_collate
     if train.main(spec["argv"]):
         raise SystemExit("the trainer failed")
     return window.summary if window is not None else {}
+
+
+def _flags_by_assignment(values: list[float], device) -> "torch.Tensor":
+    """The step's flags as the trainer set them before session 28: element by element, each assignment a
+    host scalar copied with a wait for the stream on a GPU (pytorch/pytorch#188267)."""
+    counts = torch.zeros(len(values), device=device)
+    for index, value in enumerate(values[1:], 1):
+        counts[index] = value
+    return counts
 
 
 def smoke_trainer(argv: list[str], patch: dict | None, out: str, env: dict, log: str) -> None:
@@ -347,6 +379,7 @@ def smoke_trainer(argv: list[str], patch: dict | None, out: str, env: dict, log:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
+    multiprocessing.set_start_method(None, force=True)  # a forkserver's child inherits "forkserver": the default
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # the server read it at import
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)

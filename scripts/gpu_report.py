@@ -159,6 +159,7 @@ def table(results: dict, machine: dict) -> str:
     variants = (
         "budget, --pad-multiple 4: trainer",
         "budget, --warm-shapes 0: trainer",
+        "budget, flags by assignment (before session 28): trainer",
         "budget, --attention torch: trainer",
         "budget, --pad-multiple 1: trainer",
     )
@@ -168,7 +169,11 @@ def table(results: dict, machine: dict) -> str:
         other_batches = "pad-multiple" in variant  # no plain loop was fed its batches: pairs_lines compares
         lines.append(_row(results, variant, None if other_batches else plain, None if other_batches else fixed, None))
     resnet_plain = _get(results, "resnet50 synthetic: plain", "steady_step_s")
-    resnets = ("resnet50 synthetic: trainer", "resnet50 jpegs: trainer")
+    resnets = (
+        "resnet50 synthetic: trainer",
+        "resnet50 jpegs: trainer",
+        "resnet50 jpegs, decoded as before session 28: trainer",
+    )
     for name in (*resnets, "resnet50 synthetic, --precision bf16: trainer"):
         lines.append(_row(results, name, resnet_plain, None, None))
     return "\n".join(lines)

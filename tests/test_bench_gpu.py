@@ -44,6 +44,8 @@ def test_the_smoke_run_measures_everything_and_writes_the_table_and_json(tmp_pat
     expected |= {"resnet50 synthetic, --precision bf16: trainer", "budget, no host-buffer reservation: trainer"}
     expected |= {"budget, --attention torch: trainer", "budget, --pad-multiple 1: trainer", "data"}
     expected |= {"budget, --pad-multiple 4: trainer", "budget, --warm-shapes 0: trainer"}
+    expected |= {"budget, flags by assignment (before session 28): trainer"}
+    expected |= {"resnet50 jpegs, decoded as before session 28: trainer"}
     ways = ("host buffers pageable", "host buffers page-locked", "host buffers pageable, again")
     expected |= {f"budget, {way}: trainer" for way in ways}
     assert set(result["results"]) == expected | {"launch contention"}
