@@ -8,6 +8,7 @@ Contracts: FlopCounterMode counts 2 FLOPs per multiply-add of mm/addmm/bmm/convo
 backward (torch/utils/flop_counter.py); sdpa_kernel(backends) enables only the listed backends
 (docs.pytorch.org, torch.nn.attention.sdpa_kernel)."""
 
+import threading
 import traceback
 from pathlib import Path
 
@@ -305,14 +306,28 @@ def test_compile_for_varied_shapes_is_one_graph_whatever_the_batch_shapes(monkey
     torch._dynamo.reset()
 
 
+def _caller(stack: list) -> str:
+    """The first frame outside torch (and outside this module's recorders), as file:line."""
+    torch_dir = str(Path(torch.__file__).parent)
+    mine = [f for f in stack if not f.filename.startswith(torch_dir) and f.filename != __file__]
+    return f"{Path(mine[-1].filename).name}:{mine[-1].lineno}" if mine else "torch"
+
+
+def _optimizers_counter(stack: list) -> bool:
+    """torch.optim's `_get_value(step)`: a CPU optimizer's step counter read on the host, by design (a GPU's
+    fused optimizer keeps it on the device)."""
+    return any(f.name == "_get_value" and f.filename.endswith("optim/optimizer.py") for f in stack)
+
+
 class HostSyncs(TorchDispatchMode):
-    """Operations that stall a GPU's queue when their tensors are on one, each by the first frame outside
-    torch that asked for it: a device value read on the host (`.item()`, `float(t)`, `.tolist()`:
-    _local_scalar_dense); a Python value assigned into a device tensor's element (`t[i] = 1.0` copies a
-    host scalar with cudaMemcpy and a stream sync: pytorch/pytorch#188267); ops whose output size depends
-    on the values. On a CPU nothing stalls, but the same operations run. The CPU optimizer's step counters
-    are host tensors by design (a GPU's fused optimizer keeps them on the device): torch.optim's own reads
-    are left out."""
+    """What would stall a GPU's queue in a step, each by the first frame outside torch that asked for it:
+    a device value read on the host (`.item()`, `float(t)`: _local_scalar_dense); a Python value assigned
+    into a device tensor's element (`t[i] = 1.0` copies a host scalar with cudaMemcpy and a stream sync:
+    pytorch/pytorch#188267); ops whose output size depends on the values; and, recorded by `transfers` on the
+    training thread, a move to a device that is not `non_blocking=True` (`.to(device)`, `.cuda()`: from
+    pageable host memory it waits for the stream) and `.cpu()`. On a CPU nothing stalls, but the same calls
+    run. Not seen on a CPU: `.tolist()` or `.numpy()` of a tensor that would be on the device (a host tensor's
+    are the data pipeline's own work), nor what torch's C++ does inside an op."""
 
     VALUE_SIZED = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "repeat_interleave"}
 
@@ -327,11 +342,44 @@ class HostSyncs(TorchDispatchMode):
         if name == "lift_fresh":
             self._lifted[id(out)] = out  # a tensor made from a Python value, on the host
         elif (name == "copy_" and id(args[1]) in self._lifted) or name in self.VALUE_SIZED | {"_local_scalar_dense"}:
-            stack = traceback.extract_stack()
-            if not any("/torch/optim/" in frame.filename for frame in stack):
-                mine = [f for f in stack[:-1] if "/torch/" not in f.filename]  # [-1]: this method
-                self.found.append(f"{name} at {Path(mine[-1].filename).name}:{mine[-1].lineno}")
+            stack = traceback.extract_stack()[:-1]
+            if not _optimizers_counter(stack):
+                self.found.append(f"{name} at {_caller(stack)}")
         return out
+
+    def transfers(self, monkeypatch) -> None:
+        """Tensor methods that move data between the host and a device, wrapped for the mode's life."""
+
+        def moves(args, kwargs) -> bool:
+            where = [*args, kwargs.get("device")]
+            return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in where if a is not None)
+
+        def recorded(method: str, blocking):
+            original = getattr(torch.Tensor, method)
+
+            def wrapper(tensor, *args, **kwargs):
+                if threading.current_thread() is threading.main_thread() and blocking(args, kwargs):
+                    stack = traceback.extract_stack()[:-1]
+                    if not stack[-1].filename.startswith(str(Path(torch.__file__).parent)):  # torch's own: same device
+                        self.found.append(f"Tensor.{method} at {_caller(stack)}")
+                return original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, method, wrapper)
+
+        recorded("to", lambda args, kwargs: moves(args, kwargs) and not kwargs.get("non_blocking"))
+        recorded("cuda", lambda args, kwargs: not kwargs.get("non_blocking"))
+        recorded("cpu", lambda args, kwargs: True)
+
+
+def _jpeg_folder(root: Path) -> Path:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label, color in enumerate(((200, 30, 30), (30, 30, 200))):
+            (root / split / f"c{label}").mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (40 + 3 * i, 36), color).save(root / split / f"c{label}" / f"{i}.jpg")
+    return root
 
 
 @pytest.mark.parametrize(
@@ -339,29 +387,23 @@ class HostSyncs(TorchDispatchMode):
     [
         ["--recipe", "transformer-tiny", "--grad-accum", "2", "--d-model", "32", "--heads", "2", "--ffn", "32"],
         ["--recipe", "resnet-small", "--synthetic", "--batch-per-gpu", "4", "--image-size", "32", "--width", "8"],
+        ["--recipe", "resnet-small", "--batch-per-gpu", "4", "--image-size", "32", "--width", "8", "--workers", "0"],
     ],
-    ids=["transformer", "resnet"],
+    ids=["transformer", "resnet-synthetic", "resnet-jpegs"],
 )
-def test_a_training_step_makes_no_host_device_synchronisation_of_its_own(argv, numbers_data, tmp_path):
-    """What a GPU's queue would wait for in steps 2-3 (the first builds the optimizer's state): nothing. The
-    step's flags went to the device by assignment once (four syncs a step on a GPU, none here)."""
+def test_a_training_step_makes_no_host_device_synchronisation_of_its_own(argv, numbers_data, tmp_path, monkeypatch):
+    """What a GPU's queue would wait for in steps 2-3 (the first builds the optimizer's state): nothing.
+    Before session 28 the step set its flags by assignment (four waits a step) and the image path copied
+    its normalisation constants to the device at every micro-batch (two more)."""
     from train.config import build_parser, config_from_args
     from train.train import compose
 
-    argv = [
-        *argv,
-        "--data",
-        str(numbers_data),
-        "--run-dir",
-        str(tmp_path),
-        "--eval-every",
-        "1000",
-        "--log-every",
-        "1000",
-    ]
-    trainer = compose(config_from_args(build_parser("").parse_args(argv)), DistInfo(), torch.device("cpu"))
+    data = _jpeg_folder(tmp_path / "jpegs") if "--workers" in argv else numbers_data
+    places = ["--data", str(data), "--run-dir", str(tmp_path / "run"), "--eval-every", "1000", "--log-every", "1000"]
+    trainer = compose(config_from_args(build_parser("").parse_args([*argv, *places])), DistInfo(), torch.device("cpu"))
     trainer.train_step()
-    with HostSyncs() as syncs:
+    with monkeypatch.context() as patched, HostSyncs() as syncs:
+        syncs.transfers(patched)
         trainer.train_step()
         trainer.train_step()
     assert syncs.found == []

@@ -93,8 +93,11 @@ def test_an_error_given_the_measured_compute_takes_the_machines_speed_out():
     )
     text = "\n".join(verify.lines([scored, verify.pair("fp16", 1.1, "m", 1.0, "old-verify")]))
     assert "| powersgd | 198 ms | 163 ms | +21% | +9% | capped-verify |" in text
-    assert "mean absolute error 16% over 2 prediction(s); 9% given each run's measured compute (1)" in text
+    assert "mean absolute error 16% over 2 prediction(s); 9% over the 1 compression(s), given each one's" in text
     assert verify.scored_line(verify.pair("fp16", 1.1, "m", 1.0, "r")).endswith("error +10%")  # no compute known
+    batch = verify.pair("batchx4", 0.5, "m", 0.4, "r", (0.2, 0.25))  # the batch's compute is the prediction
+    assert batch["error_given_compute"] is None
+    assert verify.scored_line(batch).endswith("error +25%; its compute 250 ms against 200 predicted")
 
 
 @pytest.mark.parametrize("recipe", ["transformer-tiny", "resnet50"])

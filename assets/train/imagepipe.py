@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from train.data import global_batch_indices, rank_slice
+from train.data import rank_slice
+from train.sampler import SentenceBatches
 from train.vision import MEAN, STD, ImageFolder, decode_into
 
 # Batches each worker keeps decoded ahead of the step (DataLoader's prefetch_factor; 2 is its default).
@@ -85,9 +86,12 @@ def train_keys(
 ) -> Iterator[list[tuple[int, int]]]:
     """This rank's keys for positions start, start + 1, ... (position = step x grad_accum + micro):
     its slice of the global batch (DistributedSampler's semantics: disjoint shards, the same count on
-    every rank), and the augmentation seeds the synchronous loader used (seed x 7919 + position)."""
+    every rank), and the augmentation seeds the synchronous loader used (seed x 7919 + position). The
+    indices are data.global_batch_indices', each epoch's permutation drawn once (SentenceBatches): drawn at
+    every batch it cost the training process 17 ms a batch on ImageNet's 1.28M images."""
+    batches = SentenceBatches(size, batch_per_rank * world, seed)
     for position in itertools.count(start):
-        indices = global_batch_indices(position, batch_per_rank * world, size, seed)
+        indices = batches.indices(position)
         batch_seed = seed * 7919 + position
         yield [(i, batch_seed * 1_000_003 + i) for i in rank_slice(indices, rank, world)]
 
@@ -112,9 +116,20 @@ def to_device(batch: Sequence[torch.Tensor], device: torch.device, dtype: torch.
     NCHW is channels-last in memory, and every op below keeps that layout."""
     images, labels = batch
     images = images.to(device, non_blocking=True).permute(0, 3, 1, 2)
-    mean, std = (MEAN * 255).to(device), (STD * 255).to(device)
+    mean, std = _mean_std(device)
     images = images.float().sub_(mean).div_(std).to(dtype)
     return images, labels.to(device, non_blocking=True)
+
+
+_ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copied to the device once: a pageable host tensor's `.to(device)` waits for the GPU's stream,
+    and at every micro-batch that drained the queue before each step's work."""
+    if device not in _ON_DEVICE:
+        _ON_DEVICE[device] = ((MEAN * 255).to(device), (STD * 255).to(device))
+    return _ON_DEVICE[device]
 
 
 class TrainStream:

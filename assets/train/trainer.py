@@ -31,12 +31,13 @@ def _urgent(stop_file: Path) -> bool:
 
 
 def _seed_step(seed: int, device: torch.device) -> None:
-    """The generators a step draws from (dropout: the rank's device's, set current by distributed.setup; the
-    CPU's), seeded as torch.manual_seed seeds them, without its calls into every other backend (~130 us a
-    step here: MTIA and XPU, and CUDA on a CPU, each format a stack for a lazy call)."""
+    """The generators a step draws from (dropout: the rank's device's; the CPU's), seeded as torch.manual_seed
+    seeds them, without its calls into every other backend (~130 us a step here: MTIA and XPU, and CUDA on
+    a CPU, each format a stack for a lazy call). By the device's index, whichever device is current."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(seed)
 
 
 def _say(line: str) -> None:

@@ -157,28 +157,26 @@ def decoded(path: str, size: int, train: bool, seed: int):
         if train:
             rng = random.Random(seed)
             box = _random_resized_crop(width, height, rng)
-            _draft(source, width * size / (box[2] - box[0]), height * size / (box[3] - box[1]))
-            x, y = source.width / width, source.height / height  # the box in the drafted image's pixels
-            image = _rgb(source).resize(
-                (size, size), Image.Resampling.BILINEAR, box=(box[0] * x, box[1] * y, box[2] * x, box[3] * y)
-            )
+            k = _draft(source, width * size / (box[2] - box[0]), height * size / (box[3] - box[1]))
+            image = _rgb(source).resize((size, size), Image.Resampling.BILINEAR, box=tuple(v * k for v in box))
             if rng.random() < 0.5:
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             return image
         scale = size / 0.875 / min(width, height)
-        _draft(source, width * scale, height * scale)
-        image, scale = _rgb(source), size / 0.875 / min(source.size)
-        image = image.resize(
-            (max(size, round(image.width * scale)), max(size, round(image.height * scale))),
-            Image.Resampling.BILINEAR,
-        )
+        target = (max(size, round(width * scale)), max(size, round(height * scale)))
+        k = _draft(source, width * scale, height * scale)
+        image = _rgb(source).resize(target, Image.Resampling.BILINEAR, box=(0, 0, width * k, height * k))
         left, top = (image.width - size) // 2, (image.height - size) // 2
         return image.crop((left, top, left + size, top + size))
 
 
-def _draft(source, width: float, height: float) -> None:
-    """Decode no smaller than width x height (a no-op for PNGs, or when that is the full size)."""
-    source.draft(None, (math.ceil(width), math.ceil(height)))
+def _draft(source, width: float, height: float) -> float:
+    """Decode no smaller than width x height; the scale it decodes at (1: a PNG, or the full size). A
+    scaled decode is ceil(W / s) pixels wide, its last column partly padding: the image's own extent in it
+    is the box draft returns, W / s (PIL's JpegImagePlugin.draft), not the decoded width."""
+    full = source.size[0]
+    found = source.draft(None, (math.ceil(width), math.ceil(height)))
+    return found[1][2] / full if found else 1.0
 
 
 def _rgb(image):
@@ -187,7 +185,7 @@ def _rgb(image):
 
 def decode_into(slot: np.ndarray, path: str, size: int, train: bool, seed: int) -> None:
     """decoded() written into a (size, size, 3) uint8 slot of a batch: one copy of the pixels."""
-    slot.reshape(-1)[:] = np.frombuffer(decoded(path, size, train, seed).tobytes(), dtype=np.uint8)
+    slot[...] = np.frombuffer(decoded(path, size, train, seed).tobytes(), dtype=np.uint8).reshape(slot.shape)
 
 
 def decode(path: str, size: int, train: bool, seed: int) -> torch.Tensor:

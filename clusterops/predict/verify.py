@@ -101,12 +101,14 @@ def kept_args(config: dict) -> tuple[str, ...]:
 
 def pair(mode: str, predicted: float, model: str, measured: float, run: str, computes: tuple = (None, None)) -> dict:
     """A scored prediction. `computes`: the compute the model put in it and the one the short run measured.
-    The compute moves between two runs by as much as the model misses (a machine's clocks, heat and
-    neighbours; on shared cores, the traffic beside the backward): with the measured compute in its place,
-    the error left is the rest of the model's (communication, overlap, data, optimizer)."""
+    A compression leaves the compute as it was, yet it moves between two runs by as much as the model
+    misses (a machine's clocks, heat and neighbours; on shared cores, the traffic beside the backward):
+    with the measured compute in its place, the error left is the model's communication, overlap, data
+    and optimizer. A batch or node what-if predicts the compute itself: its error is not taken out."""
     predicted_compute, measured_compute = computes
     given = None
-    if measured and predicted_compute is not None and measured_compute is not None:
+    known = predicted_compute is not None and measured_compute is not None
+    if measured and known and parse_mode(mode)[0] == "compression":
         given = (predicted - predicted_compute + measured_compute) / measured - 1
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -128,12 +130,12 @@ def scored_line(p: dict) -> str:
         f"{p['mode']}: predicted {p['predicted_s'] * 1e3:.0f} ms/step ({p['model']}), measured "
         f"{p['measured_s'] * 1e3:.0f} ms in {p['run']}: error {p['error']:+.0%}"
     )
-    if p.get("error_given_compute") is None:
+    if p.get("measured_compute_s") is None or p.get("predicted_compute_s") is None:
         return line
-    return (
-        f"{line}; {p['error_given_compute']:+.0%} given the compute it measured "
-        f"({p['measured_compute_s'] * 1e3:.0f} ms against {p['predicted_compute_s'] * 1e3:.0f} predicted)"
-    )
+    computes = f"{p['measured_compute_s'] * 1e3:.0f} ms against {p['predicted_compute_s'] * 1e3:.0f} predicted"
+    if p.get("error_given_compute") is None:
+        return f"{line}; its compute {computes}"
+    return f"{line}; {p['error_given_compute']:+.0%} given the compute it measured ({computes})"
 
 
 def _percent(value: Optional[float]) -> str:
@@ -156,7 +158,8 @@ def lines(pairs: Sequence[dict]) -> list[str]:
     if errors:
         mean = f"mean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} prediction(s)"
         if given:
-            mean += f"; {sum(given) / len(given):.0%} given each run's measured compute ({len(given)})"
+            count = len(given)
+            mean += f"; {sum(given) / count:.0%} over the {count} compression(s), given each one's measured compute"
         out += ["", mean]
     return out
 
