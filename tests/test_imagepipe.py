@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,8 +117,14 @@ def test_an_epochs_permutation_is_drawn_once_not_at_every_batch(monkeypatch):
     Ten batches of one epoch: one draw; the keys are those of data.global_batch_indices."""
     from train.data import global_batch_indices
 
-    draws, randperm = [], torch.randperm
-    monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: draws.append(args) or randperm(*args, **kwargs))
+    draws, randperm, mine = [], torch.randperm, threading.get_ident()
+
+    def counted(*args, **kwargs):
+        if threading.get_ident() == mine:  # not a thread an earlier test left running
+            draws.append(args)
+        return randperm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", counted)
     keys = train_keys(1000, 16, 1, 0, 7, 0)
     batches = [[index for index, _ in next(keys)] for _ in range(10)]
     assert len(draws) == 1

@@ -326,8 +326,9 @@ class HostSyncs(TorchDispatchMode):
     pytorch/pytorch#188267); ops whose output size depends on the values; and, recorded by `transfers` on the
     training thread, a move to a device that is not `non_blocking=True` (`.to(device)`, `.cuda()`: from
     pageable host memory it waits for the stream) and `.cpu()`. On a CPU nothing stalls, but the same calls
-    run. Not seen on a CPU: `.tolist()` or `.numpy()` of a tensor that would be on the device (a host tensor's
-    are the data pipeline's own work), nor what torch's C++ does inside an op."""
+    run, and `torch.tensor`/`torch.as_tensor` given a device. Not seen on a CPU: `.tolist()` or `.numpy()` of a
+    tensor that would be on the device (a host tensor's are the data pipeline's own work), `dst.copy_(host)`
+    from a host tensor, nor what torch's C++ does inside an op."""
 
     VALUE_SIZED = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "repeat_interleave"}
 
@@ -369,6 +370,15 @@ class HostSyncs(TorchDispatchMode):
         recorded("to", lambda args, kwargs: moves(args, kwargs) and not kwargs.get("non_blocking"))
         recorded("cuda", lambda args, kwargs: not kwargs.get("non_blocking"))
         recorded("cpu", lambda args, kwargs: True)
+        for make in ("tensor", "as_tensor"):  # host values made on a device: a copy that waits (#190217)
+            original = getattr(torch, make)
+
+            def made(*args, _original=original, _make=make, **kwargs):
+                if threading.current_thread() is threading.main_thread() and kwargs.get("device") is not None:
+                    self.found.append(f"torch.{_make}(device=) at {_caller(traceback.extract_stack()[:-1])}")
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(torch, make, made)
 
 
 def _jpeg_folder(root: Path) -> Path:

@@ -63,13 +63,13 @@ def test_the_short_run_keeps_the_runs_settings_but_the_one_change():
         verify.changes(CONFIG, SUMMARY, "nodes=5", 1)
 
 
-def test_the_prediction_is_the_reports_what_if_or_the_plans_step_with_the_compute_in_it():
-    fp16, model, compute = verify.predict(SUMMARY, 1.0, "fp16", 1)
-    assert fp16 == pytest.approx(1.3 - 0.75 + 0.4 - 0.05) and compute == 0.5
+def test_the_prediction_is_the_reports_what_if_or_the_plans_step_with_its_work():
+    fp16, model, work = verify.predict(SUMMARY, 1.0, "fp16", 1)
+    assert fp16 == pytest.approx(1.3 - 0.75 + 0.4 - 0.05) and work == {"compute": 0.5, "optimizer": 0.02}
     assert "wire bytes x 0.5" in model
-    assert verify.predict(SUMMARY, 1.0, "batchx4", 1)[2] == pytest.approx(2.0)  # each rank's batch x 4
-    one, model, compute = verify.predict(SUMMARY, 1.0, "nodes=1", 1)
-    assert one == pytest.approx(0.01 * 2 + 0.5 * 2 + 0.04) and compute == pytest.approx(1.0)  # 2 ranks' batch on 1
+    assert verify.predict(SUMMARY, 1.0, "batchx4", 1)[2]["compute"] == pytest.approx(2.0)  # each rank's batch x 4
+    one, model, work = verify.predict(SUMMARY, 1.0, "nodes=1", 1)
+    assert one == pytest.approx(0.01 * 2 + 0.5 * 2 + 0.04) and work["compute"] == pytest.approx(1.0)  # 2 ranks' on 1
     with pytest.raises(verify.VerifyError, match="PowerSGD needs its calibration"):
         verify.predict(SUMMARY, 1.0, "powersgd", 1)
 
@@ -82,22 +82,26 @@ def test_the_report_shows_every_pair_and_the_mean_error():
     assert verify.lines([]) == []
 
 
-def test_an_error_given_the_measured_compute_takes_the_machines_speed_out():
-    """CI, session 27: predicted 198 ms from a run whose compute was 151 ms; the verify run measured 163 ms
-    with a compute of 130 ms (the machine had sped up): +21% raw, +9% with the measured compute in place."""
-    scored = verify.pair("powersgd", 0.198, "m", 0.163, "capped-verify", (0.151, 0.130))
-    assert round(scored["error"], 2) == 0.21 and round(scored["error_given_compute"], 3) == 0.086
+def test_an_error_given_the_measured_work_takes_the_machines_drift_out():
+    """The emulated cluster, one run (session 28): PowerSGD predicted 466 ms from a baseline whose compute was
+    332 ms and optimizer step 87; its run measured 353 ms with 261 and 25: +32% raw, with the measured work
+    in place of the baseline's (neither changes with a compression) -6%."""
+    predicted, measured = {"compute": 0.332, "optimizer": 0.0874}, {"compute": 0.261, "optimizer": 0.0253}
+    scored = verify.pair("powersgd", 0.466, "m", 0.353, "capped-verify", (predicted, measured))
+    assert round(scored["error"], 2) == 0.32 and round(scored["error_given_work"], 3) == -0.057
     assert verify.scored_line(scored) == (
-        "powersgd: predicted 198 ms/step (m), measured 163 ms in capped-verify: error +21%; "
-        "+9% given the compute it measured (130 ms against 151 predicted)"
+        "powersgd: predicted 466 ms/step (m), measured 353 ms in capped-verify: error +32%; -6% given the work "
+        "it measured (compute 261 ms against 332 predicted, optimizer 25 ms against 87 predicted)"
     )
     text = "\n".join(verify.lines([scored, verify.pair("fp16", 1.1, "m", 1.0, "old-verify")]))
-    assert "| powersgd | 198 ms | 163 ms | +21% | +9% | capped-verify |" in text
-    assert "mean absolute error 16% over 2 prediction(s); 9% over the 1 compression(s), given each one's" in text
-    assert verify.scored_line(verify.pair("fp16", 1.1, "m", 1.0, "r")).endswith("error +10%")  # no compute known
-    batch = verify.pair("batchx4", 0.5, "m", 0.4, "r", (0.2, 0.25))  # the batch's compute is the prediction
-    assert batch["error_given_compute"] is None
-    assert verify.scored_line(batch).endswith("error +25%; its compute 250 ms against 200 predicted")
+    assert "| powersgd | 466 ms | 353 ms | +32% | -6% | capped-verify |" in text
+    assert "mean absolute error 21% over 2 prediction(s); 6% over the 1 compression(s), given each one's" in text
+    assert verify.scored_line(verify.pair("fp16", 1.1, "m", 1.0, "r")).endswith("error +10%")  # no work known
+    batch = verify.pair("batchx4", 0.5, "m", 0.4, "r", ({"compute": 0.2, "optimizer": 0.01}, measured))
+    assert batch["error_given_work"] is None  # the batch's compute is the prediction itself
+    assert verify.scored_line(batch).endswith(
+        "error +25%; its compute 261 ms against 200 predicted, optimizer 25 ms against 10 predicted"
+    )
 
 
 @pytest.mark.parametrize("recipe", ["transformer-tiny", "resnet50"])

@@ -38,21 +38,26 @@ def parse_mode(text: str) -> tuple[str, Optional[int]]:
     return ("batch", int(found.group(1))) if found.group(1) else ("nodes", int(found.group(2)))
 
 
-def predict(summary: Summary, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str, float]:
+WORK = ("compute", "optimizer")  # the parts of a step a compression leaves as they were
+
+
+def predict(summary: Summary, link_gbit: Optional[float], mode: str, slots: int) -> tuple[float, str, dict]:
     """The model's step for MODE from the run's breakdown: seconds, the one-line model, and the compute
-    in it (the run's own, or scaled by the rank's share of the batch)."""
+    and optimizer step in it (the run's own compute, or scaled by the rank's share of the batch)."""
     b = Breakdown.from_summary(summary.to_json())  # the step model reads summary.json's JSON
     kind, value = parse_mode(mode)
     if kind == "nodes":
         ranks = int(value or 1) * slots
         base = planning.Base(b, planning.CPU, slots, link_gbit, "")
-        return (*planning.step_at(base, ranks, link_gbit), b.compute * b.world_size / ranks)
+        work = {"compute": b.compute * b.world_size / ranks, "optimizer": b.optimizer}
+        return (*planning.step_at(base, ranks, link_gbit), work)
     if not link_gbit:
         raise VerifyError("no link rate (run `fab check`): the compression and batch what-ifs need it")
     wanted = f"batch x{value} per GPU" if kind == "batch" else ("none" if mode == "none" else mode)
     for p in what_ifs(b, link_gbit):
         if p.name.split()[0] == wanted or p.name == wanted:
-            return p.step_s, p.model, dict(p.parts)["compute"]
+            parts = dict(p.parts)
+            return p.step_s, p.model, {part: parts[part] for part in WORK}
     raise VerifyError(f"the model has no {mode} what-if for this run (PowerSGD needs its calibration)")
 
 
@@ -99,26 +104,26 @@ def kept_args(config: dict) -> tuple[str, ...]:
     return tuple(args)
 
 
-def pair(mode: str, predicted: float, model: str, measured: float, run: str, computes: tuple = (None, None)) -> dict:
-    """A scored prediction. `computes`: the compute the model put in it and the one the short run measured.
-    A compression leaves the compute as it was, yet it moves between two runs by as much as the model
-    misses (a machine's clocks, heat and neighbours; on shared cores, the traffic beside the backward):
-    with the measured compute in its place, the error left is the model's communication, overlap, data
-    and optimizer. A batch or node what-if predicts the compute itself: its error is not taken out."""
-    predicted_compute, measured_compute = computes
+def pair(mode: str, predicted: float, model: str, measured: float, run: str, work: tuple = (None, None)) -> dict:
+    """A scored prediction. `work`: the compute and optimizer step the model put in it, and those the short
+    run measured (each a {part: seconds} dict, or None). A compression leaves that work as it was, yet its
+    times move between two runs by as much as the model misses (a machine's clocks, heat and neighbours; on
+    shared cores, the traffic beside it): with the measured work in place of the predicted, the error left
+    is the model's own, its communication and overlap. A batch or node what-if predicts the compute
+    itself: its error is not taken out."""
+    predicted_work, measured_work = work
     given = None
-    known = predicted_compute is not None and measured_compute is not None
-    if measured and known and parse_mode(mode)[0] == "compression":
-        given = (predicted - predicted_compute + measured_compute) / measured - 1
+    if measured and predicted_work and measured_work and parse_mode(mode)[0] == "compression":
+        given = (predicted + sum(measured_work[k] - predicted_work[k] for k in WORK)) / measured - 1
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mode": mode,
         "predicted_s": predicted,
         "measured_s": measured,
         "error": predicted / measured - 1 if measured else None,
-        "predicted_compute_s": predicted_compute,
-        "measured_compute_s": measured_compute,
-        "error_given_compute": given,
+        "predicted_work_s": predicted_work,
+        "measured_work_s": measured_work,
+        "error_given_work": given,
         "model": model,
         "run": run,
     }
@@ -130,12 +135,13 @@ def scored_line(p: dict) -> str:
         f"{p['mode']}: predicted {p['predicted_s'] * 1e3:.0f} ms/step ({p['model']}), measured "
         f"{p['measured_s'] * 1e3:.0f} ms in {p['run']}: error {p['error']:+.0%}"
     )
-    if p.get("measured_compute_s") is None or p.get("predicted_compute_s") is None:
+    predicted, measured = p.get("predicted_work_s"), p.get("measured_work_s")
+    if not predicted or not measured:
         return line
-    computes = f"{p['measured_compute_s'] * 1e3:.0f} ms against {p['predicted_compute_s'] * 1e3:.0f} predicted"
-    if p.get("error_given_compute") is None:
-        return f"{line}; its compute {computes}"
-    return f"{line}; {p['error_given_compute']:+.0%} given the compute it measured ({computes})"
+    work = ", ".join(f"{k} {measured[k] * 1e3:.0f} ms against {predicted[k] * 1e3:.0f} predicted" for k in WORK)
+    if p.get("error_given_work") is None:
+        return f"{line}; its {work}"
+    return f"{line}; {p['error_given_work']:+.0%} given the work it measured ({work})"
 
 
 def _percent(value: Optional[float]) -> str:
@@ -147,19 +153,23 @@ def lines(pairs: Sequence[dict]) -> list[str]:
     if not pairs:
         return []
     out = ["", "## Predictions scored on this cluster", ""]
-    out += ["| what if | predicted | measured | error | given its compute | run |", "|---|---|---|---|---|---|"]
+    out += ["| what if | predicted | measured | error | given its work | run |", "|---|---|---|---|---|---|"]
     for p in pairs:
         out.append(
             f"| {p['mode']} | {p['predicted_s'] * 1e3:.0f} ms | {p['measured_s'] * 1e3:.0f} ms | "
-            f"{_percent(p.get('error'))} | {_percent(p.get('error_given_compute'))} | {p.get('run', '')} |"
+            f"{_percent(p.get('error'))} | {_percent(p.get('error_given_work'))} | {p.get('run', '')} |"
         )
     errors = [abs(p["error"]) for p in pairs if p.get("error") is not None]
-    given = [abs(p["error_given_compute"]) for p in pairs if p.get("error_given_compute") is not None]
+    given = [
+        abs(p["error_given_work"])
+        for p in pairs
+        if p.get("error_given_work") is not None and parse_mode(p["mode"])[0] == "compression"
+    ]
     if errors:
         mean = f"mean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} prediction(s)"
         if given:
             count = len(given)
-            mean += f"; {sum(given) / count:.0%} over the {count} compression(s), given each one's measured compute"
+            mean += f"; {sum(given) / count:.0%} over the {count} compression(s), given each one's measured work"
         out += ["", mean]
     return out
 

@@ -128,7 +128,7 @@ def verify_run(
     summary, config = found.summary, found.config
     slots = inventory.gpus_per_node if inventory.source == "aws" else 1
     try:
-        predicted, model, compute = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
+        predicted, model, work = verify.predict(summary, measured_link_gbit(connection, inventory)[0], mode, slots)
         one = verify.replaced(request, verify.changes(config, summary, mode, slots), f"{Path(run_dir).name}-verify")
     except verify.VerifyError as error:
         raise remote.RemoteError(str(error)) from None
@@ -145,8 +145,9 @@ def verify_run(
         raise remote.RemoteError(
             f"the {mode} run {status and status.state}: {status and status.reason} (see {rdir}/{rd.TRAIN_LOG})"
         )
-    computes = (compute, (measured.breakdown or {}).get("compute_s"))
-    scored = verify.pair(mode, predicted, model, measured.avg_step_time_s, one.run_name, computes)
+    parts = measured.breakdown or {}
+    measured_work = {k: parts[f"{k}_s"] for k in verify.WORK} if all(f"{k}_s" in parts for k in verify.WORK) else None
+    scored = verify.pair(mode, predicted, model, measured.avg_step_time_s, one.run_name, (work, measured_work))
     pairs = _pairs(connection, run_dir) + [scored]
     remote.write_file(connection, f"{run_dir}/{rd.PREDICTIONS}", json.dumps(pairs, indent=2))
     return [verify.scored_line(scored), *verify.lines(pairs)]
