@@ -154,10 +154,12 @@ def test_starting_a_loader_leaves_the_global_rng_alone(folder):
 
 
 class _SlowSamples(Samples):
-    """Decoding that takes 20 ms an image (sleeping: the test measures overlap, not CPU)."""
+    """Decoding that takes 80 ms an image (sleeping: the test measures overlap, not CPU). At 20 ms the
+    bound allowed 34 ms a batch of waiting with workers, and receiving a ready batch alone took 15-45 ms
+    on a loaded 2-core machine (session 28: one run in four red); now it allows 80 ms."""
 
     def decode_into(self, slot, index, seed):
-        time.sleep(0.02)
+        time.sleep(0.08)
         super().decode_into(slot, index, seed)
 
 
@@ -176,12 +178,12 @@ def _waits(workers: int, train_set: ImageFolder) -> list[float]:
 
 def test_worker_processes_decode_the_next_batches_while_the_step_computes(folder):
     """With workers the wait for a batch after the first is the queue's (near 0): the decoding
-    (4 x 20 ms a batch) happened during the previous steps' compute; in the training process it
+    (4 x 80 ms a batch) happened during the previous steps' compute; in the training process it
     is paid at every step."""
     train_set = ImageFolder(folder / "train")
     synchronous, prefetched = _waits(0, train_set), _waits(2, train_set)
     print(f"mean wait: in process {250 * sum(synchronous):.0f} ms, 2 workers {250 * sum(prefetched):.0f} ms")
-    assert min(synchronous) >= 0.075 and sum(prefetched) < 0.25 * sum(synchronous)
+    assert min(synchronous) >= 0.3 and sum(prefetched) < 0.25 * sum(synchronous)
 
 
 def test_a_resume_mid_epoch_with_workers_gives_the_run_that_never_stopped(folder, tmp_path):
