@@ -19,18 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
+import gpu_jpegs  # beside this script: its directory is the script's sys.path[0]
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_jpegs  # noqa: E402
-
-from train.imagepipe import Samples, collate  # noqa: E402
-from train.vision import ImageFolder, _random_resized_crop  # noqa: E402
+from train.imagepipe import Samples, collate
+from train.vision import ImageFolder, _random_resized_crop
 
 SIZE = 224
 
