@@ -121,6 +121,36 @@ def test_destroy_is_refused_while_data_would_be_lost_and_says_what_to_run(tmp_pa
     assert gone.returncode == 0 and gone.stdout.startswith("no stack GpuCluster-doomed in us-east-1: nothing to")
 
 
+def test_a_spot_node_outside_the_inventory_stops_the_destroy_in_one_line_with_the_commands(tmp_path, aws_env):
+    """A persistent request launches a new node when its node is terminated: the inventory does not list it,
+    `fab destroy` cannot stop it, and `cdk destroy` would leave it billing. Before: release_spot's
+    InventoryError escaped `fab destroy` as a traceback."""
+    from test_audit import persistent_spot_request
+
+    _stack("GpuCluster-doomed")
+    request = persistent_spot_request("doomed")
+    image = request["LaunchSpecification"]["ImageId"]
+    listed = boto3.client("ec2").run_instances(ImageId=image, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    node = dataclasses.replace(_inventory_of(tmp_path, 22, None).nodes[0], instance_id=listed)
+    path = tmp_path / "inventory.json"
+    (tmp_path / "known_hosts").write_text("")
+    dataclasses.replace(_inventory_of(tmp_path, 22, None), spot=True, nodes=[node]).save(path)
+    refused = _destroy(path, aws_env, "--yes")
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
+        f"error: {request['InstanceId']} of the cluster's Spot requests still run(s), not in the inventory: cancel "
+        "the requests, then terminate the node(s) (`aws ec2 cancel-spot-instance-requests "
+        f"--spot-instance-request-ids {request['SpotInstanceRequestId']}`, then `aws ec2 terminate-instances "
+        f"--instance-ids {request['InstanceId']}`) and `fab destroy` again; nothing cancelled or destroyed"
+    ]
+    assert f"stopped {node.instance_id}" in refused.stdout and "$ " not in refused.stdout  # no `cdk destroy` started
+    requests = boto3.client("ec2").describe_spot_instance_requests()["SpotInstanceRequests"]
+    assert [r["State"] for r in requests if r["SpotInstanceRequestId"] == request["SpotInstanceRequestId"]] != [
+        "cancelled"
+    ]
+    assert boto3.client("cloudformation").describe_stacks(StackName="GpuCluster-doomed")["Stacks"]
+    boto3.client("cloudformation").delete_stack(StackName="GpuCluster-doomed")
+
+
 def test_the_destroy_command_names_the_stack_and_only_the_context_that_names_it():
     inventory = _inventory_of(None, 22, None)
     argv = destroy.command(inventory, REPO)

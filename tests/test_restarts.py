@@ -224,6 +224,20 @@ def test_the_rank_behind_is_the_stopped_one_without_a_stack(tmp_path):
     assert rank == 1 and "pid 200 on node1" in evidence and "(stopped)" in evidence and "no stack dump" in evidence
 
 
+def test_two_nodes_ranks_that_share_a_pid_keep_their_own_states(tmp_path):
+    """Each node's container has a PID namespace of its own, so ranks on two nodes can share a pid. Before,
+    the states were keyed by pid alone: one node's line hid the other's, and the stopped rank was missed."""
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "stacks").mkdir()
+    for rank, (step, host) in enumerate([(3, "ip-10-0-0-5"), (5, "ip-10-0-0-6")]):
+        (tmp_path / "ranks" / f"rank{rank}").write_text(f"{step} 2345 {host}\n")
+        (tmp_path / "stacks" / f"rank{rank}.txt").write_text('File "trainer.py", line 1\n')  # rank 1's: py-spy
+    (tmp_path / "stacks" / "states.10.0.0.5").write_text("2345 S ip-10-0-0-5\n")
+    (tmp_path / "stacks" / "states.10.0.0.6").write_text("2345 T ip-10-0-0-6\n")
+    rank, evidence = hang.behind(tmp_path)
+    assert rank == 1 and "pid 2345 on ip-10-0-0-6" in evidence and "process state T (stopped)" in evidence
+
+
 def test_a_hang_dump_finds_the_ranks_not_their_forked_workers(tmp_path):
     """A ResNet rank's DataLoader workers are forks with its command line: the dump took them for ranks
     (~180 processes on a p4d, each py-spied and signalled within the dump's 15 s). A launcher whose command

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Protocol
 from botocore.exceptions import ClientError
 
 from cluster_node.protocol.contract import RETAIN_TAG
-from clusterops.aws.instances import release_spot, stop_nodes
+from clusterops.aws.instances import SpotNodesRunning, release_spot, stop_nodes
 from clusterops.inventory import Inventory
 from stacks.config import stack_name as default_stack_name
 
@@ -56,7 +56,10 @@ def destroy(
     argv = command(inventory, project)  # before the Spot step: a missing CLI must leave the requests open
     if inventory.spot:
         say(f"stopped {', '.join(stop_nodes(inventory, clients['ec2'])) or 'no node (none running)'}")
-        say(release_spot(clients["ec2"], inventory.cluster))
+        try:
+            say(release_spot(clients["ec2"], inventory.cluster))
+        except SpotNodesRunning as running:  # not the inventory's (those were just stopped): a request's new node
+            raise DestroyError(spot_nodes_outside(running.ids, running.requests)) from None
     say("$ " + " ".join(argv))
     env = {**os.environ, **({"AWS_REGION": inventory.region} if inventory.region else {})}
     failed = subprocess.run(argv, env=env, cwd=project).returncode != 0
@@ -67,6 +70,18 @@ def destroy(
             "and `fab audit` lists what is left (`--delete` removes it)"
         )
     return f"destroyed {stack}: `fab audit` lists anything left of {inventory.cluster}, with its monthly cost"
+
+
+def spot_nodes_outside(ids: list[str], requests: list[str]) -> str:
+    """A running node of the cluster's persistent requests that `fab destroy` did not stop: not the inventory's (a
+    request launches a new node when its node is terminated), so `cdk destroy` would leave it billing. Cancelled
+    first, then terminated: terminated first, its request would launch another."""
+    return (
+        f"{', '.join(ids)} of the cluster's Spot requests still run(s), not in the inventory: cancel the requests, "
+        f"then terminate the node(s) (`aws ec2 cancel-spot-instance-requests --spot-instance-request-ids "
+        f"{' '.join(requests)}`, then `aws ec2 terminate-instances --instance-ids {' '.join(ids)}`) and "
+        "`fab destroy` again; nothing cancelled or destroyed"
+    )
 
 
 def stack_of(inventory: Inventory) -> str:

@@ -175,6 +175,17 @@ def start_cluster(inventory: Inventory, ec2, skip_interrupted: bool = False, clo
     )
 
 
+class SpotNodesRunning(InventoryError):
+    """release_spot's refusal: nodes of the cluster's Spot requests still run (`ids`; the requests: `requests`)."""
+
+    def __init__(self, ids: list[str], requests: list[str]):
+        self.ids, self.requests = ids, requests
+        super().__init__(
+            f"{', '.join(ids)} still run(s): stop them first with `fab stop-cluster` (EC2 cannot stop a Spot node "
+            "once its request is cancelled); nothing cancelled"
+        )
+
+
 def release_spot(ec2, cluster: str) -> str:
     """`fab release-spot`: cancel the cluster's persistent Spot requests before `cdk destroy`. Refused while a
     node of them runs: EC2 stops only Spot instances of a persistent request, so once it is cancelled nothing
@@ -187,10 +198,7 @@ def release_spot(ec2, cluster: str) -> str:
     nodes = [x.id for x in found if x.kind == "instance"]
     up = sorted(i for i, d in describe(ec2, nodes).items() if d["State"]["Name"] in ("pending", "running"))
     if up:
-        raise InventoryError(
-            f"{', '.join(up)} still run(s): stop them first with `fab stop-cluster` (EC2 cannot stop a Spot node "
-            "once its request is cancelled); nothing cancelled"
-        )
+        raise SpotNodesRunning(up, sorted(requests))
     if not requests:
         return f"no open Spot request tagged gpu-cluster:name={cluster}"
     ec2.cancel_spot_instance_requests(SpotInstanceRequestIds=requests)

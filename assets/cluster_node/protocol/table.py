@@ -89,7 +89,12 @@ FILES: tuple[ProtocolFile, ...] = (
         "train.callbacks (every rank)",
         "supervisor, people",
     ),
-    _run(f"{rd.STACKS}/{rd.HOST_STATES}", "`PID STATE` lines", "cluster_node.supervisor.hang dump (ssh)", "supervisor"),
+    _run(
+        f"{rd.STACKS}/{rd.HOST_STATES}",
+        "`PID STATE HOST` lines",
+        "cluster_node.supervisor.hang dump (ssh)",
+        "supervisor",
+    ),
     _run(f"{rd.STACKS}/{rd.PY_SPY}", "py-spy dump", "cluster_node.supervisor.hang dump", "people"),
     _run(rd.HANG_STACKS, "the attempt's stacks/ after a hang", "supervisor (rename)", "people"),
     _run(f"{rd.PROBES}/HOST", "probe output, JSON on the last line", "supervisor", "supervisor (restart_plan)"),

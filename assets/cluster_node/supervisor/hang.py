@@ -1,7 +1,7 @@
 """A hung attempt: every rank's Python stack, and the rank that is behind.
 
 On each node of the attempt the supervisor runs `python -m cluster_node.supervisor.hang dump RUN_DIR` over ssh: it
-prints `PID STATE` for every rank of the run (its stdout becomes stacks/states.HOST), starts py-spy where
+prints `PID STATE HOST` for every rank of the run (its stdout becomes stacks/states.HOST), starts py-spy where
 installed and sends SIGUSR2 (the rank's faulthandler writes stacks/rankN.txt, train.py). `behind()` then
 names the rank from the heartbeats, the process states and which stacks came."""
 
@@ -32,15 +32,22 @@ def heartbeats(run: Path) -> dict[int, dict]:
     return out
 
 
-def states(run: Path) -> dict[int, str]:
-    """pid -> process state letter, from the `pid state` lines collected per host."""
-    out = {}
+def states(run: Path) -> dict[tuple[Optional[str], int], str]:
+    """(host, pid) -> process state letter, from the `PID STATE HOST` lines collected per node. Keyed by host
+    too: each node's container has a PID namespace of its own (docker run without --pid), so ranks on two
+    nodes can share a pid. HOST is the node's hostname, as the ranks' heartbeats carry it; None on a line
+    without one (an older image's dump)."""
+    out: dict[tuple[Optional[str], int], str] = {}
     for path in (run / rundir.STACKS).glob(rundir.HOST_STATES.format(host="*")):
         for line in path.read_text().splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[0].isdigit():
-                out[int(parts[0])] = parts[1]
+            if len(parts) in (2, 3) and parts[0].isdigit():
+                out[(parts[2] if len(parts) == 3 else None, int(parts[0]))] = parts[1]
     return out
+
+
+def _state(procs: dict[tuple[Optional[str], int], str], beat: dict) -> Optional[str]:
+    return procs.get((beat["host"], beat["pid"]), procs.get((None, beat["pid"])))
 
 
 def behind(run: Path) -> tuple[Optional[int], str]:
@@ -54,11 +61,11 @@ def behind(run: Path) -> tuple[Optional[int], str]:
 
     def suspicion(rank: int) -> tuple:
         beat = beats[rank]
-        return (procs.get(beat["pid"]) != "T", rank in stacks, beat["step"], beat["time"])
+        return (_state(procs, beat) != "T", rank in stacks, beat["step"], beat["time"])
 
     rank = min(beats, key=suspicion)
     beat = beats[rank]
-    state = procs.get(beat["pid"], "?")
+    state = _state(procs, beat) or "?"
     evidence = (
         f"rank {rank} (pid {beat['pid']} on {beat['host']}) is behind: step {beat['step']}, process state "
         f"{state}{' (stopped)' if state == 'T' else ''}, {'stack dumped' if rank in stacks else 'no stack dump'}; "
@@ -97,10 +104,10 @@ def _ranks(run: str) -> list[tuple[int, str]]:
 
 
 def dump(run: str) -> int:
-    """On one node: print `PID STATE` of every rank, py-spy each (where installed), SIGUSR2 each."""
+    """On one node: print `PID STATE HOST` of every rank, py-spy each (where installed), SIGUSR2 each."""
     spies = []
     for pid, state in _ranks(run):
-        print(pid, state, flush=True)
+        print(pid, state, socket.gethostname(), flush=True)
         if shutil.which("py-spy"):
             out = Path(run) / rundir.STACKS / rundir.PY_SPY.format(host=socket.gethostname(), pid=pid)
             with open(out, "w") as handle:
