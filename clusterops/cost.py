@@ -267,8 +267,14 @@ class Estimate:
         return self.nodes * self.root_gb * TABLE["gp3_usd_per_gb_month"]
 
     @property
+    def stored_gb(self) -> float:
+        """/data's size: what EFS holds now, or the data set where that is larger (before `fab data`, before a
+        deploy: the data set then lives on /data)."""
+        return max(self.efs_gb, self.dataset_gb or 0.0)
+
+    @property
     def efs_usd_per_month(self) -> float:
-        return self.efs_gb * TABLE["efs_standard_usd_per_gb_month"]
+        return self.stored_gb * TABLE["efs_standard_usd_per_gb_month"]
 
     def lines(self) -> list[str]:
         hourly = self.usd_per_hour
@@ -278,7 +284,8 @@ class Estimate:
             f"({usd(None if hourly is None else hourly * 24)}/day) [{self.node_price.source}]",
             f"EBS root volumes: {self.nodes} x {self.root_gb} GB gp3 = ${self.ebs_usd_per_month:.2f}/month "
             "while the stack exists",
-            f"EFS /data: {self.efs_gb:.1f} GB = ${self.efs_usd_per_month:.2f}/month until deleted",
+            f"EFS /data: {self.stored_gb:.1f} GB{' (the data set)' if self.stored_gb > self.efs_gb else ''} = "
+            f"${self.efs_usd_per_month:.2f}/month until deleted",
         ]
         if self.private_subnet:
             lines.append(
@@ -287,19 +294,24 @@ class Estimate:
                 f"${TABLE['nat_gateway_usd_per_gb']}/GB through the NAT (the image pull, ~20 GB a node)"
             )
         if self.dataset_gb and self.epochs:
-            read_gb = self.dataset_gb * self.epochs
-            lines.append(
-                f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({self.dataset_gb:g} GB x "
-                f"{self.epochs:g} epochs) = ${efs_io_usd(read_gb, 0):,.2f} "
-                f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, "
-                f"${TABLE['efs_elastic_write_usd_per_gb']}/GB written; stage to local NVMe to avoid it)"
-            )
+            lines.append(self.efs_io_line(self.dataset_gb, self.epochs))
         if self.public_ips:
             rate = TABLE["public_ipv4_usd_per_hour"]
             lines.append(
                 f"public IPv4: {self.public_ips} x ${rate}/h = ${self.public_ips * rate:.3f}/hour more while they run"
             )
         return lines + [self.guards_line()]
+
+    def efs_io_line(self, dataset_gb: float, epochs: float) -> str:
+        """Reading the data set from /data every epoch, against staging it to each node's NVMe once; both after
+        writing it to /data once (`fab data`)."""
+        read_gb, staged_gb = dataset_gb * epochs, self.nodes * dataset_gb
+        return (
+            f"EFS Elastic I/O: up to {read_gb:,.0f} GB read ({dataset_gb:g} GB x {epochs:g} epochs) and "
+            f"{dataset_gb:g} GB written once = ${efs_io_usd(read_gb, dataset_gb):,.2f}; staged to local NVMe, "
+            f"{self.nodes} x {dataset_gb:g} GB read once = ${efs_io_usd(staged_gb, dataset_gb):,.2f} "
+            f"(${TABLE['efs_elastic_read_usd_per_gb']}/GB read, ${TABLE['efs_elastic_write_usd_per_gb']}/GB written)"
+        )
 
     def guards_line(self) -> str:
         running, standing = guards_usd_per_month(self.nodes)

@@ -127,7 +127,7 @@ def _positive(name: str, value) -> Optional[float]:
     help={
         "nodes": "node count (default: the inventory, else cdk.json)",
         "instance_type": "instance type (default: the inventory, else cdk.json)",
-        "dataset_gb": "GB read from EFS per epoch: adds the EFS Elastic I/O estimate",
+        "dataset_gb": "the data set's GB on /data, read each epoch: its storage and the EFS Elastic I/O estimate",
         "epochs": "epochs over that data set (with --dataset-gb)",
         "spot": "price Spot nodes (default: what the inventory says, else cdk.json's spot)",
     }

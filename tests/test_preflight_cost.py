@@ -242,8 +242,15 @@ def test_estimate_with_efs_io_projection_and_spend():
     estimate = cost.Estimate(4, cost.Price(0.752, "Pricing API, us-east-1"), 200, 13.0, dataset_gb=150, epochs=90)
     assert estimate.usd_per_hour == pytest.approx(3.008)
     assert estimate.ebs_usd_per_month == pytest.approx(4 * 200 * 0.08)
-    assert estimate.efs_usd_per_month == pytest.approx(13.0 * 0.30)
-    assert "EFS Elastic I/O: up to 13,500 GB read (150 GB x 90 epochs) = $405.00" in estimate.lines()[3]
+    # /data will hold the 150 GB data set, not the 13 GB there now; it is written once (before: $0 for both)
+    assert estimate.efs_usd_per_month == pytest.approx(150 * 0.30)
+    assert estimate.lines()[2] == "EFS /data: 150.0 GB (the data set) = $45.00/month until deleted"
+    assert estimate.lines()[3].startswith(
+        "EFS Elastic I/O: up to 13,500 GB read (150 GB x 90 epochs) and 150 GB written once = $414.00; "
+        "staged to local NVMe, 4 x 150 GB read once = $27.00 "
+    )
+    larger = cost.Estimate(4, cost.Price(0.752, "Pricing API, us-east-1"), 200, 400.0, dataset_gb=150, epochs=90)
+    assert larger.lines()[2] == "EFS /data: 400.0 GB = $120.00/month until deleted"
     line = cost.projection(
         Progress.from_json({"step": 1000, "max_steps": 50_000, "avg_step_time_s": 1.71}), estimate.usd_per_hour, 0.5
     )
