@@ -138,9 +138,10 @@ def test_a_spot_node_outside_the_inventory_stops_the_destroy_in_one_line_with_th
     refused = _destroy(path, aws_env, "--yes")
     assert refused.returncode == 1 and refused.stderr.strip().splitlines() == [
         f"error: {request['InstanceId']} of the cluster's Spot requests still run(s), not in the inventory: cancel "
-        "the requests, then terminate the node(s) (`aws ec2 cancel-spot-instance-requests "
+        "the requests, then terminate the node(s) (`aws ec2 cancel-spot-instance-requests --region us-east-1 "
         f"--spot-instance-request-ids {request['SpotInstanceRequestId']}`, then `aws ec2 terminate-instances "
-        f"--instance-ids {request['InstanceId']}`) and `fab destroy` again; nothing cancelled or destroyed"
+        f"--region us-east-1 --instance-ids {request['InstanceId']}`), then `fab destroy --yes` (/data was checked "
+        "before the inventory's nodes were stopped); nothing cancelled or destroyed"
     ]
     assert f"stopped {node.instance_id}" in refused.stdout and "$ " not in refused.stdout  # no `cdk destroy` started
     requests = boto3.client("ec2").describe_spot_instance_requests()["SpotInstanceRequests"]

@@ -55,11 +55,12 @@ def destroy(
             raise DestroyError(why)
     argv = command(inventory, project)  # before the Spot step: a missing CLI must leave the requests open
     if inventory.spot:
-        say(f"stopped {', '.join(stop_nodes(inventory, clients['ec2'])) or 'no node (none running)'}")
+        stopped = stop_nodes(inventory, clients["ec2"])
+        say(f"stopped {', '.join(stopped) or 'no node (none running)'}")
         try:
-            say(release_spot(clients["ec2"], inventory.cluster))
+            say(release_spot(clients["ec2"], inventory.cluster, tuple(stopped)))
         except SpotNodesRunning as running:  # not the inventory's (those were just stopped): a request's new node
-            raise DestroyError(spot_nodes_outside(running.ids, running.requests)) from None
+            raise DestroyError(spot_nodes_outside(running.ids, running.requests, inventory.region)) from None
     say("$ " + " ".join(argv))
     env = {**os.environ, **({"AWS_REGION": inventory.region} if inventory.region else {})}
     failed = subprocess.run(argv, env=env, cwd=project).returncode != 0
@@ -72,15 +73,18 @@ def destroy(
     return f"destroyed {stack}: `fab audit` lists anything left of {inventory.cluster}, with its monthly cost"
 
 
-def spot_nodes_outside(ids: list[str], requests: list[str]) -> str:
+def spot_nodes_outside(ids: list[str], requests: list[str], region: Optional[str]) -> str:
     """A running node of the cluster's persistent requests that `fab destroy` did not stop: not the inventory's (a
     request launches a new node when its node is terminated), so `cdk destroy` would leave it billing. Cancelled
-    first, then terminated: terminated first, its request would launch another."""
+    first, then terminated: terminated first, its request would launch another. The inventory's nodes are stopped
+    by then, so no node would answer the retry's /data check (done already): the retry takes --yes."""
+    where = f" --region {region}" if region else ""
     return (
         f"{', '.join(ids)} of the cluster's Spot requests still run(s), not in the inventory: cancel the requests, "
-        f"then terminate the node(s) (`aws ec2 cancel-spot-instance-requests --spot-instance-request-ids "
-        f"{' '.join(requests)}`, then `aws ec2 terminate-instances --instance-ids {' '.join(ids)}`) and "
-        "`fab destroy` again; nothing cancelled or destroyed"
+        f"then terminate the node(s) (`aws ec2 cancel-spot-instance-requests{where} --spot-instance-request-ids "
+        f"{' '.join(requests)}`, then `aws ec2 terminate-instances{where} --instance-ids {' '.join(ids)}`), then "
+        "`fab destroy --yes` (/data was checked before the inventory's nodes were stopped); nothing cancelled "
+        "or destroyed"
     )
 
 

@@ -186,18 +186,19 @@ class SpotNodesRunning(InventoryError):
         )
 
 
-def release_spot(ec2, cluster: str) -> str:
+def release_spot(ec2, cluster: str, stopped: tuple[str, ...] = ()) -> str:
     """`fab release-spot`: cancel the cluster's persistent Spot requests before `cdk destroy`. Refused while a
     node of them runs: EC2 stops only Spot instances of a persistent request, so once it is cancelled nothing
     (`fab stop-cluster`, --then-stop, the idle watchdog) could stop that node; it would bill until destroyed.
-    Returns the line saying what it did."""
+    `stopped`: nodes whose StopInstances EC2 has just accepted (`fab destroy`), which DescribeInstances may
+    still show running (the EC2 API is eventually consistent). Returns the line saying what it did."""
     from clusterops.aws.audit import spot_requests
 
     found = spot_requests(ec2, cluster, set())
     requests = [x.id for x in found if x.kind == "spot-request"]
     nodes = [x.id for x in found if x.kind == "instance"]
     up = sorted(i for i, d in describe(ec2, nodes).items() if d["State"]["Name"] in ("pending", "running"))
-    if up:
+    if up := [i for i in up if i not in stopped]:
         raise SpotNodesRunning(up, sorted(requests))
     if not requests:
         return f"no open Spot request tagged gpu-cluster:name={cluster}"
