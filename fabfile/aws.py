@@ -194,7 +194,8 @@ def destroy(c, yes=False):
 
     `npx cdk destroy` of the inventory's stack, refused in one line while a run goes or /data holds runs
     never fetched or changed since (unless retain_data=true kept the file system), or while the head node
-    cannot be reached (a stopped cluster: `fab start` first); --yes destroys anyway. Then `fab audit`."""
+    cannot be reached (a stopped cluster: `fab start` first, unless it keeps its file system); --yes destroys
+    anyway. Then `fab audit`."""
     inv = load_inventory(c)
     if inv.source != "aws":
         raise Exit("error: the inventory is the emulated cluster's: `fab local.down` tears it down", code=1)

@@ -152,6 +152,32 @@ def test_a_spot_node_outside_the_inventory_stops_the_destroy_in_one_line_with_th
     boto3.client("cloudformation").delete_stack(StackName="GpuCluster-doomed")
 
 
+def test_a_stopped_cluster_that_keeps_its_file_system_is_destroyed_without_starting_a_node(tmp_path, aws_env):
+    """retain_data=true keeps /data, and a cluster whose every node is stopped runs nothing: no node need answer.
+    Before: refused with "a stopped cluster needs `fab start`", a start of every GPU node, billed, to read /data."""
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    node_id = ec2.run_instances(ImageId=image, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    _stack("GpuCluster-doomed")
+    clients = {name: boto3.client(name) for name in ("cloudformation", "efs", "ec2")}
+
+    def unreachable():
+        raise ConnectionRefusedError("nothing listens")
+
+    def attempt(retain: bool) -> str:
+        base = _inventory_of(tmp_path, free_port(), _file_system(retain=retain))
+        inventory = dataclasses.replace(base, nodes=[dataclasses.replace(base.nodes[0], instance_id=node_id)])
+        with pytest.raises(destroy.DestroyError) as refused:
+            destroy.destroy(inventory, clients, unreachable, tmp_path, yes=False, say=lambda line: None)
+        return str(refused.value)
+
+    assert attempt(retain=True).startswith("no node answered (")  # running: a run may be going
+    ec2.stop_instances(InstanceIds=[node_id])
+    assert attempt(retain=False).startswith("no node answered (")  # /data goes with the stack: unread
+    assert attempt(retain=True).startswith("no pinned CDK CLI in ")  # past the check: tmp_path has no CLI
+    boto3.client("cloudformation").delete_stack(StackName="GpuCluster-doomed")
+
+
 def test_the_destroy_command_names_the_stack_and_only_the_context_that_names_it():
     inventory = _inventory_of(None, 22, None)
     argv = destroy.command(inventory, REPO)

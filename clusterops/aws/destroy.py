@@ -3,9 +3,11 @@ EFS goes with it (unless it was deployed with retain_data=true), and with it eve
 going, or one never fetched or changed since its last `fab fetch` (the node program
 `cluster_node.programs.runs at-risk`, read on a node: each mounts /data), is refused in one line unless
 --yes, as `fab local.down` refuses for the emulated cluster. So is a cluster no node of which answers (a
-stopped one): what /data holds is then unknown. A stack already gone says so; one in DELETE_FAILED (its
-file system may be gone) is destroyed again without the read. A Spot cluster's persistent requests are
-cancelled first (its nodes stopped), as docs/operations.md advises besides the stack's own release."""
+stopped one): what /data holds is then unknown; unless the file system is kept and EC2 says every node is
+stopped (no run can be going: nothing to read, and no node to start and pay for). A stack already gone says
+so; one in DELETE_FAILED (its file system may be gone) is destroyed again without the read. A Spot cluster's
+persistent requests are cancelled first (its nodes stopped), as docs/operations.md advises besides the stack's
+own release."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from botocore.exceptions import ClientError
 
 from cluster_node.protocol.contract import RETAIN_TAG
 from clusterops.aws.instances import SpotNodesRunning, release_spot, stop_nodes
-from clusterops.inventory import Inventory
+from clusterops.inventory import Inventory, describe
 from stacks.config import stack_name as default_stack_name
 
 YES = "`fab destroy --yes` destroys anyway"
@@ -50,7 +52,8 @@ def destroy(
     if status is None:
         return f"no stack {stack} in {inventory.region}: nothing to destroy (`fab audit` lists anything left)"
     if status != "DELETE_FAILED" and not yes:
-        why = refusal(inventory, read, retained(clients["efs"], inventory.file_system_id))
+        kept = retained(clients["efs"], inventory.file_system_id)
+        why = None if kept and all_stopped(inventory, clients["ec2"]) else refusal(inventory, read, kept)
         if why:
             raise DestroyError(why)
     argv = command(inventory, project)  # before the Spot step: a missing CLI must leave the requests open
@@ -116,6 +119,16 @@ def retained(efs, file_system_id: Optional[str]) -> bool:
             return False
         raise
     return any(t["Key"] == RETAIN_TAG and t["Value"] == "true" for fs in found for t in fs.get("Tags", []))
+
+
+def all_stopped(inventory: Inventory, ec2) -> bool:
+    """EC2 says every node of the inventory is stopped: no run can be going, so a stack that keeps its file
+    system (retain_data=true) loses nothing, and no node need be started (and billed) to read /data."""
+    ids = [n.instance_id for n in inventory.nodes if n.instance_id]
+    if not ids or len(ids) != len(inventory.nodes):
+        return False
+    found = describe(ec2, ids)
+    return len(found) == len(ids) and all(d["State"]["Name"] == "stopped" for d in found.values())
 
 
 def refusal(inventory: Inventory, read: Callable[[], AtRisk], kept: bool) -> Optional[str]:
