@@ -178,6 +178,27 @@ def test_a_stopped_cluster_that_keeps_its_file_system_is_destroyed_without_start
     boto3.client("cloudformation").delete_stack(StackName="GpuCluster-doomed")
 
 
+def test_nodes_still_stopping_are_waited_for_not_started():
+    """`fab stop-cluster; fab destroy`: a GPU node can stay `stopping` for minutes; the destroy waits for it
+    instead of asking for a `fab start`. A node that stops failing, or one running, is a no."""
+    ec2 = boto3.client("ec2", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    inventory = dataclasses.replace(
+        _inventory_of(None, 22, None),
+        nodes=[dataclasses.replace(_inventory_of(None, 22, None).nodes[0], instance_id="i-1")],
+    )
+
+    def described(state: str) -> dict:
+        return {"Reservations": [{"Instances": [{"InstanceId": "i-1", "State": {"Name": state, "Code": 0}}]}]}
+
+    with Stubber(ec2) as stubber:
+        for state in ("stopping", "stopping", "stopped", "running", "stopping", "terminated"):
+            stubber.add_response("describe_instances", described(state))
+        assert destroy.all_stopped(inventory, ec2, delay=0) is True  # stopping, then the waiter: stopping, stopped
+        assert destroy.all_stopped(inventory, ec2, delay=0) is False  # running
+        assert destroy.all_stopped(inventory, ec2, delay=0) is False  # stopping, then gone: the waiter fails
+        stubber.assert_no_pending_responses()
+
+
 def test_the_destroy_command_names_the_stack_and_only_the_context_that_names_it():
     inventory = _inventory_of(None, 22, None)
     argv = destroy.command(inventory, REPO)

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, WaiterError
 
 from cluster_node.protocol.contract import RETAIN_TAG
 from clusterops.aws.instances import SpotNodesRunning, release_spot, stop_nodes
@@ -121,14 +121,24 @@ def retained(efs, file_system_id: Optional[str]) -> bool:
     return any(t["Key"] == RETAIN_TAG and t["Value"] == "true" for fs in found for t in fs.get("Tags", []))
 
 
-def all_stopped(inventory: Inventory, ec2) -> bool:
+def all_stopped(inventory: Inventory, ec2, delay: float = 15) -> bool:
     """EC2 says every node of the inventory is stopped: no run can be going, so a stack that keeps its file
-    system (retain_data=true) loses nothing, and no node need be started (and billed) to read /data."""
+    system (retain_data=true) loses nothing, and no node need be started (and billed) to read /data. Nodes still
+    `stopping` (`fab stop-cluster` just before: minutes for a GPU node) are waited for; a wait that fails is a no."""
     ids = [n.instance_id for n in inventory.nodes if n.instance_id]
     if not ids or len(ids) != len(inventory.nodes):
         return False
-    found = describe(ec2, ids)
-    return len(found) == len(ids) and all(d["State"]["Name"] == "stopped" for d in found.values())
+    states = {i: d["State"]["Name"] for i, d in describe(ec2, ids).items()}
+    if len(states) != len(ids) or not set(states.values()) <= {"stopped", "stopping"}:
+        return False
+    if stopping := [i for i, state in states.items() if state == "stopping"]:
+        try:
+            ec2.get_waiter("instance_stopped").wait(
+                InstanceIds=stopping, WaiterConfig={"Delay": delay, "MaxAttempts": 40}
+            )
+        except WaiterError:
+            return False
+    return True
 
 
 def refusal(inventory: Inventory, read: Callable[[], AtRisk], kept: bool) -> Optional[str]:
