@@ -114,8 +114,8 @@ def test_a_failed_heartbeat_write_is_tried_again_even_with_no_new_step(tmp_path,
     broken = callbacks.RankHeartbeat(tmp_path, 1, write=lambda path, text: 1 / 0)  # not only OSError
     broken.on_step(1)
     assert not broken.flush(timeout=0.5)
-    broken.failures = callbacks.HEARTBEAT_FAILURES
-    with pytest.raises(OSError, match=r"rank heartbeat not written in 50 tries in a row: ZeroDivisionError"):
+    broken.failures = callbacks.HEARTBEAT_FAILURES  # its writer thread may fail once more before on_step reads it
+    with pytest.raises(OSError, match=r"rank heartbeat not written in 5\d tries in a row: ZeroDivisionError"):
         broken.on_step(2)
     broken.close(timeout=0.1)
     beat.close()
