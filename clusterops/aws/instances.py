@@ -197,8 +197,8 @@ def release_spot(ec2, cluster: str, stopped: tuple[str, ...] = ()) -> str:
     found = spot_requests(ec2, cluster, set())
     requests = [x.id for x in found if x.kind == "spot-request"]
     nodes = [x.id for x in found if x.kind == "instance"]
-    up = sorted(i for i, d in describe(ec2, nodes).items() if d["State"]["Name"] in ("pending", "running"))
-    if up := [i for i in up if i not in stopped]:
+    running = {i for i, d in describe(ec2, nodes).items() if d["State"]["Name"] in ("pending", "running")}
+    if up := sorted(running - set(stopped)):
         raise SpotNodesRunning(up, sorted(requests))
     if not requests:
         return f"no open Spot request tagged gpu-cluster:name={cluster}"
