@@ -219,16 +219,17 @@ GUARD_METRICS_PER_NODE = 3
 PUTS_PER_NODE_MONTH = 60 * HOURS_PER_MONTH
 
 
-def guards_usd_per_month(nodes: int) -> tuple[float, float]:
+def guards_usd_per_month(nodes: int, flow_log_key: bool = True) -> tuple[float, float]:
     """What the cost guards bill, before CloudWatch's account-wide free tier (10 metrics, 10 alarms,
     3 dashboards, 1M requests a month): (per node-month of running: custom metrics, billed only in
     hours that receive data, and the PutMetricData calls; per month while the stack exists, stopped
-    or not: one alarm per node, the flow-log group's KMS key, the dashboard)."""
+    or not: one alarm per node, the flow-log group's KMS key where the stack has one, the dashboard)."""
     running = (
         GUARD_METRICS_PER_NODE * TABLE["custom_metric_usd_per_month"]
         + PUTS_PER_NODE_MONTH / 1000 * TABLE["put_metric_data_usd_per_1000"]
     )
-    standing = nodes * TABLE["alarm_usd_per_month"] + TABLE["kms_key_usd_per_month"] + TABLE["dashboard_usd_per_month"]
+    key = TABLE["kms_key_usd_per_month"] if flow_log_key else 0.0
+    standing = nodes * TABLE["alarm_usd_per_month"] + key + TABLE["dashboard_usd_per_month"]
     return running, standing
 
 
@@ -243,6 +244,7 @@ class Estimate:
     private_subnet: bool = False
     interface_endpoints: int = 3
     public_ips: int = 0  # the nodes' public IPv4 addresses (access=ssh), billed while they run
+    flow_log_key: bool = True  # the stack's own VPC logs rejected flows under its own KMS key (flow_logs=true)
 
     @property
     def network_usd_per_month(self) -> float:
@@ -314,9 +316,10 @@ class Estimate:
         )
 
     def guards_line(self) -> str:
-        running, standing = guards_usd_per_month(self.nodes)
+        running, standing = guards_usd_per_month(self.nodes, self.flow_log_key)
+        key = " flow-log key," if self.flow_log_key else ""
         return (
-            f"cost guards (idle alarms, dashboard, flow-log key, watchdog metrics): ${standing:.2f}/month while the "
+            f"cost guards (idle alarms, dashboard,{key} watchdog metrics): ${standing:.2f}/month while the "
             f"stack exists + ${running:.2f} per node-month running, before CloudWatch's free tier"
         )
 

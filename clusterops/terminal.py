@@ -10,6 +10,7 @@ from cluster_node.protocol.rundir import Progress, RunState, RunStatus, Summary
 from cluster_node.tools import duration
 
 if TYPE_CHECKING:
+    from clusterops.inventory import Inventory
     from clusterops.nodes.records import RunFiles
 
 QUIET_AFTER_S = 120  # a running run whose progress is older than this says so
@@ -78,6 +79,22 @@ def then_stop_line(status: Optional[RunStatus]) -> Optional[str]:
     if status and then_stop == "requested":  # a head that went down before it could write the outcome, started since
         return f"--then-stop was requested when the run ended ({status.time}); `fab status` shows the cluster now"
     return "the cluster is stopping (--then-stop): `fab start` brings it back" if then_stop else None
+
+
+def after_stop_line(inventory: Inventory, status: Optional[RunStatus]) -> Optional[str]:
+    """What the nodes do once `fab stop` ended a run: --then-stop's outcome when the run had it; on AWS, that they
+    go on billing until the idle watchdog (idle_minutes) stops them. `status` None: the end is not read yet."""
+    if status is not None and status.then_stop:
+        return then_stop_line(status)
+    if inventory.source != "aws":
+        return None
+    nodes = len(inventory.nodes)
+    price = f" ({nodes} x ${inventory.usd_per_hour:.3f}/h)" if inventory.usd_per_hour else ""
+    unless = " unless the run was launched with --then-stop" if status is None else ""
+    return (
+        f"the nodes keep running, billed{price},{unless} until the idle watchdog stops them (idle_minutes after "
+        "the run) or `fab stop-cluster` now"
+    )
 
 
 METRICS = ("eval_loss", "bleu", "exact_match", "top1", "top5")  # the task's eval metrics, in summary.metrics

@@ -205,12 +205,14 @@ def logs(c, run=None, follow=False):
 def stop(c, run=None, force=False):
     """Stop a run at its next step, with a checkpoint (--force kills it).
 
-    Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it)."""
+    Stop a run gracefully: checkpoint at the next step, then exit (`--force` kills it). The nodes stay up (on AWS,
+    billed) until the idle watchdog stops them, unless the run has --then-stop: `fab stop-cluster` stops them now."""
     inv = load_inventory(c)
     with head(inv) as conn:
         rdir = run_dir(conn, inv, run) if run else lifecycle.active_run(conn, inv)
         if not rdir:
             raise remote.RemoteError("no run is going")
+        result = None
         if force:
             lifecycle.force_stop(conn, inv, rdir)
             print(f"killed {rdir}")
@@ -221,6 +223,9 @@ def stop(c, run=None, force=False):
                 print(f"stopped {rdir}: {result.reason}; resumable: {terminal.resume_hint(rdir)}")
             else:  # it ended on its own meanwhile
                 print(f"{rdir} ended: {result.state} {result.reason}")
+        nodes = terminal.after_stop_line(inv, result)
+        if nodes:
+            print(nodes)
 
 
 @task(

@@ -12,6 +12,7 @@ from conftest import REPO, cdk_app
 
 from cluster_node.daemons.autostop import watchdog as autostop
 from clusterops import cost
+from clusterops.run import meter
 from stacks.cluster_stack import GpuClusterStack
 from stacks.config import ClusterConfig
 
@@ -48,6 +49,23 @@ def test_the_stack_creates_the_alarms_key_and_dashboard_the_estimate_counts():
     running, standing = cost.guards_usd_per_month(3)
     assert running == pytest.approx(3 * 0.30 + 60 * 730 / 1000 * 0.01)
     assert standing == pytest.approx(3 * 0.10 + 1.0 + 3.0)
+
+
+def test_a_stack_without_flow_logs_bills_no_flow_log_key():
+    """-c flow_logs=false (or an existing VPC: -c vpc_id) creates no KMS key; the guards' standing charge leaves
+    its $1 a month out, in the plan and in the line fab cost prints."""
+    context = {"ssh_cidr": "203.0.113.7/32", "availability_zone": "us-east-1a", "ami_id": "ami-0123456789abcdef0"}
+    config = ClusterConfig.from_context({**context, "nodes": "3", "flow_logs": "false"})
+    template = Template.from_stack(GpuClusterStack(cdk_app(), "NoFlowLogs", config=config))
+    assert not template.find_resources("AWS::KMS::Key")
+    assert meter.planned_layout(config)["flow_log_key"] is False
+    _, standing = cost.guards_usd_per_month(3, flow_log_key=False)
+    assert standing == pytest.approx(3 * 0.10 + 3.0)
+    line = cost.Estimate(3, cost.Price(1.0, "x"), efs_gb=1.0, **meter.planned_layout(config)).guards_line()
+    assert line.startswith(f"cost guards (idle alarms, dashboard, watchdog metrics): ${standing:.2f}/month")
+    vpc = {"vpc_id": "vpc-0123456789abcdef0", "subnet_id": "subnet-0123456789abcdef0"}
+    existing = ClusterConfig.from_context({**context, **vpc})
+    assert meter.planned_layout(existing)["flow_log_key"] is False
 
 
 def test_a_private_subnet_counts_its_nat_gateways_public_ip():

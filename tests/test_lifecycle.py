@@ -19,6 +19,7 @@ from supervisor_fixture import ANSWERING_SSH, STANDINS, status, supervise, write
 
 from cluster_node.protocol import rundir
 from cluster_node.protocol.spec import Limits, RunSpec
+from clusterops import terminal
 from clusterops.inventory import Inventory, Node, SshSettings
 from clusterops.nodes import remote
 from clusterops.run import analysis, launch, lifecycle, resume
@@ -323,6 +324,21 @@ def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):
         lifecycle.request_stop(_HereConnection(), here(inventory()), str(run), wait=3, say=said.append, every=1)
     assert said and said[0].startswith("stop: still waiting (") and "rank 0 is in the eval after step 20" in said[0]
     assert (run / rundir.STOP).exists()
+
+
+def test_fab_stop_says_the_nodes_go_on_billing_unless_the_run_stops_them():
+    """A fifth read of the real path: after `fab stop` on AWS the nodes stay up, billed, until the idle watchdog
+    (default 60 min) stops them; nothing said so. A run launched with --then-stop stops them itself."""
+    aws = dataclasses.replace(inventory(), source="aws", usd_per_hour=0.752)
+    stopped = run_files(status={"state": "stopped"}).status
+    line = terminal.after_stop_line(aws, stopped)
+    assert line and line.startswith("the nodes keep running, billed (1 x $0.752/h), until the idle watchdog")
+    assert line.endswith("or `fab stop-cluster` now")
+    assert "--then-stop" in (terminal.after_stop_line(aws, None) or "")  # --force: the end is not read yet
+    then_stop = run_files(status={"state": "stopped", "then_stop": "stopping"}).status
+    assert terminal.after_stop_line(aws, then_stop) == terminal.then_stop_line(then_stop)
+    assert terminal.then_stop_line(then_stop) == "the cluster is stopping (--then-stop): `fab start` brings it back"
+    assert terminal.after_stop_line(inventory(), stopped) is None  # the emulated cluster bills nothing
 
 
 def test_follow_says_where_a_quiet_run_is(tmp_path):

@@ -488,11 +488,14 @@ def test_fab_cost_prices_the_deployed_clusters_nat_gateway_volumes_and_addresses
     nodes = [Node(r, f"node{r}", i["InstanceId"], f"10.42.0.{5 + r}", i["InstanceId"]) for r, i in enumerate(launched)]
     inv = dataclasses.replace(aws_inventory("priv", []), nodes=nodes, stack_name="GpuCluster-priv")
     planned = ClusterConfig.from_context({**json.loads((REPO / "cdk.json").read_text())["context"], "nodes": "2"})
-    assert meter.planned_layout(planned) == {"root_gb": 200, "private_subnet": False, "public_ips": 2}
+    expected = {"root_gb": 200, "private_subnet": False, "public_ips": 2, "flow_log_key": True}
+    assert meter.planned_layout(planned) == expected
     layout = meter.deployed_layout(boto3.session.Session(), inv, planned)
-    assert layout == {"root_gb": 1000, "private_subnet": True, "public_ips": 0}
+    # this stack holds no KMS key (as deployed with -c flow_logs=false): no flow-log key to bill
+    assert layout == {"root_gb": 1000, "private_subnet": True, "public_ips": 0, "flow_log_key": False}
     lines = cost.Estimate(2, cost.Price(0.752, "x"), efs_gb=1.0, **layout).lines()
     assert "EBS root volumes: 2 x 1000 GB gp3 = $160.00/month" in lines[1] and "NAT gateway" in lines[3]
+    assert lines[-1].startswith("cost guards (idle alarms, dashboard, watchdog metrics): $3.20/month")
     public = cost.Estimate(2, cost.Price(0.752, "x"), efs_gb=1.0, **meter.planned_layout(planned)).lines()
     assert "public IPv4: 2 x $0.005/h = $0.010/hour more while they run" in public
     assert public[-1].startswith("cost guards (idle alarms, dashboard, flow-log key, watchdog metrics): $")

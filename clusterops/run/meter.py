@@ -137,29 +137,37 @@ def cost_report(
 
 
 def planned_layout(config) -> dict:
-    """What a deploy of `config` would bill beside its nodes: its root volumes, subnet layout, public addresses."""
+    """What a deploy of `config` would bill beside its nodes: its root volumes, subnet layout, public addresses and
+    the flow-log key (only the stack's own VPC logs its rejected flows: stacks/network.py)."""
     # access=ssh asks each node for one; with access=ssm the subnet decides: the stack's own public ones assign one
     public = not config.private_subnet and (config.access == "ssh" or not config.vpc_id)
-    return dict(root_gb=config.root_volume_gb, private_subnet=config.private_subnet, public_ips=config.nodes * public)
+    return dict(
+        root_gb=config.root_volume_gb,
+        private_subnet=config.private_subnet,
+        public_ips=config.nodes * public,
+        flow_log_key=config.flow_logs and not config.vpc_id,
+    )
 
 
 def deployed_layout(session, inv: Inventory, config) -> dict:
     """planned_layout as the deployed cluster has it: cdk.json need not hold the `-c` values it was deployed with
     (context is not kept between deploys). Its own VPC's NAT gateway (the stack's resources), its nodes' EBS
-    volumes and public addresses; what cannot be read comes from `config`."""
+    volumes, public addresses and KMS key; what cannot be read comes from `config`."""
     from clusterops.aws import destroy, redeploy
 
     ec2 = session.client("ec2")
     found = redeploy.deployed(session.client("cloudformation"), ec2, destroy.stack_of(inv))
     types = found.resource_types if found else None
-    private = config.private_subnet if types is None else "AWS::EC2::NatGateway" in types
+    planned = planned_layout(config)
+    private = planned["private_subnet"] if types is None else "AWS::EC2::NatGateway" in types
     ids = [node.instance_id for node in inv.nodes if node.instance_id]
     attached = [{"Name": "attachment.instance-id", "Values": ids}]
     volumes = ec2.describe_volumes(Filters=attached)["Volumes"] if ids else []
     return dict(
-        root_gb=round(sum(v["Size"] for v in volumes) / len(ids)) if volumes else config.root_volume_gb,
+        root_gb=round(sum(v["Size"] for v in volumes) / len(ids)) if volumes else planned["root_gb"],
         private_subnet=private,
         public_ips=_public_ips(ec2, found.nodes, found.outputs.get("Access")) if found else 0,
+        flow_log_key=planned["flow_log_key"] if types is None else "AWS::KMS::Key" in types,
     )
 
 
