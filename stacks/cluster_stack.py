@@ -137,8 +137,9 @@ class GpuClusterStack(Stack):
             Acknowledgment(
                 id="AwsSolutions::AwsSolutions-IAM5[Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:"
                 "<AWS::AccountId>:instance/*]",
-                reason="ec2:StopInstances and ssm:UpdateInstanceInformation are limited by a condition to "
-                "instances tagged with this cluster's name (aws:ResourceTag/gpu-cluster:name).",
+                reason="ec2:StopInstances is limited by a condition to instances tagged with this cluster's name "
+                "(aws:ResourceTag/gpu-cluster:name); ssm:UpdateInstanceInformation, SSM Agent's heartbeat, to this "
+                "account's and region's instances (its documented condition keys name no tag).",
             ),
         )
 

@@ -76,7 +76,8 @@ def _cfn(instance: ec2.Instance) -> ec2.CfnInstance:
 
 # AWS Systems Manager User Guide, "Create a custom IAM role for Session Manager": what SSM Agent needs for
 # sessions (fab's access=ssm proxy; no session logging or KMS). ssmmessages has no resource-level permissions;
-# ssm:UpdateInstanceInformation takes the EC2 instance with aws:ResourceTag (Service Authorization Reference).
+# ssm:UpdateInstanceInformation takes the EC2 instance, its own condition keys only ec2:/ssm:SourceInstanceARN
+# (Service Authorization Reference).
 SESSION_MANAGER_ACTIONS = (
     "ssm:UpdateInstanceInformation",
     "ssmmessages:CreateControlChannel",
@@ -164,11 +165,14 @@ class GpuNodes(Construct):
         # region (the generated /ec2/keypair/* private keys too), to any process on the node.
         channels = [a for a in SESSION_MANAGER_ACTIONS if a.startswith("ssmmessages:")]
         role.add_to_policy(iam.PolicyStatement(actions=channels, resources=["*"]))
+        # The agent's heartbeat, on this account's and region's instances, with no tag condition: the Service
+        # Authorization Reference lists aws:ResourceTag under the `instance` resource type, not on this action,
+        # which names only ec2:/ssm:SourceInstanceARN; if SSM does not put the tag into the request, a tag
+        # condition denies every heartbeat and no node ever connects (AWS's own minimal policy grants it on "*").
         role.add_to_policy(
             iam.PolicyStatement(
                 actions=["ssm:UpdateInstanceInformation"],
                 resources=[f"arn:{Aws.PARTITION}:ec2:{Aws.REGION}:{Aws.ACCOUNT_ID}:instance/*"],
-                conditions={"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": config.cluster_name}},
             )
         )
         role.add_to_policy(

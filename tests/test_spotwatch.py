@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 from conftest import tool_env
+from supervisor_fixture import write_spec
 
 from cluster_node.daemons import spotwatch
 from train import checkpoint
@@ -84,6 +85,26 @@ def test_interruptions_of_several_nodes_are_all_kept(tmp_path):
     for rank in ("0", "1", "2"):
         spotwatch.handle(spotwatch.Notice("stop", "t"), tmp_path, rank, None, now=0.0)
     assert [e["node"] for e in json.loads((run / "interruptions.json").read_text())] == [0, 1, 2]
+
+
+def test_a_notice_for_a_node_outside_the_runs_attempt_is_recorded_and_stops_nothing(tmp_path):
+    """A fresh read (session 30): a notice for a node `--nodes`/`--exclude` or a restart left out wrote STOP, so
+    the run ended `stopped` (and under --then-stop stopped every node) for a node it did not train on."""
+    run = a_run(tmp_path)
+    write_spec(run, ["true"], hosts=("10.0.0.1", "10.0.0.2"))  # the supervisor on 10.0.0.1
+    notice = spotwatch.Notice("stop", "2026-11-22T08:22:00Z")
+    line = spotwatch.handle(notice, tmp_path, "2", None, now=0.0, host="10.0.0.9")
+    assert line == "spot: node2 will stop at 2026-11-22T08:22:00Z; not in r's current attempt: the run goes on without it"
+    assert not (run / "STOP").exists() and line in (run / "train.log").read_text()
+    assert [e["host"] for e in json.loads((run / "interruptions.json").read_text())] == ["10.0.0.9"]
+    spotwatch.handle(notice, tmp_path, "1", None, now=0.0, host="10.0.0.2")  # one of its ranks' nodes
+    assert (run / "STOP").read_text().startswith("now: spot: node1 will stop")
+    (run / "STOP").unlink()
+    write_spec(run, ["true"], hosts=("10.0.0.1",))  # a restart left node1 out: its notice stops nothing
+    spotwatch.handle(notice, tmp_path, "1", None, now=0.0, host="10.0.0.2")
+    assert not (run / "STOP").exists()
+    spotwatch.handle(notice, tmp_path, "0", None, now=0.0, host=None)  # no address known: stop, to be safe
+    assert (run / "STOP").exists()
 
 
 def test_an_unreachable_metadata_service_is_logged_once_and_polling_goes_on(tmp_path, capsys):

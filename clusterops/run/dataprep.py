@@ -31,6 +31,13 @@ def prepare(
             "--from fetches onto the shared /data once: run `fab data` with it alone first, "
             "then --stage-to with --all-nodes"
         )
+    if all_nodes and not any(a == "--stage-to" or a.startswith("--stage-to=") for a in extra_args):
+        # Every node would write the same /data folder at once: one node's start-over deletes another's files, and
+        # the set left behind reads as prepared (meta.json matches), short of images.
+        raise launch.LaunchError(
+            "--all-nodes copies a data set onto each node's own disk (imagenet --extra \"--stage-to PATH\"); "
+            f"{dataset} goes onto the shared /data once: run `fab data --dataset {dataset}` without --all-nodes"
+        )
     pool = connections or remote.Connections(inv)
     nodes = list(inv.nodes) if all_nodes else [inv.head]
     try:

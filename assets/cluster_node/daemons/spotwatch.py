@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from cluster_node.daemons.autostop.watchdog import where_am_i
 from cluster_node.daemons.imds import IMDS_URL, imds_get, instance_identity
-from cluster_node.protocol import rundir
+from cluster_node.protocol import rundir, spec
 
 ACTION_PATH = "/latest/meta-data/spot/instance-action"
 POLL_S = 5.0
@@ -99,7 +99,9 @@ def handle(
     if run is None:
         return f"{what}; no run going"
     step = _step(run)
-    (run / rundir.STOP).write_text(f"{URGENT_STOP}: {what}\n")
+    stops = _in_the_run(run, host)
+    if stops:
+        (run / rundir.STOP).write_text(f"{URGENT_STOP}: {what}\n")
     record(
         run,
         {
@@ -113,9 +115,23 @@ def handle(
         },
     )
     line = f"{what}; asked {run.name} to checkpoint now (last step {step}); resume: fab train --run {run.name}"
+    if not stops:  # recorded all the same: a later restart leaves the node out
+        line = f"{what}; not in {run.name}'s current attempt: the run goes on without it"
     with open(run / rundir.TRAIN_LOG, "a") as log:
         log.write(f"{time.strftime('%FT%TZ', time.gmtime(now))} {line}\n")
     return line
+
+
+def _in_the_run(run: Path, host: Optional[str]) -> bool:
+    """Whether a notice for `host` ends the run's current attempt: a node among its ranks or the supervisor's own;
+    not a node `--nodes`/`--exclude` or a restart left out (it trains nothing). Unknown (no spec, no address): yes."""
+    try:
+        current = spec.read(run)
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    if host is None or not current.hosts:
+        return True
+    return host in current.hosts or host == current.supervisor_host
 
 
 class Watcher:
