@@ -226,6 +226,19 @@ def test_row13_a_graceful_stop_during_a_restart_keeps_the_nodes_snapshots(tmp_pa
     assert not [c for c in nodes.calls if c[0] == "drop"]
 
 
+def test_a_node_reached_again_is_not_named_unreachable_by_a_later_attempts_failure(tmp_path):
+    """A fresh read (session 30): h2 unreachable at attempt 1's clean-up (a Spot stop, a partition), back and
+    healthy at the probe, so attempt 2 runs on it; attempt 2 dies with h2 reached: that is a death, not h2."""
+    sup, mpirun, nodes = _supervisor(tmp_path, [1, 1, 0], Script(), restarts=2)
+    cleanups = iter([True, False])  # h1, h2 at attempt 1; then every host answers
+    nodes.cleanup = lambda host: next(cleanups, True)
+    (tmp_path / "train.log").write_text("[1,1]<stderr>:RuntimeError: CUDA error: an illegal memory access\n")
+    sup.run_all()
+    kinds = [entry["kind"] for entry in json.loads((tmp_path / "restarts.json").read_text())]
+    assert [s.hosts for s in mpirun.starts] == [("h1", "h2"), ("h1", "h2"), ("h1", "h2")]
+    assert kinds == ["unreachable", "died"] and _status(tmp_path)["state"] == "finished"
+
+
 def test_row7_a_forced_stop_ends_the_run_failed(tmp_path):
     sup, mpirun, _ = _supervisor(tmp_path, [143], Script(), restarts=1)
     (tmp_path / "FORCED").touch()

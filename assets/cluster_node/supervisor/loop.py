@@ -401,9 +401,12 @@ class Supervisor:
     # ------------------------------------------------------------ the end (row 17)
 
     def cleanup_all(self) -> None:
-        """After any failure: no rank or daemon of this attempt survives."""
+        """After any failure: no rank or daemon of this attempt survives. A host reached now is no longer unreached
+        (a node back from a Spot stop or a partition): an earlier attempt's loss must not name it again."""
         for host in self.spec.hosts:
-            if not self.nodes.cleanup(host):
+            if self.nodes.cleanup(host):
+                self.unreached.discard(host)
+            else:
                 self.unreached.add(host)
 
     def finish(self) -> None:
