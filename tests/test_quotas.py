@@ -8,7 +8,8 @@ import boto3
 import pytest
 from aws_stubs import QUOTA_NAME, offline, quotas_client, vpc_quota
 from botocore.stub import Stubber
-from conftest import moto_instances
+from conftest import REPO, moto_instances
+from iampolicy import Request, evaluate
 
 from clusterops.aws import preflight, quotas, redeploy
 from stacks.config import ClusterConfig
@@ -88,6 +89,18 @@ def test_running_vcpus_count_only_the_same_bucket_and_purchase_option(aws_env):
     )
     assert quotas.running_vcpus(ec2, "g4dn.2xlarge") == on_demand + 4
     assert quotas.running_vcpus(ec2, "g4dn.2xlarge", spot=True) == spot + 8
+
+
+def test_a_running_type_outside_the_table_counts_through_a_call_the_user_policy_grants(aws_env):
+    """A fresh read (session 30): a g5g node already running (G bucket, not in stacks/instance_types.py) is
+    counted from ec2:DescribeInstanceTypes, which docs/user-policy.json did not grant: preflight's quota line read
+    "could not read it: AccessDenied" and preflight failed. The action has no resource-level permissions."""
+    assert "g5g.xlarge" not in INSTANCE_TYPES
+    before = quotas.running_vcpus(boto3.client("ec2"), "g4dn.2xlarge")
+    moto_instances(1, instance_type="g5g.xlarge")  # 4 vCPUs, G On-Demand
+    assert quotas.running_vcpus(boto3.client("ec2"), "g4dn.2xlarge") == before + 4
+    policy = json.loads((REPO / "docs" / "user-policy.json").read_text())
+    assert evaluate([policy], Request("ec2:DescribeInstanceTypes", "*", {})).allowed
 
 
 def test_a_short_quota_is_requested_with_the_exact_number(aws_env):

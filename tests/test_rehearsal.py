@@ -345,6 +345,9 @@ USED_ELSEWHERE |= {"ec2:DescribeVpcAttribute", "ec2:DescribeSubnets", "ec2:Descr
 USED_ELSEWHERE |= {"ec2:DescribeVpcs", "ec2:DescribeInternetGateways"}
 # and, with a customer managed default EBS key, its grants (test_a_customer_managed_default_ebs_key_...).
 USED_ELSEWHERE |= {"kms:ListGrants"}
+# a node type outside the table already running (test_a_running_type_outside_the_table_counts_...), and the grant
+# EC2 makes on `fab start`'s behalf for a customer managed default EBS key (test_a_start_of_nodes_whose_root_...).
+USED_ELSEWHERE |= {"ec2:DescribeInstanceTypes", "kms:CreateGrant"}
 USED: set[str] = set()
 
 

@@ -11,6 +11,7 @@ import boto3
 import pytest
 from botocore.stub import ANY, Stubber
 from conftest import REPO, moto_instances, tool_env
+from iampolicy import Request, evaluate
 
 from clusterops.aws.instances import start_and_refresh
 from clusterops.inventory import (
@@ -405,3 +406,20 @@ def test_access_ssm_keeps_the_instance_ids_session_manager_needs(aws_env, tmp_pa
     stop_nodes(built, ec2)
     fresh, line = start_cluster(built, ec2)
     assert [n.public_ip for n in fresh.nodes] == ids and f"head {ids[0]}" in line
+
+
+def test_a_start_of_nodes_whose_root_volumes_use_a_customer_managed_key_is_allowed_by_the_user_policy():
+    """A fresh read (session 30): the nodes' root volumes use the account's default EBS key; where that key is
+    customer managed, whoever calls StartInstances needs kms:CreateGrant on it, else the node goes pending, then
+    stopped, "Client.InternalError: Client error on launch" (AWS re:Post Knowledge Center, kms-iam-ec2-permission).
+    The user policy grants it for grants EC2 makes on the caller's behalf only."""
+    policy = json.loads((REPO / "docs" / "user-policy.json").read_text())
+    key = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+    through_ec2 = {"kms:GrantIsForAWSResource": "true", "kms:ViaService": "ec2.us-east-1.amazonaws.com"}
+    assert evaluate([policy], Request("kms:CreateGrant", key, through_ec2)).allowed
+    assert not evaluate(
+        [policy], Request("kms:CreateGrant", key, {**through_ec2, "kms:GrantIsForAWSResource": "false"})
+    ).allowed
+    assert not evaluate(
+        [policy], Request("kms:CreateGrant", key, {**through_ec2, "kms:ViaService": "s3.us-east-1.amazonaws.com"})
+    ).allowed

@@ -35,7 +35,7 @@ def prepare(
         # Every node would write the same /data folder at once: one node's start-over deletes another's files, and
         # the set left behind reads as prepared (meta.json matches), short of images.
         raise launch.LaunchError(
-            "--all-nodes copies a data set onto each node's own disk (imagenet --extra \"--stage-to PATH\"); "
+            '--all-nodes copies a data set onto each node\'s own disk (imagenet --extra "--stage-to PATH"); '
             f"{dataset} goes onto the shared /data once: run `fab data --dataset {dataset}` without --all-nodes"
         )
     pool = connections or remote.Connections(inv)
