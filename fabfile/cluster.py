@@ -155,8 +155,10 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
     Prepare a data set on /data from the head node (prepare.py), or on every node."""
     inv = load_inventory(c)
     dataprep.prepare(inv, dataset, shlex.split(extra), all_nodes, progress=progress)
-    if "--stage-to" in extra:
+    staged = dataprep.staged_to(shlex.split(extra))
+    if staged:
         print(
+            f"train from it: fab train --data {staged} (each node reads its own copy; without --data, /data)\n"
             "note: instance-store NVMe (e.g. /opt/dlami/nvme) is erased when a node stops (autostop, "
             "--then-stop, fab stop-cluster): run this `fab data` again after `fab start`"
         )

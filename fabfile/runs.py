@@ -51,6 +51,8 @@ _HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_ma
         "nodes": "use the first K nodes (of those not excluded)",
         "exclude": "leave these nodes out: ranks or names, comma-separated (e.g. 1,2 or node1)",
         "dataset": "data set under /data/datasets",
+        "data": "train from this folder on every node instead, e.g. the copy `fab data --extra "
+        '"--stage-to /opt/dlami/nvme/imagenet" --all-nodes` put on each node\'s NVMe',
         "follow": "stream the log until the run ends",
         "extra": "more train.py arguments, quoted",
         "stall_minutes": f"watchdog: end the run after this long without progress (fabric.yaml: {_STALL:g})",
@@ -72,9 +74,9 @@ _HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_ma
 )
 def train(
     c, recipe=None, run=None, steps=None, batch_per_gpu=None, precision=None, grad_compression=None, nodes=None,
-    exclude=None, dataset=None, follow=False, extra="", stall_minutes=None, start_minutes=None, master_port=None,
-    then_stop=False, max_restarts=None, min_nodes=None, hang_seconds=None, allow_tcp=False, budget_usd=None,
-    budget_margin=None, keep_nodes=False,
+    exclude=None, dataset=None, data=None, follow=False, extra="", stall_minutes=None, start_minutes=None,
+    master_port=None, then_stop=False, max_restarts=None, min_nodes=None, hang_seconds=None, allow_tcp=False,
+    budget_usd=None, budget_margin=None, keep_nodes=False,
 ):  # fmt: skip
     """Start a run across the nodes, supervised on the head node.
 
@@ -91,6 +93,7 @@ def train(
         nodes=whole_number(nodes, "--nodes"),
         exclude=tuple(part.strip() for part in (exclude or "").split(",") if part.strip()),
         dataset=dataset,
+        data=data,
         stall_minutes=number(stall_minutes or defaults["stall_minutes"], "--stall-minutes"),
         start_minutes=number(start_minutes or defaults["start_minutes"], "--start-minutes"),
         master_port=whole_number(master_port or defaults["master_port"], "--master-port"),

@@ -2,6 +2,7 @@
 shards), ImageNet layout checks and staging."""
 
 import contextlib
+import errno
 import http.server
 import io
 import json
@@ -190,6 +191,43 @@ def test_imagenet_layout_is_checked_and_staged_resumably(tmp_path, capsys):
         prepare.main(["imagenet", "--source", str(source), "--stage-to", f"{disk}/imagenet"])
         assert imagenet.scan(Path(disk) / "imagenet")["train"]["images"] == 6
     assert "2 classes, 6 train and 6 val images" in capsys.readouterr().out
+
+
+def test_a_finished_staging_leaves_its_marker_and_a_full_disk_ends_in_one_line_without_one(tmp_path, monkeypatch):
+    """A fresh read (session 30): ImageNet (~147 GB) onto g4dn.xlarge's 125 GB instance store ended in a traceback
+    and left a partial copy that nothing told apart from a whole one; every rank reads its own node's copy."""
+    source = _imagenet(tmp_path / "imagenet")
+    target = tmp_path / "nvme"
+    imagenet.stage(source, target)
+    total = sum(p.stat().st_size for p in source.rglob("*.JPEG"))
+    assert imagenet.staged_marker(target) == {"files": 12, "bytes": total, "source": str(source)}
+    copy, calls = shutil.copyfile, [0]
+
+    def fills_up(src, dst):
+        calls[0] += 1
+        if calls[0] > 4:
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        return copy(src, dst)
+
+    monkeypatch.setattr(imagenet.shutil, "copyfile", fills_up)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as disk:  # a file system of its own, as a node's NVMe
+        again = Path(disk) / "imagenet"
+        with pytest.raises(SystemExit) as full:
+            prepare.main(["imagenet", "--source", str(source), "--stage-to", str(again)])
+        message = str(full.value)
+        assert message.startswith(f"error: {again} is full after ") and "train from /data (no --data)" in message
+        assert "\n" not in message and imagenet.staged_marker(again) is None
+        assert not [p for p in again.rglob("*") if p.name.endswith(".tmp")]  # no half-written file left
+    monkeypatch.setattr(imagenet.shutil, "copyfile", copy)
+    (target / "train" / "n01440764" / "n01440764_0.JPEG").unlink()  # a staging under way: no marker until it ends
+    real_whole = imagenet._whole
+
+    def looks_midway(dst, size, write):
+        assert dst.name == imagenet.STAGED_MARKER or imagenet.staged_marker(target) is None
+        return real_whole(dst, size, write)
+
+    monkeypatch.setattr(imagenet, "_whole", looks_midway)
+    assert imagenet.stage(source, target) == (1, 11) and imagenet.staged_marker(target)["files"] == 12
 
 
 def test_staging_onto_the_root_file_system_is_refused_before_anything_is_copied(tmp_path, capsys):

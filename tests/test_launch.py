@@ -474,3 +474,5 @@ def test_data_on_every_node_runs_on_all_nodes_at_once_and_names_where_it_failed(
         with pytest.raises(launch.LaunchError, match="^--all-nodes copies a data set onto each node's own disk"):
             dataprep.prepare(inventory(), dataset, extra, True, said.append, connections=pool)
     assert len(said) == before  # nothing ran, nothing said, for the refused ones
+    assert dataprep.staged_to(["--stage-to", "/nvme/x"]) == dataprep.staged_to(["--stage-to=/nvme/x"]) == "/nvme/x"
+    assert dataprep.staged_to(["--source", "/data/datasets/imagenet"]) is None

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +179,11 @@ def test_a_resume_takes_the_runs_recipe_data_and_limits_unless_given():
             set(),
             "--dataset wmt16-en-de differs from run tiny's data",
         ),
+        (
+            launch.TrainRequest(run="tiny", data="/opt/dlami/nvme/numbers"),
+            set(),
+            "--data /opt/dlami/nvme/numbers differs from run tiny's data",
+        ),
     ],
 )
 def test_a_resume_with_another_recipe_or_data_set_is_one_line(request_, given, words):
@@ -339,6 +346,54 @@ def test_fab_stop_says_the_nodes_go_on_billing_unless_the_run_stops_them():
     assert terminal.after_stop_line(aws, then_stop) == terminal.then_stop_line(then_stop)
     assert terminal.then_stop_line(then_stop) == "the cluster is stopping (--then-stop): `fab start` brings it back"
     assert terminal.after_stop_line(inventory(), stopped) is None  # the emulated cluster bills nothing
+
+
+class _ThreeNodes(_HereConnection):
+    """The head node is this machine; the others are reached over the cluster's SSH, here their commands run on
+    this machine with their own disk's folder in place of the head's (tmp/nodeN for tmp/node0)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def run(self, command: str, **kwargs):
+        if command.startswith("timeout 20 ssh -F "):
+            *_, address, inner = shlex.split(command)
+            command = inner.replace(str(self.root / "node0"), str(self.root / f"node{address.rsplit('.', 1)[1]}"))
+        return super().run(command, **kwargs)
+
+
+def test_a_run_from_each_nodes_own_copy_needs_the_same_finished_staging_on_every_node(tmp_path):
+    """A fresh read (session 30): `fab data --stage-to PATH --all-nodes` copied ImageNet to each node's NVMe, and
+    nothing could train from it; `fab train --data PATH` now does, once every node of the run holds the same
+    finished staging (each rank reads its own node's copy); after a stop erased the instance store, the line says
+    to stage again, not to copy the data onto /data."""
+    nodes = [Node(r, f"node{r}", f"10.0.0.{r}", f"10.0.0.{r}") for r in range(3)]
+    inv = dataclasses.replace(inventory(), nodes=nodes)
+    data = str(tmp_path / "node0" / "imagenet")
+    marker = json.dumps({"files": 12, "bytes": 1300, "source": "/data/datasets/imagenet"})
+    for rank in range(3):
+        (tmp_path / f"node{rank}" / "imagenet" / "train").mkdir(parents=True)
+        (tmp_path / f"node{rank}" / "imagenet" / ".staged.json").write_text(marker)
+    check = lambda: lifecycle._check_copies(_ThreeNodes(tmp_path), inv, nodes, data, "imagenet")  # noqa: E731
+    check()
+    (tmp_path / "node2" / "imagenet" / ".staged.json").unlink()  # its staging was cut off (a full disk)
+    with pytest.raises(remote.RemoteError, match=r"copies at .* differ \(no finished staging on node2\): each node"):
+        check()
+    shutil.rmtree(tmp_path / "node1")  # a stop erased node1's instance store
+    with pytest.raises(remote.RemoteError) as missing:
+        check()
+    assert str(missing.value) == (
+        f"{data} is missing on node1: each node's own copy (a stop erases the instance store): stage it on every "
+        f'node with `fab data --dataset imagenet --extra "--stage-to {data}" --all-nodes`'
+    )
+    assert launch.on_each_node(inv, "/opt/dlami/nvme/imagenet") and not launch.on_each_node(inv, "/data/datasets/x")
+
+
+@pytest.mark.parametrize("bad", ["opt/dlami/nvme/imagenet", "/opt/../data", "/opt/my data", "/opt/$(id)"])
+def test_data_is_an_absolute_path_of_plain_names(bad):
+    with pytest.raises(launch.LaunchError, match=r"^invalid --data .*: an absolute path on the nodes"):
+        launch.TrainRequest(recipe="resnet50", data=bad).validate()
+    launch.TrainRequest(recipe="resnet50", data="/opt/dlami/nvme/imagenet/").validate()
 
 
 def test_follow_says_where_a_quiet_run_is(tmp_path):

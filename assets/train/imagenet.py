@@ -5,6 +5,8 @@ files already there with the same size are skipped."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import tempfile
@@ -72,27 +74,63 @@ def root_volume_error(target: Path, roots: tuple[str, ...] = ROOT_PATHS) -> Opti
     )
 
 
+# Written last into a staged copy: what was copied from where. A copy cut off (a full disk, a lost node) has none,
+# and `fab train --data` compares the nodes' markers: every rank must read the same files (its own ImageFolder).
+STAGED_MARKER = ".staged.json"
+
+
+class StageError(OSError):
+    """A staging that cannot finish, in one line (a full disk)."""
+
+
 def stage(source: Path, target: Path, log=print, workers: int = 16) -> tuple[int, int]:
-    """Copy source to target (atomic per file), skipping files already there with the same size. Each
-    directory's files are copied `workers` at a time: on EFS each file's open and read wait on the network
-    ("If you can parallelize your application ... you can drive higher throughput levels", EFS User Guide)."""
-    copied = skipped = 0
+    """Copy source to target (atomic per file), skipping files already there with the same size; then the marker
+    (STAGED_MARKER: files, bytes, source). Each directory's files are copied `workers` at a time: on EFS each file's
+    open and read wait on the network ("If you can parallelize your application ... you can drive higher
+    throughput levels", EFS User Guide). A full disk is a StageError naming what fits, with no marker."""
+    copied = skipped = size = 0
+    (target / STAGED_MARKER).unlink(missing_ok=True)  # a copy under way is no finished one
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for directory, _, files in os.walk(source):
             relative = Path(directory).relative_to(source)
             (target / relative).mkdir(parents=True, exist_ok=True)
             pairs = [(Path(directory) / name, target / relative / name) for name in files]
-            for was_copied in pool.map(_copy_one, pairs):
-                copied, skipped = copied + was_copied, skipped + (not was_copied)
-                if was_copied and copied % 10_000 == 0:
-                    log(f"  staged {copied} files")
+            try:
+                for was_copied, bytes_ in pool.map(_copy_one, pairs):
+                    copied, skipped, size = copied + was_copied, skipped + (not was_copied), size + bytes_
+                    if was_copied and copied % 10_000 == 0:
+                        log(f"  staged {copied} files")
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                raise StageError(_full(target, copied + skipped, size)) from None
+    marker = {"files": copied + skipped, "bytes": size, "source": str(source)}
+    _whole(target / STAGED_MARKER, -1, lambda tmp: Path(tmp).write_text(json.dumps(marker)))
     return copied, skipped
 
 
-def _copy_one(pair: tuple[Path, Path]) -> bool:
-    """Copy one file unless it is there with the same size; True when copied."""
+def _full(target: Path, files: int, size: int) -> str:
+    free = shutil.disk_usage(target).free
+    return (
+        f"{target} is full after {files} files ({size / 1e9:.1f} GB; {free / 1e9:.1f} GB left): this node's disk is "
+        "smaller than the data set (g4dn.xlarge's instance store is 125 GB): train from /data (no --data), or stage "
+        "onto a type with a larger instance store"
+    )
+
+
+def staged_marker(target: Path) -> Optional[dict]:
+    """The marker of a finished staging into `target`, None without one (never staged there, or cut off)."""
+    try:
+        return json.loads((target / STAGED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _copy_one(pair: tuple[Path, Path]) -> tuple[bool, int]:
+    """Copy one file unless it is there with the same size: (copied, its size)."""
     src, dst = pair
-    return _whole(dst, src.stat().st_size, lambda tmp: shutil.copyfile(src, tmp))
+    size = src.stat().st_size
+    return _whole(dst, size, lambda tmp: shutil.copyfile(src, tmp)), size
 
 
 def _whole(dst: Path, size: int, write: Callable[[str], object]) -> bool:

@@ -219,7 +219,10 @@ def prepare_imagenet(args: argparse.Namespace) -> None:
         f"{found['val']['images']} val images"
     )
     if args.stage_to:
-        copied, skipped = imagenet.stage(source, Path(args.stage_to))
+        try:
+            copied, skipped = imagenet.stage(source, Path(args.stage_to))
+        except imagenet.StageError as error:
+            sys.exit(f"error: {error}")
         print(f"staged into {args.stage_to}: {copied} copied, {skipped} already there")
 
 

@@ -31,7 +31,7 @@ def prepare(
             "--from fetches onto the shared /data once: run `fab data` with it alone first, "
             "then --stage-to with --all-nodes"
         )
-    if all_nodes and not any(a == "--stage-to" or a.startswith("--stage-to=") for a in extra_args):
+    if all_nodes and not staged_to(extra_args):
         # Every node would write the same /data folder at once: one node's start-over deletes another's files, and
         # the set left behind reads as prepared (meta.json matches), short of images.
         raise launch.LaunchError(
@@ -52,6 +52,16 @@ def prepare(
     failed = [f"{row['node']} ({row.get('error') or 'exit %d' % row['exited']})" for row in rows if _failed(row)]
     if failed:
         raise remote.RemoteError(f"prepare.py {dataset} failed on {', '.join(failed)}")
+
+
+def staged_to(extra_args: Sequence[str]) -> Optional[str]:
+    """The --stage-to folder of prepare.py's arguments (`fab data --extra`), None without one."""
+    for i, arg in enumerate(extra_args):
+        if arg.startswith("--stage-to="):
+            return arg.split("=", 1)[1]
+        if arg == "--stage-to" and i + 1 < len(extra_args):
+            return extra_args[i + 1]
+    return None
 
 
 def _run(conn: Connection, node: Node, argv: Sequence[str], say: Callable[[str], None], prefixed: bool) -> dict:

@@ -91,6 +91,10 @@ class TrainRequest:
             raise LaunchError(f"invalid --budget-margin {self.budget_margin:g}: 0 or more (0.2 = 20%)")
         if self.dataset is not None and not _RUN_NAME.match(self.dataset):
             raise LaunchError(f"invalid --dataset {self.dataset!r}: {NAME_RULE}")
+        if self.data is not None and (not _DATA_PATH.match(self.data) or ".." in self.data.split("/")):
+            raise LaunchError(
+                f"invalid --data {self.data!r}: an absolute path on the nodes, e.g. /opt/dlami/nvme/imagenet"
+            )
 
 
 def check_nodes(inventory: Inventory, request: TrainRequest, nodes: Optional[Sequence[Node]] = None) -> list[Node]:
@@ -113,6 +117,10 @@ class LaunchPlan:
     code_dir: str
     verdicts: tuple = ()
     budget: Optional[Budget] = None  # --budget-usd, priced
+
+
+# An absolute path of plain name characters: it travels in the run spec and shell commands on every node.
+_DATA_PATH = re.compile(r"^(/[A-Za-z0-9._-]+)+/?$")
 
 
 def data_path(inventory: Inventory, dataset: str) -> str:
@@ -217,8 +225,16 @@ def program_argv(inventory: Inventory, request: TrainRequest, code_dir: str) -> 
 
 
 def request_data(inventory: Inventory, request: TrainRequest) -> str:
-    """Where the run's data set is on the nodes."""
-    return request.data or data_path(inventory, request.dataset or default_dataset(request.recipe))
+    """Where the run's data set is on the nodes: --data (a staged copy on each node's own disk; a resumed run's
+    saved path), else the data set's folder on the shared /data."""
+    if request.data:
+        return request.data.rstrip("/")
+    return data_path(inventory, request.dataset or default_dataset(request.recipe))
+
+
+def on_each_node(inventory: Inventory, data: str) -> bool:
+    """Whether `data` is each node's own copy (outside the shared /data): every node must hold it."""
+    return not data.startswith(inventory.data_dir.rstrip("/") + "/")
 
 
 def trainer_args(inventory: Inventory, request: TrainRequest) -> list[str]:

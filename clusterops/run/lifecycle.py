@@ -29,6 +29,7 @@ from clusterops.nodes import records as noderecords
 from clusterops.nodes.view import detect_interface
 from clusterops.run import launch, logfilter
 from train import catalog
+from train.imagenet import STAGED_MARKER
 
 q = shlex.quote
 
@@ -114,7 +115,10 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.request_data(inventory, request)
     if "--synthetic" not in request.extra_args:
-        _check_data(connection, request.recipe, data_path, dataset)
+        own_copies = launch.on_each_node(inventory, data_path)
+        _check_data(connection, request.recipe, data_path, dataset, own_copies)
+        if own_copies:
+            _check_copies(connection, inventory, plan.nodes, data_path, dataset)
     spec = launch.train_spec(
         inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
     )
@@ -135,9 +139,9 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     return result["run"], int(result["log_offset"])
 
 
-def _check_data(connection: Connection, recipe: str, data_path: str, dataset: str) -> None:
+def _check_data(connection: Connection, recipe: str, data_path: str, dataset: str, own_copies: bool = False) -> None:
     """A prepared data set (meta.json or an image folder's train/) that the recipe can read: one line
-    before the launch (was: "started", then a failure on every rank)."""
+    before the launch (was: "started", then a failure on every rank). `own_copies`: each node's (--data)."""
     folder = f"test -d {q(data_path + '/train')} && echo folder || echo none"
     out = remote.sh(connection, f"{folder}; cat {q(data_path + '/meta.json')} 2>/dev/null || true")
     first, _, text = out.partition("\n")
@@ -146,10 +150,44 @@ def _check_data(connection: Connection, recipe: str, data_path: str, dataset: st
     except ValueError:
         meta = None
     if meta is None and first.strip() != "folder":
-        raise remote.RemoteError(f"no prepared data set at {data_path}: {catalog.missing_data(dataset)}")
+        how = _restage(data_path, dataset) if own_copies else catalog.missing_data(dataset)
+        raise remote.RemoteError(f"no prepared data set at {data_path}: {how}")
     mismatch = catalog.input_mismatch(recipe, PurePosixPath(data_path).name, meta, first.strip() == "folder")
     if mismatch:
         raise remote.RemoteError(mismatch)
+
+
+def _restage(data_path: str, dataset: str) -> str:
+    return (
+        "each node's own copy (a stop erases the instance store): stage it on every node with "
+        f'`fab data --dataset {dataset} --extra "--stage-to {data_path}" --all-nodes`'
+    )
+
+
+def _check_copies(connection: Connection, inventory: Inventory, nodes, data_path: str, dataset: str) -> None:
+    """--data outside /data: each node of the run reads its own copy (a staged one), so every node must hold it,
+    and where `fab data --stage-to` finished on one node, the same finished staging on all (one ImageFolder each:
+    ranks reading different files would train on different samples and classes, silently)."""
+    marker = q(f"{data_path}/{STAGED_MARKER}")
+    there = f"test -d {q(data_path + '/train')} -o -f {q(data_path + '/meta.json')}"
+    look = f"cat {marker} 2>/dev/null || {{ {there} && echo present || echo missing; }}"
+    found = {}
+    for node in nodes:
+        via = look if node.rank == inventory.head.rank else _on_node(inventory, node, look)
+        found[node.name] = remote.sh(connection, via, check=False).strip() or "missing"
+    missing = [name for name, said in found.items() if said == "missing"]
+    if missing:
+        raise remote.RemoteError(f"{data_path} is missing on {', '.join(missing)}: {_restage(data_path, dataset)}")
+    stagings = set(found.values())
+    if len(stagings) > 1 and any(said != "present" for said in stagings):
+        unfinished = [name for name, said in found.items() if said == "present"]
+        what = f"no finished staging on {', '.join(unfinished)}" if unfinished else "different stagings"
+        raise remote.RemoteError(f"the nodes' copies at {data_path} differ ({what}): {_restage(data_path, dataset)}")
+
+
+def _on_node(inventory: Inventory, node, command: str) -> str:
+    """`command` on another node, from the head over the cluster's own SSH (as the ranks are reached)."""
+    return f"timeout 20 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} {q(command)}"
 
 
 def follow_log(

@@ -68,6 +68,8 @@ def resumed(request: launch.TrainRequest, given: set[str], run: Saved, inventory
         raise launch.LaunchError(f"--recipe {request.recipe} differs from run {name}'s {recipe}: {KEEP}")
     if request.dataset is not None and launch.data_path(inventory, request.dataset) != data:
         raise launch.LaunchError(f"--dataset {request.dataset} differs from run {name}'s data {data}: {KEEP}")
+    if request.data is not None and request.data.rstrip("/") != data:
+        raise launch.LaunchError(f"--data {request.data} differs from run {name}'s data {data}: {KEEP}")
     kept: dict[str, Any] = {"recipe": recipe, "data": data}
     if request.budget_usd is None and run.budget and run.budget.usd:
         kept["budget_usd"] = run.budget.usd  # a new --budget-usd replaces the limit (never the spend)
