@@ -289,6 +289,39 @@ def _notice(run: Path, host: str, action_time: str = "") -> rundir.Interruption:
     return entry
 
 
+@pytest.mark.parametrize("whose", ["worker", "head-unrecorded", "fab-stop"])
+def test_row13_a_workers_spot_notice_during_a_restart_leaves_it_out_and_the_run_goes_on(tmp_path, whose):
+    """A fresh read (session 30): attempt 1 died; while the nodes were probed h2's watcher wrote its STOP and its
+    notice (Spot reclaims come in waves). The run ended "stopped during a restart" (and with --then-stop stopped
+    every node) though h1 could go on. A worker's recorded notice is now no reason to end: the plan drops h2 and
+    the STOP is taken back; the head's own notice not yet recorded, or any other STOP, still ends the run."""
+    script = Script()
+    script.started = 0
+    sup, mpirun, nodes = _supervisor(tmp_path, [1, 0], script, restarts=1)
+    said = {
+        "worker": "now: spot: node1 (i-2) will stop at 2030-01-01T00:00:00Z",
+        "head-unrecorded": "now: spot: node0 (i-1) will stop at 2030-01-01T00:00:00Z",
+        "fab-stop": "",
+    }[whose]
+
+    def probe_during_a_notice() -> None:
+        FakeNodes.probe_all(nodes)
+        (tmp_path / "STOP").write_text(said + "\n")
+        if whose == "worker":
+            _notice(tmp_path, "h2", "2030-01-01T00:00:00Z")
+
+    nodes.probe_all = probe_during_a_notice
+    sup.run_all()
+    if whose == "worker":
+        assert [s.hosts for s in mpirun.starts] == [("h1", "h2"), ("h1",)] and not (tmp_path / "STOP").exists()
+        assert json.loads((tmp_path / "restarts.json").read_text())[0]["dropped"] == {
+            "h2": "Spot stop at 2030-01-01T00:00:00Z"
+        }
+        assert "launcher: a Spot notice for node1 during the restart" in (tmp_path / "train.log").read_text()
+    else:
+        assert len(mpirun.starts) == 1 and _status(tmp_path)["state"] == "stopped"
+
+
 def test_row9_a_spot_notice_on_another_node_restarts_without_it(tmp_path):
     script = Script()
     script.started = 0  # the notice came during the attempt

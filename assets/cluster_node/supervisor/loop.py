@@ -294,11 +294,31 @@ class Supervisor:
             return self.outcome.then(State.FAILED, kind=EndKind.FORCED, reason=FORCED_REASON)
         if self.meter:  # the spend goes on while the nodes are probed
             self.meter.check(self.run, self.clock(), self.log)
-        if (self.run / rundir.STOP).exists():
-            return self.stopped_during_restart()
         assert self.observer is not None
-        notice = self.observer.own_notice()
-        return self.own_spot(notice, self.code) if notice is not None else None
+        notice = self.observer.own_notice()  # first: the head's own notice comes with a STOP too
+        if notice is not None:
+            return self.own_spot(notice, self.code)
+        if (self.run / rundir.STOP).exists() and not self.took_a_workers_notice():
+            return self.stopped_during_restart()
+        return None
+
+    def took_a_workers_notice(self) -> bool:
+        """A STOP a worker's Spot watcher wrote while the nodes are probed (its notice recorded, not this node's):
+        no reason to end the run; the plan leaves that node out, and the STOP must not reach the next attempt's
+        trainer. Any other STOP (fab stop, the budget, the head's own notice not yet recorded) ends it."""
+        assert self.observer is not None
+        try:
+            said = (self.run / rundir.STOP).read_text().strip()
+        except OSError:
+            return False
+        noticed = restart_plan.notices(self.run, self.observer.started)
+        workers = [e for host, e in noticed.items() if host != self.spec.supervisor_host]
+        named = [e for e in workers if said.startswith(f"{rundir.URGENT_STOP_WORD}: spot: node{e.node} ")]
+        if not named or self.spec.supervisor_host in noticed:
+            return False
+        (self.run / rundir.STOP).unlink(missing_ok=True)
+        self.log(f"launcher: a Spot notice for node{named[0].node} during the restart: the next attempt leaves it out")
+        return True
 
     def stopped_during_restart(self) -> Outcome:
         """Row 13: a STOP while restarting ends the run at its last checkpoint, resumable; the budget's line

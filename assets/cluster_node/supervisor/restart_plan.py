@@ -222,8 +222,8 @@ def plan(
     copy: bool = True,
 ) -> Plan:
     """Restart on the healthy nodes of the pool, the same global batch, from the newest state (ResumePoint;
-    `copy` False: none that must be copied to /data first); after a Spot notice (kind spot) the noticed nodes
-    are left out too: they still answer, for two minutes."""
+    `copy` False: none that must be copied to /data first); the nodes with a Spot notice since `since` are left
+    out too, whatever ended the attempt: they still answer, for two minutes."""
     history = rundir.read_list(run / rundir.RESTARTS, rundir.Restart)
     allowed = spec.limits.max_restarts
     if len(history) >= allowed:
@@ -233,9 +233,8 @@ def plan(
         return Plan(kept)
     global_batch, max_per_rank, fixed = kept
     verdicts = judge(run, spec.pool, spec.slots)
-    if kind == rundir.EndKind.SPOT:
-        for host, entry in notices(run, since).items():
-            verdicts[host] = [*verdicts.get(host, []), notice_line(entry)]
+    for host, entry in notices(run, since).items():  # whatever ended the attempt: a noticed node will go
+        verdicts[host] = [*verdicts.get(host, []), notice_line(entry)]
     healthy = tuple(h for h in spec.pool if not verdicts.get(h))
     dropped = {h: "; ".join(verdicts[h]) for h in spec.pool if verdicts.get(h)}
     named = ", ".join(f"{spec.name(h)} ({why})" for h, why in dropped.items())
