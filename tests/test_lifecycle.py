@@ -333,6 +333,37 @@ def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):
     assert (run / rundir.STOP).exists()
 
 
+def test_follow_ends_when_the_supervisor_is_gone_without_a_final_status(tmp_path):
+    """A fresh read (session 30): a head node lost without a Spot notice (notices are best effort), or a killed
+    supervisor, leaves run-status.json `running` for good: `--follow` printed "... at step N" forever."""
+    import io
+    import threading
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="running")))
+    (run / rundir.PROGRESS).write_text(json.dumps({"step": 7, "max_steps": 60}))
+    (run / rundir.TRAIN_LOG).write_text("step 1/60 (1%) | loss 7.2\n")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now
+    (run / rundir.LAUNCHER_PID).write_text(f"{gone.pid}\n")
+    with pytest.raises(remote.RemoteError) as ended:
+        lifecycle.follow_log(
+            _HereConnection(), here(inventory()), str(run), out=io.StringIO(), poll=0.1, timeout=15, quiet_s=0.3
+        )
+    assert str(ended.value) == (
+        f"the supervisor of {run} on the head node is gone without a final status (its node restarted, or it was "
+        "killed): `fab train --run r` continues from its checkpoint"
+    )
+    (run / rundir.LAUNCHER_PID).write_text(f"{os.getpid()}\n")  # alive: a quiet run is followed, not ended
+    finished = json.dumps(full_status(state="finished"))
+    threading.Timer(1.5, (run / rundir.RUN_STATUS).write_text, [finished]).start()
+    assert (
+        lifecycle.follow_log(_HereConnection(), here(inventory()), str(run), out=io.StringIO(), poll=0.1).state
+        == "finished"
+    )
+
+
 def test_fab_stop_says_the_nodes_go_on_billing_unless_the_run_stops_them():
     """A fifth read of the real path: after `fab stop` on AWS the nodes stay up, billed, until the idle watchdog
     (default 60 min) stops them; nothing said so. A run launched with --then-stop stops them itself."""

@@ -22,6 +22,7 @@ from invoke.exceptions import CommandTimedOut
 
 from cluster_node.protocol import rundir
 from cluster_node.protocol.rundir import Progress, RunState, RunStatus
+from clusterops import terminal
 from clusterops.inventory import Inventory
 from clusterops.nodes import command as nodecmd
 from clusterops.nodes import health, remote
@@ -226,6 +227,7 @@ def follow_log(
             offset += len(chunk.encode())
             heard = time.monotonic()
         elif follow and time.monotonic() - heard >= quiet_s:
+            _refuse_orphaned(connection, inventory, run_dir)
             out.write(_quiet_line(connection, inventory, run_dir, time.monotonic() - heard))
             out.flush()
             heard = time.monotonic()
@@ -257,6 +259,24 @@ def follow_to_end(
     if on_state:
         on_state(state)
     return state, then_stop_outcome(connection, inventory, run_dir, state.status or status)
+
+
+def _refuse_orphaned(connection: Connection, inventory: Inventory, run_dir: str) -> None:
+    """A run that says `running` whose supervisor is gone (its head node lost without a notice and back, the
+    process killed) writes nothing more: a follower would wait forever. Its status is read again after the pid,
+    since a supervisor that just ended wrote its final status first. No pid file: not known, go on."""
+    pid_file = q(f"{run_dir}/{rundir.LAUNCHER_PID}")
+    check = (
+        f'p=$(cat {pid_file} 2>/dev/null) && {{ kill -0 "$p" 2>/dev/null && echo alive || echo dead; }} || echo unknown'
+    )
+    if remote.sh(connection, check, check=False).strip() != "dead":
+        return
+    status = noderecords.read(connection, inventory, run_dir, rundir.RUN_STATUS).status
+    if status is not None and status.state == RunState.RUNNING:
+        raise remote.RemoteError(
+            f"the supervisor of {run_dir} on the head node is gone without a final status (its node restarted, or "
+            f"it was killed): {terminal.resume_hint(run_dir)}"
+        )
 
 
 def _quiet_line(connection: Connection, inventory: Inventory, run_dir: str, quiet: float) -> str:
