@@ -157,8 +157,11 @@ def data(c, dataset="numbers", extra="", all_nodes=False):
     dataprep.prepare(inv, dataset, shlex.split(extra), all_nodes, progress=progress)
     staged = dataprep.staged_to(shlex.split(extra))
     if staged:
+        every = all_nodes or len(inv.nodes) == 1
+        train = f"train from it: fab train --data {staged} (each node reads its own copy; without --data, /data)"
+        only = "only the head node holds this copy: `fab train --data` needs one on every node (--all-nodes)"
         print(
-            f"train from it: fab train --data {staged} (each node reads its own copy; without --data, /data)\n"
+            (train if every else only) + "\n"
             "note: instance-store NVMe (e.g. /opt/dlami/nvme) is erased when a node stops (autostop, "
             "--then-stop, fab stop-cluster): run this `fab data` again after `fab start`"
         )

@@ -51,7 +51,7 @@ _HANG, _MARGIN = launch.TrainRequest.hang_seconds, launch.TrainRequest.budget_ma
         "nodes": "use the first K nodes (of those not excluded)",
         "exclude": "leave these nodes out: ranks or names, comma-separated (e.g. 1,2 or node1)",
         "dataset": "data set under /data/datasets",
-        "data": "train from this folder on every node instead, e.g. the copy `fab data --extra "
+        "data": "train from this folder on every node instead, e.g. the copy `fab data --dataset imagenet --extra "
         '"--stage-to /opt/dlami/nvme/imagenet" --all-nodes` put on each node\'s NVMe',
         "follow": "stream the log until the run ends",
         "extra": "more train.py arguments, quoted",

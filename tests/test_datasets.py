@@ -201,6 +201,7 @@ def test_a_finished_staging_leaves_its_marker_and_a_full_disk_ends_in_one_line_w
     imagenet.stage(source, target)
     total = sum(p.stat().st_size for p in source.rglob("*.JPEG"))
     assert imagenet.staged_marker(target) == {"files": 12, "bytes": total, "source": str(source)}
+    assert not (target / imagenet.STAGING_MARKER).exists()  # written first, removed last
     copy, calls = shutil.copyfile, [0]
 
     def fills_up(src, dst):
@@ -217,6 +218,7 @@ def test_a_finished_staging_leaves_its_marker_and_a_full_disk_ends_in_one_line_w
         message = str(full.value)
         assert message.startswith(f"error: {again} is full after ") and "train from /data (no --data)" in message
         assert "\n" not in message and imagenet.staged_marker(again) is None
+        assert (again / imagenet.STAGING_MARKER).exists()  # `fab train --data` tells it from a finished copy
         assert not [p for p in again.rglob("*") if p.name.endswith(".tmp")]  # no half-written file left
     monkeypatch.setattr(imagenet.shutil, "copyfile", copy)
     (target / "train" / "n01440764" / "n01440764_0.JPEG").unlink()  # a staging under way: no marker until it ends

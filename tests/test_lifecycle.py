@@ -345,23 +345,30 @@ def test_follow_ends_when_the_supervisor_is_gone_without_a_final_status(tmp_path
     (run / rundir.PROGRESS).write_text(json.dumps({"step": 7, "max_steps": 60}))
     (run / rundir.TRAIN_LOG).write_text("step 1/60 (1%) | loss 7.2\n")
     gone = subprocess.Popen(["true"])
-    gone.wait()  # a pid no process has now
-    (run / rundir.LAUNCHER_PID).write_text(f"{gone.pid}\n")
-    with pytest.raises(remote.RemoteError) as ended:
-        lifecycle.follow_log(
-            _HereConnection(), here(inventory()), str(run), out=io.StringIO(), poll=0.1, timeout=15, quiet_s=0.3
+    gone.wait()  # a pid no process has now; and this process's own: a new container gave the pid to another
+    for pid in (gone.pid, os.getpid()):
+        (run / rundir.LAUNCHER_PID).write_text(f"{pid}\n")
+        with pytest.raises(remote.RemoteError) as ended:
+            lifecycle.follow_log(
+                _HereConnection(), here(inventory()), str(run), out=io.StringIO(), poll=0.1, timeout=15, quiet_s=0.3
+            )
+        assert str(ended.value) == (
+            f"the supervisor of {run} on the head node is gone without a final status (its node restarted, or it "
+            "was killed): `fab train --run r` continues from its checkpoint"
         )
-    assert str(ended.value) == (
-        f"the supervisor of {run} on the head node is gone without a final status (its node restarted, or it was "
-        "killed): `fab train --run r` continues from its checkpoint"
-    )
-    (run / rundir.LAUNCHER_PID).write_text(f"{os.getpid()}\n")  # alive: a quiet run is followed, not ended
+    # a supervisor alive (its module in its command line): a quiet run is followed, not ended
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)", lifecycle.SUPERVISOR_MODULE])
+    (run / rundir.LAUNCHER_PID).write_text(f"{alive.pid}\n")
     finished = json.dumps(full_status(state="finished"))
     threading.Timer(1.5, (run / rundir.RUN_STATUS).write_text, [finished]).start()
-    assert (
-        lifecycle.follow_log(_HereConnection(), here(inventory()), str(run), out=io.StringIO(), poll=0.1).state
-        == "finished"
-    )
+    out = io.StringIO()
+    try:
+        ended_well = lifecycle.follow_log(
+            _HereConnection(), here(inventory()), str(run), out=out, poll=0.1, quiet_s=0.3
+        )
+    finally:
+        alive.kill()
+    assert ended_well and ended_well.state == "finished" and "  ... at step 7/60 (" in out.getvalue()
 
 
 def test_fab_stop_says_the_nodes_go_on_billing_unless_the_run_stops_them():
@@ -410,6 +417,13 @@ def test_a_run_from_each_nodes_own_copy_needs_the_same_finished_staging_on_every
     (tmp_path / "node2" / "imagenet" / ".staged.json").unlink()  # its staging was cut off (a full disk)
     with pytest.raises(remote.RemoteError, match=r"copies at .* differ \(no finished staging on node2\): each node"):
         check()
+    (tmp_path / "node2" / "imagenet" / ".staging").touch()  # and says so: a staging cut off, marked at its start
+    with pytest.raises(remote.RemoteError, match=r"imagenet holds a staging cut off on node2: each node's own copy"):
+        check()
+    for rank in range(3):  # copied by hand (no staging's markers at all): each node's copy, as it is
+        for name in (".staging", ".staged.json"):
+            (tmp_path / f"node{rank}" / "imagenet" / name).unlink(missing_ok=True)
+    check()
     shutil.rmtree(tmp_path / "node1")  # a stop erased node1's instance store
     with pytest.raises(remote.RemoteError) as missing:
         check()

@@ -107,6 +107,27 @@ def test_a_notice_for_a_node_outside_the_runs_attempt_is_recorded_and_stops_noth
     assert (run / "STOP").exists()
 
 
+def test_the_notice_is_recorded_before_the_stop_is_appended_and_a_failed_record_still_stops(tmp_path, monkeypatch):
+    """The supervisor tells a worker's notice from any other STOP by the record (loop.took_a_workers_notice): the
+    record comes first; the STOP is appended, so a `fab stop` already there stays; a failed record still stops."""
+    run = a_run(tmp_path)
+    (run / "STOP").write_text("fab stop\n")
+    seen = []
+    real = spotwatch.record
+    monkeypatch.setattr(spotwatch, "record", lambda r, e: seen.append((run / "STOP").read_text()) or real(r, e))
+    spotwatch.handle(spotwatch.Notice("stop", "t"), tmp_path, "1", None, now=0.0, host=None)
+    assert seen == ["fab stop\n"] and (run / "STOP").read_text() == "fab stop\nnow: spot: node1 will stop at t\n"
+    (run / "STOP").unlink()
+
+    def fails(r, e):
+        raise OSError("EFS: stale file handle")
+
+    monkeypatch.setattr(spotwatch, "record", fails)
+    with pytest.raises(OSError):
+        spotwatch.handle(spotwatch.Notice("stop", "t"), tmp_path, "1", None, now=0.0, host=None)
+    assert (run / "STOP").read_text() == "now: spot: node1 will stop at t\n"
+
+
 def test_an_unreachable_metadata_service_is_logged_once_and_polling_goes_on(tmp_path, capsys):
     watcher = spotwatch.Watcher(
         tmp_path, "0", None, read=lambda: spotwatch.instance_action("http://127.0.0.1:1", timeout=0.2)

@@ -289,7 +289,7 @@ def _notice(run: Path, host: str, action_time: str = "") -> rundir.Interruption:
     return entry
 
 
-@pytest.mark.parametrize("whose", ["worker", "head-unrecorded", "fab-stop"])
+@pytest.mark.parametrize("whose", ["worker", "head-unrecorded", "fab-stop", "fab-stop-after-a-notice"])
 def test_row13_a_workers_spot_notice_during_a_restart_leaves_it_out_and_the_run_goes_on(tmp_path, whose):
     """A fresh read (session 30): attempt 1 died; while the nodes were probed h2's watcher wrote its STOP and its
     notice (Spot reclaims come in waves). The run ended "stopped during a restart" (and with --then-stop stopped
@@ -302,13 +302,14 @@ def test_row13_a_workers_spot_notice_during_a_restart_leaves_it_out_and_the_run_
         "worker": "now: spot: node1 (i-2) will stop at 2030-01-01T00:00:00Z",
         "head-unrecorded": "now: spot: node0 (i-1) will stop at 2030-01-01T00:00:00Z",
         "fab-stop": "",
+        "fab-stop-after-a-notice": "now: spot: node1 (i-2) will stop at 2030-01-01T00:00:00Z\nfab stop",
     }[whose]
 
     def probe_during_a_notice() -> None:
         FakeNodes.probe_all(nodes)
+        if whose in ("worker", "fab-stop-after-a-notice"):
+            _notice(tmp_path, "h2", "2030-01-01T00:00:00Z")  # recorded first, then the STOP (spotwatch.handle)
         (tmp_path / "STOP").write_text(said + "\n")
-        if whose == "worker":
-            _notice(tmp_path, "h2", "2030-01-01T00:00:00Z")
 
     nodes.probe_all = probe_during_a_notice
     sup.run_all()
@@ -317,9 +318,37 @@ def test_row13_a_workers_spot_notice_during_a_restart_leaves_it_out_and_the_run_
         assert json.loads((tmp_path / "restarts.json").read_text())[0]["dropped"] == {
             "h2": "Spot stop at 2030-01-01T00:00:00Z"
         }
-        assert "launcher: a Spot notice for node1 during the restart" in (tmp_path / "train.log").read_text()
+        assert (
+            "launcher: a Spot notice during the restart (now: spot: node1 (i-2) will stop"
+            in (tmp_path / "train.log").read_text()
+        )
     else:
         assert len(mpirun.starts) == 1 and _status(tmp_path)["state"] == "stopped"
+
+
+def test_row14_a_workers_notice_that_lands_while_the_restart_is_planned_is_planned_again_without_it(tmp_path):
+    """The review of the fix above: the plan (h1, h2) was made, h2's snapshot was being copied to /data (minutes),
+    and h2's notice landed then: its STOP was taken back, and the next attempt must not run on h2 all the same."""
+    script = Script()
+    script.started = 0
+    sup, mpirun, nodes = _supervisor(tmp_path, [1, 0], script, restarts=1)
+
+    def both_healthy_h2_newest() -> None:
+        (tmp_path / "probes").mkdir(exist_ok=True)
+        for host, step in {"h1": 35, "h2": 36}.items():
+            facts = {**json.loads(HEALTHY), "snapshots": {tmp_path.resolve().name: {"step": step, "bytes": 1}}}
+            (tmp_path / "probes" / host).write_text(json.dumps(facts))
+
+    def copy_then_noticed(host: str, step: int, size: int = 0) -> Optional[str]:
+        nodes.calls.append(("persist", host, step))
+        if len([c for c in nodes.calls if c[0] == "persist"]) == 1:
+            _notice(tmp_path, "h2", "2030-01-01T00:00:00Z")
+            (tmp_path / "STOP").write_text("now: spot: node1 (i-2) will stop at 2030-01-01T00:00:00Z\n")
+        return None  # the copy did not finish: the plan falls back to what the next nodes hold
+
+    nodes.probe_all, nodes.persist_snapshot = both_healthy_h2_newest, copy_then_noticed
+    sup.run_all()
+    assert [s.hosts for s in mpirun.starts] == [("h1", "h2"), ("h1",)] and not (tmp_path / "STOP").exists()
 
 
 def test_row9_a_spot_notice_on_another_node_restarts_without_it(tmp_path):

@@ -74,9 +74,11 @@ def root_volume_error(target: Path, roots: tuple[str, ...] = ROOT_PATHS) -> Opti
     )
 
 
-# Written last into a staged copy: what was copied from where. A copy cut off (a full disk, a lost node) has none,
-# and `fab train --data` compares the nodes' markers: every rank must read the same files (its own ImageFolder).
+# Written last into a staged copy: what was copied from where. A copy cut off (a full disk, a lost node) has none
+# and keeps STAGING_MARKER, written first; `fab train --data` compares the nodes' markers: every rank must read the
+# same files (each its own ImageFolder).
 STAGED_MARKER = ".staged.json"
+STAGING_MARKER = ".staging"
 
 
 class StageError(OSError):
@@ -89,13 +91,15 @@ def stage(source: Path, target: Path, log=print, workers: int = 16) -> tuple[int
     open and read wait on the network ("If you can parallelize your application ... you can drive higher
     throughput levels", EFS User Guide). A full disk is a StageError naming what fits, with no marker."""
     copied = skipped = size = 0
-    (target / STAGED_MARKER).unlink(missing_ok=True)  # a copy under way is no finished one
+    target.mkdir(parents=True, exist_ok=True)
+    (target / STAGING_MARKER).touch()  # a copy under way (or cut off) is no finished one
+    (target / STAGED_MARKER).unlink(missing_ok=True)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for directory, _, files in os.walk(source):
             relative = Path(directory).relative_to(source)
-            (target / relative).mkdir(parents=True, exist_ok=True)
             pairs = [(Path(directory) / name, target / relative / name) for name in files]
             try:
+                (target / relative).mkdir(parents=True, exist_ok=True)
                 for was_copied, bytes_ in pool.map(_copy_one, pairs):
                     copied, skipped, size = copied + was_copied, skipped + (not was_copied), size + bytes_
                     if was_copied and copied % 10_000 == 0:
@@ -106,6 +110,7 @@ def stage(source: Path, target: Path, log=print, workers: int = 16) -> tuple[int
                 raise StageError(_full(target, copied + skipped, size)) from None
     marker = {"files": copied + skipped, "bytes": size, "source": str(source)}
     _whole(target / STAGED_MARKER, -1, lambda tmp: Path(tmp).write_text(json.dumps(marker)))
+    (target / STAGING_MARKER).unlink()
     return copied, skipped
 
 

@@ -25,7 +25,8 @@ from train.config import ConfigError, TrainConfig, resolve_precision
 
 def _urgent(stop_file: Path) -> bool:
     try:
-        return re.match(rf"\s*{rundir.URGENT_STOP_WORD}\b", stop_file.read_text()) is not None
+        # Any line: a Spot watcher appends its `now: spot: ...` after a `fab stop` already there.
+        return re.search(rf"^\s*{rundir.URGENT_STOP_WORD}\b", stop_file.read_text(), re.M) is not None
     except OSError:  # removed meanwhile
         return False
 

@@ -30,7 +30,7 @@ from clusterops.nodes import records as noderecords
 from clusterops.nodes.view import detect_interface
 from clusterops.run import launch, logfilter
 from train import catalog
-from train.imagenet import STAGED_MARKER
+from train.imagenet import STAGED_MARKER, STAGING_MARKER
 
 q = shlex.quote
 
@@ -159,9 +159,10 @@ def _check_data(connection: Connection, recipe: str, data_path: str, dataset: st
 
 
 def _restage(data_path: str, dataset: str) -> str:
+    """How each node's copy is made again (imagenet: the only data set prepare.py stages)."""
     return (
         "each node's own copy (a stop erases the instance store): stage it on every node with "
-        f'`fab data --dataset {dataset} --extra "--stage-to {data_path}" --all-nodes`'
+        f'`fab data --dataset imagenet --extra "--stage-to {data_path}" --all-nodes`'
     )
 
 
@@ -169,20 +170,25 @@ def _check_copies(connection: Connection, inventory: Inventory, nodes, data_path
     """--data outside /data: each node of the run reads its own copy (a staged one), so every node must hold it,
     and where `fab data --stage-to` finished on one node, the same finished staging on all (one ImageFolder each:
     ranks reading different files would train on different samples and classes, silently)."""
-    marker = q(f"{data_path}/{STAGED_MARKER}")
+    unfinished, marker = q(f"{data_path}/{STAGING_MARKER}"), q(f"{data_path}/{STAGED_MARKER}")
     there = f"test -d {q(data_path + '/train')} -o -f {q(data_path + '/meta.json')}"
-    look = f"cat {marker} 2>/dev/null || {{ {there} && echo present || echo missing; }}"
+    look = f"if test -e {unfinished}; then echo unfinished; else cat {marker} 2>/dev/null || "
+    look += f"{{ {there} && echo present || echo missing; }}; fi"
     found = {}
     for node in nodes:
         via = look if node.rank == inventory.head.rank else _on_node(inventory, node, look)
-        found[node.name] = remote.sh(connection, via, check=False).strip() or "missing"
-    missing = [name for name, said in found.items() if said == "missing"]
-    if missing:
-        raise remote.RemoteError(f"{data_path} is missing on {', '.join(missing)}: {_restage(data_path, dataset)}")
+        found[node.name] = remote.sh(connection, via, check=False).strip() or "unreachable"
+    for state in ("unreachable", "missing", "unfinished"):
+        named = [name for name, said in found.items() if said == state]
+        if named and state == "unreachable":
+            raise remote.RemoteError(f"{data_path} could not be looked for on {', '.join(named)}: `fab check` first")
+        if named:
+            where = "is missing" if state == "missing" else "holds a staging cut off"
+            raise remote.RemoteError(f"{data_path} {where} on {', '.join(named)}: {_restage(data_path, dataset)}")
     stagings = set(found.values())
     if len(stagings) > 1 and any(said != "present" for said in stagings):
-        unfinished = [name for name, said in found.items() if said == "present"]
-        what = f"no finished staging on {', '.join(unfinished)}" if unfinished else "different stagings"
+        unmarked = [name for name, said in found.items() if said == "present"]
+        what = f"no finished staging on {', '.join(unmarked)}" if unmarked else "different stagings"
         raise remote.RemoteError(f"the nodes' copies at {data_path} differ ({what}): {_restage(data_path, dataset)}")
 
 
@@ -261,14 +267,17 @@ def follow_to_end(
     return state, then_stop_outcome(connection, inventory, run_dir, state.status or status)
 
 
+SUPERVISOR_MODULE = "cluster_node.supervisor.loop"  # in its command line (cluster_node.programs.start)
+
+
 def _refuse_orphaned(connection: Connection, inventory: Inventory, run_dir: str) -> None:
     """A run that says `running` whose supervisor is gone (its head node lost without a notice and back, the
     process killed) writes nothing more: a follower would wait forever. Its status is read again after the pid,
     since a supervisor that just ended wrote its final status first. No pid file: not known, go on."""
     pid_file = q(f"{run_dir}/{rundir.LAUNCHER_PID}")
-    check = (
-        f'p=$(cat {pid_file} 2>/dev/null) && {{ kill -0 "$p" 2>/dev/null && echo alive || echo dead; }} || echo unknown'
-    )
+    # Alive only as the supervisor: a new container numbers its processes from 1 again, so the pid may be another's.
+    alive = f'kill -0 "$p" 2>/dev/null && tr "\\0" " " < /proc/"$p"/cmdline | grep -q {q(SUPERVISOR_MODULE)}'
+    check = f"p=$(cat {pid_file} 2>/dev/null) && {{ {alive} && echo alive || echo dead; }} || echo unknown"
     if remote.sh(connection, check, check=False).strip() != "dead":
         return
     status = noderecords.read(connection, inventory, run_dir, rundir.RUN_STATUS).status
@@ -337,7 +346,8 @@ def request_stop(
 ) -> RunStatus:
     """Graceful stop: the trainer checkpoints at the next step, then exits. Every `every` seconds of the
     wait, what it waits for (an eval already under way finishes first)."""
-    remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.STOP}')}")
+    # A line of its own, appended: a Spot watcher's `now: spot: ...` already there must not pass for this stop.
+    remote.sh(connection, f"printf 'fab stop\\n' >> {q(f'{run_dir}/{rundir.STOP}')}")
     started = time.monotonic()
     told = started
     while time.monotonic() < started + wait:

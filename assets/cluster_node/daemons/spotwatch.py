@@ -100,20 +100,21 @@ def handle(
         return f"{what}; no run going"
     step = _step(run)
     stops = _in_the_run(run, host)
-    if stops:
-        (run / rundir.STOP).write_text(f"{URGENT_STOP}: {what}\n")
-    record(
-        run,
-        {
-            "node": int(rank) if rank.isdigit() else rank,
-            "instance_id": instance_id,
-            "host": host,
-            "action": notice.action,
-            "action_time": notice.time,
-            "step": step,
-            "noticed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-        },
-    )
+    entry = {
+        "node": int(rank) if rank.isdigit() else rank,
+        "instance_id": instance_id,
+        "host": host,
+        "action": notice.action,
+        "action_time": notice.time,
+        "step": step,
+        "noticed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+    }
+    try:  # the record first: a supervisor that finds the STOP finds whose notice it is (loop.took_a_workers_notice)
+        record(run, entry)
+    finally:  # the STOP even when the record failed: the checkpoint comes first
+        if stops:  # appended: a `fab stop` or another node's notice already there stays
+            with open(run / rundir.STOP, "a") as stop:
+                stop.write(f"{URGENT_STOP}: {what}\n")
     line = f"{what}; asked {run.name} to checkpoint now (last step {step}); resume: fab train --run {run.name}"
     if not stops:  # recorded all the same: a later restart leaves the node out
         line = f"{what}; not in {run.name}'s current attempt: the run goes on without it"

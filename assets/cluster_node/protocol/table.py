@@ -68,7 +68,13 @@ FILES: tuple[ProtocolFile, ...] = (
         rd.SPEC, "JSON RunSpec (cluster_node.protocol.spec)", "fab train; supervisor (restart)", "supervisor, autostop"
     ),
     _run(f"{rd.SPECS}/{rd.SPEC_ATTEMPT}", "JSON RunSpec of attempt N", "fab train; supervisor", "people"),
-    _run(rd.STOP, "empty, or `now: WHY`", "fab stop; spotwatch; supervisor (--budget-usd)", "trainer (rank 0)"),
+    _run(
+        rd.STOP,
+        "lines appended: `fab stop`, `now: spot: nodeN ...` (recorded in interruptions.json first), or the budget's "
+        "`now: WHY` (any `now` line: no eval)",
+        "fab stop; spotwatch; supervisor (--budget-usd)",
+        "trainer (rank 0); supervisor (a worker's notice during a restart)",
+    ),
     _run(rd.FORCED, "empty", "fab stop --force", "supervisor"),
     _run(rd.LAUNCHER_PID, "the supervisor's pid on the head node", "supervisor", "fab (kill -0 on the head)"),
     _run(rd.MPIRUN_PID, "pid on the head node", "supervisor", "fab stop --force"),

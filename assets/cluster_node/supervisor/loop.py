@@ -303,22 +303,29 @@ class Supervisor:
         return None
 
     def took_a_workers_notice(self) -> bool:
-        """A STOP a worker's Spot watcher wrote while the nodes are probed (its notice recorded, not this node's):
-        no reason to end the run; the plan leaves that node out, and the STOP must not reach the next attempt's
-        trainer. Any other STOP (fab stop, the budget, the head's own notice not yet recorded) ends it."""
+        """A STOP only workers' Spot watchers wrote while the nodes are probed (each line a notice they recorded
+        first, none this node's): no reason to end the run; the plan leaves those nodes out, and the STOP must not
+        reach the next attempt's trainer. Any other line (fab stop's, the budget's, an empty STOP) ends it."""
         assert self.observer is not None
         try:
-            said = (self.run / rundir.STOP).read_text().strip()
+            lines = (self.run / rundir.STOP).read_text().splitlines()
         except OSError:
             return False
         noticed = restart_plan.notices(self.run, self.observer.started)
-        workers = [e for host, e in noticed.items() if host != self.spec.supervisor_host]
-        named = [e for e in workers if said.startswith(f"{rundir.URGENT_STOP_WORD}: spot: node{e.node} ")]
-        if not named or self.spec.supervisor_host in noticed:
+        if not lines or self.spec.supervisor_host in noticed or (self.meter and self.meter.stopped):
+            return False
+        workers = [f"{rundir.URGENT_STOP_WORD}: spot: node{e.node} " for e in noticed.values()]
+        if not all(any(line.startswith(worker) for worker in workers) for line in lines):
             return False
         (self.run / rundir.STOP).unlink(missing_ok=True)
-        self.log(f"launcher: a Spot notice for node{named[0].node} during the restart: the next attempt leaves it out")
+        self.log(f"launcher: a Spot notice during the restart ({lines[0]}): the next attempt leaves that node out")
         return True
+
+    def noticed_in(self, plan: restart_plan.Plan) -> bool:
+        """Whether a node of the planned attempt has a Spot notice (one that landed after the plan was made)."""
+        assert self.observer is not None
+        noticed = restart_plan.notices(self.run, self.observer.started)
+        return plan.spec is not None and any(host in noticed for host in plan.spec.hosts)
 
     def stopped_during_restart(self) -> Outcome:
         """Row 13: a STOP while restarting ends the run at its last checkpoint, resumable; the budget's line
@@ -344,6 +351,8 @@ class Supervisor:
         stopped = self.interrupted()  # a snapshot's copy can take minutes: a stop meanwhile wins
         if stopped is not None:
             return stopped
+        if self.noticed_in(plan):  # a worker's notice landed while planning: plan again, without it
+            plan = self.planned()
         if plan.spec is None or plan.record is None:
             return self.outcome.then(State.FAILED, reason=f"{self.reason}; {plan.line}")
         self.log(f"launcher: {self.reason}; {plan.line}")
