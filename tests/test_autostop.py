@@ -563,6 +563,40 @@ def test_then_stop_stops_each_node_on_its_own_and_retries_a_pending_one(monkeypa
     ]
 
 
+def test_the_node_that_stops_the_cluster_stops_itself_last(monkeypatch, capsys):
+    """A fresh read (session 30): StopInstances on its own node shuts that node's OS down, and the container with
+    `--stop-now` (or the watchdog) goes with it; stopped in id order, the head's stop came before the others'
+    and they billed until their own watchdogs stopped them (--then-stop's run end + idle_minutes)."""
+    ids = [("i-0aaaaaaaaaaaaaaa1", "running"), ("i-0aaaaaaaaaaaaaaa2", "running"), ("i-0aaaaaaaaaaaaaaa3", "running")]
+    ec2, stubber = _stop_stub(ids)
+    for instance in ("i-0aaaaaaaaaaaaaaa2", "i-0aaaaaaaaaaaaaaa3", "i-0aaaaaaaaaaaaaaa1"):
+        stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": [instance]})
+    with stubber:
+        assert autostop.stop_now(ec2, "c", own="i-0aaaaaaaaaaaaaaa1") == 0
+        stubber.assert_no_pending_responses()  # in this order: the caller's own node last
+    assert capsys.readouterr().out.splitlines()[-1].startswith("autostop: run ended; stopping ['i-0aaaaaaaaaaaaaaa1',")
+
+
+def test_a_watchdog_without_its_instance_id_asks_again_and_beats_once_it_answers(tmp_path):
+    """A fresh read (session 30): the container had no INSTANCE_ID and IMDS did not answer its one question at
+    start: no heartbeat for the whole boot, and the alarm (missing data is idle) stopped the node, busy or not."""
+    beats = []
+
+    class Cloudwatch:
+        def put_metric_data(self, Namespace, MetricData):
+            beats.append(MetricData[0]["Dimensions"][0]["Value"])
+
+    answers = iter([None, "i-0123456789abcdef0"])
+    dog = autostop.Watchdog(60.0, 60.0, tmp_path / "state.json", "boot-1")
+    sources = autostop.Sources(tmp_path / "no-terminals", 4444, tmp_path / "no-marks")
+    loop = autostop.Loop(tmp_path, "0", dog, None, Cloudwatch(), None, "c", sources)
+    loop.identify = lambda: next(answers, "i-0123456789abcdef0")
+    loop.round(1000.0)
+    assert beats == []
+    loop.round(1060.0)
+    assert beats == ["i-0123456789abcdef0"] and loop.instance_id == "i-0123456789abcdef0"
+
+
 def test_a_node_that_refuses_every_try_is_named_and_the_others_still_stop(monkeypatch, capsys):
     ec2, stubber = _stop_stub([("i-0aaaaaaaaaaaaaaa1", "pending"), ("i-0aaaaaaaaaaaaaaa2", "running")])
     _refused(stubber, "i-0aaaaaaaaaaaaaaa1")

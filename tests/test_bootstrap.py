@@ -68,6 +68,7 @@ def test_first_run_mounts_efs_via_fstab_builds_and_starts_the_container_and_sign
         "-e IDLE_MINUTES=45",
         "-e SPOT=false",
         "-e AWS_REGION=eu-west-1",
+        "-e INSTANCE_ID=i-0123456789abcdef0",  # the watchdog's heartbeat needs it (a fresh read, session 30)
     ):
         assert flag in run[0]
     signals = [c for c in calls if "signal-resource" in c]

@@ -368,10 +368,14 @@ start_container() {
   # SYSLOG: the health probe's dmesg (its Xid check); Docker's default seccomp profile allows syslog(2)
   # only with CAP_SYSLOG. nofile: Docker 25+ leaves a container systemd's soft 1024 open files, and NCCL's
   # socket transport (16 sockets a peer and channel) and DataLoader workers' shared tensors go past it.
+  # The instance id for the watchdog's heartbeat (its alarm's dimension) and its stop of this node last: fixed for
+  # the instance's life, as the container is (a replaced node bootstraps a new one). Empty: the watchdog asks IMDS.
+  local instance_id
+  instance_id=$(imds meta-data/instance-id || true)
   docker run -d --name "$CONTAINER" --restart unless-stopped \
     --gpus all --net=host --ipc=host --shm-size=16g --cap-add SYS_PTRACE --cap-add SYSLOG \
     --ulimit memlock=-1 --ulimit stack=67108864 --ulimit nofile=1048576:1048576 \
-    -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" \
+    -e "NODE_RANK=$NODE_RANK" -e "CLUSTER_NAME=$CLUSTER_NAME" -e "INSTANCE_ID=$instance_id" \
     -e "IDLE_MINUTES=$idle_minutes" -e "SPOT=${SPOT:-false}" -e "AWS_REGION=$AWS_REGION" -e "AWS_DEFAULT_REGION=$AWS_REGION" \
     -v "$DATA_DIR:$DATA_DIR" -v /etc/gpu-cluster/authorized_keys:/etc/gpu-cluster/authorized_keys:ro \
     "${instance_store[@]}" "${efa[@]}" "$IMAGE" >/dev/null

@@ -43,9 +43,15 @@ STOP_TRIES = 4  # per node, STOP_DELAY_S apart, doubling: a node still `pending`
 STOP_DELAY_S = 2.0
 
 
-def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES) -> dict[str, str]:
+def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES, own: Optional[str] = None) -> dict[str, str]:
     """StopInstances once per node (one call for all fails all when one node refuses, e.g. a `pending` one),
-    a refused node asked again up to `tries` times with backoff. Node -> "stopping", or its last error."""
+    a refused node asked again up to `tries` times with backoff. Node -> "stopping", or its last error. `own`, the
+    caller's node, goes last: its stop shuts its OS down, and the container with this process goes with it."""
+    outcome = _stop_each(ec2, [i for i in ids if i != own], tries)
+    return {**outcome, **(_stop_each(ec2, [own], tries) if own in ids else {})}
+
+
+def _stop_each(ec2, ids: Sequence[str], tries: int) -> dict[str, str]:
     outcome: dict[str, str] = {}
     left = list(ids)
     for attempt in range(tries):
@@ -64,11 +70,12 @@ def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES) -> dict[str, str
     return outcome
 
 
-def stop_cluster(ec2, cluster: str) -> list[str]:
+def stop_cluster(ec2, cluster: str, own: Optional[str] = None) -> list[str]:
     """Stop every running instance tagged with the cluster's name, node by node, once (the idle loop retries
-    on its own clock); returns their ids. RuntimeError naming each node EC2 refused (the others are stopping)."""
+    on its own clock), `own` last; returns their ids. RuntimeError naming each node EC2 refused (the others are
+    stopping)."""
     ids = cluster_instances(ec2, cluster)
-    outcome = stop_each(ec2, ids, tries=1)
+    outcome = stop_each(ec2, ids, tries=1, own=own)
     refused = [f"{i}: {outcome[i]}" for i in ids if outcome[i] != "stopping"]
     if refused:
         raise RuntimeError(f"{len(refused)} of {len(ids)} node(s) refused: " + "; ".join(refused))

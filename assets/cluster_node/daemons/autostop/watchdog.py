@@ -284,6 +284,9 @@ class Loop:
         self.limit: Optional[IdleLimit] = limit
         self.said: Optional[bool] = None
         self.holding: list[str] = []
+        # Asked again each round until it answers: without an id no heartbeat goes out, and the node's alarm
+        # (missing data counts as idle) would stop it, busy or not, idle_minutes + 30 min after its boot.
+        self.identify: Callable[[], Optional[str]] = lambda: None
 
     def apply_limit(self, now: float) -> None:
         """idle_minutes as its parameter says now; switched on (from 0), the idle clock starts now."""
@@ -298,6 +301,7 @@ class Loop:
         seen = observe(self.data, now, self.sources, self.dog.memory)
         share(self.data, self.rank, now, local_reasons(seen, self.dog.before))
         reasons, decision = self.dog.tick(seen, peer_reasons(self.data, self.rank, now, fresh_s=3 * self.dog.interval))
+        self.instance_id = self.instance_id or self.identify()
         if self.instance_id:
             try:  # autostop off (idle_minutes 0): busy beats, so an alarm created with a new value waits
                 publish(self.cloudwatch, self.instance_id, bool(reasons) or self.dog.idle <= 0, seen)
@@ -310,7 +314,7 @@ class Loop:
         if not decision.stop or state is None or now < state.retry_at or self.held(now):
             return None
         try:
-            ids = stop_cluster(self.ec2, self.cluster)
+            ids = stop_cluster(self.ec2, self.cluster, own=self.instance_id)
         except Exception as error:  # noqa: BLE001 - a refused stop must not end the watch (issue 19 §14)
             state.stop_failures += 1
             delay = min(self.dog.interval * 2 ** (state.stop_failures - 1), 30 * self.dog.interval)
@@ -334,10 +338,11 @@ class Loop:
         return bool(new)
 
 
-def stop_now(ec2, cluster: str) -> int:
-    """--stop-now (fab train --then-stop): every node's outcome on its own line; 1 when one still runs."""
+def stop_now(ec2, cluster: str, own: Optional[str] = None) -> int:
+    """--stop-now (fab train --then-stop): every node's outcome on its own line, this node's (`own`) stopped
+    last; 1 when one still runs."""
     ids = cluster_instances(ec2, cluster)
-    outcome = stop_each(ec2, ids)
+    outcome = stop_each(ec2, ids, own=own)
     for instance in ids:
         print(f"autostop: {instance}: {outcome[instance]}", flush=True)
     stopping = [i for i in ids if outcome[i] == "stopping"]
@@ -396,9 +401,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ec2 = boto3.client("ec2", region_name=region)
     if args.stop_now:
-        return stop_now(ec2, cluster)
+        return stop_now(ec2, cluster, instance_id)
     if not instance_id:
-        log("no instance id (INSTANCE_ID unset, no instance metadata): heartbeat not published")
+        log("no instance id (INSTANCE_ID unset, no instance metadata yet): no heartbeat until it answers")
     data, rank = Path(args.data), os.environ.get("NODE_RANK", "0")
     path, boot = idle_state.state_path(data, rank), idle_state.boot_id()
     dog = Watchdog(idle, args.interval, path, boot, interactive_max_s=args.interactive_max_minutes * 60)
@@ -406,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     sources = Sources(Path(args.pts), args.ssh_port, Path(args.fab_marks))
     limit = IdleLimit(boto3.client("ssm", region_name=region), idle_minutes_parameter(cluster), idle, args.refresh, log)
     loop = Loop(data, rank, dog, ec2, cloudwatch, instance_id, cluster, sources, limit)
+    loop.identify = lambda: where_am_i(dict(os.environ))[1]
     return watch(loop, args.interval)
 
 
