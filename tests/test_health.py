@@ -58,6 +58,10 @@ def verdicts(nodes: dict, **kwargs) -> dict:
         ({"time": 1005.0}, "degraded", "clock off by +5.0 s"),
         # Every node alike would pass the majority check: torch without CUDA beside nvidia-smi's GPUs is bad alone.
         ({"nccl": None}, "bad", "torch finds no CUDA device though nvidia-smi lists 4: ranks would train on the CPU"),
+        # `fab train --data`: a node back from a stop has no copy (the instance store is erased), or a cut-off one
+        ({"copy": {"path": "/opt/dlami/nvme/imagenet", "state": "missing"}}, "bad", "no copy at /opt/dlami/nvme/"),
+        ({"copy": {"path": "/opt/dlami/nvme/imagenet", "state": "unfinished"}}, "bad", "a staging cut off at /opt/"),
+        ({"copy": {"path": "/opt/dlami/nvme/imagenet", "state": "staged"}}, "ok", ""),
     ],
 )
 def test_one_odd_node_among_three_gets_its_verdict_and_reason(overrides, verdict, words):
@@ -115,6 +119,24 @@ def test_the_probe_runs_and_reports_this_machine(tmp_path):
     found = health.parse_probe(out.stdout)
     assert found["writable"] is True and found["mounted"] is False and found["free_gb"] > 0
     assert found["torch"].startswith("2.") and found["gpus"] == []
+
+
+def test_the_probe_reports_the_state_of_a_runs_copy_on_its_own_disk(tmp_path):
+    """A fresh review (session 30): a restart probed a node back from a Spot stop as healthy and ran a rank on it,
+    though a stop had erased the run's --data copy; the probe now looks at the copy, and a missing one is bad."""
+    copy = tmp_path / "nvme" / "imagenet"
+    command = health.probe_command(_inventory(sys.executable, tmp_path), copy=str(copy))
+    state = lambda: health.parse_probe(  # noqa: E731
+        subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60).stdout
+    )["copy"]["state"]
+    assert state() == "missing"
+    (copy / "train").mkdir(parents=True)
+    (copy / ".staging").touch()
+    assert state() == "unfinished"
+    (copy / ".staging").unlink()
+    assert state() == "present"
+    (copy / ".staged.json").write_text("{}")
+    assert state() == "staged"
 
 
 # Stand-ins first on PATH: nvidia-smi (two A10Gs, the first with $ECC uncorrected errors) and dmesg (a

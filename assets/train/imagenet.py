@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from cluster_node.protocol.clusterdir import STAGED_MARKER, STAGING_MARKER
+
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
@@ -74,11 +76,9 @@ def root_volume_error(target: Path, roots: tuple[str, ...] = ROOT_PATHS) -> Opti
     )
 
 
-# Written last into a staged copy: what was copied from where. A copy cut off (a full disk, a lost node) has none
-# and keeps STAGING_MARKER, written first; `fab train --data` compares the nodes' markers: every rank must read the
-# same files (each its own ImageFolder).
-STAGED_MARKER = ".staged.json"
-STAGING_MARKER = ".staging"
+# STAGED_MARKER, written last into a staged copy, says what was copied from where; a copy cut off (a full disk, a
+# lost node) has none and keeps STAGING_MARKER, written first. `fab train --data` compares the nodes' markers: every
+# rank must read the same files (each its own ImageFolder).
 
 
 class StageError(OSError):

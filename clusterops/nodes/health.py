@@ -19,9 +19,11 @@ from cluster_node.protocol import clusterdir
 from clusterops.nodes.command import node_command
 
 
-def probe_command(inventory, code_dir: Optional[str] = None) -> str:
-    """The one line that prints a node's facts (cluster_node.programs.probe)."""
-    return node_command(inventory, "programs.probe", "--data", inventory.data_dir, code_dir=code_dir)
+def probe_command(inventory, code_dir: Optional[str] = None, copy: Optional[str] = None) -> str:
+    """The one line that prints a node's facts (cluster_node.programs.probe); `copy`: a run's data set on each
+    node's own disk (`fab train --data`), which the node must hold, staged whole."""
+    more = ("--copy", copy) if copy else ()
+    return node_command(inventory, "programs.probe", "--data", inventory.data_dir, *more, code_dir=code_dir)
 
 
 def transport_file(inventory) -> str:

@@ -21,6 +21,7 @@ from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
 from cluster_node.protocol import rundir
+from cluster_node.protocol.clusterdir import STAGED_MARKER, STAGING_MARKER
 from cluster_node.protocol.rundir import Progress, RunState, RunStatus
 from clusterops import terminal
 from clusterops.inventory import Inventory
@@ -30,7 +31,6 @@ from clusterops.nodes import records as noderecords
 from clusterops.nodes.view import detect_interface
 from clusterops.run import launch, logfilter
 from train import catalog
-from train.imagenet import STAGED_MARKER, STAGING_MARKER
 
 q = shlex.quote
 
@@ -126,7 +126,8 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     # The claim and the start are one step on the head node (cluster_node.programs.start): two launches at once
     # give one run and one refusal. The payload travels as a file in the head's /tmp, not on /data.
     payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"
-    probe = health.probe_command(inventory, plan.code_dir)
+    copy = data_path if launch.on_each_node(inventory, data_path) and "--synthetic" not in request.extra_args else None
+    probe = health.probe_command(inventory, plan.code_dir, copy)  # a restart leaves out a node without its copy
     remote.write_file(connection, payload, json.dumps({"spec": spec.to_json(), "probe": probe}))
     out = remote.sh(
         connection, nodecmd.node_command(inventory, "programs.start", payload, code_dir=plan.code_dir), check=False

@@ -136,6 +136,10 @@ def _assess_storage(health: NodeHealth, f: dict) -> None:
         health.mark("bad", f"{f['free_gb']:.1f} GB free on /data")
     elif f["free_gb"] < MIN_FREE_GB["degraded"]:
         health.mark("degraded", f"{f['free_gb']:.1f} GB free on /data")
+    copy = f.get("copy") or {}
+    if copy.get("state") in ("missing", "unfinished"):  # a rank here would read no data, or other files
+        what = "no copy" if copy["state"] == "missing" else "a staging cut off"
+        health.mark("bad", f"{what} at {copy['path']} (the run's --data; a stop erases the instance store)")
 
 
 def fit_to_train(health: Sequence[NodeHealth]) -> bool:

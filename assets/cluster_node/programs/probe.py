@@ -109,7 +109,19 @@ def versions(have_gpus: bool) -> dict:
         return {"torch": f"unusable: {error}"}
 
 
-def facts(data: Path) -> dict:
+def copy_state(path: Path) -> dict:
+    """A data set staged onto this node's own disk (`fab train --data`): staged (whole, with its record), present
+    (copied by other means), unfinished (a staging cut off) or missing (never, or a stop erased the instance store)."""
+    if (path / clusterdir.STAGING_MARKER).exists():
+        state = "unfinished"
+    elif (path / clusterdir.STAGED_MARKER).exists():
+        state = "staged"
+    else:
+        state = "present" if (path / "train").is_dir() or (path / "meta.json").is_file() else "missing"
+    return {"path": str(path), "state": state}
+
+
+def facts(data: Path, copy: Optional[Path] = None) -> dict:
     smi, found = gpus()
     xid_list, xid_source = xids()
     return {
@@ -125,14 +137,16 @@ def facts(data: Path) -> dict:
         "dcgm": dcgm(),
         **versions(bool(found)),
         "snapshots": snapshots.held(rundir.snapshot_root()),  # what a restart can resume from (issue 30)
+        **({"copy": copy_state(copy)} if copy else {}),
     }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster_node.programs.probe", description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="/data", help="the shared file system")
+    parser.add_argument("--copy", help="a run's data set on this node's own disk (fab train --data)")
     args = parser.parse_args(argv)
-    print(json.dumps(facts(Path(args.data))))
+    print(json.dumps(facts(Path(args.data), Path(args.copy) if args.copy else None)))
     return 0
 
 

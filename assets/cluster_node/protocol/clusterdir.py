@@ -27,6 +27,10 @@ BUSY_MARKER = "{host}-{pid}.json"
 LINK_JSON = "link.json"
 TRANSPORT_JSON = "transport.json"
 HEALTH_PROBE_FILE = "health.{host}.{pid}"
+# A copy staged onto a node's own disk (train.imagenet.stage; `fab train --data`, the probe's --copy): the first
+# marker is written when the copy starts and removed once the second, its record (files, bytes, source), is written.
+STAGING_MARKER = ".staging"
+STAGED_MARKER = ".staged.json"
 DRILL_FILL = "drill-fill.{host}"  # fab drill fill-data: a bounded file, removed afterwards
 
 

@@ -48,7 +48,7 @@ def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES, own: Optional[st
     a refused node asked again up to `tries` times with backoff. Node -> "stopping", or its last error. `own`, the
     caller's node, goes last: its stop shuts its OS down, and the container with this process goes with it."""
     outcome = _stop_each(ec2, [i for i in ids if i != own], tries)
-    return {**outcome, **(_stop_each(ec2, [own], tries) if own in ids else {})}
+    return {**outcome, **(_stop_each(ec2, [own], tries) if own is not None and own in ids else {})}
 
 
 def _stop_each(ec2, ids: Sequence[str], tries: int) -> dict[str, str]:
