@@ -577,6 +577,22 @@ def test_the_node_that_stops_the_cluster_stops_itself_last(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("autostop: run ended; stopping ['i-0aaaaaaaaaaaaaaa1',")
 
 
+def test_the_watchdog_leaves_its_own_node_up_while_another_refuses_and_stops_it_once_they_all_stop():
+    """The review: a watchdog that stopped its own node with another refused would go down with it, and the refused
+    node would bill on; its own node waits for the next round's retry."""
+    ids = [("i-0aaaaaaaaaaaaaaa1", "running"), ("i-0aaaaaaaaaaaaaaa2", "pending")]
+    ec2, stubber = _stop_stub(ids)
+    _refused(stubber, "i-0aaaaaaaaaaaaaaa2")
+    with stubber, pytest.raises(RuntimeError, match="i-0aaaaaaaaaaaaaaa1: not yet: stopped last"):
+        cloud.stop_cluster(ec2, "c", own="i-0aaaaaaaaaaaaaaa1")
+    ec2, stubber = _stop_stub(ids)
+    for instance in ("i-0aaaaaaaaaaaaaaa2", "i-0aaaaaaaaaaaaaaa1"):
+        stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": [instance]})
+    with stubber:
+        assert cloud.stop_cluster(ec2, "c", own="i-0aaaaaaaaaaaaaaa1") == [i for i, _ in ids]
+        stubber.assert_no_pending_responses()
+
+
 def test_a_watchdog_without_its_instance_id_asks_again_and_beats_once_it_answers(tmp_path):
     """A fresh read (session 30): the container had no INSTANCE_ID and IMDS did not answer its one question at
     start: no heartbeat for the whole boot, and the alarm (missing data is idle) stopped the node, busy or not."""

@@ -6,6 +6,7 @@ the real `cdk destroy` it then starts, against a stack deployed into the moto se
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -25,6 +26,18 @@ from clusterops.aws import destroy
 from clusterops.inventory import Inventory, Node, SshSettings, write_known_hosts
 from clusterops.nodes.records import AtRisk
 
+_LAUNCHERS: list[subprocess.Popen] = []
+
+
+def _launcher() -> subprocess.Popen:
+    """A live process that is a supervisor by its command line (cluster_node.programs.runs.alive), for the
+    session; a pid alone (this test's) is not one: a new container may have given it to another process."""
+    if not _LAUNCHERS:
+        module = "cluster_node.supervisor.loop"
+        _LAUNCHERS.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)", module]))
+        atexit.register(_LAUNCHERS[0].kill)
+    return _LAUNCHERS[0]
+
 
 def _runs(data, fetched=(), unfetched=(), active=None) -> None:
     """Run directories with a checkpoint each; `fetched` ones with fab fetch's marker after it; `active` named
@@ -39,7 +52,7 @@ def _runs(data, fetched=(), unfetched=(), active=None) -> None:
         marker.touch()
         os.utime(marker, (later, later))
     if active:
-        (data / rundir.RUNS / active / rundir.LAUNCHER_PID).write_text(str(os.getpid()))
+        (data / rundir.RUNS / active / rundir.LAUNCHER_PID).write_text(str(_launcher().pid))
         rundir.active_file(data).write_text(str(data / rundir.RUNS / active))
 
 

@@ -135,7 +135,7 @@ def test_an_unreachable_metadata_service_is_logged_once_and_polling_goes_on(tmp_
     spotwatch.watch(watcher, interval=0.0, polls=3)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and "still polling" in lines[0]
-    assert lines[0].startswith("spot: instance metadata unreadable (")
+    assert lines[0].startswith("spot: a poll failed (instance metadata or the run's records on /data: ")
 
 
 def test_a_failed_attempt_is_retried_at_the_next_poll(tmp_path):

@@ -326,7 +326,8 @@ def test_row13_a_workers_spot_notice_during_a_restart_leaves_it_out_and_the_run_
         assert len(mpirun.starts) == 1 and _status(tmp_path)["state"] == "stopped"
 
 
-def test_row14_a_workers_notice_that_lands_while_the_restart_is_planned_is_planned_again_without_it(tmp_path):
+@pytest.mark.parametrize("forced", [False, True], ids=["notice", "notice-then-forced"])
+def test_row14_a_workers_notice_that_lands_while_the_restart_is_planned_is_planned_again_without_it(tmp_path, forced):
     """The review of the fix above: the plan (h1, h2) was made, h2's snapshot was being copied to /data (minutes),
     and h2's notice landed then: its STOP was taken back, and the next attempt must not run on h2 all the same."""
     script = Script()
@@ -339,15 +340,22 @@ def test_row14_a_workers_notice_that_lands_while_the_restart_is_planned_is_plann
             facts = {**json.loads(HEALTHY), "snapshots": {tmp_path.resolve().name: {"step": step, "bytes": 1}}}
             (tmp_path / "probes" / host).write_text(json.dumps(facts))
 
+    copies = []
+
     def copy_then_noticed(host: str, step: int, size: int = 0) -> Optional[str]:
-        nodes.calls.append(("persist", host, step))
-        if len([c for c in nodes.calls if c[0] == "persist"]) == 1:
+        copies.append(host)
+        if len(copies) == 1:
             _notice(tmp_path, "h2", "2030-01-01T00:00:00Z")
             (tmp_path / "STOP").write_text("now: spot: node1 (i-2) will stop at 2030-01-01T00:00:00Z\n")
-        return None  # the copy did not finish: the plan falls back to what the next nodes hold
+        elif forced:
+            (tmp_path / "FORCED").touch()  # `fab stop --force` while the second plan copies
+        return str(tmp_path / "checkpoints" / "step_00000036.pt")  # copied: the first plan stands as made
 
     nodes.probe_all, nodes.persist_snapshot = both_healthy_h2_newest, copy_then_noticed
     sup.run_all()
+    if forced:  # a stop while planning again wins as it does the first time
+        assert len(mpirun.starts) == 1 and _status(tmp_path)["reason"] == "stopped by fab stop --force"
+        return
     assert [s.hosts for s in mpirun.starts] == [("h1", "h2"), ("h1",)] and not (tmp_path / "STOP").exists()
 
 

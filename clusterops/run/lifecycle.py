@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
+from cluster_node.programs.runs import SUPERVISOR_MODULE
 from cluster_node.protocol import rundir
 from cluster_node.protocol.clusterdir import STAGED_MARKER, STAGING_MARKER
 from cluster_node.protocol.rundir import Progress, RunState, RunStatus
@@ -40,9 +41,7 @@ def active_run(connection: Connection, inventory: Inventory) -> Optional[str]:
     active = remote.sh(connection, f"cat {q(launch.active_file(inventory))} 2>/dev/null || true").strip()
     if not active:
         return None
-    pid_file = q(f"{active}/{rundir.LAUNCHER_PID}")
-    alive = remote.sh(connection, f'kill -0 "$(cat {pid_file} 2>/dev/null)" 2>/dev/null && echo yes || echo no').strip()
-    return active if alive == "yes" else None
+    return active if remote.sh(connection, _supervisor_state(active), check=False).strip() == "alive" else None
 
 
 def ensure_idle(connection: Connection, inventory: Inventory) -> None:
@@ -161,6 +160,8 @@ def _check_data(connection: Connection, recipe: str, data_path: str, dataset: st
 
 def _restage(data_path: str, dataset: str) -> str:
     """How each node's copy is made again (imagenet: the only data set prepare.py stages)."""
+    if dataset != "imagenet":
+        return "each node's own copy (a stop erases the instance store): copy it onto every node of the run again"
     return (
         "each node's own copy (a stop erases the instance store): stage it on every node with "
         f'`fab data --dataset imagenet --extra "--stage-to {data_path}" --all-nodes`'
@@ -268,18 +269,19 @@ def follow_to_end(
     return state, then_stop_outcome(connection, inventory, run_dir, state.status or status)
 
 
-SUPERVISOR_MODULE = "cluster_node.supervisor.loop"  # in its command line (cluster_node.programs.start)
+def _supervisor_state(run_dir: str) -> str:
+    """Shell printing alive, dead or unknown (no pid file) for the run's supervisor on the head node: alive only as
+    the supervisor (cluster_node.programs.runs.alive), since a new container numbers its processes from 1 again."""
+    pid_file = q(f"{run_dir}/{rundir.LAUNCHER_PID}")
+    alive = f'kill -0 "$p" 2>/dev/null && tr "\\0" "\\n" < /proc/"$p"/cmdline | grep -qxF {q(SUPERVISOR_MODULE)}'
+    return f"p=$(cat {pid_file} 2>/dev/null) && {{ {alive} && echo alive || echo dead; }} || echo unknown"
 
 
 def _refuse_orphaned(connection: Connection, inventory: Inventory, run_dir: str) -> None:
     """A run that says `running` whose supervisor is gone (its head node lost without a notice and back, the
     process killed) writes nothing more: a follower would wait forever. Its status is read again after the pid,
     since a supervisor that just ended wrote its final status first. No pid file: not known, go on."""
-    pid_file = q(f"{run_dir}/{rundir.LAUNCHER_PID}")
-    # Alive only as the supervisor: a new container numbers its processes from 1 again, so the pid may be another's.
-    alive = f'kill -0 "$p" 2>/dev/null && tr "\\0" " " < /proc/"$p"/cmdline | grep -q {q(SUPERVISOR_MODULE)}'
-    check = f"p=$(cat {pid_file} 2>/dev/null) && {{ {alive} && echo alive || echo dead; }} || echo unknown"
-    if remote.sh(connection, check, check=False).strip() != "dead":
+    if remote.sh(connection, _supervisor_state(run_dir), check=False).strip() != "dead":
         return
     status = noderecords.read(connection, inventory, run_dir, rundir.RUN_STATUS).status
     if status is not None and status.state == RunState.RUNNING:

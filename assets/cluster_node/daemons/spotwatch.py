@@ -64,12 +64,16 @@ def active_run(data_dir: Path) -> Optional[Path]:
     return run if run is not None and run.is_dir() else None
 
 
-def record(run_dir: Path, entry: dict) -> list[dict]:
+LOCK_WAIT_S = 5.0  # for the lock below: a client lost while holding it keeps it until its NFSv4 lease expires
+
+
+def record(run_dir: Path, entry: dict, wait: float = LOCK_WAIT_S) -> list[dict]:
     """Append to RUN_DIR/interruptions.json under a lock (nodes may be noticed together; EFS
-    supports POSIX locks) and replace the file atomically. Returns all entries."""
+    supports POSIX locks) and replace the file atomically. Returns all entries. OSError when the lock is
+    not had within `wait` seconds (the STOP goes out all the same: handle)."""
     path = run_dir / rundir.INTERRUPTIONS
     with open(run_dir / rundir.INTERRUPTIONS_LOCK, "w") as lock:
-        fcntl.lockf(lock, fcntl.LOCK_EX)
+        _lock(lock, wait)
         try:
             entries = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -79,6 +83,18 @@ def record(run_dir: Path, entry: dict) -> list[dict]:
         tmp.write_text(json.dumps(entries, indent=1))
         os.replace(tmp, path)
     return entries
+
+
+def _lock(handle, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _step(run_dir: Path) -> Optional[int]:
@@ -174,7 +190,10 @@ def watch(watcher: Watcher, interval: float, polls: Optional[int] = None) -> Non
                 print(f"{time.strftime('%FT%TZ', time.gmtime(started))} {line}", flush=True)
         except (OSError, ValueError) as error:
             if str(error) != failing:
-                print(f"spot: instance metadata unreadable ({error}); still polling", flush=True)
+                print(
+                    f"spot: a poll failed (instance metadata or the run's records on /data: {error}); still polling",
+                    flush=True,
+                )
             failing = str(error)
         polls = None if polls is None else polls - 1
         time.sleep(max(0.0, interval - (time.time() - started)))

@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster_node.programs.probe", description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="/data", help="the shared file system")
     parser.add_argument("--copy", help="a run's data set on this node's own disk (fab train --data)")
-    args = parser.parse_args(argv)
+    args, _ = parser.parse_known_args(argv)  # a newer fab's option this node's code lacks is no failed probe
     print(json.dumps(facts(Path(args.data), Path(args.copy) if args.copy else None)))
     return 0
 

@@ -18,12 +18,16 @@ from typing import Optional, Sequence
 
 from cluster_node.protocol import phases, rundir
 
+SUPERVISOR_MODULE = "cluster_node.supervisor.loop"  # in the supervisor's command line (programs.start)
+
 
 def alive(run: Path) -> bool:
-    """The run's launcher runs (on this node: launcher.pid is a head-node pid)."""
+    """The run's launcher runs (on this node: launcher.pid is a head-node pid), as the supervisor: a container
+    started again numbers its processes from 1, so the pid may now be another process's."""
     try:
-        os.kill(int((run / rundir.LAUNCHER_PID).read_text().strip()), 0)
-        return True
+        pid = int((run / rundir.LAUNCHER_PID).read_text().strip())
+        os.kill(pid, 0)
+        return SUPERVISOR_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return False
 

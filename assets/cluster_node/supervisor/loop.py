@@ -307,17 +307,23 @@ class Supervisor:
         first, none this node's): no reason to end the run; the plan leaves those nodes out, and the STOP must not
         reach the next attempt's trainer. Any other line (fab stop's, the budget's, an empty STOP) ends it."""
         assert self.observer is not None
-        try:
-            lines = (self.run / rundir.STOP).read_text().splitlines()
+        noticed = restart_plan.notices(self.run, self.observer.started)
+        if self.spec.supervisor_host in noticed or (self.meter and self.meter.stopped):
+            return False
+        taken = self.run / f"{rundir.STOP}.taken"
+        try:  # taken aside in one step: a line appended meanwhile goes to a new STOP, not lost with this one
+            os.replace(self.run / rundir.STOP, taken)
+            lines = taken.read_text().splitlines()
         except OSError:
             return False
-        noticed = restart_plan.notices(self.run, self.observer.started)
-        if not lines or self.spec.supervisor_host in noticed or (self.meter and self.meter.stopped):
-            return False
         workers = [f"{rundir.URGENT_STOP_WORD}: spot: node{e.node} " for e in noticed.values()]
-        if not all(any(line.startswith(worker) for worker in workers) for line in lines):
+        others = [line for line in lines if not any(line.startswith(worker) for worker in workers)]
+        if others or not lines:  # fab stop's, the budget's, an empty STOP: put back, and it ends the run
+            with open(self.run / rundir.STOP, "a") as stop:
+                stop.write("\n".join(others or [""]) + "\n")
+            taken.unlink(missing_ok=True)
             return False
-        (self.run / rundir.STOP).unlink(missing_ok=True)
+        taken.unlink(missing_ok=True)
         self.log(f"launcher: a Spot notice during the restart ({lines[0]}): the next attempt leaves that node out")
         return True
 
@@ -348,11 +354,13 @@ class Supervisor:
             return stopped
         assert self.observer is not None and self.kind is not None
         plan = self.planned()
-        stopped = self.interrupted()  # a snapshot's copy can take minutes: a stop meanwhile wins
-        if stopped is not None:
-            return stopped
-        if self.noticed_in(plan):  # a worker's notice landed while planning: plan again, without it
-            plan = self.planned()
+        while True:
+            stopped = self.interrupted()  # a snapshot's copy can take minutes: a stop meanwhile wins
+            if stopped is not None:
+                return stopped
+            if not self.noticed_in(plan):
+                break
+            plan = self.planned()  # a worker's notice landed while planning: again, without it (one node fewer)
         if plan.spec is None or plan.record is None:
             return self.outcome.then(State.FAILED, reason=f"{self.reason}; {plan.line}")
         self.log(f"launcher: {self.reason}; {plan.line}")

@@ -51,6 +51,17 @@ def stop_each(ec2, ids: Sequence[str], tries: int = STOP_TRIES, own: Optional[st
     return {**outcome, **(_stop_each(ec2, [own], tries) if own is not None and own in ids else {})}
 
 
+def stop_others_first(ec2, ids: Sequence[str], own: Optional[str]) -> dict[str, str]:
+    """One try per node, `own` only once every other node is stopping: a watchdog that stopped its own node with
+    another refused would go down with it, and the refused node would bill on; kept up, it retries next round."""
+    outcome = _stop_each(ec2, [i for i in ids if i != own], 1)
+    if own is None or own not in ids:
+        return outcome
+    if any(state != "stopping" for state in outcome.values()):
+        return {**outcome, own: "not yet: stopped last, once every other node is stopping"}
+    return {**outcome, **_stop_each(ec2, [own], 1)}
+
+
 def _stop_each(ec2, ids: Sequence[str], tries: int) -> dict[str, str]:
     outcome: dict[str, str] = {}
     left = list(ids)
@@ -75,7 +86,7 @@ def stop_cluster(ec2, cluster: str, own: Optional[str] = None) -> list[str]:
     on its own clock), `own` last; returns their ids. RuntimeError naming each node EC2 refused (the others are
     stopping)."""
     ids = cluster_instances(ec2, cluster)
-    outcome = stop_each(ec2, ids, tries=1, own=own)
+    outcome = stop_others_first(ec2, ids, own)
     refused = [f"{i}: {outcome[i]}" for i in ids if outcome[i] != "stopping"]
     if refused:
         raise RuntimeError(f"{len(refused)} of {len(ids)} node(s) refused: " + "; ".join(refused))
