@@ -332,7 +332,8 @@ def emulator_env(inventory: Inventory, environ: dict) -> dict:
 
 def then_stop(inventory: Inventory, request: TrainRequest, environ: dict) -> Optional[ThenStop]:
     """--then-stop, implied by a budget unless --keep-nodes: the autostop watchdog's --stop-now, with the region
-    and cluster it needs (the supervisor runs in an SSH session: no AWS variables there, so they travel in the spec)."""
+    and cluster it needs, carried in the spec whatever the supervisor's SSH session holds (its own instance id comes
+    from the container's INSTANCE_ID, through sshd's SetEnv, else from IMDS: it stops its own node last)."""
     if not (request.then_stop or (request.budget_usd is not None and not request.keep_nodes)):
         return None
     env = {"CLUSTER_NAME": inventory.cluster, **({"AWS_REGION": inventory.region} if inventory.region else {})}
