@@ -181,6 +181,20 @@ FILES: tuple[ProtocolFile, ...] = (
         "cluster_node.programs.probe",
     ),
     _at("cluster", cd.DRILL_FILL, "--mb of zeros; removed when the drill ends", "fab drill fill-data", "nobody"),
+    _at(
+        "node",
+        f"STAGE_TO/{cd.STAGING_MARKER}",
+        "empty: a staging under way or cut off",
+        "prepare.py --stage-to (train.imagenet.stage)",
+        "fab train --data, cluster_node.programs.probe --copy",
+    ),
+    _at(
+        "node",
+        f"STAGE_TO/{cd.STAGED_MARKER}",
+        "JSON files, bytes, source: a finished staging",
+        "prepare.py --stage-to (train.imagenet.stage)",
+        "fab train --data (the same on every node), cluster_node.programs.probe --copy",
+    ),
 )
 
 _WHERE = {
