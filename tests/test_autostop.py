@@ -591,6 +591,13 @@ def test_the_watchdog_leaves_its_own_node_up_while_another_refuses_and_stops_it_
     with stubber:
         assert cloud.stop_cluster(ec2, "c", own="i-0aaaaaaaaaaaaaaa1") == [i for i, _ in ids]
         stubber.assert_no_pending_responses()
+    # A lasting refusal (a Spot node after `fab release-spot`): no reason to keep this node up, billed
+    ec2, stubber = _stop_stub(ids)
+    stubber.add_client_error("stop_instances", "UnsupportedOperation", "released", expected_params=None)
+    stubber.add_response("stop_instances", {"StoppingInstances": []}, {"InstanceIds": ["i-0aaaaaaaaaaaaaaa1"]})
+    with stubber, pytest.raises(RuntimeError, match="i-0aaaaaaaaaaaaaaa2: An error occurred \\(UnsupportedOperation"):
+        cloud.stop_cluster(ec2, "c", own="i-0aaaaaaaaaaaaaaa1")
+    stubber.assert_no_pending_responses()
 
 
 def test_a_watchdog_without_its_instance_id_asks_again_and_beats_once_it_answers(tmp_path):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import boto3
 import pytest
@@ -36,12 +37,16 @@ def _launcher() -> subprocess.Popen:
         module = "cluster_node.supervisor.loop"
         _LAUNCHERS.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)", module]))
         atexit.register(_LAUNCHERS[0].kill)
+        cmdline = Path(f"/proc/{_LAUNCHERS[0].pid}/cmdline")
+        deadline = time.monotonic() + 10
+        while module.encode() not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the child has exec'd: before, its command line is this process's
     return _LAUNCHERS[0]
 
 
 def _runs(data, fetched=(), unfetched=(), active=None) -> None:
     """Run directories with a checkpoint each; `fetched` ones with fab fetch's marker after it; `active` named
-    by runs/.active with a live launcher (this test's own pid)."""
+    by runs/.active with a live launcher (a process whose command line names the supervisor's module)."""
     for name in (*fetched, *unfetched, *([active] if active else [])):
         checkpoints = data / rundir.RUNS / name / rundir.CHECKPOINTS
         checkpoints.mkdir(parents=True, exist_ok=True)
@@ -64,6 +69,17 @@ def test_the_node_program_names_the_run_going_and_the_runs_not_fetched(tmp_path)
     (tmp_path / rundir.RUNS / "going" / rundir.LAUNCHER_PID).write_text("999999999")  # its launcher is gone
     found = json.loads(subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO).stdout)
     assert found["active"] is None
+
+
+def test_a_live_pid_is_a_runs_launcher_only_as_the_supervisor(tmp_path):
+    """A head container started again numbers its processes from 1: the pid in launcher.pid may be another
+    process's now (this test's own here), and the run is not going."""
+    from cluster_node.programs import runs, start
+
+    _runs(tmp_path, active="going")
+    assert runs.alive(tmp_path / rundir.RUNS / "going") and start.going(rundir.active_file(tmp_path))
+    (tmp_path / rundir.RUNS / "going" / rundir.LAUNCHER_PID).write_text(str(os.getpid()))
+    assert not runs.alive(tmp_path / rundir.RUNS / "going") and start.going(rundir.active_file(tmp_path)) is None
 
 
 def test_a_retained_file_system_loses_no_run_but_a_run_going_still_ends_with_the_nodes():

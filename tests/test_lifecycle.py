@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -358,6 +359,8 @@ def test_follow_ends_when_the_supervisor_is_gone_without_a_final_status(tmp_path
         )
     # a supervisor alive (its module in its command line): a quiet run is followed, not ended
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)", lifecycle.SUPERVISOR_MODULE])
+    while lifecycle.SUPERVISOR_MODULE.encode() not in Path(f"/proc/{alive.pid}/cmdline").read_bytes():
+        time.sleep(0.01)  # until it has exec'd: before, its command line is this process's
     (run / rundir.LAUNCHER_PID).write_text(f"{alive.pid}\n")
     finished = json.dumps(full_status(state="finished"))
     threading.Timer(1.5, (run / rundir.RUN_STATUS).write_text, [finished]).start()

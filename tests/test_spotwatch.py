@@ -128,6 +128,32 @@ def test_the_notice_is_recorded_before_the_stop_is_appended_and_a_failed_record_
     assert (run / "STOP").read_text() == "now: spot: node1 will stop at t\n"
 
 
+def test_a_lock_held_elsewhere_delays_the_stop_by_its_wait_at_most(tmp_path, monkeypatch):
+    """A client lost while holding the lock keeps it until its NFSv4 lease expires: the notice's two minutes must
+    not wait on it. The record gives up after LOCK_WAIT_S and the STOP goes out all the same."""
+    run = a_run(tmp_path)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.lockf(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(30)",
+            str(run / ".interruptions.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(spotwatch, "LOCK_WAIT_S", 0.5)
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            spotwatch.handle(spotwatch.Notice("stop", "t"), tmp_path, "1", None, now=0.0, host=None)
+        assert time.monotonic() - started < 5 and (run / "STOP").read_text() == "now: spot: node1 will stop at t\n"
+    finally:
+        holder.kill()
+
+
 def test_an_unreachable_metadata_service_is_logged_once_and_polling_goes_on(tmp_path, capsys):
     watcher = spotwatch.Watcher(
         tmp_path, "0", None, read=lambda: spotwatch.instance_action("http://127.0.0.1:1", timeout=0.2)

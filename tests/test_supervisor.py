@@ -324,6 +324,9 @@ def test_row13_a_workers_spot_notice_during_a_restart_leaves_it_out_and_the_run_
         )
     else:
         assert len(mpirun.starts) == 1 and _status(tmp_path)["state"] == "stopped"
+        assert not (tmp_path / "STOP.taken").exists()
+    if whose == "fab-stop-after-a-notice":  # taken aside, then put back: fab stop's line is not lost
+        assert "fab stop" in (tmp_path / "STOP").read_text().splitlines()
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["notice", "notice-then-forced"])

@@ -127,6 +127,11 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"
     copy = data_path if launch.on_each_node(inventory, data_path) and "--synthetic" not in request.extra_args else None
     probe = health.probe_command(inventory, plan.code_dir, copy)  # a restart leaves out a node without its copy
+    if copy and "--copy" not in remote.sh(connection, f"{probe} --help", check=False):
+        raise remote.RemoteError(
+            f"the nodes' cluster_node ({plan.code_dir}) predates `fab train --data` (its probe cannot check a "
+            "restart's nodes for their copy): `fab sync` first"
+        )
     remote.write_file(connection, payload, json.dumps({"spec": spec.to_json(), "probe": probe}))
     out = remote.sh(
         connection, nodecmd.node_command(inventory, "programs.start", payload, code_dir=plan.code_dir), check=False

@@ -67,13 +67,13 @@ def active_run(data_dir: Path) -> Optional[Path]:
 LOCK_WAIT_S = 5.0  # for the lock below: a client lost while holding it keeps it until its NFSv4 lease expires
 
 
-def record(run_dir: Path, entry: dict, wait: float = LOCK_WAIT_S) -> list[dict]:
+def record(run_dir: Path, entry: dict, wait: Optional[float] = None) -> list[dict]:
     """Append to RUN_DIR/interruptions.json under a lock (nodes may be noticed together; EFS
     supports POSIX locks) and replace the file atomically. Returns all entries. OSError when the lock is
     not had within `wait` seconds (the STOP goes out all the same: handle)."""
     path = run_dir / rundir.INTERRUPTIONS
     with open(run_dir / rundir.INTERRUPTIONS_LOCK, "w") as lock:
-        _lock(lock, wait)
+        _lock(lock, LOCK_WAIT_S if wait is None else wait)
         try:
             entries = json.loads(path.read_text())
         except (OSError, ValueError):

@@ -32,7 +32,7 @@ from cluster_node.protocol import spec as specs
 LOCK_WAIT = 30.0  # a rival launch holds the claim for a few seconds (the supervisor's start)
 START_WAIT = 10.0  # the supervisor writes its status within this
 # What a new launch removes: the files of the run's last segment that would mislead the new one.
-STALE = (rundir.STOP, rundir.FORCED, rundir.RUN_STATUS, rundir.RESTARTS, rundir.HANGS, rundir.SPEC)
+STALE = (rundir.STOP, rundir.STOP_TAKEN, rundir.FORCED, rundir.RUN_STATUS, rundir.RESTARTS, rundir.HANGS, rundir.SPEC)
 
 
 def going(active_file: Path) -> Optional[str]:

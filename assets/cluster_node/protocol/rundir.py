@@ -34,6 +34,7 @@ SPEC = "spec.json"  # the next (or current) attempt's RunSpec (cluster_node.prot
 SPECS = "specs"  # specs/attempt-N.json: every attempt's spec, for the record
 SPEC_ATTEMPT = "attempt-{n}.json"
 STOP = "STOP"
+STOP_TAKEN = "STOP.taken"  # a STOP the supervisor took aside during a restart (loop.took_a_workers_notice)
 FORCED = "FORCED"
 LAUNCHER_PID = "launcher.pid"
 MPIRUN_PID = "mpirun.pid"

@@ -76,6 +76,7 @@ FILES: tuple[ProtocolFile, ...] = (
         "trainer (rank 0); supervisor (a worker's notice during a restart)",
     ),
     _run(rd.FORCED, "empty", "fab stop --force", "supervisor"),
+    _run(rd.STOP_TAKEN, "STOP's lines, while the supervisor reads them", "supervisor (restarting)", "supervisor"),
     _run(rd.LAUNCHER_PID, "the supervisor's pid on the head node", "supervisor", "fab (kill -0 on the head)"),
     _run(rd.MPIRUN_PID, "pid on the head node", "supervisor", "fab stop --force"),
     _run(rd.TRAIN_LOG, "text, appended", "mpirun, supervisor, spotwatch", "fab logs/fetch/drill, supervisor"),

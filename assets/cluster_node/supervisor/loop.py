@@ -307,21 +307,22 @@ class Supervisor:
         first, none this node's): no reason to end the run; the plan leaves those nodes out, and the STOP must not
         reach the next attempt's trainer. Any other line (fab stop's, the budget's, an empty STOP) ends it."""
         assert self.observer is not None
-        noticed = restart_plan.notices(self.run, self.observer.started)
-        if self.spec.supervisor_host in noticed or (self.meter and self.meter.stopped):
+        if self.meter and self.meter.stopped:
             return False
-        taken = self.run / f"{rundir.STOP}.taken"
+        stop, taken = self.run / rundir.STOP, self.run / rundir.STOP_TAKEN
         try:  # taken aside in one step: a line appended meanwhile goes to a new STOP, not lost with this one
-            os.replace(self.run / rundir.STOP, taken)
+            os.replace(stop, taken)
             lines = taken.read_text().splitlines()
         except OSError:
+            _put_back(taken, stop, None)
             return False
+        # Read after the rename: each watcher records its notice before it appends its line, so every line taken
+        # that is a worker's has its record by now.
+        noticed = restart_plan.notices(self.run, self.observer.started)
         workers = [f"{rundir.URGENT_STOP_WORD}: spot: node{e.node} " for e in noticed.values()]
         others = [line for line in lines if not any(line.startswith(worker) for worker in workers)]
-        if others or not lines:  # fab stop's, the budget's, an empty STOP: put back, and it ends the run
-            with open(self.run / rundir.STOP, "a") as stop:
-                stop.write("\n".join(others or [""]) + "\n")
-            taken.unlink(missing_ok=True)
+        if others or not lines or self.spec.supervisor_host in noticed:  # fab stop's, the budget's, an empty one
+            _put_back(taken, stop, lines)
             return False
         taken.unlink(missing_ok=True)
         self.log(f"launcher: a Spot notice during the restart ({lines[0]}): the next attempt leaves that node out")
@@ -498,6 +499,18 @@ class Supervisor:
                 if self.nodes.cleanup(host):
                     self.log(f"launcher: cleaned up {host} after it came back")
                     self.unreached.discard(host)
+
+
+def _put_back(taken: Path, stop: Path, lines: Optional[list[str]]) -> None:
+    """A STOP taken aside that ends the run after all goes back, after any line appended meanwhile (`lines`:
+    what was read; None: unread, the file itself goes back)."""
+    try:
+        text = taken.read_text() if lines is None else "\n".join(lines or [""]) + "\n"
+        with open(stop, "a") as again:
+            again.write(text or "\n")
+        taken.unlink(missing_ok=True)
+    except OSError:
+        pass  # nothing was taken (no STOP), or /data refuses: the caller ends the run all the same
 
 
 def trainer_end(run: Path) -> Optional[rundir.Progress]:

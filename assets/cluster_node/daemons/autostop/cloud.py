@@ -57,7 +57,9 @@ def stop_others_first(ec2, ids: Sequence[str], own: Optional[str]) -> dict[str, 
     outcome = _stop_each(ec2, [i for i in ids if i != own], 1)
     if own is None or own not in ids:
         return outcome
-    if any(state != "stopping" for state in outcome.values()):
+    # Only for a refusal the next round may not meet (a `pending` node): a lasting one (a Spot node after
+    # `fab release-spot`) would keep this node up, billed, for nothing.
+    if any(state != "stopping" and "IncorrectInstanceState" in state for state in outcome.values()):
         return {**outcome, own: "not yet: stopped last, once every other node is stopping"}
     return {**outcome, **_stop_each(ec2, [own], 1)}
 
