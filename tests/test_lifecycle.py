@@ -314,10 +314,48 @@ def test_fetch_brings_the_goodput_plot_and_no_empty_vocabulary_for_an_image_run(
     (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="finished")))
     (run / rundir.GOODPUT_PNG).write_bytes(b"\x89PNG")
     (run / rundir.CHECKPOINTS / "step_00000005.pt").write_bytes(b"pt")
-    files, _ = lifecycle.fetch_run(_HereConnection(), here(inventory()), str(run), tmp_path / "home" / "img")
+    head = dataclasses.replace(here(inventory()), data_dir=str(tmp_path))
+    files, _ = lifecycle.fetch_run(_HereConnection(), head, str(run), tmp_path / "home" / "img")
     names = sorted(str(f.relative_to(tmp_path / "home" / "img")) for f in files)
     assert names == ["checkpoints/step_00000005.pt", "config.json", "goodput.png", "run-status.json"]
     assert not (tmp_path / "home" / "img" / "spm.model").exists()
+
+
+def test_a_fetch_keeps_the_cluster_busy_while_it_downloads(tmp_path):
+    """A fresh read (session 30): fab's own SSH traffic is not use to the idle watchdog, so a download longer than
+    the idle time left (50 GB at 10 MB/s: 83 min) was cut off by the cluster's stop. A fetch now keeps a busy
+    marker fresh on /data, as `fab data` does; a laptop gone mid-way leaves one that goes stale."""
+    from cluster_node.daemons.autostop import busy_signals
+
+    head = dataclasses.replace(here(inventory()), data_dir=str(tmp_path))
+    busy = tmp_path / ".cluster" / "busy"
+    with lifecycle.busy_while(_HereConnection(), head, "fab fetch r", every=0.2):
+        (marker,) = busy.glob("*.json")
+        assert busy_signals.preparing(tmp_path, time.time()) == ("fab fetch r",)
+        os.utime(marker, (time.time() - 3600, time.time() - 3600))
+        time.sleep(0.6)
+        assert time.time() - marker.stat().st_mtime < 2  # refreshed meanwhile
+    assert list(busy.glob("*.json")) == []
+    run = tmp_path / "runs" / "r"
+    (run / rundir.CHECKPOINTS).mkdir(parents=True)
+    (run / rundir.CONFIG).write_text(json.dumps({"recipe": "resnet-small"}))
+    (run / rundir.RUN_STATUS).write_text(json.dumps(full_status(state="finished")))
+    (run / rundir.CHECKPOINTS / "step_00000005.pt").write_bytes(b"pt")
+    seen = []
+
+    class Watched(_HereConnection):
+        def sftp(self):
+            inner = super().sftp()
+
+            class Sftp:
+                def get(self, remotepath: str, localpath: str) -> None:
+                    seen.append(busy_signals.preparing(tmp_path, time.time()))
+                    inner.get(remotepath, localpath)
+
+            return Sftp()
+
+    lifecycle.fetch_run(Watched(), head, str(run), tmp_path / "home" / "r")
+    assert seen and all(found == ("fab fetch r",) for found in seen) and list(busy.glob("*.json")) == []
 
 
 def test_fab_stop_says_what_it_waits_for_while_it_waits(tmp_path):

@@ -3,6 +3,7 @@ the runs on /data, and fetching one home. Plain functions taking a connection; S
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,17 +12,18 @@ import re
 import shlex
 import shutil
 import sys
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
 
 from cluster_node.programs.runs import SUPERVISOR_MODULE
-from cluster_node.protocol import rundir
+from cluster_node.protocol import clusterdir, rundir
 from cluster_node.protocol.clusterdir import STAGED_MARKER, STAGING_MARKER
 from cluster_node.protocol.rundir import Progress, RunState, RunStatus
 from clusterops import terminal
@@ -409,7 +411,8 @@ def fetch_run(
     staging = dest.with_name(dest.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    fetched = _download_run(connection, inventory, run_dir, staging)
+    with busy_while(connection, inventory, f"fab fetch {PurePosixPath(run_dir).name}"):
+        fetched = _download_run(connection, inventory, run_dir, staging)
     previous = None
     if dest.exists():
         previous = dest.with_name(dest.name + ".previous")
@@ -418,6 +421,31 @@ def fetch_run(
     staging.rename(dest)
     remote.sh(connection, f"touch {q(f'{run_dir}/{rundir.FETCHED}')}")
     return [dest / p.relative_to(staging) for p in fetched], previous
+
+
+@contextlib.contextmanager
+def busy_while(connection: Connection, inventory: Inventory, what: str, every: float = 60.0) -> Iterator[None]:
+    """A busy marker on /data (rundir.BusyMarker, as prepare.py's) kept fresh while the body runs: fab's own SSH
+    traffic is not use to the idle watchdog, and a download longer than the idle time left was cut off by its stop.
+    A laptop gone mid-way leaves a marker that goes stale (busy_signals.MARKER_FRESH_S), so it stops counting."""
+    folder = f"{inventory.data_dir}/{clusterdir.CLUSTER}/{clusterdir.BUSY_DIR}"
+    marker = q(f"{folder}/fab-{uuid.uuid4().hex[:12]}.json")
+    body = q(json.dumps({"what": what, "time": time.time()}))
+    remote.sh(connection, f"mkdir -p {q(folder)} && printf '%s\\n' {body} > {marker}", check=False)
+    done = threading.Event()
+
+    def refresh() -> None:
+        while not done.wait(every):
+            remote.sh(connection, f"touch {marker}", check=False)
+
+    keeper = threading.Thread(target=refresh, daemon=True)
+    keeper.start()
+    try:
+        yield
+    finally:
+        done.set()
+        keeper.join(timeout=10)
+        remote.sh(connection, f"rm -f {marker}", check=False)
 
 
 def _download_run(connection: Connection, inventory: Inventory, run_dir: str, dest: Path) -> list[Path]:

@@ -171,7 +171,13 @@ FILES: tuple[ProtocolFile, ...] = (
     _at("cluster", cd.AUTOSTOP_LOG, "text", "autostop", "people"),
     _at("cluster", cd.AUTOSTOP_NODE_LOG, "text", "entrypoint.sh", "people"),
     _at("cluster", cd.SPOT_NODE_LOG, "text", "entrypoint.sh", "people"),
-    _at("cluster", f"{cd.BUSY_DIR}/{cd.BUSY_MARKER}", "JSON BusyMarker", "prepare.py", "autostop"),
+    _at(
+        "cluster",
+        f"{cd.BUSY_DIR}/{cd.BUSY_MARKER}",
+        "JSON BusyMarker",
+        "prepare.py; fab fetch (fab-ID.json)",
+        "autostop",
+    ),
     _at("cluster", cd.LINK_JSON, "JSON (linkcheck.summary)", "fab check", "fab report, fab check"),
     _at("cluster", cd.TRANSPORT_JSON, "JSON (health.transport_verdict)", "fab check", "fab train"),
     _at(
