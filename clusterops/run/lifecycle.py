@@ -116,20 +116,21 @@ def start_training(connection: Connection, inventory: Inventory, plan: launch.La
     ensure_idle(connection, inventory)
     dataset = request.dataset or launch.default_dataset(request.recipe)
     data_path = launch.request_data(inventory, request)
-    if "--synthetic" not in request.extra_args:
-        own_copies = launch.on_each_node(inventory, data_path)
+    synthetic = "--synthetic" in request.extra_args
+    own_copies = not synthetic and launch.on_each_node(inventory, data_path)
+    if not synthetic:
         _check_data(connection, request.recipe, data_path, dataset, own_copies)
-        if own_copies:
-            _check_copies(connection, inventory, plan.nodes, data_path, dataset)
+    if own_copies:
+        _check_copies(connection, inventory, plan.nodes, data_path, dataset)
     spec = launch.train_spec(
         inventory, request, plan.interface, plan.code_dir, dict(os.environ), plan.nodes, plan.budget
     )
     # The claim and the start are one step on the head node (cluster_node.programs.start): two launches at once
     # give one run and one refusal. The payload travels as a file in the head's /tmp, not on /data.
     payload = f"/tmp/gpu-cluster-start.{uuid.uuid4().hex}.json"
-    copy = data_path if launch.on_each_node(inventory, data_path) and "--synthetic" not in request.extra_args else None
-    probe = health.probe_command(inventory, plan.code_dir, copy)  # a restart leaves out a node without its copy
-    if copy and "--copy" not in remote.sh(connection, f"{probe} --help", check=False):
+    # A restart leaves out a node without its copy.
+    probe = health.probe_command(inventory, plan.code_dir, data_path if own_copies else None)
+    if own_copies and "--copy" not in remote.sh(connection, f"{probe} --help", check=False):
         raise remote.RemoteError(
             f"the nodes' cluster_node ({plan.code_dir}) predates `fab train --data` (its probe cannot check a "
             "restart's nodes for their copy): `fab sync` first"
@@ -201,9 +202,9 @@ def _check_copies(connection: Connection, inventory: Inventory, nodes, data_path
         raise remote.RemoteError(f"the nodes' copies at {data_path} differ ({what}): {_restage(data_path, dataset)}")
 
 
-def _on_node(inventory: Inventory, node, command: str) -> str:
+def _on_node(inventory: Inventory, node, command: str, timeout: int = 20) -> str:
     """`command` on another node, from the head over the cluster's own SSH (as the ranks are reached)."""
-    return f"timeout 20 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} {q(command)}"
+    return f"timeout {timeout} ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} {q(command)}"
 
 
 def follow_log(
@@ -394,9 +395,8 @@ def force_stop(connection: Connection, inventory: Inventory, run_dir: str) -> No
     for node in inventory.nodes:
         remote.sh(
             connection,
-            f"timeout 15 ssh -F {q(inventory.cluster_ssh_config)} {q(node.private_ip)} "
             # [-]: the pattern must not match the remote shell that runs pkill
-            f"{q('pkill -KILL -f -- ' + q('[-]-run-dir ' + run_dir))} || true",
+            _on_node(inventory, node, "pkill -KILL -f -- " + q("[-]-run-dir " + run_dir), timeout=15) + " || true",
             check=False,
         )
 
